@@ -1,0 +1,59 @@
+"""The contract between the runner and a deploy target."""
+
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+
+from ..records import BuildArtifact
+from ..spec import LoadedMatrix
+
+
+class EngineHandle(abc.ABC):
+    """A running engine: an HTTP base URL, a log file that grows while it runs, and a stop.
+
+    ``stop`` must be idempotent and must leave nothing running (processes, containers);
+    the runner calls it in a ``finally`` on every path, Ctrl-C included.
+    """
+
+    base_url: str
+    log_path: Path
+
+    @abc.abstractmethod
+    def alive(self) -> bool:
+        """False once the engine process/containers have exited."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stop everything this handle started and flush its log to ``log_path``."""
+
+    def __enter__(self) -> "EngineHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class Target(abc.ABC):
+    """Where builds run. ``prepare`` once per build, ``start`` once per repetition.
+
+    ``prepare`` turns a BuildArtifact into whatever the target runs (the overlay itself for
+    `sim`, an image for `docker`) and raises InfraError when it cannot. ``start`` launches
+    one engine, waits until ``/health`` answers (or raises InfraError naming why it did not)
+    and returns its handle; the engine log goes to ``run_dir / "engine.log"``.
+    """
+
+    name: str = "?"
+
+    def __init__(self, loaded: LoadedMatrix):
+        self.loaded = loaded
+
+    def prepare(self, artifact: BuildArtifact) -> object:
+        return artifact
+
+    @abc.abstractmethod
+    def start(self, prepared: object, run_dir: Path, rep: int) -> EngineHandle:
+        ...
+
+    def close(self) -> None:
+        """Release target-wide resources (clients, leftovers)."""

@@ -1,0 +1,171 @@
+"""Typed records passed between pipeline stages.
+
+Each stage (spec -> builds -> deploy -> loadgen -> classify -> results -> report) takes and
+returns these records and nothing else, so that a stage can be replaced (a new deploy target, a
+new load profile) without the others knowing. They are plain frozen dataclasses so that they
+serialise to JSON with :func:`to_jsonable` and can be read back from ``results/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class Verdict(str, enum.Enum):
+    """What one run of one build proves (mozregression-style: verdicts are data)."""
+
+    CRASH = "CRASH"  # the engine died; `outcome` says whether on the target signature
+    SURVIVED = "SURVIVED"  # the whole budget ran AND the trigger path ran (trigger_count > 0)
+    VACUOUS = "VACUOUS"  # the whole budget ran but the trigger path never ran: proves nothing
+    STALL = "STALL"  # the engine stopped making progress without dying
+    INFRA = "INFRA"  # could not build, start or drive the engine: says nothing about the code
+
+
+class Outcome(str, enum.Enum):
+    """What the classifier found in an engine log."""
+
+    TARGET = "target"  # the crash signature the matrix is about
+    OTHER_CRASH = "other_crash"  # some other fatal error
+    INFRA = "infra"  # the log shows the engine never got going (import error, bad config)
+    NONE = "none"  # no fatal error in the log
+
+
+@dataclass(frozen=True)
+class PatchRef:
+    """One patch file of the stack, as matrix.yaml declares it."""
+
+    name: str
+    path: Path
+    upstream: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """What to build: a base vLLM version plus an ordered patch stack."""
+
+    name: str
+    base: str
+    patches: tuple[PatchRef, ...]
+
+
+@dataclass(frozen=True)
+class PatchFailure:
+    """A hunk that did not apply: names the patch, the file and the hunk."""
+
+    patch: str
+    file: str
+    hunk: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"patch {self.patch}: {self.file}: hunk {self.hunk} does not apply ({self.detail})"
+
+
+@dataclass(frozen=True)
+class BuildArtifact:
+    """The result of building one BuildPlan for the GPU-free engine.
+
+    ``overlay`` is a directory holding a patched ``vllm`` package (plus the probe); it is put in
+    front of the shared runtime env's ``sys.path``. ``error`` is set (and ``overlay`` is None)
+    when the build failed; the run is then INFRA.
+    """
+
+    plan: BuildPlan
+    overlay: Path | None
+    manifest: dict[str, Any]
+    error: str | None = None
+    reused: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.overlay is not None
+
+
+@dataclass(frozen=True)
+class Signature:
+    """A crash signature extracted from a traceback (syzkaller-style title material)."""
+
+    exception: str
+    function: str
+    file: str
+    line: int | None
+    expression: str
+
+
+@dataclass(frozen=True)
+class Classification:
+    outcome: Outcome
+    title: str
+    signature: Signature | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "outcome": self.outcome.value,
+            "title": self.title,
+            "signature": dataclasses.asdict(self.signature) if self.signature else None,
+        }
+
+
+@dataclass(frozen=True)
+class Exposure:
+    """Evidence that the code path under test actually ran (read from the probe's output).
+
+    ``trigger_calls``: calls of update_state_after_alloc with both a local prefix hit and an
+    offload hit -- the crash's precondition. ``external_hit_calls``: calls with an offload hit at
+    all. A SURVIVED verdict needs trigger_calls > 0.
+    """
+
+    trigger_calls: int = 0
+    external_hit_calls: int = 0
+    probe_source_sha256: str | None = None
+    probe_seen: bool = False
+
+
+@dataclass(frozen=True)
+class LoadSummary:
+    """What the load generator did in one run."""
+
+    requests_sent: int
+    requests_ok: int
+    requests_failed: int
+    seconds: float
+    stopped_because: str  # "budget" | "duration" | "engine_dead" | "stall" | "interrupted"
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """The verdict of one repetition of one build, as written to verdict.json."""
+
+    build: str
+    rep: int
+    verdict: Verdict
+    outcome: Outcome
+    title: str
+    trigger_count: int
+    external_hit_calls: int
+    requests: int
+    seconds: float
+    signature: Signature | None = None
+    infra_error: str | None = None
+    run_dir: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def to_jsonable(value: Any) -> Any:
+    """Turn records (and nested containers of them) into JSON-ready values."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    return value

@@ -1,0 +1,339 @@
+"""matrix.yaml: the experiment, validated.
+
+A matrix names one vLLM base, a table of patches, the builds (ordered patch stacks), the engine
+arguments every build is served with, the load and the run budget. Errors name ``file:line``,
+the field and what is allowed, because a person fixes them by hand in an editor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import SpecError
+from .records import BuildPlan, PatchRef
+
+_VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?([.+-]?[A-Za-z0-9.]+)?$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PatchSpec(_Strict):
+    file: str = Field(description="patch file, relative to the builds/ folder")
+    upstream: str = Field(description="the upstream PR or commit this patch stands for")
+    sha256: str | None = Field(default=None, description="sha256 of the patch file; checked when given")
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[0-9a-f]{64}", v):
+            raise ValueError("must be 64 lowercase hex digits (the output of `sha256sum FILE`)")
+        return v
+
+
+class TargetSignature(_Strict):
+    """The crash the matrix is about; matched against the classifier's signature."""
+
+    exception: str = "AssertionError"
+    function: str = "update_state_after_alloc"
+    file: str = "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
+
+
+class SimSettings(_Strict):
+    """Knobs of the GPU-free engine that have no `vllm serve` flag."""
+
+    num_gpu_blocks: int = Field(64, ge=4, description="GPU KV blocks per group in the simulated pool")
+    draft_acceptance_rate: float = Field(0.7, ge=0.0, le=1.0)
+    seed: int = 0
+    step_delay_ms: float = Field(0.0, ge=0.0, description="sleep per engine step, to mimic GPU time")
+
+
+class EngineSpec(_Strict):
+    """How every build is served. Turned into `vllm serve` arguments for every target."""
+
+    model: str = Field(
+        "qwen3-next-tiny",
+        description="a model directory with config.json, or the name of a config shipped in kvrepro/data/models",
+    )
+    served_model_name: str | None = None
+    block_size: int = Field(16, ge=1)
+    enable_prefix_caching: bool = True
+    mamba_cache_mode: Literal["align", "all", "none"] = "align"
+    speculative_method: Literal["mtp", "eagle", "eagle3", "none"] = "mtp"
+    num_speculative_tokens: int = Field(1, ge=0)
+    kv_offloading_size_gib: float = Field(1.0, gt=0, description="--kv-offloading-size (GiB of host memory)")
+    kv_offloading_backend: Literal["native"] = "native"
+    max_num_seqs: int = Field(4, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=16)
+    max_model_len: int = Field(4096, ge=64)
+    extra_args: list[str] = Field(default_factory=list, description="passed verbatim to `vllm serve`")
+    sim: SimSettings = Field(default_factory=SimSettings)
+
+    def serve_args(self, model_path: str, include_sim: bool) -> list[str]:
+        """The `vllm serve` argument list (model first). The sim engine parses the same list."""
+        args = [
+            model_path,
+            "--block-size", str(self.block_size),
+            "--mamba-cache-mode", self.mamba_cache_mode,
+            "--kv-offloading-size", repr(self.kv_offloading_size_gib),
+            "--kv-offloading-backend", self.kv_offloading_backend,
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+            "--max-model-len", str(self.max_model_len),
+            "--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching",
+        ]
+        if self.served_model_name:
+            args += ["--served-model-name", self.served_model_name]
+        if self.speculative_method != "none" and self.num_speculative_tokens > 0:
+            import json
+
+            args += [
+                "--speculative-config",
+                json.dumps({"method": self.speculative_method,
+                            "num_speculative_tokens": self.num_speculative_tokens}),
+            ]
+        if include_sim:
+            args += ["--num-gpu-blocks-override", str(self.sim.num_gpu_blocks)]
+        return args + list(self.extra_args)
+
+
+class LoadSpec(_Strict):
+    """Shared-prefix traffic: each request is a random-length prefix of one document + a suffix."""
+
+    profile: str = "shared_prefix"
+    concurrency: int = Field(4, ge=1, le=1024)
+    documents: int = Field(6, ge=1)
+    document_tokens: int = Field(400, ge=1)
+    min_prefix_tokens: int = Field(1, ge=0)
+    suffix_tokens: tuple[int, int] = (0, 39)
+    max_tokens: int = Field(8, ge=1)
+    vocab_size: int = Field(1000, ge=2)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _ranges(self) -> "LoadSpec":
+        lo, hi = self.suffix_tokens
+        if lo < 0 or hi < lo:
+            raise ValueError("suffix_tokens must be [low, high] with 0 <= low <= high")
+        if self.min_prefix_tokens > self.document_tokens:
+            raise ValueError("min_prefix_tokens must not exceed document_tokens")
+        return self
+
+
+class RunsSpec(_Strict):
+    repetitions: int = Field(3, ge=1)
+    requests: int | None = Field(600, ge=1, description="request budget per run")
+    duration_s: float | None = Field(120.0, gt=0, description="time budget per run")
+    start_timeout_s: float = Field(120.0, gt=0)
+    request_timeout_s: float = Field(60.0, gt=0)
+    stall_timeout_s: float = Field(30.0, gt=0, description="no request finishing for this long = STALL")
+
+    @model_validator(mode="after")
+    def _some_budget(self) -> "RunsSpec":
+        if self.requests is None and self.duration_s is None:
+            raise ValueError("give `requests`, `duration_s` or both: a run needs a budget")
+        return self
+
+
+class HostSpec(_Strict):
+    """A Docker host (issue: docker target)."""
+
+    name: str
+    docker: str = Field("unix:///var/run/docker.sock", description="unix://, ssh://user@host or tcp://host:port")
+    gpus: int = Field(0, ge=0)
+    address: str | None = Field(None, description="address other nodes use to reach this host")
+    tls: bool = False
+
+
+class Matrix(_Strict):
+    base: str = "0.26.0"
+    base_image: str | None = Field(None, description="docker target: default vllm/vllm-openai:v<base>")
+    target: str = "sim"
+    patches: dict[str, PatchSpec] = Field(default_factory=dict)
+    common: list[str] = Field(default_factory=list)
+    builds: dict[str, list[str]]
+    target_signature: TargetSignature = Field(default_factory=TargetSignature)
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    load: LoadSpec = Field(default_factory=LoadSpec)
+    runs: RunsSpec = Field(default_factory=RunsSpec)
+    hosts: list[HostSpec] = Field(default_factory=list)
+
+    @field_validator("base")
+    @classmethod
+    def _version(cls, v: str) -> str:
+        if not _VERSION_RE.match(v):
+            raise ValueError("must be a vLLM release version such as 0.26.0")
+        return v
+
+    @field_validator("builds")
+    @classmethod
+    def _nonempty(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+        if not v:
+            raise ValueError("name at least one build, e.g. `A: []` for the base alone")
+        for name in v:
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+                raise ValueError(f"build name {name!r}: use letters, digits, '_', '.', '-'")
+        return v
+
+    @model_validator(mode="after")
+    def _known_patches(self) -> "Matrix":
+        for where, names in [("common", self.common)] + [(f"builds.{b}", p) for b, p in self.builds.items()]:
+            for i, name in enumerate(names):
+                if name not in self.patches:
+                    known = ", ".join(sorted(self.patches)) or "(none declared)"
+                    raise _FieldError(f"{where}.{i}", f"unknown patch {name!r}; declared patches: {known}")
+        return self
+
+    @property
+    def image(self) -> str:
+        return self.base_image or f"vllm/vllm-openai:v{self.base}"
+
+
+class _FieldError(ValueError):
+    """A cross-field error that knows which field (dotted path) it is about."""
+
+    def __init__(self, path: str, message: str):
+        super().__init__(message)
+        self.path = path
+
+
+class LoadedMatrix:
+    """A validated matrix plus where it came from (to resolve patch files and report lines)."""
+
+    def __init__(self, matrix: Matrix, path: Path, text: str):
+        self.matrix = matrix
+        self.path = path
+        self.text = text
+        self.builds_dir = path.parent / "builds"
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+    def patch_ref(self, name: str) -> PatchRef:
+        spec = self.matrix.patches[name]
+        path = (self.builds_dir / spec.file).resolve()
+        if not path.is_file():
+            raise SpecError(f"{self.path}: patches.{name}.file: {path} does not exist; put the patch under {self.builds_dir}")
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        if spec.sha256 and spec.sha256 != digest:
+            raise SpecError(
+                f"{self.path}: patches.{name}.sha256: {spec.file} has sha256 {digest}, matrix.yaml says {spec.sha256}; "
+                "update the sha256 if the patch changed on purpose"
+            )
+        return PatchRef(name=name, path=path, upstream=spec.upstream, sha256=digest)
+
+    def plans(self, only: list[str] | None = None) -> list[BuildPlan]:
+        names = list(self.matrix.builds)
+        if only:
+            unknown = [b for b in only if b not in self.matrix.builds]
+            if unknown:
+                raise SpecError(f"unknown build(s) {', '.join(unknown)}; {self.path} defines {', '.join(names)}")
+            names = [b for b in names if b in only]
+        plans = []
+        for name in names:
+            stack = list(self.matrix.common) + list(self.matrix.builds[name])
+            plans.append(BuildPlan(name=name, base=self.matrix.base, patches=tuple(self.patch_ref(p) for p in stack)))
+        return plans
+
+
+def _line_index(text: str) -> dict[tuple[Any, ...], int]:
+    """Map each YAML path (tuple of keys/indices) to its 1-based line number."""
+    lines: dict[tuple[Any, ...], int] = {}
+
+    def walk(node: yaml.Node, path: tuple[Any, ...]) -> None:
+        lines[path] = node.start_mark.line + 1
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                k = key.value
+                lines[path + (k,)] = key.start_mark.line + 1
+                walk(value, path + (k,))
+                lines[path + (k,)] = key.start_mark.line + 1
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, path + (i,))
+
+    root = yaml.compose(text)
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def _line_for(lines: dict[tuple[Any, ...], int], loc: tuple[Any, ...]) -> int | None:
+    path = tuple(int(p) if isinstance(p, str) and p.isdigit() else p for p in loc)
+    while path:
+        if path in lines:
+            return lines[path]
+        path = path[:-1]
+    return lines.get(())
+
+
+def parse_matrix(text: str, path: Path) -> LoadedMatrix:
+    """Validate matrix text; raise SpecError naming file:line, field and what is allowed."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise SpecError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}:1: the top level must be a mapping (base:, patches:, builds:, ...)")
+    lines = _line_index(text)
+    try:
+        matrix = Matrix.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = tuple(err["loc"])
+            ctx_err = (err.get("ctx") or {}).get("error")
+            if isinstance(ctx_err, _FieldError):
+                loc = tuple(ctx_err.path.split("."))
+                msg = str(ctx_err)
+            elif err["type"] == "extra_forbidden":
+                parent = _model_at(loc[:-1])
+                allowed = ", ".join(parent.model_fields) if parent else "see the README"
+                msg = f"unknown field; allowed here: {allowed}"
+            else:
+                msg = err["msg"].removeprefix("Value error, ")
+            line = _line_for(lines, loc)
+            field = ".".join(str(p) for p in loc) or "(top level)"
+            problems.append(f"{path}:{line}: {field}: {msg}" if line else f"{path}: {field}: {msg}")
+        raise SpecError("invalid matrix:\n  " + "\n  ".join(problems)) from None
+    return LoadedMatrix(matrix, path, text)
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model that a location points into (for listing allowed fields)."""
+    model: Any = Matrix
+    for part in loc:
+        if isinstance(part, int) or (isinstance(part, str) and part.isdigit()):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        for candidate in getattr(ann, "__args__", ()) + (ann,):
+            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                model = candidate
+                break
+        else:
+            return None
+    return model if isinstance(model, type) else None
+
+
+def load_matrix(path: str | Path) -> LoadedMatrix:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such file; pass --matrix PATH or run from the project root") from None
+    return parse_matrix(text, path.resolve())
