@@ -68,22 +68,23 @@ class PatchFailure:
 
 @dataclass(frozen=True)
 class BuildArtifact:
-    """The result of building one BuildPlan for the GPU-free engine.
+    """The result of building one BuildPlan for a target: a runnable engine, or why not.
 
-    ``overlay`` is a directory holding a patched ``vllm`` package (plus the probe); it is put in
-    front of the shared runtime env's ``sys.path``. ``error`` is set (and ``overlay`` is None)
-    when the build failed; the run is then INFRA.
+    ``ref`` names what the target runs: for `sim` the overlay directory holding the patched
+    ``vllm`` package and the probe (put in front of the shared runtime env's ``sys.path``), for
+    `docker` the image tag. ``error`` is set (and ``ref`` is None) when the build failed; every
+    run of that build is then INFRA while the other builds go on.
     """
 
     plan: BuildPlan
-    overlay: Path | None
+    ref: str | None
     manifest: dict[str, Any]
     error: str | None = None
     reused: bool = False
 
     @property
     def ok(self) -> bool:
-        return self.error is None and self.overlay is not None
+        return self.error is None and self.ref is not None
 
 
 @dataclass(frozen=True)

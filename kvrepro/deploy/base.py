@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 from pathlib import Path
 
-from ..records import BuildArtifact
+from ..records import BuildArtifact, BuildPlan
 from ..spec import LoadedMatrix
 
 
@@ -37,10 +37,11 @@ class EngineHandle(abc.ABC):
 class Target(abc.ABC):
     """Where builds run. ``prepare`` once per build, ``start`` once per repetition.
 
-    ``prepare`` turns a BuildArtifact into whatever the target runs (the overlay itself for
-    `sim`, an image for `docker`) and raises InfraError when it cannot. ``start`` launches
-    one engine, waits until ``/health`` answers (or raises InfraError naming why it did not)
-    and returns its handle; the engine log goes to ``run_dir / "engine.log"``.
+    ``prepare`` turns a BuildPlan into what the target runs (an overlay for `sim`, an image
+    for `docker`) and returns a BuildArtifact; a failed build (a hunk that does not apply, a
+    missing base image) comes back with ``error`` set rather than raised, so the matrix goes on.
+    ``start`` launches one engine, waits until ``/health`` answers (or raises InfraError naming
+    why it did not) and returns its handle; the engine log goes to ``run_dir / "engine.log"``.
     """
 
     name: str = "?"
@@ -48,11 +49,12 @@ class Target(abc.ABC):
     def __init__(self, loaded: LoadedMatrix):
         self.loaded = loaded
 
-    def prepare(self, artifact: BuildArtifact) -> object:
-        return artifact
+    @abc.abstractmethod
+    def prepare(self, plan: BuildPlan) -> BuildArtifact:
+        ...
 
     @abc.abstractmethod
-    def start(self, prepared: object, run_dir: Path, rep: int) -> EngineHandle:
+    def start(self, artifact: BuildArtifact, run_dir: Path, rep: int) -> EngineHandle:
         ...
 
     def close(self) -> None:
