@@ -22,6 +22,7 @@ class Verdict(str, enum.Enum):
     SURVIVED = "SURVIVED"  # the whole budget ran AND the trigger path ran (trigger_count > 0)
     VACUOUS = "VACUOUS"  # the whole budget ran but the trigger path never ran: proves nothing
     STALL = "STALL"  # the engine stopped making progress without dying
+    INTERRUPTED = "INTERRUPTED"  # stopped by the user (Ctrl-C) before the budget was spent
     INFRA = "INFRA"  # could not build, start or drive the engine: says nothing about the code
 
 
@@ -81,6 +82,9 @@ class BuildArtifact:
     manifest: dict[str, Any]
     error: str | None = None
     reused: bool = False
+    # a host folder holding the build's (patched) ``vllm/`` sources, so the classifier can turn a
+    # traceback's file:line into the whole failing statement
+    source_root: str | None = None
 
     @property
     def ok(self) -> bool:

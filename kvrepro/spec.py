@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import SpecError
 from .records import BuildPlan, PatchRef
 
+EXPECTABLE = ("CRASH(target)", "CRASH(other)", "SURVIVED", "VACUOUS", "STALL", "INFRA")
+SHIPPED_MODELS = Path(__file__).resolve().parent / "data" / "models"
 _VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?([.+-]?[A-Za-z0-9.]+)?$")
 
 
@@ -164,6 +166,10 @@ class Matrix(_Strict):
     load: LoadSpec = Field(default_factory=LoadSpec)
     runs: RunsSpec = Field(default_factory=RunsSpec)
     hosts: list[HostSpec] = Field(default_factory=list)
+    expect: dict[str, str] = Field(
+        default_factory=dict,
+        description="build -> the verdict every repetition must have; `matrix run` exits 1 otherwise",
+    )
 
     @field_validator("base")
     @classmethod
@@ -191,6 +197,15 @@ class Matrix(_Strict):
                     raise _FieldError(f"{where}.{i}", f"unknown patch {name!r}; declared patches: {known}")
         return self
 
+    @model_validator(mode="after")
+    def _known_expectations(self) -> "Matrix":
+        for name, label in self.expect.items():
+            if name not in self.builds:
+                raise _FieldError(f"expect.{name}", f"no build {name!r}; builds: {', '.join(self.builds)}")
+            if label not in EXPECTABLE:
+                raise _FieldError(f"expect.{name}", f"{label!r} is not a verdict; use one of {', '.join(EXPECTABLE)}")
+        return self
+
     @property
     def image(self) -> str:
         return self.base_image or f"vllm/vllm-openai:v{self.base}"
@@ -216,6 +231,18 @@ class LoadedMatrix:
     @property
     def sha256(self) -> str:
         return hashlib.sha256(self.text.encode()).hexdigest()
+
+    def model_dir(self) -> Path:
+        """engine.model as a directory with config.json: a path (relative to matrix.yaml) or a shipped name."""
+        name = self.matrix.engine.model
+        for candidate in (self.path.parent / name, SHIPPED_MODELS / name):
+            if (candidate / "config.json").is_file():
+                return candidate.resolve()
+        shipped = ", ".join(sorted(p.name for p in SHIPPED_MODELS.glob("*") if (p / "config.json").is_file()))
+        raise SpecError(
+            f"{self.path}: engine.model: {name!r} is neither a directory with config.json nor a shipped "
+            f"config (shipped: {shipped or 'none'})"
+        )
 
     def patch_ref(self, name: str) -> PatchRef:
         spec = self.matrix.patches[name]

@@ -23,6 +23,10 @@ class EngineHandle(abc.ABC):
     def alive(self) -> bool:
         """False once the engine process/containers have exited."""
 
+    def exit_code(self) -> int | None:
+        """The engine's exit code if it exited by itself, None while it runs."""
+        return None
+
     @abc.abstractmethod
     def stop(self) -> None:
         """Stop everything this handle started and flush its log to ``log_path``."""

@@ -1,0 +1,123 @@
+"""Per-build overlays: the base's ``vllm/`` package with the build's patch stack and the probe.
+
+An overlay is keyed by what went into it (wheel sha256, ordered patch sha256s, probe sha256), so
+identical inputs reuse it and any change makes a new one. Unchanged files are hard links into
+the pristine extraction, so a build costs a few megabytes and well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .. import paths
+from ..records import BuildArtifact, BuildPlan
+from . import patching, wheel as wheels
+
+PROBE_SOURCE = paths.PACKAGE_ROOT / "probe" / "kvrepro_probe.py"
+OVERLAY_FORMAT = 1
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def tree_sha256(root: Path) -> str:
+    """Content hash of a tree: every file's relative path and bytes, in sorted order."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(_sha256(path).encode())
+    return digest.hexdigest()
+
+
+def pristine_tree(version: str, on_line: Callable[[str], None] | None = None) -> tuple[Path, Path, str]:
+    """(wheel, extracted tree, wheel sha256) for a base version; downloads/extracts once."""
+    if on_line and wheels.cached_wheel(version) is None:
+        on_line(f"downloading the vLLM {version} wheel")
+    wheel = wheels.fetch_wheel(version)
+    digest = wheels.wheel_sha256(wheel)
+    tree = paths.overlays_dir() / "pristine" / f"{version}-{digest[:12]}"
+    if not (tree / "vllm" / "__init__.py").exists() and on_line:
+        on_line(f"extracting vllm/ from {wheel.name}")
+    wheels.extract_sources(wheel, tree)
+    return wheel, tree, digest
+
+
+def overlay_key(plan: BuildPlan, wheel_digest: str) -> str:
+    material = {
+        "format": OVERLAY_FORMAT,
+        "base": plan.base,
+        "wheel_sha256": wheel_digest,
+        "patches": [[p.name, p.sha256] for p in plan.patches],
+        "probe_sha256": _sha256(PROBE_SOURCE),
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    shutil.copytree(src, dst, copy_function=os.link, ignore=shutil.ignore_patterns("__pycache__"))
+
+
+def _unshare(path: Path) -> None:
+    """Replace a hard link by a private copy so patching it cannot touch the pristine tree."""
+    if path.exists():
+        data = path.read_bytes()
+        mode = path.stat().st_mode
+        path.unlink()
+        path.write_bytes(data)
+        os.chmod(path, mode)
+
+
+def build_overlay(plan: BuildPlan, on_line: Callable[[str], None] | None = None) -> BuildArtifact:
+    """Build (or reuse) the overlay for ``plan``.
+
+    A patch that does not apply fails this build only: the artifact comes back with ``error``
+    naming the patch, file and hunk, and nothing is left in the cache.
+    """
+    wheel, pristine, wheel_digest = pristine_tree(plan.base, on_line)
+    key = overlay_key(plan, wheel_digest)
+    dest = paths.overlays_dir() / key
+    manifest_path = dest / "manifest.json"
+    if manifest_path.exists():
+        return BuildArtifact(plan=plan, ref=str(dest), manifest=json.loads(manifest_path.read_text()),
+                             reused=True, source_root=str(dest))
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{key}-"))
+    try:
+        _link_tree(pristine / "vllm", tmp / "vllm")
+        for patch in plan.patches:
+            for rel in patching.touched_files(patch.path):
+                _unshare(tmp / rel)
+        if on_line:
+            on_line(f"build {plan.name}: applying {len(plan.patches)} patch(es) to vLLM {plan.base}")
+        failure = patching.apply_patch_stack(tmp, plan.patches)
+        if failure is not None:
+            return BuildArtifact(plan=plan, ref=None, manifest={}, error=str(failure))
+        shutil.copy2(PROBE_SOURCE, tmp / PROBE_SOURCE.name)
+        manifest = {
+            "base": plan.base,
+            "wheel": wheel.name,
+            "wheel_sha256": wheel_digest,
+            "patches": [{"name": p.name, "upstream": p.upstream, "sha256": p.sha256} for p in plan.patches],
+            "probe_sha256": _sha256(PROBE_SOURCE),
+            "overlay_key": key,
+            "overlay_sha256": tree_sha256(tmp),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        if dest.exists():  # a concurrent builder won the race; theirs is identical
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, dest)
+        return BuildArtifact(plan=plan, ref=str(dest), manifest=manifest, source_root=str(dest))
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

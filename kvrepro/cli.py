@@ -1,0 +1,326 @@
+"""The `kvrepro` command: wires the pipeline stages to commands. No stage logic lives here.
+
+Exit codes: 0 done (and every verdict as `expect:` says, when it says); 1 a verdict differs from
+`expect:`; 2 bad input (matrix.yaml, arguments); 3 infrastructure (setup, build or engine start
+failed); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from . import builds, report, results
+from .errors import KvreproError, SpecError
+from .records import RunResult, to_jsonable
+from .spec import LoadedMatrix, load_matrix
+
+app = typer.Typer(help="Reproduce vLLM engine crashes and prove which fixes cure them.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+matrix_app = typer.Typer(help="Validate, plan, run and show build matrices.", no_args_is_help=True)
+engine_app = typer.Typer(help="The GPU-free engine.", no_args_is_help=True)
+results_app = typer.Typer(help="Recorded runs under results/.", no_args_is_help=True)
+app.add_typer(matrix_app, name="matrix")
+app.add_typer(engine_app, name="engine")
+app.add_typer(results_app, name="results")
+
+out = Console()
+err = Console(stderr=True)
+
+MatrixOpt = typer.Option(Path("matrix.yaml"), "--matrix", "-m", help="the experiment file")
+JsonOpt = typer.Option(False, "--json", help="print machine-readable JSON on stdout")
+ResultsOpt = typer.Option(results.DEFAULT_ROOT, "--results", help="where runs are recorded")
+
+
+def _emit_json(value: Any) -> None:
+    sys.stdout.write(json.dumps(to_jsonable(value), indent=2) + "\n")
+
+
+def _load(path: Path) -> LoadedMatrix:
+    return load_matrix(path)
+
+
+@matrix_app.command("validate")
+def matrix_validate(matrix: Path = MatrixOpt, as_json: bool = JsonOpt) -> None:
+    """Check matrix.yaml (and that every patch file exists and matches its sha256)."""
+    loaded = _load(matrix)
+    plans = loaded.plans()
+    if as_json:
+        _emit_json({"valid": True, "matrix": str(loaded.path), "builds": [p.name for p in plans]})
+    else:
+        out.print(f"[green]valid[/]: {loaded.path} ({len(plans)} builds on vLLM {loaded.matrix.base})")
+
+
+@matrix_app.command("plan")
+def matrix_plan(matrix: Path = MatrixOpt, target: Optional[str] = typer.Option(None, help="sim or docker"),
+                as_json: bool = JsonOpt) -> None:
+    """What would be built and run, without building or running anything."""
+    loaded = _load(matrix)
+    m = loaded.matrix
+    target_name = target or m.target
+    plan = {
+        "matrix": str(loaded.path),
+        "base": m.base,
+        "target": target_name,
+        "repetitions": m.runs.repetitions,
+        "budget": {"requests": m.runs.requests, "duration_s": m.runs.duration_s},
+        "engine_args": m.engine.serve_args(m.engine.model, include_sim=target_name == "sim"),
+        "load": m.load.model_dump(),
+        "builds": [
+            {"name": p.name, "patches": [{"name": x.name, "upstream": x.upstream, "sha256": x.sha256} for x in p.patches],
+             "expect": m.expect.get(p.name)}
+            for p in loaded.plans()
+        ],
+    }
+    if as_json:
+        _emit_json(plan)
+        return
+    table = Table(title=f"{loaded.path}: vLLM {m.base} on target {target_name}, "
+                        f"{m.runs.repetitions} repetition(s) of {m.runs.requests or '-'} requests / {m.runs.duration_s or '-'} s")
+    table.add_column("build")
+    table.add_column("patch stack (in order)")
+    table.add_column("expect")
+    for b in plan["builds"]:
+        table.add_row(b["name"], " -> ".join(f"{x['name']} ({x['sha256'][:12]})" for x in b["patches"]) or "(base)",
+                      b["expect"] or "")
+    out.print(table)
+    out.print("engine: vllm serve " + " ".join(plan["engine_args"]))
+
+
+class RichProgress:
+    """Shows builds, runs and requests while a matrix runs (on stderr, so --json stays clean)."""
+
+    def __init__(self, total_runs: int, budget: int | None):
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), TimeElapsedColumn(), console=err, transient=False)
+        self.runs = self.progress.add_task("runs", total=total_runs)
+        self.reqs = self.progress.add_task("requests", total=budget, visible=False)
+        self.budget = budget
+
+    def stage(self, text: str) -> None:
+        self.progress.console.log(text)
+
+    def run_started(self, build: str, rep: int, budget: int | None) -> None:
+        self.progress.reset(self.reqs, total=budget, visible=True,
+                            description=f"build {build} rep {rep}: requests")
+
+    def requests_done(self, done: int, failed: int) -> None:
+        self.progress.update(self.reqs, completed=done)
+
+    def run_finished(self, result: RunResult) -> None:
+        self.progress.update(self.reqs, visible=False)
+        self.progress.advance(self.runs)
+        label = report.verdict_label(to_jsonable(result))
+        self.progress.console.log(f"build {result.build} rep {result.rep}: {label}  trigger={result.trigger_count} "
+                                  f"requests={result.requests} {result.seconds:.1f}s  {result.title}")
+
+
+def _check_expectations(run: dict[str, Any], expect: dict[str, str]) -> list[str]:
+    problems = []
+    for name, build in run.get("builds_results", {}).items():
+        wanted = expect.get(name)
+        if not wanted:
+            continue
+        for r in build.get("runs", []):
+            got = report.verdict_label(r)
+            if got != wanted and r.get("verdict") != "INTERRUPTED":
+                problems.append(f"build {name} rep {r.get('rep')}: {got}, expected {wanted}")
+    return problems
+
+
+@matrix_app.command("run")
+def matrix_run(
+    matrix: Path = MatrixOpt,
+    target: Optional[str] = typer.Option(None, help="override matrix.yaml's target (sim, docker)"),
+    build: Optional[list[str]] = typer.Option(None, "--build", "-b", help="only these builds (repeatable)"),
+    reps: Optional[int] = typer.Option(None, "--reps", min=1, help="override runs.repetitions"),
+    results_root: Path = ResultsOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Build every build, run each under load, classify, record, and print the verdict table."""
+    from .runner import MatrixOptions, run_matrix
+
+    loaded = _load(matrix)
+    options = MatrixOptions(target=target, builds=build, repetitions=reps, results_root=results_root)
+    plans = loaded.plans(build)
+    total = len(plans) * (reps or loaded.matrix.runs.repetitions)
+    stop = threading.Event()
+
+    def on_sigint(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        err.print("[yellow]stopping after the current run is recorded (Ctrl-C again to stop at once)[/]")
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    progress = RichProgress(total, loaded.matrix.runs.requests)
+    try:
+        with progress.progress:
+            run = run_matrix(loaded, options, progress, stop)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if as_json:
+        _emit_json(report.matrix_json(run))
+    else:
+        out.print(report.matrix_table(run))
+    if run.get("status") == "interrupted":
+        raise typer.Exit(130)
+    problems = _check_expectations(run, loaded.matrix.expect)
+    if problems:
+        err.print("[red]verdicts differ from expect:[/]\n  " + "\n  ".join(problems))
+        raise typer.Exit(1)
+    if any(r.get("verdict") == "INFRA" for b in run["builds_results"].values() for r in b["runs"]):
+        raise typer.Exit(3)
+
+
+@matrix_app.command("show")
+def matrix_show(run_id: str = typer.Argument("latest"), results_root: Path = ResultsOpt,
+                as_json: bool = JsonOpt) -> None:
+    """The verdict table of a recorded run (default: the latest)."""
+    run = results.load_run(results_root, run_id)
+    if as_json:
+        _emit_json(report.matrix_json(run))
+    else:
+        out.print(report.matrix_table(run))
+
+
+@results_app.command("list")
+def results_list(results_root: Path = ResultsOpt, as_json: bool = JsonOpt) -> None:
+    """Every recorded run, oldest first."""
+    runs = results.list_runs(results_root)
+    rows = [{"run_id": r["run_id"], "status": r.get("status"), "target": r.get("target"), "base": r.get("base"),
+             "builds": {n: [report.verdict_label(x) for x in b["runs"]] for n, b in r["builds_results"].items()}}
+            for r in runs]
+    if as_json:
+        _emit_json(rows)
+        return
+    table = Table(title=f"runs under {results_root}/")
+    for col in ("run id", "status", "target", "base", "verdicts"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["run_id"], r["status"] or "", r["target"] or "", r["base"] or "",
+                      "  ".join(f"{n}: {' '.join(v) or '-'}" for n, v in r["builds"].items()))
+    out.print(table)
+
+
+@results_app.command("show")
+def results_show(run_id: str = typer.Argument("latest"), results_root: Path = ResultsOpt,
+                 as_json: bool = JsonOpt) -> None:
+    """Everything recorded for one run."""
+    run = results.load_run(results_root, run_id)
+    if as_json:
+        _emit_json(run)
+    else:
+        out.print(report.matrix_table(run))
+        for name, b in run["builds_results"].items():
+            for r in b["runs"]:
+                out.print(f"  {name}/{r.get('rep')}: {r.get('run_dir')}")
+
+
+@app.command("classify")
+def classify_cmd(
+    log: Path = typer.Argument(..., help="an engine log (engine.log, `docker logs` output, vllm serve output)"),
+    source: Optional[Path] = typer.Option(None, "--source", help="a folder holding the build's vllm/ sources"),
+    matrix: Optional[Path] = typer.Option(None, "--matrix", "-m", help="take target_signature from this matrix"),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Find the fatal traceback in an engine log and name its crash signature."""
+    from .classify import classify_file
+
+    if not log.is_file():
+        raise KvreproError(f"{log}: no such file")
+    target = _load(matrix).matrix.target_signature if matrix else None
+    result = classify_file(log, source, target)
+    if as_json:
+        _emit_json(result.to_json())
+    else:
+        out.print(f"[bold]{result.outcome.value}[/]: {result.title}")
+
+
+@app.command("setup")
+def setup_cmd(matrix: Path = MatrixOpt, as_json: bool = JsonOpt) -> None:
+    """Download the base wheel, create the runtime env and build every overlay (idempotent)."""
+    loaded = _load(matrix)
+    done: dict[str, Any] = {}
+    with err.status("setting up") as status:
+        python = builds.prepare_runtime(loaded.matrix.base, on_line=lambda line: status.update(line[:120]))
+        done["runtime_python"] = str(python)
+        done["builds"] = {}
+        for plan in loaded.plans():
+            artifact = builds.build_overlay(plan, on_line=lambda line: status.update(line[:120]))
+            done["builds"][plan.name] = {"ok": artifact.ok, "overlay": artifact.ref, "error": artifact.error,
+                                         "reused": artifact.reused}
+    if as_json:
+        _emit_json(done)
+    else:
+        out.print(f"runtime env: {python}")
+        for name, b in done["builds"].items():
+            out.print(f"build {name}: " + (f"[green]ok[/] {b['overlay']}" if b["ok"] else f"[red]failed[/] {b['error']}"))
+
+
+@engine_app.command("serve")
+def engine_serve(
+    build: str = typer.Option(..., "--build", "-b", help="which build of the matrix to serve"),
+    port: int = typer.Option(8000, "--port", "-p"),
+    matrix: Path = MatrixOpt,
+    rep: int = typer.Option(0, help="repetition number (selects the seed)"),
+) -> None:
+    """Serve one build's GPU-free engine on 127.0.0.1 until stopped (Ctrl-C)."""
+    import os
+    import subprocess
+
+    from .deploy.sim import SimTarget
+
+    loaded = _load(matrix)
+    plan = loaded.plans([build])[0]
+    target = SimTarget(loaded)
+    with err.status(f"building {build}"):
+        artifact = target.prepare(plan)
+    if not artifact.ok:
+        raise KvreproError(f"build {build} failed: {artifact.error}")
+    cmd = target.command(artifact, port)
+    err.print(f"serving build {build} on http://127.0.0.1:{port} (overlay {artifact.ref}); Ctrl-C to stop")
+    proc = subprocess.Popen(cmd, env=target.environment(artifact, rep))
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait()
+        err.print("stopped")
+        code = 0
+    raise typer.Exit(code)
+
+
+# --- docker target commands (kvrepro/deploy/docker/cli.py) are wired below ---
+try:
+    from .deploy.docker import cli as _docker_cli
+
+    app.add_typer(_docker_cli.hosts_app, name="hosts")
+    app.add_typer(_docker_cli.images_app, name="images")
+    app.command("clean")(_docker_cli.clean)
+except ImportError:  # the docker extra is optional for the sim target
+    pass
+
+
+def main() -> None:
+    try:
+        app()
+    except KvreproError as exc:
+        err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        err.print("interrupted; finished runs are kept under results/")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

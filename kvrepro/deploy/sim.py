@@ -1,0 +1,137 @@
+"""The `sim` target: the GPU-free engine as a local process on 127.0.0.1.
+
+Each build is an overlay (patched ``vllm/`` + probe) run by the shared runtime env's python; the
+engine process is vLLM's real scheduler stack with a fake executor (see kvrepro.engine).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import requests
+
+from .. import builds, paths
+from ..errors import InfraError, KvreproError
+from ..records import BuildArtifact, BuildPlan
+from ..secrets import scrubbed_environ
+from . import register
+from .base import EngineHandle, Target
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class ProcessEngine(EngineHandle):
+    """An engine running as a child process in its own session, logging to a file."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, port: int):
+        self.log_path = log_path
+        self.base_url = f"http://127.0.0.1:{port}"
+        self._log = log_path.open("ab")
+        # Own session: the user's Ctrl-C reaches kvrepro, which stops the engine in order
+        # (SIGTERM, then SIGKILL) after recording what it has.
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll()
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            code = self.proc.poll()
+            if code is not None:
+                raise InfraError(f"engine exited with code {code} before it became healthy; "
+                                 f"last lines of {self.log_path}:\n{log_tail(self.log_path)}")
+            try:
+                if requests.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        raise InfraError(f"engine did not become healthy within {timeout:.0f}s "
+                         f"(runs.start_timeout_s); last lines of {self.log_path}:\n{log_tail(self.log_path)}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if not self._log.closed:
+            self._log.close()
+
+
+@register("sim")
+class SimTarget(Target):
+    """Runs each build's overlay in the shared runtime env (no GPU, no container)."""
+
+    def __init__(self, loaded):
+        super().__init__(loaded)
+        self._python: Path | None = None
+
+    def python(self) -> Path:
+        if self._python is None:
+            self._python = builds.prepare_runtime(self.loaded.matrix.base)
+        return self._python
+
+    def prepare(self, plan: BuildPlan) -> BuildArtifact:
+        try:
+            self.python()
+            return builds.build_overlay(plan)
+        except KvreproError as exc:
+            return BuildArtifact(plan=plan, ref=None, manifest={}, error=str(exc))
+
+    def command(self, artifact: BuildArtifact, port: int) -> list[str]:
+        engine = self.loaded.matrix.engine
+        args = engine.serve_args(str(self.loaded.model_dir()), include_sim=True)
+        return [str(self.python()), "-m", "kvrepro.engine", *args, "--host", "127.0.0.1", "--port", str(port)]
+
+    def environment(self, artifact: BuildArtifact, rep: int) -> dict[str, str]:
+        sim = self.loaded.matrix.engine.sim
+        env = scrubbed_environ()
+        env.update(
+            PYTHONPATH=os.pathsep.join([artifact.ref or "", str(paths.SOURCE_ROOT)]),
+            PYTHONUNBUFFERED="1",
+            KVREPRO_SIM_ACCEPTANCE_RATE=repr(sim.draft_acceptance_rate),
+            KVREPRO_SIM_SEED=str(sim.seed + rep),
+            KVREPRO_SIM_STEP_DELAY_MS=repr(sim.step_delay_ms),
+        )
+        return env
+
+    def start(self, artifact: BuildArtifact, run_dir: Path, rep: int) -> EngineHandle:
+        if not artifact.ok:
+            raise InfraError(artifact.error or "build failed")
+        port = free_port()
+        handle = ProcessEngine(self.command(artifact, port), self.environment(artifact, rep),
+                               run_dir / "engine.log", port)
+        try:
+            handle.wait_healthy(self.loaded.matrix.runs.start_timeout_s)
+        except BaseException:
+            handle.stop()
+            raise
+        return handle

@@ -1,0 +1,206 @@
+"""Runs a matrix: every build through every repetition, stage by stage, recording as it goes.
+
+spec -> target.prepare (builds) -> target.start (deploy) -> loadgen -> classify -> verdict ->
+results. Nothing here knows how a target starts an engine or how a signature is recognised; it
+only passes records between the stages and writes each one down the moment it exists, so that
+Ctrl-C or a crash of kvrepro itself loses nothing already known.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import requests
+
+from . import __version__, results
+from .classify import classify_log, read_exposure
+from .deploy import get_target
+from .deploy.base import EngineHandle, Target
+from .errors import InfraError, KvreproError
+from .loadgen import run_load
+from .metrics import parse_prometheus, total
+from .records import (BuildArtifact, BuildPlan, Classification, Exposure, LoadSummary, Outcome,
+                      RunResult, Verdict)
+from .secrets import redact
+from .spec import LoadedMatrix
+from .verdict import decide, died_without_traceback_title
+
+
+class Progress(Protocol):
+    def stage(self, text: str) -> None: ...
+    def run_started(self, build: str, rep: int, budget: int | None) -> None: ...
+    def requests_done(self, done: int, failed: int) -> None: ...
+    def run_finished(self, result: RunResult) -> None: ...
+
+
+class SilentProgress:
+    def stage(self, text: str) -> None:
+        pass
+
+    def run_started(self, build: str, rep: int, budget: int | None) -> None:
+        pass
+
+    def requests_done(self, done: int, failed: int) -> None:
+        pass
+
+    def run_finished(self, result: RunResult) -> None:
+        pass
+
+
+@dataclass
+class MatrixOptions:
+    target: str | None = None
+    builds: list[str] | None = None
+    repetitions: int | None = None
+    results_root: Path = results.DEFAULT_ROOT
+
+
+def _artifact_json(artifact: BuildArtifact) -> dict[str, Any]:
+    return {
+        "ok": artifact.ok,
+        "ref": artifact.ref,
+        "error": artifact.error,
+        "reused": artifact.reused,
+        "manifest": artifact.manifest,
+    }
+
+
+def _fetch_metrics(handle: EngineHandle) -> str | None:
+    try:
+        resp = requests.get(handle.base_url + "/metrics", timeout=5)
+        return resp.text if resp.ok else None
+    except requests.RequestException:
+        return None
+
+
+def _infra_result(plan: BuildPlan, rep: int, run_dir: Path, error: str, seconds: float = 0.0) -> RunResult:
+    first = error.strip().splitlines()[0] if error.strip() else "infrastructure failure"
+    return RunResult(build=plan.name, rep=rep, verdict=Verdict.INFRA, outcome=Outcome.INFRA, title=first,
+                     trigger_count=0, external_hit_calls=0, requests=0, seconds=round(seconds, 3),
+                     infra_error=redact(error), run_dir=str(run_dir))
+
+
+def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_dir: Path, rep: int,
+            progress: Progress, stop: threading.Event) -> RunResult:
+    """One repetition of one build; writes manifest.json first and verdict.json last."""
+    matrix = loaded.matrix
+    plan = artifact.plan
+    results.write_json(run_dir / "manifest.json", {
+        "build": plan.name,
+        "rep": rep,
+        "base": plan.base,
+        "target": target.name,
+        "patches": [{"name": p.name, "upstream": p.upstream, "sha256": p.sha256} for p in plan.patches],
+        "artifact": _artifact_json(artifact),
+        "engine_args": matrix.engine.serve_args(matrix.engine.model, include_sim=target.name == "sim"),
+        "sim_seed": matrix.engine.sim.seed + rep,
+        "load_seed": matrix.load.seed + rep,
+        "load": matrix.load.model_dump(),
+        "runs": matrix.runs.model_dump(),
+        "kvrepro_version": __version__,
+    })
+    started = time.monotonic()
+    if not artifact.ok:
+        return _infra_result(plan, rep, run_dir, artifact.error or "build failed")
+
+    progress.run_started(plan.name, rep, matrix.runs.requests)
+    try:
+        handle = target.start(artifact, run_dir, rep)
+    except InfraError as exc:
+        return _infra_result(plan, rep, run_dir, str(exc), time.monotonic() - started)
+
+    load: LoadSummary | None = None
+    metrics_text: str | None = None
+    engine_exit: int | None = None
+    try:
+        load = run_load(handle.base_url, matrix.load, matrix.runs, run_dir / "load.jsonl",
+                        seed=matrix.load.seed + rep, alive=handle.alive,
+                        on_progress=progress.requests_done, stop=stop)
+        engine_exit = handle.exit_code()
+        metrics_text = _fetch_metrics(handle)
+        if metrics_text is not None:
+            results.write_atomic(run_dir / "metrics.txt", metrics_text)
+    finally:
+        handle.stop()
+    seconds = time.monotonic() - started
+
+    log_text = handle.log_path.read_text(errors="replace") if handle.log_path.exists() else ""
+    source_root = Path(artifact.source_root) if artifact.source_root else None
+    classification: Classification = classify_log(log_text, source_root, matrix.target_signature)
+    exposure: Exposure = read_exposure(log_text, metrics_text)
+    verdict = decide(classification, exposure, load, engine_exit)
+    title = classification.title
+    if verdict is Verdict.CRASH and classification.outcome is Outcome.NONE:
+        title = died_without_traceback_title(engine_exit)
+    elif verdict is Verdict.STALL:
+        title = f"no request finished for {matrix.runs.stall_timeout_s:.0f}s (runs.stall_timeout_s)"
+    elif verdict is Verdict.VACUOUS:
+        title = "budget spent but the trigger path never ran: proves nothing"
+    samples = parse_prometheus(metrics_text or "")
+    return RunResult(
+        build=plan.name, rep=rep, verdict=verdict, outcome=classification.outcome, title=title,
+        trigger_count=exposure.trigger_calls, external_hit_calls=exposure.external_hit_calls,
+        requests=load.requests_sent if load else 0, seconds=round(seconds, 3),
+        signature=classification.signature, run_dir=str(run_dir),
+        extra={
+            "load": load,
+            "engine_exit": engine_exit,
+            "probe_seen": exposure.probe_seen,
+            "probe_source_sha256": exposure.probe_source_sha256,
+            "offload_load_jobs": total(samples, "kvrepro_offload_load_jobs_total"),
+            "offload_store_jobs": total(samples, "kvrepro_offload_store_jobs_total"),
+            "external_prefix_cache_hits": total(samples, "vllm:external_prefix_cache_hits_total"),
+            "prefix_cache_hits": total(samples, "vllm:prefix_cache_hits_total"),
+        },
+    )
+
+
+def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress | None = None,
+               stop: threading.Event | None = None) -> dict[str, Any]:
+    """Run every build x repetition; return the run as `results.load_run` reads it back."""
+    progress = progress or SilentProgress()
+    stop = stop or threading.Event()
+    matrix = loaded.matrix
+    target_name = options.target or matrix.target
+    target_cls = get_target(target_name)
+    plans = loaded.plans(options.builds)
+    reps = options.repetitions or matrix.runs.repetitions
+    folder = results.create_run(options.results_root, loaded.text, {
+        "matrix": str(loaded.path),
+        "matrix_sha256": loaded.sha256,
+        "target": target_name,
+        "base": matrix.base,
+        "repetitions": reps,
+        "build_order": [p.name for p in plans],
+        "builds": {p.name: {"patches": [x.name for x in p.patches]} for p in plans},
+        "kvrepro_version": __version__,
+    })
+    target = target_cls(loaded)
+    try:
+        for plan in plans:
+            if stop.is_set():
+                break
+            progress.stage(f"build {plan.name}: {' + '.join(p.name for p in plan.patches) or 'base'}")
+            try:
+                artifact = target.prepare(plan)
+            except KvreproError as exc:
+                artifact = BuildArtifact(plan=plan, ref=None, manifest={}, error=str(exc))
+            results.write_json(folder.build_dir(plan.name) / "build.json", _artifact_json(artifact))
+            for rep in range(reps):
+                if stop.is_set():
+                    break
+                run_dir = folder.rep_dir(plan.name, rep)
+                result = run_one(loaded, target, artifact, run_dir, rep, progress, stop)
+                results.write_json(run_dir / "verdict.json", result)
+                progress.run_finished(result)
+        folder.update(status="interrupted" if stop.is_set() else "complete", finished=time.time())
+    except BaseException:
+        folder.update(status="interrupted", finished=time.time())
+        raise
+    finally:
+        target.close()
+    return results.load_run(options.results_root, folder.run_id)
