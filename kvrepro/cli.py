@@ -109,7 +109,11 @@ class RichProgress:
     def stage(self, text: str) -> None:
         self.progress.console.log(text)
 
+    def detail(self, text: str) -> None:
+        self.progress.update(self.runs, description=f"runs  [dim]{text[:80]}[/]")
+
     def run_started(self, build: str, rep: int, budget: int | None) -> None:
+        self.progress.update(self.runs, description="runs")
         self.progress.reset(self.reqs, total=budget, visible=True,
                             description=f"build {build} rep {rep}: requests")
 

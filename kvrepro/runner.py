@@ -32,6 +32,7 @@ from .verdict import decide, died_without_traceback_title
 
 class Progress(Protocol):
     def stage(self, text: str) -> None: ...
+    def detail(self, text: str) -> None: ...
     def run_started(self, build: str, rep: int, budget: int | None) -> None: ...
     def requests_done(self, done: int, failed: int) -> None: ...
     def run_finished(self, result: RunResult) -> None: ...
@@ -39,6 +40,9 @@ class Progress(Protocol):
 
 class SilentProgress:
     def stage(self, text: str) -> None:
+        pass
+
+    def detail(self, text: str) -> None:
         pass
 
     def run_started(self, build: str, rep: int, budget: int | None) -> None:
@@ -180,6 +184,7 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
         "kvrepro_version": __version__,
     })
     target = target_cls(loaded)
+    target.on_line = progress.detail
     try:
         for plan in plans:
             if stop.is_set():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from pathlib import Path
 
 from ..records import BuildArtifact, BuildPlan
@@ -52,6 +53,8 @@ class Target(abc.ABC):
 
     def __init__(self, loaded: LoadedMatrix):
         self.loaded = loaded
+        # where long steps (downloads, image builds) report what they are doing
+        self.on_line: Callable[[str], None] = lambda line: None
 
     @abc.abstractmethod
     def prepare(self, plan: BuildPlan) -> BuildArtifact:

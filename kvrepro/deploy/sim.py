@@ -96,13 +96,13 @@ class SimTarget(Target):
 
     def python(self) -> Path:
         if self._python is None:
-            self._python = builds.prepare_runtime(self.loaded.matrix.base)
+            self._python = builds.prepare_runtime(self.loaded.matrix.base, self.on_line)
         return self._python
 
     def prepare(self, plan: BuildPlan) -> BuildArtifact:
         try:
             self.python()
-            return builds.build_overlay(plan)
+            return builds.build_overlay(plan, self.on_line)
         except KvreproError as exc:
             return BuildArtifact(plan=plan, ref=None, manifest={}, error=str(exc))
 

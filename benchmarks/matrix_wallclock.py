@@ -1,0 +1,72 @@
+"""Wall time of the default matrix (A-D x 3 repetitions) with the env cached, and of setup from scratch.
+
+Goal: the cached matrix in 60 s or less on 2 cores. Both are measured in this one run and printed
+side by side with their ratio to the goal, so a change in speed shows up as a change in ratio.
+
+    python benchmarks/matrix_wallclock.py            # cached matrix + cold setup (downloads ~300 MB)
+    python benchmarks/matrix_wallclock.py --no-cold  # cached matrix only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GOAL_MATRIX_S = 60.0
+
+
+def kvrepro(*args: str, env: dict[str, str] | None = None) -> tuple[float, subprocess.CompletedProcess]:
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "kvrepro.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    return time.monotonic() - start, proc
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--no-cold", action="store_true", help="skip the from-scratch setup measurement")
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+
+    setup_s, proc = kvrepro("setup")  # makes sure the cache is warm before timing the matrix
+    if proc.returncode != 0:
+        print(proc.stderr, file=sys.stderr)
+        return 1
+    with tempfile.TemporaryDirectory() as tmp:
+        matrix_s, proc = kvrepro("matrix", "run", "--json", "--reps", str(args.reps), "--results", tmp)
+    if proc.returncode not in (0, 1):
+        print(proc.stderr, file=sys.stderr)
+        return 1
+    run = json.loads(proc.stdout)
+    runs = [r for b in run["builds"].values() for r in b["runs"]]
+    engine_s = sum(r["seconds"] for r in runs)
+    verdicts = {n: " ".join(r["verdict"] for r in b["runs"]) for n, b in run["builds"].items()}
+
+    cold_s = None
+    if not args.no_cold:
+        with tempfile.TemporaryDirectory() as home:
+            env = dict(os.environ, KVREPRO_HOME=home)
+            cold_s, proc = kvrepro("setup", env=env)
+            if proc.returncode != 0:
+                print(proc.stderr, file=sys.stderr)
+                return 1
+
+    print(f"matrix A-D x {args.reps} (env cached): {matrix_s:7.1f} s   goal {GOAL_MATRIX_S:.0f} s   "
+          f"ratio {matrix_s / GOAL_MATRIX_S:.2f}   ({len(runs)} runs, {engine_s:.1f} s inside runs)")
+    print(f"setup, cache warm:                 {setup_s:7.1f} s   ratio to matrix {setup_s / matrix_s:.2f}")
+    if cold_s is not None:
+        print(f"setup from scratch:                {cold_s:7.1f} s   ratio to matrix {cold_s / matrix_s:.2f}")
+    for name, v in verdicts.items():
+        print(f"  {name}: {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Sets up everything kvrepro's tests need on a fresh Debian machine (as root), then runs them:
+# system packages (patch, docker.io, debootstrap), a running dockerd, the project venv, the runtime
+# env with vLLM's dependencies and the A-D overlays, the CPU base image for the docker target.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+missing=()
+command -v patch >/dev/null || missing+=(patch)
+if ((${#missing[@]})); then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+.venv/bin/kvrepro setup
+
+if [ -f .ci/docker-setup.sh ]; then
+  bash .ci/docker-setup.sh
+fi
+
+.venv/bin/python -m pytest -v -rfEs tests "$@"

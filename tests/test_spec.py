@@ -1,0 +1,94 @@
+"""matrix.yaml validation: errors name file:line, the field and what is allowed."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvrepro.errors import SpecError
+from kvrepro.spec import load_matrix, parse_matrix
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_default_matrix_is_valid_and_plans_a_to_d():
+    loaded = load_matrix(ROOT / "matrix.yaml")
+    plans = {p.name: [x.name for x in p.patches] for p in loaded.plans()}
+    assert plans == {
+        "A": ["pr-49146"],
+        "B": ["pr-49146", "pr-52807"],
+        "C": ["pr-49146", "pr-52771"],
+        "D": ["pr-49146", "pr-52771", "pr-52807"],
+    }
+    assert loaded.matrix.base == "0.26.0"
+    assert loaded.matrix.target == "sim"
+    for plan in loaded.plans():
+        for patch in plan.patches:
+            assert patch.sha256 == hashlib.sha256(patch.path.read_bytes()).hexdigest()
+
+
+def _error(text: str, tmp_path: Path) -> str:
+    path = tmp_path / "matrix.yaml"
+    path.write_text(text)
+    with pytest.raises(SpecError) as info:
+        load_matrix(path).plans()
+    return str(info.value)
+
+
+def test_unknown_field_names_file_line_and_allowed_fields(tmp_path):
+    msg = _error('base: "0.26.0"\nbuilds:\n  A: []\nengine:\n  block_size: 16\n  blok_size: 16\n', tmp_path)
+    assert f"{tmp_path / 'matrix.yaml'}:6: engine.blok_size: unknown field" in msg
+    assert "block_size" in msg.split("allowed here:")[1]
+
+
+def test_wrong_type_names_line_and_field(tmp_path):
+    msg = _error('base: "0.26.0"\nbuilds:\n  A: []\nruns:\n  repetitions: many\n', tmp_path)
+    assert ":5: runs.repetitions:" in msg
+    assert "integer" in msg
+
+
+def test_unknown_patch_in_build_names_the_list_entry(tmp_path):
+    msg = _error('base: "0.26.0"\nbuilds:\n  A: []\n  B: [pr-1]\n', tmp_path)
+    assert ":4: builds.B.0: unknown patch 'pr-1'" in msg
+
+
+def test_bad_version_and_bad_yaml(tmp_path):
+    assert ":1: base: must be a vLLM release version" in _error('base: "latest"\nbuilds: {A: []}\n', tmp_path)
+    assert "not valid YAML" in _error("base: [\n", tmp_path)
+
+
+def test_sha256_pin_mismatch_is_reported(tmp_path):
+    (tmp_path / "builds").mkdir()
+    (tmp_path / "builds" / "x.patch").write_text("--- a/x\n+++ b/x\n")
+    text = ('base: "0.26.0"\npatches:\n  x:\n    file: x.patch\n    upstream: u\n    sha256: "' + "0" * 64
+            + '"\nbuilds:\n  A: [x]\n')
+    assert "patches.x.sha256" in _error(text, tmp_path)
+
+
+def test_expect_must_name_builds_and_verdicts(tmp_path):
+    assert "expect.Z: no build 'Z'" in _error('base: "0.26.0"\nbuilds: {A: []}\nexpect: {Z: SURVIVED}\n', tmp_path)
+    assert "is not a verdict" in _error('base: "0.26.0"\nbuilds: {A: []}\nexpect: {A: OK}\n', tmp_path)
+
+
+def test_serve_args_are_real_vllm_flags():
+    engine = parse_matrix('base: "0.26.0"\nbuilds: {A: []}\n', Path("m.yaml")).matrix.engine
+    args = engine.serve_args("/models/x", include_sim=True)
+    assert args[0] == "/models/x"
+    assert args[args.index("--mamba-cache-mode") + 1] == "align"
+    assert '"method": "mtp"' in args[args.index("--speculative-config") + 1]
+    assert "--num-gpu-blocks-override" in args
+    assert "--num-gpu-blocks-override" not in engine.serve_args("/m", include_sim=False)
+
+
+def test_cli_validate_exits_2_without_traceback(tmp_path):
+    path = tmp_path / "matrix.yaml"
+    path.write_text('base: "0.26.0"\nbuilds:\n  A: []\nload:\n  concurency: 3\n')
+    proc = subprocess.run([sys.executable, "-m", "kvrepro.cli", "matrix", "validate", "-m", str(path)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2
+    assert f"{path}:5: load.concurency: unknown field" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
