@@ -1,0 +1,77 @@
+"""End to end on the GPU-free engine: real vLLM 0.26.0 code, real HTTP, real files.
+
+Nothing is faked here beyond what the engine itself fakes (no GPU: the model executor and the
+offload worker's data movement).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def kvrepro(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvrepro.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=900)
+
+
+def test_builds_a_and_d_give_target_crash_and_evidenced_survival(tmp_path, overlays):
+    proc = kvrepro("matrix", "run", "--build", "A", "--build", "D", "--reps", "1", "--json",
+                   "--results", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(proc.stdout)
+    a = run["builds"]["A"]["runs"][0]
+    d = run["builds"]["D"]["runs"][0]
+    assert a["verdict"] == "CRASH" and a["outcome"] == "target", a
+    assert a["title"].startswith("AssertionError in update_state_after_alloc: num_locally_computed_tokens <=")
+    assert a["trigger_count"] > 0  # the crashing call itself is counted
+    assert d["verdict"] == "SURVIVED", d
+    assert d["trigger_count"] > 0
+    assert d["offload_load_jobs"] > 0  # the fixed build still loads from the offload
+
+    run_dir = Path(d["run_dir"])
+    for name in ("engine.log", "load.jsonl", "metrics.txt", "manifest.json", "verdict.json"):
+        assert (run_dir / name).is_file(), name
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert [p["name"] for p in manifest["patches"]] == ["pr-49146", "pr-52771", "pr-52807"]
+    lines = (run_dir / "load.jsonl").read_text().splitlines()
+    assert len(lines) == d["requests"] and all(json.loads(line) for line in lines)
+
+    # the classifier, as a user runs it, on the recorded logs
+    a_log = Path(a["run_dir"]) / "engine.log"
+    got = json.loads(kvrepro("classify", str(a_log), "--json").stdout)
+    assert got["outcome"] == "target"
+    assert got["signature"]["function"] == "update_state_after_alloc"
+    got = json.loads(kvrepro("classify", str(run_dir / "engine.log"), "--json").stdout)
+    assert got == {"outcome": "none", "title": got["title"], "signature": None}
+
+
+def test_a_hunk_that_does_not_apply_fails_only_its_build(tmp_path, matrix_copy, overlays):
+    builds = matrix_copy.parent / "builds"
+    broken = (builds / "pr-52807.patch").read_text().replace("load_start_gpu_block_idx", "load_start_idx", 1)
+    broken_lines = broken.splitlines(keepends=True)
+    # corrupt a context line of the first hunk so it cannot apply
+    for i, line in enumerate(broken_lines):
+        if line.startswith(" ") and "num_locally_computed_tokens" in line:
+            broken_lines[i] = " # this context line is not in vLLM 0.26.0\n"
+            break
+    (builds / "broken.patch").write_text("".join(broken_lines))
+    spec = yaml.safe_load(matrix_copy.read_text())
+    spec["patches"]["broken"] = {"file": "broken.patch", "upstream": "none"}
+    spec["builds"] = {"A": [], "X": ["broken"]}
+    spec["expect"] = {"A": "CRASH(target)"}
+    matrix_copy.write_text(yaml.safe_dump(spec))
+
+    proc = kvrepro("matrix", "run", "-m", str(matrix_copy), "--reps", "1", "--json", "--results", str(tmp_path / "r"))
+    assert proc.returncode == 3, proc.stderr[-3000:]  # INFRA somewhere
+    run = json.loads(proc.stdout)
+    x = run["builds"]["X"]
+    assert x["runs"][0]["verdict"] == "INFRA"
+    assert "patch broken" in x["build_error"] and "scheduler.py" in x["build_error"] and "hunk #" in x["build_error"]
+    assert run["builds"]["A"]["runs"][0]["verdict"] == "CRASH"

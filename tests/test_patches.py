@@ -1,0 +1,369 @@
+"""The patch files under builds/ and kvrepro.builds.patching, against real vLLM 0.26.0 source.
+
+Nothing is faked except, in one test, the absence of the `patch` program (every machine here
+has it). The vLLM source is the unpacked 0.26.0 wheel: see the `vllm_src` fixture.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvrepro.builds.patching import (
+    FUZZ,
+    apply_patch_stack,
+    check_expectations,
+    read_header,
+    touched_files,
+)
+from kvrepro.errors import SetupError, SpecError
+from kvrepro.records import PatchFailure, PatchRef
+from kvrepro.spec import load_matrix
+
+PROJECT = Path(__file__).resolve().parent.parent
+MATRIX = PROJECT / "matrix.yaml"
+BUILDS_DIR = PROJECT / "builds"
+SCHEDULER = "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
+@pytest.fixture(scope="session")
+def vllm_src(request) -> Path:
+    """A READ-ONLY pristine vLLM 0.26.0 tree (a folder holding `vllm/`).
+
+    The single place that decides where it comes from: $KVREPRO_TEST_VLLM_SRC, else the wheel
+    kvrepro.builds downloads and extracts (cached under ~/.cache/kvrepro).
+    """
+    if os.environ.get("KVREPRO_TEST_VLLM_SRC"):
+        src = Path(os.environ["KVREPRO_TEST_VLLM_SRC"])
+    else:
+        src = request.getfixturevalue("pristine_vllm")
+    assert (src / SCHEDULER).is_file(), f"no vLLM 0.26.0 source at {src} (missing {SCHEDULER})"
+    return src
+
+
+def _all_touched() -> list[str]:
+    return sorted({f for p in sorted(BUILDS_DIR.glob("*.patch")) for f in touched_files(p)})
+
+
+@pytest.fixture
+def tree(tmp_path: Path, vllm_src: Path):
+    """A writable copy of exactly the files the patches touch (copying all of vLLM is slow)."""
+
+    def make(name: str = "tree") -> Path:
+        root = tmp_path / name
+        for rel in _all_touched():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(vllm_src / rel, root / rel)
+        return root
+
+    return make
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _matrix():
+    return load_matrix(MATRIX)
+
+
+def _plan(build: str):
+    return next(p for p in _matrix().plans() if p.name == build)
+
+
+def _ref(name: str) -> PatchRef:
+    return _matrix().patch_ref(name)
+
+
+def _function(source: str, cls: str, func: str) -> ast.FunctionDef:
+    module = ast.parse(source)
+    for node in module.body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == func:
+                    return item
+    raise AssertionError(f"{cls}.{func} not found")
+
+
+def _is_alignment_assert(node: ast.Assert) -> bool:
+    """`assert num_locally_computed_tokens % tokens_per_block == 0`"""
+    test = node.test
+    return (
+        isinstance(test, ast.Compare)
+        and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)
+        and isinstance(test.left, ast.BinOp) and isinstance(test.left.op, ast.Mod)
+        and isinstance(test.left.left, ast.Name) and test.left.left.id == "num_locally_computed_tokens"
+        and isinstance(test.left.right, ast.Name) and test.left.right.id == "tokens_per_block"
+        and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value == 0
+    )
+
+
+def _is_old_boundary_assert(node: ast.Assert) -> bool:
+    """`assert num_locally_computed_tokens <= <something> * tokens_per_block` (the crash)"""
+    test = node.test
+    return (
+        isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Name) and test.left.id == "num_locally_computed_tokens"
+        and isinstance(test.ops[0], ast.LtE)
+    )
+
+
+# ------------------------------------------------------------------ the real patches
+
+
+BUILDS = list(_matrix().matrix.builds)
+
+
+def test_matrix_declares_the_expected_stacks():
+    stacks = {p.name: [r.name for r in p.patches] for p in _matrix().plans()}
+    assert stacks == {
+        "A": ["pr-49146"],
+        "B": ["pr-49146", "pr-52807"],
+        "C": ["pr-49146", "pr-52771"],
+        "D": ["pr-49146", "pr-52771", "pr-52807"],
+    }
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_stack_applies_and_each_patch_changes_what_it_claims(build: str, tree):
+    plan = _plan(build)
+    root = tree()
+    applied: list[str] = []
+    for ref in plan.patches:
+        header = read_header(ref.path)
+        assert header.expects, f"{ref.name}: a patch with no Expect claim cannot be checked"
+        missing = [r for r in header.requires if r not in applied]
+        assert not missing, f"build {build}: {ref.name} requires {missing} earlier in the stack"
+        # Each claim must be false before the patch, or the patch is not what changes it.
+        already_true = [e.describe() for e in header.expects if e.holds(root)]
+        assert not already_true, f"{ref.name}: claims already true before applying it: {already_true}"
+
+        assert apply_patch_stack(root, [ref]) is None
+        assert check_expectations(root, header) == []
+        applied.append(ref.name)
+
+    for rel in _all_touched():
+        if rel.endswith(".py"):
+            compile((root / rel).read_text(), rel, "exec")  # SyntaxError fails the test
+    leftovers = [p.name for p in root.rglob("*") if p.suffix in (".orig", ".rej")]
+    assert leftovers == []
+
+    # Applying the stack in one call gives the same bytes as patch by patch.
+    at_once = tree("at_once")
+    assert apply_patch_stack(at_once, plan.patches) is None
+    assert _snapshot(at_once) == _snapshot(root)
+
+
+@pytest.mark.parametrize("build", ["B", "D"])
+def test_pr52807_asserts_block_alignment_in_update_state_after_alloc(build: str, tree, vllm_src):
+    before = _function((vllm_src / SCHEDULER).read_text(), "OffloadingConnectorScheduler", "update_state_after_alloc")
+    before_asserts = [n for n in ast.walk(before) if isinstance(n, ast.Assert)]
+    assert any(_is_old_boundary_assert(a) for a in before_asserts)
+    assert not any(_is_alignment_assert(a) for a in before_asserts)
+
+    root = tree()
+    assert apply_patch_stack(root, _plan(build).patches) is None
+    func = _function((root / SCHEDULER).read_text(), "OffloadingConnectorScheduler", "update_state_after_alloc")
+    asserts = [n for n in ast.walk(func) if isinstance(n, ast.Assert)]
+    assert sum(_is_alignment_assert(a) for a in asserts) == 1
+    assert not any(_is_old_boundary_assert(a) for a in asserts)
+
+    # The scan for the load start begins at cdiv(num_locally_computed_tokens, tokens_per_block).
+    starts = [
+        ast.unparse(n.iter.args[0])
+        for n in ast.walk(func)
+        if isinstance(n, ast.For) and isinstance(n.iter, ast.Call)
+        and isinstance(n.iter.func, ast.Name) and n.iter.func.id == "range"
+    ]
+    assert starts == ["cdiv(num_locally_computed_tokens, tokens_per_block)"]
+
+
+@pytest.mark.parametrize("build", ["A", "C"])
+def test_builds_without_pr52807_keep_the_crashing_assert(build: str, tree):
+    root = tree()
+    assert apply_patch_stack(root, _plan(build).patches) is None
+    func = _function((root / SCHEDULER).read_text(), "OffloadingConnectorScheduler", "update_state_after_alloc")
+    assert any(_is_old_boundary_assert(n) for n in ast.walk(func) if isinstance(n, ast.Assert))
+
+
+def test_pr52771_drops_the_all_groups_drafter_fallback(tree, vllm_src):
+    def fallback_assignments(source: str) -> list[str]:
+        func = _function(source, "SchedulerOffloadConfig", "from_spec")
+        return [ast.unparse(n) for n in ast.walk(func)
+                if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "eagle_groups"
+                                                     for t in n.targets)
+                and isinstance(n.value, ast.Call)]
+
+    assert fallback_assignments((vllm_src / SCHEDULER).read_text())  # 0.26.0 has `= set(range(...))`
+    root = tree()
+    assert apply_patch_stack(root, _plan("C").patches) is None
+    assert fallback_assignments((root / SCHEDULER).read_text()) == []
+
+
+@pytest.mark.parametrize("patch", sorted(p.name for p in BUILDS_DIR.glob("*.patch")))
+def test_touched_files_of_real_patches(patch: str):
+    assert touched_files(BUILDS_DIR / patch) == [SCHEDULER]
+
+
+def test_headers_agree_with_matrix():
+    matrix = _matrix().matrix
+    for name, spec in matrix.patches.items():
+        header = read_header(BUILDS_DIR / spec.file)
+        assert header.upstream == spec.upstream, name
+        assert header.title and header.description
+        assert header.base == f"vllm {matrix.base}"
+        assert all(r in matrix.patches for r in header.requires), name
+
+
+# ------------------------------------------------------------------ failures
+
+
+def _write(path: Path, text: str) -> PatchRef:
+    path.write_text(text)
+    return PatchRef(name=path.stem, path=path, upstream="", sha256="")
+
+
+def _hunk_headers(text: str) -> list[str]:
+    return [line.split(" @@")[0] + " @@" for line in text.splitlines() if line.startswith("@@ ")]
+
+
+def test_broken_hunk_names_patch_file_and_hunk_and_changes_nothing(tmp_path, tree):
+    """Hunk #2's first context line no longer matches: a default-fuzz `patch` would still
+    apply it (fuzz ignores outer context lines); with fuzz 0 it must fail, and hunk #1 (which
+    does match) must not be applied either."""
+    assert FUZZ == 0
+    text = (BUILDS_DIR / "pr-52807.patch").read_text()
+    lines = text.splitlines(keepends=True)
+    second = [i for i, line in enumerate(lines) if line.startswith("@@ ")][1]
+    assert lines[second + 1].startswith(" ")
+    lines[second + 1] = " " + lines[second + 1][1:].rstrip("\n") + "  # drifted\n"
+    broken = _write(tmp_path / "broken-52807.patch", "".join(lines))
+
+    root = tree()
+    reference = tree("reference")
+    assert apply_patch_stack(reference, [_ref("pr-49146")]) is None
+
+    failure = apply_patch_stack(root, [_ref("pr-49146"), broken])
+    assert isinstance(failure, PatchFailure)
+    assert failure.patch == "broken-52807"
+    assert failure.file == SCHEDULER
+    assert failure.hunk == f"#2 ({_hunk_headers(text)[1]})"
+    assert "Hunk #2 FAILED" in failure.detail
+    assert _snapshot(root) == _snapshot(reference)  # pr-49146 applied, the broken one not at all
+
+
+def test_patch_without_its_requirement_fails_on_the_dependent_hunk(tree):
+    root = tree()
+    before = _snapshot(root)
+    failure = apply_patch_stack(root, [_ref("pr-52771")])
+    assert failure is not None
+    assert (failure.patch, failure.file) == ("pr-52771", SCHEDULER)
+    assert failure.hunk.startswith("#2 (@@ -")
+    assert "requires pr-49146" in failure.detail
+    assert _snapshot(root) == before
+
+
+def test_already_applied_patch_is_a_failure_not_a_reversal(tree):
+    root = tree()
+    assert apply_patch_stack(root, [_ref("pr-49146")]) is None
+    once = _snapshot(root)
+    failure = apply_patch_stack(root, [_ref("pr-49146")])
+    assert failure is not None and failure.patch == "pr-49146"
+    assert "previously applied" in failure.detail and "already" in failure.detail
+    assert _snapshot(root) == once
+
+
+def test_patch_for_a_missing_file(tmp_path, tree):
+    text = (BUILDS_DIR / "pr-49146.patch").read_text().replace(SCHEDULER, "vllm/not_there.py")
+    failure = apply_patch_stack(tree(), [_write(tmp_path / "ghost.patch", text)])
+    assert failure is not None
+    assert (failure.patch, failure.file) == ("ghost", "vllm/not_there.py")
+    assert failure.hunk.startswith("#1 (@@ -")
+    assert "does not exist" in failure.detail
+
+
+def test_symlinked_file_is_refused_and_its_target_untouched(tmp_path, tree):
+    """An overlay that symlinks into a shared source tree must not get that tree patched."""
+    shared = tree("shared")
+    overlay = tmp_path / "overlay"
+    (overlay / SCHEDULER).parent.mkdir(parents=True)
+    (overlay / SCHEDULER).symlink_to(shared / SCHEDULER)
+    before = _snapshot(shared)
+    failure = apply_patch_stack(overlay, [_ref("pr-49146")])
+    assert failure is not None and failure.file == SCHEDULER
+    assert "symbolic link" in failure.detail
+    assert _snapshot(shared) == before
+
+
+def test_malformed_and_empty_patches(tmp_path, tree):
+    root = tree()
+    before = _snapshot(root)
+    good = (BUILDS_DIR / "pr-49146.patch").read_text()
+    first = _hunk_headers(good)[0]
+    # The @@ line promises more lines than the hunk has.
+    bad_counts = good.replace(first, first.replace(",10 ", ",30 ", 1), 1)
+    assert bad_counts != good
+    failure = apply_patch_stack(root, [_write(tmp_path / "counts.patch", bad_counts)])
+    assert failure is not None and failure.patch == "counts" and "malformed" in failure.detail
+
+    failure = apply_patch_stack(root, [_write(tmp_path / "prose.patch", "# Upstream: x\njust words\n")])
+    assert failure is not None and failure.patch == "prose" and "no unified diff" in failure.detail
+    assert _snapshot(root) == before
+
+
+def test_sha256_pin_is_checked_at_apply_time(tmp_path, tree):
+    ref = _ref("pr-49146")
+    pinned = PatchRef(name=ref.name, path=ref.path, upstream=ref.upstream, sha256="0" * 64)
+    failure = apply_patch_stack(tree(), [pinned])
+    assert failure is not None and "sha256" in failure.detail
+
+
+def test_missing_patch_program_is_a_setup_error(monkeypatch, tree):
+    """Fakes a machine without GNU patch (shutil.which finds nothing)."""
+    from kvrepro.builds import patching
+
+    monkeypatch.setattr(patching.shutil, "which", lambda name: None)
+    with pytest.raises(SetupError, match="apt-get install patch"):
+        apply_patch_stack(tree(), [_ref("pr-49146")])
+
+
+# ------------------------------------------------------------------ header and diff parsing
+
+
+def test_header_field_typo_names_the_line(tmp_path):
+    text = (BUILDS_DIR / "pr-49146.patch").read_text().replace("# Expect: ", "# Expects: ", 1)
+    path = tmp_path / "typo.patch"
+    path.write_text(text)
+    with pytest.raises(SpecError, match=r"typo\.patch:4: unknown header field 'Expects'"):
+        read_header(path)
+
+
+def test_expect_text_is_a_json_string(tmp_path):
+    path = tmp_path / "quoted.patch"
+    path.write_text('# Upstream: u\n# Title: t\n# Expect: a/b.py contains "say \\"hi\\""\n#\n# why\n'
+                    "--- a/x/a/b.py\n+++ b/x/a/b.py\n@@ -1 +1 @@\n-x\n+y\n")
+    header = read_header(path)
+    assert header.expects[0].text == 'say "hi"' and header.expects[0].present
+    assert header.description == "why"
+
+
+def test_touched_files_of_a_multi_file_diff(tmp_path):
+    path = tmp_path / "multi.patch"
+    path.write_text(
+        "# Upstream: u\n# Title: t\n"
+        "diff --git a/vllm/one.py b/vllm/one.py\n--- a/vllm/one.py\n+++ b/vllm/one.py\n"
+        "@@ -1,2 +1,2 @@\n a\n-b\n+c\n"
+        "--- /dev/null\n+++ b/vllm/new.py\n@@ -0,0 +1 @@\n+x = 1\n"
+        "--- a/vllm/gone.py\n+++ /dev/null\n@@ -1 +0,0 @@\n-y = 2\n"
+        "--- a/vllm/one.py\n+++ b/vllm/one.py\n@@ -5 +5 @@\n-d\n+e\n"
+    )
+    assert touched_files(path) == ["vllm/one.py", "vllm/new.py", "vllm/gone.py"]
+
+
+def test_touched_files_rejects_paths_outside_the_tree(tmp_path):
+    path = tmp_path / "escape.patch"
+    path.write_text("--- a/../etc/passwd\n+++ b/../etc/passwd\n@@ -1 +1 @@\n-a\n+b\n")
+    with pytest.raises(SpecError, match="outside the tree"):
+        touched_files(path)
