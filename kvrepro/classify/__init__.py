@@ -1,0 +1,56 @@
+"""Classify an engine log: did the engine die, on which crash, and did the tested path run.
+
+Public API:
+
+* :func:`classify_log` / :func:`classify_file` -- find the traceback that killed the engine and
+  reduce it to a :class:`~kvrepro.records.Signature` and a one-line title, and say whether it is
+  the matrix's target crash, another crash, an infrastructure failure or no crash at all
+  (:class:`~kvrepro.records.Outcome`).
+* :func:`read_exposure` -- the probe's counts of how often the crash's precondition occurred.
+* :func:`known_patterns` / :func:`match_pattern` / :class:`Pattern` -- the table of known
+  crashes, one module each under ``kvrepro/classify/signatures/``.
+
+Logs of the GPU-free engine, of ``vllm serve`` (multi-process, prefixed lines), of ``docker logs
+-t`` and ``docker compose logs`` are all understood; see :mod:`kvrepro.classify.lines`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..records import Classification
+from ..spec import TargetSignature
+from .classifier import classify_lines
+from .exposure import read_exposure
+from .patterns import Pattern, known_patterns, match_pattern
+
+__all__ = [
+    "Pattern",
+    "classify_file",
+    "classify_log",
+    "known_patterns",
+    "match_pattern",
+    "read_exposure",
+]
+
+
+def classify_log(text: str, source_root: Path | None = None,
+                 target: TargetSignature | None = None) -> Classification:
+    """Classify the text of an engine log.
+
+    ``source_root`` is a folder holding the build's ``vllm/`` package: with it, the crashing
+    ``file:line`` is resolved to the whole statement (Python prints one line of a wrapped one).
+    ``target`` defaults to ``TargetSignature()``, the crash of kvrepro's default matrix.
+    """
+    return classify_lines(text, source_root, target)
+
+
+def classify_file(path: str | Path, source_root: Path | None = None,
+                  target: TargetSignature | None = None) -> Classification:
+    """Classify a log file, streaming it (logs of long runs reach hundreds of MB).
+
+    Bytes that are not UTF-8 (a line cut mid-character, binary noise) are replaced rather than
+    failing the classification.
+    """
+    with open(path, encoding="utf-8", errors="replace", newline="\n") as fh:
+        return classify_lines(fh, source_root, target)

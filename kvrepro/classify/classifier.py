@@ -1,0 +1,254 @@
+"""From an engine log to a Classification: which traceback killed the engine, and what it is.
+
+Choosing the fatal traceback, in order of trust:
+
+1. the one the engine announced with ``EngineCore encountered a fatal error.`` (vLLM's
+   ``run_engine_core`` logs it with the exception right before the process dies; kvrepro's
+   GPU-free engine logs the same line). The engine was running: a crash, never infra (unless the
+   exception is an import error, which is always the environment's fault);
+2. the one announced with ``EngineCore failed to start.``: infra;
+3. the first traceback printed raw (not through the logger): an exception nobody caught, so it
+   ended a process or a thread. Tracebacks that only report the engine's death elsewhere
+   (``EngineDeadError``) are consequences, not causes, and are skipped; those of shutting down
+   (``KeyboardInterrupt``, ``CancelledError``, ...) are ignored altogether;
+4. a traceback logged at ERROR by some other code, but only when the log also shows that the
+   engine died (a consequence was seen): the best guess at the cause;
+5. only consequences: a crash whose cause is not in the log.
+
+Any of 3-5 that happens before the server logged ``Application startup complete.`` (uvicorn's
+line, which vLLM's API server and kvrepro's engine both print once serving) means the engine never
+got going: infra. So do argparse errors (``vllm serve: error: ...``) before that point, and,
+when the server never came up at all, an ERROR logged without a traceback.
+
+Titles never carry environment values: they are built from code (the statement) and, where the
+code says nothing (import errors, argument errors), from the exception message with anything
+that looks like a credential masked.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from ..records import Classification, Outcome, Signature
+from ..spec import TargetSignature
+from .lines import split_line
+from .patterns import Pattern, match_pattern
+from .source import canonical, shown_expression, statement_at
+from .tracebacks import FAILED_START_MARKER, FATAL_MARKER, TRACEBACK_START, Frame, Traceback, TracebackScanner
+
+STARTUP_COMPLETE = "Application startup complete."
+# exceptions that report the engine's death (raised in the API server once EngineCore is gone)
+DEATH_REPORTS = frozenset({"EngineDeadError"})
+# what shutting down prints (SIGINT/SIGTERM, cancelled asyncio tasks): neither cause nor death
+SHUTDOWN_NOISE = frozenset({"KeyboardInterrupt", "SystemExit", "CancelledError", "GeneratorExit"})
+IMPORT_ERRORS = frozenset({"ImportError", "ModuleNotFoundError"})
+_SYNTAX_ERRORS = frozenset({"SyntaxError", "IndentationError", "TabError"})
+_ARG_ERROR = re.compile(r"(?:vllm|[\w.-]+(?: serve)?): error: (?P<msg>.+)$")
+# a raw line must contain one of these to matter while no traceback is being read; checking
+# substrings first keeps a 100 MB log of request lines cheap
+_KEYWORDS = (TRACEBACK_START[:15], FATAL_MARKER[:21], FAILED_START_MARKER[:18], STARTUP_COMPLETE, ": error: ",
+             "ERROR ", "CRITICAL ")
+_TITLE_MAX = 240
+_SECRET = re.compile(
+    r"(?i)(hf_[A-Za-z0-9]{6,}|ghp_[A-Za-z0-9]{6,}|sk-[A-Za-z0-9_-]{6,}"
+    r"|-----BEGIN [A-Z ]+-----.*"
+    r"|(?:token|secret|password|passwd|api[_-]?key|authorization)\s*[=:]\s*\S+)"
+)
+
+
+class _Evidence:
+    """The few tracebacks and facts the decision needs, collected in one pass."""
+
+    def __init__(self) -> None:
+        self.fatal: Traceback | None = None
+        self.failed_start: Traceback | None = None
+        self.followup: dict[int, Traceback] = {}  # id(marked incomplete tb) -> complete copy
+        self.raw: Traceback | None = None
+        self.logged_error: Traceback | None = None
+        self.consequence: Traceback | None = None
+        self.startup_line: int | None = None
+        self.arg_error: tuple[int, str] | None = None
+        self.last_error_line: str | None = None  # last ERROR/CRITICAL record before startup
+
+    def add(self, tb: Traceback) -> None:
+        if tb.marker == FATAL_MARKER:
+            self.fatal = self.fatal or tb
+            return
+        if tb.marker == FAILED_START_MARKER:
+            self.failed_start = self.failed_start or tb
+            return
+        for marked in (self.fatal, self.failed_start):
+            # the engine's process also prints the same exception raw when it dies; that copy
+            # stands in when the logged one was cut off
+            if (marked is not None and not marked.complete and tb.complete
+                    and tb.stream == marked.stream and id(marked) not in self.followup):
+                self.followup[id(marked)] = tb
+                return
+        if _reports_death(tb):
+            self.consequence = self.consequence or tb
+        elif tb.final.short_exception in SHUTDOWN_NOISE:
+            pass
+        elif tb.header is None:
+            if self.raw is None or (not self.raw.complete and tb.complete):
+                self.raw = tb
+        elif tb.level in ("ERROR", "CRITICAL") and self.logged_error is None:
+            self.logged_error = tb
+
+    def best(self, tb: Traceback) -> Traceback:
+        return self.followup.get(id(tb), tb)
+
+
+def _reports_death(tb: Traceback) -> bool:
+    return any(seg.short_exception in DEATH_REPORTS for seg in tb.segments)
+
+
+def scan(lines: Iterable[str] | str) -> _Evidence:
+    evidence = _Evidence()
+    scanner = TracebackScanner(evidence.add)
+    raw_iter = io.StringIO(lines, newline="\n") if isinstance(lines, str) else lines
+    for number, raw in enumerate(raw_iter, start=1):
+        if not scanner.busy and not any(k in raw for k in _KEYWORDS):
+            continue
+        line = split_line(number, raw)
+        scanner.feed(line)
+        body = line.body
+        if evidence.startup_line is None and STARTUP_COMPLETE in body:
+            evidence.startup_line = number
+        elif evidence.startup_line is None:
+            if line.level in ("ERROR", "CRITICAL") and body.strip() and not scanner.busy:
+                evidence.last_error_line = body.strip()
+            elif evidence.arg_error is None and line.header is None and (m := _ARG_ERROR.match(body)) is not None:
+                evidence.arg_error = (number, m["msg"])
+    scanner.close()
+    return evidence
+
+
+def classify_lines(lines: Iterable[str] | str, source_root: Path | None = None,
+                   target: TargetSignature | None = None) -> Classification:
+    target = target or TargetSignature()
+    ev = scan(lines)
+
+    def before_startup(tb: Traceback) -> bool:
+        return ev.startup_line is None or tb.first_line < ev.startup_line
+
+    if ev.fatal is not None:
+        return _crash(ev.best(ev.fatal), source_root, target, infra=False)
+    if ev.failed_start is not None:
+        return _crash(ev.best(ev.failed_start), source_root, target, infra=True)
+    if ev.raw is not None:
+        return _crash(ev.raw, source_root, target, infra=before_startup(ev.raw))
+    if ev.logged_error is not None and ev.consequence is not None:
+        return _crash(ev.logged_error, source_root, target, infra=before_startup(ev.logged_error))
+    if ev.consequence is not None:
+        cls = _crash(ev.consequence, source_root, target, infra=before_startup(ev.consequence))
+        title = f"{cls.signature.exception if cls.signature else 'crash'}: engine died, root cause not in the log"
+        return Classification(cls.outcome, title, cls.signature)
+    if ev.arg_error is not None:
+        return Classification(Outcome.INFRA, _clip(f"argument error: {_scrub(ev.arg_error[1])}"), None)
+    if ev.startup_line is None and ev.last_error_line is not None:
+        # an error logged without a traceback (the GPU-free engine reports a bad setup this way
+        # and exits) and the server never came up
+        return Classification(Outcome.INFRA, _clip(f"engine did not start: {_scrub(ev.last_error_line)}"), None)
+    return Classification(Outcome.NONE, "no crash", None)
+
+
+def _crash(tb: Traceback, source_root: Path | None, target: TargetSignature, infra: bool) -> Classification:
+    segment = tb.root()
+    frame = _innermost_vllm_frame(segment.frames)
+    in_vllm = frame is not None
+    if frame is None and segment.frames:
+        frame = segment.frames[-1]
+    exception = segment.short_exception or ""
+    expression = ""
+    if frame is not None:
+        if in_vllm and source_root is not None:
+            expression = statement_at(source_root, _vllm_path(frame.path), frame.line,
+                                      frame.source[0] if frame.source else None) or ""
+        if not expression and frame.source:
+            expression = shown_expression(frame.source)
+    sig = Signature(
+        exception=exception,
+        function=frame.function if frame else "",
+        file=(_vllm_path(frame.path) if in_vllm else _display_path(frame.path)) if frame else "",
+        line=frame.line if frame else None,
+        expression=expression,
+    )
+    message = segment.message
+    pattern = match_pattern(sig, message) if segment.complete else None
+    title = pattern.render_title(sig) if pattern else _generic_title(sig, message, segment.complete)
+    if infra or exception in IMPORT_ERRORS:
+        outcome = Outcome.INFRA
+    elif segment.complete and _is_target(sig, pattern, target):
+        outcome = Outcome.TARGET
+    else:
+        outcome = Outcome.OTHER_CRASH
+    return Classification(outcome, _clip(title), sig)
+
+
+def _is_target(sig: Signature, pattern: Pattern | None, target: TargetSignature) -> bool:
+    if sig.exception != target.exception.rsplit(".", 1)[-1]:
+        return False
+    if sig.function != target.function and not sig.function.endswith("." + target.function):
+        return False
+    if not sig.file or not sig.file.endswith(target.file.removeprefix("./")):
+        return False
+    wanted = target.expression
+    if wanted:
+        # a one-line fragment stands for the whole statement its pattern knows
+        full = pattern.expressions[0] if pattern and pattern.expressions else sig.expression
+        return canonical(wanted) in canonical(full)
+    return not (pattern is not None and pattern.never_target)
+
+
+def _innermost_vllm_frame(frames: list[Frame]) -> Frame | None:
+    for frame in reversed(frames):
+        if "/vllm/" in frame.path or frame.path.startswith("vllm/"):
+            return frame
+    return None
+
+
+def _vllm_path(path: str) -> str:
+    """``.../site-packages/vllm/v1/core/x.py`` -> ``vllm/v1/core/x.py`` (last ``vllm/`` wins:
+    a checkout at ``/src/vllm/vllm/...`` has the package in the inner one)."""
+    path = path.replace("\\", "/")
+    i = path.rfind("/vllm/")
+    return path[i + 1:] if i >= 0 else path
+
+
+def _display_path(path: str) -> str:
+    """A path outside vLLM, without the machine-specific part (home folders, venvs)."""
+    path = path.replace("\\", "/")
+    for anchor in ("/kvrepro/", "-packages/"):
+        i = path.rfind(anchor)
+        if i >= 0:
+            return path[i + 1:] if anchor == "/kvrepro/" else path[i + len(anchor):]
+    return "/".join(path.split("/")[-2:])
+
+
+def _generic_title(sig: Signature, message: str, complete: bool) -> str:
+    first = _scrub(message.split("\n", 1)[0].strip())
+    exc = sig.exception
+    where = sig.function or (sig.file.rsplit("/", 1)[-1] if sig.file else "")
+    if not complete:
+        head = f"crash in {where} (traceback cut off)" if where else "crash (traceback cut off)"
+        return f"{head}: {sig.expression}" if sig.expression else head
+    if exc in IMPORT_ERRORS or exc in _SYNTAX_ERRORS:
+        loc = f" in {sig.file}:{sig.line}" if exc in _SYNTAX_ERRORS and sig.file else ""
+        return f"{exc}{loc}: {first}" if first else f"{exc}{loc}"
+    head = f"{exc} in {where}" if where else exc
+    # `raise ValueError(` says less than the message it raised
+    if sig.expression and not (first and sig.expression.startswith("raise ")):
+        return f"{head}: {sig.expression}"
+    return f"{head}: {first}" if first else head
+
+
+def _scrub(text: str) -> str:
+    return _SECRET.sub("***", text)
+
+
+def _clip(title: str) -> str:
+    title = " ".join(title.split())
+    return title if len(title) <= _TITLE_MAX else title[: _TITLE_MAX - 3] + "..."

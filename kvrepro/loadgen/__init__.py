@@ -1,0 +1,18 @@
+"""Load generation: concurrent /v1/completions traffic against an engine, one JSON line per request.
+
+Public API:
+
+* :func:`run_load` -- run the load of one repetition and return a
+  :class:`~kvrepro.records.LoadSummary` saying why it ended (see :mod:`kvrepro.loadgen.runner`).
+* :class:`Profile` / :class:`Prompt` / :func:`get_profile` / :func:`known_profiles` -- traffic
+  shapes, one file each under ``kvrepro/loadgen/profiles/`` (``load.profile`` picks one).
+
+Only the HTTP API is used, so the same load drives the GPU-free engine and a real ``vllm serve``.
+"""
+
+from __future__ import annotations
+
+from .profiles import Profile, Prompt, get_profile, known_profiles
+from .runner import run_load
+
+__all__ = ["Profile", "Prompt", "get_profile", "known_profiles", "run_load"]
