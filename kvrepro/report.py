@@ -72,36 +72,45 @@ def _effects(run: dict[str, Any]) -> list[stats.PatchEffect]:
     return stats.patch_effects(stacks, {n: b.get("runs", []) for n, b in results.items()})
 
 
+def _verdict_summary(runs: list[dict[str, Any]]) -> Text:
+    """`3x CRASH(target)`, or each repetition's verdict in order when they differ."""
+    text = Text()
+    labels = [verdict_label(r) for r in runs]
+    if not labels:
+        return Text("(not run)", style="dim")
+    if len(set(labels)) == 1:
+        text.append(f"{len(labels)}x " if len(labels) > 1 else "")
+        text.append(labels[0], style=_STYLE.get(runs[0].get("verdict"), ""))
+        return text
+    for i, (label, r) in enumerate(zip(labels, runs)):
+        text.append(" " if i else "")
+        text.append(label, style=_STYLE.get(r.get("verdict"), ""))
+    return text
+
+
 def matrix_table(run: dict[str, Any]) -> Group:
     table = Table(title=f"kvrepro matrix {run.get('run_id')}  (vLLM {run.get('base')}, target {run.get('target')}, "
                         f"{run.get('status')})", title_justify="left")
-    table.add_column("build", style="bold")
+    table.add_column("build", style="bold", no_wrap=True)
     table.add_column("patches")
-    table.add_column("verdict per repetition")
+    table.add_column("verdicts", no_wrap=True)
     table.add_column("trigger count", justify="right")
     table.add_column("offload loads", justify="right")
-    table.add_column("title", overflow="fold")
+    titles: list[Text] = []
     for name, build in run.get("builds_results", {}).items():
         runs = build.get("runs", [])
-        verdicts = Text()
-        for i, r in enumerate(runs):
-            if i:
-                verdicts.append(" ")
-            verdicts.append(verdict_label(r), style=_STYLE.get(r.get("verdict"), ""))
-        if not runs:
-            verdicts.append("(not run)", style="dim")
-        titles = Counter(r.get("title") for r in runs if r.get("verdict") != "SURVIVED" and r.get("title"))
-        build_error = (build.get("build") or {}).get("error")
-        title = build_error or (titles.most_common(1)[0][0] if titles else "")
         table.add_row(
             name,
             ", ".join(build.get("patches", [])) or "-",
-            verdicts,
+            _verdict_summary(runs),
             " / ".join(str(r.get("trigger_count", 0)) for r in runs),
             " / ".join(str(int((r.get("extra") or {}).get("offload_load_jobs", 0))) for r in runs),
-            title,
         )
-    lines = [table]
+        build_error = (build.get("build") or {}).get("error")
+        counted = Counter(r.get("title") for r in runs if r.get("verdict") != "SURVIVED" and r.get("title"))
+        for title, n in ([(build_error, len(runs))] if build_error else counted.most_common()):
+            titles.append(Text(f"{name}: {title}" + (f"  ({n}x)" if n > 1 else "")))
+    lines: list[Any] = [table, *titles]
     for e in _effects(run):
         lines.append(Text(
             f"{e.patch}: {e.without} {e.without_rate.crashes}/{e.without_rate.trials} crashed -> "
