@@ -97,14 +97,13 @@ def matrix_plan(matrix: Path = MatrixOpt, target: Optional[str] = typer.Option(N
 
 
 class RichProgress:
-    """Shows builds, runs and requests while a matrix runs (on stderr, so --json stays clean)."""
+    """Shows builds, runs and each running engine's requests (on stderr, so --json stays clean)."""
 
-    def __init__(self, total_runs: int, budget: int | None):
+    def __init__(self, total_runs: int):
         self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                                  MofNCompleteColumn(), TimeElapsedColumn(), console=err, transient=False)
         self.runs = self.progress.add_task("runs", total=total_runs)
-        self.reqs = self.progress.add_task("requests", total=budget, visible=False)
-        self.budget = budget
+        self.active: dict[tuple[str, int], Any] = {}
 
     def stage(self, text: str) -> None:
         self.progress.console.log(text)
@@ -114,14 +113,17 @@ class RichProgress:
 
     def run_started(self, build: str, rep: int, budget: int | None) -> None:
         self.progress.update(self.runs, description="runs")
-        self.progress.reset(self.reqs, total=budget, visible=True,
-                            description=f"build {build} rep {rep}: requests")
+        self.active[(build, rep)] = self.progress.add_task(f"  build {build} rep {rep}: requests", total=budget)
 
-    def requests_done(self, done: int, failed: int) -> None:
-        self.progress.update(self.reqs, completed=done)
+    def requests_done(self, build: str, rep: int, done: int, failed: int) -> None:
+        task = self.active.get((build, rep))
+        if task is not None:
+            self.progress.update(task, completed=done)
 
     def run_finished(self, result: RunResult) -> None:
-        self.progress.update(self.reqs, visible=False)
+        task = self.active.pop((result.build, result.rep), None)
+        if task is not None:
+            self.progress.remove_task(task)
         self.progress.advance(self.runs)
         label = report.verdict_label(to_jsonable(result))
         self.progress.console.log(f"build {result.build} rep {result.rep}: {label}  trigger={result.trigger_count} "
@@ -147,6 +149,8 @@ def matrix_run(
     target: Optional[str] = typer.Option(None, help="override matrix.yaml's target (sim, docker)"),
     build: Optional[list[str]] = typer.Option(None, "--build", "-b", help="only these builds (repeatable)"),
     reps: Optional[int] = typer.Option(None, "--reps", min=1, help="override runs.repetitions"),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1,
+                                       help="engines at once (default: what the target can take; sim: one per core)"),
     results_root: Path = ResultsOpt,
     as_json: bool = JsonOpt,
 ) -> None:
@@ -154,7 +158,7 @@ def matrix_run(
     from .runner import MatrixOptions, run_matrix
 
     loaded = _load(matrix)
-    options = MatrixOptions(target=target, builds=build, repetitions=reps, results_root=results_root)
+    options = MatrixOptions(target=target, builds=build, repetitions=reps, results_root=results_root, jobs=jobs)
     plans = loaded.plans(build)
     total = len(plans) * (reps or loaded.matrix.runs.repetitions)
     stop = threading.Event()
@@ -166,7 +170,7 @@ def matrix_run(
         err.print("[yellow]stopping after the current run is recorded (Ctrl-C again to stop at once)[/]")
 
     previous = signal.signal(signal.SIGINT, on_sigint)
-    progress = RichProgress(total, loaded.matrix.runs.requests)
+    progress = RichProgress(total)
     try:
         with progress.progress:
             run = run_matrix(loaded, options, progress, stop)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,7 +35,7 @@ class Progress(Protocol):
     def stage(self, text: str) -> None: ...
     def detail(self, text: str) -> None: ...
     def run_started(self, build: str, rep: int, budget: int | None) -> None: ...
-    def requests_done(self, done: int, failed: int) -> None: ...
+    def requests_done(self, build: str, rep: int, done: int, failed: int) -> None: ...
     def run_finished(self, result: RunResult) -> None: ...
 
 
@@ -48,7 +49,7 @@ class SilentProgress:
     def run_started(self, build: str, rep: int, budget: int | None) -> None:
         pass
 
-    def requests_done(self, done: int, failed: int) -> None:
+    def requests_done(self, build: str, rep: int, done: int, failed: int) -> None:
         pass
 
     def run_finished(self, result: RunResult) -> None:
@@ -61,6 +62,7 @@ class MatrixOptions:
     builds: list[str] | None = None
     repetitions: int | None = None
     results_root: Path = results.DEFAULT_ROOT
+    jobs: int | None = None  # engines run at once; None: what the target says it can take
 
 
 def _artifact_json(artifact: BuildArtifact) -> dict[str, Any]:
@@ -123,7 +125,8 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     try:
         load = run_load(handle.base_url, matrix.load, matrix.runs, run_dir / "load.jsonl",
                         seed=matrix.load.seed + rep, alive=handle.alive,
-                        on_progress=progress.requests_done, stop=stop)
+                        on_progress=lambda done, failed: progress.requests_done(plan.name, rep, done, failed),
+                        stop=stop)
         engine_exit = handle.exit_code()
         metrics_text = _fetch_metrics(handle)
         if metrics_text is not None:
@@ -185,7 +188,9 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
     })
     target = target_cls(loaded)
     target.on_line = progress.detail
+    jobs = max(1, options.jobs or target.max_parallel())
     try:
+        artifacts = []
         for plan in plans:
             if stop.is_set():
                 break
@@ -195,13 +200,30 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
             except KvreproError as exc:
                 artifact = BuildArtifact(plan=plan, ref=None, manifest={}, error=str(exc))
             results.write_json(folder.build_dir(plan.name) / "build.json", _artifact_json(artifact))
-            for rep in range(reps):
-                if stop.is_set():
-                    break
-                run_dir = folder.rep_dir(plan.name, rep)
-                result = run_one(loaded, target, artifact, run_dir, rep, progress, stop)
-                results.write_json(run_dir / "verdict.json", result)
-                progress.run_finished(result)
+            artifacts.append(artifact)
+
+        def one(artifact: BuildArtifact, rep: int) -> None:
+            if stop.is_set():
+                return
+            run_dir = folder.rep_dir(artifact.plan.name, rep)
+            result = run_one(loaded, target, artifact, run_dir, rep, progress, stop)
+            results.write_json(run_dir / "verdict.json", result)
+            progress.run_finished(result)
+
+        # Repetition-major order: with N parallel slots the first results cover every build.
+        work = [(a, rep) for rep in range(reps) for a in artifacts]
+        if jobs == 1:
+            for artifact, rep in work:
+                one(artifact, rep)
+        else:
+            with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="kvrepro-run") as pool:
+                futures = [pool.submit(one, a, rep) for a, rep in work]
+                try:
+                    for future in futures:
+                        future.result()
+                except BaseException:
+                    stop.set()  # the other slots record what they have and stop
+                    raise
         folder.update(status="interrupted" if stop.is_set() else "complete", finished=time.time())
     except BaseException:
         folder.update(status="interrupted", finished=time.time())

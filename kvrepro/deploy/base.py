@@ -64,5 +64,9 @@ class Target(abc.ABC):
     def start(self, artifact: BuildArtifact, run_dir: Path, rep: int) -> EngineHandle:
         ...
 
+    def max_parallel(self) -> int:
+        """How many engines this target can run at once without them disturbing each other."""
+        return 1
+
     def close(self) -> None:
         """Release target-wide resources (clients, leftovers)."""

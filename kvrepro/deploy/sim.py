@@ -94,6 +94,10 @@ class SimTarget(Target):
         super().__init__(loaded)
         self._python: Path | None = None
 
+    def max_parallel(self) -> int:
+        # one engine keeps about one core busy; the load generator is light
+        return max(1, min(4, os.cpu_count() or 1))
+
     def python(self) -> Path:
         if self._python is None:
             self._python = builds.prepare_runtime(self.loaded.matrix.base, self.on_line)
