@@ -1,0 +1,410 @@
+"""The sim executor: a vLLM ``Executor`` with no GPU behind it.
+
+``EngineCore`` is constructed with this class as its executor, so everything above the
+executor is vLLM's own code: ``Scheduler``, ``KVCacheManager``, the hybrid KV-cache groups,
+spec-decode bookkeeping, and the ``OffloadingConnector``'s scheduler side. Below it, the
+worker-side KV-connector lifecycle is vLLM's too: the real GPU model runner's
+``KVConnectorModelRunnerMixin`` binds the connector metadata, starts transfers and collects
+``get_finished()`` / ``build_connector_worker_meta()`` from a real ``OffloadingConnector``
+created with role WORKER, exactly as ``gpu_model_runner.execute_model`` does.
+
+Faked, because this machine has no GPU:
+
+* **The model** (``SimRunner``): which tokens come out. A request samples once its whole
+  known sequence has been computed (chunked prefill steps sample nothing, as on a GPU); the
+  token values are a deterministic function of request and position. With MTP, each
+  scheduled draft token is accepted with probability ``KVREPRO_SIM_ACCEPTANCE_RATE`` (seeded
+  by ``KVREPRO_SIM_SEED``); accepted drafts plus one new token are returned, so the scheduler
+  rolls back rejected drafts itself. After sampling, one draft per speculative slot is
+  proposed through ``take_draft_token_ids`` (the synchronous-scheduling path).
+* **The offload data movement** (``SimTransferWorker``, vLLM's ``OffloadingWorker``
+  interface): no bytes move; every load or store job the connector submits is reported
+  finished by the next step's ``get_finished()`` (``wait()`` on a flush finishes the named
+  jobs at once). The real connector worker turns those reports into ``finished_recving`` and
+  ``completed_jobs`` for the scheduler, as it would for CUDA copies.
+* **KV-cache specs**: built per layer the way the model's layers would report them
+  (``FullAttentionSpec`` for full attention, including the MTP draft layer; ``MambaSpec`` with
+  the model class's own GDN state shapes for linear attention), after vLLM's
+  ``update_block_size_for_backend`` has aligned the hybrid block size. Supported: configs with
+  ``layer_types`` of ``full_attention`` / ``linear_attention`` (Qwen3-Next style).
+* **Memory**: ``determine_available_memory`` reports enough for ``max_num_seqs`` requests of
+  ``max_model_len``; ``--num-gpu-blocks-override`` then sets the pool, as on a GPU.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import zlib
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+
+from .config import SimKnobs
+
+logger = init_logger("vllm.kvrepro_engine.executor")
+
+
+class SimTransferWorker(OffloadingWorker):
+    """vLLM's OffloadingWorker interface without data movement: a job finishes one step later."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._submitted: dict[int, str] = {}  # job id -> "load" | "store", this step
+        self._done: dict[int, str] = {}  # finished, not yet reported
+        self.completed = {"load": 0, "store": 0}
+
+    def begin_step(self) -> None:
+        """Called at the start of each model step: last step's jobs are now complete."""
+        with self._lock:
+            self._done.update(self._submitted)
+            self._submitted = {}
+
+    def submit_store(self, job_id, src_spec, dst_spec) -> bool:
+        with self._lock:
+            self._submitted[job_id] = "store"
+        return True
+
+    def submit_load(self, job_id, src_spec, dst_spec) -> bool:
+        with self._lock:
+            self._submitted[job_id] = "load"
+        return True
+
+    def wait(self, job_ids) -> None:
+        # A flush blocks until the named transfers are done; here they are done at once.
+        with self._lock:
+            for job_id in job_ids:
+                kind = self._submitted.pop(job_id, None)
+                if kind is not None:
+                    self._done[job_id] = kind
+
+    def get_finished(self) -> list[TransferResult]:
+        with self._lock:
+            done, self._done = self._done, {}
+            for kind in done.values():
+                self.completed[kind] += 1
+        return [TransferResult(job_id=job_id, success=True) for job_id in sorted(done)]
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._submitted) + len(self._done)
+
+
+@dataclass
+class _ReqState:
+    key: int  # stable per-request number for token values
+    num_tokens: int  # prompt + output tokens this runner knows of
+
+
+class SimRunner:
+    """Stands where GPUModelRunner stands: tracks requests, runs the connector, samples."""
+
+    def __init__(self, vllm_config: VllmConfig, knobs: SimKnobs, connector, transfers):
+        self.vllm_config = vllm_config
+        self.connector = connector
+        self.transfers = transfers
+        self.vocab_size = max(2, int(vllm_config.model_config.get_vocab_size()))
+        spec = vllm_config.speculative_config
+        self.num_spec = spec.num_speculative_tokens if spec is not None else 0
+        self.acceptance_rate = knobs.acceptance_rate
+        self.rng = random.Random(knobs.seed)
+        self.requests: dict[str, _ReqState] = {}
+        self._pending: tuple | None = None  # (req ids, sampled, kv connector output)
+        self._drafts: dict[str, list[int]] = {}
+
+    def _token(self, state: _ReqState, position: int) -> int:
+        return (state.key * 1_000_003 + position * 7_919) % self.vocab_size
+
+    def _update_states(self, so) -> dict[str, int]:
+        """Like GPUModelRunner._update_states: forget finished requests, learn new ones."""
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        num_computed: dict[str, int] = {}
+        for new in so.scheduled_new_reqs:
+            if new.req_id not in self.requests:
+                self.requests[new.req_id] = _ReqState(
+                    key=zlib.crc32(new.req_id.encode()), num_tokens=len(new.prompt_token_ids or ())
+                )
+            num_computed[new.req_id] = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            num_computed[req_id] = computed
+        return num_computed
+
+    def execute_model(self, so):
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin as Mixin
+
+        if self.transfers is not None:
+            self.transfers.begin_step()
+        if self.connector is not None:
+            self.connector.handle_preemptions(so.kv_connector_metadata)
+        num_computed = self._update_states(so)
+        if not so.total_num_scheduled_tokens:
+            if self.connector is None:
+                from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+                return EMPTY_MODEL_RUNNER_OUTPUT
+            return Mixin.kv_connector_no_forward(so, self.vllm_config)
+        with set_forward_context(None, self.vllm_config), Mixin.maybe_get_kv_connector_output(so) as kv_out:
+            req_ids, sampled = self._forward(so, num_computed)
+        self._pending = (req_ids, sampled, kv_out)
+        return None
+
+    def _forward(self, so, num_computed: dict[str, int]):
+        req_ids = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        self._drafts = {}
+        for req_id in req_ids:
+            state = self.requests[req_id]
+            spec = so.scheduled_spec_decode_tokens.get(req_id) or []
+            seq_end = num_computed[req_id] + so.num_scheduled_tokens[req_id] - len(spec)
+            if seq_end < state.num_tokens:
+                sampled.append([])  # a chunk of a longer prefill: nothing is sampled
+                continue
+            accepted = 0
+            for draft in spec:
+                if draft < 0 or self.rng.random() >= self.acceptance_rate:
+                    break
+                accepted += 1
+            tokens = list(spec[:accepted])
+            new = self._token(state, state.num_tokens + accepted)
+            if accepted < len(spec) and new == spec[accepted]:
+                new = (new + 1) % self.vocab_size  # a rejected draft is replaced by another token
+            tokens.append(new)
+            state.num_tokens += len(tokens)
+            sampled.append(tokens)
+            if self.num_spec:
+                self._drafts[req_id] = [self._token(state, state.num_tokens + i) for i in range(self.num_spec)]
+        return req_ids, sampled
+
+    def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
+        assert self._pending is not None, "sample_tokens() without a preceding execute_model()"
+        req_ids, sampled, kv_out = self._pending
+        self._pending = None
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=kv_out,
+        )
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        if not self._drafts:
+            return None
+        drafts, self._drafts = self._drafts, {}
+        return DraftTokenIds(req_ids=list(drafts), draft_token_ids=list(drafts.values()))
+
+
+class SimExecutor(Executor):
+    """One fake worker in-process; see the module docstring for what is real and what is not."""
+
+    uses_ray = False
+    supports_pp = False
+
+    def _init_executor(self) -> None:
+        from vllm.platforms import current_platform
+
+        self.knobs = SimKnobs.from_env()
+        self.steps = 0
+        self.runner: SimRunner | None = None
+        self.connector = None
+        self.transfers: SimTransferWorker | None = None
+        # A GPU worker calls this after loading the model (UniProcExecutor._init_executor);
+        # it aligns the attention block size with the Mamba page size for hybrid models.
+        current_platform.update_block_size_for_backend(self.vllm_config)
+        self._specs = self._build_kv_cache_specs()
+        logger.info(
+            "Sim executor: no GPU; fake model (draft acceptance rate %.2f, seed %d, step delay "
+            "%.1f ms) and fake offload data movement (jobs finish one step later).",
+            self.knobs.acceptance_rate, self.knobs.seed, self.knobs.step_delay_ms,
+        )
+
+    # -- what a worker would report ------------------------------------------------------
+
+    def _build_kv_cache_specs(self) -> dict:
+        import torch  # noqa: F401  (vLLM's specs carry torch dtypes)
+        from vllm.model_executor.models import ModelRegistry
+        from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+        from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, get_kv_quant_mode
+
+        vc = self.vllm_config
+        model_config = vc.model_config
+        cache_config = vc.cache_config
+        hf = model_config.hf_text_config
+        layer_types = getattr(hf, "layer_types", None)
+        if not layer_types or not set(layer_types) <= {"full_attention", "linear_attention"}:
+            raise RuntimeError(
+                f"{model_config.model}/config.json: the sim engine lays out KV caches for "
+                "Qwen3-Next style configs only (layer_types made of 'full_attention' and "
+                f"'linear_attention'); got layer_types={layer_types!r}"
+            )
+        model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
+
+        def attention_spec(mc) -> FullAttentionSpec:
+            head_size = mc.get_head_size()
+            return FullAttentionSpec(
+                block_size=cache_config.block_size,
+                num_kv_heads=mc.get_num_kv_heads(vc.parallel_config),
+                head_size=head_size,
+                head_size_v=head_size,
+                dtype=kv_cache_dtype_str_to_dtype(cache_config.cache_dtype, mc),
+                kv_quant_mode=get_kv_quant_mode(cache_config.cache_dtype),
+            )
+
+        num_spec = vc.speculative_config.num_speculative_tokens if vc.speculative_config else 0
+        specs: dict = {}
+        for i, kind in enumerate(layer_types):
+            if kind == "full_attention":
+                specs[f"model.layers.{i}.self_attn.attn"] = attention_spec(model_config)
+            else:
+                specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
+                    shapes=tuple(model_cls.get_mamba_state_shape_from_config(vc)),
+                    dtypes=tuple(model_cls.get_mamba_state_dtype_from_config(vc)),
+                    block_size=cache_config.mamba_block_size,
+                    page_size_padded=cache_config.mamba_page_size_padded,
+                    mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+                    mamba_cache_mode=cache_config.mamba_cache_mode,
+                    num_speculative_blocks=num_spec,
+                )
+        spec_config = vc.speculative_config
+        if spec_config is not None and spec_config.method == "mtp":
+            # The MTP module's own decoder layers are full attention and register their KV
+            # caches with the target model's (no separate drafter group).
+            draft = spec_config.draft_model_config
+            num_mtp = int(getattr(hf, "num_nextn_predict_layers", 1) or 1)
+            for j in range(num_mtp):
+                specs[f"mtp.layers.{len(layer_types) + j}.self_attn.attn"] = attention_spec(draft)
+        elif spec_config is not None:
+            raise RuntimeError(
+                f"speculative method {spec_config.method!r}: the sim engine simulates 'mtp' only"
+            )
+        return specs
+
+    def get_kv_cache_specs(self):
+        return [self._specs]
+
+    def determine_available_memory(self) -> list[int]:
+        from vllm.utils.math_utils import cdiv
+
+        vc = self.vllm_config
+        per_block = sum(spec.page_size_bytes for spec in self._specs.values())
+        blocks = vc.scheduler_config.max_num_seqs * (
+            cdiv(vc.model_config.max_model_len, vc.cache_config.block_size) + 4
+        )
+        return [per_block * blocks]
+
+    def initialize_from_config(self, kv_cache_configs) -> None:
+        kv_cache_config = kv_cache_configs[0]
+        if self.vllm_config.kv_transfer_config is not None:
+            self.connector, self.transfers = self._make_worker_connector(kv_cache_config)
+        self.runner = SimRunner(self.vllm_config, self.knobs, self.connector, self.transfers)
+
+    def _make_worker_connector(self, kv_cache_config):
+        """vLLM's worker-side connector, installed as this process's KV transfer agent.
+
+        ensure_kv_transfer_initialized() would do this after a torch.distributed TP sync that
+        a single fake worker has no use for, so the factory call and the agent assignment are
+        done here by hand. The offloading worker's transfer engine (which needs CUDA tensors)
+        is the SimTransferWorker.
+        """
+        from vllm.distributed.kv_transfer import kv_transfer_state
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+
+        connector = KVConnectorFactory.create_connector(
+            config=self.vllm_config, role=KVConnectorRole.WORKER, kv_cache_config=kv_cache_config
+        )
+        transfers = None
+        worker_side = getattr(connector, "connector_worker", None)
+        if worker_side is not None and hasattr(worker_side, "worker"):
+            transfers = SimTransferWorker()
+            worker_side.worker = transfers
+        else:
+            raise RuntimeError(
+                f"KV connector {type(connector).__name__}: the sim engine simulates the "
+                "OffloadingConnector's worker only (--kv-offloading-backend native)"
+            )
+        kv_transfer_state._KV_CONNECTOR_AGENT = connector
+        return connector, transfers
+
+    # -- the per-step calls EngineCore makes ------------------------------------------------
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False):
+        name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))
+        handlers = {
+            "get_supported_tasks": lambda: ("generate",),
+            "check_health": lambda: None,
+            "shutdown": lambda: None,
+            "update_max_model_len": lambda n: None,
+            "reset_mm_cache": lambda: None,
+            "reset_encoder_cache": lambda: None,
+        }
+        handler = handlers.get(name)
+        if handler is None:
+            raise NotImplementedError(
+                f"collective_rpc({name!r}): the sim executor has no worker process to run it on"
+            )
+        result = [handler(*args, **(kwargs or {}))]
+        if non_block:
+            future: Future = Future()
+            future.set_result(result)
+            return future
+        return result
+
+    def get_kv_connector_handshake_metadata(self):
+        # What GPUWorker returns: None when the connector needs no handshake (offloading).
+        if self.connector is None:
+            return [None]
+        metadata = self.connector.get_handshake_metadata()
+        return [None if metadata is None else {(0, 0): metadata}]
+
+    def execute_model(self, scheduler_output, non_block: bool = False):
+        assert self.runner is not None, "execute_model() before initialize_from_config()"
+        self.steps += 1
+        if self.knobs.step_delay_ms:
+            time.sleep(self.knobs.step_delay_ms / 1000.0)
+        future: Future = Future()
+        try:
+            future.set_result(self.runner.execute_model(scheduler_output))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future if non_block else future.result()
+
+    def sample_tokens(self, grammar_output, non_block: bool = False):
+        assert self.runner is not None
+        future: Future = Future()
+        try:
+            future.set_result(self.runner.sample_tokens(grammar_output))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future if non_block else future.result()
+
+    def take_draft_token_ids(self):
+        return self.runner.take_draft_token_ids() if self.runner is not None else None
+
+    def check_health(self) -> None:
+        return
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            from vllm.distributed.kv_transfer import kv_transfer_state
+
+            try:
+                self.connector.shutdown()
+            finally:
+                if kv_transfer_state._KV_CONNECTOR_AGENT is self.connector:
+                    kv_transfer_state._KV_CONNECTOR_AGENT = None
+                self.connector = None
+
+    def sim_stats(self) -> dict[str, int]:
+        """Counters for /metrics: engine steps and completed offload jobs by kind."""
+        completed = self.transfers.completed if self.transfers is not None else {"load": 0, "store": 0}
+        return {"steps": self.steps, "load_jobs": completed["load"], "store_jobs": completed["store"]}

@@ -1,0 +1,240 @@
+"""kvrepro's probe: counts how often vLLM's offload-hit load path runs, without changing it.
+
+Why it exists: a build that survives a run proves nothing unless the code path that crashes
+in the other builds actually ran. The path is
+``OffloadingConnectorScheduler.update_state_after_alloc`` (vllm/distributed/kv_transfer/
+kv_connector/v1/offloading/scheduler.py); the probe wraps it and counts
+
+* ``external_hit_calls``: calls with ``num_external_tokens > 0`` (the request loads from the
+  offload tier), and
+* ``trigger_calls``: those calls where the request ALSO has a local prefix-cache hit
+  (``num_locally_computed_tokens > 0``), the combination the matrix's crash needs.
+
+Counting happens BEFORE the original runs, so the call that crashes is counted. The wrapper
+returns what the original returns and re-raises what it raises.
+
+The file is self-contained (stdlib only) and identical in every build, so that it can go into
+any vLLM environment:
+
+1. The sim overlay puts it next to ``vllm/`` and ``kvrepro.engine`` imports it explicitly
+   (``.pth`` files are not processed for PYTHONPATH entries).
+2. In a vllm/vllm-openai image it is ``site-packages/kvrepro_probe.py`` plus a
+   ``kvrepro_probe.pth`` holding ``import kvrepro_probe``, so it loads in every python
+   process (API server and the EngineCore subprocess) without vLLM importing it.
+
+On import it therefore wraps at once if the scheduler module is already loaded, and otherwise
+installs a ``sys.meta_path`` finder that wraps right after that module executes. Processes that
+never import vLLM pay for one string comparison per import and print nothing.
+
+Output, on stderr, flushed, one line each (kvrepro's classifier parses these exact formats)::
+
+  kvrepro-probe: installed function=OffloadingConnectorScheduler.update_state_after_alloc file=<path> source_sha256=<hex>
+  kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M>
+
+The counts line is written every ~2 s while the counts change, right before re-raising when
+the wrapped call raises, and at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import hashlib
+import importlib.abc
+import inspect
+import os
+import sys
+import threading
+
+TARGET_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
+TARGET_CLASS = "OffloadingConnectorScheduler"
+TARGET_METHOD = "update_state_after_alloc"
+REPORT_INTERVAL_S = 2.0
+
+_lock = threading.Lock()
+_counts = {"external_hit_calls": 0, "trigger_calls": 0}
+_state = {
+    "installed": False,
+    "source_sha256": None,  # of inspect.getsource(original)
+    "file": None,
+    "last_reported": None,  # the counts tuple last written
+    "reporter": None,  # the reporter thread of this process
+}
+
+
+def counts() -> dict:
+    """A copy of the counters (for the sim engine's /metrics)."""
+    with _lock:
+        return dict(_counts)
+
+
+def source_sha256() -> str | None:
+    """sha256 of the wrapped function's source, or None while nothing is wrapped."""
+    return _state["source_sha256"]
+
+
+def installed() -> bool:
+    return bool(_state["installed"])
+
+
+def _write(line: str) -> None:
+    # The probe must never take its host down: a closed stderr only loses the line.
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except Exception:
+        pass
+
+
+def report(force: bool = False) -> None:
+    """Write the counts line (when they changed since the last one, or when forced)."""
+    if not _state["installed"]:
+        return
+    with _lock:
+        snapshot = (_counts["external_hit_calls"], _counts["trigger_calls"])
+        if not force and snapshot == _state["last_reported"]:
+            return
+        _state["last_reported"] = snapshot
+    _write(f"kvrepro-probe: counts external_hit_calls={snapshot[0]} trigger_calls={snapshot[1]}")
+
+
+def _reporter_loop() -> None:
+    import time
+
+    while True:
+        time.sleep(REPORT_INTERVAL_S)
+        report()
+
+
+def _start_reporter() -> None:
+    thread = threading.Thread(target=_reporter_loop, name="kvrepro-probe-reporter", daemon=True)
+    thread.start()
+    _state["reporter"] = thread
+
+
+def _after_fork_in_child() -> None:
+    # A forked child inherits the wrapped class and the counts but not the reporter thread;
+    # the parent's counts belong to the parent, so the child starts from zero.
+    if _state["installed"]:
+        with _lock:
+            _counts["external_hit_calls"] = 0
+            _counts["trigger_calls"] = 0
+            _state["last_reported"] = None
+        _start_reporter()
+
+
+def _locally_computed_tokens(scheduler, request) -> int:
+    """What update_state_after_alloc itself reads: the request status the connector keeps."""
+    try:
+        return int(scheduler._req_status[request.request_id].num_locally_computed_tokens)
+    except Exception:
+        # Unknown layout (another vLLM version): the original will run and decide for itself;
+        # this call just cannot count as a trigger.
+        return 0
+
+
+def _wrap(cls) -> None:
+    original = cls.__dict__.get(TARGET_METHOD)
+    if original is None or getattr(original, "__kvrepro_probe__", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def update_state_after_alloc(*args, **kwargs):
+        try:
+            bound = signature.bind(*args, **kwargs)
+            num_external_tokens = bound.arguments.get("num_external_tokens") or 0
+            if num_external_tokens > 0:
+                local = _locally_computed_tokens(bound.arguments["self"], bound.arguments["request"])
+                with _lock:
+                    _counts["external_hit_calls"] += 1
+                    if local > 0:
+                        _counts["trigger_calls"] += 1
+        except Exception:
+            pass  # counting is best effort; the call itself must behave exactly as before
+        try:
+            return original(*args, **kwargs)
+        except BaseException:
+            report(force=True)
+            raise
+
+    update_state_after_alloc.__kvrepro_probe__ = True
+    try:
+        source = inspect.getsource(original)
+        digest = hashlib.sha256(source.encode()).hexdigest()
+    except (OSError, TypeError):
+        digest = "0" * 64  # no source on disk (zipped install): still counted
+    setattr(cls, TARGET_METHOD, update_state_after_alloc)
+    module = sys.modules.get(cls.__module__)
+    path = getattr(module, "__file__", None) or "?"
+    _state.update(installed=True, source_sha256=digest, file=path)
+    _write(
+        f"kvrepro-probe: installed function={TARGET_CLASS}.{TARGET_METHOD} "
+        f"file={path} source_sha256={digest}"
+    )
+    _start_reporter()
+    atexit.register(report, True)
+
+
+def _wrap_module(module) -> None:
+    try:
+        cls = getattr(module, TARGET_CLASS, None)
+        if cls is not None:
+            _wrap(cls)
+        else:
+            _write(f"kvrepro-probe: not installed: {TARGET_MODULE} has no {TARGET_CLASS}")
+    except Exception as exc:  # never break the import of vLLM itself
+        _write(f"kvrepro-probe: not installed: {type(exc).__name__}: {exc}")
+
+
+class _LoaderProxy:
+    """Runs the real loader, then wraps the freshly executed module. Everything else delegates."""
+
+    def __init__(self, loader):
+        self._kvrepro_loader = loader
+
+    def create_module(self, spec):
+        create = getattr(self._kvrepro_loader, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module):
+        self._kvrepro_loader.exec_module(module)
+        _wrap_module(module)
+
+    def __getattr__(self, name):
+        return getattr(self._kvrepro_loader, name)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; for the one target module it decorates the real finder's spec."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != TARGET_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            try:
+                spec = finder.find_spec(fullname, path, target)
+            except Exception:
+                continue
+            if spec is None:
+                continue
+            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _LoaderProxy(spec.loader)
+            return spec
+        return None
+
+
+def install() -> None:
+    """Idempotent: wrap now if vLLM's scheduler module is loaded, else wait for its import."""
+    module = sys.modules.get(TARGET_MODULE)
+    if module is not None:
+        _wrap_module(module)
+        return
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+install()
