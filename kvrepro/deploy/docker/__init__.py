@@ -1,0 +1,33 @@
+"""The `docker` deploy target: builds become images, runs become containers on Docker hosts.
+
+    kvrepro images base-cpu                   # once, for laptops/CI: a GPU-free vllm-openai look-alike
+    kvrepro hosts check                       # each host: daemon, GPUs, ports, base image
+    kvrepro matrix run --target docker        # builds A-D as images, each run as containers
+    kvrepro clean [--images]                  # leftovers (only what carries kvrepro's labels)
+
+matrix.yaml, for a cluster (values shown are the defaults unless marked as an example)::
+
+    base_image: vllm/vllm-openai:v0.26.0      # default vllm/vllm-openai:v<base>
+    hosts:                                    # example: absent = the local daemon
+      - {name: gb200-0, docker: "ssh://ops@gb200-0", gpus: 4, address: 10.0.0.10}
+      - {name: gb200-1, docker: "ssh://ops@gb200-1", gpus: 4, address: 10.0.0.11}
+    docker:
+      nodes: [gb200-0, gb200-1]               # example: one engine over both, head first
+      multi_node: nnodes                      # or data-parallel
+      pass_env: [HF_TOKEN, HUGGING_FACE_HUB_TOKEN]   # names only; values come from your shell
+      hf_cache: kvrepro-hf-cache              # volume name or absolute host path
+      health_timeout_s: null                  # null: runs.start_timeout_s
+
+Modules: ``assemble`` (image per build), ``launch`` (which container gets which flags),
+``containers`` (logs, watchdog, health gate, teardown), ``target`` (the Target), ``hosts``,
+``basecpu`` (the CPU base image), ``clean``, ``cli``, ``errors`` (the named failures).
+"""
+
+from __future__ import annotations
+
+from .. import register
+from .target import DockerEngineHandle, DockerTarget
+
+DockerTarget = register("docker")(DockerTarget)
+
+__all__ = ["DockerEngineHandle", "DockerTarget"]

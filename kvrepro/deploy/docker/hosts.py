@@ -1,0 +1,271 @@
+"""Docker hosts: connecting to a daemon (local socket, ssh://, tcp with TLS) and checking it.
+
+A failed connection is turned into a named error here, once, so that everything above can say
+"host gpu-1: daemon down" instead of showing docker-py's or urllib3's stack.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import docker
+import docker.errors
+import requests
+
+from ...spec import HostSpec, Matrix
+from .errors import DaemonDownError, UnknownHostError
+from .labels import MANAGED_FILTER
+
+DEFAULT_SOCKET = "unix:///var/run/docker.sock"
+_LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", ""}
+
+
+def local_host_spec() -> HostSpec:
+    """The daemon this machine's `docker` CLI talks to (DOCKER_HOST, else the default socket)."""
+    return HostSpec(name="local", docker=os.environ.get("DOCKER_HOST") or DEFAULT_SOCKET)
+
+
+def host_of(spec: HostSpec) -> str:
+    """The machine name in a host's docker URL ('' for a unix socket)."""
+    parsed = urlparse(spec.docker)
+    return "" if parsed.scheme == "unix" else (parsed.hostname or "")
+
+
+def is_local(spec: HostSpec) -> bool:
+    """True when the daemon runs on this machine, so ports it publishes are ours to bind-test."""
+    return urlparse(spec.docker).scheme == "unix" or host_of(spec) in _LOCAL_NAMES
+
+
+def reach_address(spec: HostSpec) -> str:
+    """How other nodes and the load generator reach a host."""
+    if spec.address:
+        return spec.address
+    return "127.0.0.1" if is_local(spec) else host_of(spec)
+
+
+def engine_hosts(matrix: Matrix) -> list[HostSpec]:
+    """The hosts that together run one engine, head first (docker.nodes, else the first host)."""
+    known = {h.name: h for h in matrix.hosts}
+    if matrix.docker.nodes:
+        missing = [n for n in matrix.docker.nodes if n not in known]
+        if missing:
+            raise UnknownHostError(
+                f"docker.nodes names host(s) {', '.join(map(repr, missing))} that hosts: does not define "
+                f"(defined: {', '.join(known) or 'none'}); add them under hosts: with name and docker URL"
+            )
+        return [known[n] for n in matrix.docker.nodes]
+    if matrix.hosts:
+        return [matrix.hosts[0]]
+    return [local_host_spec()]
+
+
+def all_hosts(matrix: Matrix | None) -> list[HostSpec]:
+    if matrix is None or not matrix.hosts:
+        return [local_host_spec()]
+    return list(matrix.hosts)
+
+
+def _tls_config(spec: HostSpec) -> docker.tls.TLSConfig | None:
+    if not spec.tls:
+        return None
+    folder = Path(os.path.expanduser(spec.cert_path or os.environ.get("DOCKER_CERT_PATH", "~/.docker")))
+    files = {name: folder / name for name in ("ca.pem", "cert.pem", "key.pem")}
+    absent = [str(p) for p in files.values() if not p.is_file()]
+    if absent:
+        raise DaemonDownError(
+            f"host {spec.name}: TLS is on but {', '.join(absent)} do not exist; set hosts[].cert_path to the "
+            "folder holding ca.pem, cert.pem and key.pem (as for `docker --tlsverify`)"
+        )
+    return docker.tls.TLSConfig(
+        client_cert=(str(files["cert.pem"]), str(files["key.pem"])),
+        ca_cert=str(files["ca.pem"]) if spec.tls_verify else None,
+        verify=spec.tls_verify,
+    )
+
+
+@dataclass
+class DockerHost:
+    """A connected daemon and the spec it came from."""
+
+    spec: HostSpec
+    client: docker.DockerClient
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def local(self) -> bool:
+        return is_local(self.spec)
+
+    @property
+    def address(self) -> str:
+        return reach_address(self.spec)
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception:  # closing a broken connection must not hide the error that broke it
+            pass
+
+
+def connect(spec: HostSpec, timeout: float = 60.0) -> DockerHost:
+    """Connect to a host's daemon and ping it; raise UnknownHostError or DaemonDownError."""
+    parsed = urlparse(spec.docker)
+    machine = host_of(spec)
+    if parsed.scheme == "unix":
+        sock = parsed.path
+        if not Path(sock).exists():
+            raise DaemonDownError(
+                f"host {spec.name}: no Docker daemon socket at {sock}; start the daemon "
+                "(`sudo systemctl start docker`, or `dockerd &`) or fix hosts[].docker"
+            )
+    elif machine not in _LOCAL_NAMES:
+        try:
+            socket.getaddrinfo(machine, None)
+        except (socket.gaierror, UnicodeError) as exc:
+            raise UnknownHostError(
+                f"host {spec.name}: {machine!r} (from {spec.docker}) does not resolve ({exc.strerror or exc}); "
+                "check the name in hosts[].docker or your DNS / ~/.ssh/config"
+            ) from None
+    try:
+        client = docker.DockerClient(
+            base_url=spec.docker, tls=_tls_config(spec), timeout=int(timeout),
+            use_ssh_client=spec.use_ssh_client, version="auto",
+        )
+        client.ping()
+        info = client.info()
+    except (docker.errors.DockerException, requests.RequestException, OSError) as exc:
+        raise DaemonDownError(
+            f"host {spec.name}: the Docker daemon at {spec.docker} does not answer ({_short(exc)}); "
+            "start it, or check hosts[].docker / TLS / ssh settings, then `kvrepro hosts check`"
+        ) from None
+    return DockerHost(spec=spec, client=client, info=info)
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[-1] if text else type(exc).__name__)[:300]
+
+
+def port_free_locally(port: int) -> bool:
+    """Whether nothing on this machine listens on ``port`` (IPv4, any address)."""
+    for addr in ("127.0.0.1", "0.0.0.0"):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((addr, port))
+            except OSError:
+                return False
+    return True
+
+
+def free_local_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def published_ports(host: DockerHost) -> set[int]:
+    """Host ports that running containers publish (what we can see on a remote host)."""
+    used: set[int] = set()
+    for container in host.client.containers.list():
+        for bindings in (container.attrs.get("NetworkSettings", {}).get("Ports") or {}).values():
+            for binding in bindings or []:
+                if str(binding.get("HostPort", "")).isdigit():
+                    used.add(int(binding["HostPort"]))
+    return used
+
+
+def port_state(host: DockerHost, port: int) -> str:
+    """'free', 'in use', or 'unknown' (a remote host's own processes are invisible to us)."""
+    if port in published_ports(host):
+        return "in use"
+    if host.local:
+        return "free" if port_free_locally(port) else "in use"
+    return "unknown"
+
+
+def check_host(spec: HostSpec, matrix: Matrix | None) -> dict[str, Any]:
+    """What `kvrepro hosts check` reports for one host; never raises for a bad host."""
+    report: dict[str, Any] = {"name": spec.name, "docker": spec.docker, "gpus_declared": spec.gpus,
+                              "local": is_local(spec), "address": reach_address(spec)}
+    try:
+        host = connect(spec, timeout=20)
+    except (DaemonDownError, UnknownHostError) as exc:
+        report.update(ok=False, error=str(exc), error_kind=exc.kind)
+        return report
+    try:
+        info = host.info
+        runtimes = sorted((info.get("Runtimes") or {}).keys())
+        report.update(
+            ok=True,
+            server_version=host.client.version().get("Version"),
+            api_version=host.client.api.api_version,
+            cpus=info.get("NCPU"),
+            memory_gib=round((info.get("MemTotal") or 0) / 2**30, 1),
+            runtimes=runtimes,
+            nvidia_runtime="nvidia" in runtimes,
+            gpus_usable=("nvidia" in runtimes) if spec.gpus else None,
+            kvrepro_containers=len(host.client.containers.list(all=True, filters=MANAGED_FILTER)),
+        )
+        warnings = []
+        if spec.gpus and not report["nvidia_runtime"]:
+            warnings.append(f"declares gpus: {spec.gpus} but the daemon has no `nvidia` runtime "
+                            "(install nvidia-container-toolkit)")
+        if matrix is not None:
+            # The API port (vLLM's 8000 unless docker.api_port says otherwise; one local node
+            # publishes on any free port) and the multi-node rendezvous port.
+            ports = [matrix.docker.api_port or 8000, matrix.docker.rendezvous_port]
+            report["ports"] = {str(p): port_state(host, p) for p in ports}
+            image = matrix.image
+            try:
+                host.client.images.get(image)
+                report["base_image"] = {"ref": image, "present": True}
+            except docker.errors.ImageNotFound:
+                report["base_image"] = {"ref": image, "present": False}
+                warnings.append(f"base image {image} is not on this host (`docker pull {image}`, or "
+                                "`kvrepro images base-cpu` for the CPU base)")
+            if report["nvidia_runtime"] and report["base_image"]["present"]:
+                report["gpus_visible"] = count_gpus(host, image)
+                if report["gpus_visible"] is not None and report["gpus_visible"] < spec.gpus:
+                    warnings.append(f"declares gpus: {spec.gpus} but a container sees {report['gpus_visible']}")
+        report["warnings"] = warnings
+    except (docker.errors.DockerException, requests.RequestException) as exc:
+        report.update(ok=False, error=f"host {spec.name}: {_short(exc)}", error_kind="daemon_down")
+    finally:
+        host.close()
+    return report
+
+
+def count_gpus(host: DockerHost, image: str) -> int | None:
+    """GPUs a container on ``host`` gets with a device request for all of them (`nvidia-smi -L`
+    in a throwaway container of ``image``); None when that cannot be run."""
+    from docker.types import DeviceRequest
+
+    from .labels import managed
+
+    container = None
+    try:
+        container = host.client.containers.create(
+            image, entrypoint=["nvidia-smi", "-L"], device_requests=[DeviceRequest(count=-1, capabilities=[["gpu"]])],
+            labels=managed("probe"), network_disabled=True,
+        )
+        container.start()  # fails at once where the daemon has no GPU driver to hand out
+        container.wait(timeout=60)
+        output = container.logs()
+    except (docker.errors.DockerException, requests.RequestException):
+        return None
+    finally:
+        if container is not None:
+            try:
+                container.remove(force=True)
+            except (docker.errors.DockerException, requests.RequestException):
+                pass
+    return sum(1 for line in output.decode("utf-8", "replace").splitlines() if line.startswith("GPU "))

@@ -1,0 +1,396 @@
+"""The `docker` target: builds become images, runs become containers on Docker hosts.
+
+prepare(plan): assemble (or reuse) the build's image on every host the engine runs on, in
+parallel. start(artifact, run_dir, rep): create the engine's containers (one per node), stream
+their logs into the run folder, and return once the head's /health answers. Everything goes
+through named errors (errors.py), so a run that cannot start is INFRA with a reason, and every
+path out of start/stop leaves no container behind.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import docker.errors
+import requests
+from docker.types import DeviceRequest, Mount
+
+from ...errors import InfraError, KvreproError, SpecError
+from ...records import BuildArtifact, BuildPlan
+from ...secrets import redact
+from ...spec import HostSpec, LoadedMatrix
+from ..base import EngineHandle, Target
+from . import labels as L
+from .assemble import assemble
+from .containers import ContainerEngine
+from .errors import (ContainerError, DaemonDownError, DockerInfraError, ImageMissingError, PortInUseError,
+                     UnknownHostError)
+from .hosts import DockerHost, connect, engine_hosts, free_local_port, port_free_locally, published_ports
+from .launch import NodeLaunch, plan_launch
+
+MODEL_MOUNT = "/kvrepro/model"
+# A local model folder is copied into containers on remote hosts; beyond this it is surely
+# weights, which belong on the host (or in the HF cache), not in a per-run upload.
+MAX_MODEL_UPLOAD = 256 * 2**20
+_API_ERRORS = (docker.errors.DockerException, requests.RequestException)
+
+
+class DockerEngineHandle(EngineHandle):
+    """One engine (one or more containers). ``stop`` removes them all; safe to call twice."""
+
+    def __init__(self, engine: ContainerEngine, on_stop=None):
+        self._engine = engine
+        self._on_stop = on_stop
+        self.base_url = engine.base_url
+        self.log_path = engine.engine_log.path
+
+    @property
+    def containers(self) -> list[str]:
+        return [n.container.name for n in self._engine.nodes]
+
+    def alive(self) -> bool:
+        return self._engine.alive()
+
+    def exit_code(self) -> int | None:
+        return self._engine.exit_code()
+
+    def stop(self) -> None:
+        self._engine.stop()
+        if self._on_stop is not None:
+            self._on_stop(self)
+
+
+class DockerTarget(Target):
+    """Runs builds as images on the Docker hosts of matrix.yaml (or the local daemon)."""
+
+    def __init__(self, loaded: LoadedMatrix):
+        super().__init__(loaded)
+        self._hosts: dict[str, DockerHost] = {}
+        self._handles: list[DockerEngineHandle] = []
+        self._lock = threading.Lock()
+        self._interrupted = threading.Event()
+        names = [h.name for h in loaded.matrix.hosts]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise SpecError(f"{loaded.path}: hosts: name(s) {', '.join(dupes)} used twice; host names must be unique")
+
+    # ---------------------------------------------------------------- hosts
+
+    def host(self, spec: HostSpec) -> DockerHost:
+        with self._lock:
+            if spec.name in self._hosts:
+                return self._hosts[spec.name]
+        host = connect(spec)
+        with self._lock:
+            return self._hosts.setdefault(spec.name, host)
+
+    def max_parallel(self) -> int:
+        """Engines at once: one per cluster/GPU set (an engine owns its hosts' GPUs and ports);
+        on GPU-free hosts a few, like the sim target (one engine keeps about a core busy)."""
+        spec = self.loaded.matrix.docker
+        try:
+            nodes = self.node_specs()
+            if len(nodes) > 1 or spec.api_port or any(n.gpus for n in nodes):
+                return 1
+            cpus = self.host(nodes[0]).info.get("NCPU") or 1
+        except KvreproError:
+            return 1  # the run itself will report why the host is unusable
+        return max(1, min(4, int(cpus)))
+
+    def interrupt(self) -> None:
+        """Make engines that are still starting give up at once (Ctrl-C): start() then raises
+        InfraError instead of waiting out the health timeout."""
+        self._interrupted.set()
+
+    def node_specs(self) -> list[HostSpec]:
+        return engine_hosts(self.loaded.matrix)
+
+    def gpu_free(self, nodes: list[HostSpec]) -> bool:
+        mode = self.loaded.matrix.docker.gpu_free
+        return mode == "yes" or (mode == "auto" and all(n.gpus == 0 for n in nodes))
+
+    # ---------------------------------------------------------------- prepare
+
+    def prepare(self, plan: BuildPlan) -> BuildArtifact:
+        matrix = self.loaded.matrix
+        try:
+            specs = list({s.name: s for s in self.node_specs()}.values())
+            hosts = [self.host(s) for s in specs]
+            with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
+                futures = [pool.submit(assemble, h, matrix.image, plan, pull=matrix.docker.pull, on_line=self.on_line)
+                           for h in hosts]
+                built = [f.result() for f in futures]
+        except KvreproError as exc:
+            return BuildArtifact(plan=plan, ref=None, error=str(exc),
+                                 manifest={"error_kind": getattr(exc, "kind", "spec")})
+        first = built[0]
+        if len({a.tag for a in built}) > 1:
+            # Same base image id everywhere gives the same tag; different ids mean the hosts
+            # hold different images under one name, and the runs would not be comparable.
+            tags = ", ".join(f"{h.name}: {a.tag}" for h, a in zip(hosts, built))
+            return BuildArtifact(plan=plan, ref=None, manifest={"error_kind": "image_build"},
+                                 error=f"build {plan.name}: hosts hold different {matrix.image} images ({tags}); "
+                                       "pull the same base on every host")
+        manifest: dict[str, Any] = dict(first.manifest)
+        manifest["image"] = {"tag": first.tag, "id": first.image_id, "labels": first.labels}
+        manifest["hosts"] = {h.name: {"image_id": a.image_id, "reused": a.reused, "seconds": round(a.seconds, 3)}
+                             for h, a in zip(hosts, built)}
+        return BuildArtifact(plan=plan, ref=first.tag, manifest=manifest, reused=all(a.reused for a in built),
+                             source_root=str(first.source_root) if first.source_root else None)
+
+    # ---------------------------------------------------------------- start
+
+    def _model(self) -> tuple[str, Path | None]:
+        """(the model argument inside the container, the host folder to provide there, if any)."""
+        name = self.loaded.matrix.engine.model
+        try:
+            folder = self.loaded.model_dir()
+        except SpecError:
+            if "/" in name and not name.startswith((".", "/", "~")) and not Path(name).exists():
+                return name, None  # a Hugging Face id: vLLM fetches it into the HF cache volume
+            raise
+        return f"{MODEL_MOUNT}/{folder.name}", folder
+
+    def _env(self, rep: int, gpu_free: bool) -> tuple[dict[str, str], list[str]]:
+        """The container environment and the secret values in it (to redact from logs)."""
+        spec = self.loaded.matrix.docker
+        env = {"PYTHONUNBUFFERED": "1", **spec.env}
+        secrets: list[str] = []
+        for name in spec.pass_env:
+            value = os.environ.get(name)
+            if value:
+                env[name] = value
+                secrets.append(value)
+        if gpu_free:
+            sim = self.loaded.matrix.engine.sim
+            env.update(KVREPRO_SIM_ACCEPTANCE_RATE=repr(sim.draft_acceptance_rate),
+                       KVREPRO_SIM_SEED=str(sim.seed + rep), KVREPRO_SIM_STEP_DELAY_MS=repr(sim.step_delay_ms))
+        return env, secrets
+
+    def _mounts(self, host: DockerHost, model_dir: Path | None, model_arg: str) -> tuple[list[Mount], bool]:
+        """Mounts for a node, and whether the model folder must be uploaded instead of mounted."""
+        spec = self.loaded.matrix.docker
+        mounts: list[Mount] = []
+        if spec.hf_cache:
+            source = spec.hf_cache
+            if source.startswith("~"):
+                if not host.local:
+                    raise SpecError(f"docker.hf_cache {source!r}: '~' means this machine's home, not host "
+                                    f"{host.name}'s; give an absolute path on that host or a volume name")
+                source = os.path.expanduser(source)
+            kind = "bind" if source.startswith("/") else "volume"
+            mounts.append(Mount(spec.hf_cache_target, source, type=kind))
+        upload = False
+        if model_dir is not None:
+            if host.local:
+                mounts.append(Mount(model_arg, str(model_dir), type="bind", read_only=True))
+            else:
+                upload = True
+        return mounts, upload
+
+    def _check_ports(self, head: DockerHost, api_port: int | None, extra: list[int]) -> None:
+        for port in [p for p in [api_port, *extra] if p]:
+            if port in published_ports(head) or (head.local and not port_free_locally(port)):
+                raise PortInUseError(
+                    f"host {head.name}: port {port} is already in use (docker.api_port / docker.rendezvous_port); "
+                    "stop what holds it or pick another port, or leave docker.api_port unset to use a free one"
+                )
+
+    def start(self, artifact: BuildArtifact, run_dir: Path, rep: int) -> EngineHandle:
+        if not artifact.ok:
+            raise InfraError(artifact.error or "build failed")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            return self._start(artifact, run_dir, rep)
+        except KvreproError:
+            raise
+        except _API_ERRORS as exc:
+            raise _translate(exc, "starting the engine") from None
+
+    def _start(self, artifact: BuildArtifact, run_dir: Path, rep: int) -> EngineHandle:
+        matrix = self.loaded.matrix
+        spec = matrix.docker
+        node_specs = self.node_specs()
+        hosts = [self.host(s) for s in node_specs]
+        head = hosts[0]
+        for host in {h.name: h for h in hosts}.values():
+            try:
+                host.client.images.get(artifact.ref)
+            except docker.errors.ImageNotFound:
+                raise ImageMissingError(
+                    f"host {host.name}: image {artifact.ref} of build {artifact.plan.name} is not there "
+                    "(removed since it was built?); run the matrix again to rebuild it"
+                ) from None
+        model_arg, model_dir = self._model()
+        gpu_free = self.gpu_free(node_specs)
+        serve_args = matrix.engine.serve_args(model_arg, include_sim=gpu_free)
+        env, secrets = self._env(rep, gpu_free)
+        multi = len(hosts) > 1
+        bind_ip = "127.0.0.1" if head.local else "0.0.0.0"
+        api_port = spec.api_port
+        if multi and api_port is None:
+            api_port = free_local_port() if head.local else 8000
+        self._check_ports(head, api_port, [spec.rendezvous_port] if multi else [])
+        launches = plan_launch(serve_args, node_specs, spec, head_address=head.address, api_port=api_port,
+                               bind_ip=bind_ip, env=env)
+
+        base_url_host = "127.0.0.1" if head.local else head.address
+        engine = ContainerEngine(run_dir, f"http://{base_url_host}:{api_port or 0}", spec.stop_timeout_s,
+                                 spec.log_stall_s, secrets, multi)
+        handle = DockerEngineHandle(engine, on_stop=self._forget)
+        with self._lock:
+            self._handles.append(handle)
+        try:
+            for launch, host in zip(launches, hosts):
+                container = self._create(launch, host, artifact, run_dir, rep, model_dir, model_arg)
+                engine.attach(launch, host, container)
+                engine.note(f"created {container.name} on {host.name}: vllm serve {redact(' '.join(launch.argv))}")
+            for node in engine.nodes:
+                self._start_container(node.container, node.host, node.launch)
+                node.pump.start()
+            engine.start_watchdog()
+            if not multi:
+                url = self._published_url(engine.nodes[0].container, base_url_host, launches[0])
+                if url:  # None: the container already exited; wait_healthy says so with its log
+                    engine.base_url = handle.base_url = url
+            timeout = spec.health_timeout_s or matrix.runs.start_timeout_s
+            engine.wait_healthy(timeout, f"build {artifact.plan.name} rep {rep}", cancel=self._interrupted)
+        except BaseException:
+            handle.stop()
+            raise
+        return handle
+
+    def _create(self, launch: NodeLaunch, host: DockerHost, artifact: BuildArtifact, run_dir: Path, rep: int,
+                model_dir: Path | None, model_arg: str):
+        spec = self.loaded.matrix.docker
+        mounts, upload = self._mounts(host, model_dir, model_arg)
+        kwargs: dict[str, Any] = dict(
+            image=artifact.ref,
+            entrypoint=["vllm", "serve"],
+            command=list(launch.argv),
+            environment=launch.env,
+            labels=L.managed("engine", **{L.LABEL_RUN: str(run_dir), L.LABEL_BUILD: artifact.plan.name,
+                                          L.LABEL_REP: str(rep), L.LABEL_NODE: str(launch.rank)}),
+            name=f"kvrepro-{artifact.plan.name}-r{rep}-n{launch.rank}-{L.SESSION}",
+            mounts=mounts,
+            init=True,  # PID 1 that forwards SIGTERM, so teardown stops vLLM cleanly
+            detach=True,
+        )
+        if spec.ipc_host:
+            kwargs["ipc_mode"] = "host"
+        elif spec.shm_size:
+            kwargs["shm_size"] = spec.shm_size
+        if launch.gpus:
+            kwargs["device_requests"] = [DeviceRequest(count=launch.gpus, capabilities=[["gpu"]])]
+        if launch.network == "host":
+            kwargs["network_mode"] = "host"
+        else:
+            kwargs["ports"] = {f"{launch.container_port}/tcp": (launch.bind_ip, launch.host_port)}
+        try:
+            container = host.client.containers.create(**kwargs)
+        except docker.errors.ImageNotFound:
+            raise ImageMissingError(f"host {host.name}: image {artifact.ref} is not there") from None
+        except docker.errors.APIError as exc:
+            raise ContainerError(f"host {host.name}: creating the engine container failed: {_explain(exc)}") from None
+        try:
+            if upload and model_dir is not None:
+                size = sum(p.stat().st_size for p in model_dir.rglob("*") if p.is_file())
+                if size > MAX_MODEL_UPLOAD:
+                    raise SpecError(
+                        f"engine.model {model_dir} is {size / 2**20:.0f} MiB; for remote host {host.name} use a "
+                        "Hugging Face id (fetched into docker.hf_cache) or a small config-only folder"
+                    )
+                container.put_archive("/", _tar_dir(model_dir, model_arg))
+        except BaseException:
+            container.remove(force=True)  # not attached to the engine yet: nobody else would
+            raise
+        return container
+
+    def _start_container(self, container, host: DockerHost, launch: NodeLaunch) -> None:
+        try:
+            container.start()
+        except docker.errors.APIError as exc:
+            text = _explain(exc)
+            if "port is already allocated" in text or "address already in use" in text:
+                raise PortInUseError(f"host {host.name}: the engine's port is in use: {text}; "
+                                     "free it or change docker.api_port") from None
+            raise ContainerError(f"host {host.name}: starting {container.name} failed: {text}") from None
+
+    def _published_url(self, container, url_host: str, launch: NodeLaunch) -> str | None:
+        container.reload()
+        ports = container.attrs.get("NetworkSettings", {}).get("Ports") or {}
+        bindings = ports.get(f"{launch.container_port}/tcp") or []
+        return f"http://{url_host}:{bindings[0]['HostPort']}" if bindings else None
+
+    def _forget(self, handle: DockerEngineHandle) -> None:
+        with self._lock:
+            if handle in self._handles:
+                self._handles.remove(handle)
+
+    # ---------------------------------------------------------------- close
+
+    def close(self) -> None:
+        """Stop every engine still running and remove any container this session created.
+
+        Runs to the end even through Ctrl-C (which it re-raises afterwards): this is the last
+        chance to not leave engines holding GPUs on someone's cluster.
+        """
+        self._interrupted.set()
+        interrupted: BaseException | None = None
+        for handle in list(self._handles):
+            try:
+                handle.stop()
+            except KeyboardInterrupt as exc:
+                interrupted = exc
+        for host in list(self._hosts.values()):
+            for _ in range(3):
+                try:
+                    self._sweep(host)
+                    break
+                except KeyboardInterrupt as exc:
+                    interrupted = exc
+            host.close()
+        self._hosts.clear()
+        if interrupted is not None:
+            raise interrupted
+
+    @staticmethod
+    def _sweep(host: DockerHost) -> None:
+        try:
+            leftovers = host.client.containers.list(all=True, filters={"label": f"{L.LABEL_SESSION}={L.SESSION}"})
+        except _API_ERRORS:
+            return
+        for container in leftovers:
+            try:
+                container.remove(force=True)
+            except _API_ERRORS:
+                pass  # gone already, or the daemon is: `kvrepro clean` is the fallback
+
+
+def _explain(exc: docker.errors.APIError) -> str:
+    return str(getattr(exc, "explanation", None) or exc)
+
+
+def _translate(exc: BaseException, what: str) -> DockerInfraError:
+    text = str(getattr(exc, "explanation", None) or exc)
+    if isinstance(exc, (requests.ConnectionError, docker.errors.DockerException)) and (
+            "Connection" in text or "connect" in text):
+        return DaemonDownError(f"{what}: the Docker daemon stopped answering ({text[:300]})")
+    return ContainerError(f"{what}: {text[:500]}")
+
+
+def _tar_dir(folder: Path, target: str) -> bytes:
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        tar.add(folder, arcname=target.lstrip("/"))
+    return buf.getvalue()
+
+
+__all__ = ["DockerEngineHandle", "DockerTarget", "UnknownHostError"]
