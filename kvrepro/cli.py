@@ -149,6 +149,8 @@ def matrix_run(
     target: Optional[str] = typer.Option(None, help="override matrix.yaml's target (sim, docker)"),
     build: Optional[list[str]] = typer.Option(None, "--build", "-b", help="only these builds (repeatable)"),
     reps: Optional[int] = typer.Option(None, "--reps", min=1, help="override runs.repetitions"),
+    base_image: Optional[str] = typer.Option(None, "--base-image",
+                                             help="docker: base image to assemble on (e.g. kvrepro/vllm-openai-cpu:v0.26.0)"),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1,
                                        help="engines at once (default: what the target can take; sim: one per core)"),
     results_root: Path = ResultsOpt,
@@ -158,6 +160,8 @@ def matrix_run(
     from .runner import MatrixOptions, run_matrix
 
     loaded = _load(matrix)
+    if base_image:
+        loaded.matrix = loaded.matrix.model_copy(update={"base_image": base_image})
     options = MatrixOptions(target=target, builds=build, repetitions=reps, results_root=results_root, jobs=jobs)
     plans = loaded.plans(build)
     total = len(plans) * (reps or loaded.matrix.runs.repetitions)

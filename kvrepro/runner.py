@@ -102,7 +102,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
         "target": target.name,
         "patches": [{"name": p.name, "upstream": p.upstream, "sha256": p.sha256} for p in plan.patches],
         "artifact": _artifact_json(artifact),
-        "engine_args": matrix.engine.serve_args(matrix.engine.model, include_sim=target.name == "sim"),
+        "engine_args": target.engine_args(),
         "sim_seed": matrix.engine.sim.seed + rep,
         "load_seed": matrix.load.seed + rep,
         "load": matrix.load.model_dump(),
@@ -189,6 +189,16 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
     target = target_cls(loaded)
     target.on_line = progress.detail
     jobs = max(1, options.jobs or target.max_parallel())
+
+    finished = threading.Event()
+
+    def interrupt_on_stop() -> None:
+        while not stop.wait(0.2):
+            if finished.is_set():
+                return
+        target.interrupt()
+
+    threading.Thread(target=interrupt_on_stop, daemon=True, name="kvrepro-interrupt").start()
     try:
         artifacts = []
         for plan in plans:
@@ -226,8 +236,10 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
                     raise
         folder.update(status="interrupted" if stop.is_set() else "complete", finished=time.time())
     except BaseException:
+        stop.set()
         folder.update(status="interrupted", finished=time.time())
         raise
     finally:
+        finished.set()
         target.close()
     return results.load_run(options.results_root, folder.run_id)

@@ -64,6 +64,14 @@ class Target(abc.ABC):
     def start(self, artifact: BuildArtifact, run_dir: Path, rep: int) -> EngineHandle:
         ...
 
+    def engine_args(self) -> list[str]:
+        """The `vllm serve` arguments this target runs builds with (recorded in every run's manifest)."""
+        engine = self.loaded.matrix.engine
+        return engine.serve_args(engine.model, include_sim=True)
+
+    def interrupt(self) -> None:
+        """Ctrl-C: make engines that are still starting give up now rather than at their timeout."""
+
     def max_parallel(self) -> int:
         """How many engines this target can run at once without them disturbing each other."""
         return 1

@@ -1,8 +1,28 @@
-"""``python -m kvrepro.engine <model_dir> <vllm serve args> [--host H] [--port P]``."""
+"""``python -m kvrepro.engine <model_dir> <vllm serve args> [--host H] [--port P]``.
 
+With ``KVREPRO_ENGINE_ZYGOTE=<socket>`` set, the engine is forked by that zygote instead of
+starting here (see kvrepro.engine.zygote); without a zygote answering it starts here as usual.
+"""
+
+import os
 import sys
 
-from kvrepro.engine.server import main
+
+def _run() -> int:
+    argv = sys.argv[1:]
+    socket_path = os.environ.get("KVREPRO_ENGINE_ZYGOTE")
+    if socket_path:
+        from kvrepro.engine.zygote import delegate
+
+        code = delegate(socket_path, argv)
+        if code is not None:
+            return code
+        print(f"kvrepro engine: no zygote answers on {socket_path}; starting without it",
+              file=sys.stderr, flush=True)
+    from kvrepro.engine.server import main
+
+    return main(argv)
+
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_run())

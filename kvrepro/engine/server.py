@@ -270,7 +270,8 @@ class Handler(BaseHTTPRequestHandler):
         event("[DONE]")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, on_ready=None) -> int:
+    """Run the engine until SIGTERM/SIGINT; the exit code. ``on_ready()`` runs once serving."""
     argv = list(sys.argv[1:] if argv is None else argv)
     started = time.monotonic()
     # The probe first: it must be in place before vLLM imports the offloading scheduler.
@@ -333,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("Starting vLLM API server (kvrepro sim engine) on http://%s:%d", options.host, options.port)
     logger.info("Engine ready in %.2f s.", time.monotonic() - started)
     logger.info("Application startup complete.")
+    if on_ready is not None:
+        threading.Thread(target=on_ready, name="on-ready", daemon=True).start()
     while not stop.wait(1.0):
         pass
     httpd.shutdown()

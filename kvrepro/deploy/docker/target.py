@@ -109,6 +109,14 @@ class DockerTarget(Target):
     def node_specs(self) -> list[HostSpec]:
         return engine_hosts(self.loaded.matrix)
 
+    def engine_args(self) -> list[str]:
+        engine = self.loaded.matrix.engine
+        try:
+            model_arg = self._model()[0]
+        except SpecError:
+            model_arg = engine.model
+        return engine.serve_args(model_arg, include_sim=self.gpu_free(self.node_specs()))
+
     def gpu_free(self, nodes: list[HostSpec]) -> bool:
         mode = self.loaded.matrix.docker.gpu_free
         return mode == "yes" or (mode == "auto" and all(n.gpus == 0 for n in nodes))

@@ -1,0 +1,337 @@
+"""Engine zygote: pay vLLM's third-party import cost once per matrix, not once per run.
+
+Most of an engine's start-up (~80 %) is importing torch, transformers, sympy, opentelemetry
+and the like, which are the same for every build; only ``vllm`` itself differs (each build is
+its own overlay). A zygote is a runtime-env python that has imported those dependencies, but
+never vLLM, and forks one engine per request. A forked engine imports vLLM from its own
+overlay and then runs exactly the code ``python -m kvrepro.engine`` runs.
+
+Use (stdlib only on both sides):
+
+* the deploy target starts ``<runtime python> -m kvrepro.engine.zygote --socket PATH`` once
+  (``start_zygote()``) and stops it when done (SIGTERM; it takes its engines down with it);
+* engine commands stay ``python -m kvrepro.engine <args>``, with env
+  ``KVREPRO_ENGINE_ZYGOTE=PATH``: that process then becomes a thin client that hands its argv,
+  environment, working directory and stdin/stdout/stderr to the zygote, forwards SIGTERM /
+  SIGINT / SIGHUP to the forked engine and exits with its exit code. If no zygote answers, the
+  engine starts normally (one line on stderr says so). If the client dies, the engine sees
+  its connection close and shuts itself down.
+
+The zygote learns what to preload: the first engine it forks reports the non-vLLM modules it
+ended up importing, and the zygote imports them before the next fork.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+ENV_VAR = "KVREPRO_ENGINE_ZYGOTE"
+# Imported before the first engine is forked: the heavy roots every vLLM import pulls in.
+DEFAULT_PRELOAD = (
+    "torch", "torch._dynamo", "torch._inductor", "torch._inductor.standalone_compile",
+    "torch._inductor.lowering", "torch.fx.experimental.symbolic_shapes", "sympy", "networkx",
+    "numpy", "transformers", "transformers.models.auto.configuration_auto",
+    "transformers.models.auto.tokenization_auto", "transformers.models.auto.image_processing_auto",
+    "opentelemetry.trace", "openai", "triton", "msgspec", "zmq", "pydantic", "prometheus_client",
+    "huggingface_hub", "safetensors", "cbor2", "psutil",
+)
+_OWN_ROOTS = ("vllm", "kvrepro", "kvrepro_probe", "__main__", "__mp_main__")
+_MAX_MESSAGE = 1 << 20
+
+
+def _send(conn: socket.socket, payload: dict, fds: list[int] | None = None) -> None:
+    data = json.dumps(payload).encode() + b"\n"
+    if fds:
+        socket.send_fds(conn, [data], fds)
+    else:
+        conn.sendall(data)
+
+
+def _recv_line(conn: socket.socket, with_fds: bool = False) -> tuple[dict | None, list[int]]:
+    buf = b""
+    fds: list[int] = []
+    while not buf.endswith(b"\n"):
+        if with_fds and not fds:
+            chunk, got, _flags, _addr = socket.recv_fds(conn, _MAX_MESSAGE, 8)
+            fds = list(got)
+        else:
+            chunk = conn.recv(_MAX_MESSAGE)
+        if not chunk:
+            return None, fds
+        buf += chunk
+    return json.loads(buf), fds
+
+
+def preload(names) -> int:
+    ok = 0
+    for name in names:
+        if name.split(".")[0] in _OWN_ROOTS or name in sys.modules:
+            continue
+        try:
+            importlib.import_module(name)
+            ok += 1
+        except BaseException:  # a module that cannot be imported here is simply not preloaded
+            pass
+    return ok
+
+
+def _foreign_modules(exclude_dirs: list[str]) -> list[str]:
+    names = []
+    for name, module in list(sys.modules.items()):
+        if module is None or name.split(".")[0] in _OWN_ROOTS:
+            continue
+        path = getattr(module, "__file__", None) or ""
+        if any(path.startswith(d) for d in exclude_dirs):
+            continue
+        names.append(name)
+    return sorted(names)
+
+
+# -- the forked engine ----------------------------------------------------------------------
+
+def _run_engine(conn: socket.socket, listen_path: str, request: dict, fds: list[int], learn: bool) -> None:
+    """In the child: become the engine process the client asked for, then exit."""
+    code = 1
+    try:
+        os.setsid()
+        for target, fd in zip((0, 1, 2), fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        env = request["env"]
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(request["cwd"])
+        overlay_paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[0:0] = [p for p in overlay_paths if p not in sys.path]
+        importlib.invalidate_caches()
+        argv = list(request["argv"])
+        sys.argv = ["kvrepro.engine", *argv]
+
+        def watch_client() -> None:
+            # The client holds the other end; if it goes away, so does this engine.
+            try:
+                while conn.recv(1024):
+                    pass
+            except OSError:
+                pass
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch_client, name="zygote-client-watch", daemon=True).start()
+
+        def report_modules() -> None:
+            if not learn:
+                return
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.connect(listen_path)
+                    _send(s, {"learn": _foreign_modules(overlay_paths)})
+            except OSError:
+                pass
+
+        from kvrepro.engine.server import main
+
+        code = main(argv, on_ready=report_modules)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code if isinstance(code, int) else 1)
+
+
+# -- the zygote -------------------------------------------------------------------------------
+
+def serve(socket_path: str) -> int:
+    """Preload, listen on ``socket_path``, fork engines until SIGTERM/SIGINT."""
+    started = time.monotonic()
+    count = preload(DEFAULT_PRELOAD)
+    print(f"kvrepro zygote: preloaded {count} modules in {time.monotonic() - started:.1f} s; "
+          f"listening on {socket_path}", file=sys.stderr, flush=True)
+    if os.path.exists(socket_path):
+        os.unlink(socket_path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path)
+    listener.listen(64)
+    children: dict[int, socket.socket] = {}
+    stopping = {"flag": False}
+    learned = {"done": False}
+
+    def on_signal(signum, frame):
+        stopping["flag"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        while not stopping["flag"]:
+            while children:
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                conn = children.pop(pid, None)
+                if conn is not None:
+                    try:
+                        _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+                    except OSError:
+                        pass
+                    conn.close()
+            try:
+                ready, _, _ = select.select([listener], [], [], 0.1)
+            except InterruptedError:
+                continue
+            if not ready:
+                continue
+            conn, _ = listener.accept()
+            try:
+                request, fds = _recv_line(conn, with_fds=True)
+            except (OSError, ValueError):
+                conn.close()
+                continue
+            if request is None:
+                conn.close()
+                continue
+            if "learn" in request:
+                conn.close()
+                learned["done"] = True
+                count = preload(request["learn"])
+                print(f"kvrepro zygote: learned {count} more modules to preload", file=sys.stderr, flush=True)
+                continue
+            learn = not learned["done"]
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                for other in children.values():
+                    other.close()
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                _run_engine(conn, socket_path, request, fds, learn)
+            for fd in fds:
+                os.close(fd)
+            children[pid] = conn
+            try:
+                _send(conn, {"pid": pid})
+            except OSError:
+                pass
+    finally:
+        for pid in list(children):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 15
+        while children and time.monotonic() < deadline:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid:
+                children.pop(pid, None)
+            else:
+                time.sleep(0.05)
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        listener.close()
+        if os.path.exists(socket_path):
+            os.unlink(socket_path)
+    return 0
+
+
+# -- the thin client (python -m kvrepro.engine with KVREPRO_ENGINE_ZYGOTE set) ---------------
+
+def delegate(socket_path: str, argv: list[str]) -> int | None:
+    """Run the engine in the zygote; its exit code, or None if no zygote answered."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(socket_path)
+    except OSError:
+        conn.close()
+        return None
+    request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
+    _send(conn, request, fds=[0, 1, 2])
+    reply, _ = _recv_line(conn)
+    if reply is None or "pid" not in reply:
+        return None
+    pid = reply["pid"]
+
+    def forward(signum, frame):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    while True:
+        try:
+            message, _ = _recv_line(conn)
+        except InterruptedError:
+            continue
+        if message is None:
+            return 1  # the zygote went away; it took the engine with it
+        if "exit" in message:
+            code = message["exit"]
+            return code if code >= 0 else 128 - code
+
+
+def start_zygote(python: str, socket_path: str, env: dict[str, str], log_path: str,
+                 timeout: float = 180.0) -> subprocess.Popen:
+    """Start a zygote (for a deploy target) and wait until it accepts connections."""
+    log = open(log_path, "ab")
+    proc = subprocess.Popen([python, "-m", "kvrepro.engine.zygote", "--socket", socket_path], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    log.close()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the engine zygote exited with code {proc.returncode}; see {log_path}")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(socket_path)
+                return proc
+            except OSError:
+                pass
+        time.sleep(0.1)
+    proc.terminate()
+    raise RuntimeError(f"the engine zygote did not listen on {socket_path} within {timeout:.0f}s; see {log_path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvrepro.engine.zygote")
+    parser.add_argument("--socket", required=True, help="unix socket path to listen on")
+    args = parser.parse_args(argv)
+    if "vllm" in sys.modules:
+        print("kvrepro zygote: vllm must not be imported in the zygote", file=sys.stderr)
+        return 2
+    return serve(args.socket)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
