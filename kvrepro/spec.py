@@ -56,7 +56,7 @@ class TargetSignature(_Strict):
 class SimSettings(_Strict):
     """Knobs of the GPU-free engine that have no `vllm serve` flag."""
 
-    num_gpu_blocks: int = Field(64, ge=4, description="GPU KV blocks per group in the simulated pool")
+    num_gpu_blocks: int = Field(96, ge=4, description="GPU KV blocks in the simulated pool (--num-gpu-blocks-override)")
     draft_acceptance_rate: float = Field(0.7, ge=0.0, le=1.0)
     seed: int = 0
     step_delay_ms: float = Field(0.0, ge=0.0, description="sleep per engine step, to mimic GPU time")
@@ -79,7 +79,7 @@ class EngineSpec(_Strict):
     kv_offloading_backend: Literal["native"] = "native"
     max_num_seqs: int = Field(4, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)
-    max_model_len: int = Field(4096, ge=64)
+    max_model_len: int = Field(1024, ge=64)
     extra_args: list[str] = Field(default_factory=list, description="passed verbatim to `vllm serve`")
     sim: SimSettings = Field(default_factory=SimSettings)
 

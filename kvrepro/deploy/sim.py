@@ -7,9 +7,12 @@ engine process is vLLM's real scheduler stack with a fake executor (see kvrepro.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +21,7 @@ import requests
 from .. import builds, paths
 from ..errors import InfraError, KvreproError
 from ..records import BuildArtifact, BuildPlan
+from ..engine.zygote import ENV_VAR as ZYGOTE_ENV, start_zygote
 from ..secrets import scrubbed_environ
 from . import register
 from .base import EngineHandle, Target
@@ -93,6 +97,45 @@ class SimTarget(Target):
     def __init__(self, loaded):
         super().__init__(loaded)
         self._python: Path | None = None
+        self._zygote: subprocess.Popen | None = None
+        self._zygote_dir: Path | None = None
+        self._zygote_lock = threading.Lock()
+        self._zygote_tried = False
+
+    def _zygote_socket(self) -> str | None:
+        """Start (once) the engine zygote: it imports torch & co. once and forks every engine.
+
+        Most of an engine's start-up is importing vLLM's dependencies, identical for every
+        build; without the zygote each run pays ~10 s of it. If it cannot start, engines start
+        the ordinary way.
+        """
+        with self._zygote_lock:
+            if not self._zygote_tried:
+                self._zygote_tried = True
+                self._zygote_dir = Path(tempfile.mkdtemp(prefix="kvrepro-zygote-"))
+                env = self._base_environment()
+                env["PYTHONPATH"] = str(paths.SOURCE_ROOT)
+                sock = self._zygote_dir / "zygote.sock"
+                self.on_line("starting the engine zygote (imports vLLM's dependencies once)")
+                try:
+                    self._zygote = start_zygote(str(self.python()), str(sock), env,
+                                                str(self._zygote_dir / "zygote.log"))
+                except RuntimeError as exc:
+                    self.on_line(f"engine zygote unavailable, starting engines directly: {exc}")
+            if self._zygote is not None and self._zygote.poll() is None and self._zygote_dir is not None:
+                return str(self._zygote_dir / "zygote.sock")
+            return None
+
+    def close(self) -> None:
+        if self._zygote is not None and self._zygote.poll() is None:
+            self._zygote.terminate()
+            try:
+                self._zygote.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._zygote.kill()
+                self._zygote.wait()
+        if self._zygote_dir is not None:
+            shutil.rmtree(self._zygote_dir, ignore_errors=True)
 
     def max_parallel(self) -> int:
         # one engine keeps about one core busy; the load generator is light
@@ -115,9 +158,19 @@ class SimTarget(Target):
         args = engine.serve_args(str(self.loaded.model_dir()), include_sim=True)
         return [str(self.python()), "-m", "kvrepro.engine", *args, "--host", "127.0.0.1", "--port", str(port)]
 
-    def environment(self, artifact: BuildArtifact, rep: int) -> dict[str, str]:
-        sim = self.loaded.matrix.engine.sim
+    @staticmethod
+    def _base_environment() -> dict[str, str]:
         env = scrubbed_environ()
+        # byte-code cache outside the (shared, hard-linked) overlays, so restarts skip compiling
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(paths.home() / "pycache")
+        return env
+
+    def environment(self, artifact: BuildArtifact, rep: int, zygote: str | None = None) -> dict[str, str]:
+        sim = self.loaded.matrix.engine.sim
+        env = self._base_environment()
+        if zygote:
+            env[ZYGOTE_ENV] = zygote
         env.update(
             PYTHONPATH=os.pathsep.join([artifact.ref or "", str(paths.SOURCE_ROOT)]),
             PYTHONUNBUFFERED="1",
@@ -131,7 +184,8 @@ class SimTarget(Target):
         if not artifact.ok:
             raise InfraError(artifact.error or "build failed")
         port = free_port()
-        handle = ProcessEngine(self.command(artifact, port), self.environment(artifact, rep),
+        handle = ProcessEngine(self.command(artifact, port),
+                               self.environment(artifact, rep, self._zygote_socket()),
                                run_dir / "engine.log", port)
         try:
             handle.wait_healthy(self.loaded.matrix.runs.start_timeout_s)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,6 +159,28 @@ def check_vllm_api() -> str:
     return version
 
 
+_SECRET_FLAG = re.compile(r"(?:^|-)(?:key|token|secret|password|credentials?)(?:$|-)", re.IGNORECASE)
+
+
+def redact(argv: list[str]) -> list[str]:
+    """argv with the values of secret-looking flags (``--api-key``, ``--hf-token`` ...) masked."""
+    out: list[str] = []
+    mask_next = False
+    for arg in argv:
+        if mask_next:
+            out.append("***")
+            mask_next = False
+        elif arg.startswith("--") and _SECRET_FLAG.search(arg.split("=", 1)[0][2:]):
+            if "=" in arg:
+                out.append(arg.split("=", 1)[0] + "=***")
+            else:
+                out.append(arg)
+                mask_next = True
+        else:
+            out.append(arg)
+    return out
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse would print usage and exit(2); say it our way
         raise EngineSetupError(f"bad engine argument: {message}")
@@ -179,7 +202,7 @@ def parse_args(argv: list[str]):
     namespace, unknown = parser.parse_known_args(argv)
     if unknown:
         raise EngineSetupError(
-            "unsupported argument(s) for the sim engine: " + " ".join(unknown)
+            "unsupported argument(s) for the sim engine: " + " ".join(redact(unknown))
             + " (it accepts vLLM engine arguments plus --host/--port; `vllm serve` frontend "
             "flags have no meaning here)"
         )

@@ -133,7 +133,7 @@ class SimRunner:
                 )
             num_computed[new.req_id] = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
-        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
             num_computed[req_id] = computed
         return num_computed
 
@@ -229,7 +229,6 @@ class SimExecutor(Executor):
     # -- what a worker would report ------------------------------------------------------
 
     def _build_kv_cache_specs(self) -> dict:
-        import torch  # noqa: F401  (vLLM's specs carry torch dtypes)
         from vllm.model_executor.models import ModelRegistry
         from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
         from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum

@@ -80,10 +80,8 @@ class EngineMetrics:
 
 
 class EngineLoop:
-    def __init__(self, core, vocab_size: int, max_model_len: int):
+    def __init__(self, core):
         self.core = core
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
         self.metrics = EngineMetrics()
         self.dead = False
         self._stopping = False

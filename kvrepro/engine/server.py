@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import signal
 import socket
 import sys
@@ -270,6 +271,18 @@ class Handler(BaseHTTPRequestHandler):
         event("[DONE]")
 
 
+def _process_age() -> str:
+    """Seconds since this process started (fork time under a zygote), from /proc."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return f"{uptime - start_ticks / os.sysconf('SC_CLK_TCK'):.2f} s"
+    except (OSError, ValueError, IndexError):
+        return "unknown"
+
+
 def main(argv: list[str] | None = None, on_ready=None) -> int:
     """Run the engine until SIGTERM/SIGINT; the exit code. ``on_ready()`` runs once serving."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -284,7 +297,7 @@ def main(argv: list[str] | None = None, on_ready=None) -> int:
         knobs = config.SimKnobs.from_env()
         engine_args, options = config.parse_args(argv)
         logger.info("kvrepro sim engine: vLLM %s from %s; args: %s", version,
-                    Path(sys.modules["vllm"].__file__).parent, " ".join(argv))
+                    Path(sys.modules["vllm"].__file__).parent, " ".join(config.redact(argv)))
         if version not in config.TESTED_VLLM_VERSIONS:
             logger.warning("kvrepro sim engine was written against vLLM %s; this is %s",
                            ", ".join(config.TESTED_VLLM_VERSIONS), version)
@@ -310,7 +323,7 @@ def main(argv: list[str] | None = None, on_ready=None) -> int:
                 knobs)
     vocab_size = int(vllm_config.model_config.get_vocab_size())
     max_model_len = int(vllm_config.model_config.max_model_len)
-    loop = EngineLoop(core, vocab_size, max_model_len)
+    loop = EngineLoop(core)
     app = SimApp(loop, core.model_executor, probe, options.served_model_name, str(options.model_dir),
                  max_model_len, vocab_size)
     handler = type("SimHandler", (Handler,), {"app": app})
@@ -329,21 +342,26 @@ def main(argv: list[str] | None = None, on_ready=None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     loop.start()
-    server_thread = threading.Thread(target=httpd.serve_forever, name="http", daemon=True)
+    server_thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, name="http",
+                                     daemon=True)
     server_thread.start()
     logger.info("Starting vLLM API server (kvrepro sim engine) on http://%s:%d", options.host, options.port)
-    logger.info("Engine ready in %.2f s.", time.monotonic() - started)
+    logger.info("Engine ready in %.2f s (process start to serving: %s).", time.monotonic() - started,
+                _process_age())
     logger.info("Application startup complete.")
     if on_ready is not None:
         threading.Thread(target=on_ready, name="on-ready", daemon=True).start()
-    while not stop.wait(1.0):
+    while not stop.wait(0.1):
         pass
     httpd.shutdown()
     loop.stop()
-    try:
-        core.shutdown()
-    except Exception:
-        logger.exception("EngineCore shutdown failed.")
+    # EngineCore.shutdown() would end with a full gc.collect() (0.6 s with torch loaded) that a
+    # process about to exit has no use for; the executor and scheduler (connector) shut down.
+    for part in (core.model_executor.shutdown, core.scheduler.shutdown):
+        try:
+            part()
+        except Exception:
+            logger.exception("EngineCore shutdown failed.")
     httpd.server_close()
     logger.info("Shutdown complete.")
     import logging

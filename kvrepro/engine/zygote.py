@@ -105,7 +105,7 @@ def _run_engine(conn: socket.socket, listen_path: str, request: dict, fds: list[
     code = 1
     try:
         os.setsid()
-        for target, fd in zip((0, 1, 2), fds):
+        for target, fd in zip((0, 1, 2), fds[:3], strict=False):
             os.dup2(fd, target)
         for fd in fds:
             if fd > 2:

@@ -1,0 +1,210 @@
+"""Tests of the probe (kvrepro/probe/kvrepro_probe.py) against vLLM's real scheduler module.
+
+Each case runs in its own python process, because the probe installs an import hook and wraps
+a class for the life of the process. The wrapped method is the real
+``OffloadingConnectorScheduler.update_state_after_alloc`` of the vLLM tree named by
+``KVREPRO_TEST_OVERLAY_A``. Faked: the ``self``/``request`` objects handed to it, which are
+minimal stand-ins (a real scheduler needs a full engine config; the engine tests drive the real
+one end to end). The stand-ins make the original raise after the probe has counted, which is
+exactly what lets us check that the wrapper neither swallows nor alters what the original does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import require
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = ROOT / "kvrepro" / "probe" / "kvrepro_probe.py"
+SCHEDULER_REL = "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
+
+
+@pytest.fixture(scope="module")
+def vllm_tree(runtime_python, overlays) -> tuple[str, Path]:
+    """(python, dir holding vllm/): the runtime env and build A's overlay, made by kvrepro.builds."""
+    root = overlays["A"]
+    assert (root / SCHEDULER_REL).is_file(), f"{root} has no {SCHEDULER_REL}"
+    return str(runtime_python), root
+
+
+def run_py(python: str, code: str, path: list[Path], timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in path)
+    return subprocess.run([python, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def probe_dir(tmp_path: Path) -> Path:
+    """A directory holding only kvrepro_probe.py, as an overlay or site-packages would."""
+    d = tmp_path / "probe"
+    d.mkdir()
+    (d / "kvrepro_probe.py").write_bytes(PROBE.read_bytes())
+    return d
+
+
+# Calls the wrapped method like the scheduler does, with stand-in arguments, and records for
+# each call: the counts afterwards, and what the call produced next to what the unwrapped
+# original produces for the same arguments.
+CALLS = """
+import json, sys, types
+import kvrepro_probe
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler as mod
+cls = mod.OffloadingConnectorScheduler
+wrapped = cls.update_state_after_alloc
+original = wrapped.__wrapped__
+
+def outcome(fn, *args):
+    try:
+        return ["returned", repr(fn(*args))]
+    except BaseException as exc:
+        return ["raised", type(exc).__name__, str(exc)]
+
+def stand_in(local):
+    status = types.SimpleNamespace(num_locally_computed_tokens=local)
+    return types.SimpleNamespace(_req_status={"r": status}), types.SimpleNamespace(request_id="r")
+
+results = []
+for local, external in [(0, 0), (32, 0), (0, 16), (32, 16), (16, 48)]:
+    self_, req = stand_in(local)
+    got = outcome(wrapped, self_, req, None, external)
+    self_, req = stand_in(local)
+    want = outcome(original, self_, req, None, external)
+    results.append({"local": local, "external": external, "got": got, "want": want,
+                    "counts": kvrepro_probe.counts()})
+print("RESULTS " + json.dumps({"results": results, "sha": kvrepro_probe.source_sha256(),
+                               "marked": getattr(wrapped, "__kvrepro_probe__", False)}))
+"""
+
+
+def parse_results(stdout: str) -> dict:
+    line = next(l for l in stdout.splitlines() if l.startswith("RESULTS "))
+    return json.loads(line[len("RESULTS "):])
+
+
+def test_counts_external_hits_and_triggers_and_keeps_behaviour(vllm_tree, tmp_path):
+    python, tree = vllm_tree
+    proc = run_py(python, CALLS, [probe_dir(tmp_path), tree])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = parse_results(proc.stdout)
+    assert data["marked"] is True
+
+    counts = [r["counts"] for r in data["results"]]
+    # (0,0) and (32,0): no offload hit -> nothing counted; (0,16): hit without local prefix;
+    # (32,16) and (16,48): hit with a local prefix -> trigger.
+    assert counts == [
+        {"external_hit_calls": 0, "trigger_calls": 0},
+        {"external_hit_calls": 0, "trigger_calls": 0},
+        {"external_hit_calls": 1, "trigger_calls": 0},
+        {"external_hit_calls": 2, "trigger_calls": 1},
+        {"external_hit_calls": 3, "trigger_calls": 2},
+    ]
+    for r in data["results"]:
+        assert r["got"] == r["want"], r
+    # The original returns at once without an offload hit and raises on the stand-ins with one:
+    # the counted calls are counted even though the call then raises.
+    assert data["results"][0]["got"] == ["returned", "None"]
+    assert data["results"][3]["got"][0] == "raised"
+
+    # Before re-raising, the probe reports; the format is what the classifier parses.
+    assert "kvrepro-probe: counts external_hit_calls=2 trigger_calls=1" in proc.stderr
+    assert "kvrepro-probe: counts external_hit_calls=3 trigger_calls=2" in proc.stderr
+    # ... and at exit.
+    assert proc.stderr.rstrip().splitlines()[-1] == "kvrepro-probe: counts external_hit_calls=3 trigger_calls=2"
+
+
+def test_installed_line_names_file_and_source_hash(vllm_tree, tmp_path):
+    python, tree = vllm_tree
+    proc = run_py(python, CALLS, [probe_dir(tmp_path), tree])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    installed = [l for l in proc.stderr.splitlines() if l.startswith("kvrepro-probe: installed ")]
+    assert len(installed) == 1
+    fields = dict(kv.split("=", 1) for kv in installed[0][len("kvrepro-probe: installed "):].split(" "))
+    assert fields["function"] == "OffloadingConnectorScheduler.update_state_after_alloc"
+    assert Path(fields["file"]).resolve() == (tree / SCHEDULER_REL).resolve()
+    # inspect.getsource of the original function, hashed independently here.
+    check = run_py(python, """
+        import hashlib, inspect
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler as C
+        print("SHA", hashlib.sha256(inspect.getsource(C.update_state_after_alloc).encode()).hexdigest())
+    """, [tree])
+    assert check.returncode == 0, check.stderr[-2000:]
+    sha_line = next(l for l in check.stdout.splitlines() if l.startswith("SHA "))
+    assert fields["source_sha256"] == sha_line.split()[1]
+    assert parse_results(proc.stdout)["sha"] == fields["source_sha256"]
+
+
+def test_wraps_at_once_when_vllm_was_imported_first(vllm_tree, tmp_path):
+    python, tree = vllm_tree
+    proc = run_py(python, """
+        import vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler as mod
+        before = getattr(mod.OffloadingConnectorScheduler.update_state_after_alloc, "__kvrepro_probe__", False)
+        import kvrepro_probe
+        after = getattr(mod.OffloadingConnectorScheduler.update_state_after_alloc, "__kvrepro_probe__", False)
+        kvrepro_probe.install()  # idempotent: no second wrapper
+        inner = mod.OffloadingConnectorScheduler.update_state_after_alloc.__wrapped__
+        print("STATE", before, after, getattr(inner, "__kvrepro_probe__", False))
+    """, [probe_dir(tmp_path), tree])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "STATE False True False" in proc.stdout
+    assert proc.stderr.count("kvrepro-probe: installed ") == 1
+
+
+def test_pth_activation_and_silence_without_vllm(vllm_tree, tmp_path):
+    """As in a vllm/vllm-openai image: site-packages/kvrepro_probe.py + kvrepro_probe.pth."""
+    python, tree = vllm_tree
+    site_dir = probe_dir(tmp_path)
+    (site_dir / "kvrepro_probe.pth").write_text("import kvrepro_probe\n")
+    # A process that never imports vLLM: untouched, silent, normal exit code.
+    quiet = run_py(python, """
+        import site, sys
+        site.addsitedir(%r)
+        import json, email.parser
+        assert "kvrepro_probe" in sys.modules
+        print(json.dumps({"ok": True}))
+        sys.exit(3)
+    """ % str(site_dir), [])
+    assert quiet.returncode == 3
+    assert quiet.stdout.strip() == '{"ok": true}'
+    assert quiet.stderr == ""
+    # The same activation, then vLLM's scheduler module: wrapped on import, nothing else done.
+    active = run_py(python, """
+        import site
+        site.addsitedir(%r)
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler as C
+        print("WRAPPED", getattr(C.update_state_after_alloc, "__kvrepro_probe__", False))
+    """ % str(site_dir), [tree])
+    assert active.returncode == 0, active.stderr[-3000:]
+    assert "WRAPPED True" in active.stdout
+    assert "kvrepro-probe: installed function=OffloadingConnectorScheduler.update_state_after_alloc" in active.stderr
+
+
+def test_reports_periodically_while_counts_change(vllm_tree, tmp_path):
+    python, tree = vllm_tree
+    proc = run_py(python, """
+        import sys, time, types
+        import kvrepro_probe
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler as C
+        status = types.SimpleNamespace(num_locally_computed_tokens=16)
+        self_ = types.SimpleNamespace(_req_status={"r": status})
+        try:
+            C.update_state_after_alloc(self_, types.SimpleNamespace(request_id="r"), None, 0)
+        except Exception:
+            pass
+        kvrepro_probe._counts["external_hit_calls"] += 5  # as if five hits happened quietly
+        time.sleep(kvrepro_probe.REPORT_INTERVAL_S * 1.6)
+        print("SLEPT", file=sys.stderr, flush=True)
+        import os; os._exit(0)  # no atexit report: only the periodic one can have printed
+    """, [probe_dir(tmp_path), tree])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before_exit = proc.stderr.split("SLEPT")[0]
+    assert "kvrepro-probe: counts external_hit_calls=5 trigger_calls=0" in before_exit
