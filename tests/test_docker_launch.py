@@ -19,7 +19,7 @@ import pytest
 
 from kvrepro.deploy.docker.launch import PLACEMENT_FLAGS, plan_launch
 from kvrepro.errors import SpecError
-from kvrepro.spec import DockerSpec, HostSpec, parse_matrix
+from kvrepro.spec import DockerSpec, HostSpec, SimSettings, parse_matrix
 
 _PARSE = r"""
 import json, sys
@@ -108,7 +108,7 @@ def test_single_node_passes_matrix_args_verbatim(vllm):
     assert ns["model_tag"] == "/kvrepro/model/qwen3-next-tiny"
     assert (ns["host"], ns["port"]) == ("0.0.0.0", 8000)
     assert ns["block_size"] == 16 and ns["mamba_cache_mode"] == "align"
-    assert ns["enable_prefix_caching"] is True and ns["num_gpu_blocks_override"] == 64
+    assert ns["enable_prefix_caching"] is True and ns["num_gpu_blocks_override"] == SimSettings().num_gpu_blocks
     assert ns["kv_offloading_backend"] == "native" and ns["headless"] is False
 
 

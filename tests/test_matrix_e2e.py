@@ -54,13 +54,11 @@ def test_builds_a_and_d_give_target_crash_and_evidenced_survival(tmp_path, overl
 
 def test_a_hunk_that_does_not_apply_fails_only_its_build(tmp_path, matrix_copy, overlays):
     builds = matrix_copy.parent / "builds"
-    broken = (builds / "pr-52807.patch").read_text().replace("load_start_gpu_block_idx", "load_start_idx", 1)
-    broken_lines = broken.splitlines(keepends=True)
-    # corrupt a context line of the first hunk so it cannot apply
-    for i, line in enumerate(broken_lines):
-        if line.startswith(" ") and "num_locally_computed_tokens" in line:
-            broken_lines[i] = " # this context line is not in vLLM 0.26.0\n"
-            break
+    broken_lines = (builds / "pr-52807.patch").read_text().splitlines(keepends=True)
+    # corrupt the first context line of the first hunk so that hunk cannot apply
+    first_hunk = next(i for i, line in enumerate(broken_lines) if line.startswith("@@"))
+    context = next(i for i in range(first_hunk + 1, len(broken_lines)) if broken_lines[i].startswith(" "))
+    broken_lines[context] = " # this context line is not in vLLM 0.26.0\n"
     (builds / "broken.patch").write_text("".join(broken_lines))
     spec = yaml.safe_load(matrix_copy.read_text())
     spec["patches"]["broken"] = {"file": "broken.patch", "upstream": "none"}
