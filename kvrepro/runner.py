@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -83,6 +83,13 @@ def _fetch_metrics(handle: EngineHandle) -> str | None:
         return None
 
 
+def _engine_args(target: Target) -> list[str] | None:
+    try:
+        return target.engine_args()
+    except KvreproError:  # e.g. a host the matrix does not define: start() reports it as INFRA
+        return None
+
+
 def _infra_result(plan: BuildPlan, rep: int, run_dir: Path, error: str, seconds: float = 0.0) -> RunResult:
     first = error.strip().splitlines()[0] if error.strip() else "infrastructure failure"
     return RunResult(build=plan.name, rep=rep, verdict=Verdict.INFRA, outcome=Outcome.INFRA, title=first,
@@ -102,7 +109,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
         "target": target.name,
         "patches": [{"name": p.name, "upstream": p.upstream, "sha256": p.sha256} for p in plan.patches],
         "artifact": _artifact_json(artifact),
-        "engine_args": target.engine_args(),
+        "engine_args": _engine_args(target),
         "sim_seed": matrix.engine.sim.seed + rep,
         "load_seed": matrix.load.seed + rep,
         "load": matrix.load.model_dump(),
@@ -117,7 +124,11 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     try:
         handle = target.start(artifact, run_dir, rep)
     except InfraError as exc:
-        return _infra_result(plan, rep, run_dir, str(exc), time.monotonic() - started)
+        result = _infra_result(plan, rep, run_dir, str(exc), time.monotonic() - started)
+        if stop.is_set():  # Ctrl-C while it was starting: says nothing about the infrastructure
+            return replace(result, verdict=Verdict.INTERRUPTED, outcome=Outcome.NONE,
+                           title="interrupted while the engine was starting")
+        return result
 
     load: LoadSummary | None = None
     metrics_text: str | None = None
@@ -164,6 +175,20 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
             "prefix_cache_hits": total(samples, "vllm:prefix_cache_hits_total"),
         },
     )
+
+
+def _wait_for_slots(futures: list) -> None:
+    """Let running slots tear their engines down before the target closes, even through another
+    Ctrl-C: closing first would let a slot that is still starting an engine leave it behind."""
+    for future in futures:
+        while True:
+            try:
+                future.exception()
+                break
+            except KeyboardInterrupt:
+                continue
+            except BaseException:  # cancelled
+                break
 
 
 def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress | None = None,
@@ -226,14 +251,17 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
             for artifact, rep in work:
                 one(artifact, rep)
         else:
-            with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="kvrepro-run") as pool:
-                futures = [pool.submit(one, a, rep) for a, rep in work]
-                try:
-                    for future in futures:
-                        future.result()
-                except BaseException:
-                    stop.set()  # the other slots record what they have and stop
-                    raise
+            pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="kvrepro-run")
+            futures = [pool.submit(one, a, rep) for a, rep in work]
+            try:
+                for future in futures:
+                    future.result()
+            except BaseException:
+                stop.set()  # the other slots record what they have and stop
+                _wait_for_slots(futures)
+                raise
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
         folder.update(status="interrupted" if stop.is_set() else "complete", finished=time.time())
     except BaseException:
         stop.set()

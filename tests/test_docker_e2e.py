@@ -52,7 +52,7 @@ def kvrepro(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 
 
 def managed_containers(host) -> list:
-    return host.client.containers.list(all=True, filters=L.MANAGED_FILTER)
+    return host.client.containers.list(all=True, filters=L.MANAGED_FILTER, ignore_removed=True)
 
 
 def test_docker_verdicts_match_sim_for_a_and_d(tmp_path, docker_host, cpu_base, overlays, runtime_python):

@@ -34,7 +34,7 @@ def clean(matrix: Matrix | None = None, images: bool = False, base_images: bool 
             reports.append(report)
             continue
         try:
-            for container in host.client.containers.list(all=True, filters=L.MANAGED_FILTER):
+            for container in host.client.containers.list(all=True, filters=L.MANAGED_FILTER, ignore_removed=True):
                 entry = {"name": container.name, "status": container.status,
                          "kind": container.labels.get(L.LABEL_KIND), "run": container.labels.get(L.LABEL_RUN)}
                 if not dry_run:

@@ -175,7 +175,7 @@ def free_local_port() -> int:
 def published_ports(host: DockerHost) -> set[int]:
     """Host ports that running containers publish (what we can see on a remote host)."""
     used: set[int] = set()
-    for container in host.client.containers.list():
+    for container in host.client.containers.list(ignore_removed=True):
         for bindings in (container.attrs.get("NetworkSettings", {}).get("Ports") or {}).values():
             for binding in bindings or []:
                 if str(binding.get("HostPort", "")).isdigit():
@@ -213,7 +213,7 @@ def check_host(spec: HostSpec, matrix: Matrix | None) -> dict[str, Any]:
             runtimes=runtimes,
             nvidia_runtime="nvidia" in runtimes,
             gpus_usable=("nvidia" in runtimes) if spec.gpus else None,
-            kvrepro_containers=len(host.client.containers.list(all=True, filters=MANAGED_FILTER)),
+            kvrepro_containers=len(host.client.containers.list(all=True, filters=MANAGED_FILTER, ignore_removed=True)),
         )
         warnings = []
         if spec.gpus and not report["nvidia_runtime"]:

@@ -369,7 +369,7 @@ class DockerTarget(Target):
     @staticmethod
     def _sweep(host: DockerHost) -> None:
         try:
-            leftovers = host.client.containers.list(all=True, filters={"label": f"{L.LABEL_SESSION}={L.SESSION}"})
+            leftovers = host.client.containers.list(all=True, filters={"label": f"{L.LABEL_SESSION}={L.SESSION}"}, ignore_removed=True)
         except _API_ERRORS:
             return
         for container in leftovers:
