@@ -189,15 +189,21 @@ class LogPump:
             self.note(f"log stream of {self.container.name} did not end; fetched the rest instead")
         self.catch_up()
 
-    def catch_up(self) -> bool:
-        """Write what the daemon holds beyond our last line; True if there was any."""
+    def _logs_after_last_line(self) -> bytes | None:
+        """What the daemon holds from our last line on (None: it would not say)."""
         try:
             since = max(self.last_ns / 1e9 - 1e-6, 0.0)
             kwargs: dict[str, Any] = dict(stream=False, timestamps=True, stdout=True, stderr=True)
             if since:
                 kwargs["since"] = since
-            data = self.container.logs(**kwargs)
+            return self.container.logs(**kwargs)
         except _API_ERRORS:
+            return None
+
+    def catch_up(self) -> bool:
+        """Write what the daemon holds beyond our last line; True if there was any."""
+        data = self._logs_after_last_line()
+        if data is None:
             return False
         before = self.last_ns
         self.feed(data)
@@ -205,13 +211,8 @@ class LogPump:
 
     def has_unseen(self) -> bool:
         """Whether the daemon holds lines newer than what the stream delivered (a hung stream)."""
-        try:
-            since = max(self.last_ns / 1e9 - 1e-6, 0.0)
-            kwargs: dict[str, Any] = dict(stream=False, timestamps=True, stdout=True, stderr=True)
-            if since:
-                kwargs["since"] = since
-            data = self.container.logs(**kwargs)
-        except _API_ERRORS:
+        data = self._logs_after_last_line()
+        if data is None:
             return False
         for piece in data.splitlines():
             parsed = parse_ts(piece + b"\n")
