@@ -305,6 +305,9 @@ def test_engine_gone_before_the_first_request(engine, tmp_path):
 
 
 def test_a_bug_in_a_profile_is_raised_not_reported_as_budget(engine, tmp_path, monkeypatch):
+    """Injects a bug into a load profile (our own code, not the engine's) and checks that the
+    client raises it instead of recording a clean budget run: a broken profile must never pass
+    as "the engine survived"."""
     profile_cls = get_profile("shared_prefix")
 
     def broken(self, index):
