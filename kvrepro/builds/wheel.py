@@ -81,10 +81,11 @@ def fetch_wheel(version: str, log: Path | None = None) -> Path:
                 fh.write(proc.stdout + proc.stderr)
         wheels = sorted(Path(tmp).glob(f"vllm-{version}-*.whl"))
         if proc.returncode != 0 or not wheels:
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-5:])
+            said = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("ERROR")]
+            tail = "\n".join(said[-3:] or (proc.stdout + proc.stderr).strip().splitlines()[-5:])
             raise SetupError(
                 f"could not download the vLLM {version} wheel from the package index "
-                f"(`{' '.join(cmd[2:])}` exited {proc.returncode}):\n{tail}\n"
+                f"(`pip download --no-deps vllm=={version}` exited {proc.returncode}):\n{tail}\n"
                 "Check the version exists (`pip index versions vllm`) and that PyPI is reachable."
             )
         final = folder / wheels[0].name
