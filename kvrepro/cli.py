@@ -302,6 +302,8 @@ def engine_serve(
     cmd = target.command(artifact, port)
     err.print(f"serving build {build} on http://127.0.0.1:{port} (overlay {artifact.ref}); Ctrl-C to stop")
     proc = subprocess.Popen(cmd, env=target.environment(artifact, rep))
+    # SIGTERM (a supervisor, `kill`) stops the engine the way Ctrl-C does
+    signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
     try:
         code = proc.wait()
     except KeyboardInterrupt:

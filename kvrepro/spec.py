@@ -96,8 +96,10 @@ class EngineSpec(_Strict):
             "--max-model-len", str(self.max_model_len),
             "--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching",
         ]
-        if self.served_model_name:
-            args += ["--served-model-name", self.served_model_name]
+        # a shipped config is served under its short name, not the folder it was copied to
+        served = self.served_model_name or (self.model if "/" not in self.model else None)
+        if served:
+            args += ["--served-model-name", served]
         if self.speculative_method != "none" and self.num_speculative_tokens > 0:
             import json
 
