@@ -77,7 +77,8 @@ def docker_matrix(folder: Path, base_image: str, **sections):
 
 
 def session_containers(host) -> list:
-    return host.client.containers.list(all=True, filters={"label": f"{L.LABEL_SESSION}={L.SESSION}"})
+    return host.client.containers.list(all=True, filters={"label": f"{L.LABEL_SESSION}={L.SESSION}"},
+                                      ignore_removed=True)
 
 
 def read_from_image(host, image: str, path: str) -> bytes:
