@@ -51,6 +51,17 @@ from .config import SimKnobs
 logger = init_logger("vllm.kvrepro_engine.executor")
 
 
+
+def _answer(call, arg, non_block: bool):
+    """Run ``call(arg)`` now and answer as vLLM's executors do: a Future when ``non_block``
+    (EngineCore waits on it), else the value; an exception travels inside the Future."""
+    future: Future = Future()
+    try:
+        future.set_result(call(arg))
+    except Exception as exc:
+        future.set_exception(exc)
+    return future if non_block else future.result()
+
 class SimTransferWorker(OffloadingWorker):
     """vLLM's OffloadingWorker interface without data movement: a job finishes one step later."""
 
@@ -370,21 +381,11 @@ class SimExecutor(Executor):
         self.steps += 1
         if self.knobs.step_delay_ms:
             time.sleep(self.knobs.step_delay_ms / 1000.0)
-        future: Future = Future()
-        try:
-            future.set_result(self.runner.execute_model(scheduler_output))
-        except Exception as exc:
-            future.set_exception(exc)
-        return future if non_block else future.result()
+        return _answer(self.runner.execute_model, scheduler_output, non_block)
 
     def sample_tokens(self, grammar_output, non_block: bool = False):
         assert self.runner is not None
-        future: Future = Future()
-        try:
-            future.set_result(self.runner.sample_tokens(grammar_output))
-        except Exception as exc:
-            future.set_exception(exc)
-        return future if non_block else future.result()
+        return _answer(self.runner.sample_tokens, grammar_output, non_block)
 
     def take_draft_token_ids(self):
         return self.runner.take_draft_token_ids() if self.runner is not None else None

@@ -108,6 +108,20 @@ class SimHTTPServer(ThreadingHTTPServer):
         logger.warning("HTTP handler error for %s: %r", client_address, exc)
 
 
+def _engine_error(exc: BaseException) -> tuple[int, dict]:
+    """The HTTP status and body for a completion the engine could not finish, as vLLM answers:
+    a dead engine is 500 EngineDeadError, a stopping one 503, no progress in time 504."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from .loop import EngineStopping
+
+    if isinstance(exc, EngineDeadError):
+        return 500, _error_body(str(exc), "EngineDeadError", 500)
+    if isinstance(exc, EngineStopping):
+        return 503, _error_body(str(exc), "ServiceUnavailableError", 503)
+    return 504, _error_body("no output from the engine in time", "TimeoutError", 504)
+
+
 def _error_body(message: str, kind: str, code: int) -> dict:
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
@@ -201,17 +215,14 @@ class Handler(BaseHTTPRequestHandler):
         stream = bool(body.get("stream", False))
         try:
             completion = app.loop.submit(prompt_ids, max_tokens)
-        except EngineDeadError as exc:
-            self._send_json(500, _error_body(str(exc), "EngineDeadError", 500))
-            return
-        except EngineStopping as exc:
-            self._send_json(503, _error_body(str(exc), "ServiceUnavailableError", 503))
+        except (EngineDeadError, EngineStopping) as exc:
+            self._send_json(*_engine_error(exc))
             return
         created = int(time.time())
         head = {"id": completion.request_id, "object": "text_completion", "created": created,
                 "model": app.served_model_name}
         if stream:
-            self._stream(completion, head, detokenize, EngineDeadError, EngineStopping)
+            self._stream(completion, head, detokenize)
             return
         tokens: list[int] = []
         finish_reason = None
@@ -220,14 +231,8 @@ class Handler(BaseHTTPRequestHandler):
                 delta = completion.next_event(timeout=REQUEST_TIMEOUT_S)
                 tokens.extend(delta.token_ids)
                 finish_reason = delta.finish_reason
-        except EngineDeadError as exc:
-            self._send_json(500, _error_body(str(exc), "EngineDeadError", 500))
-            return
-        except EngineStopping as exc:
-            self._send_json(503, _error_body(str(exc), "ServiceUnavailableError", 503))
-            return
-        except Exception:  # queue.Empty: the engine made no progress for this request
-            self._send_json(504, _error_body("no output from the engine in time", "TimeoutError", 504))
+        except Exception as exc:  # dead, stopping, or queue.Empty: no progress for this request
+            self._send_json(*_engine_error(exc))
             return
         self._send_json(200, {
             **head,
@@ -237,7 +242,7 @@ class Handler(BaseHTTPRequestHandler):
                       "total_tokens": completion.num_prompt_tokens + len(tokens)},
         })
 
-    def _stream(self, completion, head, detokenize, dead_error, stopping_error) -> None:
+    def _stream(self, completion, head, detokenize) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -262,12 +267,8 @@ class Handler(BaseHTTPRequestHandler):
             event({**head, "choices": [], "usage": {
                 "prompt_tokens": completion.num_prompt_tokens, "completion_tokens": num_tokens,
                 "total_tokens": completion.num_prompt_tokens + num_tokens}})
-        except dead_error as exc:
-            event(_error_body(str(exc), "EngineDeadError", 500))
-        except stopping_error as exc:
-            event(_error_body(str(exc), "ServiceUnavailableError", 503))
-        except Exception:
-            event(_error_body("no output from the engine in time", "TimeoutError", 504))
+        except Exception as exc:
+            event(_engine_error(exc)[1])
         event("[DONE]")
 
 

@@ -32,7 +32,7 @@ from ...errors import KvreproError
 from ...records import BuildPlan
 from . import labels as L
 from .errors import ImageBuildError, ImageMissingError
-from .hosts import DockerHost
+from .hosts import DockerHost, remove_quietly
 
 ASSEMBLY_FORMAT = 2
 PROBE_SOURCE = paths.PACKAGE_ROOT / "probe" / "kvrepro_probe.py"
@@ -148,10 +148,7 @@ def _run_throwaway(host: DockerHost, image: str, argv: list[str], step: str, fil
         raise ImageBuildError(f"step '{step}' on host {host.name}: {getattr(exc, 'explanation', None) or exc}") from None
     finally:
         if container is not None:
-            try:
-                container.remove(force=True)
-            except (docker.errors.APIError, requests.RequestException):
-                pass
+            remove_quietly(container)
 
 
 def _tar_of(files: dict[str, bytes], mode: int = 0o644) -> bytes:
@@ -231,10 +228,7 @@ def _fetch_files(host: DockerHost, image_id: str, site_dir: str, rels: list[str]
             if member is not None and member.isfile():
                 found[rel] = tar.extractfile(member).read()
     finally:
-        try:
-            container.remove(force=True)
-        except docker.errors.APIError:
-            pass
+        remove_quietly(container)
     return found
 
 

@@ -37,7 +37,7 @@ from docker.types import Mount
 from ... import paths
 from ...errors import SetupError
 from . import labels as L
-from .hosts import DockerHost, connect, local_host_spec
+from .hosts import DockerHost, connect, local_host_spec, remove_quietly
 
 FORMAT = 2
 CPU_REPO = "kvrepro/vllm-openai-cpu"
@@ -271,10 +271,7 @@ def _run_and_commit(host: DockerHost, image_id: str, script: str, mounts: list[M
         image = container.commit(repository=repo, tag=version, changes=changes())
         return image, "\n".join(output)
     finally:
-        try:
-            container.remove(force=True)
-        except docker.errors.APIError:
-            pass
+        remove_quietly(container)
 
 
 def _pip(*args: str, cert: bool) -> str:

@@ -25,6 +25,18 @@ DEFAULT_SOCKET = "unix:///var/run/docker.sock"
 _LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", ""}
 
 
+def remove_quietly(container) -> None:
+    """Remove a container kvrepro made, ignoring a daemon that already lost it or went away.
+
+    Used in ``finally`` blocks: an error here must never replace the error being handled, and
+    whatever stays behind carries kvrepro's labels, so ``kvrepro clean`` finds it.
+    """
+    try:
+        container.remove(force=True)
+    except (docker.errors.DockerException, requests.RequestException, OSError):
+        pass
+
+
 def local_host_spec() -> HostSpec:
     """The daemon this machine's `docker` CLI talks to (DOCKER_HOST, else the default socket)."""
     return HostSpec(name="local", docker=os.environ.get("DOCKER_HOST") or DEFAULT_SOCKET)
@@ -264,8 +276,5 @@ def count_gpus(host: DockerHost, image: str) -> int | None:
         return None
     finally:
         if container is not None:
-            try:
-                container.remove(force=True)
-            except (docker.errors.DockerException, requests.RequestException):
-                pass
+            remove_quietly(container)
     return sum(1 for line in output.decode("utf-8", "replace").splitlines() if line.startswith("GPU "))

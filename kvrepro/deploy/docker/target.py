@@ -29,7 +29,8 @@ from .assemble import assemble
 from .containers import ContainerEngine
 from .errors import (ContainerError, DaemonDownError, DockerInfraError, ImageMissingError, PortInUseError,
                      UnknownHostError)
-from .hosts import DockerHost, connect, engine_hosts, free_local_port, port_free_locally, published_ports
+from .hosts import (DockerHost, connect, engine_hosts, free_local_port, port_free_locally, published_ports,
+                    remove_quietly)
 from .launch import NodeLaunch, plan_launch
 
 MODEL_MOUNT = "/kvrepro/model"
@@ -314,7 +315,7 @@ class DockerTarget(Target):
                     )
                 container.put_archive("/", _tar_dir(model_dir, model_arg))
         except BaseException:
-            container.remove(force=True)  # not attached to the engine yet: nobody else would
+            remove_quietly(container)  # not attached to the engine yet: nobody else would
             raise
         return container
 
@@ -373,10 +374,7 @@ class DockerTarget(Target):
         except _API_ERRORS:
             return
         for container in leftovers:
-            try:
-                container.remove(force=True)
-            except _API_ERRORS:
-                pass  # gone already, or the daemon is: `kvrepro clean` is the fallback
+            remove_quietly(container)
 
 
 def _explain(exc: docker.errors.APIError) -> str:
