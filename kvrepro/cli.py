@@ -29,7 +29,10 @@ app = typer.Typer(help="Reproduce vLLM engine crashes and prove which fixes cure
 matrix_app = typer.Typer(help="Validate, plan, run and show build matrices.", no_args_is_help=True)
 engine_app = typer.Typer(help="The GPU-free engine.", no_args_is_help=True)
 results_app = typer.Typer(help="Recorded runs under results/.", no_args_is_help=True)
+bisect_app = typer.Typer(help="Find the release, commit or patch that brought a crash in or took it away.",
+                         no_args_is_help=True)
 app.add_typer(matrix_app, name="matrix")
+app.add_typer(bisect_app, name="bisect")
 app.add_typer(engine_app, name="engine")
 app.add_typer(results_app, name="results")
 
@@ -227,7 +230,16 @@ def results_list(results_root: Path = ResultsOpt, as_json: bool = JsonOpt) -> No
 @results_app.command("show")
 def results_show(run_id: str = typer.Argument("latest"), results_root: Path = ResultsOpt,
                  as_json: bool = JsonOpt) -> None:
-    """Everything recorded for one run."""
+    """Everything recorded for one run (or one bisection)."""
+    from . import bisect
+
+    if run_id != "latest" and bisect.is_bisection(results_root, run_id):
+        result = bisect.result_from_state(bisect.load_state(results_root, run_id), results_root / run_id)
+        if as_json:
+            _emit_json(_bisect_json(result))
+        else:
+            _print_bisection(result)
+        return
     run = results.load_run(results_root, run_id)
     if as_json:
         _emit_json(run)
@@ -312,6 +324,228 @@ def engine_serve(
         err.print("stopped")
         code = 0
     raise typer.Exit(code)
+
+
+# --- bisection ---------------------------------------------------------------------------------
+
+class BisectProgress(RichProgress):
+    """Runs as they finish, and one line per decided step (stderr; --json stays clean)."""
+
+    def __init__(self) -> None:
+        super().__init__(total_runs=0)
+        self.progress.update(self.runs, total=None)
+
+    def run_finished(self, result: RunResult) -> None:
+        task = self.active.pop((result.build, result.rep), None)
+        if task is not None:
+            self.progress.remove_task(task)
+        self.progress.advance(self.runs)
+        self.progress.console.log(f"  {result.build} rep {result.rep}: {report.verdict_label(to_jsonable(result))} "
+                                  f"trigger={result.trigger_count} requests={result.requests} {result.seconds:.1f}s")
+
+    def step(self, step: Any) -> None:
+        counts = ", ".join(f"{n}x {label}" for label, n in step.counts.items())
+        state = f" ({step.state})" if step.state else ""
+        self.progress.console.log(f"[bold]{step.role} {step.label}: {step.verdict.upper()}{state}[/]  {counts}"
+                                  + (f"  [dim]{step.reason}[/]" if step.reason else ""))
+
+
+def _bisect_json(result: Any) -> dict[str, Any]:
+    data = to_jsonable(result)
+    ordered = {"answer": data.pop("answer"), "reason": data.pop("reason") or None, "steps": data.pop("steps")}
+    ordered.update(data)
+    return ordered
+
+
+def _print_bisection(result: Any) -> None:
+    table = Table(title=f"kvrepro bisect {result.kind} {result.bisection_id} ({result.status})")
+    for col in ("#", "role", "point", "verdict", "runs (verdict counts)", "good needs"):
+        table.add_column(col)
+    for i, s in enumerate(result.steps, 1):
+        verdict = s.verdict.upper() + (f" ({s.state})" if s.state else "")
+        table.add_row(str(i), s.role, s.label, verdict, ", ".join(f"{n}x {k}" for k, n in s.counts.items()),
+                      str(s.runs_needed_for_good or "-"))
+    out.print(table)
+    if result.answer is not None:
+        answer = ", ".join(result.answer) if isinstance(result.answer, list) else result.answer
+        conf = f", confidence {result.confidence:.3f}" if result.confidence is not None else ""
+        out.print(f"[bold]answer: {answer}[/] (p_bad {result.p_bad}, alpha {result.alpha}{conf})")
+        for key, value in result.detail.items():
+            out.print(f"  {key}: {value}")
+    else:
+        out.print(f"[yellow]no answer[/]: {result.reason}")
+    out.print(f"recorded: {result.path}")
+
+
+def _run_bisection(how: Any, as_json: bool) -> None:
+    """Run a bisection under the Ctrl-C rule of `matrix run` and print its result."""
+    from . import bisect
+
+    stop = threading.Event()
+
+    def on_sigint(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        err.print("[yellow]stopping after the current run is recorded; `--resume` continues (Ctrl-C again to "
+                  "stop at once)[/]")
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    progress = BisectProgress()
+    try:
+        with progress.progress:
+            result = how(progress=progress, stop=stop, on_step=progress.step)
+    except bisect.Interrupted:
+        err.print("interrupted; finished runs are kept; continue with `--resume latest`")
+        raise typer.Exit(130)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if as_json:
+        _emit_json(_bisect_json(result))
+    else:
+        _print_bisection(result)
+    if result.answer is None:
+        raise typer.Exit(1)
+
+
+AlphaOpt = typer.Option(0.05, "--alpha", min=0.0001, max=0.5,
+                        help="a good point must be this unlikely to be a crashing one that stayed clean")
+CalibrateOpt = typer.Option(3, "--calibrate", min=1, help="runs at the bad end (they measure the crash rate)")
+MaxRunsOpt = typer.Option(None, "--max-runs", min=1, help="runs after which an undecided point is a skip "
+                                                           "(default: runs a good verdict needs + 4)")
+RequestsOpt = typer.Option(None, "--requests", min=1, help="override runs.requests for every probe")
+TitleOpt = typer.Option(None, "--title", help="bisect this crash (title text) instead of target_signature")
+TargetOpt = typer.Option(None, "--target", help="override matrix.yaml's target (sim, docker)")
+JobsOpt = typer.Option(None, "--jobs", "-j", min=1, help="engines at once")
+ResumeOpt = typer.Option(None, "--resume", help="continue an interrupted bisection (its id, or `latest`)")
+
+
+def _bisect(kind: str, request: dict[str, Any], resume_id: Optional[str], results_root: Path, as_json: bool) -> None:
+    from . import bisect
+
+    if resume_id:
+        _run_bisection(lambda **kw: bisect.resume(results_root, resume_id, kind, **kw), as_json)
+    else:
+        _run_bisection(lambda **kw: bisect.start(kind, request, results_root, **kw), as_json)
+
+
+def _need(**given: Any) -> None:
+    missing = [f"--{name}" for name, value in given.items() if value is None]
+    if missing:
+        raise SpecError(f"give {' and '.join(missing)} (or --resume ID)")
+
+
+@bisect_app.command("releases")
+def bisect_releases(
+    bad: Optional[str] = typer.Option(None, "--bad", help="a release that shows the crash"),
+    good: Optional[str] = typer.Option(None, "--good", help="a release that does not (older or newer)"),
+    build: Optional[str] = typer.Option(None, "--build", "-b",
+                                        help="apply this build's patch stack (common first) at every release; "
+                                             "default: the releases as shipped"),
+    matrix: Path = MatrixOpt, target: Optional[str] = TargetOpt, title: Optional[str] = TitleOpt,
+    alpha: float = AlphaOpt, calibrate: int = CalibrateOpt, max_runs: Optional[int] = MaxRunsOpt,
+    requests: Optional[int] = RequestsOpt, jobs: Optional[int] = JobsOpt, resume: Optional[str] = ResumeOpt,
+    results_root: Path = ResultsOpt, as_json: bool = JsonOpt,
+) -> None:
+    """The first vLLM release at which the verdict changes (the crash came in, or went away)."""
+    if not resume:
+        _need(bad=bad, good=good)
+    _bisect("releases", {"matrix": str(matrix), "bad": bad, "good": good, "build": build, "target": target,
+                         "title": title, "alpha": alpha, "calibrate": calibrate, "max_runs": max_runs,
+                         "requests": requests, "jobs": jobs}, resume, results_root, as_json)
+
+
+@bisect_app.command("commits")
+def bisect_commits(
+    repo: Optional[Path] = typer.Option(None, "--repo", help="a vLLM git checkout"),
+    bad: Optional[str] = typer.Option(None, "--bad", help="a commit that shows the crash"),
+    good: Optional[str] = typer.Option(None, "--good", help="a commit that does not (older or newer)"),
+    wheel: Optional[str] = typer.Option(None, "--wheel",
+                                        help="the release whose wheel every commit goes on (default: the nearest "
+                                             "release tag before each commit)"),
+    build: Optional[str] = typer.Option(None, "--build", "-b", help="apply this build's patch stack to every commit"),
+    matrix: Path = MatrixOpt, target: Optional[str] = TargetOpt, title: Optional[str] = TitleOpt,
+    alpha: float = AlphaOpt, calibrate: int = CalibrateOpt, max_runs: Optional[int] = MaxRunsOpt,
+    requests: Optional[int] = RequestsOpt, jobs: Optional[int] = JobsOpt, resume: Optional[str] = ResumeOpt,
+    results_root: Path = ResultsOpt, as_json: bool = JsonOpt,
+) -> None:
+    """The first commit at which the verdict changes; each commit's vllm/ runs on a release wheel."""
+    if not resume:
+        _need(repo=repo, bad=bad, good=good)
+    _bisect("commits", {"matrix": str(matrix), "repo": str(repo) if repo else None, "bad": bad, "good": good,
+                        "wheel": wheel, "build": build, "target": target, "title": title, "alpha": alpha,
+                        "calibrate": calibrate, "max_runs": max_runs, "requests": requests, "jobs": jobs},
+            resume, results_root, as_json)
+
+
+@bisect_app.command("patches")
+def bisect_patches(
+    patch: Optional[list[str]] = typer.Option(None, "--patch", "-p",
+                                              help="a candidate patch (repeatable); default: every patch the "
+                                                   "builds use beyond common:"),
+    matrix: Path = MatrixOpt, target: Optional[str] = TargetOpt, title: Optional[str] = TitleOpt,
+    alpha: float = AlphaOpt, calibrate: int = CalibrateOpt, max_runs: Optional[int] = MaxRunsOpt,
+    requests: Optional[int] = RequestsOpt, jobs: Optional[int] = JobsOpt, resume: Optional[str] = ResumeOpt,
+    results_root: Path = ResultsOpt, as_json: bool = JsonOpt,
+) -> None:
+    """Delta debugging on the matrix base (+ common): the smallest set of candidate patches that
+    removes the crash, and for each patch whether removing it alone brings the crash back."""
+    _bisect("patches", {"matrix": str(matrix), "patches": patch or None, "target": target, "title": title,
+                        "alpha": alpha, "calibrate": calibrate, "max_runs": max_runs, "requests": requests,
+                        "jobs": jobs}, resume, results_root, as_json)
+
+
+GIT_BISECT_EXIT = {"good": 0, "bad": 1, "skip": 125}
+
+
+@matrix_app.command("verdict")
+def matrix_verdict(
+    git_bisect: bool = typer.Option(False, "--git-bisect",
+                                    help="exit 0 good, 1 bad, 125 skip (for `git bisect run`); bad input and "
+                                         "Ctrl-C exit 128/130, which stop `git bisect run`"),
+    find_fix: bool = typer.Option(False, "--find-fix",
+                                  help="with --git-bisect, when looking for the commit that FIXED the crash: "
+                                       "exit 0 when it crashes and 1 when not (git bisect start --term-old=broken "
+                                       "--term-new=fixed)"),
+    repo: Optional[Path] = typer.Option(None, "--repo", help="probe the commit checked out here (HEAD) on a release wheel"),
+    commit: Optional[str] = typer.Option(None, "--commit", help="with --repo: this commit instead of HEAD"),
+    wheel: Optional[str] = typer.Option(None, "--wheel", help="with --repo: the release wheel (default: nearest tag)"),
+    release: Optional[str] = typer.Option(None, "--release", help="without --repo: this release (default: the matrix base)"),
+    build: Optional[str] = typer.Option(None, "--build", "-b", help="apply this build's patch stack (common first)"),
+    p_bad: float = typer.Option(0.5, "--p-bad", min=0.01, max=0.99,
+                                help="crash rate assumed at a bad point: sets how many clean runs make a good one"),
+    matrix: Path = MatrixOpt, target: Optional[str] = TargetOpt, title: Optional[str] = TitleOpt,
+    alpha: float = AlphaOpt, max_runs: Optional[int] = MaxRunsOpt, requests: Optional[int] = RequestsOpt,
+    jobs: Optional[int] = JobsOpt, results_root: Path = ResultsOpt, as_json: bool = JsonOpt,
+) -> None:
+    """Run one point until its verdict is decisive (good / bad / skip) under the bisection rule."""
+    from . import bisect
+
+    request = {"matrix": str(matrix), "repo": str(repo) if repo else None, "commit": commit, "wheel": wheel,
+               "release": release, "build": build, "p_bad": p_bad, "target": target, "title": title,
+               "alpha": alpha, "calibrate": 1, "max_runs": max_runs, "requests": requests, "jobs": jobs}
+    holder: dict[str, Any] = {}
+
+    def how(**kw: Any) -> Any:
+        verdict, result = bisect.probe_point(results_root, request, **kw)
+        holder["verdict"] = verdict.value
+        return result
+
+    try:
+        _run_bisection(how, as_json)
+    except typer.Exit as exc:
+        if not git_bisect or exc.exit_code == 130:
+            raise
+    except KvreproError as exc:
+        if not git_bisect:
+            raise
+        err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(128) from None
+    if git_bisect:
+        verdict = holder.get("verdict", "skip")
+        if find_fix and verdict in ("good", "bad"):
+            verdict = "bad" if verdict == "good" else "good"
+        raise typer.Exit(GIT_BISECT_EXIT[verdict])
 
 
 # --- docker target commands (kvrepro/deploy/docker/cli.py) are wired below ---

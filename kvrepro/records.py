@@ -46,12 +46,26 @@ class PatchRef:
 
 
 @dataclass(frozen=True)
+class GitCommitSource:
+    """A build's Python tree taken from a commit of a vLLM git checkout instead of the release
+    wheel (the wheel of ``BuildPlan.base`` still supplies what git does not track)."""
+
+    repo: str
+    commit: str  # full sha
+
+
+@dataclass(frozen=True)
 class BuildPlan:
-    """What to build: a base vLLM version plus an ordered patch stack."""
+    """What to build: a base vLLM version plus an ordered patch stack.
+
+    ``source`` None: the release wheel's ``vllm/``; a GitCommitSource: that commit's ``vllm/``
+    on top of the release wheel (vLLM's precompiled developer install).
+    """
 
     name: str
     base: str
     patches: tuple[PatchRef, ...]
+    source: GitCommitSource | None = None
 
 
 @dataclass(frozen=True)
@@ -159,6 +173,46 @@ class RunResult:
     infra_error: str | None = None
     run_dir: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BisectStep:
+    """One point of a bisection and what its runs showed (written after every step).
+
+    ``point`` is what was tried: {"kind": "release", "release": ...}, {"kind": "commit", "commit":
+    ...} or {"kind": "patches", "patches": [...]}; ``label`` a short name for it. ``verdict`` is
+    good / bad / skip (kvrepro.bisect.rules decides it from ``counts``, the run verdict labels
+    seen). ``state`` says for a good point whether the bug's state occurred and was handled
+    ("handled"), never occurred ("unreached") or both across runs ("mixed").
+    """
+
+    point: dict[str, Any]
+    label: str
+    role: str  # "bad end" | "good end" | "midpoint" | "subset" | "complement" | "removal"
+    verdict: str
+    counts: dict[str, int]
+    runs_needed_for_good: int | None  # None at the bad end (it measures p_bad, it is never good)
+    state: str | None = None
+    reason: str = ""
+    probe_runs: tuple[str, ...] = ()  # run folders (under the bisection's probes/) of this point
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class BisectResult:
+    """What a bisection found: ``answer`` (release, commit or patch list) or None and ``reason``."""
+
+    kind: str  # "releases" | "commits" | "patches"
+    answer: Any
+    reason: str
+    confidence: float | None
+    p_bad: float | None
+    alpha: float
+    steps: tuple[BisectStep, ...]
+    status: str  # "running" | "interrupted" | "complete"
+    bisection_id: str = ""
+    path: str = ""
+    detail: dict[str, Any] = field(default_factory=dict)
 
 
 def to_jsonable(value: Any) -> Any:

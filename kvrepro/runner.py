@@ -63,6 +63,7 @@ class MatrixOptions:
     repetitions: int | None = None
     results_root: Path = results.DEFAULT_ROOT
     jobs: int | None = None  # engines run at once; None: what the target says it can take
+    first_rep: int = 0  # number of the first repetition (its seeds follow): a later batch of the same build
 
 
 def _artifact_json(artifact: BuildArtifact) -> dict[str, Any]:
@@ -192,8 +193,13 @@ def _wait_for_slots(futures: list) -> None:
 
 
 def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress | None = None,
-               stop: threading.Event | None = None) -> dict[str, Any]:
-    """Run every build x repetition; return the run as `results.load_run` reads it back."""
+               stop: threading.Event | None = None, target: Target | None = None) -> dict[str, Any]:
+    """Run every build x repetition; return the run as `results.load_run` reads it back.
+
+    ``target``: an open target to run on and leave open (a bisection probes many small matrices
+    on the same base; reusing the target keeps its engine zygote warm). None: one is made for
+    this matrix and closed at the end.
+    """
     progress = progress or SilentProgress()
     stop = stop or threading.Event()
     matrix = loaded.matrix
@@ -207,11 +213,14 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
         "target": target_name,
         "base": matrix.base,
         "repetitions": reps,
+        "first_rep": options.first_rep,
         "build_order": [p.name for p in plans],
         "builds": {p.name: {"patches": [x.name for x in p.patches]} for p in plans},
         "kvrepro_version": __version__,
     })
-    target = target_cls(loaded)
+    owns_target = target is None
+    if target is None:
+        target = target_cls(loaded)
     target.on_line = progress.detail
     jobs = max(1, options.jobs or target.max_parallel())
 
@@ -246,7 +255,7 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
             progress.run_finished(result)
 
         # Repetition-major order: with N parallel slots the first results cover every build.
-        work = [(a, rep) for rep in range(reps) for a in artifacts]
+        work = [(a, rep) for rep in range(options.first_rep, options.first_rep + reps) for a in artifacts]
         if jobs == 1:
             for artifact, rep in work:
                 one(artifact, rep)
@@ -269,5 +278,6 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
         raise
     finally:
         finished.set()
-        target.close()
+        if owns_target:
+            target.close()
     return results.load_run(options.results_root, folder.run_id)

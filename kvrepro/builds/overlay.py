@@ -79,8 +79,13 @@ def build_overlay(plan: BuildPlan, on_line: Callable[[str], None] | None = None)
     """Build (or reuse) the overlay for ``plan``.
 
     A patch that does not apply fails this build only: the artifact comes back with ``error``
-    naming the patch, file and hunk, and nothing is left in the cache.
+    naming the patch, file and hunk, and nothing is left in the cache. A plan whose source is a
+    git commit is built by :mod:`kvrepro.builds.gitcommit`.
     """
+    if plan.source is not None:
+        from .gitcommit import build_commit_overlay
+
+        return build_commit_overlay(plan, on_line)
     wheel, pristine, wheel_digest = pristine_tree(plan.base, on_line)
     key = overlay_key(plan, wheel_digest)
     dest = paths.overlays_dir() / key

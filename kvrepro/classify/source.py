@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import threading
 import re
 from pathlib import Path
 
@@ -34,7 +35,8 @@ def canonical(expression: str) -> str:
     """
     text = one_line(expression)
     try:
-        tree = ast.parse(text)
+        with _PARSE_LOCK:
+            tree = ast.parse(text)
     except SyntaxError:
         return text.removeprefix("assert ")
     if len(tree.body) == 1:
@@ -46,11 +48,18 @@ def canonical(expression: str) -> str:
     return ast.unparse(tree)
 
 
+# CPython 3.11's parser is not safe to call from two threads at once (it raised "SystemError: AST
+# constructor recursion depth mismatch" when parallel runs classified their logs together), so
+# every parse here goes through one lock.
+_PARSE_LOCK = threading.Lock()
+
+
 @functools.lru_cache(maxsize=32)
 def _parse(path: str, mtime_ns: int) -> tuple[ast.Module, list[str], str] | None:
     try:
         text = Path(path).read_text(encoding="utf-8", errors="replace")
-        return ast.parse(text), text.splitlines(), text
+        with _PARSE_LOCK:
+            return ast.parse(text), text.splitlines(), text
     except (OSError, SyntaxError, ValueError):
         return None
 
@@ -123,7 +132,8 @@ def shown_expression(lines: list[str]) -> str:
     if not text.startswith("assert "):
         return text
     try:
-        tree = ast.parse(text)
+        with _PARSE_LOCK:
+            tree = ast.parse(text)
     except SyntaxError:
         return text.removeprefix("assert ")
     node = tree.body[0] if len(tree.body) == 1 else None

@@ -1,0 +1,223 @@
+"""Bisection: which release, commit or patch brought a crash in or took it away.
+
+Three searches share one flaky-aware point rule (:mod:`.rules`) and one resumable session on
+disk (:mod:`.session`): over vLLM releases, over commits of a vLLM checkout (each commit's Python
+tree on the nearest release's wheel), and delta debugging over a set of candidate patches.
+Every probe is an ordinary one-build matrix run by the runner (:mod:`.points`).
+
+Public API: :func:`start`, :func:`resume`, :func:`probe_point`, :class:`Interrupted`, and the
+records :class:`kvrepro.records.BisectStep` / :class:`kvrepro.records.BisectResult`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..builds import gitcommit
+from ..errors import SpecError
+from ..records import BisectResult
+from ..spec import load_matrix
+from .points import Point, PointMatrices, point_label, releases_between
+from .rules import PointRule, PointVerdict, runs_needed_for_good
+from .search import bisect_linear, ddmin
+from .session import Interrupted, Session, is_bisection, load_state, result_from_state
+
+KINDS = ("releases", "commits", "patches")
+
+
+def _matrices(request: dict[str, Any]) -> PointMatrices:
+    loaded = load_matrix(request["matrix"])
+    return PointMatrices(loaded, build=request.get("build"), requests=request.get("requests"),
+                         repo=request.get("repo"), wheel=request.get("wheel"))
+
+
+def start(kind: str, request: dict[str, Any], root: Path, **session_kw) -> BisectResult:
+    """Start a bisection of ``kind``; ``request`` holds the command's arguments (persisted)."""
+    request = dict(request)
+    request["matrix"] = str(Path(request["matrix"]).resolve())
+    matrices = _matrices(request)
+    _complete_request(kind, request, matrices)
+    session = Session.create(root, kind, request, matrices, **session_kw)
+    return _drive(session)
+
+
+def resume(root: Path, bisection_id: str, kind: str | None = None, **session_kw) -> BisectResult:
+    """Finish an interrupted bisection: recorded verdicts are replayed, missing runs are run."""
+    state = load_state(root, bisection_id)
+    if kind is not None and state["kind"] != kind:
+        raise SpecError(f"--resume {bisection_id}: that is a `bisect {state['kind']}`, not `bisect {kind}`")
+    if state.get("status") == "complete":
+        return result_from_state(state, root / state["bisection_id"])
+    state["status"] = "running"
+    session = Session(root, state, _matrices(state["request"]), **session_kw)
+    return _drive(session)
+
+
+def _complete_request(kind: str, request: dict[str, Any], matrices: PointMatrices) -> None:
+    """Check the arguments and pin everything the search depends on (full shas, patch list)."""
+    if kind == "releases":
+        releases_between(request["bad"], request["good"])
+    elif kind == "commits":
+        repo = str(Path(request["repo"]).resolve())
+        request["repo"] = repo
+        matrices.repo = repo
+        request["bad"] = gitcommit.resolve_commit(repo, request["bad"])
+        request["good"] = gitcommit.resolve_commit(repo, request["good"])
+        if request["bad"] == request["good"]:
+            raise SpecError("--bad and --good name the same commit; give two different ones")
+    elif kind == "patches":
+        m = matrices.loaded.matrix
+        declared = list(m.patches)
+        if request.get("patches"):
+            unknown = [p for p in request["patches"] if p not in m.patches]
+            if unknown:
+                raise SpecError(f"--patch {', '.join(unknown)}: not declared under patches: in "
+                                f"{matrices.loaded.path} (declared: {', '.join(declared)})")
+            chosen = set(request["patches"])
+        else:  # every patch some build uses on top of `common`
+            chosen = {p for stack in m.builds.values() for p in stack} - set(m.common)
+        request["patches"] = [p for p in declared if p in chosen and p not in m.common]
+        if not request["patches"]:
+            raise SpecError(f"{matrices.loaded.path}: no candidate patches (beyond common:) to bisect; "
+                            "name them with --patch")
+    else:
+        raise SpecError(f"unknown bisection kind {kind!r}; use one of {', '.join(KINDS)}")
+
+
+def _drive(session: Session) -> BisectResult:
+    kind = session.state["kind"]
+    try:
+        if kind == "releases":
+            return _linear(session, [{"kind": "release", "release": r}
+                                     for r in releases_between(session.state["request"]["bad"],
+                                                               session.state["request"]["good"])])
+        if kind == "commits":
+            return _commits(session)
+        return _patches(session)
+    except BaseException:
+        if session.state.get("status") != "complete":
+            session.mark_interrupted()
+        raise
+    finally:
+        session.close()
+
+
+def _point_is(point: Point, value: str) -> bool:
+    return point.get("release") == value or point.get("commit") == value
+
+
+def _check_ends(session: Session, bad: Point, good: Point, also: list[Point]) -> str | None:
+    """Run both ends first (bad end also measures p_bad); a reason when they are not as claimed."""
+    session.prefetch([good, *also])
+    if session.verdict_of(bad, "bad end", session.end_rule()) is not PointVerdict.BAD:
+        return (f"the bad end {point_label(bad)} did not show the crash in "
+                f"{session.tally(bad).attempts} runs ({_counts(session, bad)})")
+    session.measure_p_bad(bad)
+    verdict = session.verdict_of(good, "good end", session.point_rule())
+    if verdict is PointVerdict.BAD:
+        return f"the good end {point_label(good)} crashed too ({_counts(session, good)})"
+    if verdict is PointVerdict.SKIP:
+        return f"the good end {point_label(good)} could not be decided ({_counts(session, good)})"
+    return None
+
+
+def _counts(session: Session, point: Point) -> str:
+    labels = session.tally(point).labels
+    return ", ".join(f"{n}x {label}" for label, n in sorted(labels.items())) or "no runs"
+
+
+def _linear(session: Session, points: list[Point]) -> BisectResult:
+    """Points are oldest first; the bad end is the first (a fix is sought) or the last (a regression)."""
+    request = session.state["request"]
+    bad_is_older = _point_is(points[0], request["bad"])
+    bad, good = (points[0], points[-1]) if bad_is_older else (points[-1], points[0])
+    first_mid = len(points) // 2 if len(points) > 2 else None
+    reason = _check_ends(session, bad, good, [points[first_mid]] if first_mid else [])
+    if reason:
+        return session.finish(None, reason)
+    old = PointVerdict.BAD if bad_is_older else PointVerdict.GOOD
+    rule = session.point_rule()
+    outcome = bisect_linear(len(points), old,
+                            oracle=lambda i: session.verdict_of(points[i], "midpoint", rule),
+                            prefetch=lambda idx: session.prefetch([points[i] for i in idx]))
+    changed_to = "good" if bad_is_older else "bad"
+    detail = {"direction": "fixed" if bad_is_older else "introduced",
+              "last_" + ("bad" if bad_is_older else "good"): point_label(points[outcome.last_old]),
+              "first_" + changed_to: point_label(points[outcome.first_new])}
+    if outcome.decided:
+        first = points[outcome.first_new]
+        return session.finish(first.get("release") or first.get("commit"), detail=detail)
+    skipped = ", ".join(point_label(points[i]) for i in outcome.skipped)
+    return session.finish(None, f"the verdict changes between {point_label(points[outcome.last_old])} and "
+                                f"{point_label(points[outcome.first_new])}, but {skipped} could not be "
+                                "decided (skip)", detail=detail)
+
+
+def _commits(session: Session) -> BisectResult:
+    request = session.state["request"]
+    repo, bad, good = request["repo"], request["bad"], request["good"]
+    older, newer = (bad, good) if gitcommit.is_ancestor(repo, bad, good) else (good, bad)
+    shas = gitcommit.commits_between(repo, older, newer)
+    result = _linear(session, [{"kind": "commit", "commit": sha} for sha in shas])
+    if result.answer:
+        session.state["detail"]["subject"] = gitcommit.short_subject(repo, result.answer)
+        session.save()
+        return session.result()
+    return result
+
+
+def _patches(session: Session) -> BisectResult:
+    """ddmin over the candidates on the base (matrix base + common): the smallest subset that
+    removes the crash, then each candidate removed alone from the full set."""
+    candidates: list[str] = session.state["request"]["patches"]
+
+    def point(subset: list[str]) -> Point:
+        return {"kind": "patches", "patches": [p for p in candidates if p in subset]}
+
+    reason = _check_ends(session, point([]), point(candidates), [point([c]) for c in candidates])
+    if reason:
+        return session.finish(None, reason)
+    rule = session.point_rule()
+
+    def removes_crash(subset: list[str], role: str = "subset") -> PointVerdict:
+        return session.verdict_of(point(subset), role, rule)
+
+    minimal = ddmin(candidates, removes_crash,
+                    prefetch=lambda subsets: session.prefetch([point(s) for s in subsets]))
+    removal = {}
+    for patch in candidates:
+        verdict = removes_crash([c for c in candidates if c != patch], "removal")
+        removal[patch] = {PointVerdict.BAD: "crash comes back", PointVerdict.GOOD: "still no crash",
+                          PointVerdict.SKIP: "undecided (skip)"}[verdict]
+    return session.finish(minimal, detail={"without_each": removal, "base": session.matrices.loaded.matrix.base,
+                                           "common": list(session.matrices.loaded.matrix.common)})
+
+
+def probe_point(root: Path, request: dict[str, Any], **session_kw) -> tuple[PointVerdict, BisectResult]:
+    """One point to a decisive verdict (for `git bisect run`): the commit at the checkout's HEAD,
+    a release, or the matrix's base. ``p_bad`` is given instead of measured."""
+    request = dict(request, matrix=str(Path(request["matrix"]).resolve()))
+    matrices = _matrices(request)
+    if request.get("repo"):
+        request["repo"] = str(Path(request["repo"]).resolve())
+        matrices.repo = request["repo"]
+        point: Point = {"kind": "commit", "commit": gitcommit.resolve_commit(request["repo"], request.get("commit") or "HEAD")}
+    else:
+        point = {"kind": "release", "release": request.get("release") or matrices.loaded.matrix.base}
+    session = Session.create(root, "verdict", request, matrices, **session_kw)
+    session.state["p_bad"] = request["p_bad"]
+    needed = runs_needed_for_good(request["p_bad"], request["alpha"])
+    try:
+        verdict = session.verdict_of(point, "point", PointRule(runs_for_good=needed,
+                                                               max_runs=request.get("max_runs") or needed + 4))
+        result = session.finish(verdict.value)
+    except BaseException:
+        session.mark_interrupted()
+        raise
+    finally:
+        session.close()
+    return verdict, result
+
+
+__all__ = ["Interrupted", "KINDS", "is_bisection", "load_state", "probe_point", "result_from_state", "resume", "start"]

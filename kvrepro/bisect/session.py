@@ -1,0 +1,249 @@
+"""A bisection on disk: probes points through the runner, records every step, resumes.
+
+Layout (next to matrix runs, so ``results show`` finds it)::
+
+    results/<bisection-id>/bisect.json          the request, every run per point, the steps, the answer
+    results/<bisection-id>/probes/<run-id>/     one ordinary matrix run folder per batch of runs
+
+``bisect.json`` is rewritten (atomically) after every batch, so Ctrl-C loses at most the runs
+that were interrupted; ``--resume`` replays the recorded verdicts through the same
+deterministic search and only runs what is missing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .. import results
+from ..deploy import get_target
+from ..deploy.base import Target
+from ..errors import KvreproError
+from ..records import BisectResult, BisectStep
+from ..runner import MatrixOptions, Progress, SilentProgress, run_matrix
+from .points import Point, PointMatrices, build_name, point_key, point_label
+from .rules import (Evidence, PointRule, PointVerdict, Tally, confidence, estimate_p_bad, evidence,
+                    runs_needed_for_good, skip_reason)
+
+STATE_FILE = "bisect.json"
+
+
+class Interrupted(KvreproError):
+    exit_code = 130
+
+
+def new_bisection_id() -> str:
+    return "bisect-" + results.new_run_id()
+
+
+def is_bisection(root: Path, run_id: str) -> bool:
+    return (root / run_id / STATE_FILE).is_file()
+
+
+def latest_bisection(root: Path) -> str:
+    ids = sorted(d.name for d in root.iterdir() if (d / STATE_FILE).is_file()) if root.is_dir() else []
+    if not ids:
+        raise KvreproError(f"no bisection under {root}/ to resume; start one with `kvrepro bisect ...`")
+    return ids[-1]
+
+
+def load_state(root: Path, bisection_id: str) -> dict[str, Any]:
+    if bisection_id == "latest":
+        bisection_id = latest_bisection(root)
+    path = root / bisection_id / STATE_FILE
+    if not path.is_file():
+        raise KvreproError(f"no bisection {bisection_id!r} under {root}/ (a folder with {STATE_FILE})")
+    return results.read_json(path)
+
+
+def _run_summary(run: dict[str, Any]) -> dict[str, Any]:
+    return {key: run.get(key) for key in ("verdict", "outcome", "title", "rep", "trigger_count", "state_count",
+                                          "requests", "seconds", "run_dir")}
+
+
+class Session:
+    """One bisection's state and the means to probe a point (a cached, resumable oracle)."""
+
+    def __init__(self, root: Path, state: dict[str, Any], matrices: PointMatrices, progress: Progress | None = None,
+                 stop: threading.Event | None = None, on_step: Callable[[BisectStep], None] | None = None):
+        self.root = root
+        self.state = state
+        self.matrices = matrices
+        self.progress = progress or SilentProgress()
+        self.stop = stop or threading.Event()
+        self.on_step = on_step or (lambda step: None)
+        self.folder = root / state["bisection_id"]
+        self._targets: dict[str, Target] = {}
+        self._targets_lock = threading.Lock()
+        self._prefetchers: list[threading.Thread] = []
+        self._started = time.monotonic()
+
+    # ------------------------------------------------------------------ creating / persisting
+    @classmethod
+    def create(cls, root: Path, kind: str, request: dict[str, Any], matrices: PointMatrices, **kw) -> "Session":
+        bisection_id = new_bisection_id()
+        (root / bisection_id / "probes").mkdir(parents=True, exist_ok=False)
+        state = {"bisection_id": bisection_id, "kind": kind, "status": "running", "started": time.time(),
+                 "request": request, "points": {}, "steps": [], "answer": None, "reason": "",
+                 "p_bad": None, "alpha": request["alpha"], "confidence": None, "detail": {}}
+        session = cls(root, state, matrices, **kw)
+        session.save()
+        return session
+
+    def save(self) -> None:
+        results.write_json(self.folder / STATE_FILE, self.state)
+
+    @property
+    def steps(self) -> list[dict[str, Any]]:
+        return self.state["steps"]
+
+    # ------------------------------------------------------------------ targets and prefetch
+    def _target_for(self, point: Point, loaded) -> Target:
+        """An open target per base release: consecutive probes on it keep its engine zygote warm."""
+        key = self.matrices.base_of(point)
+        with self._targets_lock:
+            if key not in self._targets:
+                name = self.state["request"].get("target") or loaded.matrix.target
+                self._targets[key] = get_target(name)(loaded)
+            return self._targets[key]
+
+    def prefetch(self, points: list[Point]) -> None:
+        """Prepare these points' builds (overlays, images) in the background while one runs."""
+        todo = [p for p in points if point_key(p) not in self.state["points"]
+                or not self.state["points"][point_key(p)].get("verdict")]
+        if not todo:
+            return
+
+        def prepare() -> None:
+            for point in todo:
+                if self.stop.is_set():
+                    return
+                try:
+                    loaded = self.matrices.matrix_for(point)
+                    self._target_for(point, loaded).prepare(loaded.plans()[0])
+                except Exception:  # noqa: BLE001 - the probe itself will build again and report it
+                    pass
+
+        thread = threading.Thread(target=prepare, daemon=True, name="kvrepro-prefetch")
+        thread.start()
+        self._prefetchers.append(thread)
+
+    def close(self) -> None:
+        for thread in self._prefetchers:
+            thread.join()
+        for target in self._targets.values():
+            target.close()
+        self._targets.clear()
+
+    # ------------------------------------------------------------------ probing
+    def recorded_verdict(self, point: Point) -> PointVerdict | None:
+        verdict = self.state["points"].get(point_key(point), {}).get("verdict")
+        return PointVerdict(verdict) if verdict else None
+
+    def tally(self, point: Point) -> Tally:
+        record = self.state["points"].get(point_key(point), {})
+        return Tally.of(record.get("runs", []), self.state["request"].get("title"))
+
+    def verdict_of(self, point: Point, role: str, rule: PointRule) -> PointVerdict:
+        """The point's verdict: recorded, or run batch by batch until ``rule`` is decisive."""
+        recorded = self.recorded_verdict(point)
+        if recorded is not None:
+            return recorded
+        key = point_key(point)
+        record = self.state["points"].setdefault(key, {"point": point, "runs": [], "probe_runs": []})
+        title = self.state["request"].get("title")
+        started = time.monotonic()
+        while True:
+            tally = Tally.of(record["runs"], title)
+            verdict = rule.decide(tally)
+            if verdict is not None:
+                break
+            if self.stop.is_set():
+                raise Interrupted("interrupted")
+            self._run_batch(point, record, rule.next_batch(tally))
+        step = BisectStep(
+            point=point, label=point_label(point), role=role, verdict=verdict.value,
+            counts=dict(sorted(tally.labels.items())),
+            runs_needed_for_good=rule.runs_for_good if rule.runs_for_good <= rule.max_runs else None,
+            state=tally.state if verdict is PointVerdict.GOOD else None,
+            reason=skip_reason(tally, rule) if verdict is PointVerdict.SKIP else "",
+            probe_runs=tuple(record["probe_runs"]), seconds=round(time.monotonic() - started, 1),
+        )
+        record["verdict"] = verdict.value
+        self.steps.append(results.to_jsonable(step))
+        self.save()
+        self.on_step(step)
+        return verdict
+
+    def _run_batch(self, point: Point, record: dict[str, Any], count: int) -> None:
+        loaded = self.matrices.matrix_for(point)
+        target = self._target_for(point, loaded)
+        request = self.state["request"]
+        first_rep = 1 + max((r.get("rep") or 0 for r in record["runs"]), default=-1)
+        # no more at once than run side by side: a point is bad at its first crash, so later
+        # batches are often not needed
+        count = max(1, min(count, request.get("jobs") or target.max_parallel()))
+        self.progress.stage(f"{point_label(point)}: {count} run(s) from rep {first_rep}")
+        run = run_matrix(loaded, MatrixOptions(target=request.get("target"), repetitions=count,
+                                               results_root=self.folder / "probes", jobs=request.get("jobs"),
+                                               first_rep=first_rep),
+                         self.progress, self.stop, target=target)
+        record["probe_runs"].append(str(Path("probes") / run["run_id"]))
+        for r in run["builds_results"].get(build_name(point), {}).get("runs", []):
+            if evidence(r, request.get("title")) is not Evidence.DROPPED:
+                record["runs"].append(_run_summary(r))
+        self.save()
+        if run.get("status") == "interrupted" or self.stop.is_set():
+            raise Interrupted("interrupted")
+
+    # ------------------------------------------------------------------ rules and the result
+    def end_rule(self) -> PointRule:
+        """The bad end: `calibrate` runs at least (they measure p_bad); a few more to see one crash."""
+        calibrate = self.state["request"]["calibrate"]
+        return PointRule(runs_for_good=10**6, max_runs=calibrate + 3, min_runs=calibrate)
+
+    def point_rule(self) -> PointRule:
+        request = self.state["request"]
+        if self.state.get("p_bad") is None:
+            raise KvreproError("internal: p_bad unknown before the bad end was run")
+        needed = runs_needed_for_good(self.state["p_bad"], request["alpha"])
+        return PointRule(runs_for_good=needed, max_runs=request.get("max_runs") or needed + 4)
+
+    def measure_p_bad(self, bad_end: Point) -> float:
+        tally = self.tally(bad_end)
+        self.state["p_bad"] = round(estimate_p_bad(tally.bad, tally.clean), 4)
+        self.save()
+        return self.state["p_bad"]
+
+    def finish(self, answer: Any, reason: str = "", detail: dict[str, Any] | None = None) -> BisectResult:
+        # each good verdict's clean runs bound the chance it was a crashing point that stayed clean
+        clean_counts = [self.tally(step["point"]).clean for step in self.steps
+                        if step["verdict"] == PointVerdict.GOOD.value]
+        p_bad = self.state.get("p_bad")
+        self.state.update(
+            status="complete", answer=answer, reason=reason if answer is None else "",
+            confidence=round(confidence(p_bad, clean_counts), 4) if answer is not None and p_bad else None,
+            finished=time.time(), seconds=round(time.monotonic() - self._started, 1),
+        )
+        if detail:
+            self.state["detail"].update(detail)
+        self.save()
+        return self.result()
+
+    def mark_interrupted(self) -> None:
+        self.state["status"] = "interrupted"
+        self.save()
+
+    def result(self) -> BisectResult:
+        return result_from_state(self.state, self.folder)
+
+
+def result_from_state(state: dict[str, Any], folder: Path) -> BisectResult:
+    steps = tuple(BisectStep(**{**s, "probe_runs": tuple(s.get("probe_runs", ()))}) for s in state["steps"])
+    return BisectResult(kind=state["kind"], answer=state.get("answer"), reason=state.get("reason", ""),
+                        confidence=state.get("confidence"), p_bad=state.get("p_bad"), alpha=state["alpha"],
+                        steps=steps, status=state.get("status", "?"), bisection_id=state["bisection_id"],
+                        path=str(folder), detail=state.get("detail", {}))
