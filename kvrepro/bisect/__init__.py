@@ -59,6 +59,7 @@ def _complete_request(kind: str, request: dict[str, Any], matrices: PointMatrice
     if kind == "releases":
         releases_between(request["bad"], request["good"])
     elif kind == "commits":
+        _commits_need_sim(request, matrices)
         repo = str(Path(request["repo"]).resolve())
         request["repo"] = repo
         matrices.repo = repo
@@ -83,6 +84,13 @@ def _complete_request(kind: str, request: dict[str, Any], matrices: PointMatrice
                             "name them with --patch")
     else:
         raise SpecError(f"unknown bisection kind {kind!r}; use one of {', '.join(KINDS)}")
+
+
+def _commits_need_sim(request: dict[str, Any], matrices: PointMatrices) -> None:
+    target = request.get("target") or matrices.loaded.matrix.target
+    if target != "sim":
+        raise SpecError(f"--target {target}: commits can only be probed on the sim target so far (the docker "
+                        "target assembles images from release wheels only); use --target sim")
 
 
 def _drive(session: Session) -> BisectResult:
@@ -200,6 +208,7 @@ def probe_point(root: Path, request: dict[str, Any], **session_kw) -> tuple[Poin
     request = dict(request, matrix=str(Path(request["matrix"]).resolve()))
     matrices = _matrices(request)
     if request.get("repo"):
+        _commits_need_sim(request, matrices)
         request["repo"] = str(Path(request["repo"]).resolve())
         matrices.repo = request["repo"]
         point: Point = {"kind": "commit", "commit": gitcommit.resolve_commit(request["repo"], request.get("commit") or "HEAD")}
