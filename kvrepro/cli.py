@@ -331,9 +331,11 @@ def engine_serve(
 class BisectProgress(RichProgress):
     """Runs as they finish, and one line per decided step (stderr; --json stays clean)."""
 
-    def __init__(self) -> None:
-        super().__init__(total_runs=0)
-        self.progress.update(self.runs, total=None)
+    def __init__(self) -> None:  # noqa: D107 - how many runs a bisection takes is not known ahead
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TextColumn("{task.completed} done"),
+                                 TimeElapsedColumn(), console=err, transient=False)
+        self.runs = self.progress.add_task("runs", total=None)
+        self.active: dict[tuple[str, int], Any] = {}
 
     def run_finished(self, result: RunResult) -> None:
         task = self.active.pop((result.build, result.rep), None)
@@ -423,6 +425,8 @@ ResumeOpt = typer.Option(None, "--resume", help="continue an interrupted bisecti
 def _bisect(kind: str, request: dict[str, Any], resume_id: Optional[str], results_root: Path, as_json: bool) -> None:
     from . import bisect
 
+    if not resume_id:
+        bisect.check_request(kind, request)  # bad input is reported before any progress is drawn
     if resume_id:
         _run_bisection(lambda **kw: bisect.resume(results_root, resume_id, kind, **kw), as_json)
     else:

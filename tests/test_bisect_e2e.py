@@ -144,3 +144,19 @@ def test_bisect_commits_interrupted_and_resumed_finds_the_fix_as_git_bisect_run_
         assert f"{shas['fix']} is the first fixed commit" in run.stdout, run.stdout[-3000:]
     finally:
         git(repo, "bisect", "reset")
+
+
+def test_bisect_patches_names_the_boundary_fix_on_the_default_matrix(tmp_path, overlays):
+    proc = kvrepro("bisect", "patches", "--results", str(tmp_path), "--json", *QUICK)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["answer"] == ["pr-52807"], result
+    assert result["reason"] is None
+    assert result["detail"]["without_each"] == {"pr-52771": "still no crash", "pr-52807": "crash comes back"}
+    ends = {s["role"]: s for s in result["steps"]}
+    assert ends["bad end"]["point"]["patches"] == [] and ends["bad end"]["verdict"] == "bad"
+    assert ends["good end"]["point"]["patches"] == ["pr-52771", "pr-52807"]
+    for step in result["steps"]:
+        assert sum(step["counts"].values()) >= 1
+        if step["verdict"] == "good":
+            assert sum(step["counts"].values()) >= step["runs_needed_for_good"]

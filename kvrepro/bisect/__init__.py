@@ -32,12 +32,19 @@ def _matrices(request: dict[str, Any]) -> PointMatrices:
                          repo=request.get("repo"), wheel=request.get("wheel"))
 
 
-def start(kind: str, request: dict[str, Any], root: Path, **session_kw) -> BisectResult:
-    """Start a bisection of ``kind``; ``request`` holds the command's arguments (persisted)."""
+def check_request(kind: str, request: dict[str, Any]) -> tuple[dict[str, Any], PointMatrices]:
+    """The request with everything the search depends on pinned (full shas, patch list), and the
+    matrices it probes; SpecError naming the argument when something is wrong."""
     request = dict(request)
     request["matrix"] = str(Path(request["matrix"]).resolve())
     matrices = _matrices(request)
     _complete_request(kind, request, matrices)
+    return request, matrices
+
+
+def start(kind: str, request: dict[str, Any], root: Path, **session_kw) -> BisectResult:
+    """Start a bisection of ``kind``; ``request`` holds the command's arguments (persisted)."""
+    request, matrices = check_request(kind, request)
     session = Session.create(root, kind, request, matrices, **session_kw)
     return _drive(session)
 
@@ -118,7 +125,10 @@ def _point_is(point: Point, value: str) -> bool:
 def _check_ends(session: Session, bad: Point, good: Point, also: list[Point]) -> str | None:
     """Run both ends first (bad end also measures p_bad); a reason when they are not as claimed."""
     session.prefetch([good, *also])
-    if session.verdict_of(bad, "bad end", session.end_rule()) is not PointVerdict.BAD:
+    verdict = session.verdict_of(bad, "bad end", session.end_rule())
+    if verdict is PointVerdict.SKIP and session.steps[-1]["reason"].startswith("build failed"):
+        return f"the bad end {point_label(bad)} could not be built: {session.steps[-1]['reason']}"
+    if verdict is not PointVerdict.BAD:
         return (f"the bad end {point_label(bad)} did not show the crash in "
                 f"{session.tally(bad).attempts} runs ({_counts(session, bad)})")
     session.measure_p_bad(bad)
@@ -126,7 +136,7 @@ def _check_ends(session: Session, bad: Point, good: Point, also: list[Point]) ->
     if verdict is PointVerdict.BAD:
         return f"the good end {point_label(good)} crashed too ({_counts(session, good)})"
     if verdict is PointVerdict.SKIP:
-        return f"the good end {point_label(good)} could not be decided ({_counts(session, good)})"
+        return f"the good end {point_label(good)} could not be decided: {session.steps[-1]['reason']}"
     return None
 
 
@@ -229,4 +239,4 @@ def probe_point(root: Path, request: dict[str, Any], **session_kw) -> tuple[Poin
     return verdict, result
 
 
-__all__ = ["Interrupted", "KINDS", "is_bisection", "load_state", "probe_point", "result_from_state", "resume", "start"]
+__all__ = ["Interrupted", "KINDS", "check_request", "is_bisection", "load_state", "probe_point", "result_from_state", "resume", "start"]

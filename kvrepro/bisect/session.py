@@ -78,6 +78,9 @@ class Session:
         self.folder = root / state["bisection_id"]
         self._targets: dict[str, Target] = {}
         self._targets_lock = threading.Lock()
+        # one build at a time: the runner's prepare and the prefetch thread's must never build the
+        # same runtime env or overlay side by side (a runtime env being installed is not shareable)
+        self._prepare_lock = threading.Lock()
         self._prefetchers: list[threading.Thread] = []
         self._started = time.monotonic()
 
@@ -107,7 +110,15 @@ class Session:
         with self._targets_lock:
             if key not in self._targets:
                 name = self.state["request"].get("target") or loaded.matrix.target
-                self._targets[key] = get_target(name)(loaded)
+                target = get_target(name)(loaded)
+                unlocked = target.prepare
+
+                def prepare(plan, unlocked=unlocked):
+                    with self._prepare_lock:
+                        return unlocked(plan)
+
+                target.prepare = prepare  # type: ignore[method-assign]
+                self._targets[key] = target
             return self._targets[key]
 
     def prefetch(self, points: list[Point]) -> None:
@@ -158,7 +169,8 @@ class Session:
         started = time.monotonic()
         while True:
             tally = Tally.of(record["runs"], title)
-            verdict = rule.decide(tally)
+            # a build that failed fails again: no point in running it more often
+            verdict = PointVerdict.SKIP if record.get("build_error") else rule.decide(tally)
             if verdict is not None:
                 break
             if self.stop.is_set():
@@ -169,7 +181,9 @@ class Session:
             counts=dict(sorted(tally.labels.items())),
             runs_needed_for_good=rule.runs_for_good if rule.runs_for_good <= rule.max_runs else None,
             state=tally.state if verdict is PointVerdict.GOOD else None,
-            reason=skip_reason(tally, rule) if verdict is PointVerdict.SKIP else "",
+            reason=("" if verdict is not PointVerdict.SKIP
+                    else f"build failed: {record['build_error']}" if record.get("build_error")
+                    else skip_reason(tally, rule)),
             probe_runs=tuple(record["probe_runs"]), seconds=round(time.monotonic() - started, 1),
         )
         record["verdict"] = verdict.value
@@ -192,7 +206,10 @@ class Session:
                                                first_rep=first_rep),
                          self.progress, self.stop, target=target)
         record["probe_runs"].append(str(Path("probes") / run["run_id"]))
-        for r in run["builds_results"].get(build_name(point), {}).get("runs", []):
+        build = run["builds_results"].get(build_name(point), {})
+        if build.get("build", {}).get("ok") is False:
+            record["build_error"] = str(build["build"].get("error") or "build failed").splitlines()[0]
+        for r in build.get("runs", []):
             if evidence(r, request.get("title")) is not Evidence.DROPPED:
                 record["runs"].append(_run_summary(r))
         self.save()
