@@ -126,8 +126,8 @@ def _check_ends(session: Session, bad: Point, good: Point, also: list[Point]) ->
     """Run both ends first (bad end also measures p_bad); a reason when they are not as claimed."""
     session.prefetch([good, *also])
     verdict = session.verdict_of(bad, "bad end", session.end_rule())
-    if verdict is PointVerdict.SKIP and session.steps[-1]["reason"].startswith("build failed"):
-        return f"the bad end {point_label(bad)} could not be built: {session.steps[-1]['reason']}"
+    if verdict is PointVerdict.SKIP and _reason(session, bad).startswith("build failed"):
+        return f"the bad end {point_label(bad)} could not be built: {_reason(session, bad)}"
     if verdict is not PointVerdict.BAD:
         return (f"the bad end {point_label(bad)} did not show the crash in "
                 f"{session.tally(bad).attempts} runs ({_counts(session, bad)})")
@@ -136,8 +136,13 @@ def _check_ends(session: Session, bad: Point, good: Point, also: list[Point]) ->
     if verdict is PointVerdict.BAD:
         return f"the good end {point_label(good)} crashed too ({_counts(session, good)})"
     if verdict is PointVerdict.SKIP:
-        return f"the good end {point_label(good)} could not be decided: {session.steps[-1]['reason']}"
+        return f"the good end {point_label(good)} could not be decided: {_reason(session, good)}"
     return None
+
+
+def _reason(session: Session, point: Point) -> str:
+    """Why the point's step came out as it did (its step's reason), also on --resume."""
+    return next((s["reason"] for s in reversed(session.steps) if s["point"] == point), "")
 
 
 def _counts(session: Session, point: Point) -> str:
