@@ -425,8 +425,11 @@ ResumeOpt = typer.Option(None, "--resume", help="continue an interrupted bisecti
 def _bisect(kind: str, request: dict[str, Any], resume_id: Optional[str], results_root: Path, as_json: bool) -> None:
     from . import bisect
 
-    if not resume_id:
-        bisect.check_request(kind, request)  # bad input is reported before any progress is drawn
+    # bad input is reported before any progress is drawn
+    if resume_id:
+        bisect.load_state(results_root, resume_id)
+    else:
+        bisect.check_request(kind, request)
     if resume_id:
         _run_bisection(lambda **kw: bisect.resume(results_root, resume_id, kind, **kw), as_json)
     else:

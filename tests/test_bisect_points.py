@@ -105,3 +105,30 @@ def test_commit_overlay_is_the_commits_tree_plus_what_only_the_wheel_has(tmp_pat
         assert "vllm/_version.py" in artifact.manifest["from_wheel"]
     again = gitcommit.build_commit_overlay(plan)
     assert again.reused and again.ref == artifact.ref
+
+
+def kvrepro(*args: str) -> subprocess.CompletedProcess:
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, "-m", "kvrepro.cli", *args], cwd=root, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["bisect", "releases", "--bad", "0.26.0", "--good", "0.9"], "vLLM release '0.9' is not supported"),
+    (["bisect", "releases", "--good", "0.26.0"], "give --bad"),
+    (["bisect", "patches", "--patch", "pr-99999"], "--patch pr-99999: not declared"),
+    (["bisect", "commits", "--repo", "/", "--bad", "a", "--good", "b"], "not a git checkout"),
+    (["bisect", "releases", "--resume", "nope"], "--resume nope: no bisection of that id"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, says):
+    proc = kvrepro(*args, "--results", str(tmp_path))
+    assert proc.returncode == 2, proc.stderr
+    assert says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_git_bisect_adapter_aborts_git_bisect_on_bad_input(tmp_path):
+    proc = kvrepro("matrix", "verdict", "--git-bisect", "--repo", str(tmp_path), "--results", str(tmp_path))
+    assert proc.returncode == 128, proc.stderr  # >127: `git bisect run` stops instead of marking a commit
+    assert "not a git checkout" in proc.stderr

@@ -21,7 +21,7 @@ from typing import Any
 from .. import results
 from ..deploy import get_target
 from ..deploy.base import Target
-from ..errors import KvreproError
+from ..errors import KvreproError, SpecError
 from ..records import BisectResult, BisectStep
 from ..runner import MatrixOptions, Progress, SilentProgress, run_matrix
 from .points import Point, PointMatrices, build_name, point_key, point_label
@@ -46,7 +46,7 @@ def is_bisection(root: Path, run_id: str) -> bool:
 def latest_bisection(root: Path) -> str:
     ids = sorted(d.name for d in root.iterdir() if (d / STATE_FILE).is_file()) if root.is_dir() else []
     if not ids:
-        raise KvreproError(f"no bisection under {root}/ to resume; start one with `kvrepro bisect ...`")
+        raise SpecError(f"--resume latest: no bisection under {root}/ to resume; start one with `kvrepro bisect ...`")
     return ids[-1]
 
 
@@ -55,7 +55,8 @@ def load_state(root: Path, bisection_id: str) -> dict[str, Any]:
         bisection_id = latest_bisection(root)
     path = root / bisection_id / STATE_FILE
     if not path.is_file():
-        raise KvreproError(f"no bisection {bisection_id!r} under {root}/ (a folder with {STATE_FILE})")
+        raise SpecError(f"--resume {bisection_id}: no bisection of that id under {root}/ (a folder with {STATE_FILE}); "
+                        f"pass --results if it is elsewhere")
     return results.read_json(path)
 
 
