@@ -213,7 +213,7 @@ def _patches(session: Session) -> BisectResult:
         verdict = removes_crash([c for c in candidates if c != patch], "removal")
         removal[patch] = {PointVerdict.BAD: "crash comes back", PointVerdict.GOOD: "still no crash",
                           PointVerdict.SKIP: "undecided (skip)"}[verdict]
-    return session.finish(minimal, detail={"without_each": removal, "base": session.matrices.loaded.matrix.base,
+    return session.finish(minimal, detail={"without_each": removal, "base": session.matrices.loaded.matrix.bases[0],
                                            "common": list(session.matrices.loaded.matrix.common)})
 
 
@@ -228,7 +228,7 @@ def probe_point(root: Path, request: dict[str, Any], **session_kw) -> tuple[Poin
         matrices.repo = request["repo"]
         point: Point = {"kind": "commit", "commit": gitcommit.resolve_commit(request["repo"], request.get("commit") or "HEAD")}
     else:
-        point = {"kind": "release", "release": request.get("release") or matrices.loaded.matrix.base}
+        point = {"kind": "release", "release": request.get("release") or matrices.loaded.matrix.bases[0]}
     session = Session.create(root, "verdict", request, matrices, **session_kw)
     session.state["p_bad"] = request["p_bad"]
     needed = runs_needed_for_good(request["p_bad"], request["alpha"])

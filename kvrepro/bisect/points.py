@@ -7,6 +7,7 @@ whatever the runner and targets can run (any release, any target) it can bisect.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -66,9 +67,8 @@ class _CommitMatrix(LoadedMatrix):
         self.builds_dir = base.builds_dir
         self.source = source
 
-    def plans(self, only: list[str] | None = None) -> list[BuildPlan]:
-        return [BuildPlan(name=p.name, base=p.base, patches=p.patches, source=self.source)
-                for p in super().plans(only)]
+    def plans(self, only: list[str] | None = None, bases: list[str] | None = None) -> list[BuildPlan]:
+        return [dataclasses.replace(p, source=self.source) for p in super().plans(only, bases)]
 
 
 class PointMatrices:
@@ -103,7 +103,7 @@ class PointMatrices:
             return point["release"]
         if point["kind"] == "commit":
             return self.wheel_for(point["commit"])
-        return self.loaded.matrix.base
+        return self.loaded.matrix.bases[0]  # patches are bisected on the matrix's (first) base
 
     def matrix_for(self, point: Point) -> LoadedMatrix:
         m = self.loaded.matrix

@@ -30,7 +30,7 @@ from .. import paths, versions
 from ..errors import KvreproError, SpecError
 from ..records import BuildArtifact, BuildPlan
 from . import patching
-from .overlay import PROBE_SOURCE, OVERLAY_FORMAT, _sha256, pristine_tree, tree_sha256
+from .overlay import OVERLAY_FORMAT, PROBE_SOURCE, _sha256, install_dist_info, pristine_tree, tree_sha256
 
 # generated at release time, never committed: always taken from the wheel
 _GENERATED = ("vllm/_version.py",)
@@ -163,6 +163,7 @@ def build_commit_overlay(plan: BuildPlan, on_line: Callable[[str], None] | None 
             if failure is not None:
                 return BuildArtifact(plan=plan, ref=None, manifest={}, error=str(failure))
             shutil.copy2(PROBE_SOURCE, tmp / PROBE_SOURCE.name)
+            install_dist_info(wheel, tmp)  # `vllm serve` needs vLLM's metadata and our plugin's entry point
             manifest = {
                 "source": "git commit",
                 "repo": source.repo,
