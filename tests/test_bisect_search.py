@@ -69,6 +69,10 @@ def test_point_rule_bad_at_first_crash_good_after_n_clean_skip_at_max():
 def test_interrupted_runs_do_not_count():
     rule = PointRule(runs_for_good=1, max_runs=1)
     assert rule.decide(Tally.of([run("INTERRUPTED")])) is None
+    # the shutdown traceback of an engine stopped by Ctrl-C is no crash; a target crash before it is
+    stopped = {**run("CRASH", "other_crash", "EngineDeadError"), "stopped_because": "interrupted"}
+    assert evidence(stopped) is Evidence.DROPPED
+    assert evidence({**run("CRASH", "target"), "stopped_because": "interrupted"}) is Evidence.BAD
 
 
 def test_good_step_keeps_handled_and_unreached_apart():

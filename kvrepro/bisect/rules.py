@@ -16,6 +16,9 @@ CRASH(other)        skip          an unrelated crash must not derail the bisecti
 INTERRUPTED         (dropped)     Ctrl-C: the run is redone on --resume
 =================  ============  ==================================================
 
+A run whose load was stopped by Ctrl-C is dropped whatever its verdict, unless it is bad: a
+crash seen before the stop is real, a shutdown traceback logged by the stop is not.
+
 With ``--title TEXT`` a crash is bad when its title contains TEXT (any outcome) and a skip
 otherwise.
 
@@ -77,8 +80,13 @@ def evidence(run: Mapping[str, Any], title: str | None = None) -> Evidence:
     """What one recorded run says about its point (unknown verdicts are skips)."""
     label = run_label(run)
     if title is not None and label.startswith("CRASH"):
-        return Evidence.BAD if title.lower() in str(run.get("title", "")).lower() else Evidence.SKIP
-    return RUN_EVIDENCE.get(label, Evidence.SKIP)
+        found = RUN_EVIDENCE["CRASH(target)"] if title.lower() in str(run.get("title", "")).lower() else Evidence.SKIP
+    else:
+        found = RUN_EVIDENCE.get(label, Evidence.SKIP)
+    if found is not Evidence.BAD and run.get("stopped_because") == "interrupted":
+        # cut short by Ctrl-C: whatever the engine logged while being stopped proves nothing
+        return Evidence.DROPPED
+    return found
 
 
 def runs_needed_for_good(p_bad: float, alpha: float) -> int:

@@ -61,8 +61,10 @@ def load_state(root: Path, bisection_id: str) -> dict[str, Any]:
 
 
 def _run_summary(run: dict[str, Any]) -> dict[str, Any]:
-    return {key: run.get(key) for key in ("verdict", "outcome", "title", "rep", "trigger_count", "state_count",
-                                          "requests", "seconds", "run_dir")}
+    summary = {key: run.get(key) for key in ("verdict", "outcome", "title", "rep", "trigger_count", "state_count",
+                                             "requests", "seconds", "run_dir")}
+    summary["stopped_because"] = ((run.get("extra") or {}).get("load") or {}).get("stopped_because")
+    return summary
 
 
 class Session:
@@ -211,8 +213,9 @@ class Session:
         if build.get("build", {}).get("ok") is False:
             record["build_error"] = str(build["build"].get("error") or "build failed").splitlines()[0]
         for r in build.get("runs", []):
-            if evidence(r, request.get("title")) is not Evidence.DROPPED:
-                record["runs"].append(_run_summary(r))
+            summary = _run_summary(r)
+            if evidence(summary, request.get("title")) is not Evidence.DROPPED:
+                record["runs"].append(summary)
         self.save()
         if run.get("status") == "interrupted" or self.stop.is_set():
             raise Interrupted("interrupted")
