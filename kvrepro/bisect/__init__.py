@@ -19,8 +19,8 @@ from ..errors import SpecError
 from ..records import BisectResult
 from ..spec import load_matrix
 from .points import Point, PointMatrices, point_label, releases_between
-from .rules import PointRule, PointVerdict, runs_needed_for_good
-from .search import bisect_linear, ddmin
+from .rules import PointRule, PointVerdict, default_max_runs, runs_needed_for_good
+from .search import bisect_linear, ddmin, next_midpoint
 from .session import Interrupted, Session, is_bisection, load_state, result_from_state
 
 KINDS = ("releases", "commits", "patches")
@@ -155,8 +155,8 @@ def _linear(session: Session, points: list[Point]) -> BisectResult:
     request = session.state["request"]
     bad_is_older = _point_is(points[0], request["bad"])
     bad, good = (points[0], points[-1]) if bad_is_older else (points[-1], points[0])
-    first_mid = len(points) // 2 if len(points) > 2 else None
-    reason = _check_ends(session, bad, good, [points[first_mid]] if first_mid else [])
+    first_mid = next_midpoint(0, len(points) - 1, set())
+    reason = _check_ends(session, bad, good, [points[first_mid]] if first_mid is not None else [])
     if reason:
         return session.finish(None, reason)
     old = PointVerdict.BAD if bad_is_older else PointVerdict.GOOD
@@ -234,7 +234,7 @@ def probe_point(root: Path, request: dict[str, Any], **session_kw) -> tuple[Poin
     needed = runs_needed_for_good(request["p_bad"], request["alpha"])
     try:
         verdict = session.verdict_of(point, "point", PointRule(runs_for_good=needed,
-                                                               max_runs=request.get("max_runs") or needed + 4))
+                                                               max_runs=request.get("max_runs") or default_max_runs(needed)))
         result = session.finish(verdict.value)
     except BaseException:
         session.mark_interrupted()

@@ -27,8 +27,8 @@ A point is **bad** as soon as one run is bad. It is **good** after ``N`` clean e
 ``(1 - p_bad)^N < alpha``: if the point still had the crash rate measured at the bad end, all
 ``N`` runs would come out clean with probability below ``alpha``. ``p_bad`` is the rule of
 succession over the bad end's runs, ``(crashes + 1) / (exposed runs + 2)``, so that a handful
-of runs never claims certainty. A point that reaches ``max_runs`` runs without either is a
-**skip**.
+of runs never claims certainty. A point that reaches ``max_runs`` runs (default ``3N + 6``)
+without either is a **skip**.
 """
 
 from __future__ import annotations
@@ -98,6 +98,12 @@ def runs_needed_for_good(p_bad: float, alpha: float) -> int:
     if p_bad <= 0:
         raise ValueError("p_bad must be above 0")
     return max(1, math.floor(math.log(alpha) / math.log(1 - p_bad)) + 1)
+
+
+def default_max_runs(runs_for_good: int) -> int:
+    """Runs after which an undecided point is a skip: room for N clean runs when up to about
+    two runs in three are skips (unrelated crashes, vacuous or infrastructure runs)."""
+    return 3 * runs_for_good + 6
 
 
 def estimate_p_bad(bad: int, clean: int) -> float:

@@ -25,7 +25,7 @@ from ..errors import KvreproError, SpecError
 from ..records import BisectResult, BisectStep
 from ..runner import MatrixOptions, Progress, SilentProgress, run_matrix
 from .points import Point, PointMatrices, build_name, point_key, point_label
-from .rules import (Evidence, PointRule, PointVerdict, Tally, confidence, estimate_p_bad, evidence,
+from .rules import (Evidence, PointRule, PointVerdict, Tally, confidence, default_max_runs, estimate_p_bad, evidence,
                     runs_needed_for_good, skip_reason)
 
 STATE_FILE = "bisect.json"
@@ -231,7 +231,7 @@ class Session:
         if self.state.get("p_bad") is None:
             raise KvreproError("internal: p_bad unknown before the bad end was run")
         needed = runs_needed_for_good(self.state["p_bad"], request["alpha"])
-        return PointRule(runs_for_good=needed, max_runs=request.get("max_runs") or needed + 4)
+        return PointRule(runs_for_good=needed, max_runs=request.get("max_runs") or default_max_runs(needed))
 
     def measure_p_bad(self, bad_end: Point) -> float:
         tally = self.tally(bad_end)
