@@ -51,6 +51,9 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--requests", type=int, default=600)
     parser.add_argument("--results", default=str(ROOT / "results"))
+    parser.add_argument("--jobs", type=int, default=None, help="engines at once (default: one per core)")
+    parser.add_argument("--start-timeout", type=float, default=300.0,
+                        help="runs.start_timeout_s: a release's first engine start also warms its zygote")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     releases = args.release or list(versions.SUPPORTED_RELEASES)
@@ -62,13 +65,14 @@ def main() -> int:
         "builds": {"plain": []},
         "engine": default.get("engine", {}),
         "load": default.get("load", {}),
-        "runs": {**default.get("runs", {}), "repetitions": args.reps, "requests": args.requests},
+        "runs": {**default.get("runs", {}), "repetitions": args.reps, "requests": args.requests,
+                 "start_timeout_s": args.start_timeout},
     }
     with tempfile.TemporaryDirectory(prefix="kvrepro-sweep-") as tmp:
         matrix_path = Path(tmp) / "matrix.yaml"
         matrix_path.write_text(yaml.safe_dump(matrix, sort_keys=False))
         cmd = [sys.executable, "-m", "kvrepro.cli", "matrix", "run", "-m", str(matrix_path),
-               "--results", args.results, "--json"]
+               "--results", args.results, "--json"] + (["--jobs", str(args.jobs)] if args.jobs else [])
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     if not proc.stdout.strip():
         print(f"kvrepro matrix run exited {proc.returncode} without a result", file=sys.stderr)
