@@ -8,16 +8,18 @@ Ctrl-C or a crash of kvrepro itself loses nothing already known.
 
 from __future__ import annotations
 
+import os
+import platform
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import requests
 
-from . import __version__, results
+from . import __version__, results, stats
 from .classify import classify_log, read_engine_counters, read_exposure
 from .classify.lines import split_line
 from .deploy import get_target
@@ -25,8 +27,8 @@ from .deploy.base import EngineHandle, Target
 from .errors import InfraError, KvreproError
 from .loadgen import run_load
 from .metrics import parse_prometheus, total
-from .records import (BuildArtifact, BuildPlan, Classification, Exposure, LoadSummary, Outcome,
-                      RunResult, Verdict)
+from .records import (BuildArtifact, BuildPlan, BuildRecord, Classification, Exposure, HostInfo, LoadSummary,
+                      Outcome, PatchInfo, RunManifest, RunResult, Verdict)
 from .secrets import redact
 from .spec import LoadedMatrix
 from .verdict import decide, died_without_traceback_title
@@ -65,17 +67,14 @@ class MatrixOptions:
     results_root: Path = results.DEFAULT_ROOT
     jobs: int | None = None  # engines run at once; None: what the target says it can take
     first_rep: int = 0  # number of the first repetition (its seeds follow): a later batch of the same build
+    adaptive_max: int | None = None  # repeat each build until decisive (stats.decisive), at most this often
     bases: list[str] | None = None  # vLLM releases to run every build on; None: the matrix's base
 
 
-def _artifact_json(artifact: BuildArtifact) -> dict[str, Any]:
-    return {
-        "ok": artifact.ok,
-        "ref": artifact.ref,
-        "error": artifact.error,
-        "reused": artifact.reused,
-        "manifest": artifact.manifest,
-    }
+def _build_record(artifact: BuildArtifact) -> BuildRecord:
+    """build.json: what results.load_run reads back as the same record."""
+    return BuildRecord(ok=artifact.ok, ref=artifact.ref, error=artifact.error, reused=artifact.reused,
+                       manifest=artifact.manifest)
 
 
 def _fetch_metrics(handle: EngineHandle) -> str | None:
@@ -129,20 +128,15 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     """One repetition of one build; writes manifest.json first and verdict.json last."""
     matrix = loaded.matrix
     plan = artifact.plan
-    results.write_json(run_dir / "manifest.json", {
-        "build": plan.name,
-        "rep": rep,
-        "base": plan.base,
-        "target": target.name,
-        "patches": [{"name": p.name, "upstream": p.upstream, "sha256": p.sha256} for p in plan.patches],
-        "artifact": _artifact_json(artifact),
-        "engine_args": _engine_args(target),
-        "sim_seed": matrix.engine.sim.seed + rep,
-        "load_seed": matrix.load.seed + rep,
-        "load": matrix.load.model_dump(),
-        "runs": matrix.runs.model_dump(),
-        "kvrepro_version": __version__,
-    })
+    engine_args = _engine_args(target)
+    results.write_json(run_dir / "manifest.json", RunManifest(
+        build=plan.name, rep=rep, base=plan.base, target=target.name,
+        patches=tuple(PatchInfo(p.name, p.upstream, p.sha256) for p in plan.patches),
+        artifact=_build_record(artifact),
+        engine_args=tuple(engine_args) if engine_args is not None else None,
+        sim_seed=matrix.engine.sim.seed + rep, load_seed=matrix.load.seed + rep,
+        load=matrix.load.model_dump(), runs=matrix.runs.model_dump(), kvrepro_version=__version__,
+    ))
     started = time.monotonic()
     if not artifact.ok:
         return _infra_result(plan, rep, run_dir, artifact.error or "build failed")
@@ -150,6 +144,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     progress.run_started(plan.name, rep, matrix.runs.requests)
     try:
         handle = target.start(artifact, run_dir, rep)
+        engine_start_s = round(time.monotonic() - started, 3)
     except InfraError as exc:
         result = _infra_result(plan, rep, run_dir, str(exc), time.monotonic() - started)
         result = replace(result, title=_start_failure_title(str(exc), run_dir / "engine.log", artifact,
@@ -194,17 +189,12 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
         trigger_count=exposure.trigger_calls, external_hit_calls=exposure.external_hit_calls,
         requests=load.requests_sent if load else 0, seconds=round(seconds, 3),
         signature=classification.signature, run_dir=str(run_dir), base=plan.base,
-        extra={
-            "load": load,
-            "engine_exit": engine_exit,
-            "probe_seen": exposure.probe_seen,
-            "probe_source_sha256": exposure.probe_source_sha256,
-            "offload_load_jobs": counters.offload_load_jobs,
-            "offload_store_jobs": counters.offload_store_jobs,
-            "engine_steps": counters.steps,
-            "external_prefix_cache_hits": total(samples, "vllm:external_prefix_cache_hits_total"),
-            "prefix_cache_hits": total(samples, "vllm:prefix_cache_hits_total"),
-        },
+        load=load, engine_exit=engine_exit, probe_seen=exposure.probe_seen,
+        probe_source_sha256=exposure.probe_source_sha256,
+        offload_load_jobs=counters.offload_load_jobs, offload_store_jobs=counters.offload_store_jobs,
+        engine_steps=counters.steps, engine_start_s=engine_start_s,
+        external_prefix_cache_hits=int(total(samples, "vllm:external_prefix_cache_hits_total")),
+        prefix_cache_hits=int(total(samples, "vllm:prefix_cache_hits_total")),
     )
 
 
@@ -222,8 +212,27 @@ def _wait_for_slots(futures: list) -> None:
                 break
 
 
+def _decided(artifact: BuildArtifact, runs: list[RunResult], expect: str | None) -> bool:
+    """Adaptive repetitions: has this build seen enough (stats.decisive, the README's rule)?"""
+    if not artifact.ok:
+        return bool(runs)  # every repetition of a failed build is the same INFRA
+    expected_failure = None
+    if expect:
+        expected_failure = expect.startswith(("CRASH", "CORRUPT"))
+        if not expected_failure and expect != "SURVIVED":
+            # VACUOUS/STALL/INFRA expected: three agreeing repetitions, or the first that disagrees
+            return len(runs) >= 3 or any(r.label != expect for r in runs)
+    return stats.decisive(stats.rate(runs), expected_failure).decisive
+
+
+def host_info() -> HostInfo:
+    """Where kvrepro runs, for the report's "what ran" (no user names, no environment)."""
+    return HostInfo(hostname=platform.node(), platform=platform.platform(terse=True),
+                    python=platform.python_version(), cpus=os.cpu_count() or 0)
+
+
 def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress | None = None,
-               stop: threading.Event | None = None, target: Target | None = None) -> dict[str, Any]:
+               stop: threading.Event | None = None, target: Target | None = None) -> results.MatrixRun:
     """Run every build x repetition; return the run as `results.load_run` reads it back.
 
     ``target``: an open target to run on and leave open (a bisection probes many small matrices
@@ -244,12 +253,14 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
         "target": target_name,
         "base": bases[0] if len(bases) == 1 else bases,
         "bases": bases,
-        "repetitions": reps,
-        "first_rep": options.first_rep,
+        "repetitions": options.adaptive_max or reps,
+        "adaptive": bool(options.adaptive_max),
         "build_order": [p.name for p in plans],
         "builds": {p.name: {"patches": [x.name for x in p.patches], "base": p.base, "build": p.build_name}
                    for p in plans},
+        "expect": {name: label for name, label in matrix.expect.items() if name in {p.build_name for p in plans}},
         "kvrepro_version": __version__,
+        "host": host_info(),
     })
     owns_target = target is None
     if target is None:
@@ -276,8 +287,10 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
                 artifact = target.prepare(plan)
             except KvreproError as exc:
                 artifact = BuildArtifact(plan=plan, ref=None, manifest={}, error=str(exc))
-            results.write_json(folder.build_dir(plan.name) / "build.json", _artifact_json(artifact))
+            results.write_json(folder.build_dir(plan.name) / "build.json", _build_record(artifact))
             artifacts.append(artifact)
+
+        recorded: dict[str, list[RunResult]] = {a.plan.name: [] for a in artifacts}
 
         def one(artifact: BuildArtifact, rep: int) -> None:
             if stop.is_set():
@@ -285,14 +298,14 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
             run_dir = folder.rep_dir(artifact.plan.name, rep)
             result = run_one(loaded, target, artifact, run_dir, rep, progress, stop)
             results.write_json(run_dir / "verdict.json", result)
+            recorded[artifact.plan.name].append(result)
             progress.run_finished(result)
 
-        # Repetition-major order: with N parallel slots the first results cover every build.
-        work = [(a, rep) for rep in range(options.first_rep, options.first_rep + reps) for a in artifacts]
-        if jobs == 1:
-            for artifact, rep in work:
-                one(artifact, rep)
-        else:
+        def run_all(work: list[tuple[BuildArtifact, int]]) -> None:
+            if jobs == 1:
+                for artifact, rep in work:
+                    one(artifact, rep)
+                return
             pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="kvrepro-run")
             futures = [pool.submit(one, a, rep) for a, rep in work]
             try:
@@ -304,6 +317,20 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
                 raise
             finally:
                 pool.shutdown(wait=True, cancel_futures=True)
+
+        if options.adaptive_max:
+            # one more repetition of every undecided build per round, until each is decisive
+            for rep in range(options.adaptive_max):
+                pending = [a for a in artifacts
+                           if not _decided(a, recorded[a.plan.name], matrix.expect.get(a.plan.build_name))]
+                if not pending or stop.is_set():
+                    break
+                progress.stage(f"round {rep + 1}: {', '.join(a.plan.name for a in pending)} not decisive yet")
+                run_all([(a, rep) for a in pending])
+        else:
+            # Repetition-major order: with N parallel slots the first results cover every build.
+            first = options.first_rep
+            run_all([(a, rep) for rep in range(first, first + reps) for a in artifacts])
         folder.update(status="interrupted" if stop.is_set() else "complete", finished=time.time())
     except BaseException:
         stop.set()

@@ -22,7 +22,7 @@ from .. import results
 from ..deploy import get_target
 from ..deploy.base import Target
 from ..errors import KvreproError, SpecError
-from ..records import BisectResult, BisectStep
+from ..records import BisectResult, BisectStep, RunResult
 from ..runner import MatrixOptions, Progress, SilentProgress, run_matrix
 from .points import Point, PointMatrices, build_name, point_key, point_label
 from .rules import (Evidence, PointRule, PointVerdict, Tally, confidence, default_max_runs, estimate_p_bad, evidence,
@@ -60,11 +60,12 @@ def load_state(root: Path, bisection_id: str) -> dict[str, Any]:
     return results.read_json(path)
 
 
-def _run_summary(run: dict[str, Any]) -> dict[str, Any]:
-    summary = {key: run.get(key) for key in ("verdict", "outcome", "title", "rep", "trigger_count", "state_count",
-                                             "requests", "seconds", "run_dir")}
-    summary["stopped_because"] = ((run.get("extra") or {}).get("load") or {}).get("stopped_because")
-    return summary
+def _run_summary(run: RunResult) -> dict[str, Any]:
+    """What the point rule reads of a run (the run folder keeps the rest)."""
+    return {"verdict": run.verdict.value, "outcome": run.outcome.value, "title": run.title, "rep": run.rep,
+            "trigger_count": run.trigger_count, "state_count": run.state_count, "requests": run.requests,
+            "seconds": run.seconds, "run_dir": run.run_dir,
+            "stopped_because": run.load.stopped_because if run.load is not None else None}
 
 
 class Session:
@@ -208,16 +209,16 @@ class Session:
                                                results_root=self.folder / "probes", jobs=request.get("jobs"),
                                                first_rep=first_rep),
                          self.progress, self.stop, target=target)
-        record["probe_runs"].append(str(Path("probes") / run["run_id"]))
-        build = run["builds_results"].get(build_name(point), {})
-        if build.get("build", {}).get("ok") is False:
-            record["build_error"] = str(build["build"].get("error") or "build failed").splitlines()[0]
-        for r in build.get("runs", []):
+        record["probe_runs"].append(str(Path("probes") / run.run_id))
+        build = run.build(build_name(point))
+        if build is not None and build.build_error:
+            record["build_error"] = build.build_error.strip().splitlines()[0]
+        for r in build.runs if build is not None else ():
             summary = _run_summary(r)
             if evidence(summary, request.get("title")) is not Evidence.DROPPED:
                 record["runs"].append(summary)
         self.save()
-        if run.get("status") == "interrupted" or self.stop.is_set():
+        if run.status == "interrupted" or self.stop.is_set():
             raise Interrupted("interrupted")
 
     # ------------------------------------------------------------------ rules and the result

@@ -166,9 +166,7 @@ class SimTarget(Target):
             versions.require(plan.base)
             self.runtime(plan.base)
             return builds.build_overlay(plan, self.on_line)
-        except versions.UnsupportedRelease as exc:
-            return BuildArtifact(plan=plan, ref=None, manifest={}, error=str(exc))
-        except KvreproError as exc:
+        except (versions.UnsupportedRelease, KvreproError) as exc:
             return BuildArtifact(plan=plan, ref=None, manifest={}, error=str(exc))
 
     def command(self, artifact: BuildArtifact, port: int) -> list[str]:
