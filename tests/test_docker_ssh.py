@@ -259,3 +259,40 @@ def test_ssh_url_and_reason_parsing():
     stderr = ("Warning: Permanently added '[127.0.0.1]:2222' (ED25519) to the list of known hosts.\r\n"
               "ops@127.0.0.1: Permission denied (publickey).\r\n")
     assert ssh_reason(stderr) == "ops@127.0.0.1: Permission denied (publickey)"
+
+
+def test_a_lost_ssh_connection_is_named_with_sshs_reason(tmp_path, sshd, docker_host, cpu_base):
+    """The host's sshd drops the kept connection (its session process is killed, as a reboot or
+    a network cut would): the next run is INFRA with ssh's own words, not "daemon stopped"."""
+    from kvrepro.deploy.docker import DockerTarget
+    from kvrepro.spec import load_matrix
+
+    hosts = [{"name": "peer", "docker": sshd.url, "ssh_config": sshd.config(), "local": False}]
+    loaded = load_matrix(write_matrix(tmp_path / "m", cpu_base, hosts))
+    target = DockerTarget(loaded)
+    try:
+        [plan] = loaded.plans(["A"])
+        artifact = target.prepare(plan)
+        assert artifact.ok, artifact.error
+        host = target.host(loaded.matrix.hosts[0])
+        assert host.tunnel is not None and host.tunnel.alive()
+        sessions = [int(p.parent.name) for p in Path("/proc").glob("[0-9]*/stat")
+                    if _ppid(p) == sshd.proc.pid]
+        assert sessions, "sshd has no session process for the kept connection"
+        for pid in sessions:
+            os.kill(pid, 15)
+        deadline = time.monotonic() + 60
+        while host.tunnel.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(SshError, match=r"ssh connection to host peer ended \(Connection to 127.0.0.1 closed"):
+            target.start(artifact, tmp_path / "run", 0)
+    finally:
+        target.close()
+
+
+def _ppid(stat: Path) -> int | None:
+    try:
+        text = stat.read_text()
+    except OSError:
+        return None
+    return int(text[text.rindex(")") + 2:].split()[1])

@@ -28,7 +28,7 @@ from . import labels as L
 from .assemble import assemble
 from .containers import ContainerEngine
 from .errors import (ContainerError, DaemonDownError, DockerInfraError, ImageMissingError, PortInUseError,
-                     UnknownHostError)
+                     SshError, UnknownHostError)
 from .hosts import (DockerHost, connect, engine_hosts, free_local_port, port_free_locally, published_ports,
                     remove_quietly)
 from .launch import NodeLaunch, plan_launch
@@ -231,7 +231,7 @@ class DockerTarget(Target):
         except KvreproError:
             raise
         except _API_ERRORS as exc:
-            raise _translate(exc, "starting the engine") from None
+            raise self._lost_ssh("starting the engine") or _translate(exc, "starting the engine") from None
 
     def _start(self, artifact: BuildArtifact, run_dir: Path, rep: int) -> EngineHandle:
         matrix = self.loaded.matrix
@@ -358,6 +358,16 @@ class DockerTarget(Target):
         if forwarded is not None:
             handle.forwards.append((head, forwarded))
         handle.use_api(url, f"engine API {head.name}:{port} forwarded to {url} over ssh" if forwarded else None)
+
+    def _lost_ssh(self, what: str) -> SshError | None:
+        """An API call failed because a host's kept ssh connection ended: say so with ssh's reason."""
+        with self._lock:
+            hosts = list(self._hosts.values())
+        for host in hosts:
+            if host.tunnel is not None and not host.tunnel.alive():
+                return SshError(f"{what}: the ssh connection to host {host.name} ended "
+                                f"({host.tunnel.reason() or 'ssh gave no reason'}); check the host and the network")
+        return None
 
     def _forget(self, handle: DockerEngineHandle) -> None:
         with self._lock:
