@@ -35,7 +35,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from ...spec import HostSpec
-from .errors import SshError, UnknownHostError
+from .errors import DockerInfraError, SshError, UnknownHostError
 
 DEFAULT_REMOTE_SOCKET = "/var/run/docker.sock"
 # Lines ssh prints that are not the reason for anything.
@@ -170,22 +170,27 @@ class SshConnection:
                            "install OpenSSH (`apt-get install openssh-client`)") from None
         finally:
             log.close()
+        try:
+            self._wait_connected()
+        except BaseException:  # a failure, or Ctrl-C while ssh still connects: the master goes too
+            self.close()
+            raise
+        return self
+
+    def _wait_connected(self) -> None:
+        assert self._proc is not None
         deadline = time.monotonic() + self.timeout
         while not self.docker_socket.exists():
             if self._proc.poll() is not None:
-                reason = self.reason() or f"ssh exited with code {self._proc.returncode}"
-                self.close()
-                raise self._error(reason)
+                raise self._error(self.reason() or f"ssh exited with code {self._proc.returncode}")
             if time.monotonic() > deadline:
                 reason = self.reason()
-                self.close()
                 raise SshError(f"host {self.spec.name}: {self.describe()} did not connect within "
                                f"{self.timeout:.0f}s" + (f" ({reason})" if reason else "")
                                + "; check that the host is up and reachable on its ssh port")
             time.sleep(0.05)
-        return self
 
-    def _error(self, reason: str) -> SshError:
+    def _error(self, reason: str) -> DockerInfraError:
         hint = "check hosts[].docker and `" + self.describe() + "` by hand"
         if "Host key verification failed" in reason:
             hint = (f"the host's key is not in known_hosts; check it and add it (`{self.describe()}` once "
