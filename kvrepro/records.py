@@ -140,6 +140,7 @@ class LoadSummary:
     requests_failed: int
     seconds: float
     stopped_because: str  # "budget" | "duration" | "engine_dead" | "stall" | "interrupted"
+    first_failed_index: int | None = None  # the first request that failed as the engine died (or 5xx)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from .deploy import get_target
 from .deploy.base import EngineHandle, Target
 from .errors import InfraError, KvreproError
 from .loadgen import run_load
+from .loadgen.capacity import engine_capacity
 from .metrics import parse_prometheus, total
 from .records import (BuildArtifact, BuildPlan, Classification, Exposure, LoadSummary, Outcome,
                       RunResult, Verdict)
@@ -134,10 +135,15 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     metrics_text: str | None = None
     engine_exit: int | None = None
     try:
+        log_so_far = handle.log_path.read_text(errors="replace") if handle.log_path.exists() else ""
         load = run_load(handle.base_url, matrix.load, matrix.runs, run_dir / "load.jsonl",
                         seed=matrix.load.seed + rep, alive=handle.alive,
                         on_progress=lambda done, failed: progress.requests_done(plan.name, rep, done, failed),
-                        stop=stop)
+                        stop=stop,
+                        capacity=engine_capacity(matrix.load, log_so_far, matrix.engine.block_size),
+                        trace_path=run_dir / "trace.jsonl",
+                        trace_header={"build": plan.name, "rep": rep, "sim_seed": matrix.engine.sim.seed + rep,
+                                      "engine_args": _engine_args(target)})
         engine_exit = handle.exit_code()
         metrics_text = _fetch_metrics(handle)
         if metrics_text is not None:
