@@ -23,6 +23,7 @@ from .deploy import get_target
 from .deploy.base import EngineHandle, Target
 from .errors import InfraError, KvreproError
 from .loadgen import run_load
+from .loadgen.runner import replay_load
 from .loadgen.capacity import engine_capacity
 from .metrics import parse_prometheus, total
 from .records import (BuildArtifact, BuildPlan, Classification, Exposure, LoadSummary, Outcome,
@@ -64,6 +65,7 @@ class MatrixOptions:
     repetitions: int | None = None
     results_root: Path = results.DEFAULT_ROOT
     jobs: int | None = None  # engines run at once; None: what the target says it can take
+    replay: Any = None  # a loadgen.trace.Trace: send it (sequentially) instead of the matrix's load
 
 
 def _artifact_json(artifact: BuildArtifact) -> dict[str, Any]:
@@ -99,8 +101,10 @@ def _infra_result(plan: BuildPlan, rep: int, run_dir: Path, error: str, seconds:
 
 
 def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_dir: Path, rep: int,
-            progress: Progress, stop: threading.Event) -> RunResult:
-    """One repetition of one build; writes manifest.json first and verdict.json last."""
+            progress: Progress, stop: threading.Event, replay: Any = None) -> RunResult:
+    """One repetition of one build; writes manifest.json first and verdict.json last.
+
+    ``replay`` (a :class:`~kvrepro.loadgen.trace.Trace`) is sent instead of the matrix's load."""
     matrix = loaded.matrix
     plan = artifact.plan
     results.write_json(run_dir / "manifest.json", {
@@ -115,6 +119,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
         "load_seed": matrix.load.seed + rep,
         "load": matrix.load.model_dump(),
         "runs": matrix.runs.model_dump(),
+        "replay_of": str(replay.path) if replay is not None else None,
         "kvrepro_version": __version__,
     })
     started = time.monotonic()
@@ -136,14 +141,18 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     engine_exit: int | None = None
     try:
         log_so_far = handle.log_path.read_text(errors="replace") if handle.log_path.exists() else ""
-        load = run_load(handle.base_url, matrix.load, matrix.runs, run_dir / "load.jsonl",
-                        seed=matrix.load.seed + rep, alive=handle.alive,
-                        on_progress=lambda done, failed: progress.requests_done(plan.name, rep, done, failed),
-                        stop=stop,
-                        capacity=engine_capacity(matrix.load, log_so_far, matrix.engine.block_size),
-                        trace_path=run_dir / "trace.jsonl",
-                        trace_header={"build": plan.name, "rep": rep, "sim_seed": matrix.engine.sim.seed + rep,
-                                      "engine_args": _engine_args(target)})
+        header = {"build": plan.name, "rep": rep, "sim_seed": matrix.engine.sim.seed + rep,
+                  "engine_args": _engine_args(target)}
+        if replay is not None:
+            load = replay_load(handle.base_url, replay, matrix.runs, run_dir / "load.jsonl", alive=handle.alive,
+                               on_progress=lambda done, failed: progress.requests_done(plan.name, rep, done, failed),
+                               stop=stop, trace_path=run_dir / "trace.jsonl")
+        else:
+            capacity = engine_capacity(matrix.load, log_so_far, matrix.engine.block_size, matrix.engine.max_model_len)
+            load = run_load(handle.base_url, matrix.load, matrix.runs, run_dir / "load.jsonl",
+                            seed=matrix.load.seed + rep, alive=handle.alive,
+                            on_progress=lambda done, failed: progress.requests_done(plan.name, rep, done, failed),
+                            stop=stop, capacity=capacity, trace_path=run_dir / "trace.jsonl", trace_header=header)
         engine_exit = handle.exit_code()
         metrics_text = _fetch_metrics(handle)
         if metrics_text is not None:
@@ -247,12 +256,15 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
             if stop.is_set():
                 return
             run_dir = folder.rep_dir(artifact.plan.name, rep)
-            result = run_one(loaded, target, artifact, run_dir, rep, progress, stop)
+            result = run_one(loaded, target, artifact, run_dir, rep, progress, stop, options.replay)
             results.write_json(run_dir / "verdict.json", result)
             progress.run_finished(result)
 
         # Repetition-major order: with N parallel slots the first results cover every build.
-        work = [(a, rep) for rep in range(reps) for a in artifacts]
+        rep_numbers = list(range(reps))
+        if options.replay is not None:  # the trace's repetition number: the same engine seed
+            rep_numbers = [int(options.replay.header.get("rep", 0))]
+        work = [(a, rep) for rep in rep_numbers for a in artifacts]
         if jobs == 1:
             for artifact, rep in work:
                 one(artifact, rep)

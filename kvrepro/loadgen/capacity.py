@@ -17,7 +17,8 @@ _GPU_TOKENS_RE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 _BLOCK_RE = re.compile(r"\bblock size (\d+)")
 
 
-def engine_capacity(load: LoadSpec, log_text: str = "", block_size: int | None = None) -> EngineCapacity:
+def engine_capacity(load: LoadSpec, log_text: str = "", block_size: int | None = None,
+                    max_model_len: int | None = None) -> EngineCapacity:
     """What the matrix says, else what the log says, else the defaults (``source`` tells which)."""
     sources = []
     gpu = load.gpu_kv_tokens
@@ -38,5 +39,6 @@ def engine_capacity(load: LoadSpec, log_text: str = "", block_size: int | None =
         offload_tokens=load.offload_kv_tokens,
         block_tokens=block,
         chunk_tokens=load.chunk_tokens or block,
+        max_model_len=max_model_len,
         source="+".join(sources) or "default",
     )

@@ -45,6 +45,7 @@ class EngineCapacity:
     offload_tokens: int | None = None
     block_tokens: int = 16
     chunk_tokens: int = 16
+    max_model_len: int | None = None
     source: str = "default"
 
 
