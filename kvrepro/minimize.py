@@ -49,7 +49,7 @@ class OfflineEngine:
         args = loaded.matrix.engine.serve_args(str(loaded.model_dir()), include_sim=True)
         env = self.target.environment(artifact, rep)
         env["VLLM_LOGGING_LEVEL"] = "ERROR"
-        self.command = [str(self.target.python()), "-m", "kvrepro.engine.offline", "-", *args]
+        self.command = [str(self.target.runtime(plan.base).python), "-m", "kvrepro.engine.offline", "-", *args]
         self.env = env
         self.proc = subprocess.Popen(self.command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True)

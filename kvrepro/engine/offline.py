@@ -91,7 +91,8 @@ def run_job(build_core, job: list[dict]) -> dict:
         for i, item in enumerate(job):
             request = EngineCoreRequest(
                 request_id=f"req-{i}", prompt_token_ids=list(item["tokens"]), mm_features=None,
-                sampling_params=SamplingParams(max_tokens=int(item["max_tokens"])),  # as the server builds it
+                # what kvrepro's client asks for (temperature 0, exactly max_tokens tokens)
+                sampling_params=SamplingParams(max_tokens=int(item["max_tokens"]), temperature=0.0, ignore_eos=True),
                 pooling_params=None, arrival_time=float(i), lora_request=None, cache_salt=None,
                 data_parallel_rank=None)
             try:
@@ -117,21 +118,33 @@ def run_job(build_core, job: list[dict]) -> dict:
     return result
 
 
-def main(argv: list[str]) -> int:
-    jobs_path, serve_args = argv[0], argv[1:]
-    from . import config
-
-    config.install_sim_platform()
-    config.check_vllm_api()
-    engine_args, _ = config.parse_args(serve_args)
-    from .executor import SimExecutor
-
-    vllm_config = config.build_vllm_config(engine_args, SimExecutor)
+def build_engine_factory(serve_args: list[str]):
+    """A function making a fresh EngineCore configured exactly as ``vllm serve SERVE_ARGS`` is:
+    vLLM's own argument parsing, the platform kvrepro's plugin names (KVREPRO_SIM=1), the
+    executor that platform picks, statistics on as the server has them."""
+    os.environ.setdefault("KVREPRO_SIM", "1")
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:  # older layouts
+        from vllm.utils import FlexibleArgumentParser
+    from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.core import EngineCore
+    from vllm.v1.executor import Executor
+
+    model, rest = serve_args[0], list(serve_args[1:])
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    engine_args = EngineArgs.from_cli_args(parser.parse_args(["--model", model, *rest]))
 
     def build_core():
-        return EngineCore(vllm_config, executor_class=SimExecutor, log_stats=True)  # as served
+        vllm_config = engine_args.create_engine_config()
+        return EngineCore(vllm_config, executor_class=Executor.get_class(vllm_config), log_stats=True)
 
+    return build_core
+
+
+def main(argv: list[str]) -> int:
+    jobs_path, serve_args = argv[0], argv[1:]
+    build_core = build_engine_factory(serve_args)
     out = sys.stdout
     if jobs_path == "-":
         out.write(json.dumps({"ready": True}) + "\n")
