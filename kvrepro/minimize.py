@@ -237,7 +237,10 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
     if emit_pytest is not None:
         from .pytest_emit import emit
 
-        emit(Path(emit_pytest), minimized, loaded, build, fixed)
+        runs_for = {build: (engine.command[0], engine.env["PYTHONPATH"])}
+        if fixed_engine is not None:
+            runs_for[fixed] = (fixed_engine.command[0], fixed_engine.env["PYTHONPATH"])
+        emit(Path(emit_pytest), minimized, loaded, build, fixed, runs_for)
         summary["pytest"] = str(emit_pytest)
     summary["confirmed"] = []
     if confirm:

@@ -30,10 +30,8 @@ Emitted by `kvrepro minimize` from {source}
 only the GPU model and the offload data movement, and has no assertion of its own: with the bug,
 vLLM's assertion fails inside step(); with the fix the sequence runs through.
 
-Run (build {build} fails, {fixed_note}):
-    PYTHONPATH=<overlay>:{src} {python} -m pytest {name}
-    PYTHONPATH=<overlay>:{src} {python} {name}
-<overlay> is the build's folder under ~/.cache/kvrepro/overlays (see results/.../build.json).
+Run with a build's overlay first on PYTHONPATH (or under pytest: `python -m pytest {name}`):
+{run_lines}
 """
 
 import os
@@ -42,6 +40,11 @@ ENGINE_ARGS = {engine_args}
 SIM_SEED = {sim_seed}
 DRAFT_ACCEPTANCE_RATE = {acceptance}
 
+# before vLLM resolves its platform: kvrepro's plugin then names the GPU-free CPU platform
+os.environ["KVREPRO_SIM"] = "1"
+os.environ["KVREPRO_SIM_SEED"] = str(SIM_SEED)
+os.environ["KVREPRO_SIM_ACCEPTANCE_RATE"] = repr(DRAFT_ACCEPTANCE_RATE)
+
 # (max_tokens, prompt token ids), in the order they are sent
 REQUESTS = [
 {requests_literal}
@@ -49,17 +52,9 @@ REQUESTS = [
 
 
 def _engine_core():
-    os.environ["KVREPRO_SIM_SEED"] = str(SIM_SEED)
-    os.environ["KVREPRO_SIM_ACCEPTANCE_RATE"] = repr(DRAFT_ACCEPTANCE_RATE)
-    from kvrepro.engine import config
+    from kvrepro.engine.offline import build_engine_factory  # `vllm serve ENGINE_ARGS`'s EngineCore
 
-    config.install_sim_platform()
-    engine_args, _ = config.parse_args(ENGINE_ARGS)
-    from kvrepro.engine.executor import SimExecutor
-    from vllm.v1.engine.core import EngineCore
-
-    return EngineCore(config.build_vllm_config(engine_args, SimExecutor), executor_class=SimExecutor,
-                      log_stats=False)
+    return build_engine_factory(ENGINE_ARGS)()
 
 
 def test_offload_hit_behind_a_partial_local_hit():
@@ -84,7 +79,9 @@ if __name__ == "__main__":
 '''
 
 
-def emit(path: Path, trace: Trace, loaded: LoadedMatrix, build: str, fixed: str | None) -> None:
+def emit(path: Path, trace: Trace, loaded: LoadedMatrix, build: str, fixed: str | None,
+         runs: dict[str, tuple[str, str]] | None = None) -> None:
+    """``runs``: build -> (python, PYTHONPATH) of that build's runtime, for the header."""
     matrix = loaded.matrix
     sig = matrix.target_signature
     args = matrix.engine.serve_args(str(loaded.model_dir()), include_sim=True)
@@ -95,8 +92,11 @@ def emit(path: Path, trace: Trace, loaded: LoadedMatrix, build: str, fixed: str 
         signature=f"{sig.exception} in {sig.function}" + (f": {sig.expression}" if sig.expression else ""),
         source=trace.header.get("minimized_from", trace.path),
         requests=len(trace.requests), tokens=sum(len(r.tokens) for r in trace.requests),
-        build=build, fixed_note=f"build {fixed} passes" if fixed else "a fixed build passes",
-        src=paths.SOURCE_ROOT, python="<runtime python>", name=path.name,
+        run_lines="\n".join(
+            f"    # build {name} ({'fails: the bug' if name == build else 'passes: fixed'})\n"
+            f"    PYTHONPATH={pythonpath} {python} {path.name}"
+            for name, (python, pythonpath) in (runs or {build: ("python", f"<overlay>:{paths.SOURCE_ROOT}")}).items()),
+        name=path.name,
         engine_args=json.dumps(args), sim_seed=matrix.engine.sim.seed + rep,
         acceptance=repr(matrix.engine.sim.draft_acceptance_rate), requests_literal=requests_literal,
     )

@@ -126,6 +126,9 @@ def _start_failure_title(error: str, log_path: Path, artifact: BuildArtifact, ta
     return head
 
 
+_PROBE_SETTLE_S = 2.5
+
+
 def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_dir: Path, rep: int,
             progress: Progress, stop: threading.Event, replay: Any = None) -> RunResult:
     """One repetition of one build; writes manifest.json first and verdict.json last.
@@ -176,6 +179,10 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
             load = replay_load(handle.base_url, replay, matrix.runs, run_dir / "load.jsonl", alive=handle.alive,
                                on_progress=lambda done, failed: progress.requests_done(plan.name, rep, done, failed),
                                stop=stop, trace_path=run_dir / "trace.jsonl")
+            if load.stopped_because == "budget" and not stop.is_set():
+                # a replay can be over in a fraction of a second: give the probe's reporter
+                # (every REPORT_INTERVAL_S = 2 s) time to write the counts before the engine stops
+                stop.wait(_PROBE_SETTLE_S)
         else:
             capacity = engine_capacity(matrix.load, log_so_far, matrix.engine.block_size, matrix.engine.max_model_len)
             load = run_load(handle.base_url, matrix.load, matrix.runs, run_dir / "load.jsonl",
