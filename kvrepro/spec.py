@@ -143,7 +143,7 @@ class LoadSpec(_Strict):
     @model_validator(mode="after")
     def _profile_settings(self) -> "LoadSpec":
         if self.arrival == "poisson" and self.rate_rps is None:
-            raise _FieldError("load.rate_rps", "arrival: poisson needs rate_rps (mean requests per second)")
+            raise _FieldError("load.arrival", "poisson needs rate_rps (mean requests per second) in load:")
         from .loadgen.profiles import get_profile, profile_fields  # profiles import this module
 
         try:
@@ -155,6 +155,10 @@ class LoadSpec(_Strict):
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
+            if not where:  # a cross-field check: its message starts with the field it is about
+                named = [f for f in profile.Settings.model_fields if str(first["msg"]).removeprefix("Value error, ")
+                         .startswith(f)]
+                where = max(named, key=len) if named else ""
             if first["type"] == "extra_forbidden":
                 allowed = ", ".join(list(LoadSpec.model_fields) + list(profile.Settings.model_fields))
                 msg = f"unknown field (not a setting of profile {self.profile!r}); allowed here: {allowed}"
