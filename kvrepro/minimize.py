@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import report, results
+from . import results
 from .errors import InfraError, KvreproError, SpecError
 from .loadgen.trace import Trace, TraceRequest, read_trace, write_trace
 from .spec import LoadedMatrix, TargetSignature
@@ -157,19 +157,22 @@ def _shorten_outputs(items: list[TraceRequest], crashes) -> list[TraceRequest]:
     return items
 
 
-def find_crash(root: Path, run_id: str, build: str, rep: int | None) -> tuple[dict[str, Any], Path]:
+def find_crash(root: Path, run_id: str, build: str, rep: int | None):
+    """The first repetition of ``build`` (or repetition ``rep``) that crashed with the target
+    signature, and its trace."""
     run = results.load_run(root, run_id)
-    runs = (run.get("builds_results", {}).get(build) or {}).get("runs") or []
+    found = run.build(build)
+    runs = list(found.runs) if found is not None else []
     if not runs:
-        raise SpecError(f"run {run.get('run_id', run_id)} has no repetitions of build {build}")
+        raise SpecError(f"run {run.run_id} has no repetitions of build {build}")
     for r in runs:
-        if (rep is None or r.get("rep") == rep) and report.verdict_label(r) == "CRASH(target)":
-            trace = Path(r["run_dir"]) / "trace.jsonl"
+        if (rep is None or r.rep == rep) and r.label == "CRASH(target)":
+            trace = Path(r.run_dir or "") / "trace.jsonl"
             if not trace.is_file():
                 raise SpecError(f"{trace}: missing; runs record their trace since kvrepro wrote trace.jsonl")
             return r, trace
-    raise SpecError(f"no repetition of build {build} in run {run.get('run_id', run_id)} crashed with the target "
-                    f"signature (verdicts: {', '.join(report.verdict_label(r) for r in runs)})")
+    raise SpecError(f"no repetition of build {build} in run {run.run_id} crashed with the target "
+                    f"signature (verdicts: {', '.join(r.label for r in runs)})")
 
 
 def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed: str | None = None,
@@ -181,7 +184,7 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
     run, trace_path = find_crash(root, run_id, build, rep)
     trace = read_trace(trace_path)
     sig = loaded.matrix.target_signature
-    rep_number = int(trace.header.get("rep", run.get("rep", 0)))
+    rep_number = int(trace.header.get("rep", run.rep))
     on_line(f"starting the offline engine for build {build}")
     engine = OfflineEngine(loaded, build, rep_number)
     fixed_engine = None
@@ -261,9 +264,8 @@ def _confirm(loaded: LoadedMatrix, trace_path: Path, root: Path, builds: list[st
     for name in builds:
         on_line(f"replaying the minimized trace on build {name} over HTTP")
         options = MatrixOptions(target="sim", builds=[name], repetitions=1, results_root=root, jobs=1, replay=trace)
-        run = run_matrix(loaded, options)
-        r = run["builds_results"][name]["runs"][0]
-        at = ((r.get("extra") or {}).get("load") or {}).get("first_failed_index")
-        lines.append(f"{name}: {report.verdict_label(r)}" + (f" at request {at}" if at is not None else "")
-                     + f" ({r.get('run_dir')})")
+        r = run_matrix(loaded, options).build(name).runs[0]
+        at = r.load.first_failed_index if r.load else None
+        lines.append(f"{name}: {r.label}" + (f" at request {at}" if at is not None else "")
+                     + f", trigger count {r.trigger_count}, bug state {r.state_count} ({r.run_dir})")
     return lines
