@@ -18,7 +18,6 @@ tokenizer the tools' words map onto and a per-request count of what was sent bef
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 # name -> the load: section (the shipped matrix's engine, builds and patches are kept)
 LOADS: dict[str, dict] = {
@@ -46,7 +46,7 @@ def run(name: str, load: dict | None, seeds: int, budget: int, workdir: Path) ->
         matrix["load"] = {**load, "seed": 0}
     matrix["runs"] = {**matrix.get("runs", {}), "requests": budget, "duration_s": None, "repetitions": seeds}
     matrix["expect"] = {}
-    folder = workdir / name.split()[0]
+    folder = workdir / "".join(c if c.isalnum() else "-" for c in name)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "builds").symlink_to(ROOT / "builds")
     path = folder / "matrix.yaml"
@@ -55,11 +55,10 @@ def run(name: str, load: dict | None, seeds: int, budget: int, workdir: Path) ->
                            "--results", str(folder / "results"), "--json"], cwd=ROOT, capture_output=True, text=True)
     if proc.returncode not in (0, 1):
         sys.exit(f"{name}: kvrepro matrix run exited {proc.returncode}:\n{proc.stderr[-2000:]}")
-    report = json.loads(proc.stdout)
-    out: list[int | None] = []
-    for r in report["builds"]["A"]["runs"]:
-        out.append(r["requests"] if (r["verdict"], r["outcome"]) == ("CRASH", "target") else None)
-    return out
+    from kvrepro import results
+
+    recorded = results.load_run(folder / "results", "latest").build("A")
+    return [r.requests if r.label == "CRASH(target)" else None for r in sorted(recorded.runs, key=lambda r: r.rep)]
 
 
 def main() -> int:
@@ -75,6 +74,7 @@ def main() -> int:
                 continue
             print(f"running {name} ...", file=sys.stderr, flush=True)
             rows[name] = run(name, load, args.seeds, args.budget, Path(tmp))
+            print(f"  {name}: {rows[name]}", file=sys.stderr, flush=True)
     medians = {n: statistics.median([v if v is not None else args.budget for v in vals]) for n, vals in rows.items()}
     base = medians.get("partial-prefix (default)")
     print(f"requests until the first target crash on build A ({args.seeds} seeds, budget {args.budget}; "
