@@ -31,9 +31,6 @@ from .errors import InfraError, KvreproError, SpecError
 from .loadgen.trace import Trace, TraceRequest, read_trace, write_trace
 from .spec import LoadedMatrix, TargetSignature
 
-Oracle = Callable[[list[list[TraceRequest]]], list[dict[str, Any]]]
-
-
 class OfflineEngine:
     """One ``python -m kvrepro.engine.offline -`` process for one build: jobs in, results out."""
 
@@ -179,8 +176,6 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
              rep: int | None = None, emit_pytest: Path | None = None, confirm: bool = True,
              on_line: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     loaded.plans([build] + ([fixed] if fixed else []))
-    if loaded.matrix.target != "sim":
-        pass  # the oracle is the GPU-free engine whatever target recorded the run
     run, trace_path = find_crash(root, run_id, build, rep)
     trace = read_trace(trace_path)
     sig = loaded.matrix.target_signature
