@@ -16,12 +16,14 @@ from typing import Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from . import builds, report, results
-from .errors import KvreproError, SpecError
+from .errors import KvreproError, SpecError, describe_os_error
 from .records import RunResult, to_jsonable
+from .secrets import redact, redact_args
 from .spec import LoadedMatrix, load_matrix
 
 app = typer.Typer(help="Reproduce vLLM engine crashes and prove which fixes cure them.",
@@ -42,17 +44,36 @@ ResultsOpt = typer.Option(results.DEFAULT_ROOT, "--results", help="where runs ar
 
 
 def _emit_json(value: Any) -> None:
-    sys.stdout.write(json.dumps(to_jsonable(value), indent=2) + "\n")
+    # one redaction for everything kvrepro hands on, --json included
+    sys.stdout.write(redact(json.dumps(to_jsonable(value), indent=2)) + "\n")
 
 
 def _load(path: Path) -> LoadedMatrix:
     return load_matrix(path)
 
 
+def _check(loaded: LoadedMatrix, target: Optional[str] = None, engine_flags: bool = True) -> None:
+    """Everything checkable without an engine (kvrepro/validate.py); notes go to stderr."""
+    from .validate import check
+
+    with err.status("checking the matrix") as status:
+        notes = check(loaded, target, engine_flags=engine_flags, on_line=lambda line: status.update(line[:120]))
+    for note in notes:
+        err.print(f"[yellow]note[/]: {note}", highlight=False)
+
+
+def _results_root(root: Path) -> Path:
+    if root.exists() and not root.is_dir():
+        raise SpecError(f"--results {root}: is a file, not a folder; give a folder where runs are recorded")
+    return root
+
+
 @matrix_app.command("validate")
 def matrix_validate(matrix: Path = MatrixOpt, as_json: bool = JsonOpt) -> None:
-    """Check matrix.yaml (and that every patch file exists and matches its sha256)."""
+    """Check matrix.yaml without starting anything: fields, duplicate keys, patch files and their
+    sha256, target, load profile, model and engine.extra_args (against the base's `vllm serve`)."""
     loaded = _load(matrix)
+    _check(loaded)
     plans = loaded.plans()
     if as_json:
         _emit_json({"valid": True, "matrix": str(loaded.path), "builds": [p.name for p in plans]})
@@ -65,6 +86,7 @@ def matrix_plan(matrix: Path = MatrixOpt, target: Optional[str] = typer.Option(N
                 as_json: bool = JsonOpt) -> None:
     """What would be built and run, without building or running anything."""
     loaded = _load(matrix)
+    _check(loaded, target, engine_flags=False)
     m = loaded.matrix
     target_name = target or m.target
     plan = {
@@ -93,7 +115,7 @@ def matrix_plan(matrix: Path = MatrixOpt, target: Optional[str] = typer.Option(N
         table.add_row(b["name"], " -> ".join(f"{x['name']} ({x['sha256'][:12]})" for x in b["patches"]) or "(base)",
                       b["expect"] or "")
     out.print(table)
-    out.print("engine: vllm serve " + " ".join(plan["engine_args"]))
+    out.print("engine: vllm serve " + " ".join(redact_args(plan["engine_args"])), highlight=False)
 
 
 class RichProgress:
@@ -131,6 +153,8 @@ class RichProgress:
 
 
 def _check_expectations(run: dict[str, Any], expect: dict[str, str]) -> list[str]:
+    """Verdicts that differ from `expect:`. An INFRA or INTERRUPTED run says nothing about the
+    code, so it is not a difference: it is reported by its own exit code (3, 130)."""
     problems = []
     for name, build in run.get("builds_results", {}).items():
         wanted = expect.get(name)
@@ -138,9 +162,28 @@ def _check_expectations(run: dict[str, Any], expect: dict[str, str]) -> list[str
             continue
         for r in build.get("runs", []):
             got = report.verdict_label(r)
-            if got != wanted and r.get("verdict") != "INTERRUPTED":
+            if got != wanted and (r.get("verdict") not in ("INTERRUPTED", "INFRA") or wanted == "INFRA"):
                 problems.append(f"build {name} rep {r.get('rep')}: {got}, expected {wanted}")
     return problems
+
+
+def exit_code_of(run: dict[str, Any], expect: dict[str, str]) -> tuple[int, list[str]]:
+    """The documented exit code of a finished matrix run, and the differences from `expect:`.
+
+    130 interrupted; 1 a verdict differs from `expect:` (a real regression or fix); 3 some run
+    was INFRA and nothing else differs (CI must not read broken infrastructure as "the bug is
+    back"); 0 otherwise.
+    """
+    if run.get("status") == "interrupted":
+        return 130, []
+    problems = _check_expectations(run, expect)
+    if problems:
+        return 1, problems
+    wanted_infra = {n for n, v in expect.items() if v == "INFRA"}
+    if any(r.get("verdict") == "INFRA" and n not in wanted_infra
+           for n, b in run["builds_results"].items() for r in b["runs"]):
+        return 3, []
+    return 0, []
 
 
 @matrix_app.command("run")
@@ -160,6 +203,7 @@ def matrix_run(
     from .runner import MatrixOptions, run_matrix
 
     loaded = _load(matrix)
+    results_root = _results_root(results_root)
     if base_image:
         loaded.matrix = loaded.matrix.model_copy(update={"base_image": base_image})
     options = MatrixOptions(target=target, builds=build, repetitions=reps, results_root=results_root, jobs=jobs)
@@ -167,31 +211,35 @@ def matrix_run(
     total = len(plans) * (reps or loaded.matrix.runs.repetitions)
     stop = threading.Event()
 
-    def on_sigint(signum, frame):
+    def on_stop_signal(signum, frame):
         if stop.is_set():
             raise KeyboardInterrupt
         stop.set()
-        err.print("[yellow]stopping after the current run is recorded (Ctrl-C again to stop at once)[/]")
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        err.print(f"[yellow]{what}: stopping; engines are being stopped and finished runs recorded "
+                  "(Ctrl-C again to stop at once)[/]")
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    progress = RichProgress(total)
+    # SIGTERM (a CI runner cancelling the job, `kill`) is a Ctrl-C: engines stopped, runs kept
+    previous = {sig: signal.signal(sig, on_stop_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
+        _check(loaded, target)  # before a run folder exists: a typo leaves nothing behind
+        progress = RichProgress(total)
         with progress.progress:
             run = run_matrix(loaded, options, progress, stop)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if as_json:
         _emit_json(report.matrix_json(run))
     else:
         out.print(report.matrix_table(run))
-    if run.get("status") == "interrupted":
-        raise typer.Exit(130)
-    problems = _check_expectations(run, loaded.matrix.expect)
+    code, problems = exit_code_of(run, loaded.matrix.expect)
     if problems:
         err.print("[red]verdicts differ from expect:[/]\n  " + "\n  ".join(problems))
-        raise typer.Exit(1)
-    if any(r.get("verdict") == "INFRA" for b in run["builds_results"].values() for r in b["runs"]):
-        raise typer.Exit(3)
+    elif code == 3:
+        err.print("[magenta]infrastructure failed (INFRA above); no verdict differs from expect:[/]")
+    if code:
+        raise typer.Exit(code)
 
 
 @matrix_app.command("show")
@@ -248,8 +296,11 @@ def classify_cmd(
     """Find the fatal traceback in an engine log and name its crash signature."""
     from .classify import classify_file
 
+    if log.is_dir():
+        raise SpecError(f"{log}: is a folder; give an engine log file, e.g. {log / 'engine.log'} "
+                        "(results/<run>/<build>/<rep>/engine.log)")
     if not log.is_file():
-        raise KvreproError(f"{log}: no such file")
+        raise SpecError(f"{log}: no such file; give an engine log (engine.log, `docker logs` output)")
     target = _load(matrix).matrix.target_signature if matrix else None
     result = classify_file(log, source, target)
     if as_json:
@@ -282,7 +333,7 @@ def setup_cmd(matrix: Path = MatrixOpt, as_json: bool = JsonOpt) -> None:
 @engine_app.command("serve")
 def engine_serve(
     build: str = typer.Option(..., "--build", "-b", help="which build of the matrix to serve"),
-    port: int = typer.Option(8000, "--port", "-p"),
+    port: int = typer.Option(8000, "--port", "-p", min=1, max=65535),
     matrix: Path = MatrixOpt,
     rep: int = typer.Option(0, help="repetition number (selects the seed)"),
 ) -> None:
@@ -327,10 +378,13 @@ except ImportError:  # the docker extra is optional for the sim target
 
 def main() -> None:
     try:
-        app()
+        app()  # typer: bad arguments -> one usage line, exit 2; Ctrl-C -> exit 130
     except KvreproError as exc:
-        err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err.print("[red]error:[/] " + escape(redact(str(exc))), highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
+    except OSError as exc:  # a full or read-only disk, a folder where a file should be: one line
+        err.print("[red]error:[/] " + escape(redact(describe_os_error(exc))), highlight=False, soft_wrap=True)
+        sys.exit(3)
     except KeyboardInterrupt:
         err.print("interrupted; finished runs are kept under results/")
         sys.exit(130)

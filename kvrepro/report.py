@@ -16,15 +16,22 @@ from rich.text import Text
 from . import stats
 
 _STYLE = {"CRASH": "bold red", "SURVIVED": "bold green", "VACUOUS": "yellow", "STALL": "yellow",
-          "INFRA": "magenta", "INTERRUPTED": "dim"}
+          "INFRA": "magenta", "INTERRUPTED": "dim", "INCOMPLETE": "dim", "DAMAGED": "red"}
 
 
 def verdict_label(run: dict[str, Any]) -> str:
-    """CRASH(target) / CRASH(other) / SURVIVED / VACUOUS / STALL / INFRA / INTERRUPTED."""
+    """CRASH(target) / CRASH(other) / SURVIVED / VACUOUS / STALL / INFRA / INTERRUPTED, and for
+    what results.load_run found without a verdict: INCOMPLETE (files, no verdict) / DAMAGED."""
     verdict = run.get("verdict", "?")
     if verdict == "CRASH":
         return "CRASH(target)" if run.get("outcome") == "target" else "CRASH(other)"
     return verdict
+
+
+def offload_loads_text(run: dict[str, Any]) -> str:
+    """Completed offload load jobs, or "unknown" when the engine's metrics were not read."""
+    value = (run.get("extra") or {}).get("offload_load_jobs")
+    return "unknown" if value is None else str(int(value))
 
 
 def matrix_json(run: dict[str, Any]) -> dict[str, Any]:
@@ -40,7 +47,7 @@ def matrix_json(run: dict[str, Any]) -> dict[str, Any]:
                     "title": r.get("title"),
                     "trigger_count": r.get("trigger_count", 0),
                     "external_hit_calls": r.get("external_hit_calls", 0),
-                    "offload_load_jobs": (r.get("extra") or {}).get("offload_load_jobs", 0),
+                    "offload_load_jobs": (r.get("extra") or {}).get("offload_load_jobs"),  # None: unknown
                     "requests": r.get("requests", 0),
                     "seconds": r.get("seconds", 0.0),
                     "run_dir": r.get("run_dir"),
@@ -104,7 +111,7 @@ def matrix_table(run: dict[str, Any]) -> Group:
             ", ".join(build.get("patches", [])) or "-",
             _verdict_summary(runs),
             " / ".join(str(r.get("trigger_count", 0)) for r in runs),
-            " / ".join(str(int((r.get("extra") or {}).get("offload_load_jobs", 0))) for r in runs),
+            " / ".join(offload_loads_text(r) for r in runs),
         )
         build_error = (build.get("build") or {}).get("error")
         counted = Counter(r.get("title") for r in runs if r.get("verdict") != "SURVIVED" and r.get("title"))

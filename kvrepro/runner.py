@@ -23,7 +23,7 @@ from .deploy import get_target
 from .deploy.base import EngineHandle, Target
 from .errors import InfraError, KvreproError
 from .loadgen import run_load
-from .metrics import parse_prometheus, total
+from .metrics import parse_prometheus, total_or_none
 from .records import (BuildArtifact, BuildPlan, Classification, Exposure, LoadSummary, Outcome,
                       RunResult, Verdict)
 from .secrets import redact
@@ -130,6 +130,12 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
                            title="interrupted while the engine was starting")
         return result
 
+    if stop.is_set():  # stopped while it started: it gets no request (kvrepro#8)
+        handle.stop()
+        return replace(_infra_result(plan, rep, run_dir, "interrupted", time.monotonic() - started),
+                       verdict=Verdict.INTERRUPTED, outcome=Outcome.NONE,
+                       title="interrupted while the engine was starting", infra_error=None)
+
     load: LoadSummary | None = None
     metrics_text: str | None = None
     engine_exit: int | None = None
@@ -169,10 +175,11 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
             "engine_exit": engine_exit,
             "probe_seen": exposure.probe_seen,
             "probe_source_sha256": exposure.probe_source_sha256,
-            "offload_load_jobs": total(samples, "kvrepro_offload_load_jobs_total"),
-            "offload_store_jobs": total(samples, "kvrepro_offload_store_jobs_total"),
-            "external_prefix_cache_hits": total(samples, "vllm:external_prefix_cache_hits_total"),
-            "prefix_cache_hits": total(samples, "vllm:prefix_cache_hits_total"),
+            # None = unknown (no /metrics answer, e.g. after a crash), shown as such
+            "offload_load_jobs": total_or_none(samples, "kvrepro_offload_load_jobs_total"),
+            "offload_store_jobs": total_or_none(samples, "kvrepro_offload_store_jobs_total"),
+            "external_prefix_cache_hits": total_or_none(samples, "vllm:external_prefix_cache_hits_total"),
+            "prefix_cache_hits": total_or_none(samples, "vllm:prefix_cache_hits_total"),
         },
     )
 

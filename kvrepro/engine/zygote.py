@@ -173,6 +173,7 @@ def serve(socket_path: str) -> int:
     listener.bind(socket_path)
     listener.listen(64)
     children: dict[int, socket.socket] = {}
+    zygote_pid = os.getpid()
     stopping = {"flag": False}
     learned = {"done": False}
 
@@ -223,6 +224,9 @@ def serve(socket_path: str) -> int:
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
+                from kvrepro import lifetime  # kvrepro#8: the engine dies with the zygote
+
+                lifetime.die_with_parent(signal.SIGTERM, expected_parent=zygote_pid)
                 listener.close()
                 for other in children.values():
                     other.close()
@@ -301,15 +305,21 @@ def delegate(socket_path: str, argv: list[str]) -> int | None:
 
 
 def start_zygote(python: str, socket_path: str, env: dict[str, str], log_path: str,
-                 timeout: float = 180.0) -> subprocess.Popen:
-    """Start a zygote (for a deploy target) and wait until it accepts connections."""
+                 timeout: float = 180.0, cancel: threading.Event | None = None) -> subprocess.Popen:
+    """Start a zygote (for a deploy target) and wait until it accepts connections (or ``cancel``)."""
+    from kvrepro import lifetime
+
     log = open(log_path, "ab")
     proc = subprocess.Popen([python, "-m", "kvrepro.engine.zygote", "--socket", socket_path], env=env,
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=lifetime.child_hook())  # kvrepro#8: SIGTERM when kvrepro dies
     log.close()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if cancel is not None and cancel.is_set():  # kvrepro#8: Ctrl-C while it preloads
+            proc.terminate()
+            raise RuntimeError("interrupted while the engine zygote was starting")
         if proc.poll() is not None:
             raise RuntimeError(f"the engine zygote exited with code {proc.returncode}; see {log_path}")
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
