@@ -26,6 +26,8 @@ from ...spec import HostSpec, LoadedMatrix
 from ..base import EngineHandle, Target
 from . import labels as L
 from .assemble import assemble
+from .clean import reap_orphans
+from .reaper import Reaper
 from .containers import ContainerEngine
 from .errors import (ContainerError, DaemonDownError, DockerInfraError, ImageMissingError, PortInUseError,
                      UnknownHostError)
@@ -74,6 +76,7 @@ class DockerTarget(Target):
         self._handles: list[DockerEngineHandle] = []
         self._lock = threading.Lock()
         self._interrupted = threading.Event()
+        self._reaper: Reaper | None = None
         names = [h.name for h in loaded.matrix.hosts]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -87,7 +90,14 @@ class DockerTarget(Target):
                 return self._hosts[spec.name]
         host = connect(spec)
         with self._lock:
-            return self._hosts.setdefault(spec.name, host)
+            if spec.name in self._hosts:
+                host.close()
+                return self._hosts[spec.name]
+            self._hosts[spec.name] = host
+        # kvrepro#8: engines of a kvrepro that was killed (SIGKILL) go when the next one connects
+        for name in reap_orphans(host):
+            self.on_line(f"removed {name}: its kvrepro process is gone")
+        return host
 
     def max_parallel(self) -> int:
         """Engines at once: one per cluster/GPU set (an engine owns its hosts' GPUs and ports);
@@ -248,6 +258,7 @@ class DockerTarget(Target):
                                bind_ip=bind_ip, env=env)
 
         base_url_host = "127.0.0.1" if head.local else head.address
+        self._watch_for_death(node_specs)
         engine = ContainerEngine(run_dir, f"http://{base_url_host}:{api_port or 0}", spec.stop_timeout_s,
                                  spec.log_stall_s, secrets, multi)
         handle = DockerEngineHandle(engine, on_stop=self._forget)
@@ -335,6 +346,12 @@ class DockerTarget(Target):
         bindings = ports.get(f"{launch.container_port}/tcp") or []
         return f"http://{url_host}:{bindings[0]['HostPort']}" if bindings else None
 
+    def _watch_for_death(self, node_specs: list[HostSpec]) -> None:
+        """kvrepro#8: a watcher removes this session's containers if kvrepro is killed (SIGKILL)."""
+        with self._lock:
+            if self._reaper is None:
+                self._reaper = Reaper(L.SESSION, [s.model_dump() for s in node_specs])
+
     def _forget(self, handle: DockerEngineHandle) -> None:
         with self._lock:
             if handle in self._handles:
@@ -364,6 +381,9 @@ class DockerTarget(Target):
                     interrupted = exc
             host.close()
         self._hosts.clear()
+        if self._reaper is not None:
+            self._reaper.done()
+            self._reaper = None
         if interrupted is not None:
             raise interrupted
 
