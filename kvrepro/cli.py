@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from . import builds, report, results
-from .errors import KvreproError, SpecError, describe_os_error
+from .errors import BadInputError, KvreproError, SpecError, describe_os_error
 from .records import RunResult, to_jsonable
 from .secrets import redact, redact_args
 from .spec import LoadedMatrix, load_matrix
@@ -64,7 +64,7 @@ def _check(loaded: LoadedMatrix, target: Optional[str] = None, engine_flags: boo
 
 def _results_root(root: Path) -> Path:
     if root.exists() and not root.is_dir():
-        raise SpecError(f"--results {root}: is a file, not a folder; give a folder where runs are recorded")
+        raise BadInputError(f"--results {root}: is a file, not a folder; give a folder where runs are recorded")
     return root
 
 
@@ -256,7 +256,7 @@ def matrix_show(run_id: str = typer.Argument("latest"), results_root: Path = Res
 @results_app.command("list")
 def results_list(results_root: Path = ResultsOpt, as_json: bool = JsonOpt) -> None:
     """Every recorded run, oldest first."""
-    runs = results.list_runs(results_root)
+    runs = results.list_runs(_results_root(results_root))
     rows = [{"run_id": r["run_id"], "status": r.get("status"), "target": r.get("target"), "base": r.get("base"),
              "builds": {n: [report.verdict_label(x) for x in b["runs"]] for n, b in r["builds_results"].items()}}
             for r in runs]
@@ -297,10 +297,10 @@ def classify_cmd(
     from .classify import classify_file
 
     if log.is_dir():
-        raise SpecError(f"{log}: is a folder; give an engine log file, e.g. {log / 'engine.log'} "
+        raise BadInputError(f"{log}: is a folder; give an engine log file, e.g. {log / 'engine.log'} "
                         "(results/<run>/<build>/<rep>/engine.log)")
     if not log.is_file():
-        raise SpecError(f"{log}: no such file; give an engine log (engine.log, `docker logs` output)")
+        raise BadInputError(f"{log}: no such file; give an engine log (engine.log, `docker logs` output)")
     target = _load(matrix).matrix.target_signature if matrix else None
     result = classify_file(log, source, target)
     if as_json:

@@ -9,10 +9,14 @@ class KvreproError(Exception):
     exit_code = 1
 
 
-class SpecError(KvreproError):
-    """matrix.yaml is wrong: the message names file:line, the field and what is allowed."""
+class BadInputError(KvreproError):
+    """An argument or an input file is wrong (a folder where a file belongs, a damaged record)."""
 
     exit_code = 2
+
+
+class SpecError(BadInputError):
+    """matrix.yaml is wrong: the message names file:line, the field and what is allowed."""
 
 
 class SetupError(KvreproError):

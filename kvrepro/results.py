@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from . import lifetime
-from .errors import KvreproError
+from .errors import BadInputError, KvreproError
 from .records import to_jsonable
 from .secrets import redact
 
@@ -46,10 +46,8 @@ def _file_mode() -> int:
 _FILE_MODE = _file_mode()  # what open() would give; mkstemp's 0600 would differ from the logs
 
 
-class DamagedRecordError(KvreproError):
+class DamagedRecordError(BadInputError):
     """A results file that cannot be read (truncated, empty, not JSON)."""
-
-    exit_code = 2
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -118,9 +116,15 @@ class RunFolder:
 def create_run(root: Path, matrix_text: str, info: dict[str, Any]) -> RunFolder:
     folder = RunFolder(root=root, run_id=new_run_id())
     folder.path.mkdir(parents=True, exist_ok=False)
-    write_atomic(folder.path / "matrix.yaml", matrix_text)
-    # who runs it: once that process is gone while this still says "running", it was aborted
-    folder.update(run_id=folder.run_id, status="running", started=time.time(), owner=lifetime.owner(), **info)
+    try:
+        write_atomic(folder.path / "matrix.yaml", matrix_text)
+        # who runs it: once that process is gone while this still says "running", it was aborted
+        folder.update(run_id=folder.run_id, status="running", started=time.time(), owner=lifetime.owner(), **info)
+    except OSError:  # a full disk: leave no half-made run folder behind
+        import shutil
+
+        shutil.rmtree(folder.path, ignore_errors=True)
+        raise
     return folder
 
 
@@ -145,7 +149,7 @@ def run_ids(root: Path) -> list[str]:
 
 def resolve_run_id(root: Path, run_id: str) -> str:
     if root.exists() and not root.is_dir():
-        raise KvreproError(f"--results {root}: is a file, not a folder of runs")
+        raise BadInputError(f"--results {root}: is a file, not a folder of runs; give the folder runs are recorded in")
     if run_id != "latest":
         return run_id
     ids = run_ids(root)
@@ -160,7 +164,8 @@ def load_run(root: Path, run_id: str) -> dict[str, Any]:
     path = root / run_id
     if not (path / "run.json").is_file():
         known = ", ".join(run_ids(root)[-5:])
-        raise KvreproError(f"no run {run_id!r} under {root}/ (latest: {known or 'none'})")
+        raise BadInputError(f"no run {run_id!r} under {root}/ (latest: {known or 'none'}); "
+                            "`kvrepro results list` shows them all")
     info = read_json(path / "run.json")
     if not isinstance(info, dict):
         raise DamagedRecordError(f"{path / 'run.json'}: not a JSON object; the file is damaged: fix or remove it")
