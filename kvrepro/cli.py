@@ -219,10 +219,10 @@ def matrix_run(
         err.print(f"[yellow]{what}: stopping; engines are being stopped and finished runs recorded "
                   "(Ctrl-C again to stop at once)[/]")
 
+    _check(loaded, target)  # before a run folder exists: a typo leaves nothing behind
     # SIGTERM (a CI runner cancelling the job, `kill`) is a Ctrl-C: engines stopped, runs kept
     previous = {sig: signal.signal(sig, on_stop_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        _check(loaded, target)  # before a run folder exists: a typo leaves nothing behind
         progress = RichProgress(total)
         with progress.progress:
             run = run_matrix(loaded, options, progress, stop)
@@ -352,7 +352,10 @@ def engine_serve(
         raise KvreproError(f"build {build} failed: {artifact.error}")
     cmd = target.command(artifact, port)
     err.print(f"serving build {build} on http://127.0.0.1:{port} (overlay {artifact.ref}); Ctrl-C to stop")
-    proc = subprocess.Popen(cmd, env=target.environment(artifact, rep))
+    from . import lifetime
+
+    proc = subprocess.Popen(cmd, env=target.environment(artifact, rep),
+                            preexec_fn=lifetime.child_hook())  # kvrepro#8: dies with us, even on SIGKILL
     # SIGTERM (a supervisor, `kill`) stops the engine the way Ctrl-C does
     signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
     try:
