@@ -111,10 +111,21 @@ def wait_until(condition, limit: float, every: float = 0.25) -> bool:
     return condition()
 
 
-def start_run(matrix: Path, results: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kvrepro.cli", "matrix", "run", "-m", str(matrix),
-                             "--results", str(results), *extra],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+class Run(subprocess.Popen):
+    """A `kvrepro matrix run` in the background; its output goes to files (a pipe nobody reads
+    would fill up and block it), ``stderr_text()`` reads them."""
+
+    def stderr_text(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+
+def start_run(matrix: Path, results: Path, *extra: str) -> Run:
+    out_path, err_path = matrix.parent / "run.out", matrix.parent / "run.err"
+    with out_path.open("wb") as out, err_path.open("wb") as err:
+        proc = Run([sys.executable, "-m", "kvrepro.cli", "matrix", "run", "-m", str(matrix),
+                    "--results", str(results), *extra], cwd=ROOT, stdout=out, stderr=err)
+    proc.err_path = err_path
+    return proc
 
 
 def verdict_files(results: Path) -> dict[str, str]:
@@ -143,7 +154,7 @@ def test_signal_leaves_no_engine_and_keeps_finished_runs_sim(tmp_path, overlays,
         def one_done_and_engines_up() -> bool:
             seen.update(children_of(proc.pid))
             return bool(verdict_files(results)) and len(children_of(proc.pid)) >= 2
-        assert wait_until(one_done_and_engines_up, 600), proc.stderr.read() if proc.poll() is not None else ""
+        assert wait_until(one_done_and_engines_up, 600), proc.stderr_text() if proc.poll() is not None else ""
         seen.update(children_of(proc.pid))
         before = verdict_files(results)
         proc.send_signal(sig)
@@ -153,7 +164,7 @@ def test_signal_leaves_no_engine_and_keeps_finished_runs_sim(tmp_path, overlays,
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    stderr = proc.stderr.read()
+    stderr = proc.stderr_text()
     assert "Traceback" not in stderr, stderr[-3000:]
     if sig == signal.SIGTERM:
         assert proc.returncode == 130, stderr[-2000:]
@@ -208,7 +219,7 @@ def test_signal_leaves_no_container_docker(tmp_path, docker_base, sig):
     try:
         assert wait_until(lambda: len([c for c in owned_containers(docker_base, proc.pid) if c.status == "running"]) >= 1
                           or proc.poll() is not None, 900, every=1)
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert proc.poll() is None, proc.stderr_text()[-3000:]
         proc.send_signal(sig)
         proc.wait(timeout=120)
         if sig == signal.SIGKILL:
@@ -220,8 +231,11 @@ def test_signal_leaves_no_container_docker(tmp_path, docker_base, sig):
             proc.kill()
             proc.wait()
         for container in owned_containers(docker_base, proc.pid):
-            container.remove(force=True)
-    stderr = proc.stderr.read()
+            try:
+                container.remove(force=True)
+            except Exception:  # noqa: BLE001 - already being removed
+                pass
+    stderr = proc.stderr_text()
     assert "Traceback" not in stderr, stderr[-3000:]
     run = show(results)
     assert run["status"] == ("interrupted" if sig == signal.SIGTERM else "aborted")
@@ -499,7 +513,7 @@ def test_ctrl_c_while_engines_start(tmp_path, overlays):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    stderr = proc.stderr.read()
+    stderr = proc.stderr_text()
     assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
     run = show(results) if results.exists() and any(results.iterdir()) else {"builds_results": {}, "status": "interrupted"}
     assert run["status"] == "interrupted"
