@@ -38,6 +38,7 @@ def matrix_json(run: dict[str, Any]) -> dict[str, Any]:
     builds = {}
     for name, build in run.get("builds_results", {}).items():
         builds[name] = {
+            "base": build.get("base"),
             "patches": build.get("patches", []),
             "build_error": (build.get("build") or {}).get("error"),
             "runs": [
@@ -47,7 +48,8 @@ def matrix_json(run: dict[str, Any]) -> dict[str, Any]:
                     "title": r.get("title"),
                     "trigger_count": r.get("trigger_count", 0),
                     "external_hit_calls": r.get("external_hit_calls", 0),
-                    "offload_load_jobs": (r.get("extra") or {}).get("offload_load_jobs"),  # None: unknown
+                    "offload_load_jobs": (r.get("extra") or {}).get("offload_load_jobs"),
+                    "base": r.get("base") or build.get("base"),
                     "requests": r.get("requests", 0),
                     "seconds": r.get("seconds", 0.0),
                     "run_dir": r.get("run_dir"),
@@ -76,7 +78,13 @@ def matrix_json(run: dict[str, Any]) -> dict[str, Any]:
 def _effects(run: dict[str, Any]) -> list[stats.PatchEffect]:
     results = run.get("builds_results", {})
     stacks = {n: b.get("patches", []) for n, b in results.items()}
-    return stats.patch_effects(stacks, {n: b.get("runs", []) for n, b in results.items()})
+    bases = {n: str(b.get("base")) for n, b in results.items()}
+    return stats.patch_effects(stacks, {n: b.get("runs", []) for n, b in results.items()}, bases)
+
+
+def _count(value) -> str:
+    """A counter for the table: "unknown" when it was not known (not the same as 0)."""
+    return "unknown" if value is None else str(int(value))
 
 
 def _verdict_summary(runs: list[dict[str, Any]]) -> Text:
@@ -111,7 +119,7 @@ def matrix_table(run: dict[str, Any]) -> Group:
             ", ".join(build.get("patches", [])) or "-",
             _verdict_summary(runs),
             " / ".join(str(r.get("trigger_count", 0)) for r in runs),
-            " / ".join(offload_loads_text(r) for r in runs),
+            " / ".join(_count((r.get("extra") or {}).get("offload_load_jobs")) for r in runs),
         )
         build_error = (build.get("build") or {}).get("error")
         counted = Counter(r.get("title") for r in runs if r.get("verdict") != "SURVIVED" and r.get("title"))

@@ -185,8 +185,11 @@ def load_run(root: Path, run_id: str) -> dict[str, Any]:
                 entry = _load_rep(rep, info.get("status"))
                 if entry is not None:
                     runs.append(entry)
+        declared = info.get("builds", {}).get(name, {})
         builds[name] = {
-            "patches": info.get("builds", {}).get(name, {}).get("patches", []),
+            "patches": declared.get("patches", []),
+            "base": declared.get("base") or info.get("base"),
+            "matrix_build": declared.get("build") or name,
             "build": build_info,
             "runs": runs,
         }

@@ -70,13 +70,14 @@ def serve_flags(base: str, on_line: Callable[[str], None] | None = None) -> set[
     from .builds import prepare_runtime
     from .secrets import scrubbed_environ
 
-    python = prepare_runtime(base)
+    runtime = prepare_runtime(base)  # ready (checked above): nothing is installed here
     if on_line:
         on_line(f"reading vLLM {base}'s `vllm serve` flags (once per release)")
     env = scrubbed_environ()
-    env.update(PYTHONPATH=str(tree), VLLM_LOGGING_LEVEL="ERROR", PYTHONPYCACHEPREFIX=str(paths.home() / "pycache"))
+    env.update(PYTHONPATH=runtime.pythonpath(tree), VLLM_LOGGING_LEVEL="ERROR",
+               PYTHONPYCACHEPREFIX=str(paths.home() / "pycache"))
     try:
-        proc = subprocess.run([str(python), "-c", _FLAGS_SCRIPT], env=env, capture_output=True, text=True,
+        proc = subprocess.run([str(runtime.python), "-c", _FLAGS_SCRIPT], env=env, capture_output=True, text=True,
                               timeout=300, cwd=str(tree))
     except (OSError, subprocess.TimeoutExpired):
         return None

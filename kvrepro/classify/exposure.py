@@ -8,7 +8,8 @@ The probe installed in the engine says so on stderr::
     kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M>
 
 The counts line is repeated with running totals, so the last one of each process counts; when
-several processes print (their lines carry different ``(Name pid=N)`` prefixes) their last lines
+several processes print (their lines carry different ``(Name pid=N)`` prefixes, or, from vLLM
+0.33 on where children's raw stderr is not prefixed, different ``pid=`` fields) their last lines
 are added up. The GPU-free engine also exports the totals on ``/metrics``; the larger of the two
 sources wins, since either can miss the last few calls (a log cut short, a scrape taken early).
 """
@@ -25,7 +26,8 @@ _TAG = "kvrepro-probe:"
 _INSTALLED = re.compile(
     r"kvrepro-probe: installed function=(?P<function>\S+) file=(?P<file>.*?) source_sha256=(?P<sha>[0-9a-f]{64})\b"
 )
-_COUNTS = re.compile(r"kvrepro-probe: counts external_hit_calls=(?P<ext>\d+) trigger_calls=(?P<trig>\d+)\b")
+_COUNTS = re.compile(r"kvrepro-probe: counts external_hit_calls=(?P<ext>\d+) trigger_calls=(?P<trig>\d+)\b"
+                     r"(?: pid=(?P<pid>\d+))?")
 _METRIC = re.compile(
     r"^(?P<name>kvrepro_probe_external_hit_calls_total|kvrepro_probe_trigger_calls_total)(?:\{[^}]*\})?\s+(?P<value>\S+)",
     re.MULTILINE,
@@ -36,7 +38,7 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
     """Exposure evidence from an engine log and, optionally, a ``/metrics`` scrape."""
     sha: str | None = None
     seen = False
-    last: dict[str, tuple[int, int]] = {}  # stream -> (external_hit_calls, trigger_calls)
+    last: dict[tuple[str, str], tuple[int, int]] = {}  # (stream, pid) -> (external_hit_calls, trigger_calls)
     for number, raw in enumerate(io.StringIO(log_text, newline="\n"), start=1):
         if _TAG not in raw:
             continue
@@ -45,7 +47,7 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
             seen = True
             sha = m["sha"]
         elif (m := _COUNTS.search(line.body)) is not None:
-            last[line.stream] = (int(m["ext"]), int(m["trig"]))
+            last[(line.stream, m["pid"] or "")] = (int(m["ext"]), int(m["trig"]))
     external = sum(e for e, _ in last.values())
     trigger = sum(t for _, t in last.values())
     if metrics_text:
