@@ -57,6 +57,31 @@ def child_hook(sig: int = signal.SIGTERM) -> Callable[[], None]:
     return hook
 
 
+def kill_group_later(pgid: int, grace: float = 5.0) -> None:
+    """SIGKILL process group ``pgid`` after ``grace`` seconds unless it is gone by then.
+
+    For a process whose owner died: it has asked its engine to stop (SIGTERM) and nobody will
+    escalate if the engine (or a helper process it started) takes its time.
+    """
+    import threading
+    import time
+
+    def escalate() -> None:
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.1)
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    threading.Thread(target=escalate, name="kvrepro-kill-group", daemon=True).start()
+
+
 # -- owner records ------------------------------------------------------------------------------
 
 def hostname() -> str:
@@ -104,4 +129,4 @@ def owner_alive(record: dict[str, str] | None) -> bool | None:
     return not record.get("start") or start == record["start"]
 
 
-__all__ = ["child_hook", "die_with_parent", "hostname", "owner", "owner_alive", "process_start"]
+__all__ = ["child_hook", "die_with_parent", "hostname", "kill_group_later", "owner", "owner_alive", "process_start"]

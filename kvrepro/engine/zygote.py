@@ -261,7 +261,7 @@ def serve(socket_path: str) -> int:
                 time.sleep(0.05)
         for pid in children:
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.killpg(pid, signal.SIGKILL)  # the engine and what it started (it called setsid)
             except ProcessLookupError:
                 pass
         listener.close()
@@ -286,12 +286,17 @@ def delegate(socket_path: str, argv: list[str]) -> int | None:
     if reply is None or "pid" not in reply:
         return None
     pid = reply["pid"]
+    parent = os.getppid()
 
     def forward(signum, frame):
         try:
             os.kill(pid, signum)
         except ProcessLookupError:
             pass
+        if os.getppid() != parent:  # kvrepro#8: kvrepro died (parent-death signal): no one else will
+            from kvrepro import lifetime
+
+            lifetime.kill_group_later(pid)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
@@ -303,6 +308,10 @@ def delegate(socket_path: str, argv: list[str]) -> int | None:
         if message is None:
             return 1  # the zygote went away; it took the engine with it
         if "exit" in message:
+            try:  # kvrepro#8: what the engine started and left behind (its session) goes with it
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
             code = message["exit"]
             return code if code >= 0 else 128 - code
 
