@@ -29,9 +29,8 @@ def verdict_label(run: dict[str, Any]) -> str:
 
 
 def offload_loads_text(run: dict[str, Any]) -> str:
-    """Completed offload load jobs, or "unknown" when the engine's metrics were not read."""
-    value = (run.get("extra") or {}).get("offload_load_jobs")
-    return "unknown" if value is None else str(int(value))
+    """A repetition's completed offload load jobs, or "unknown" when they were not read."""
+    return _count((run.get("extra") or {}).get("offload_load_jobs"))
 
 
 def matrix_json(run: dict[str, Any]) -> dict[str, Any]:
@@ -119,7 +118,7 @@ def matrix_table(run: dict[str, Any]) -> Group:
             ", ".join(build.get("patches", [])) or "-",
             _verdict_summary(runs),
             " / ".join(str(r.get("trigger_count", 0)) for r in runs),
-            " / ".join(_count((r.get("extra") or {}).get("offload_load_jobs")) for r in runs),
+            " / ".join(offload_loads_text(r) for r in runs),
         )
         build_error = (build.get("build") or {}).get("error")
         counted = Counter(r.get("title") for r in runs if r.get("verdict") != "SURVIVED" and r.get("title"))
