@@ -278,6 +278,45 @@ def test_clean_removes_orphans_and_leaves_live_runs_alone(docker_base):
                 pass
 
 
+@pytest.mark.docker
+def test_next_docker_run_reaps_containers_of_a_killed_kvrepro(tmp_path, docker_base):
+    """A container whose kvrepro was SIGKILLed (its owner pid is a real process that has exited)
+    is removed when the next docker-target kvrepro connects to the host; a live owner's stays."""
+    from kvrepro import lifetime
+    from kvrepro.deploy.docker import labels as L
+    from kvrepro.deploy.docker.hosts import local_host_spec
+    from kvrepro.deploy.docker.target import DockerTarget
+    from kvrepro.spec import load_matrix
+
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    live_record = lifetime.owner()
+    dead_record = lifetime.owner(victim.pid)
+    victim.kill()  # SIGKILL, as a CI runner would
+    victim.wait()
+    made = []
+    try:
+        for name, record in (("live", live_record), ("dead", dead_record)):
+            labels = {L.LABEL_MANAGED: "1", L.LABEL_KIND: "engine", L.LABEL_SESSION: f"reap-{os.getpid()}",
+                      L.LABEL_OWNER_PID: record["pid"], L.LABEL_OWNER_HOST: record["host"],
+                      L.LABEL_OWNER_START: record["start"]}
+            made.append(docker_base.containers.create("kvrepro/vllm-openai-cpu:v0.26.0", entrypoint=["sleep", "600"],
+                                                      labels=labels, name=f"kvrepro-reap-{name}-{os.getpid()}"))
+            made[-1].start()
+        target = DockerTarget(load_matrix(small_matrix(tmp_path, target="docker")))
+        try:
+            target.host(local_host_spec())
+        finally:
+            target.close()
+        left = {c.name for c in docker_base.containers.list(all=True, filters={"label": f"{L.LABEL_SESSION}=reap-{os.getpid()}"})}
+        assert left == {f"kvrepro-reap-live-{os.getpid()}"}
+    finally:
+        for container in made:
+            try:
+                container.remove(force=True)
+            except Exception:  # noqa: BLE001
+                pass
+
+
 # ------------------------------------------------------------------ 2. secrets
 
 def test_plan_validate_and_json_never_show_a_token(tmp_path):
