@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from . import builds, report, results
-from .errors import BadInputError, KvreproError, SpecError, describe_os_error
+from .errors import BadInputError, KvreproError, describe_os_error
 from .records import RunResult, to_jsonable
 from .secrets import redact, redact_args
 from .spec import LoadedMatrix, load_matrix
