@@ -51,6 +51,7 @@ def matrix_json(run: dict[str, Any]) -> dict[str, Any]:
                     "base": r.get("base") or build.get("base"),
                     "requests": r.get("requests", 0),
                     "seconds": r.get("seconds", 0.0),
+                    "engine_start_s": (r.get("extra") or {}).get("engine_start_s"),
                     "run_dir": r.get("run_dir"),
                 }
                 for r in build.get("runs", [])

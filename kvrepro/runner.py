@@ -149,6 +149,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     progress.run_started(plan.name, rep, matrix.runs.requests)
     try:
         handle = target.start(artifact, run_dir, rep)
+        engine_start_s = round(time.monotonic() - started, 3)
     except InfraError as exc:
         result = _infra_result(plan, rep, run_dir, str(exc), time.monotonic() - started)
         result = replace(result, title=_start_failure_title(str(exc), run_dir / "engine.log", artifact,
@@ -207,6 +208,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
             "offload_load_jobs": counters.offload_load_jobs,
             "offload_store_jobs": counters.offload_store_jobs,
             "engine_steps": counters.steps,
+            "engine_start_s": engine_start_s,
             "external_prefix_cache_hits": total_or_none(samples, "vllm:external_prefix_cache_hits_total"),
             "prefix_cache_hits": total_or_none(samples, "vllm:prefix_cache_hits_total"),
         },

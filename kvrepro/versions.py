@@ -73,11 +73,12 @@ class Release:
 # 0.27.1+: EngineCore asks workers to compile and capture graphs; the executor's own
 # compile_or_warm_up_model() does nothing (no model, no compilation time to report).
 _WARM_UP: dict[str, Any] = {}
-_KV_LAYOUTS = {
+_DRAFT_WEIGHTS: dict[str, Any] = {"supports_draft_weight_updates": False}  # 0.28.0+
+_KV_LAYOUTS: dict[str, Any] = {  # 0.29.0+
+    **_DRAFT_WEIGHTS,
     # what a GPU worker running FlashAttention reports (vLLM's own get_supported_kv_cache_layouts)
     "get_supported_kv_cache_layouts": Computed("gpu_kv_cache_layouts"),
     "set_kv_cache_layout": None,
-    "supports_draft_weight_updates": False,
     "synchronize_device": None,
 }
 
@@ -86,7 +87,7 @@ RELEASES: tuple[Release, ...] = (
     Release("0.26.0", notes="the production base of the original report; the default"),
     Release("0.27.0"),
     Release("0.27.1", rpc_answers=_WARM_UP),
-    Release("0.28.0", rpc_answers=_WARM_UP),
+    Release("0.28.0", rpc_answers={**_WARM_UP, **_DRAFT_WEIGHTS}),
     Release("0.29.0", rpc_answers={**_WARM_UP, **_KV_LAYOUTS}),
     Release("0.30.0", rpc_answers={**_WARM_UP, **_KV_LAYOUTS}, notes="carries the boundary fix (PR 52807)"),
     Release("0.31.0", rpc_answers={**_WARM_UP, **_KV_LAYOUTS}),

@@ -21,6 +21,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 VOCAB_SIZE = 1024
 EOS = "<|endoftext|>"
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
 OUT = Path(__file__).resolve().parent.parent / "kvrepro" / "data" / "models" / "qwen3-next-tiny"
 
 
@@ -45,6 +47,8 @@ def main() -> int:
         "bos_token": None,
         "model_max_length": 4096,
         "clean_up_tokenization_spaces": False,
+        # plain "role: content" lines, so chat clients work (the model has no chat format to honour)
+        "chat_template": CHAT_TEMPLATE,
     }, indent=2) + "\n")
     print(f"wrote {OUT}/tokenizer.json ({tokenizer.get_vocab_size()} tokens)", file=sys.stderr)
     return 0

@@ -203,9 +203,7 @@ class SimTarget(Target):
             versions.require(plan.base)
             self.runtime(plan.base)
             return builds.build_overlay(plan, self.on_line)
-        except versions.UnsupportedRelease as exc:
-            return BuildArtifact(plan=plan, ref=None, manifest={}, error=str(exc))
-        except KvreproError as exc:
+        except (versions.UnsupportedRelease, KvreproError) as exc:
             return BuildArtifact(plan=plan, ref=None, manifest={}, error=str(exc))
         except OSError as exc:  # a read-only or full cache: this build is INFRA, with what to do
             return BuildArtifact(plan=plan, ref=None, manifest={},

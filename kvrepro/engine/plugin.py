@@ -28,8 +28,9 @@ DIST_VERSION = "1.0"
 PLATFORM = "kvrepro.engine.platform.SimCpuPlatform"
 
 
-def sim_requested(environ=None) -> bool:
-    return (os.environ if environ is None else environ).get(ENV_FLAG, "") == "1"
+def platform_for(environ) -> str | None:
+    """The platform to name for this environment: the sim's when ``KVREPRO_SIM=1``, else none."""
+    return PLATFORM if environ.get(ENV_FLAG, "") == "1" else None
 
 
 def activate_probe():
@@ -51,7 +52,7 @@ def activate_probe():
 
 def register() -> str | None:
     activate_probe()
-    return PLATFORM if sim_requested() else None
+    return platform_for(os.environ)
 
 
 def dist_info_files() -> dict[str, str]:
