@@ -110,14 +110,14 @@ class ProcessEngine(EngineHandle):
         raise InfraError(f"engine did not become healthy within {timeout:.0f}s "
                          f"(runs.start_timeout_s); last lines of {self.log_path}:\n{log_tail(self.log_path)}")
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 10.0) -> None:
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
             try:
-                self.proc.wait(timeout=10)
+                self.proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
@@ -258,6 +258,6 @@ class SimTarget(Target):
         try:
             handle.wait_healthy(self.loaded.matrix.runs.start_timeout_s, cancel=self._interrupted)
         except BaseException:
-            handle.stop()
+            handle.stop(grace=3.0 if self._interrupted.is_set() else 10.0)  # mid-start: nothing to flush
             raise
         return handle

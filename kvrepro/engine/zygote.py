@@ -131,6 +131,9 @@ def _run_engine(conn: socket.socket, listen_path: str, request: dict, fds: list[
             except OSError:
                 pass
             os.kill(os.getpid(), signal.SIGTERM)
+            from kvrepro import lifetime  # kvrepro#8: nobody waits on us any more: bound the stop
+
+            lifetime.kill_group_later(os.getpid(), grace=3.0)
 
         threading.Thread(target=watch_client, name="zygote-client-watch", daemon=True).start()
 
@@ -249,7 +252,7 @@ def serve(socket_path: str) -> int:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 5
         while children and time.monotonic() < deadline:
             try:
                 pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -293,10 +296,10 @@ def delegate(socket_path: str, argv: list[str]) -> int | None:
             os.kill(pid, signum)
         except ProcessLookupError:
             pass
-        if os.getppid() != parent:  # kvrepro#8: kvrepro died (parent-death signal): no one else will
+        if signum != signal.SIGHUP:  # kvrepro#8: a stop is bounded, even for an engine mid-start
             from kvrepro import lifetime
 
-            lifetime.kill_group_later(pid)
+            lifetime.kill_group_later(pid, grace=5.0 if os.getppid() == parent else 3.0)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
