@@ -10,9 +10,8 @@ Layout::
 A run interrupted by Ctrl-C or SIGTERM keeps every finished repetition; ``run.json`` says
 ``interrupted``. A run whose kvrepro process vanished (SIGKILL, a power cut) still says
 ``running``; ``run.json`` carries its owner (pid, host, start time, see kvrepro/lifetime.py), so
-``load_run`` reports it as ``aborted`` once that process is gone. Repetitions that left files
-but no verdict are shown as ``INCOMPLETE``, damaged files as ``DAMAGED``: a damaged file never
-hides the rest of the run, nor other runs.
+``load_run`` reports it as ``aborted`` once that process is gone. Repetitions that left files but
+no verdict are shown as ``INCOMPLETE`` with what they left.
 
 Every text written here goes through ``secrets.redact``; files are created with the usual
 permissions (0644 under the common umask 022), like the logs next to them.
@@ -25,13 +24,14 @@ import os
 import secrets as _random
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from . import lifetime
+from . import __version__, lifetime
 from .errors import BadInputError, KvreproError
-from .records import to_jsonable
+from .records import (RESULTS_SCHEMA, BuildRecord, RecordError, RunBuildEntry, RunInfo, RunManifest, RunResult,
+                      Outcome, Verdict, from_jsonable, to_jsonable)
 from .secrets import redact
 
 DEFAULT_ROOT = Path("results")
@@ -46,15 +46,11 @@ def _file_mode() -> int:
 _FILE_MODE = _file_mode()  # what open() would give; mkstemp's 0600 would differ from the logs
 
 
-class DamagedRecordError(BadInputError):
-    """A results file that cannot be read (truncated, empty, not JSON)."""
-
-
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write via a temporary sibling + rename: readers see the old file or the new, never half."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(data, str):
-        data = redact(data).encode()
+        data = redact(data).encode()  # one redaction for every results file (issue 8)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         os.fchmod(fd, _FILE_MODE)
@@ -74,15 +70,7 @@ def write_json(path: Path, value: Any) -> None:
 
 
 def read_json(path: Path) -> Any:
-    """A results JSON file; DamagedRecordError (one line, naming it) if it is truncated or empty."""
-    try:
-        return json.loads(path.read_text(errors="replace"))
-    except ValueError as exc:
-        size = path.stat().st_size if path.exists() else 0
-        what = "empty" if size == 0 else f"not valid JSON ({exc.msg} at line {exc.lineno})" \
-            if isinstance(exc, json.JSONDecodeError) else f"not valid JSON ({exc})"
-        raise DamagedRecordError(f"{path}: {what}; the file is damaged (a full disk or a crash while "
-                                 "writing?): fix or remove it") from None
+    return json.loads(path.read_text())
 
 
 def new_run_id() -> str:
@@ -119,7 +107,8 @@ def create_run(root: Path, matrix_text: str, info: dict[str, Any]) -> RunFolder:
     try:
         write_atomic(folder.path / "matrix.yaml", matrix_text)
         # who runs it: once that process is gone while this still says "running", it was aborted
-        folder.update(run_id=folder.run_id, status="running", started=time.time(), owner=lifetime.owner(), **info)
+        folder.update(schema=RESULTS_SCHEMA, run_id=folder.run_id, status="running", started=time.time(),
+                      owner=lifetime.owner(), **info)
     except OSError:  # a full disk: leave no half-made run folder behind
         import shutil
 
@@ -128,15 +117,107 @@ def create_run(root: Path, matrix_text: str, info: dict[str, Any]) -> RunFolder:
     return folder
 
 
-def list_runs(root: Path = DEFAULT_ROOT) -> list[dict[str, Any]]:
-    """Every run, oldest first; a run whose run.json is damaged is listed as such, not fatal."""
-    runs = []
-    for run_id in run_ids(root):
-        try:
-            runs.append(load_run(root, run_id))
-        except DamagedRecordError as exc:
-            runs.append({"run_id": run_id, "status": "damaged", "error": str(exc), "builds_results": {},
-                         "path": str(root / run_id)})
+class ResultsSchemaError(KvreproError):
+    """A results folder this kvrepro cannot read as its records (another version wrote it)."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class BuildResults:
+    """One (base, build) of a run: its stack, its build record and every finished repetition."""
+
+    name: str
+    base: str
+    patches: tuple[str, ...]
+    build: BuildRecord | None  # None while it was being built (or the folder lost build.json)
+    runs: tuple[RunResult, ...]
+    manifest: RunManifest | None  # the first repetition's: engine args, seeds, load
+    expect: str | None = None
+    matrix_build: str = ""  # the build's name in matrix.yaml (``name`` is the cell: ``A@0.30.0``)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.base, self.build_name)
+
+    @property
+    def build_name(self) -> str:
+        return self.matrix_build or self.name
+
+    @property
+    def build_error(self) -> str | None:
+        return self.build.error if self.build is not None else None
+
+
+@dataclass(frozen=True)
+class MatrixRun:
+    """A recorded run read back from disk: the truth after a crash or Ctrl-C."""
+
+    info: RunInfo
+    path: Path
+    builds: tuple[BuildResults, ...]
+
+    @property
+    def run_id(self) -> str:
+        return self.info.run_id
+
+    @property
+    def status(self) -> str:
+        return self.info.status
+
+    def runs(self) -> list[RunResult]:
+        return [r for b in self.builds for r in b.runs]
+
+    def build(self, name: str, base: str | None = None) -> BuildResults | None:
+        for b in self.builds:
+            if b.name == name and (base is None or b.base == base):
+                return b
+        return None
+
+
+def _read_record(cls: Any, path: Path) -> Any:
+    """One JSON file as its record; a file of another schema or shape is one clear line."""
+    try:
+        data = read_json(path)
+    except (OSError, ValueError) as exc:
+        raise ResultsSchemaError(f"{path}: unreadable ({exc}); the file is damaged (a full disk or a crash "
+                                 "while writing?): fix or remove it") from None
+    if cls in (RunInfo, RunResult):  # the two files that carry the schema number
+        _check_schema(path, data)
+    try:
+        return from_jsonable(cls, data)
+    except RecordError as exc:
+        raise ResultsSchemaError(f"{path}: field {exc.field_path}: {exc.problem} "
+                                 f"(written by another kvrepro? this one reads results schema {RESULTS_SCHEMA})") from None
+
+
+def _check_schema(path: Path, data: Any) -> None:
+    version = data.get("schema", 1) if isinstance(data, dict) else None
+    if version == RESULTS_SCHEMA:
+        return
+    writer = data.get("kvrepro_version", "unknown") if isinstance(data, dict) else "unknown"
+    age = "an older" if isinstance(version, int) and version < RESULTS_SCHEMA else "a newer"
+    raise ResultsSchemaError(
+        f"{path.parent}: written by {age} kvrepro ({writer}, results schema {version}); this kvrepro "
+        f"{__version__} reads schema {RESULTS_SCHEMA}: read it with the kvrepro that wrote it, or run the matrix again")
+
+
+def _reps(build_dir: Path) -> list[Path]:
+    if not build_dir.is_dir():
+        return []
+    return sorted((d for d in build_dir.iterdir() if d.is_dir() and d.name.isdigit()), key=lambda d: int(d.name))
+
+
+def list_runs(root: Path = DEFAULT_ROOT) -> list[MatrixRun | ResultsSchemaError]:
+    """Every run under ``root``, oldest first; a folder that cannot be read is listed as its error."""
+    runs: list[MatrixRun | ResultsSchemaError] = []
+    if root.is_dir():
+        for d in sorted(root.iterdir()):
+            if (d / "run.json").is_file():
+                try:
+                    runs.append(load_run(root, d.name))
+                except ResultsSchemaError as exc:
+                    runs.append(exc)
     return runs
 
 
@@ -158,62 +239,61 @@ def resolve_run_id(root: Path, run_id: str) -> str:
     return ids[-1]
 
 
-def load_run(root: Path, run_id: str) -> dict[str, Any]:
-    """run.json plus every build's manifest and verdicts found on disk (the truth after a crash)."""
+def run_path(root: Path, run_id: str) -> Path:
+    """The folder of a run named by id, by ``latest`` or by its path."""
+    as_path = Path(run_id)
+    if (as_path / "run.json").is_file() and run_id != "latest":
+        return as_path
     run_id = resolve_run_id(root, run_id)
     path = root / run_id
     if not (path / "run.json").is_file():
         known = ", ".join(run_ids(root)[-5:])
         raise BadInputError(f"no run {run_id!r} under {root}/ (latest: {known or 'none'}); "
                             "`kvrepro results list` shows them all")
-    info = read_json(path / "run.json")
-    if not isinstance(info, dict):
-        raise DamagedRecordError(f"{path / 'run.json'}: not a JSON object; the file is damaged: fix or remove it")
-    if info.get("status") == "running" and lifetime.owner_alive(info.get("owner")) is False:
-        info["status"] = "aborted"  # its kvrepro process vanished (SIGKILL, a crash) mid-run
-    builds: dict[str, Any] = {}
-    for name in info.get("build_order", []):
+    return path
+
+
+def load_run(root: Path, run_id: str) -> MatrixRun:
+    """run.json plus every build's record and verdicts found on disk, as the records written.
+
+    ``run_id`` may be an id under ``root``, ``latest`` or a run folder's path.
+    """
+    path = run_path(root, run_id)
+    info: RunInfo = _read_record(RunInfo, path / "run.json")
+    if info.status == "running" and lifetime.owner_alive(info.owner) is False:
+        info = replace(info, status="aborted")  # its kvrepro vanished (SIGKILL, a crash) mid-run
+    builds: list[BuildResults] = []
+    for name in info.build_order:
         build_dir = path / name
-        try:
-            build_info = read_json(build_dir / "build.json") if (build_dir / "build.json").is_file() else {}
-        except DamagedRecordError as exc:
-            build_info = {"ok": False, "error": str(exc)}
-        runs = []
-        if build_dir.is_dir():
-            reps = sorted((d for d in build_dir.iterdir() if d.is_dir() and d.name.isdigit()), key=lambda d: int(d.name))
-            for rep in reps:
-                entry = _load_rep(rep, info.get("status"))
-                if entry is not None:
-                    runs.append(entry)
-        declared = info.get("builds", {}).get(name, {})
-        builds[name] = {
-            "patches": declared.get("patches", []),
-            "base": declared.get("base") or info.get("base"),
-            "matrix_build": declared.get("build") or name,
-            "build": build_info,
-            "runs": runs,
-        }
-    info["builds_results"] = builds
-    info["path"] = str(path)
-    return info
+        build = _read_record(BuildRecord, build_dir / "build.json") if (build_dir / "build.json").is_file() else None
+        entry = info.builds.get(name, RunBuildEntry())
+        default_base = entry.base or info.default_base
+        runs: list[RunResult] = []
+        manifest: RunManifest | None = None
+        for rep in _reps(build_dir):
+            if manifest is None and (rep / "manifest.json").is_file():
+                manifest = _read_record(RunManifest, rep / "manifest.json")
+            if (rep / "verdict.json").is_file():
+                result: RunResult = _read_record(RunResult, rep / "verdict.json")
+                runs.append(result if result.base else replace(result, base=default_base))
+            elif (unfinished := _unfinished(rep, name, info.status, default_base)) is not None:
+                runs.append(unfinished)
+        bases = list(dict.fromkeys(r.base or default_base for r in runs)) or [default_base]
+        for base in bases:
+            builds.append(BuildResults(
+                name=name, base=base, patches=entry.patches, build=build,
+                runs=tuple(r for r in runs if (r.base or default_base) == base),
+                manifest=manifest, expect=info.expect.get(entry.build or name),
+                matrix_build=entry.build or name))
+    return MatrixRun(info=info, path=path, builds=tuple(builds))
 
 
-def _load_rep(rep: Path, run_status: str | None) -> dict[str, Any] | None:
-    """A repetition's verdict.json, or what is known about one that has none (or a damaged one);
-    None for a repetition that left nothing (its folder made, nothing run)."""
-    verdict_path = rep / "verdict.json"
-    base = {"rep": int(rep.name), "run_dir": str(rep), "trigger_count": 0, "requests": 0, "seconds": 0.0}
-    if verdict_path.is_file():
-        try:
-            verdict = read_json(verdict_path)
-            if isinstance(verdict, dict):
-                return verdict
-            raise DamagedRecordError(f"{verdict_path}: not a JSON object; the file is damaged: fix or remove it")
-        except DamagedRecordError as exc:
-            return {**base, "verdict": "DAMAGED", "outcome": "none", "title": str(exc)}
+def _unfinished(rep: Path, build: str, run_status: str, base: str) -> RunResult | None:
+    """A repetition with files but no verdict.json, as what it left (None: it left nothing)."""
     kept = sorted(p.name for p in rep.iterdir() if p.is_file() and not p.name.startswith("."))
     if not kept:
         return None
-    state = "still running" if run_status == "running" else f"run {run_status or 'stopped'} before its verdict"
-    return {**base, "verdict": "INCOMPLETE", "outcome": "none", "files": kept,
-            "title": f"no verdict: {state}" + (f"; kept {', '.join(kept)}" if kept else "")}
+    state = "still running" if run_status == "running" else f"run {run_status} before its verdict"
+    return RunResult(build=build, rep=int(rep.name), verdict=Verdict.INCOMPLETE, outcome=Outcome.NONE,
+                     title=f"no verdict: {state}; kept {', '.join(kept)}", trigger_count=0, external_hit_calls=0,
+                     requests=0, seconds=0.0, run_dir=str(rep), base=base)
