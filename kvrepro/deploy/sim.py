@@ -119,8 +119,14 @@ class ProcessEngine(EngineHandle):
             try:
                 self.proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+                try:  # a second SIGTERM: the zygote client SIGKILLs the engine's whole session
+                    os.killpg(self.proc.pid, signal.SIGTERM)
+                    self.proc.wait(timeout=2)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    pass
+                if self.proc.poll() is None:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait()
         self._log.close()
 
 
@@ -258,6 +264,6 @@ class SimTarget(Target):
         try:
             handle.wait_healthy(self.loaded.matrix.runs.start_timeout_s, cancel=self._interrupted)
         except BaseException:
-            handle.stop(grace=3.0 if self._interrupted.is_set() else 10.0)  # mid-start: nothing to flush
+            handle.stop(grace=1.0 if self._interrupted.is_set() else 10.0)  # mid-start: nothing to flush
             raise
         return handle

@@ -291,9 +291,16 @@ def delegate(socket_path: str, argv: list[str]) -> int | None:
     pid = reply["pid"]
     parent = os.getppid()
 
+    stops = {"count": 0}
+
     def forward(signum, frame):
+        if signum != signal.SIGHUP:
+            stops["count"] += 1
         try:
-            os.kill(pid, signum)
+            if stops["count"] > 1:  # kvrepro#8: a second stop is a hard stop, engine and helpers
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signum)
         except ProcessLookupError:
             pass
         if signum != signal.SIGHUP:  # kvrepro#8: a stop is bounded, even for an engine mid-start
