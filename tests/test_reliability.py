@@ -497,7 +497,7 @@ def test_duplicate_build_key_names_both_lines(tmp_path):
 
 
 @pytest.mark.parametrize("change, needle", [
-    ({"load": {"profile": "no_such_profile"}}, "load.profile: unknown profile 'no_such_profile'; known profiles: shared_prefix"),
+    ({"load": {"profile": "no_such_profile"}}, "load.profile: unknown profile 'no_such_profile'; known profiles:"),
     ({"target": "nonsense"}, "target: unknown target 'nonsense'; known targets: docker, sim"),
     ({"engine": {"model": "no-such-model"}}, "engine.model: 'no-such-model' is neither a directory"),
 ], ids=["profile", "target", "model"])
