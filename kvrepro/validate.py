@@ -21,15 +21,10 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from . import paths
+from . import paths, versions
 from .errors import SpecError
 from .spec import LoadedMatrix, _line_for, _line_index
 
-# Runs in the runtime env. 0.26.0's layout: the `serve` subcommand builds its parser with
-# make_arg_parser on a FlexibleArgumentParser; the CPU platform stands in for a GPU so that
-# the config classes that look at the device can be built. (vLLM-version knowledge: belongs
-# with kvrepro/versions.py once that exists.)
-_FLAGS_SCRIPT = r"""
 import json, sys
 import vllm.platforms as platforms
 from vllm.platforms.cpu import CpuPlatform
@@ -77,7 +72,7 @@ def serve_flags(base: str, on_line: Callable[[str], None] | None = None) -> set[
     env.update(PYTHONPATH=runtime.pythonpath(tree), VLLM_LOGGING_LEVEL="ERROR",
                PYTHONPYCACHEPREFIX=str(paths.home() / "pycache"))
     try:
-        proc = subprocess.run([str(runtime.python), "-c", _FLAGS_SCRIPT], env=env, capture_output=True, text=True,
+        proc = subprocess.run([str(runtime.python), "-c", versions.SERVE_FLAGS_SCRIPT], env=env, capture_output=True, text=True,
                               timeout=300, cwd=str(tree))
     except (OSError, subprocess.TimeoutExpired):
         return None

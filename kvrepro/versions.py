@@ -104,6 +104,14 @@ IDENTIFIER_ALIASES: dict[str, str] = {
 }
 
 
+# Prints the option strings of `vllm serve` (one JSON line after KVREPRO-FLAGS), run in the runtime
+# env with a release's vllm/ on PYTHONPATH; `matrix validate` checks engine.extra_args with it.
+# 0.26.0+ build the serve parser in ServeSubcommand.subparser_init; older layouts expose
+# make_arg_parser. The CPU platform stands in for a GPU so config classes that look at the
+# device can be built.
+SERVE_FLAGS_SCRIPT = r"""
+
+
 class UnsupportedRelease(Exception):
     """A vLLM version the GPU-free engine has no adapter for yet; the message says what to do."""
 
