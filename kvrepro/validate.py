@@ -25,21 +25,6 @@ from . import paths, versions
 from .errors import SpecError
 from .spec import LoadedMatrix, _line_for, _line_index
 
-import json, sys
-import vllm.platforms as platforms
-from vllm.platforms.cpu import CpuPlatform
-platforms._current_platform = CpuPlatform()
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-parser = FlexibleArgumentParser(prog="vllm")
-try:
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    serve = ServeSubcommand().subparser_init(parser.add_subparsers())
-except ImportError:
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
-    serve = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
-sys.stdout.write("\nKVREPRO-FLAGS " + json.dumps(sorted(serve._option_string_actions)) + "\n")
-"""
-
 
 def _where(loaded: LoadedMatrix, dotted: str, lines: dict) -> str:
     line = _line_for(lines, tuple(dotted.split(".")))
