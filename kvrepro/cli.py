@@ -127,6 +127,7 @@ class RichProgress:
         self.progress.advance(self.runs)
         label = report.verdict_label(to_jsonable(result))
         self.progress.console.log(f"build {result.build} rep {result.rep}: {label}  trigger={result.trigger_count} "
+                                  f"state={result.state_count} kv={result.kv_check} "
                                   f"requests={result.requests} {result.seconds:.1f}s  {result.title}")
 
 
@@ -242,7 +243,8 @@ def results_show(run_id: str = typer.Argument("latest"), results_root: Path = Re
 def classify_cmd(
     log: Path = typer.Argument(..., help="an engine log (engine.log, `docker logs` output, vllm serve output)"),
     source: Optional[Path] = typer.Option(None, "--source", help="a folder holding the build's vllm/ sources"),
-    matrix: Optional[Path] = typer.Option(None, "--matrix", "-m", help="take target_signature from this matrix"),
+    matrix: Optional[Path] = typer.Option(None, "--matrix", "-m",
+                                          help="take target_signature from this matrix (default: the shipped matrix.yaml's)"),
     as_json: bool = JsonOpt,
 ) -> None:
     """Find the fatal traceback in an engine log and name its crash signature."""
@@ -250,7 +252,9 @@ def classify_cmd(
 
     if not log.is_file():
         raise KvreproError(f"{log}: no such file")
-    target = _load(matrix).matrix.target_signature if matrix else None
+    from .spec import default_target_signature
+
+    target = _load(matrix).matrix.target_signature if matrix else default_target_signature()
     result = classify_file(log, source, target)
     if as_json:
         _emit_json(result.to_json())

@@ -19,7 +19,9 @@ class Verdict(str, enum.Enum):
     """What one run of one build proves (mozregression-style: verdicts are data)."""
 
     CRASH = "CRASH"  # the engine died; `outcome` says whether on the target signature
-    SURVIVED = "SURVIVED"  # the whole budget ran AND the trigger path ran (trigger_count > 0)
+    CORRUPT = "CORRUPT"  # no crash, but the shadow KV caught a forward reading wrong KV (ranks with CRASH)
+    SURVIVED = "SURVIVED"  # the whole budget ran AND the bug's state occurred (state_count > 0)
+    UNREACHED = "UNREACHED"  # the trigger path ran (trigger_count > 0) but the bug's state never did
     VACUOUS = "VACUOUS"  # the whole budget ran but the trigger path never ran: proves nothing
     STALL = "STALL"  # the engine stopped making progress without dying
     INTERRUPTED = "INTERRUPTED"  # stopped by the user (Ctrl-C) before the budget was spent
@@ -129,6 +131,22 @@ class Exposure:
     external_hit_calls: int = 0
     probe_source_sha256: str | None = None
     probe_seen: bool = False
+    # trigger calls in which the bug's own state was there (a non-null, unhashed block below the
+    # local boundary in some group), and per kind of group how many calls it was in that kind
+    state_calls: int = 0
+    state_groups: dict[str, int] = field(default_factory=dict)
+    # the sim engine's shadow KV: contexts checked, violations (silent KV corruption), the first
+    kv_checks: int = 0
+    kv_violations: int = 0
+    kv_first_violation: str | None = None
+    shadow_seen: bool = False
+
+    @property
+    def kv_check(self) -> str:
+        """``"corrupt"``, ``"ok"`` or ``"off"`` (no shadow KV ran: docker, or a real GPU)."""
+        if self.kv_violations:
+            return "corrupt"
+        return "ok" if self.shadow_seen and self.kv_checks else "off"
 
 
 @dataclass(frozen=True)
@@ -155,6 +173,9 @@ class RunResult:
     external_hit_calls: int
     requests: int
     seconds: float
+    state_count: int = 0  # trigger calls in which the bug's state occurred
+    state_groups: dict[str, int] = field(default_factory=dict)  # kind of group -> calls
+    kv_check: str = "off"  # shadow KV: "ok" | "corrupt" | "off"
     signature: Signature | None = None
     infra_error: str | None = None
     run_dir: str | None = None

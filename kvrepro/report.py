@@ -15,8 +15,8 @@ from rich.text import Text
 
 from . import stats
 
-_STYLE = {"CRASH": "bold red", "SURVIVED": "bold green", "VACUOUS": "yellow", "STALL": "yellow",
-          "INFRA": "magenta", "INTERRUPTED": "dim"}
+_STYLE = {"CRASH": "bold red", "CORRUPT": "bold red", "SURVIVED": "bold green", "UNREACHED": "yellow",
+          "VACUOUS": "yellow", "STALL": "yellow", "INFRA": "magenta", "INTERRUPTED": "dim"}
 
 
 def verdict_label(run: dict[str, Any]) -> str:
@@ -39,6 +39,9 @@ def matrix_json(run: dict[str, Any]) -> dict[str, Any]:
                     "outcome": r.get("outcome"),
                     "title": r.get("title"),
                     "trigger_count": r.get("trigger_count", 0),
+                    "state_count": r.get("state_count", 0),
+                    "state_groups": r.get("state_groups") or {},
+                    "kv_check": r.get("kv_check", "off"),
                     "external_hit_calls": r.get("external_hit_calls", 0),
                     "offload_load_jobs": (r.get("extra") or {}).get("offload_load_jobs", 0),
                     "requests": r.get("requests", 0),
@@ -88,6 +91,13 @@ def _verdict_summary(runs: list[dict[str, Any]]) -> Text:
     return text
 
 
+def _state(run: dict[str, Any]) -> str:
+    """`37 (full_attention 37)`: calls in which the bug's state occurred, by kind of group."""
+    groups = run.get("state_groups") or {}
+    kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(groups.items()))
+    return f"{run.get('state_count', 0)}" + (f" ({kinds})" if kinds else "")
+
+
 def matrix_table(run: dict[str, Any]) -> Group:
     table = Table(title=f"kvrepro matrix {run.get('run_id')}  (vLLM {run.get('base')}, target {run.get('target')}, "
                         f"{run.get('status')})", title_justify="left")
@@ -95,6 +105,8 @@ def matrix_table(run: dict[str, Any]) -> Group:
     table.add_column("patches")
     table.add_column("verdicts", no_wrap=True)
     table.add_column("trigger count", justify="right")
+    table.add_column("bug state (group kinds)", justify="right")
+    table.add_column("KV check")
     table.add_column("offload loads", justify="right")
     titles: list[Text] = []
     for name, build in run.get("builds_results", {}).items():
@@ -104,6 +116,8 @@ def matrix_table(run: dict[str, Any]) -> Group:
             ", ".join(build.get("patches", [])) or "-",
             _verdict_summary(runs),
             " / ".join(str(r.get("trigger_count", 0)) for r in runs),
+            " / ".join(_state(r) for r in runs),
+            " / ".join(r.get("kv_check", "off") for r in runs),
             " / ".join(str(int((r.get("extra") or {}).get("offload_load_jobs", 0))) for r in runs),
         )
         build_error = (build.get("build") or {}).get("error")

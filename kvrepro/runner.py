@@ -29,6 +29,7 @@ from .records import (BuildArtifact, BuildPlan, Classification, Exposure, LoadSu
 from .secrets import redact
 from .spec import LoadedMatrix
 from .verdict import decide, died_without_traceback_title
+from .verdict import title as verdict_title
 
 
 class Progress(Protocol):
@@ -150,21 +151,25 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     source_root = Path(artifact.source_root) if artifact.source_root else None
     classification: Classification = classify_log(log_text, source_root, matrix.target_signature)
     exposure: Exposure = read_exposure(log_text, metrics_text)
-    verdict = decide(classification, exposure, load, engine_exit)
-    title = classification.title
+    expected_sha = artifact.manifest.get("probe_target_sha256")
+    verdict = decide(classification, exposure, load, engine_exit, expected_sha)
+    title = verdict_title(verdict, exposure, load, expected_sha) or classification.title
     if verdict is Verdict.CRASH and classification.outcome is Outcome.NONE:
         title = died_without_traceback_title(engine_exit)
     elif verdict is Verdict.STALL:
         title = f"no request finished for {matrix.runs.stall_timeout_s:.0f}s (runs.stall_timeout_s)"
-    elif verdict is Verdict.VACUOUS:
-        title = "budget spent but the trigger path never ran: proves nothing"
     samples = parse_prometheus(metrics_text or "")
     return RunResult(
         build=plan.name, rep=rep, verdict=verdict, outcome=classification.outcome, title=title,
         trigger_count=exposure.trigger_calls, external_hit_calls=exposure.external_hit_calls,
         requests=load.requests_sent if load else 0, seconds=round(seconds, 3),
+        state_count=exposure.state_calls, state_groups=dict(exposure.state_groups), kv_check=exposure.kv_check,
         signature=classification.signature, run_dir=str(run_dir),
         extra={
+            "kv_checks": exposure.kv_checks,
+            "kv_violations": exposure.kv_violations,
+            "kv_first_violation": exposure.kv_first_violation,
+            "probe_expected_sha256": expected_sha,
             "load": load,
             "engine_exit": engine_exit,
             "probe_seen": exposure.probe_seen,
