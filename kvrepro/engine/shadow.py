@@ -316,23 +316,26 @@ class ShadowKV:
             if held == want:
                 continue
             self._violation((req_id, group.index, j), f"{where} (GPU block {block}): positions {lo}-{hi - 1} expected with this request's "
-                            f"tokens; {self._held(content, group, lo - j * bs, hi - j * bs, want)}; block came "
+                            f"tokens; {self._held(content, group, lo - j * bs, hi - j * bs, want, j * bs)}; block came "
                             f"from: {self._origin(req_id, req, content, lo)}")
             return  # the first wrong block of a request names the problem; the rest follow from it
 
-    def _held(self, content: Content | None, group: Group, lo: int, hi: int, want: list) -> str:
+    def _held(self, content: Content | None, group: Group, lo: int, hi: int, want: list, block_start: int) -> str:
+        """What the block holds instead, named by kind: missing (never written), stale (other
+        tokens' KV), misplaced (KV of other positions)."""
         if content is None or (content.slots is None and content.states is None):
-            return "holds nothing (missing KV: never written)"
+            return "stale KV: the block was never written (neither computed nor loaded)"
         if content.group != group.index or content.slots is None:
-            return f"holds group {content.group}'s data"
+            return f"stale KV: the block holds group {content.group}'s data"
         slots = content.slots[lo:hi]
         bad = [i for i, (a, b) in enumerate(zip(slots, want)) if a != b]
-        unwritten = sum(1 for i in bad if slots[i] is None)
-        what = (f"holds positions {content.first_position + lo}-{content.first_position + hi - 1} of request "
+        if all(slots[i] is None for i in bad):
+            return f"missing KV: {len(bad)} of {hi - lo} positions were never written"
+        held = (f"it holds positions {content.first_position + lo}-{content.first_position + hi - 1} of request "
                 f"{content.writer}")
-        if unwritten == len(bad):
-            return f"{what} with {unwritten} of {hi - lo} positions never written (missing KV)"
-        return f"{what}, {len(bad)} of {hi - lo} positions computed from other tokens (stale or misplaced KV)"
+        if content.first_position != block_start:
+            return f"misplaced KV: {held}"
+        return f"stale KV: {held}, {len(bad)} of {hi - lo} positions computed from other tokens"
 
     def _mamba_read(self, req_id, req, group, computed, scheduled) -> None:
         bs = group.block_size
