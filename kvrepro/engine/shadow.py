@@ -287,12 +287,11 @@ class ShadowKV:
                 req.state_idx = curr
 
     def _origin(self, req_id: str, req: _Request, content: Content | None, position: int) -> str:
-        if content is None:
-            return "never written since the engine started"
-        how = content.source
-        if content.writer and content.writer != req_id and "computed" in how and position < req.hit:
-            how = f"prefix hit: {how}"
-        return how
+        """How the request came to hold this block, and where the block's content came from."""
+        how = ("the request got this block with its prefix hit (local cache or offload)" if position < req.hit
+               else "the request computed here itself")
+        what = content.source if content is not None and content.source else "never written since the engine started"
+        return f"{how}; its content: {what}"
 
     def _check_attention(self, req_id, req, group, computed) -> None:
         bs = group.block_size
@@ -316,11 +315,12 @@ class ShadowKV:
             if held == want:
                 continue
             self._violation((req_id, group.index, j), f"{where} (GPU block {block}): positions {lo}-{hi - 1} expected with this request's "
-                            f"tokens; {self._held(content, group, lo - j * bs, hi - j * bs, want, j * bs)}; block came "
-                            f"from: {self._origin(req_id, req, content, lo)}")
+                            f"tokens; {self._held(content, group, lo - j * bs, hi - j * bs, want, j * bs, req)}; "
+                            f"{self._origin(req_id, req, content, lo)}")
             return  # the first wrong block of a request names the problem; the rest follow from it
 
-    def _held(self, content: Content | None, group: Group, lo: int, hi: int, want: list, block_start: int) -> str:
+    def _held(self, content: Content | None, group: Group, lo: int, hi: int, want: list, block_start: int,
+              req: _Request) -> str:
         """What the block holds instead, named by kind: missing (never written), stale (other
         tokens' KV), misplaced (KV of other positions)."""
         if content is None or (content.slots is None and content.states is None):
@@ -330,10 +330,13 @@ class ShadowKV:
         slots = content.slots[lo:hi]
         bad = [i for i, (a, b) in enumerate(zip(slots, want)) if a != b]
         if all(slots[i] is None for i in bad):
-            return f"missing KV: {len(bad)} of {hi - lo} positions were never written"
+            return f"stale KV: {len(bad)} of {hi - lo} positions were never written"
         held = (f"it holds positions {content.first_position + lo}-{content.first_position + hi - 1} of request "
                 f"{content.writer}")
-        if content.first_position != block_start:
+        own = set(req.hashes)
+        if (content.source.startswith("offload load") and content.first_position != block_start
+                and all(h in own for h in slots if h is not None)):
+            # loaded into this block, and it is this request's own prefix, from other positions
             return f"misplaced KV: {held}"
         return f"stale KV: {held}, {len(bad)} of {hi - lo} positions computed from other tokens"
 
@@ -362,7 +365,7 @@ class ShadowKV:
                 lengths = "/".join(str(n) for n in content.state_lengths)
                 held = f"holds the state after {lengths} tokens of request {content.writer}"
             self._violation((req_id, group.index, prev), f"{where} (GPU block {ids[prev]}): the state after exactly {computed} tokens of this "
-                            f"request expected; {held}; block came from: {self._origin(req_id, req, content, 0)}")
+                            f"request expected; {held}; {self._origin(req_id, req, content, computed - 1)}")
             return
         if prev != curr and 0 <= curr < len(ids) and ids[curr] != 0:
             self.gpu[ids[curr]] = content.copy(f"state copied by request {req_id} at step {self.step}")
