@@ -138,6 +138,7 @@ class Exposure:
     # the sim engine's shadow KV: contexts checked, violations (silent KV corruption), the first
     kv_checks: int = 0
     kv_violations: int = 0
+    kv_violations_by: dict[str, int] = field(default_factory=dict)  # group kind[+offload] -> violations
     kv_first_violation: str | None = None
     shadow_seen: bool = False
 

@@ -168,6 +168,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
         extra={
             "kv_checks": exposure.kv_checks,
             "kv_violations": exposure.kv_violations,
+            "kv_violations_by": dict(exposure.kv_violations_by),
             "kv_first_violation": exposure.kv_first_violation,
             "probe_expected_sha256": expected_sha,
             "load": load,

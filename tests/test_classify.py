@@ -440,12 +440,13 @@ def test_exposure_reads_the_bugs_state_and_the_shadow_kv():
         "kvrepro-shadow: installed groups=0:mamba/16,1:full_attention/16",
         "kvrepro-shadow: violation step=9 request r1 group 1 (full_attention) block index 5: missing",
         "kvrepro-shadow: violation step=12 request r2 group 0 (mamba) block index 2: null block",
-        "kvrepro-shadow: counts checks=40 violations=2",
+        "kvrepro-shadow: counts checks=40 violations=2 by=full_attention:1,mamba+offload:1",
         "kvrepro-probe: counts external_hit_calls=9 trigger_calls=4 state_calls=3 state_groups=full_attention:3,mamba:1",
     ])
     exp = read_exposure(log)
     assert (exp.trigger_calls, exp.state_calls, exp.state_groups) == (4, 3, {"full_attention": 3, "mamba": 1})
     assert (exp.kv_checks, exp.kv_violations, exp.kv_check) == (40, 2, "corrupt")
+    assert exp.kv_violations_by == {"full_attention": 1, "mamba+offload": 1}
     assert exp.kv_first_violation == "step=9 request r1 group 1 (full_attention) block index 5: missing"
     # an older probe's line (no state fields) still reads, as no state evidence
     old = read_exposure(f"{INSTALLED}\nkvrepro-probe: counts external_hit_calls=2 trigger_calls=1\n")

@@ -21,7 +21,9 @@ def kvrepro(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
                           timeout=900)
 
 
-def test_builds_a_and_d_give_target_crash_and_evidenced_survival(tmp_path, overlays):
+def test_builds_a_and_d_give_target_crash_and_silent_corruption(tmp_path, overlays):
+    """A dies on the target assertion; D (both fixes) serves every request, the bug's state occurs
+    in it (in the full-attention group), and the shadow KV catches forwards reading wrong KV."""
     proc = kvrepro("matrix", "run", "--build", "A", "--build", "D", "--reps", "1", "--json",
                    "--results", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -31,8 +33,12 @@ def test_builds_a_and_d_give_target_crash_and_evidenced_survival(tmp_path, overl
     assert a["verdict"] == "CRASH" and a["outcome"] == "target", a
     assert a["title"].startswith("AssertionError in update_state_after_alloc: num_locally_computed_tokens <=")
     assert a["trigger_count"] > 0  # the crashing call itself is counted
-    assert d["verdict"] == "SURVIVED", d
-    assert d["trigger_count"] > 0
+    assert a["state_count"] >= 1 and set(a["state_groups"]) == {"full_attention"}, a  # ... in its state
+    assert d["verdict"] == "CORRUPT" and d["kv_check"] == "corrupt", d
+    assert d["title"].startswith("silent KV corruption: step="), d["title"]
+    assert d["trigger_count"] > 0 and d["state_count"] > 0, d
+    assert set(d["state_groups"]) == {"full_attention"}, d
+    assert d["requests"] == 600  # it did not crash: the whole budget was served
     assert d["offload_load_jobs"] > 0  # the fixed build still loads from the offload
 
     run_dir = Path(d["run_dir"])

@@ -35,7 +35,8 @@ _INSTALLED = re.compile(
 _COUNTS = re.compile(r"kvrepro-probe: counts external_hit_calls=(?P<ext>\d+) trigger_calls=(?P<trig>\d+)\b"
                      r"(?: state_calls=(?P<state>\d+) state_groups=(?P<groups>\S+))?")
 _SHADOW_TAG = "kvrepro-shadow:"
-_SHADOW_COUNTS = re.compile(r"kvrepro-shadow: counts checks=(?P<checks>\d+) violations=(?P<violations>\d+)\b")
+_SHADOW_COUNTS = re.compile(r"kvrepro-shadow: counts checks=(?P<checks>\d+) violations=(?P<violations>\d+)\b"
+                            r"(?: by=(?P<by>\S+))?")
 _SHADOW_VIOLATION = re.compile(r"kvrepro-shadow: violation (?P<text>.*\S)")
 _METRIC = re.compile(
     r"^(?P<name>kvrepro_probe_external_hit_calls_total|kvrepro_probe_trigger_calls_total)(?:\{[^}]*\})?\s+(?P<value>\S+)",
@@ -48,7 +49,7 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
     sha: str | None = None
     seen = shadow_seen = False
     last: dict[str, tuple[int, int, int, dict[str, int]]] = {}  # stream -> last probe counts
-    shadow: dict[str, tuple[int, int]] = {}  # stream -> (checks, violations)
+    shadow: dict[str, tuple[int, int, dict[str, int]]] = {}  # stream -> (checks, violations, by kind)
     first_violation: str | None = None
     for number, raw in enumerate(io.StringIO(log_text, newline="\n"), start=1):
         if _TAG not in raw and _SHADOW_TAG not in raw:
@@ -61,7 +62,7 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
             last[line.stream] = (int(m["ext"]), int(m["trig"]), int(m["state"] or 0), _groups(m["groups"]))
         elif (m := _SHADOW_COUNTS.search(line.body)) is not None:
             shadow_seen = True
-            shadow[line.stream] = (int(m["checks"]), int(m["violations"]))
+            shadow[line.stream] = (int(m["checks"]), int(m["violations"]), _groups(m["by"]))
         elif (m := _SHADOW_VIOLATION.search(line.body)) is not None:
             shadow_seen = True
             first_violation = first_violation or m["text"]
@@ -77,16 +78,20 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
     if metrics_text:
         m_ext, m_trig = _read_metrics(metrics_text)
         external, trigger = max(external, m_ext), max(trigger, m_trig)
-    violations = sum(v for _, v in shadow.values())
+    violations = sum(v[1] for v in shadow.values())
+    violations_by: dict[str, int] = {}
+    for v in shadow.values():
+        for kind, n in v[2].items():
+            violations_by[kind] = violations_by.get(kind, 0) + n
     if first_violation is not None:
         violations = max(violations, 1)  # the counts line may be cut off after the violation line
     return Exposure(trigger_calls=trigger, external_hit_calls=external, probe_source_sha256=sha, probe_seen=seen,
-                    state_calls=state, state_groups=state_groups, kv_checks=sum(c for c, _ in shadow.values()),
-                    kv_violations=violations, kv_first_violation=first_violation, shadow_seen=shadow_seen)
+                    state_calls=state, state_groups=state_groups, kv_checks=sum(v[0] for v in shadow.values()),
+                    kv_violations=violations, kv_violations_by=violations_by, kv_first_violation=first_violation, shadow_seen=shadow_seen)
 
 
 def _groups(text: str | None) -> dict[str, int]:
-    """``full_attention:3,mamba:1`` (or ``-``) -> {kind: count}."""
+    """``full_attention:3,mamba+offload:1`` (or ``-``) -> {kind: count}."""
     out: dict[str, int] = {}
     for item in (text or "").split(","):
         kind, _, n = item.partition(":")

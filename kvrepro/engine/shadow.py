@@ -8,7 +8,7 @@ that each scheduled request's context is really there. A violation is logged on 
 
     kvrepro-shadow: installed groups=0:full_attention/16,1:mamba/16
     kvrepro-shadow: violation step=<S> <what, in words>
-    kvrepro-shadow: counts checks=<N> violations=<M>
+    kvrepro-shadow: counts checks=<N> violations=<M> by=<kind>[+offload]:<n>,...
 
 (the counts line every ~2 s while it changes and at exit, like the probe's), and kvrepro's
 classifier turns a violation into the run verdict CORRUPT.
@@ -142,6 +142,8 @@ class ShadowKV:
         self._last_reported: tuple | None = None
         self._last_report_time = 0.0
         self._seen: set[tuple] = set()  # (request, group, block index) already counted
+        # violations by kind of group, "+offload" when the request had loaded blocks (an offload hit)
+        self.by_kind: dict[str, int] = {}
         self._write("installed groups=" + ",".join(f"{g.index}:{g.kind}/{g.block_size}" for g in self.groups))
         atexit.register(self.report, True)
 
@@ -156,11 +158,11 @@ class ShadowKV:
             pass
 
     def report(self, force: bool = False) -> None:
-        snapshot = (self.checks, self.violations)
+        snapshot = (self.checks, self.violations, ",".join(f"{k}:{n}" for k, n in sorted(self.by_kind.items())))
         if not force and (snapshot == self._last_reported or time.monotonic() - self._last_report_time < REPORT_INTERVAL_S):
             return
         self._last_reported, self._last_report_time = snapshot, time.monotonic()
-        self._write(f"counts checks={snapshot[0]} violations={snapshot[1]}")
+        self._write(f"counts checks={snapshot[0]} violations={snapshot[1]} by={snapshot[2] or '-'}")
 
     def _violation(self, key: tuple, text: str) -> None:
         # a broken context stays broken on every later step of that request: count it once
@@ -168,6 +170,14 @@ class ShadowKV:
             return
         self._seen.add(key)
         self.violations += 1
+        req_id, group_index = key[0], key[1]
+        req = self.requests.get(req_id)
+        loaded = req is not None and any(
+            (c := self.gpu.get(b)) is not None and c.source.startswith("offload load")
+            for ids in req.blocks for b in ids if b)
+        kind = self.groups[group_index].kind + ("+offload" if loaded else "")
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
+        text += f" (request {'had' if loaded else 'had no'} offload hit)"
         if self.violations <= MAX_DESCRIBED:
             self._write(f"violation step={self.step} {text}")
             self.report(force=True)
