@@ -39,6 +39,8 @@ print(hashlib.sha256(inspect.getsource(S.update_state_after_alloc).encode()).hex
 def docker_matrix(folder: Path, base_image: str) -> Path:
     data = yaml.safe_load((ROOT / "matrix.yaml").read_text())
     data.update(target="docker", base_image=base_image)
+    # what the engine in the image can check differs (see the D assertion below): no expectations
+    data.pop("expect", None)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "matrix.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
     if not (folder / "builds").exists():
