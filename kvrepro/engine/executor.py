@@ -368,6 +368,9 @@ class SimExecutor(Executor):
             spec = getattr(worker_side, "spec", None)
             if self.shadow is not None and getattr(spec, "blocks_per_chunk", None):
                 self.shadow.blocks_per_chunk = int(spec.blocks_per_chunk)  # what the connector really uses
+            if self.shadow is not None:
+                # the connector worker notes each load job's request before submitting it
+                self.shadow.load_owner = lambda job_id: (getattr(worker_side, "_load_jobs", None) or {}).get(job_id)
             worker_side.worker = transfers
         else:
             raise RuntimeError(

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 TAG = "kvrepro-shadow:"
 REPORT_INTERVAL_S = 2.0
-MAX_DESCRIBED = 5  # violations described one by one; the rest are only counted
+MAX_DESCRIBED = int(os.environ.get("KVREPRO_SIM_SHADOW_DESCRIBE", "5") or 5)  # described one by one; the rest counted
 _ROOT_HASH = 0x6B7672
 
 
@@ -144,6 +144,10 @@ class ShadowKV:
         self._seen: set[tuple] = set()  # (request, group, block index) already counted
         # violations by kind of group, "+offload" when the request had loaded blocks (an offload hit)
         self.by_kind: dict[str, int] = {}
+        # which request a load job is for (the connector worker knows; None: unknown), and the
+        # requests that had blocks loaded for them (an offload hit)
+        self.load_owner = lambda job_id: None
+        self.loaded_for: set[str] = set()
         self._write("installed groups=" + ",".join(f"{g.index}:{g.kind}/{g.block_size}" for g in self.groups))
         atexit.register(self.report, True)
 
@@ -172,12 +176,12 @@ class ShadowKV:
         self.violations += 1
         req_id, group_index = key[0], key[1]
         req = self.requests.get(req_id)
-        loaded = req is not None and any(
-            (c := self.gpu.get(b)) is not None and c.source.startswith("offload load")
-            for ids in req.blocks for b in ids if b)
+        loaded = req_id in self.loaded_for
         kind = self.groups[group_index].kind + ("+offload" if loaded else "")
         self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
         text += f" (request {'had' if loaded else 'had no'} offload hit)"
+        if os.environ.get("KVREPRO_SHADOW_DEBUG") and req is not None:
+            text += f" [hit={req.hit} state_idx={req.state_idx} blocks={req.blocks}]"
         if self.violations <= MAX_DESCRIBED:
             self._write(f"violation step={self.step} {text}")
             self.report(force=True)
@@ -190,6 +194,7 @@ class ShadowKV:
         self.step += 1
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.loaded_for.discard(req_id)
         if so.finished_req_ids and self._seen:
             self._seen = {key for key in self._seen if key[0] not in so.finished_req_ids}
         for req_id in getattr(so, "preempted_req_ids", None) or ():
@@ -406,10 +411,18 @@ class ShadowKV:
                                      if content is not None else None)
 
     def load(self, job_id, cpu_spec, gpu_spec) -> None:
+        owner = None
+        try:
+            owner = self.load_owner(job_id)
+        except Exception:
+            pass
         with self._lock:
+            if owner is not None:
+                self.loaded_for.add(owner)
             for group, gpu_block, cpu_key in self._pairs(gpu_spec, cpu_spec):
                 content = self.cpu.get(cpu_key)
-                origin = f"offload load (job {job_id}, CPU block {cpu_key[0]}.{cpu_key[1]})"
+                origin = (f"offload load (job {job_id}, CPU block {cpu_key[0]}.{cpu_key[1]}"
+                          + (f", for request {owner})" if owner is not None else ")"))
                 if content is None:
                     self.gpu.pop(gpu_block, None)
                     self.gpu[gpu_block] = Content(group, source=f"{origin} of a chunk never stored")
