@@ -79,3 +79,26 @@ def test_a_hunk_that_does_not_apply_fails_only_its_build(tmp_path, matrix_copy, 
     assert x["runs"][0]["verdict"] == "INFRA"
     assert "patch broken" in x["build_error"] and "scheduler.py" in x["build_error"] and "hunk #" in x["build_error"]
     assert run["builds"]["A"]["runs"][0]["verdict"] == "CRASH"
+
+
+def test_a_run_whose_prompts_are_mostly_refused_is_not_survived(tmp_path, matrix_copy, overlays):
+    """Measured before: engine.max_model_len 100 made build A SURVIVED although 498 of its 600
+    requests were refused (HTTP 400, engine alive). The load then did not test the engine: INFRA.
+    (Attention-only geometry, so that neither the target crash nor 0.26.0's hybrid-hit corruption
+    can decide the run first.)"""
+    spec = yaml.safe_load(matrix_copy.read_text())
+    spec["engine"].update(max_model_len=100, mamba_cache_mode="none",
+                          model=str(ROOT / "tests" / "data" / "models" / "qwen3-next-attention-only"))
+    spec["runs"]["requests"] = 60
+    spec["builds"] = {"A": []}
+    spec["expect"] = {}
+    matrix_copy.write_text(yaml.safe_dump(spec))
+    proc = kvrepro("matrix", "run", "-m", str(matrix_copy), "--reps", "1", "--json", "--results", str(tmp_path / "r"))
+    assert proc.returncode == 3, proc.stderr[-3000:]  # INFRA
+    a = json.loads(proc.stdout)["builds"]["A"]["runs"][0]
+    lines = [json.loads(line) for line in (Path(a["run_dir"]) / "load.jsonl").read_text().splitlines()]
+    refused = sum(1 for line in lines if not line["ok"])
+    assert refused > 0.05 * len(lines) and refused < len(lines)  # some served, most refused
+    assert a["verdict"] == "INFRA", a
+    assert a["title"] == (f"{refused} of {a['requests']} requests failed with the engine up (more than 5%): "
+                          "the load did not test the engine; see load.jsonl")
