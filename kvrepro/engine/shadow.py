@@ -38,6 +38,10 @@ Mamba ``align`` helpers (``v1/worker/mamba_utils.preprocess_mamba`` and the alig
   stores and loads copy contents at submission (the engine waits for a load before computing on
   it, and vLLM flushes stores before their blocks are reused).
 
+Knobs (environment of the engine): ``KVREPRO_SIM_SHADOW_KV=0`` turns it off,
+``KVREPRO_SIM_SHADOW_DESCRIBE=N`` describes the first N violations (default 5; the rest are
+counted), ``KVREPRO_SIM_SHADOW_DEBUG=1`` adds each violating request's block table.
+
 Runs in the engine process; stdlib only, no vLLM import.
 """
 
@@ -52,7 +56,8 @@ from dataclasses import dataclass, field
 
 TAG = "kvrepro-shadow:"
 REPORT_INTERVAL_S = 2.0
-MAX_DESCRIBED = int(os.environ.get("KVREPRO_SIM_SHADOW_DESCRIBE", "5") or 5)  # described one by one; the rest counted
+_DESCRIBE = os.environ.get("KVREPRO_SIM_SHADOW_DESCRIBE", "").strip()
+MAX_DESCRIBED = int(_DESCRIBE) if _DESCRIBE.isdigit() else 5  # described one by one; the rest counted
 _ROOT_HASH = 0x6B7672
 
 
@@ -180,7 +185,7 @@ class ShadowKV:
         kind = self.groups[group_index].kind + ("+offload" if loaded else "")
         self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
         text += f" (request {'had' if loaded else 'had no'} offload hit)"
-        if os.environ.get("KVREPRO_SHADOW_DEBUG") and req is not None:
+        if os.environ.get("KVREPRO_SIM_SHADOW_DEBUG") and req is not None:
             text += f" [hit={req.hit} state_idx={req.state_idx} blocks={req.blocks}]"
         if self.violations <= MAX_DESCRIBED:
             self._write(f"violation step={self.step} {text}")
@@ -363,7 +368,7 @@ class ShadowKV:
         if computed <= 0 or prev < 0:
             return
         where = f"request {req_id} group {group.index} (mamba) block index {prev}"
-        if os.environ.get("KVREPRO_SHADOW_DEBUG"):
+        if os.environ.get("KVREPRO_SIM_SHADOW_DEBUG"):
             where += f" [computed={computed} scheduled={scheduled} hit={req.hit} state_idx={req.state_idx} blocks={ids[:12]} tokens={len(req.hashes) - 1}]"
         if prev >= len(ids) or ids[prev] == 0:
             self._violation((req_id, group.index, prev), f"{where}: the state after {computed} tokens must be read from a block the request "
