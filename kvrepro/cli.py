@@ -57,7 +57,7 @@ def matrix_validate(matrix: Path = MatrixOpt, as_json: bool = JsonOpt) -> None:
     if as_json:
         _emit_json({"valid": True, "matrix": str(loaded.path), "builds": [p.name for p in plans]})
     else:
-        out.print(f"[green]valid[/]: {loaded.path} ({len(plans)} builds on vLLM {loaded.matrix.base})")
+        out.print(f"[green]valid[/]: {loaded.path} ({len(plans)} builds on vLLM {', '.join(loaded.matrix.bases)})")
 
 
 @matrix_app.command("plan")
@@ -70,6 +70,7 @@ def matrix_plan(matrix: Path = MatrixOpt, target: Optional[str] = typer.Option(N
     plan = {
         "matrix": str(loaded.path),
         "base": m.base,
+        "bases": m.bases,
         "target": target_name,
         "repetitions": m.runs.repetitions,
         "budget": {"requests": m.runs.requests, "duration_s": m.runs.duration_s},
@@ -84,7 +85,7 @@ def matrix_plan(matrix: Path = MatrixOpt, target: Optional[str] = typer.Option(N
     if as_json:
         _emit_json(plan)
         return
-    table = Table(title=f"{loaded.path}: vLLM {m.base} on target {target_name}, "
+    table = Table(title=f"{loaded.path}: vLLM {', '.join(m.bases)} on target {target_name}, "
                         f"{m.runs.repetitions} repetition(s) of {m.runs.requests or '-'} requests / {m.runs.duration_s or '-'} s")
     table.add_column("build")
     table.add_column("patch stack (in order)")
@@ -134,7 +135,7 @@ class RichProgress:
 def _check_expectations(run: dict[str, Any], expect: dict[str, str]) -> list[str]:
     problems = []
     for name, build in run.get("builds_results", {}).items():
-        wanted = expect.get(name)
+        wanted = expect.get(build.get("matrix_build") or name)
         if not wanted:
             continue
         for r in build.get("runs", []):
@@ -154,6 +155,8 @@ def matrix_run(
                                              help="docker: base image to assemble on (e.g. kvrepro/vllm-openai-cpu:v0.26.0)"),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1,
                                        help="engines at once (default: what the target can take; sim: one per core)"),
+    base: Optional[list[str]] = typer.Option(None, "--base",
+                                             help="run on this vLLM release instead of matrix.yaml's base (repeatable)"),
     results_root: Path = ResultsOpt,
     as_json: bool = JsonOpt,
 ) -> None:
@@ -163,8 +166,9 @@ def matrix_run(
     loaded = _load(matrix)
     if base_image:
         loaded.matrix = loaded.matrix.model_copy(update={"base_image": base_image})
-    options = MatrixOptions(target=target, builds=build, repetitions=reps, results_root=results_root, jobs=jobs)
-    plans = loaded.plans(build)
+    options = MatrixOptions(target=target, builds=build, repetitions=reps, results_root=results_root, jobs=jobs,
+                            bases=base)
+    plans = loaded.plans(build, base)
     total = len(plans) * (reps or loaded.matrix.runs.repetitions)
     stop = threading.Event()
 
@@ -268,8 +272,11 @@ def setup_cmd(matrix: Path = MatrixOpt, as_json: bool = JsonOpt) -> None:
     loaded = _load(matrix)
     done: dict[str, Any] = {}
     with err.status("setting up") as status:
-        python = builds.prepare_runtime(loaded.matrix.base, on_line=lambda line: status.update(line[:120]))
+        for release in loaded.matrix.bases:
+            runtime = builds.prepare_runtime(release, on_line=lambda line: status.update(line[:120]))
+        python = runtime.python
         done["runtime_python"] = str(python)
+        done["runtime_layers"] = [str(p) for p in runtime.layers]
         done["builds"] = {}
         for plan in loaded.plans():
             artifact = builds.build_overlay(plan, on_line=lambda line: status.update(line[:120]))
@@ -290,7 +297,7 @@ def engine_serve(
     matrix: Path = MatrixOpt,
     rep: int = typer.Option(0, help="repetition number (selects the seed)"),
 ) -> None:
-    """Serve one build's GPU-free engine on 127.0.0.1 until stopped (Ctrl-C)."""
+    """Serve one build with vLLM's own `vllm serve`, GPU-free, on 127.0.0.1 until stopped (Ctrl-C)."""
     import os
     import subprocess
 

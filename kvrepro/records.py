@@ -49,11 +49,26 @@ class PatchRef:
 
 @dataclass(frozen=True)
 class BuildPlan:
-    """What to build: a base vLLM version plus an ordered patch stack."""
+    """What to build: a base vLLM version plus an ordered patch stack.
+
+    ``name`` names the cell of the matrix: the build's name when the matrix has one base,
+    ``<build>@<base>`` when ``base:`` lists several (see :func:`cell_name`). ``build`` is the
+    matrix's build name (what ``expect:`` and ``--build`` refer to).
+    """
 
     name: str
     base: str
     patches: tuple[PatchRef, ...]
+    build: str = ""
+
+    @property
+    def build_name(self) -> str:
+        return self.build or self.name
+
+
+def cell_name(build: str, base: str, several_bases: bool) -> str:
+    """The name of one (base, build) cell: ``A`` with one base, ``A@0.30.0`` with several."""
+    return f"{build}@{base}" if several_bases else build
 
 
 @dataclass(frozen=True)
@@ -151,6 +166,15 @@ class Exposure:
 
 
 @dataclass(frozen=True)
+class EngineCounters:
+    """The GPU-free engine's own totals (from its log); None: unknown (another engine, no report)."""
+
+    steps: int | None = None
+    offload_load_jobs: int | None = None
+    offload_store_jobs: int | None = None
+
+
+@dataclass(frozen=True)
 class LoadSummary:
     """What the load generator did in one run."""
 
@@ -181,6 +205,7 @@ class RunResult:
     infra_error: str | None = None
     run_dir: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    base: str = ""  # the vLLM release this run's build is based on
 
 
 def to_jsonable(value: Any) -> Any:

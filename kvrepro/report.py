@@ -31,6 +31,7 @@ def matrix_json(run: dict[str, Any]) -> dict[str, Any]:
     builds = {}
     for name, build in run.get("builds_results", {}).items():
         builds[name] = {
+            "base": build.get("base"),
             "patches": build.get("patches", []),
             "build_error": (build.get("build") or {}).get("error"),
             "runs": [
@@ -43,9 +44,11 @@ def matrix_json(run: dict[str, Any]) -> dict[str, Any]:
                     "state_groups": r.get("state_groups") or {},
                     "kv_check": r.get("kv_check", "off"),
                     "external_hit_calls": r.get("external_hit_calls", 0),
-                    "offload_load_jobs": (r.get("extra") or {}).get("offload_load_jobs", 0),
+                    "offload_load_jobs": (r.get("extra") or {}).get("offload_load_jobs"),
+                    "base": r.get("base") or build.get("base"),
                     "requests": r.get("requests", 0),
                     "seconds": r.get("seconds", 0.0),
+                    "engine_start_s": (r.get("extra") or {}).get("engine_start_s"),
                     "run_dir": r.get("run_dir"),
                 }
                 for r in build.get("runs", [])
@@ -72,7 +75,13 @@ def matrix_json(run: dict[str, Any]) -> dict[str, Any]:
 def _effects(run: dict[str, Any]) -> list[stats.PatchEffect]:
     results = run.get("builds_results", {})
     stacks = {n: b.get("patches", []) for n, b in results.items()}
-    return stats.patch_effects(stacks, {n: b.get("runs", []) for n, b in results.items()})
+    bases = {n: str(b.get("base")) for n, b in results.items()}
+    return stats.patch_effects(stacks, {n: b.get("runs", []) for n, b in results.items()}, bases)
+
+
+def _count(value) -> str:
+    """A counter for the table: "?" when it was not known (not the same as 0)."""
+    return "?" if value is None else str(int(value))
 
 
 def _verdict_summary(runs: list[dict[str, Any]]) -> Text:
@@ -118,7 +127,7 @@ def matrix_table(run: dict[str, Any]) -> Group:
             " / ".join(str(r.get("trigger_count", 0)) for r in runs),
             " / ".join(_state(r) for r in runs),
             " / ".join(r.get("kv_check", "off") for r in runs),
-            " / ".join(str(int((r.get("extra") or {}).get("offload_load_jobs", 0))) for r in runs),
+            " / ".join(_count((r.get("extra") or {}).get("offload_load_jobs")) for r in runs),
         )
         build_error = (build.get("build") or {}).get("error")
         counted = Counter(r.get("title") for r in runs if r.get("verdict") != "SURVIVED" and r.get("title"))

@@ -124,8 +124,11 @@ def load_run(root: Path, run_id: str) -> dict[str, Any]:
             for rep in reps:
                 if (rep / "verdict.json").is_file():
                     runs.append(read_json(rep / "verdict.json"))
+        declared = info.get("builds", {}).get(name, {})
         builds[name] = {
-            "patches": info.get("builds", {}).get(name, {}).get("patches", []),
+            "patches": declared.get("patches", []),
+            "base": declared.get("base") or info.get("base"),
+            "matrix_build": declared.get("build") or name,
             "build": build_info,
             "runs": runs,
         }

@@ -18,7 +18,8 @@ from typing import Any, Protocol
 import requests
 
 from . import __version__, results
-from .classify import classify_log, read_exposure
+from .classify import classify_log, read_engine_counters, read_exposure
+from .classify.lines import split_line
 from .deploy import get_target
 from .deploy.base import EngineHandle, Target
 from .errors import InfraError, KvreproError
@@ -64,6 +65,7 @@ class MatrixOptions:
     repetitions: int | None = None
     results_root: Path = results.DEFAULT_ROOT
     jobs: int | None = None  # engines run at once; None: what the target says it can take
+    bases: list[str] | None = None  # vLLM releases to run every build on; None: the matrix's base
 
 
 def _artifact_json(artifact: BuildArtifact) -> dict[str, Any]:
@@ -95,7 +97,31 @@ def _infra_result(plan: BuildPlan, rep: int, run_dir: Path, error: str, seconds:
     first = error.strip().splitlines()[0] if error.strip() else "infrastructure failure"
     return RunResult(build=plan.name, rep=rep, verdict=Verdict.INFRA, outcome=Outcome.INFRA, title=first,
                      trigger_count=0, external_hit_calls=0, requests=0, seconds=round(seconds, 3),
-                     infra_error=redact(error), run_dir=str(run_dir))
+                     infra_error=redact(error), run_dir=str(run_dir), base=plan.base)
+
+
+def _start_failure_title(error: str, log_path: Path, artifact: BuildArtifact, target) -> str:
+    """Why the engine did not start, with its root cause: the exception line from its log.
+
+    The target's error says what was seen from outside ("exited with code 1 before it became
+    healthy", "did not become healthy within 120s"); the cause is in the engine's log, so the
+    classifier's title of that log (or its last meaningful line) is appended.
+    """
+    head = error.strip().splitlines()[0] if error.strip() else "the engine did not start"
+    head = head.split("; last lines of", 1)[0].rstrip(" ;:")
+    if not log_path.is_file():
+        return head
+    text = log_path.read_text(errors="replace")
+    source_root = Path(artifact.source_root) if artifact.source_root else None
+    classification = classify_log(text, source_root, target)
+    if classification.outcome is not Outcome.NONE and classification.title:
+        return f"{head}: {classification.title}"
+    lines = text.splitlines()
+    for number in range(len(lines), 0, -1):
+        body = split_line(number, lines[number - 1]).body.strip()
+        if body and "kvrepro-probe:" not in body and "kvrepro-sim:" not in body:
+            return f"{head}: last log line: {redact(body)[:200]}"
+    return head
 
 
 def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_dir: Path, rep: int,
@@ -124,8 +150,11 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     progress.run_started(plan.name, rep, matrix.runs.requests)
     try:
         handle = target.start(artifact, run_dir, rep)
+        engine_start_s = round(time.monotonic() - started, 3)
     except InfraError as exc:
         result = _infra_result(plan, rep, run_dir, str(exc), time.monotonic() - started)
+        result = replace(result, title=_start_failure_title(str(exc), run_dir / "engine.log", artifact,
+                                                            matrix.target_signature))
         if stop.is_set():  # Ctrl-C while it was starting: says nothing about the infrastructure
             return replace(result, verdict=Verdict.INTERRUPTED, outcome=Outcome.NONE,
                            title="interrupted while the engine was starting")
@@ -151,6 +180,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     source_root = Path(artifact.source_root) if artifact.source_root else None
     classification: Classification = classify_log(log_text, source_root, matrix.target_signature)
     exposure: Exposure = read_exposure(log_text, metrics_text)
+    counters = read_engine_counters(log_text)
     expected_sha = artifact.manifest.get("probe_target_sha256")
     verdict = decide(classification, exposure, load, engine_exit, expected_sha)
     title = verdict_title(verdict, exposure, load, expected_sha) or classification.title
@@ -164,7 +194,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
         trigger_count=exposure.trigger_calls, external_hit_calls=exposure.external_hit_calls,
         requests=load.requests_sent if load else 0, seconds=round(seconds, 3),
         state_count=exposure.state_calls, state_groups=dict(exposure.state_groups), kv_check=exposure.kv_check,
-        signature=classification.signature, run_dir=str(run_dir),
+        signature=classification.signature, run_dir=str(run_dir), base=plan.base,
         extra={
             "kv_checks": exposure.kv_checks,
             "kv_violations": exposure.kv_violations,
@@ -175,8 +205,10 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
             "engine_exit": engine_exit,
             "probe_seen": exposure.probe_seen,
             "probe_source_sha256": exposure.probe_source_sha256,
-            "offload_load_jobs": total(samples, "kvrepro_offload_load_jobs_total"),
-            "offload_store_jobs": total(samples, "kvrepro_offload_store_jobs_total"),
+            "offload_load_jobs": counters.offload_load_jobs,
+            "offload_store_jobs": counters.offload_store_jobs,
+            "engine_steps": counters.steps,
+            "engine_start_s": engine_start_s,
             "external_prefix_cache_hits": total(samples, "vllm:external_prefix_cache_hits_total"),
             "prefix_cache_hits": total(samples, "vllm:prefix_cache_hits_total"),
         },
@@ -205,16 +237,19 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
     matrix = loaded.matrix
     target_name = options.target or matrix.target
     target_cls = get_target(target_name)
-    plans = loaded.plans(options.builds)
+    plans = loaded.plans(options.builds, options.bases)
     reps = options.repetitions or matrix.runs.repetitions
+    bases = list(dict.fromkeys(p.base for p in plans))
     folder = results.create_run(options.results_root, loaded.text, {
         "matrix": str(loaded.path),
         "matrix_sha256": loaded.sha256,
         "target": target_name,
-        "base": matrix.base,
+        "base": bases[0] if len(bases) == 1 else bases,
+        "bases": bases,
         "repetitions": reps,
         "build_order": [p.name for p in plans],
-        "builds": {p.name: {"patches": [x.name for x in p.patches]} for p in plans},
+        "builds": {p.name: {"patches": [x.name for x in p.patches], "base": p.base, "build": p.build_name}
+                   for p in plans},
         "kvrepro_version": __version__,
     })
     target = target_cls(loaded)

@@ -16,7 +16,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import SpecError
-from .records import BuildPlan, PatchRef
+from .records import BuildPlan, PatchRef, cell_name
+from .versions import DEFAULT_BASE
 
 EXPECTABLE = ("CRASH(target)", "CRASH(other)", "CORRUPT", "SURVIVED", "UNREACHED", "VACUOUS", "STALL", "INFRA")
 SHIPPED_MODELS = Path(__file__).resolve().parent / "data" / "models"
@@ -258,7 +259,10 @@ class DockerSpec(_Strict):
 
 
 class Matrix(_Strict):
-    base: str = "0.26.0"
+    base: str | list[str] = Field(
+        DEFAULT_BASE,
+        description="the vLLM release every build is based on, or a list: each build then runs on each release",
+    )
     base_image: str | None = Field(None, description="docker target: default vllm/vllm-openai:v<base>")
     target: str = "sim"
     patches: dict[str, PatchSpec] = Field(default_factory=dict)
@@ -277,10 +281,21 @@ class Matrix(_Strict):
 
     @field_validator("base")
     @classmethod
-    def _version(cls, v: str) -> str:
-        if not _VERSION_RE.match(v):
-            raise ValueError("must be a vLLM release version such as 0.26.0")
+    def _version(cls, v: str | list[str]) -> str | list[str]:
+        values = [v] if isinstance(v, str) else v
+        if not values:
+            raise ValueError("list at least one vLLM release, e.g. [0.26.0, 0.30.0]")
+        for value in values:
+            if not _VERSION_RE.match(value):
+                raise ValueError(f"{value!r} must be a vLLM release version such as 0.26.0")
+        if len(set(values)) != len(values):
+            raise ValueError("a release is listed twice")
         return v
+
+    @property
+    def bases(self) -> list[str]:
+        """``base`` as a list (one entry when the matrix names one release)."""
+        return [self.base] if isinstance(self.base, str) else list(self.base)
 
     @field_validator("builds")
     @classmethod
@@ -312,7 +327,11 @@ class Matrix(_Strict):
 
     @property
     def image(self) -> str:
-        return self.base_image or f"vllm/vllm-openai:v{self.base}"
+        return self.image_for(self.bases[0])
+
+    def image_for(self, base: str) -> str:
+        """docker target: the image builds of ``base`` are assembled on."""
+        return self.base_image or f"vllm/vllm-openai:v{base}"
 
 
 class _FieldError(ValueError):
@@ -361,17 +380,25 @@ class LoadedMatrix:
             )
         return PatchRef(name=name, path=path, upstream=spec.upstream, sha256=digest)
 
-    def plans(self, only: list[str] | None = None) -> list[BuildPlan]:
+    def plans(self, only: list[str] | None = None, bases: list[str] | None = None) -> list[BuildPlan]:
+        """One plan per (base, build) cell, base-major; ``bases`` overrides the matrix's ``base``."""
         names = list(self.matrix.builds)
         if only:
             unknown = [b for b in only if b not in self.matrix.builds]
             if unknown:
                 raise SpecError(f"unknown build(s) {', '.join(unknown)}; {self.path} defines {', '.join(names)}")
             names = [b for b in names if b in only]
+        releases = list(bases or self.matrix.bases)
+        for release in releases:
+            if not _VERSION_RE.match(release):
+                raise SpecError(f"--base {release!r}: must be a vLLM release version such as 0.26.0")
+        several = len(releases) > 1
         plans = []
-        for name in names:
-            stack = list(self.matrix.common) + list(self.matrix.builds[name])
-            plans.append(BuildPlan(name=name, base=self.matrix.base, patches=tuple(self.patch_ref(p) for p in stack)))
+        for release in releases:
+            for name in names:
+                stack = list(self.matrix.common) + list(self.matrix.builds[name])
+                plans.append(BuildPlan(name=cell_name(name, release, several), base=release,
+                                       patches=tuple(self.patch_ref(p) for p in stack), build=name))
         return plans
 
 

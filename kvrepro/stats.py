@@ -57,11 +57,15 @@ class PatchEffect:
     p_value: float  # that adding the patch lowered the crash rate by chance
 
 
-def patch_effects(builds: dict[str, list[str]], runs: dict[str, list[dict[str, Any]]]) -> list[PatchEffect]:
-    """One entry per pair of builds whose stacks differ by exactly one added patch."""
+def patch_effects(builds: dict[str, list[str]], runs: dict[str, list[dict[str, Any]]],
+                  bases: dict[str, str] | None = None) -> list[PatchEffect]:
+    """One entry per pair of builds on the same base whose stacks differ by one added patch."""
     effects = []
+    bases = bases or {}
     for a, a_stack in builds.items():
         for b, b_stack in builds.items():
+            if bases.get(a) != bases.get(b):
+                continue
             extra = [p for p in b_stack if p not in a_stack]
             if len(b_stack) == len(a_stack) + 1 and len(extra) == 1 and all(p in b_stack for p in a_stack):
                 ra, rb = rate(runs.get(a, [])), rate(runs.get(b, []))

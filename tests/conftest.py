@@ -33,7 +33,7 @@ def runtime_python(default_matrix) -> Path:
     """The runtime env's python (vLLM's dependencies, torch CPU)."""
     from kvrepro.builds import prepare_runtime
 
-    return prepare_runtime(default_matrix.matrix.base)
+    return prepare_runtime(default_matrix.matrix.base).python
 
 
 @pytest.fixture(scope="session")

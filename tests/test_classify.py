@@ -15,7 +15,7 @@ import pytest
 
 from kvrepro.classify import classify_file, classify_log, known_patterns, match_pattern, read_exposure
 from kvrepro.classify.lines import split_line
-from kvrepro.records import Outcome
+from kvrepro.records import Classification, Outcome
 from kvrepro.spec import TargetSignature
 
 LOGS = Path(__file__).parent / "data" / "logs"
@@ -43,6 +43,14 @@ def read(name: str) -> str:
         # (2) vllm serve 0.26: (EngineCore_DP0 pid=..) prefixes, API-server lines interleaved
         # into the engine's traceback, the same exception printed again raw by multiprocessing
         ("serve-0.26-target.log", Outcome.TARGET, TARGET_TITLE, "update_state_after_alloc", SCHED, 816),
+        # (2') vllm serve 0.25.1 through kvrepro's sim target: the assertion names the block size
+        # `gpu_block_size` there; the same crash, recognised by what it compares
+        ("serve-0.25.1-target.log", Outcome.TARGET, TARGET_TITLE, "update_state_after_alloc", SCHED, 734),
+        # (2'') vllm serve 0.28.0 whose EngineCore asked the executor an RPC it had no answer for:
+        # the input thread's uncaught exception is the cause, not the "thread died" that follows
+        ("serve-0.28-rpc-missing.log", Outcome.INFRA,
+         "NotImplementedError in supports_draft_weight_updates: worker_support: list[bool] = self.collective_rpc(",
+         "supports_draft_weight_updates", "vllm/v1/executor/abstract.py", 298),
         # (3) docker logs -t with colours (the container had a tty)
         ("docker-t-target.log", Outcome.TARGET, TARGET_TITLE, "update_state_after_alloc", SCHED, 816),
         # (5) chains: an exception being handled is not the cause ...
@@ -77,6 +85,29 @@ def test_sample_logs(name, outcome, title, function, file, line):
     assert (result.signature.function, result.signature.file, result.signature.line) == (function, file, line)
     # the string API gives the same answer as the streaming one
     assert classify_log(read(name)) == result
+
+
+def test_sigterm_of_a_healthy_vllm_serve_is_no_crash():
+    """vLLM 0.27's API server logs an EngineDeadError while it shuts down on SIGTERM: not a crash."""
+    text = read("serve-0.27-clean-stop.log")
+    assert "[shutdown] API server: shutdown triggered" in text and "EngineDeadError" in text
+    assert classify_log(text) == Classification(Outcome.NONE, "no crash", None)
+    # the same death report without the orderly stop before it stays a crash of unknown cause
+    cut = "\n".join(line for line in text.splitlines() if "[shutdown]" not in line and "Shutting down" not in line)
+    assert classify_log(cut).title == "EngineDeadError: engine died, root cause not in the log"
+
+
+def test_renamed_identifiers_compare_equal_other_statements_do_not():
+    from kvrepro.classify.source import canonical
+
+    old = "assert (\n    num_locally_computed_tokens\n    <= num_locally_computed_gpu_blocks * gpu_block_size\n)"
+    assert canonical(old) == canonical(TARGET_TITLE.split(": ", 1)[1])
+    assert canonical("<= num_locally_computed_gpu_blocks * gpu_block_size") == \
+        "<= num_locally_computed_gpu_blocks * tokens_per_block"
+    # another comparison of the same names is another assertion
+    assert canonical("num_locally_computed_tokens < num_locally_computed_gpu_blocks * gpu_block_size") != \
+        canonical(old)
+    assert canonical("num_locally_computed_tokens % gpu_block_size == 0") != canonical(old)
 
 
 def test_clean_log_is_no_crash():
@@ -431,17 +462,39 @@ def _engine_log(frames: list[str], exception: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def test_engine_counters_last_line_of_each_process_and_unknown_without_one():
+    from kvrepro.classify import read_engine_counters
+    from kvrepro.records import EngineCounters
+
+    log = ("(EngineCore pid=7) INFO 11-30 14:08:53 [executor.py:413] kvrepro-sim: counts steps=5 "
+           "offload_load_jobs=1 offload_store_jobs=2 pid=7\n"
+           "(EngineCore pid=7) INFO 11-30 14:08:55 [executor.py:413] kvrepro-sim: counts steps=50 "
+           "offload_load_jobs=10 offload_store_jobs=20 pid=7\n"
+           "kvrepro-sim: counts steps=3 offload_load_jobs=1 offload_store_jobs=1 pid=9\n")
+    assert read_engine_counters(log) == EngineCounters(steps=53, offload_load_jobs=11, offload_store_jobs=21)
+    assert read_engine_counters(read("serve-0.26-target.log")) == EngineCounters()  # unknown, not zero
+
+
+def test_probe_counts_of_unprefixed_processes_are_kept_apart_by_pid():
+    """vLLM 0.33 does not prefix a child's raw stderr: the API server's zeros must not win."""
+    log = ("kvrepro-probe: counts external_hit_calls=520 trigger_calls=52 pid=11\n"
+           "kvrepro-probe: counts external_hit_calls=0 trigger_calls=0 pid=10\n")
+    exposure = read_exposure(log)
+    assert (exposure.external_hit_calls, exposure.trigger_calls) == (520, 52)
+
+
 # --------------------------------------------------------------------------- evidence: state + shadow KV
 
 def test_exposure_reads_the_bugs_state_and_the_shadow_kv():
     log = "\n".join([
         INSTALLED,
-        "kvrepro-probe: counts external_hit_calls=3 trigger_calls=1 state_calls=0 state_groups=-",
+        "kvrepro-probe: counts external_hit_calls=3 trigger_calls=1 state_calls=0 state_groups=- pid=12",
         "kvrepro-shadow: installed groups=0:mamba/16,1:full_attention/16",
         "kvrepro-shadow: violation step=9 request r1 group 1 (full_attention) block index 5: missing",
         "kvrepro-shadow: violation step=12 request r2 group 0 (mamba) block index 2: null block",
         "kvrepro-shadow: counts checks=40 violations=2 by=full_attention:1,mamba+offload:1",
-        "kvrepro-probe: counts external_hit_calls=9 trigger_calls=4 state_calls=3 state_groups=full_attention:3,mamba:1",
+        "kvrepro-probe: counts external_hit_calls=9 trigger_calls=4 state_calls=3 state_groups=full_attention:3,mamba:1 "
+        "pid=12",
     ])
     exp = read_exposure(log)
     assert (exp.trigger_calls, exp.state_calls, exp.state_groups) == (4, 3, {"full_attention": 3, "mamba": 1})

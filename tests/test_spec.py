@@ -57,7 +57,7 @@ def test_unknown_patch_in_build_names_the_list_entry(tmp_path):
 
 
 def test_bad_version_and_bad_yaml(tmp_path):
-    assert ":1: base: must be a vLLM release version" in _error('base: "latest"\nbuilds: {A: []}\n', tmp_path)
+    assert ":1: base: 'latest' must be a vLLM release version" in _error('base: "latest"\nbuilds: {A: []}\n', tmp_path)
     assert "not valid YAML" in _error("base: [\n", tmp_path)
 
 
@@ -92,3 +92,25 @@ def test_cli_validate_exits_2_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert f"{path}:5: load.concurency: unknown field" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_base_may_be_a_list_and_every_build_runs_on_every_release(tmp_path):
+    path = tmp_path / "matrix.yaml"
+    path.write_text("base: [0.26.0, 0.30.0]\nbuilds:\n  plain: []\n  other: []\n")
+    loaded = load_matrix(path)
+    assert loaded.matrix.bases == ["0.26.0", "0.30.0"]
+    cells = [(p.name, p.base, p.build_name) for p in loaded.plans()]
+    assert cells == [("plain@0.26.0", "0.26.0", "plain"), ("other@0.26.0", "0.26.0", "other"),
+                     ("plain@0.30.0", "0.30.0", "plain"), ("other@0.30.0", "0.30.0", "other")]
+    # --base overrides; one release keeps the plain build names
+    assert [(p.name, p.base) for p in loaded.plans(["plain"], ["0.27.1"])] == [("plain", "0.27.1")]
+    assert loaded.matrix.image_for("0.30.0") == "vllm/vllm-openai:v0.30.0"
+
+
+def test_bad_base_lists_are_named(tmp_path):
+    assert "base: a release is listed twice" in _error("base: [0.26.0, 0.26.0]\nbuilds: {A: []}\n", tmp_path)
+    assert "'latest' must be a vLLM release version" in _error("base: [0.26.0, latest]\nbuilds: {A: []}\n", tmp_path)
+    path = tmp_path / "ok.yaml"
+    path.write_text("builds: {A: []}\n")
+    with pytest.raises(SpecError, match="--base 'nightly': must be a vLLM release version"):
+        load_matrix(path).plans(bases=["nightly"])

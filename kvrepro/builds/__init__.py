@@ -12,17 +12,17 @@ from pathlib import Path
 
 from .overlay import build_overlay, pristine_tree
 from .patching import apply_patch_stack, touched_files
-from .runtime import ensure_runtime, is_ready
+from .runtime import Runtime, ensure_runtime, is_ready
 from .wheel import fetch_wheel, vllm_requirements
 
 
-def prepare_runtime(base: str, on_line: Callable[[str], None] | None = None) -> Path:
-    """The python of the runtime env for vLLM ``base`` (downloads and installs on first use)."""
+def prepare_runtime(base: str, on_line: Callable[[str], None] | None = None) -> Runtime:
+    """The runtime (python + layers) for vLLM ``base`` (downloads and installs on first use)."""
     wheel, _, _ = pristine_tree(base, on_line)
     return ensure_runtime(vllm_requirements(wheel), on_line)
 
 
 __all__ = [
-    "apply_patch_stack", "build_overlay", "ensure_runtime", "fetch_wheel", "is_ready",
+    "Runtime", "apply_patch_stack", "build_overlay", "ensure_runtime", "fetch_wheel", "is_ready",
     "prepare_runtime", "pristine_tree", "touched_files", "vllm_requirements",
 ]

@@ -19,10 +19,11 @@ from pathlib import Path
 
 from .. import paths
 from ..records import BuildArtifact, BuildPlan
+from ..engine import plugin
 from . import patching, wheel as wheels
 
 PROBE_SOURCE = paths.PACKAGE_ROOT / "probe" / "kvrepro_probe.py"
-OVERLAY_FORMAT = 1
+OVERLAY_FORMAT = 2  # 2: vllm and kvrepro_sim dist-info folders (vLLM's own `vllm serve`)
 # what the probe wraps (kvrepro_probe.TARGET_*; not imported: importing the probe installs it)
 PROBE_TARGET_FILE = "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
 PROBE_TARGET_CLASS = "OffloadingConnectorScheduler"
@@ -104,6 +105,19 @@ def _unshare(path: Path) -> None:
         os.chmod(path, mode)
 
 
+def install_dist_info(wheel: Path, root: Path) -> None:
+    """Make ``root`` look like an installed vLLM to ``importlib.metadata``.
+
+    `vllm serve` asks ``importlib.metadata.version("vllm")`` and vLLM finds its plugins through
+    entry points, so the overlay carries vLLM's own ``METADATA`` and ``entry_points.txt`` and the
+    ``kvrepro_sim`` dist-info whose entry point is the GPU-free platform plugin.
+    """
+    wheels.extract_dist_info(wheel, root, ("METADATA", "entry_points.txt", "top_level.txt"))
+    for rel, text in plugin.dist_info_files().items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
 def build_overlay(plan: BuildPlan, on_line: Callable[[str], None] | None = None) -> BuildArtifact:
     """Build (or reuse) the overlay for ``plan``.
 
@@ -133,6 +147,7 @@ def build_overlay(plan: BuildPlan, on_line: Callable[[str], None] | None = None)
         if failure is not None:
             return BuildArtifact(plan=plan, ref=None, manifest={}, error=str(failure))
         shutil.copy2(PROBE_SOURCE, tmp / PROBE_SOURCE.name)
+        install_dist_info(wheel, tmp)
         manifest = {
             "base": plan.base,
             "wheel": wheel.name,

@@ -1,20 +1,34 @@
 """The shared runtime env: one venv with vLLM's dependencies that every overlay runs in.
 
 vLLM itself is NOT installed here: each build's patched ``vllm/`` overlay is put in front of
-``sys.path``, so four builds share one 1 GB environment. The env is keyed by its inputs (the
-Python version, the torch pin and the requirement list), so a vLLM version with other
-requirements gets its own env and an unchanged one is reused.
+``sys.path``, so all builds of a release share one environment (about 2.8 GB). The env is keyed
+by its inputs (the Python version, the torch pin and the requirement list). A release whose
+requirement list differs still reuses an existing env when every one of its requirements is
+satisfied by what that env has installed (recorded in ``installed.json`` when it was made).
+
+A release whose requirements an existing env does not satisfy (a pin such as
+``transformers<5.18`` or a new package) gets a *layer*, not a new env: pip resolves the
+release's requirements against what the env already holds (``pip install --dry-run --report``)
+and only the packages it would add or replace are installed, without dependencies, into a small
+folder that goes in front of the env's ``site-packages`` on ``PYTHONPATH``. A layer is a few
+dozen megabytes and seconds of work, where a new env is 2.8 GB and two minutes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
 
 from .. import paths
 from ..errors import SetupError
@@ -23,6 +37,11 @@ from ..errors import SetupError
 # the index would be a multi-GB CUDA build. vLLM's scheduler runs fine on it.
 TORCH_PIN = os.environ.get("KVREPRO_TORCH", "torch==2.13.0")
 _COMPLETE = ".kvrepro-complete"
+_INSTALLED = "installed.json"  # distribution name -> version, written when the env is complete
+_LIST_INSTALLED = (
+    "import importlib.metadata as m, json, sys; "
+    "json.dump({d.metadata['Name']: d.version for d in m.distributions() if d.metadata['Name']}, sys.stdout)"
+)
 
 
 def runtime_key(requirements: list[str]) -> str:
@@ -38,8 +57,127 @@ def runtime_python(env_dir: Path) -> Path:
     return env_dir / "bin" / "python"
 
 
+def _installed(env_dir: Path) -> dict[str, str] | None:
+    try:
+        raw = json.loads((env_dir / _INSTALLED).read_text())
+    except (OSError, ValueError):
+        return None
+    return {canonicalize_name(name): version for name, version in raw.items()}
+
+
+def satisfies(installed: dict[str, str], requirements: list[str]) -> bool:
+    """True when every requirement (name and version range; extras not followed) is installed."""
+    for line in requirements:
+        try:
+            req = Requirement(line)
+            have = installed.get(canonicalize_name(req.name))
+            if have is None or not req.specifier.contains(Version(have), prereleases=True):
+                return False
+        except (InvalidRequirement, InvalidVersion):
+            return False
+    return True
+
+
+def find_compatible(requirements: list[str]) -> Path | None:
+    """The env made for exactly these requirements, else any complete env that satisfies them."""
+    exact = runtime_dir(requirements)
+    if (exact / _COMPLETE).exists() and runtime_python(exact).exists():
+        return exact
+    root = paths.runtimes_dir()
+    python_version = sys.version.split()[0]
+    for env_dir in sorted(root.iterdir()) if root.is_dir() else ():
+        marker = env_dir / _COMPLETE
+        if not marker.exists() or not runtime_python(env_dir).exists():
+            continue
+        if marker.read_text().strip() != TORCH_PIN:
+            continue
+        if (env_dir / "python-version").exists() and (env_dir / "python-version").read_text().strip() != python_version:
+            continue
+        installed = _installed(env_dir)
+        if installed is not None and satisfies(installed, requirements):
+            return env_dir
+    return None
+
+
 def is_ready(requirements: list[str]) -> bool:
-    return (runtime_dir(requirements) / _COMPLETE).exists()
+    return find_compatible(requirements) is not None
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """A python to run vLLM with and the folders (overlay first) its ``PYTHONPATH`` must hold."""
+
+    python: Path
+    layers: tuple[Path, ...] = ()
+
+    def pythonpath(self, *front: str | Path) -> str:
+        """``PYTHONPATH`` for a process of this runtime: ``front`` (the overlay) then the layers."""
+        return os.pathsep.join(str(p) for p in (*front, *self.layers))
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256("\n".join(map(str, (self.python, *self.layers))).encode()).hexdigest()[:12]
+
+
+def _layers_dir() -> Path:
+    return paths.runtimes_dir() / "layers"
+
+
+def _best_base_env() -> Path | None:
+    """The complete env (same torch pin and python) that a layer goes on top of: the oldest one."""
+    root = paths.runtimes_dir()
+    python_version = sys.version.split()[0]
+    candidates = []
+    for env_dir in root.iterdir() if root.is_dir() else ():
+        marker = env_dir / _COMPLETE
+        if (marker.exists() and runtime_python(env_dir).exists() and marker.read_text().strip() == TORCH_PIN
+                and _installed(env_dir) is not None
+                and (not (env_dir / "python-version").exists()
+                     or (env_dir / "python-version").read_text().strip() == python_version)):
+            candidates.append((marker.stat().st_mtime, env_dir))
+    return min(candidates)[1] if candidates else None
+
+
+def ensure_layer(env_dir: Path, requirements: list[str], on_line: Callable[[str], None] | None = None) -> Path:
+    """The folder holding what ``requirements`` need beyond ``env_dir`` (made once, then reused)."""
+    material = "\n".join([env_dir.name, TORCH_PIN, *sorted(requirements)])
+    layer = _layers_dir() / hashlib.sha256(material.encode()).hexdigest()[:16]
+    if (layer / _COMPLETE).exists():
+        return layer
+    if layer.exists():
+        shutil.rmtree(layer)
+    layer.parent.mkdir(parents=True, exist_ok=True)
+    log = layer.parent / f"{layer.name}.setup.log"
+    log.write_text("")
+    python = runtime_python(env_dir)
+    work = layer.parent / f".{layer.name}-work"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        reqs_file = work / "requirements.txt"
+        reqs_file.write_text("\n".join(requirements) + "\n")
+        constraints = work / "constraints.txt"
+        constraints.write_text(TORCH_PIN + "\n")
+        report = work / "report.json"
+        if on_line:
+            on_line(f"resolving a layer on top of {env_dir.name} for {len(requirements)} requirements")
+        pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off"]
+        _run(pip + ["--dry-run", "--quiet", "--report", str(report), "-r", str(reqs_file), "-c", str(constraints)],
+             log, on_line, "resolving the release's requirements against the runtime env")
+        wanted = sorted(f"{item['metadata']['name']}=={item['metadata']['version']}"
+                        for item in json.loads(report.read_text()).get("install", []))
+        staged = work / "site"
+        staged.mkdir()
+        if wanted:
+            if on_line:
+                on_line(f"layer: {', '.join(wanted)}")
+            _run(pip + ["--no-deps", "--target", str(staged), *wanted], log, on_line, "installing the layer")
+        (staged / "layer.json").write_text(json.dumps({"env": env_dir.name, "packages": wanted}, indent=2) + "\n")
+        (staged / _COMPLETE).write_text(TORCH_PIN + "\n")
+        os.replace(staged, layer)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return layer
 
 
 def _run(cmd: list[str], log: Path, on_line: Callable[[str], None] | None, what: str) -> None:
@@ -61,16 +199,20 @@ def _run(cmd: list[str], log: Path, on_line: Callable[[str], None] | None, what:
         )
 
 
-def ensure_runtime(requirements: list[str], on_line: Callable[[str], None] | None = None) -> Path:
-    """Create (once) the venv holding ``requirements`` + torch; return its python.
+def ensure_runtime(requirements: list[str], on_line: Callable[[str], None] | None = None) -> Runtime:
+    """The runtime for ``requirements``: an env that satisfies them, a layer on one, or a new env.
 
-    Idempotent: a finished env carries a marker file; an unfinished one (Ctrl-C, a failed
-    download) is removed and built again.
+    Idempotent: a finished env or layer carries a marker file; an unfinished one (Ctrl-C, a
+    failed download) is removed and built again.
     """
+    found = find_compatible(requirements)
+    if found is not None:
+        return Runtime(runtime_python(found))
+    base_env = _best_base_env()
+    if base_env is not None:
+        return Runtime(runtime_python(base_env), (ensure_layer(base_env, requirements, on_line),))
     env_dir = runtime_dir(requirements)
     python = runtime_python(env_dir)
-    if (env_dir / _COMPLETE).exists() and python.exists():
-        return python
     if env_dir.exists():
         shutil.rmtree(env_dir)
     env_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -86,5 +228,9 @@ def ensure_runtime(requirements: list[str], on_line: Callable[[str], None] | Non
     reqs_file = env_dir / "requirements.txt"
     reqs_file.write_text("\n".join(requirements) + "\n")
     _run(pip + ["-r", str(reqs_file), "-c", str(constraints)], log, on_line, "installing vLLM's dependencies")
+    listing = subprocess.run([str(python), "-I", "-c", _LIST_INSTALLED], capture_output=True, text=True)
+    if listing.returncode == 0:
+        (env_dir / _INSTALLED).write_text(listing.stdout)
+    (env_dir / "python-version").write_text(sys.version.split()[0] + "\n")
     (env_dir / _COMPLETE).write_text(TORCH_PIN + "\n")
-    return python
+    return Runtime(python)

@@ -145,3 +145,17 @@ def extract_sources(wheel: Path, dest: Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def extract_dist_info(wheel: Path, dest: Path, names: tuple[str, ...]) -> list[Path]:
+    """Copy the named files of the wheel's ``*.dist-info/`` folder into ``dest`` (same layout)."""
+    written = []
+    with zipfile.ZipFile(wheel) as zf:
+        for member in zf.namelist():
+            folder, _, name = member.partition("/")
+            if folder.endswith(".dist-info") and name in names:
+                target = dest / member
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(zf.read(member))
+                written.append(target)
+    return written

@@ -7,6 +7,7 @@ Public API:
   the matrix's target crash, another crash, an infrastructure failure or no crash at all
   (:class:`~kvrepro.records.Outcome`).
 * :func:`read_exposure` -- the probe's counts of how often the crash's precondition occurred.
+* :func:`read_engine_counters` -- the GPU-free engine's own totals (steps, offload jobs).
 * :func:`known_patterns` / :func:`match_pattern` / :class:`Pattern` -- the table of known
   crashes, one module each under ``kvrepro/classify/signatures/``.
 
@@ -21,6 +22,7 @@ from pathlib import Path
 from ..records import Classification
 from ..spec import TargetSignature
 from .classifier import classify_lines
+from .engine_counters import read_engine_counters
 from .exposure import read_exposure
 from .patterns import Pattern, known_patterns, match_pattern
 
@@ -30,6 +32,7 @@ __all__ = [
     "classify_log",
     "known_patterns",
     "match_pattern",
+    "read_engine_counters",
     "read_exposure",
 ]
 

@@ -13,7 +13,9 @@ Choosing the fatal traceback, in order of trust:
    (``KeyboardInterrupt``, ``CancelledError``, ...) are ignored altogether;
 4. a traceback logged at ERROR by some other code, but only when the log also shows that the
    engine died (a consequence was seen): the best guess at the cause;
-5. only consequences: a crash whose cause is not in the log.
+5. only consequences: a crash whose cause is not in the log; unless they come after the server
+   began an orderly stop (vLLM's ``[shutdown]`` steps, uvicorn's ``Shutting down``): a healthy
+   server stopped with SIGTERM logs an ``EngineDeadError`` too, and that is no crash.
 
 Any of 3-5 that happens before the server logged ``Application startup complete.`` (uvicorn's
 line, which vLLM's API server and kvrepro's engine both print once serving) means the engine never
@@ -43,6 +45,9 @@ from .source import canonical, shown_expression, statement_at
 from .tracebacks import FAILED_START_MARKER, FATAL_MARKER, TRACEBACK_START, Frame, Traceback, TracebackScanner
 
 STARTUP_COMPLETE = "Application startup complete."
+# an orderly stop has begun (SIGTERM, Ctrl-C): vLLM >= 0.27 tags its shutdown steps, uvicorn says
+# so; the EngineDeadError a stopping API server then logs reports the stop, not a crash
+SHUTDOWN_MARKERS = ("[shutdown] ", "Shutting down")
 # exceptions that report the engine's death (raised in the API server once EngineCore is gone)
 DEATH_REPORTS = frozenset({"EngineDeadError"})
 # what shutting down prints (SIGINT/SIGTERM, cancelled asyncio tasks): neither cause nor death
@@ -57,7 +62,8 @@ _DIED = re.compile(r"EngineDeadError|Engine ?core\b.*\bdied|died unexpectedly|En
 # a raw line must contain one of these to matter while no traceback is being read; checking
 # substrings first keeps a 100 MB log of request lines cheap
 _KEYWORDS = (TRACEBACK_START[:15], FATAL_MARKER[:21], FAILED_START_MARKER[:18], STARTUP_COMPLETE, ": error: ",
-             "ERROR ", "CRITICAL ", '" 200', "throughput:", "died", "EngineDead", "EngineCore encountered")
+             "ERROR ", "CRITICAL ", *SHUTDOWN_MARKERS, '" 200', "throughput:", "died", "EngineDead",
+             "EngineCore encountered")
 _TITLE_MAX = 240
 _SECRET = re.compile(
     r"(?i)(hf_[A-Za-z0-9]{6,}|ghp_[A-Za-z0-9]{6,}|sk-[A-Za-z0-9_-]{6,}"
@@ -77,6 +83,7 @@ class _Evidence:
         self.logged_error: Traceback | None = None
         self.consequence: Traceback | None = None
         self.startup_line: int | None = None
+        self.shutdown_line: int | None = None  # where an orderly stop began
         self.arg_error: tuple[int, str] | None = None
         self.last_error_line: str | None = None  # last ERROR/CRITICAL record before startup
         self.death_line: str | None = None  # first line saying the engine died (no traceback needed)
@@ -96,6 +103,8 @@ class _Evidence:
                 self.followup[id(marked)] = tb
                 return
         if _reports_death(tb):
+            if self.shutdown_line is not None and tb.first_line > self.shutdown_line:
+                return  # the server was being stopped: its death report is not a crash
             self.consequence = self.consequence or tb
         elif tb.final.short_exception in SHUTDOWN_NOISE:
             pass
@@ -123,8 +132,11 @@ def scan(lines: Iterable[str] | str) -> _Evidence:
         line = split_line(number, raw)
         scanner.feed(line)
         body = line.body
-        if evidence.death_line is None and _DIED.search(body):
-            evidence.death_line = body.strip()
+        if evidence.shutdown_line is None and evidence.startup_line is not None and any(
+                m in body for m in SHUTDOWN_MARKERS):
+            evidence.shutdown_line = number
+        if evidence.death_line is None and evidence.shutdown_line is None and _DIED.search(body):
+            evidence.death_line = body.strip()  # after an orderly stop began, "died" is the stop
         if evidence.startup_line is None and (STARTUP_COMPLETE in body or _SERVED.search(body)):
             evidence.startup_line = number
         elif evidence.startup_line is None:
@@ -147,7 +159,11 @@ def classify_lines(lines: Iterable[str] | str, source_root: Path | None = None,
     if ev.fatal is not None:
         return _crash(ev.best(ev.fatal), source_root, target, infra=False)
     if ev.failed_start is not None:
-        return _crash(ev.best(ev.failed_start), source_root, target, infra=True)
+        failed = ev.best(ev.failed_start)
+        if ev.raw is not None and ev.raw.stream == failed.stream and ev.raw.first_line < failed.first_line:
+            # the process printed an uncaught exception (a thread's) before it gave up: the cause
+            return _crash(ev.raw, source_root, target, infra=True)
+        return _crash(failed, source_root, target, infra=True)
     if ev.raw is not None:
         return _crash(ev.raw, source_root, target, infra=before_startup(ev.raw))
     if ev.logged_error is not None and ev.consequence is not None:

@@ -5,17 +5,18 @@ A SURVIVED verdict is only worth something if the crash's precondition happened 
 The probe installed in the engine says so on stderr::
 
     kvrepro-probe: installed function=OffloadingConnectorScheduler.update_state_after_alloc file=<path> source_sha256=<64 hex>
-    kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M> state_calls=<K> state_groups=<kind>:<n>,...
+    kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M> state_calls=<K> state_groups=<kind>:<n>,... pid=<P>
 
 (older probes end the counts line after ``trigger_calls``: no state evidence, read as zero). The
 GPU-free engine's shadow KV (kvrepro/engine/shadow.py) reports what it checked the same way::
 
     kvrepro-shadow: installed groups=...
     kvrepro-shadow: violation step=<S> <words>
-    kvrepro-shadow: counts checks=<N> violations=<M>
+    kvrepro-shadow: counts checks=<N> violations=<M> by=<kind>[+offload]:<n>,...
 
 The counts line is repeated with running totals, so the last one of each process counts; when
-several processes print (their lines carry different ``(Name pid=N)`` prefixes) their last lines
+several processes print (their lines carry different ``(Name pid=N)`` prefixes, or, from vLLM
+0.33 on where children's raw stderr is not prefixed, different ``pid=`` fields) their last lines
 are added up. The GPU-free engine also exports the totals on ``/metrics``; the larger of the two
 sources wins, since either can miss the last few calls (a log cut short, a scrape taken early).
 """
@@ -33,7 +34,7 @@ _INSTALLED = re.compile(
     r"kvrepro-probe: installed function=(?P<function>\S+) file=(?P<file>.*?) source_sha256=(?P<sha>[0-9a-f]{64})\b"
 )
 _COUNTS = re.compile(r"kvrepro-probe: counts external_hit_calls=(?P<ext>\d+) trigger_calls=(?P<trig>\d+)\b"
-                     r"(?: state_calls=(?P<state>\d+) state_groups=(?P<groups>\S+))?")
+                     r"(?: state_calls=(?P<state>\d+) state_groups=(?P<groups>\S+))?(?: pid=(?P<pid>\d+))?")
 _SHADOW_TAG = "kvrepro-shadow:"
 _SHADOW_COUNTS = re.compile(r"kvrepro-shadow: counts checks=(?P<checks>\d+) violations=(?P<violations>\d+)\b"
                             r"(?: by=(?P<by>\S+))?")
@@ -48,7 +49,8 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
     """Exposure evidence from an engine log and, optionally, a ``/metrics`` scrape."""
     sha: str | None = None
     seen = shadow_seen = False
-    last: dict[str, tuple[int, int, int, dict[str, int]]] = {}  # stream -> last probe counts
+    # (stream, pid) -> last probe counts (external_hit_calls, trigger_calls, state_calls, state_groups)
+    last: dict[tuple[str, str], tuple[int, int, int, dict[str, int]]] = {}
     shadow: dict[str, tuple[int, int, dict[str, int]]] = {}  # stream -> (checks, violations, by kind)
     first_violation: str | None = None
     for number, raw in enumerate(io.StringIO(log_text, newline="\n"), start=1):
@@ -59,7 +61,8 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
             seen = True
             sha = m["sha"]
         elif (m := _COUNTS.search(line.body)) is not None:
-            last[line.stream] = (int(m["ext"]), int(m["trig"]), int(m["state"] or 0), _groups(m["groups"]))
+            last[(line.stream, m["pid"] or "")] = (int(m["ext"]), int(m["trig"]), int(m["state"] or 0),
+                                                 _groups(m["groups"]))
         elif (m := _SHADOW_COUNTS.search(line.body)) is not None:
             shadow_seen = True
             shadow[line.stream] = (int(m["checks"]), int(m["violations"]), _groups(m["by"]))

@@ -13,6 +13,8 @@ import functools
 import re
 from pathlib import Path
 
+from ..versions import IDENTIFIER_ALIASES
+
 _SPACE = re.compile(r"\s+")
 _OPEN_SPACE = re.compile(r"([(\[{]) ")
 _SPACE_CLOSE = re.compile(r" ([)\]}])")
@@ -25,18 +27,37 @@ def one_line(text: str) -> str:
     return _SPACE_CLOSE.sub(r"\1", text)
 
 
-def canonical(expression: str) -> str:
-    """A form of an expression for comparing, insensitive to layout and redundant parentheses.
+class _Renames(ast.NodeTransformer):
+    def visit_Name(self, node: ast.Name) -> ast.Name:
+        node.id = IDENTIFIER_ALIASES.get(node.id, node.id)
+        return node
 
-    Whole statements and expressions go through ``ast.unparse``; a fragment (one line of a
-    wrapped expression, which does not parse) is only whitespace-collapsed. ``assert`` is
-    dropped so that ``assert a == b`` and the test ``a == b`` compare equal.
+    def visit_Attribute(self, node: ast.Attribute) -> ast.AST:
+        self.generic_visit(node)
+        node.attr = IDENTIFIER_ALIASES.get(node.attr, node.attr)
+        return node
+
+
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def canonical(expression: str) -> str:
+    """A form of an expression for comparing: what it computes and compares, not how it is laid out.
+
+    Whole statements and expressions go through ``ast.unparse`` (layout and redundant
+    parentheses vanish); a fragment (one line of a wrapped expression, which does not parse) is
+    only whitespace-collapsed. ``assert`` is dropped so that ``assert a == b`` and the test
+    ``a == b`` compare equal. Identifiers that vLLM renamed between releases are mapped to one
+    name (``kvrepro.versions.IDENTIFIER_ALIASES``), so a crash keeps its signature across a
+    refactor while any other difference (another operator, another operand) stays a different
+    statement.
     """
     text = one_line(expression)
     try:
-        tree = ast.parse(text)
+        tree = _Renames().visit(ast.parse(text))
     except SyntaxError:
-        return text.removeprefix("assert ")
+        renamed = _WORD.sub(lambda m: IDENTIFIER_ALIASES.get(m.group(0), m.group(0)), text)
+        return renamed.removeprefix("assert ")
     if len(tree.body) == 1:
         node = tree.body[0]
         if isinstance(node, ast.Assert):

@@ -1,7 +1,10 @@
-"""The `sim` target: the GPU-free engine as a local process on 127.0.0.1.
+"""The `sim` target: vLLM's own `vllm serve`, GPU-free, as a local process on 127.0.0.1.
 
-Each build is an overlay (patched ``vllm/`` + probe) run by the shared runtime env's python; the
-engine process is vLLM's real scheduler stack with a fake executor (see kvrepro.engine).
+Each build is an overlay (patched ``vllm/``, vLLM's dist-info, the probe and kvrepro's platform
+plugin) run by the shared runtime env's python. The engine is vLLM's API server and EngineCore
+process with kvrepro's platform plugin, which swaps in the fake executor (see kvrepro.engine).
+The server is kept up after EngineCore dies (``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1``), so the
+run can still read ``/metrics`` and see ``/health`` answer 503, as production monitoring would.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import requests
 
-from .. import builds, paths
+from .. import builds, paths, versions
 from ..errors import InfraError, KvreproError
 from ..records import BuildArtifact, BuildPlan
 from ..engine.zygote import ENV_VAR as ZYGOTE_ENV, start_zygote
@@ -90,19 +93,40 @@ class ProcessEngine(EngineHandle):
             self._log.close()
 
 
+class _Zygote:
+    """One engine zygote per runtime (python + layers): builds of one release share it."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.socket = folder / "zygote.sock"
+        self.proc: subprocess.Popen | None = None
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.running():
+            assert self.proc is not None
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
 @register("sim")
 class SimTarget(Target):
     """Runs each build's overlay in the shared runtime env (no GPU, no container)."""
 
     def __init__(self, loaded):
         super().__init__(loaded)
-        self._python: Path | None = None
-        self._zygote: subprocess.Popen | None = None
-        self._zygote_dir: Path | None = None
+        self._runtimes: dict[str, builds.Runtime] = {}
+        self._zygotes: dict[str, _Zygote] = {}
         self._zygote_lock = threading.Lock()
-        self._zygote_tried = False
 
-    def _zygote_socket(self) -> str | None:
+    def _zygote_socket(self, runtime: builds.Runtime) -> str | None:
         """Start (once) the engine zygote: it imports torch & co. once and forks every engine.
 
         Most of an engine's start-up is importing vLLM's dependencies, identical for every
@@ -110,53 +134,47 @@ class SimTarget(Target):
         the ordinary way.
         """
         with self._zygote_lock:
-            if not self._zygote_tried:
-                self._zygote_tried = True
-                self._zygote_dir = Path(tempfile.mkdtemp(prefix="kvrepro-zygote-"))
+            zygote = self._zygotes.get(runtime.key)
+            if zygote is None:
+                zygote = self._zygotes[runtime.key] = _Zygote(Path(tempfile.mkdtemp(prefix="kvrepro-zygote-")))
                 env = self._base_environment()
-                env["PYTHONPATH"] = str(paths.SOURCE_ROOT)
-                sock = self._zygote_dir / "zygote.sock"
+                env["PYTHONPATH"] = runtime.pythonpath(paths.SOURCE_ROOT)
                 self.on_line("starting the engine zygote (imports vLLM's dependencies once)")
                 try:
-                    self._zygote = start_zygote(str(self.python()), str(sock), env,
-                                                str(self._zygote_dir / "zygote.log"))
+                    zygote.proc = start_zygote(str(runtime.python), str(zygote.socket), env,
+                                               str(zygote.folder / "zygote.log"))
                 except RuntimeError as exc:
                     self.on_line(f"engine zygote unavailable, starting engines directly: {exc}")
-            if self._zygote is not None and self._zygote.poll() is None and self._zygote_dir is not None:
-                return str(self._zygote_dir / "zygote.sock")
-            return None
+            return str(zygote.socket) if zygote.running() else None
 
     def close(self) -> None:
-        if self._zygote is not None and self._zygote.poll() is None:
-            self._zygote.terminate()
-            try:
-                self._zygote.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._zygote.kill()
-                self._zygote.wait()
-        if self._zygote_dir is not None:
-            shutil.rmtree(self._zygote_dir, ignore_errors=True)
+        for zygote in self._zygotes.values():
+            zygote.stop()
 
     def max_parallel(self) -> int:
         # one engine keeps about one core busy; the load generator is light
         return max(1, min(4, os.cpu_count() or 1))
 
-    def python(self) -> Path:
-        if self._python is None:
-            self._python = builds.prepare_runtime(self.loaded.matrix.base, self.on_line)
-        return self._python
+    def runtime(self, base: str) -> builds.Runtime:
+        """The runtime env (and layer) of a vLLM release, made on first use."""
+        if base not in self._runtimes:
+            self._runtimes[base] = builds.prepare_runtime(base, self.on_line)
+        return self._runtimes[base]
 
     def prepare(self, plan: BuildPlan) -> BuildArtifact:
         try:
-            self.python()
+            versions.require(plan.base)
+            self.runtime(plan.base)
             return builds.build_overlay(plan, self.on_line)
-        except KvreproError as exc:
+        except (versions.UnsupportedRelease, KvreproError) as exc:
             return BuildArtifact(plan=plan, ref=None, manifest={}, error=str(exc))
 
     def command(self, artifact: BuildArtifact, port: int) -> list[str]:
+        """`vllm serve MODEL ARGS` in the build's runtime (see kvrepro.engine.__main__)."""
         engine = self.loaded.matrix.engine
         args = engine.serve_args(str(self.loaded.model_dir()), include_sim=True)
-        return [str(self.python()), "-m", "kvrepro.engine", *args, "--host", "127.0.0.1", "--port", str(port)]
+        python = self.runtime(artifact.plan.base).python
+        return [str(python), "-m", "kvrepro.engine", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
 
     @staticmethod
     def _base_environment() -> dict[str, str]:
@@ -172,8 +190,15 @@ class SimTarget(Target):
         if zygote:
             env[ZYGOTE_ENV] = zygote
         env.update(
-            PYTHONPATH=os.pathsep.join([artifact.ref or "", str(paths.SOURCE_ROOT)]),
+            PYTHONPATH=self.runtime(artifact.plan.base).pythonpath(artifact.ref or "", paths.SOURCE_ROOT),
             PYTHONUNBUFFERED="1",
+            KVREPRO_SIM="1",
+            VLLM_KEEP_ALIVE_ON_ENGINE_DEATH="1",
+            # vLLM >= 0.30 defaults `vllm serve` to spawn; fork lets EngineCore reuse the API
+            # server's imports (no CUDA here to make fork unsafe)
+            VLLM_WORKER_MULTIPROC_METHOD="fork",
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
             KVREPRO_SIM_ACCEPTANCE_RATE=repr(sim.draft_acceptance_rate),
             KVREPRO_SIM_SEED=str(sim.seed + rep),
             KVREPRO_SIM_STEP_DELAY_MS=repr(sim.step_delay_ms),
@@ -184,8 +209,9 @@ class SimTarget(Target):
         if not artifact.ok:
             raise InfraError(artifact.error or "build failed")
         port = free_port()
+        zygote = self._zygote_socket(self.runtime(artifact.plan.base))
         handle = ProcessEngine(self.command(artifact, port),
-                               self.environment(artifact, rep, self._zygote_socket()),
+                               self.environment(artifact, rep, zygote),
                                run_dir / "engine.log", port)
         try:
             handle.wait_healthy(self.loaded.matrix.runs.start_timeout_s)

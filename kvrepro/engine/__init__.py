@@ -1,14 +1,14 @@
-"""The GPU-free engine: vLLM's real EngineCore on the CPU, served over OpenAI-style HTTP.
+"""The GPU-free engine: vLLM's own ``vllm serve``, with a vLLM plugin where a GPU would be.
 
-Run as ``python -m kvrepro.engine <model_dir> <vllm serve args> [--host H] [--port P]`` (the
-same argument list ``kvrepro.spec.EngineSpec.serve_args`` gives every target). What runs for
-real: vLLM's ``EngineArgs`` -> ``VllmConfig``, ``EngineCore`` with its ``Scheduler``,
+``python -m kvrepro.engine serve MODEL ARGS`` is ``vllm serve MODEL ARGS`` (see ``__main__``):
+vLLM's API server, ``AsyncLLM``, the EngineCore process with its ``Scheduler``,
 ``KVCacheManager`` (prefix caching, hybrid full-attention + Mamba ``align`` groups), MTP draft
-bookkeeping, the ``OffloadingConnector`` on both the scheduler side (CPU offloading manager,
-lookups, load/store job building) and the worker side (job submission, completion reports).
-What is faked (no GPU here): the model (which tokens come out, whether a draft token is
-accepted) and the offload worker's data movement (every job completes one step later). See
-``executor`` for the details and ``config`` for what had to be set by hand.
+bookkeeping and the ``OffloadingConnector`` on both sides, vLLM's logging and lifecycle. With
+``KVREPRO_SIM=1`` kvrepro's platform plugin (``plugin``, entry point group
+``vllm.platform_plugins``) names ``platform.SimCpuPlatform``, which selects
+``executor.SimExecutor``: the model (which tokens come out, whether a draft token is accepted)
+and the offload worker's data movement (every job completes one step later) are faked, because
+this machine has no GPU. ``config`` holds the fake model's knobs (``KVREPRO_SIM_*``).
 
 Geometry notes for matrix authors. vLLM itself refuses to start when one request of
 ``--max-model-len`` does not fit in the GPU pool (``--num-gpu-blocks-override`` blocks of
@@ -20,7 +20,7 @@ blocks showed no such stall in 30 seeds while the target crash stays certain.
 
 Start-up is dominated by importing torch & co.; ``zygote`` lets many engines share that cost.
 
-This package imports only the standard library and vLLM (plus vLLM's own dependencies): it
-runs in the runtime env, which has no kvrepro dependencies. Nothing is imported here so that
-``import kvrepro.engine`` stays free.
+This package imports only the standard library, vLLM and vLLM's own dependencies (plus the
+stdlib-only ``kvrepro.versions``): it runs in the runtime env, which has no kvrepro
+dependencies. Nothing is imported here so that ``import kvrepro.engine`` stays free.
 """

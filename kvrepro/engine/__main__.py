@@ -1,7 +1,12 @@
-"""``python -m kvrepro.engine <model_dir> <vllm serve args> [--host H] [--port P]``.
+"""``python -m kvrepro.engine serve MODEL ARGS``: vLLM's own ``vllm serve MODEL ARGS``, GPU-free.
 
-With ``KVREPRO_ENGINE_ZYGOTE=<socket>`` set, the engine is forked by that zygote instead of
-starting here (see kvrepro.engine.zygote); without a zygote answering it starts here as usual.
+The arguments after ``kvrepro.engine`` are vLLM's command line, unchanged (``serve`` and what
+follows, exactly what a GPU node is given). With ``KVREPRO_SIM=1`` the kvrepro platform plugin
+makes it GPU-free (see ``kvrepro.engine.plugin``); the process is otherwise vLLM's CLI.
+
+With ``KVREPRO_ENGINE_ZYGOTE=<socket>`` set, the engine is forked by that zygote, which has the
+heavy third-party modules imported already (see ``kvrepro.engine.zygote``); without a zygote
+answering it starts here as usual.
 """
 
 import os
@@ -19,18 +24,10 @@ def _run() -> int:
             return code
         print(f"kvrepro engine: no zygote answers on {socket_path}; starting without it",
               file=sys.stderr, flush=True)
-    from kvrepro.engine.server import main
+    from kvrepro.engine.vllm_cli import run
 
-    return main(argv)
+    return run(argv)
 
 
 if __name__ == "__main__":
-    code = _run()
-    # Exit handlers (the probe's last counts line) run, then the process ends without tearing
-    # down torch & co. module by module, which adds a second or more to every engine stop.
-    import atexit
-
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(_run())

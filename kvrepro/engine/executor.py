@@ -33,6 +33,7 @@ Faked, because this machine has no GPU:
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -46,10 +47,13 @@ from vllm.v1.executor.abstract import Executor
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
+from kvrepro import versions
+
 from . import shadow as shadow_kv
 from .config import SimKnobs
 
 logger = init_logger("vllm.kvrepro_engine.executor")
+COUNTS_INTERVAL_S = 2.0
 
 
 
@@ -239,8 +243,15 @@ class SimExecutor(Executor):
     def _init_executor(self) -> None:
         from vllm.platforms import current_platform
 
+        import vllm
+
+        self._vllm_version = getattr(vllm, "__version__", "?")
+        entry = versions.release(self._vllm_version) or versions.Release(self._vllm_version)
+        self._rpc_answers = entry.worker_rpc_answers()
         self.knobs = SimKnobs.from_env()
         self.steps = 0
+        self._last_counts: tuple | None = None
+        self._last_report = 0.0
         self.runner: SimRunner | None = None
         self.connector = None
         self.transfers: SimTransferWorker | None = None
@@ -383,26 +394,33 @@ class SimExecutor(Executor):
     # -- the per-step calls EngineCore makes ------------------------------------------------
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False):
+        """What the one (absent) worker answers; the table is per release (kvrepro.versions)."""
         name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))
-        handlers = {
-            "get_supported_tasks": lambda: ("generate",),
-            "check_health": lambda: None,
-            "shutdown": lambda: None,
-            "update_max_model_len": lambda n: None,
-            "reset_mm_cache": lambda: None,
-            "reset_encoder_cache": lambda: None,
-        }
-        handler = handlers.get(name)
-        if handler is None:
+        if name not in self._rpc_answers:
             raise NotImplementedError(
-                f"collective_rpc({name!r}): the sim executor has no worker process to run it on"
+                f"collective_rpc({name!r}): the sim executor has no answer for vLLM "
+                f"{self._vllm_version}; add one to kvrepro/versions.py (porting checklist, step 3)"
             )
-        result = [handler(*args, **(kwargs or {}))]
+        answer = self._rpc_answers[name]
+        if isinstance(answer, versions.Computed):
+            answer = getattr(self, answer.name)()
+        result = [answer]
         if non_block:
             future: Future = Future()
             future.set_result(result)
             return future
         return result
+
+    def compile_or_warm_up_model(self) -> None:
+        """No model to compile or warm up (0.27.1+ ask; what they do with worker answers varies)."""
+        return None
+
+    def gpu_kv_cache_layouts(self) -> list[str]:
+        """The layouts a CUDA worker reports: FlashAttention's, by vLLM's own rule."""
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+        from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+
+        return [layout.name for layout in get_supported_kv_cache_layouts([FlashAttentionBackend])]
 
     def get_kv_connector_handshake_metadata(self):
         # What GPUWorker returns: None when the connector needs no handshake (offloading).
@@ -414,6 +432,8 @@ class SimExecutor(Executor):
     def execute_model(self, scheduler_output, non_block: bool = False):
         assert self.runner is not None, "execute_model() before initialize_from_config()"
         self.steps += 1
+        if time.monotonic() - self._last_report >= COUNTS_INTERVAL_S:
+            self.report_counts()
         if self.knobs.step_delay_ms:
             time.sleep(self.knobs.step_delay_ms / 1000.0)
         return _answer(self.runner.execute_model, scheduler_output, non_block)
@@ -428,7 +448,23 @@ class SimExecutor(Executor):
     def check_health(self) -> None:
         return
 
+    def report_counts(self, force: bool = False) -> None:
+        """The engine's own counters as one log line (the classifier reads the last one).
+
+        They live in the EngineCore process, where vLLM's /metrics (served by the API server)
+        cannot see them; the log reaches the results whatever happens to the server.
+        """
+        self._last_report = time.monotonic()
+        stats = self.sim_stats()
+        counts = (stats["steps"], stats["load_jobs"], stats["store_jobs"])
+        if not force and counts == self._last_counts:
+            return
+        self._last_counts = counts
+        logger.info("kvrepro-sim: counts steps=%d offload_load_jobs=%d offload_store_jobs=%d pid=%d",
+                    *counts, os.getpid())
+
     def shutdown(self) -> None:
+        self.report_counts(force=True)
         if self.connector is not None:
             from vllm.distributed.kv_transfer import kv_transfer_state
 

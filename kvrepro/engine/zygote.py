@@ -1,10 +1,12 @@
 """Engine zygote: pay vLLM's third-party import cost once per matrix, not once per run.
 
-Most of an engine's start-up (~80 %) is importing torch, transformers, sympy, opentelemetry
-and the like, which are the same for every build; only ``vllm`` itself differs (each build is
-its own overlay). A zygote is a runtime-env python that has imported those dependencies, but
-never vLLM, and forks one engine per request. A forked engine imports vLLM from its own
-overlay and then runs exactly the code ``python -m kvrepro.engine`` runs.
+Most of an engine's start-up is importing torch, transformers, fastapi, opentelemetry and the
+like, which are the same for every build; only ``vllm`` itself differs (each build is its own
+overlay). A zygote is a runtime-env python that has imported those dependencies, but never
+vLLM, and forks one engine per request. A forked engine imports vLLM from its own overlay and
+then runs exactly what ``python -m kvrepro.engine`` runs: vLLM's own ``vllm serve``. Its API
+server in turn forks the EngineCore process (the platform plugin selects ``fork``), so neither
+process imports torch again.
 
 Use (stdlib only on both sides):
 
@@ -44,7 +46,8 @@ DEFAULT_PRELOAD = (
     "numpy", "transformers", "transformers.models.auto.configuration_auto",
     "transformers.models.auto.tokenization_auto", "transformers.models.auto.image_processing_auto",
     "opentelemetry.trace", "openai", "triton", "msgspec", "zmq", "pydantic", "prometheus_client",
-    "huggingface_hub", "safetensors", "cbor2", "psutil",
+    "huggingface_hub", "safetensors", "cbor2", "psutil", "fastapi", "uvicorn", "uvloop", "starlette",
+    "aiohttp", "tokenizers", "transformers.tokenization_utils_fast",
 )
 _OWN_ROOTS = ("vllm", "kvrepro", "kvrepro_probe", "__main__", "__mp_main__")
 _MAX_MESSAGE = 1 << 20
@@ -141,9 +144,9 @@ def _run_engine(conn: socket.socket, listen_path: str, request: dict, fds: list[
             except OSError:
                 pass
 
-        from kvrepro.engine.server import main
+        from kvrepro.engine.vllm_cli import run
 
-        code = main(argv, on_ready=report_modules)
+        code = run(argv, on_settled=report_modules)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:

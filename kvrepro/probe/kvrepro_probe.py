@@ -36,7 +36,10 @@ never import vLLM pay for one string comparison per import and print nothing.
 Output, on stderr, flushed, one line each (kvrepro's classifier parses these exact formats)::
 
   kvrepro-probe: installed function=OffloadingConnectorScheduler.update_state_after_alloc file=<path> source_sha256=<hex>
-  kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M> state_calls=<K> state_groups=<kind>:<n>,...
+  kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M> state_calls=<K> state_groups=<kind>:<n>,... pid=<P>
+
+(``pid`` because vLLM >= 0.33 no longer prefixes what a child process writes to stderr with
+its ``(EngineCore pid=N)`` tag: the API server's zero counts must not hide the EngineCore's.)
 
 The counts line is written every ~2 s while the counts change, right before re-raising when
 the wrapped call raises, and at interpreter exit.
@@ -105,7 +108,7 @@ def report(force: bool = False) -> None:
             return
         _state["last_reported"] = snapshot
     _write(f"kvrepro-probe: counts external_hit_calls={snapshot[0]} trigger_calls={snapshot[1]} "
-           f"state_calls={snapshot[2]} state_groups={snapshot[3] or '-'}")
+           f"state_calls={snapshot[2]} state_groups={snapshot[3] or '-'} pid={os.getpid()}")
 
 
 def _reporter_loop() -> None:

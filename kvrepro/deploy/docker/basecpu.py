@@ -6,8 +6,9 @@ exercised for real. So the image is made from nothing but Debian's archive and P
 1. OS layer: `debootstrap` a minimal Debian (its python3 is 3.11) and `docker import` it.
 2. torch (CPU) + vLLM's pure-Python requirements, pip-installed system-wide (as vllm-openai does).
 3. The vLLM release wheel itself (`--no-deps`, its compiled kernels are simply never loaded).
-4. kvrepro's GPU-free engine and a `vllm` shim: `vllm serve ARGS` runs the engine when no GPU is
-   present. This is the only layer that changes with kvrepro's code.
+4. kvrepro's vLLM plugin (the GPU-free platform and executor, ``kvrepro_sim`` entry point) and a
+   `vllm` shim: with no GPU present, `vllm serve ARGS` is vLLM's own `vllm serve ARGS` with the
+   plugin switched on (``KVREPRO_SIM=1``). This is the only layer that changes with kvrepro's code.
 
 Steps 2 and 3 run in a container with the wheels mounted read-only and are committed, so the
 wheels never become part of a layer. Every step's image is tagged with a hash of its inputs
@@ -35,6 +36,7 @@ import requests
 from docker.types import Mount
 
 from ... import paths
+from ...engine import plugin
 from ...errors import SetupError
 from . import labels as L
 from .hosts import DockerHost, connect, local_host_spec, remove_quietly
@@ -345,10 +347,11 @@ def _vllm_image(host: DockerHost, deps_image, wheel: Path, version: str, on_line
 def _engine_image(host: DockerHost, vllm_image, version: str, on_line: OnLine, rebuild: bool,
                   final_tag: str) -> tuple[Any, str, bool, str]:
     files = engine_files()
+    plugin_dist = {f"plugin/{rel}": text.encode() for rel, text in plugin.dist_info_files().items()}
     shim = (DATA / "vllm-shim.sh").read_bytes()
     dockerfile_template = (DATA / "engine-layer.Dockerfile").read_text()
     purelib = (vllm_image.labels or {}).get("io.kvrepro.purelib") or "/usr/local/lib/python3.11/dist-packages"
-    engine_hash = _h({name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+    engine_hash = _h({name: hashlib.sha256(data).hexdigest() for name, data in (files | plugin_dist).items()}
                      | {"shim": hashlib.sha256(shim).hexdigest(), "dockerfile": dockerfile_template})
     key = _h({"format": FORMAT, "step": "engine", "vllm": vllm_image.id, "engine": engine_hash})
     engine_tag = f"{final_tag}-engine-{engine_hash[:12]}"
@@ -357,6 +360,7 @@ def _engine_image(host: DockerHost, vllm_image, version: str, on_line: OnLine, r
         on_line(f"engine layer: reusing {engine_tag}")
         return image, engine_tag, True, engine_hash
     members: dict[str, tuple[bytes, int]] = {f"opt/kvrepro/{name}": (data, 0o644) for name, data in files.items()}
+    members.update({name: (data, 0o644) for name, data in plugin_dist.items()})
     members["vllm-shim.sh"] = (shim, 0o755)
     members["kvrepro-engine.pth"] = (b"/opt/kvrepro\n", 0o644)
     dockerfile = dockerfile_template.replace("{vllm_image}", vllm_image.id).replace("{purelib}", purelib)

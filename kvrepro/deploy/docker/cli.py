@@ -16,6 +16,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from ... import versions
+
 from ...errors import KvreproError
 from ...spec import Matrix, load_matrix
 
@@ -107,7 +109,7 @@ def images_base_cpu(
     try:
         if version is None:
             m = _matrix_or_none(Path("matrix.yaml"))
-            version = m.base if m is not None else "0.26.0"
+            version = m.bases[0] if m is not None else versions.DEFAULT_BASE
         result = build_base_cpu(version, tag=tag, rebuild=rebuild, on_line=show)
     except KvreproError as exc:
         _fail(exc)

@@ -130,7 +130,7 @@ class DockerTarget(Target):
             specs = list({s.name: s for s in self.node_specs()}.values())
             hosts = [self.host(s) for s in specs]
             with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
-                futures = [pool.submit(assemble, h, matrix.image, plan, pull=matrix.docker.pull, on_line=self.on_line)
+                futures = [pool.submit(assemble, h, matrix.image_for(plan.base), plan, pull=matrix.docker.pull, on_line=self.on_line)
                            for h in hosts]
                 built = [f.result() for f in futures]
         except KvreproError as exc:
@@ -142,7 +142,7 @@ class DockerTarget(Target):
             # hold different images under one name, and the runs would not be comparable.
             tags = ", ".join(f"{h.name}: {a.tag}" for h, a in zip(hosts, built))
             return BuildArtifact(plan=plan, ref=None, manifest={"error_kind": "image_build"},
-                                 error=f"build {plan.name}: hosts hold different {matrix.image} images ({tags}); "
+                                 error=f"build {plan.name}: hosts hold different {matrix.image_for(plan.base)} images ({tags}); "
                                        "pull the same base on every host")
         manifest: dict[str, Any] = dict(first.manifest)
         manifest["image"] = {"tag": first.tag, "id": first.image_id, "labels": first.labels}

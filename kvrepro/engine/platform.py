@@ -1,0 +1,53 @@
+"""The GPU-free platform: vLLM's ``CpuPlatform`` that keeps a GPU's KV-cache geometry.
+
+vLLM picks its platform through the ``vllm.platform_plugins`` entry-point group; kvrepro's
+plugin (``kvrepro.engine.plugin.register``) names :class:`SimCpuPlatform` when the sim is asked
+for (``KVREPRO_SIM=1``). Everything vLLM does on the CPU platform is kept, except what would
+make the engine differ from a GPU node or could not run here:
+
+* **Executor.** ``distributed_executor_backend`` becomes the sim executor (a fake model and
+  fake offload data movement, see ``executor``), so the command line stays exactly what a GPU
+  node runs: no ``--distributed-executor-backend`` flag is needed.
+* **Mamba state dtype.** The CPU platform forces float32 on AMX machines; that would change the
+  Mamba page size, and with it the KV geometry, depending on the host CPU. It stays as
+  configured.
+* **Attention backend for block alignment.** vLLM asks the platform which attention backend the
+  model's full-attention layers use to align hybrid block sizes; a GPU answers
+  ``FlashAttentionBackend``, and so do we (the sim never builds model layers to look at).
+* **Process start method.** The CPU platform forces ``spawn`` for child processes; the start
+  method set before (``VLLM_WORKER_MULTIPROC_METHOD``; kvrepro's targets set ``fork``, the GPU
+  default when CUDA is not initialised) is kept, so the EngineCore process reuses the API
+  server's imports and saves seconds per engine start.
+
+Asynchronous scheduling stays off as on every CPU platform (a GPU with MTP would enable it; the
+scheduler/connector allocation path under test is the same code in both modes).
+"""
+
+from __future__ import annotations
+
+import os
+
+from vllm.platforms.cpu import CpuPlatform
+
+SIM_EXECUTOR = "kvrepro.engine.executor.SimExecutor"
+
+
+class SimCpuPlatform(CpuPlatform):
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        cache_config = vllm_config.cache_config
+        configured_dtype = cache_config.mamba_ssm_cache_dtype
+        start_method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+        super().check_and_update_config(vllm_config)
+        cache_config.mamba_ssm_cache_dtype = configured_dtype
+        if start_method is None:
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        else:
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = start_method
+        vllm_config.parallel_config.distributed_executor_backend = SIM_EXECUTOR
+
+    @classmethod
+    def _find_non_ssm_backend(cls, vllm_config):
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+        return FlashAttentionBackend

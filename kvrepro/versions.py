@@ -1,0 +1,131 @@
+"""Everything kvrepro knows about vLLM releases, in one table.
+
+kvrepro runs vLLM's own code; what differs between releases is only how the GPU-free engine
+plugs into it (the executor answers to worker RPCs, the platform), which torch its scheduler
+runs on, how a flag or a variable was named, and which release is the default base. All of
+that lives here, so supporting a new release is one entry in ``RELEASES``. This module is
+stdlib-only: the engine (in the runtime env) and the CLI both import it.
+
+Porting checklist for a new release ``X``:
+
+1. Add ``Release("X")`` to ``RELEASES`` (keep the tuple in release order).
+2. Run ``python scripts/release_sweep.py --release X`` (a one-build, no-patch matrix on ``X``).
+3. If the engine log ends in ``NotImplementedError: collective_rpc('name')``, EngineCore asks
+   the executor something new: find the call in ``vllm/v1/engine/core.py`` or
+   ``vllm/v1/executor/abstract.py``, decide what a single GPU worker would answer, and put it
+   in that release's ``rpc_answers`` (the sim has no worker: the answer is a constant, or
+   ``Computed("method")`` when the executor must compute it with vLLM's own code).
+4. If it fails while building the KV-cache specs or the fake model's output, the model runner
+   interface moved: adapt ``kvrepro/engine/executor.py`` behind a check of the *interface*
+   (``hasattr``), not of the version, and note it here under ``notes``.
+5. If the target crash is there but classified ``other``, the statement was refactored: add the
+   renamed identifiers to ``IDENTIFIER_ALIASES`` (the signature compares what the assertion
+   compares, with these names mapped).
+6. If its requirements pin something the existing runtime envs do not have, nothing to do: a
+   layer is resolved on top of an env (``kvrepro/builds/runtime.py``). Note the torch pin if the
+   release needs another CPU torch.
+7. Record the sweep's verdict in the README's release table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_BASE = "0.26.0"
+# The CPU build of torch that every supported release's scheduler runs on here; a plain `torch`
+# from the index is a multi-GB CUDA build. Releases pin other torches (0.26.0: 2.11, 0.33.0:
+# 2.14); the scheduler, KV-cache manager and connector do not use what changed between them.
+DEFAULT_TORCH = "torch==2.13.0"
+
+# Worker RPCs the executor answers for every release: (method -> the one worker's answer).
+_COMMON_RPC_ANSWERS: dict[str, Any] = {
+    "get_supported_tasks": ("generate",),
+    "check_health": None,
+    "shutdown": None,
+    "update_max_model_len": None,
+    "reset_mm_cache": None,
+    "reset_encoder_cache": None,
+}
+
+
+@dataclass(frozen=True)
+class Computed:
+    """An RPC answer the executor computes with vLLM's own code (its method ``name``)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Release:
+    """One vLLM release on PyPI that the GPU-free engine runs."""
+
+    version: str
+    torch: str = DEFAULT_TORCH
+    # worker RPCs this release's EngineCore makes beyond the common ones (method -> answer)
+    rpc_answers: dict[str, Any] = field(default_factory=dict)
+    notes: str = ""
+
+    def worker_rpc_answers(self) -> dict[str, Any]:
+        return {**_COMMON_RPC_ANSWERS, **self.rpc_answers}
+
+
+# 0.27.1+: EngineCore asks workers to compile and capture graphs; the executor's own
+# compile_or_warm_up_model() does nothing (no model, no compilation time to report).
+_WARM_UP: dict[str, Any] = {}
+_DRAFT_WEIGHTS: dict[str, Any] = {"supports_draft_weight_updates": False}  # 0.28.0+
+_KV_LAYOUTS: dict[str, Any] = {  # 0.29.0+
+    **_DRAFT_WEIGHTS,
+    # what a GPU worker running FlashAttention reports (vLLM's own get_supported_kv_cache_layouts)
+    "get_supported_kv_cache_layouts": Computed("gpu_kv_cache_layouts"),
+    "set_kv_cache_layout": None,
+    "synchronize_device": None,
+}
+
+RELEASES: tuple[Release, ...] = (
+    Release("0.25.1", notes="the target assertion names the block size `gpu_block_size`"),
+    Release("0.26.0", notes="the production base of the original report; the default"),
+    Release("0.27.0"),
+    Release("0.27.1", rpc_answers=_WARM_UP),
+    Release("0.28.0", rpc_answers={**_WARM_UP, **_DRAFT_WEIGHTS}),
+    Release("0.29.0", rpc_answers={**_WARM_UP, **_KV_LAYOUTS}),
+    Release("0.30.0", rpc_answers={**_WARM_UP, **_KV_LAYOUTS}, notes="carries the boundary fix (PR 52807)"),
+    Release("0.31.0", rpc_answers={**_WARM_UP, **_KV_LAYOUTS}),
+    Release("0.32.0", rpc_answers={**_WARM_UP, **_KV_LAYOUTS}),
+    Release("0.33.0", rpc_answers={**_WARM_UP, **_KV_LAYOUTS},
+            notes="pins torch 2.14.0, whose wheel on the index is the CUDA build; runs on 2.13.0 CPU"),
+)
+SUPPORTED_RELEASES: tuple[str, ...] = tuple(r.version for r in RELEASES)
+
+# Identifiers renamed between releases in statements that crash signatures compare
+# (old name -> the name patterns and matrices use). See kvrepro.classify.source.canonical.
+IDENTIFIER_ALIASES: dict[str, str] = {
+    "gpu_block_size": "tokens_per_block",  # offloading scheduler, 0.25.1 -> 0.26.0
+}
+
+
+class UnsupportedRelease(Exception):
+    """A vLLM version the GPU-free engine has no adapter for yet; the message says what to do."""
+
+
+def release(version: str) -> Release | None:
+    for entry in RELEASES:
+        if entry.version == version:
+            return entry
+    return None
+
+
+def require(version: str) -> Release:
+    """The release entry, or UnsupportedRelease naming the supported ones and the checklist."""
+    entry = release(version)
+    if entry is None:
+        raise UnsupportedRelease(
+            f"vLLM {version} has no GPU-free engine adapter in kvrepro yet (supported: "
+            f"{', '.join(SUPPORTED_RELEASES)}); add it to kvrepro/versions.py following the porting "
+            "checklist there"
+        )
+    return entry
+
+
+def newest() -> str:
+    return SUPPORTED_RELEASES[-1]
