@@ -11,13 +11,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-COUNTED = ("CRASH", "SURVIVED")  # verdicts that say something about the code
+# verdicts that say something about the code's crash rate: it crashed, or it served the budget
+# with the trigger path exercised (CORRUPT and UNREACHED runs did not crash either)
+COUNTED = ("CRASH", "CORRUPT", "SURVIVED", "UNREACHED")
 
 
 @dataclass(frozen=True)
 class Rate:
     crashes: int
-    trials: int  # CRASH + SURVIVED runs; VACUOUS/INFRA/STALL prove nothing and are left out
+    trials: int  # COUNTED runs; VACUOUS/INFRA/STALL prove nothing and are left out
 
     def wilson(self, z: float = 1.96) -> tuple[float, float]:
         """95% Wilson score interval of the crash probability."""
