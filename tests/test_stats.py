@@ -27,3 +27,14 @@ def test_patch_effects_pair_builds_differing_by_one_patch():
     assert effects[("C", "D")].patch == "fix" and effects[("C", "D")].p_value == 0.05
     assert effects[("B", "D")].with_rate.trials == 3  # VACUOUS proves nothing: not counted
     assert effects[("A", "C")].p_value == 1.0
+
+
+def test_corrupt_and_unreached_runs_did_not_crash():
+    """A fix that turns 3/3 crashes into 3/3 CORRUPT runs lowers the crash rate (p = 0.05); the
+    corruption is reported as its own verdict, not folded into the crash rate."""
+    from kvrepro.stats import rate
+
+    assert rate([{"verdict": "CORRUPT"}, {"verdict": "UNREACHED"}, {"verdict": "STALL"}]) == Rate(0, 2)
+    stacks = {"A": ["c"], "B": ["c", "fix"]}
+    effects = patch_effects(stacks, {"A": [{"verdict": "CRASH"}] * 3, "B": [{"verdict": "CORRUPT"}] * 3})
+    assert [(e.without, e.with_, e.p_value) for e in effects] == [("A", "B", 0.05)]
