@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -37,9 +38,14 @@ def vllm_tree(runtime_python, overlays) -> tuple[str, Path]:
     return str(runtime_python), root
 
 
-def run_py(python: str, code: str, path: list[Path], timeout: float = 120) -> subprocess.CompletedProcess:
+def run_py(python: str, code: str, path: list[Path], timeout: float = 120,
+           plugins: bool = True) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = os.pathsep.join(str(p) for p in path)
+    if not plugins:
+        # an overlay carries kvrepro's vLLM plugin, which activates the probe as vLLM loads plugins;
+        # VLLM_PLUGINS naming no installed plugin keeps vLLM from loading it
+        env["VLLM_PLUGINS"] = "kvrepro-test-no-plugin"
     return subprocess.run([python, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -121,8 +127,8 @@ def test_counts_external_hits_and_triggers_and_keeps_behaviour(vllm_tree, tmp_pa
     assert "kvrepro-probe: counts external_hit_calls=2 trigger_calls=1" in proc.stderr
     assert "kvrepro-probe: counts external_hit_calls=3 trigger_calls=2" in proc.stderr
     # ... and at exit.
-    assert proc.stderr.rstrip().splitlines()[-1] == (
-        "kvrepro-probe: counts external_hit_calls=3 trigger_calls=2 state_calls=0 state_groups=-")
+    assert re.fullmatch(r"kvrepro-probe: counts external_hit_calls=3 trigger_calls=2 state_calls=0 state_groups=- "
+                        r"pid=\d+", proc.stderr.rstrip().splitlines()[-1])
 
 
 # The bug's state: real KVCacheBlock / KVCacheBlocks from vLLM; the connector config is a stand-in
@@ -215,7 +221,7 @@ def test_wraps_at_once_when_vllm_was_imported_first(vllm_tree, tmp_path):
         kvrepro_probe.install()  # idempotent: no second wrapper
         inner = mod.OffloadingConnectorScheduler.update_state_after_alloc.__wrapped__
         print("STATE", before, after, getattr(inner, "__kvrepro_probe__", False))
-    """, [probe_dir(tmp_path), tree])
+    """, [probe_dir(tmp_path), tree], plugins=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "STATE False True False" in proc.stdout
     assert proc.stderr.count("kvrepro-probe: installed ") == 1

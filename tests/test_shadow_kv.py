@@ -56,7 +56,8 @@ def broken_runs(tmp_path_factory, overlays) -> dict:
 
 def shadow_lines(run: dict) -> list[str]:
     log = (Path(run["run_dir"]) / "engine.log").read_text(errors="replace")
-    return [line for line in log.splitlines() if line.startswith("kvrepro-shadow: ")]
+    # vLLM prefixes what its EngineCore process prints ("(EngineCore pid=N) "): keep from the tag on
+    return [line[line.index("kvrepro-shadow: "):] for line in log.splitlines() if "kvrepro-shadow: " in line]
 
 
 def test_the_shipped_base_checks_out_clean(broken_runs):
