@@ -33,6 +33,11 @@ from .verdict import decide, died_without_traceback_title
 from .verdict import title as verdict_title
 
 
+# how long a finished run's engine keeps running so its last counts reach the log
+# (kvrepro/engine/executor.py writes them every FLUSH_INTERVAL_S = 0.5 s)
+COUNTS_SETTLE_S = 1.0
+
+
 class Progress(Protocol):
     def stage(self, text: str) -> None: ...
     def detail(self, text: str) -> None: ...
@@ -172,6 +177,10 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
         metrics_text = _fetch_metrics(handle)
         if metrics_text is not None:
             results.write_atomic(run_dir / "metrics.txt", metrics_text)
+        if engine_exit is None and not stop.is_set():
+            # the engine writes its counters (probe, shadow KV, offload jobs) to its log every
+            # 0.5 s; a stop may kill EngineCore before it writes them once more
+            time.sleep(COUNTS_SETTLE_S)
     finally:
         handle.stop()
     seconds = time.monotonic() - started

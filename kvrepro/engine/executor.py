@@ -55,6 +55,7 @@ from .config import SimKnobs
 
 logger = init_logger("vllm.kvrepro_engine.executor")
 COUNTS_INTERVAL_S = 2.0
+FLUSH_INTERVAL_S = 0.5  # the runner waits a little longer than this before stopping an engine
 
 
 
@@ -257,6 +258,7 @@ class SimExecutor(Executor):
         self.connector = None
         self.transfers: SimTransferWorker | None = None
         self.shadow: shadow_kv.ShadowKV | None = None
+        self._start_flusher()
         # A GPU worker calls this after loading the model (UniProcExecutor._init_executor);
         # it aligns the attention block size with the Mamba page size for hybrid models.
         current_platform.update_block_size_for_backend(self.vllm_config)
@@ -463,6 +465,26 @@ class SimExecutor(Executor):
         self._last_counts = counts
         logger.info("kvrepro-sim: counts steps=%d offload_load_jobs=%d offload_store_jobs=%d pid=%d",
                     *counts, os.getpid())
+
+    def _start_flusher(self) -> None:
+        """Write changed counts (this executor's, the probe's, the shadow KV's) every
+        FLUSH_INTERVAL_S, also while the engine is idle: vLLM may kill EngineCore at a stop without
+        running shutdown() or exit handlers, and the last counts must be in the log by then."""
+
+        def flush() -> None:
+            while True:
+                time.sleep(FLUSH_INTERVAL_S)
+                try:
+                    self.report_counts()
+                    probe = sys.modules.get("kvrepro_probe")
+                    if probe is not None and hasattr(probe, "report"):
+                        probe.report()
+                    if self.shadow is not None:
+                        self.shadow.report()
+                except Exception:  # counting must never take the engine down
+                    pass
+
+        threading.Thread(target=flush, name="kvrepro-sim-flush", daemon=True).start()
 
     def shutdown(self) -> None:
         self.report_counts(force=True)

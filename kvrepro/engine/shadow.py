@@ -55,7 +55,7 @@ import time
 from dataclasses import dataclass, field
 
 TAG = "kvrepro-shadow:"
-REPORT_INTERVAL_S = 2.0
+REPORT_INTERVAL_S = 0.5
 _DESCRIBE = os.environ.get("KVREPRO_SIM_SHADOW_DESCRIBE", "").strip()
 MAX_DESCRIBED = int(_DESCRIBE) if _DESCRIBE.isdigit() else 5  # described one by one; the rest counted
 _ROOT_HASH = 0x6B7672
