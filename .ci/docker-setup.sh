@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Docker for kvrepro's docker-target tests, on a fresh Debian/Ubuntu machine (as root):
-# installs docker.io and debootstrap if missing, starts dockerd if no daemon answers, then builds
-# (or reuses) the CPU base image kvrepro/vllm-openai-cpu:v<base>. Idempotent: a second run takes
-# about a second. Called by scripts/test.sh after the project venv exists.
+# installs docker.io, debootstrap and OpenSSH (the client for ssh:// hosts, the server the ssh
+# test starts on 127.0.0.1) if missing, starts dockerd if no daemon answers, then builds (or
+# reuses) the CPU base image kvrepro/vllm-openai-cpu:v<base>. Idempotent: a second run takes about
+# a second. Called by scripts/test.sh after the project venv exists.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,6 +15,8 @@ missing=()
 command -v docker >/dev/null || missing+=(docker.io)
 command -v dockerd >/dev/null || missing+=(docker.io)
 command -v debootstrap >/dev/null || missing+=(debootstrap)
+command -v ssh >/dev/null || missing+=(openssh-client)      # ssh:// hosts
+[ -x /usr/sbin/sshd ] || missing+=(openssh-server)          # tests/test_docker_ssh.py's throwaway sshd
 if ((${#missing[@]})); then
   echo "docker-setup: installing ${missing[*]}"
   apt-get update -qq

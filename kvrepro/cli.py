@@ -21,7 +21,7 @@ from rich.table import Table
 
 from . import builds, report, results
 from .errors import KvreproError, SpecError
-from .records import RunResult, to_jsonable
+from .records import RunResult, Verdict, to_jsonable
 from .spec import LoadedMatrix, load_matrix
 
 app = typer.Typer(help="Reproduce vLLM engine crashes and prove which fixes cure them.",
@@ -126,23 +126,77 @@ class RichProgress:
         if task is not None:
             self.progress.remove_task(task)
         self.progress.advance(self.runs)
-        label = report.verdict_label(to_jsonable(result))
-        self.progress.console.log(f"build {result.build} rep {result.rep}: {label}  trigger={result.trigger_count} "
-                                  f"state={result.state_count} kv={result.kv_check} "
-                                  f"requests={result.requests} {result.seconds:.1f}s  {result.title}")
+        self.progress.console.log(_run_line(result))
 
 
-def _check_expectations(run: dict[str, Any], expect: dict[str, str]) -> list[str]:
-    problems = []
-    for name, build in run.get("builds_results", {}).items():
-        wanted = expect.get(build.get("matrix_build") or name)
-        if not wanted:
-            continue
-        for r in build.get("runs", []):
-            got = report.verdict_label(r)
-            if got != wanted and r.get("verdict") != "INTERRUPTED":
-                problems.append(f"build {name} rep {r.get('rep')}: {got}, expected {wanted}")
-    return problems
+def _run_line(result: RunResult) -> str:
+    return (f"build {result.build} rep {result.rep}: {result.label}  trigger={result.trigger_count} "
+            f"state={result.state_count} kv={result.kv_check} requests={result.requests} {result.seconds:.1f}s  "
+            f"{result.title}")
+
+
+class PlainProgress:
+    """--ci: one plain line per stage and per finished run on stderr; no bars, no live display."""
+
+    def __init__(self, total_runs: int):
+        self.total = total_runs
+        self.done = 0
+
+    def stage(self, text: str) -> None:
+        _plain(text)
+
+    def detail(self, text: str) -> None:
+        pass  # setup chatter (pip, patch output) would drown the lines that matter in a CI log
+
+    def run_started(self, build: str, rep: int, budget: int | None) -> None:
+        _plain(f"build {build} rep {rep}: started")
+
+    def requests_done(self, build: str, rep: int, done: int, failed: int) -> None:
+        pass
+
+    def run_finished(self, result: RunResult) -> None:
+        self.done += 1
+        _plain(f"[{self.done}/{self.total}] " + _run_line(result))
+
+
+def _plain(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def _write_outputs(run: "results.MatrixRun", junit_path: Optional[Path], ci: bool) -> None:
+    """report.md/report.html always, JUnit when asked, $GITHUB_STEP_SUMMARY in CI mode. A failure
+    here is one line: the verdicts are recorded and the exit code must still say what they are."""
+    try:
+        md_path, html_path = report.write_report(run)
+        err.print(f"report: {html_path} (markdown: {md_path.name})", highlight=False)
+        if ci:
+            summary = report.append_step_summary(md_path.read_text())
+            if summary is not None:
+                err.print(f"appended the report to $GITHUB_STEP_SUMMARY ({summary})", highlight=False)
+    except (OSError, ValueError) as exc:
+        err.print(f"[red]error:[/] report not written: {exc}", highlight=False)
+    if junit_path is not None:
+        from .junit import write_junit
+
+        try:
+            write_junit(run, junit_path)
+            err.print(f"junit: {junit_path}", highlight=False)
+        except OSError as exc:
+            raise KvreproError(f"--junit {junit_path}: cannot write ({exc.strerror or exc})") from None
+
+
+def _exit_code(run: "results.MatrixRun") -> int:
+    """130 interrupted, 1 a verdict differs from expect:, 3 an INFRA run, else 0."""
+    if run.status == "interrupted":
+        return 130
+    problems = report.mismatches(run)
+    if problems:
+        err.print("[red]verdicts differ from expect:[/]\n  " + "\n  ".join(str(p) for p in problems))
+        return 1
+    if any(r.verdict is Verdict.INFRA for r in run.runs()):
+        return 3
+    return 0
 
 
 @matrix_app.command("run")
@@ -157,19 +211,26 @@ def matrix_run(
                                        help="engines at once (default: what the target can take; sim: one per core)"),
     base: Optional[list[str]] = typer.Option(None, "--base",
                                              help="run on this vLLM release instead of matrix.yaml's base (repeatable)"),
+    adaptive: Optional[int] = typer.Option(None, "--adaptive", min=1, metavar="MAX",
+                                           help="repeat each build until its verdict is decisive (README: "
+                                                "stopping rule), at most MAX times"),
+    ci: bool = typer.Option(False, "--ci", help="non-interactive: plain lines, no progress bars; appends the "
+                                                "report to $GITHUB_STEP_SUMMARY when set"),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="also write JUnit XML here (one testcase per "
+                                                               "base, build and repetition)"),
     results_root: Path = ResultsOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Build every build, run each under load, classify, record, and print the verdict table."""
+    """Build every build, run each under load, classify, record, report, and print the verdict table."""
     from .runner import MatrixOptions, run_matrix
 
     loaded = _load(matrix)
     if base_image:
         loaded.matrix = loaded.matrix.model_copy(update={"base_image": base_image})
     options = MatrixOptions(target=target, builds=build, repetitions=reps, results_root=results_root, jobs=jobs,
-                            bases=base)
+                            bases=base, adaptive_max=adaptive)
     plans = loaded.plans(build, base)
-    total = len(plans) * (reps or loaded.matrix.runs.repetitions)
+    total = len(plans) * (adaptive or reps or loaded.matrix.runs.repetitions)
     stop = threading.Event()
 
     def on_sigint(signum, frame):
@@ -179,24 +240,49 @@ def matrix_run(
         err.print("[yellow]stopping after the current run is recorded (Ctrl-C again to stop at once)[/]")
 
     previous = signal.signal(signal.SIGINT, on_sigint)
-    progress = RichProgress(total)
     try:
-        with progress.progress:
-            run = run_matrix(loaded, options, progress, stop)
+        if ci:
+            run = run_matrix(loaded, options, PlainProgress(total), stop)
+        else:
+            progress = RichProgress(total)
+            with progress.progress:
+                run = run_matrix(loaded, options, progress, stop)
     finally:
         signal.signal(signal.SIGINT, previous)
     if as_json:
         _emit_json(report.matrix_json(run))
     else:
-        out.print(report.matrix_table(run))
-    if run.get("status") == "interrupted":
-        raise typer.Exit(130)
-    problems = _check_expectations(run, loaded.matrix.expect)
-    if problems:
-        err.print("[red]verdicts differ from expect:[/]\n  " + "\n  ".join(problems))
-        raise typer.Exit(1)
-    if any(r.get("verdict") == "INFRA" for b in run["builds_results"].values() for r in b["runs"]):
-        raise typer.Exit(3)
+        (_ci_console() if ci else out).print(report.matrix_table(run))
+    _write_outputs(run, junit, ci)
+    code = _exit_code(run)
+    if code:
+        raise typer.Exit(code)
+
+
+def _ci_console() -> Console:
+    """A wide, colourless console: CI logs are read as text, and wrapped table cells are unreadable."""
+    return Console(width=200, color_system=None, force_terminal=False, soft_wrap=False)
+
+
+@app.command("report")
+def report_cmd(
+    run_id: str = typer.Argument("latest", help="a run id under --results, `latest`, or a run folder"),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="also write JUnit XML here"),
+    results_root: Path = ResultsOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Write results/<run>/report.md and report.html (self-contained) for a recorded run."""
+    run = results.load_run(results_root, run_id)
+    md_path, html_path = report.write_report(run)
+    if junit is not None:
+        from .junit import write_junit
+
+        write_junit(run, junit)
+    if as_json:
+        _emit_json({"run_id": run.run_id, "markdown": str(md_path), "html": str(html_path),
+                    "junit": str(junit) if junit else None})
+    else:
+        out.print(f"{html_path}\n{md_path}" + (f"\n{junit}" if junit else ""), highlight=False)
 
 
 @matrix_app.command("show")
@@ -212,11 +298,14 @@ def matrix_show(run_id: str = typer.Argument("latest"), results_root: Path = Res
 
 @results_app.command("list")
 def results_list(results_root: Path = ResultsOpt, as_json: bool = JsonOpt) -> None:
-    """Every recorded run, oldest first."""
-    runs = results.list_runs(results_root)
-    rows = [{"run_id": r["run_id"], "status": r.get("status"), "target": r.get("target"), "base": r.get("base"),
-             "builds": {n: [report.verdict_label(x) for x in b["runs"]] for n, b in r["builds_results"].items()}}
-            for r in runs]
+    """Every recorded run, oldest first (a folder another kvrepro wrote is listed with why it is unreadable)."""
+    rows = []
+    for r in results.list_runs(results_root):
+        if isinstance(r, results.ResultsSchemaError):
+            rows.append({"run_id": None, "status": "unreadable", "error": str(r)})
+            continue
+        rows.append({"run_id": r.run_id, "status": r.status, "target": r.info.target, "base": r.info.base_text,
+                     "builds": {report.build_key(r, b): [x.label for x in b.runs] for b in r.builds}})
     if as_json:
         _emit_json(rows)
         return
@@ -224,9 +313,18 @@ def results_list(results_root: Path = ResultsOpt, as_json: bool = JsonOpt) -> No
     for col in ("run id", "status", "target", "base", "verdicts"):
         table.add_column(col)
     for r in rows:
+        if r["status"] == "unreadable":
+            table.add_row("", "unreadable", "", "", r["error"])
+            continue
         table.add_row(r["run_id"], r["status"] or "", r["target"] or "", r["base"] or "",
-                      "  ".join(f"{n}: {' '.join(v) or '-'}" for n, v in r["builds"].items()))
+                      "  ".join(f"{n}: {_compact(v)}" for n, v in r["builds"].items()))
     out.print(table)
+
+
+def _compact(labels: list[str]) -> str:
+    if not labels:
+        return "-"
+    return f"{len(labels)}x {labels[0]}" if len(set(labels)) == 1 and len(labels) > 1 else " ".join(labels)
 
 
 @results_app.command("show")
@@ -235,12 +333,38 @@ def results_show(run_id: str = typer.Argument("latest"), results_root: Path = Re
     """Everything recorded for one run."""
     run = results.load_run(results_root, run_id)
     if as_json:
-        _emit_json(run)
+        _emit_json({"info": run.info, "path": str(run.path),
+                    "builds": [{"name": b.name, "base": b.base, "patches": b.patches, "expect": b.expect,
+                                "build": b.build, "manifest": b.manifest, "runs": b.runs} for b in run.builds]})
     else:
         out.print(report.matrix_table(run))
-        for name, b in run["builds_results"].items():
-            for r in b["runs"]:
-                out.print(f"  {name}/{r.get('rep')}: {r.get('run_dir')}")
+        for b in run.builds:
+            for r in b.runs:
+                out.print(f"  {report.build_key(run, b)}/{r.rep}: {r.run_dir}")
+
+
+@results_app.command("compare")
+def results_compare(before: str = typer.Argument(..., help="the earlier run (id, `latest` or folder)"),
+                    after: str = typer.Argument(..., help="the later run"),
+                    results_root: Path = ResultsOpt, as_json: bool = JsonOpt) -> None:
+    """Which verdicts changed between two runs (e.g. the same matrix on two vLLM releases)."""
+    from .compare import compare, comparison_json
+
+    c = compare(results.load_run(results_root, before), results.load_run(results_root, after))
+    if as_json:
+        _emit_json(comparison_json(c))
+        return
+    table = Table(title=f"{c.before.run_id} (vLLM {c.before.info.base_text}) -> {c.after.run_id} (vLLM {c.after.info.base_text})",
+                  title_justify="left")
+    for col in ("build", "before", "after", "failed", "Fisher p (two-sided)"):
+        table.add_column(col)
+    for b in c.builds:
+        table.add_row(b.build, b.before or "(absent)", b.after or "(absent)",
+                      f"{b.before_rate.crashes}/{b.before_rate.trials} -> {b.after_rate.crashes}/{b.after_rate.trials}",
+                      "-" if b.p_value is None else f"{b.p_value:.3g}",
+                      style="bold" if b.changed else "dim")
+    out.print(table)
+    out.print(f"{len(c.changed)} build(s) changed" + (": " + ", ".join(b.build for b in c.changed) if c.changed else ""))
 
 
 @app.command("classify")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,9 +21,9 @@ class Verdict(str, enum.Enum):
     """What one run of one build proves (mozregression-style: verdicts are data)."""
 
     CRASH = "CRASH"  # the engine died; `outcome` says whether on the target signature
-    CORRUPT = "CORRUPT"  # no crash, but the shadow KV caught a forward reading wrong KV (ranks with CRASH)
+    CORRUPT = "CORRUPT"  # the engine lived but the shadow KV check caught stale/missing/misplaced KV
     SURVIVED = "SURVIVED"  # the whole budget ran AND the bug's state occurred (state_count > 0)
-    UNREACHED = "UNREACHED"  # the trigger path ran (trigger_count > 0) but the bug's state never did
+    UNREACHED = "UNREACHED"  # the both-hit path ran but the bug's state never occurred
     VACUOUS = "VACUOUS"  # the whole budget ran but the trigger path never ran: proves nothing
     STALL = "STALL"  # the engine stopped making progress without dying
     INTERRUPTED = "INTERRUPTED"  # stopped by the user (Ctrl-C) before the budget was spent
@@ -185,9 +187,20 @@ class LoadSummary:
     stopped_because: str  # "budget" | "duration" | "engine_dead" | "stall" | "interrupted"
 
 
+# Version of the layout of results/<run>/run.json and every verdict.json. Bump it when a field
+# changes meaning or type (adding an optional field with a default does not need a bump);
+# results.load_run refuses other versions with one line naming the folder and what to do.
+RESULTS_SCHEMA = 2
+
+
 @dataclass(frozen=True)
 class RunResult:
-    """The verdict of one repetition of one build, as written to verdict.json."""
+    """The verdict of one repetition of one build, as written to verdict.json and read back.
+
+    Everything a report, a comparison or CI needs is a typed field here (no free-form dicts to
+    dig through); fields added later carry defaults so that older verdict.json files of the same
+    schema still read.
+    """
 
     build: str
     rep: int
@@ -197,15 +210,183 @@ class RunResult:
     trigger_count: int
     external_hit_calls: int
     requests: int
-    seconds: float
-    state_count: int = 0  # trigger calls in which the bug's state occurred
-    state_groups: dict[str, int] = field(default_factory=dict)  # kind of group -> calls
-    kv_check: str = "off"  # shadow KV: "ok" | "corrupt" | "off"
+    seconds: float  # wall time of the repetition, engine start included
     signature: Signature | None = None
     infra_error: str | None = None
     run_dir: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    base: str = ""  # the vLLM release this run's build is based on
+    # the vLLM release this run's build sits on; None in files written before the base axis:
+    # readers then take the run's top-level base (see results.MatrixRun)
+    base: str | None = None
+    # the bug's own state (issue 7): calls in which it occurred, by kind of KV group, and the
+    # shadow-KV check's result ("ok", "corrupt" or "off" when the engine did not check)
+    state_count: int = 0
+    state_groups: dict[str, int] = field(default_factory=dict)
+    kv_check: str = "off"
+    # the shadow KV's numbers: contexts checked, violations (once per request, group and block),
+    # violations by kind of group ("+offload" when the request had an offload hit), the first one
+    kv_checks: int = 0
+    kv_violations: int = 0
+    kv_violations_by: dict[str, int] = field(default_factory=dict)
+    kv_first_violation: str | None = None
+    # what the probe had to log as the wrapped method's hash (the build manifest's); None: unknown
+    probe_expected_sha256: str | None = None
+    load: LoadSummary | None = None
+    engine_exit: int | None = None
+    probe_seen: bool = False
+    probe_source_sha256: str | None = None
+    # the engine's own totals (None: unknown, which is not 0) and its /metrics at the end of the run
+    offload_load_jobs: int | None = None
+    offload_store_jobs: int | None = None
+    engine_steps: int | None = None
+    engine_start_s: float | None = None  # from launch until the engine answered /health
+    external_prefix_cache_hits: int = 0
+    prefix_cache_hits: int = 0
+    schema: int = RESULTS_SCHEMA
+
+    @property
+    def label(self) -> str:
+        """CRASH(target) / CRASH(other) / SURVIVED / ... as the table and `expect:` spell it."""
+        if self.verdict is Verdict.CRASH:
+            return "CRASH(target)" if self.outcome is Outcome.TARGET else "CRASH(other)"
+        return self.verdict.value
+
+    @property
+    def load_seconds(self) -> float:
+        """Seconds under load (engine start excluded): the time axis of a time-to-crash curve."""
+        return self.load.seconds if self.load is not None else self.seconds
+
+
+@dataclass(frozen=True)
+class PatchInfo:
+    """A patch of a build's stack as the results record it (name, where it came from, sha256)."""
+
+    name: str
+    upstream: str = ""
+    sha256: str = ""
+
+
+@dataclass(frozen=True)
+class BuildRecord:
+    """results/<run>/<build>/build.json: the build's artifact, or why it failed.
+
+    ``manifest`` is what the target wrote about the artifact (an overlay's or an image's); its
+    keys differ by target, so the properties below are the one place that knows them.
+    """
+
+    ok: bool
+    ref: str | None = None
+    error: str | None = None
+    reused: bool = False
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def wheel(self) -> str | None:
+        return self.manifest.get("wheel")
+
+    @property
+    def wheel_sha256(self) -> str | None:
+        return self.manifest.get("wheel_sha256")
+
+    @property
+    def probe_sha256(self) -> str | None:
+        probe = self.manifest.get("probe")
+        return self.manifest.get("probe_sha256") or (probe.get("sha256") if isinstance(probe, dict) else None)
+
+    @property
+    def image(self) -> str | None:
+        image = self.manifest.get("image")
+        return image.get("tag") if isinstance(image, dict) else None
+
+
+@dataclass(frozen=True)
+class RunManifest:
+    """results/<run>/<build>/<rep>/manifest.json: exactly what one repetition was going to run."""
+
+    build: str
+    rep: int
+    base: str
+    target: str
+    patches: tuple[PatchInfo, ...] = ()
+    artifact: BuildRecord | None = None
+    engine_args: tuple[str, ...] | None = None
+    sim_seed: int | None = None
+    load_seed: int | None = None
+    load: dict[str, Any] = field(default_factory=dict)
+    runs: dict[str, Any] = field(default_factory=dict)
+    kvrepro_version: str = ""
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    """Where kvrepro itself ran (the docker target's engine hosts are in the build manifests)."""
+
+    hostname: str = ""
+    platform: str = ""
+    python: str = ""
+    cpus: int = 0
+
+
+@dataclass(frozen=True)
+class RunBuildEntry:
+    """One (base, build) cell as run.json lists it, under its cell name (``A`` or ``A@0.30.0``)."""
+
+    patches: tuple[str, ...] = ()
+    base: str | None = None  # default: the run's base
+    build: str | None = None  # the matrix's build name (what `expect:` names); default: the cell name
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """results/<run>/run.json: what was run, and how far it got."""
+
+    run_id: str
+    status: str  # "running" | "complete" | "interrupted"
+    schema: int = RESULTS_SCHEMA
+    started: float | None = None
+    finished: float | None = None
+    matrix: str = ""
+    matrix_sha256: str = ""
+    target: str = ""
+    base: str | tuple[str, ...] = ""  # one release, or every release when the run spans several
+    bases: tuple[str, ...] = ()
+    repetitions: int = 0  # the most any build runs (with `adaptive`, each stops once decisive)
+    adaptive: bool = False
+    build_order: tuple[str, ...] = ()
+    builds: dict[str, RunBuildEntry] = field(default_factory=dict)
+    expect: dict[str, str] = field(default_factory=dict)  # by matrix build name, as matrix.yaml says
+    kvrepro_version: str = ""
+    host: HostInfo | None = None
+
+    @property
+    def base_text(self) -> str:
+        """The release(s) for a title: ``0.26.0`` or ``0.26.0, 0.30.0``."""
+        return self.base if isinstance(self.base, str) else ", ".join(self.base)
+
+    @property
+    def default_base(self) -> str:
+        """The base of a build that names none: the run's (first) release."""
+        if isinstance(self.base, str):
+            return self.base
+        return self.base[0] if self.base else (self.bases[0] if self.bases else "")
+
+
+@dataclass(frozen=True)
+class BisectionStep:
+    """One tested point of a bisection, as `kvrepro bisect` records it and the report shows it.
+
+    ``point`` names what was tested (a vLLM release, a commit, a patch-stack prefix);
+    ``verdict`` is the step's call in mozregression's terms ("good", "bad" or "skip");
+    ``confidence`` is how sure that call is (e.g. 1 - the one-sided Fisher p-value against the
+    known-good end, or the Clopper-Pearson bound that makes it decisive), in [0, 1].
+    """
+
+    point: str
+    crashes: int
+    runs: int  # counted repetitions (CRASH/CORRUPT + SURVIVED)
+    verdict: str
+    confidence: float
+    labels: tuple[str, ...] = ()  # every repetition's verdict label, in order
+    note: str = ""
 
 
 def to_jsonable(value: Any) -> Any:
@@ -221,3 +402,89 @@ def to_jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [to_jsonable(v) for v in value]
     return value
+
+
+class RecordError(ValueError):
+    """A JSON value does not fit the record type it should hold; ``field`` names where."""
+
+    def __init__(self, field_path: str, problem: str):
+        super().__init__(f"{field_path}: {problem}")
+        self.field_path = field_path
+        self.problem = problem
+
+
+def from_jsonable(cls: Any, value: Any, where: str = "") -> Any:
+    """Read back what :func:`to_jsonable` wrote, as the typed record it was.
+
+    Strict on purpose: a key the record does not have, or a value of the wrong type, raises
+    :class:`RecordError` naming the field, so a results folder from another kvrepro is reported
+    instead of silently misread. Missing fields take their defaults.
+    """
+    origin = typing.get_origin(cls)
+    if cls is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(cls)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return from_jsonable(option, value, where)
+            except RecordError as exc:
+                errors.append(exc.problem)
+        raise RecordError(where or "value", "; ".join(errors) or f"unexpected {value!r}")
+    if dataclasses.is_dataclass(cls):
+        if not isinstance(value, dict):
+            raise RecordError(where or cls.__name__, f"expected an object, found {type(value).__name__}")
+        hints = typing.get_type_hints(cls)
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise RecordError(f"{where}.{unknown[0]}" if where else unknown[0], f"not a field of {cls.__name__}")
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name in value:
+                kwargs[f.name] = from_jsonable(hints[f.name], value[f.name], f"{where}.{f.name}" if where else f.name)
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise RecordError(f"{where}.{f.name}" if where else f.name, "missing")
+        return cls(**kwargs)
+    if isinstance(cls, type) and issubclass(cls, enum.Enum):
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(str(m.value) for m in cls)
+            raise RecordError(where or cls.__name__, f"{value!r} is not one of {allowed}") from None
+    if origin in (dict,):
+        key_type, value_type = typing.get_args(cls) or (Any, Any)
+        if not isinstance(value, dict):
+            raise RecordError(where or "value", f"expected an object, found {type(value).__name__}")
+        return {from_jsonable(key_type, k, where): from_jsonable(value_type, v, f"{where}.{k}") for k, v in value.items()}
+    if origin in (tuple, list):
+        if not isinstance(value, list):
+            raise RecordError(where or "value", f"expected a list, found {type(value).__name__}")
+        args = typing.get_args(cls)
+        item_type = args[0] if args else Any
+        items = [from_jsonable(item_type, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if cls is Path:
+        if not isinstance(value, str):
+            raise RecordError(where or "value", f"expected a path, found {type(value).__name__}")
+        return Path(value)
+    if cls is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise RecordError(where or "value", f"expected a number, found {value!r}")
+    if cls is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():  # counters scraped as floats
+            return int(value)
+        raise RecordError(where or "value", f"expected an integer, found {value!r}")
+    if cls in (str, bool):
+        if isinstance(value, cls):
+            return value
+        raise RecordError(where or "value", f"expected {cls.__name__}, found {value!r}")
+    raise RecordError(where or "value", f"cannot read a {cls!r}")

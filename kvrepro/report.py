@@ -1,67 +1,182 @@
-"""The matrix as a person reads it (a rich table) and as a machine reads it (JSON).
+"""The matrix as a person reads it and as a machine reads it.
 
-Both are made from what ``results.load_run`` reads back from disk, so a report of an old or an
-interrupted run says exactly what was recorded.
+* :func:`matrix_table` -- the terminal table (rich);
+* :func:`matrix_json` -- ``--json``;
+* :func:`write_report` -- ``results/<run>/report.md`` (fits a PR comment and
+  ``$GITHUB_STEP_SUMMARY``) and ``report.html`` (one self-contained file);
+* :func:`render_bisection` -- the blocks of a bisection's steps (:class:`~kvrepro.records.BisectionStep`),
+  for ``kvrepro bisect`` to pass to :func:`write_report`, or :func:`write_bisection_report` alone;
+* :func:`mismatches` -- which repetitions differ from ``expect:`` (exit code 1, JUnit failures).
+
+Everything is made from what ``results.load_run`` reads back from disk as typed records, so a
+report of an old or an interrupted run says exactly what was recorded.
 """
 
 from __future__ import annotations
 
+import os
 from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rich.console import Group
-from rich.table import Table
+from rich.table import Table as RichTable
 from rich.text import Text
 
-from . import stats
+from . import __version__, stats
+from .pages import Block, Bullets, Cell, Code, Details, Heading, Image, Para, Table, to_html, to_markdown
+from .records import BisectionStep, RunResult, Verdict
+from .results import BuildResults, MatrixRun, write_atomic
 
-_STYLE = {"CRASH": "bold red", "CORRUPT": "bold red", "SURVIVED": "bold green", "UNREACHED": "yellow",
-          "VACUOUS": "yellow", "STALL": "yellow", "INFRA": "magenta", "INTERRUPTED": "dim"}
+_STYLE = {"CRASH": "bold red", "CORRUPT": "bold red", "SURVIVED": "bold green", "VACUOUS": "yellow",
+          "UNREACHED": "yellow", "STALL": "yellow", "INFRA": "magenta", "INTERRUPTED": "dim"}
+_TONE = {"CRASH": "bad", "CORRUPT": "bad", "SURVIVED": "good", "VACUOUS": "warn", "UNREACHED": "warn",
+         "STALL": "warn", "INFRA": "warn", "INTERRUPTED": "muted"}
+REPORT_MD = "report.md"
+REPORT_HTML = "report.html"
+SURVIVAL_PNG = "survival.png"
 
 
-def verdict_label(run: dict[str, Any]) -> str:
-    """CRASH(target) / CRASH(other) / SURVIVED / VACUOUS / STALL / INFRA / INTERRUPTED."""
-    verdict = run.get("verdict", "?")
-    if verdict == "CRASH":
-        return "CRASH(target)" if run.get("outcome") == "target" else "CRASH(other)"
-    return verdict
+def verdict_label(run: RunResult) -> str:
+    """CRASH(target) / CRASH(other) / CORRUPT / SURVIVED / UNREACHED / VACUOUS / STALL / INFRA / INTERRUPTED."""
+    return run.label
 
 
-def matrix_json(run: dict[str, Any]) -> dict[str, Any]:
-    builds = {}
-    for name, build in run.get("builds_results", {}).items():
-        builds[name] = {
-            "base": build.get("base"),
-            "patches": build.get("patches", []),
-            "build_error": (build.get("build") or {}).get("error"),
-            "runs": [
-                {
-                    "verdict": r.get("verdict"),
-                    "outcome": r.get("outcome"),
-                    "title": r.get("title"),
-                    "trigger_count": r.get("trigger_count", 0),
-                    "state_count": r.get("state_count", 0),
-                    "state_groups": r.get("state_groups") or {},
-                    "kv_check": r.get("kv_check", "off"),
-                    "external_hit_calls": r.get("external_hit_calls", 0),
-                    "offload_load_jobs": (r.get("extra") or {}).get("offload_load_jobs"),
-                    "base": r.get("base") or build.get("base"),
-                    "requests": r.get("requests", 0),
-                    "seconds": r.get("seconds", 0.0),
-                    "engine_start_s": (r.get("extra") or {}).get("engine_start_s"),
-                    "run_dir": r.get("run_dir"),
-                }
-                for r in build.get("runs", [])
-            ],
-        }
-    effects = _effects(run)
+# --- expectations ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Mismatch:
+    base: str
+    build: str
+    rep: int
+    expected: str
+    actual: str
+
+    def __str__(self) -> str:
+        return f"build {self.build} rep {self.rep}: {self.actual}, expected {self.expected}"
+
+
+def meets_expectation(run: RunResult, expected: str | None) -> bool:
+    """An INTERRUPTED repetition is neither a pass nor a failure of ``expect:``: it did not finish."""
+    return not expected or run.verdict is Verdict.INTERRUPTED or run.label == expected
+
+
+def mismatches(run: MatrixRun) -> list[Mismatch]:
+    return [Mismatch(b.base, b.name, r.rep, b.expect or "", r.label)
+            for b in run.builds for r in b.runs if not meets_expectation(r, b.expect)]
+
+
+# --- numbers ---------------------------------------------------------------------------------
+
+def build_key(run: MatrixRun, build: BuildResults) -> str:
+    """How the report names a (base, build): its cell name (``A``, or ``A@0.30.0`` when the run
+    spans several releases), with the base added if two cells would otherwise share a name."""
+    if sum(b.name == build.name for b in run.builds) > 1:
+        return f"{build.name}@{build.base}"
+    return build.name
+
+
+def _effects_by_base(run: MatrixRun) -> tuple[list[stats.PatchEffect], list[stats.Factorial]]:
+    """Patch effects compare builds on the same base only: across bases more than a patch differs."""
+    effects, factorials = [], []
+    for base in dict.fromkeys(b.base for b in run.builds):
+        members = [b for b in run.builds if b.base == base]
+        stacks = {build_key(run, b): list(b.patches) for b in members}
+        runs = {build_key(run, b): list(b.runs) for b in members}
+        effects += stats.patch_effects(stacks, runs)
+        factorials += stats.factorials(stacks, runs)
+    return effects, factorials
+
+
+def _count(value: int | None) -> str:
+    """A counter for a table: "?" when it was not known (not the same as 0)."""
+    return "?" if value is None else str(value)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def rate_text(r: stats.Rate) -> str:
+    """`3/3 = 100% (29-100%)`, `0/3 = 0% (0-71%, <= 63%)`: rate, exact 95% CI, zero-event bound."""
+    if not r.trials:
+        return "no counted run"
+    low, high = r.clopper_pearson()
+    text = f"{r.crashes}/{r.trials} = {_pct(r.value)} ({100 * low:.0f}-{100 * high:.0f}%)"
+    bound = r.zero_event_upper()
+    return text + (f", <= {100 * bound:.0f}%" if bound is not None else "")
+
+
+def state_rate_text(s: stats.StateRate) -> str:
+    if not s.occurrences:
+        return "-"
+    interval = s.interval()
+    assert interval is not None
+    return f"{s.per_1000:.1f} ({interval[0]:.1f}-{interval[1]:.1f})"
+
+
+def _summary_labels(runs: tuple[RunResult, ...]) -> str:
+    labels = [r.label for r in runs]
+    if not labels:
+        return "(not run)"
+    if len(set(labels)) == 1:
+        return (f"{len(labels)}x " if len(labels) > 1 else "") + labels[0]
+    return " ".join(labels)
+
+
+def _state_text(r: RunResult) -> str:
+    if not r.state_groups:
+        return str(r.state_count)
+    return f"{r.state_count} (" + ", ".join(f"{k} {v}" for k, v in sorted(r.state_groups.items())) + ")"
+
+
+# --- JSON ------------------------------------------------------------------------------------
+
+def _run_json(r: RunResult) -> dict[str, Any]:
     return {
-        "run_id": run.get("run_id"),
-        "status": run.get("status"),
-        "target": run.get("target"),
-        "base": run.get("base"),
-        "path": run.get("path"),
+        "rep": r.rep, "base": r.base, "verdict": r.verdict.value, "label": r.label, "outcome": r.outcome.value,
+        "title": r.title, "trigger_count": r.trigger_count, "external_hit_calls": r.external_hit_calls,
+        "state_count": r.state_count, "state_groups": dict(r.state_groups), "kv_check": r.kv_check,
+        "offload_load_jobs": r.offload_load_jobs, "requests": r.requests, "seconds": r.seconds,
+        "load_seconds": r.load_seconds, "engine_start_s": r.engine_start_s, "run_dir": r.run_dir,
+    }
+
+
+def _rate_json(r: stats.Rate) -> dict[str, Any]:
+    return {"failed": r.crashes, "counted": r.trials, "rate": r.value,
+            "clopper_pearson_95": list(r.clopper_pearson()), "wilson_95": list(r.wilson()),
+            "zero_event_upper_95": r.zero_event_upper()}
+
+
+def _contrast_json(c: stats.Contrast) -> dict[str, float]:
+    return {"estimate": round(c.estimate, 4), "low": round(c.low, 4), "high": round(c.high, 4)}
+
+
+def matrix_json(run: MatrixRun) -> dict[str, Any]:
+    builds = {}
+    for b in run.builds:
+        s = stats.state_rate(b.runs)
+        builds[build_key(run, b)] = {
+            "name": b.name,
+            "base": b.base,
+            "patches": list(b.patches),
+            "expect": b.expect,
+            "build_error": b.build_error,
+            "runs": [_run_json(r) for r in b.runs],
+            "failure_rate": _rate_json(stats.rate(b.runs)),
+            "failures_per_1000_states": {"failures": s.failures, "state_occurrences": s.occurrences,
+                                         "per_1000": s.per_1000, "poisson_95": list(s.interval() or []) or None},
+        }
+    effects, factorials = _effects_by_base(run)
+    return {
+        "run_id": run.run_id,
+        "status": run.status,
+        "target": run.info.target,
+        "base": run.info.base,
+        "path": str(run.path),
         "builds": builds,
+        "mismatches": [vars(m) for m in mismatches(run)],
         "patch_effects": [
             {"patch": e.patch, "without": e.without, "with": e.with_,
              "crashes_without": [e.without_rate.crashes, e.without_rate.trials],
@@ -69,75 +184,330 @@ def matrix_json(run: dict[str, Any]) -> dict[str, Any]:
              "p_value": round(e.p_value, 4)}
             for e in effects
         ],
+        "factorials": [
+            {"patches": [f.patch_p, f.patch_q], "builds": {"none": f.none, "p": f.p, "q": f.q, "both": f.both},
+             "effect_p": _contrast_json(f.effect_p), "effect_q": _contrast_json(f.effect_q),
+             "p_alone": _contrast_json(f.p_alone), "p_with_q": _contrast_json(f.p_with_q),
+             "q_alone": _contrast_json(f.q_alone), "q_with_p": _contrast_json(f.q_with_p),
+             "interaction": _contrast_json(f.interaction)}
+            for f in factorials
+        ],
     }
 
 
-def _effects(run: dict[str, Any]) -> list[stats.PatchEffect]:
-    results = run.get("builds_results", {})
-    stacks = {n: b.get("patches", []) for n, b in results.items()}
-    bases = {n: str(b.get("base")) for n, b in results.items()}
-    return stats.patch_effects(stacks, {n: b.get("runs", []) for n, b in results.items()}, bases)
+# --- terminal --------------------------------------------------------------------------------
 
-
-def _count(value) -> str:
-    """A counter for the table: "?" when it was not known (not the same as 0)."""
-    return "?" if value is None else str(int(value))
-
-
-def _verdict_summary(runs: list[dict[str, Any]]) -> Text:
+def _verdict_summary(runs: tuple[RunResult, ...]) -> Text:
     """`3x CRASH(target)`, or each repetition's verdict in order when they differ."""
     text = Text()
-    labels = [verdict_label(r) for r in runs]
-    if not labels:
+    if not runs:
         return Text("(not run)", style="dim")
+    labels = [r.label for r in runs]
     if len(set(labels)) == 1:
         text.append(f"{len(labels)}x " if len(labels) > 1 else "")
-        text.append(labels[0], style=_STYLE.get(runs[0].get("verdict"), ""))
+        text.append(labels[0], style=_STYLE.get(runs[0].verdict.value, ""))
         return text
-    for i, (label, r) in enumerate(zip(labels, runs)):
+    for i, r in enumerate(runs):
         text.append(" " if i else "")
-        text.append(label, style=_STYLE.get(r.get("verdict"), ""))
+        text.append(r.label, style=_STYLE.get(r.verdict.value, ""))
     return text
 
 
-def _state(run: dict[str, Any]) -> str:
-    """`37 (full_attention 37)`: calls in which the bug's state occurred, by kind of group."""
-    groups = run.get("state_groups") or {}
-    kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(groups.items()))
-    return f"{run.get('state_count', 0)}" + (f" ({kinds})" if kinds else "")
+def _titles(b: BuildResults) -> list[tuple[str, int]]:
+    if b.build_error:
+        return [(b.build_error, len(b.runs))]
+    counted = Counter(r.title for r in b.runs if r.verdict is not Verdict.SURVIVED and r.title)
+    return counted.most_common()
 
 
-def matrix_table(run: dict[str, Any]) -> Group:
-    table = Table(title=f"kvrepro matrix {run.get('run_id')}  (vLLM {run.get('base')}, target {run.get('target')}, "
-                        f"{run.get('status')})", title_justify="left")
+def matrix_table(run: MatrixRun) -> Group:
+    info = run.info
+    table = RichTable(title=f"kvrepro matrix {run.run_id}  (vLLM {info.base_text}, target {info.target}, {run.status})",
+                      title_justify="left")
+    multi_base = len({b.base for b in run.builds}) > 1
+    if multi_base:
+        table.add_column("base", no_wrap=True)
     table.add_column("build", style="bold", no_wrap=True)
     table.add_column("patches")
     table.add_column("verdicts", no_wrap=True)
+    table.add_column("failed (95% CI)", no_wrap=True)
     table.add_column("trigger count", justify="right")
-    table.add_column("bug state (group kinds)", justify="right")
-    table.add_column("KV check")
+    table.add_column("bug state", justify="right")
     table.add_column("offload loads", justify="right")
     titles: list[Text] = []
-    for name, build in run.get("builds_results", {}).items():
-        runs = build.get("runs", [])
+    for b in run.builds:
+        cells = [b.base] if multi_base else []
         table.add_row(
-            name,
-            ", ".join(build.get("patches", [])) or "-",
-            _verdict_summary(runs),
-            " / ".join(str(r.get("trigger_count", 0)) for r in runs),
-            " / ".join(_state(r) for r in runs),
-            " / ".join(r.get("kv_check", "off") for r in runs),
-            " / ".join(_count((r.get("extra") or {}).get("offload_load_jobs")) for r in runs),
+            *cells,
+            b.build_name,
+            ", ".join(b.patches) or "-",
+            _verdict_summary(b.runs),
+            rate_text(stats.rate(b.runs)),
+            " / ".join(str(r.trigger_count) for r in b.runs),
+            " / ".join(str(r.state_count) for r in b.runs),
+            " / ".join(_count(r.offload_load_jobs) for r in b.runs),
         )
-        build_error = (build.get("build") or {}).get("error")
-        counted = Counter(r.get("title") for r in runs if r.get("verdict") != "SURVIVED" and r.get("title"))
-        for title, n in ([(build_error, len(runs))] if build_error else counted.most_common()):
-            titles.append(Text(f"{name}: {title}" + (f"  ({n}x)" if n > 1 else "")))
+        for title, n in _titles(b):
+            titles.append(Text(f"{build_key(run, b)}: {title}" + (f"  ({n}x)" if n > 1 else "")))
     lines: list[Any] = [table, *titles]
-    for e in _effects(run):
+    effects, _ = _effects_by_base(run)
+    for e in effects:
         lines.append(Text(
             f"{e.patch}: {e.without} {e.without_rate.crashes}/{e.without_rate.trials} crashed -> "
             f"{e.with_} {e.with_rate.crashes}/{e.with_rate.trials}  (one-sided Fisher p = {e.p_value:.3g})"
         ))
-    lines.append(Text(f"results: {run.get('path')}", style="dim"))
+    lines.append(Text(f"results: {run.path}", style="dim"))
     return Group(*lines)
+
+
+# --- report.md / report.html ------------------------------------------------------------------
+
+def _verdict_cell(b: BuildResults) -> Cell:
+    text = _summary_labels(b.runs)
+    tones = {_TONE.get(r.verdict.value, "") for r in b.runs}
+    tone = tones.pop() if len(tones) == 1 else "warn"
+    if b.expect and b.runs:
+        ok = all(meets_expectation(r, b.expect) for r in b.runs)
+        text += " ✓" if ok else " ✗ (expected " + b.expect + ")"
+        tone = tone if ok else "bad"
+    return Cell(text, tone)
+
+
+def _verdict_blocks(run: MatrixRun) -> list[Block]:
+    rows = []
+    for b in run.builds:
+        r = stats.rate(b.runs)
+        rows.append((
+            b.base, Cell(b.build_name), " → ".join(b.patches) or "(base)", b.expect or "-", _verdict_cell(b),
+            rate_text(r),
+            " / ".join(str(x.trigger_count) for x in b.runs) or "-",
+            " / ".join(str(x.state_count) for x in b.runs) or "-",
+            state_rate_text(stats.state_rate(b.runs)),
+            " / ".join(x.kv_check for x in b.runs) or "-",
+        ))
+    blocks: list[Block] = [Table(
+        ("base", "build", "patch stack", "expect", "verdicts", "failed = rate (95% CI, zero-event bound)",
+         "trigger count", "bug state", "failures / 1,000 states (95% CI)", "KV check"),
+        tuple(rows), align="lllllrrrrl")]
+    for b in run.builds:
+        for title, n in _titles(b):
+            blocks.append(Para(f"**{build_key(run, b)}**: `{title}`" + (f" ({n}x)" if n > 1 else "")))
+    blocks.append(Para(
+        "A run **fails** when it is CRASH or CORRUPT and **passes** when it SURVIVED; VACUOUS, UNREACHED, "
+        "STALL, INFRA and INTERRUPTED prove nothing either way and are not counted. Intervals are exact "
+        "(Clopper-Pearson) 95%; `<= x%` is the one-sided 95% upper bound 1 - 0.05^(1/n) when nothing failed."))
+    return blocks
+
+
+def _effect_blocks(run: MatrixRun) -> list[Block]:
+    effects, factorials = _effects_by_base(run)
+    blocks: list[Block] = []
+    if effects:
+        blocks += [Heading(2, "Patch effects"), Table(
+            ("patch", "without → with", "failed without", "failed with", "one-sided Fisher p"),
+            tuple((Cell(e.patch, code=True), f"{e.without} → {e.with_}",
+                   f"{e.without_rate.crashes}/{e.without_rate.trials}",
+                   f"{e.with_rate.crashes}/{e.with_rate.trials}",
+                   Cell(f"{e.p_value:.3g}", "good" if e.p_value <= 0.05 else ""))
+                  for e in effects), align="llrrr"),
+            Para("p: the probability that adding the patch lowered the failure rate this much by chance "
+                 "(Fisher's exact test, one-sided); 3/3 against 0/3 is p = 0.05.")]
+    for f in factorials:
+        def row(name: str, c: stats.Contrast) -> tuple[str, str, str]:
+            return (name, f"{100 * c.estimate:+.0f} pts", f"{100 * c.low:+.0f} to {100 * c.high:+.0f} pts")
+        blocks += [Heading(3, f"2x2: `{f.patch_p}` x `{f.patch_q}` ({f.none}, {f.p}, {f.q}, {f.both})"), Table(
+            ("effect on the failure rate", "estimate", "95% CI (adjusted Wald)"),
+            (row(f"`{f.patch_p}` (average over `{f.patch_q}`)", f.effect_p),
+             row(f"`{f.patch_p}` without `{f.patch_q}` ({f.none} → {f.p})", f.p_alone),
+             row(f"`{f.patch_p}` with `{f.patch_q}` ({f.q} → {f.both})", f.p_with_q),
+             row(f"`{f.patch_q}` (average over `{f.patch_p}`)", f.effect_q),
+             row(f"`{f.patch_q}` without `{f.patch_p}` ({f.none} → {f.q})", f.q_alone),
+             row(f"`{f.patch_q}` with `{f.patch_p}` ({f.p} → {f.both})", f.q_with_p),
+             row("interaction (does one patch change what the other does?)", f.interaction)),
+            align="lrr")]
+    return blocks
+
+
+def _survival_blocks(run: MatrixRun, out_dir: Path | None) -> list[Block]:
+    from .plots import survival_curve, survival_figure
+
+    by_axis: dict[str, list[Any]] = {"requests": [], "seconds": []}
+    for b in run.builds:
+        for axis in by_axis:
+            curve = survival_curve(build_key(run, b), list(b.runs), axis)
+            if curve is not None:
+                by_axis[axis].append(curve)
+    if not by_axis["requests"]:
+        return []
+    svg, png = survival_figure(by_axis)
+    if out_dir is not None:
+        write_atomic(out_dir / SURVIVAL_PNG, png)
+    return [Heading(2, "Time to crash"),
+            Image("time-to-crash curves per build, in requests and in seconds under load", svg, SURVIVAL_PNG),
+            Para("Kaplan-Meier: a crashed run is an event when it died; any other run is censored where its "
+                 "budget ended.")]
+
+
+def _runs_blocks(run: MatrixRun) -> list[Block]:
+    rows = []
+    for b in run.builds:
+        for r in b.runs:
+            rows.append((build_key(run, b), str(r.rep), Cell(r.label, _TONE.get(r.verdict.value, "")),
+                         str(r.requests), f"{r.load_seconds:.1f}", str(r.trigger_count), _state_text(r),
+                         r.kv_check, _count(r.offload_load_jobs), str(r.external_hit_calls)))
+    if not rows:
+        return []
+    return [Heading(2, "Runs"), Table(
+        ("build", "rep", "verdict", "requests", "seconds under load", "trigger count", "bug state (groups)",
+         "KV check", "offload loads", "offload-hit calls"), tuple(rows), align="lrlrrrrlrr")]
+
+
+def _crash_blocks(run: MatrixRun) -> list[Block]:
+    from .classify import crash_excerpt
+
+    blocks: list[Block] = []
+    for b in run.builds:
+        seen: set[str] = set()
+        for r in b.runs:
+            if r.verdict not in (Verdict.CRASH, Verdict.CORRUPT) or r.title in seen:
+                continue
+            seen.add(r.title)
+            count = sum(x.title == r.title for x in b.runs)
+            lines = crash_excerpt(Path(r.run_dir) / "engine.log") if r.run_dir else []
+            inner: list[Block] = [Code("\n".join(lines))] if lines else [Para("(no traceback in the log)")]
+            if r.run_dir:
+                inner.append(Para(f"log: `{r.run_dir}/engine.log`"))
+            blocks.append(Details(f"{build_key(run, b)} ({count}x): {r.title}", tuple(inner)))
+    return [Heading(2, "Crashes"), *blocks] if blocks else []
+
+
+def _short(sha: str | None) -> str:
+    return f"`{sha[:12]}`" if sha else "-"
+
+
+def _what_ran_blocks(run: MatrixRun) -> list[Block]:
+    info = run.info
+    rows = []
+    engine_args: dict[tuple[str, ...], list[str]] = {}
+    for b in run.builds:
+        record = b.build
+        patches = b.manifest.patches if b.manifest else ()
+        rows.append((
+            build_key(run, b), b.base,
+            record.wheel or record.image or "-" if record else "-",
+            _short(record.wheel_sha256) if record else "-",
+            ", ".join(f"{p.name} `{p.sha256[:12]}`" for p in patches) or "-",
+            _short(record.probe_sha256) if record else "-",
+            ", ".join(sorted({_short(r.probe_source_sha256) for r in b.runs if r.probe_source_sha256})) or "-",
+            Cell(record.error or ("ok" if record.ok else "failed"), "bad" if record.error else "") if record
+            else "-",
+        ))
+        if b.manifest and b.manifest.engine_args:
+            engine_args.setdefault(b.manifest.engine_args, []).append(build_key(run, b))
+    host = info.host
+    reps = (f"adaptive repetitions (each build until decisive by the README's stopping rule, at most "
+            f"{info.repetitions})" if info.adaptive else f"{info.repetitions} repetition(s) per build")
+    facts = [
+        f"run `{run.run_id}` ({run.status}), target `{info.target}`, {reps}",
+        f"matrix `{info.matrix}` sha256 {_short(info.matrix_sha256)}",
+        f"kvrepro {info.kvrepro_version or '?'} (this report: kvrepro {__version__})",
+    ]
+    if host is not None:
+        facts.append(f"host `{host.hostname}`: {host.platform}, Python {host.python}, {host.cpus} CPUs")
+    blocks: list[Block] = [
+        Heading(2, "What ran"), Bullets(tuple(facts)),
+        Table(("build", "vLLM", "wheel / image", "wheel sha256", "patches (sha256)", "probe sha256",
+               "wrapped function sha256", "build"), tuple(rows)),
+    ]
+    for args, names in engine_args.items():
+        blocks += [Para(f"engine arguments ({', '.join(names)}):"), Code("vllm serve " + " ".join(args))]
+    return blocks
+
+
+def render_bisection(steps: list[BisectionStep], *, good: str | None = None, bad: str | None = None,
+                     result: str | None = None) -> list[Block]:
+    """The blocks of a bisection's steps, for ``kvrepro bisect`` to pass to :func:`write_report`
+    (or to render alone with :func:`pages.to_markdown` / :func:`pages.to_html`).
+
+    ``good``/``bad`` name the ends it started from; ``result`` says what it found (e.g. "first bad:
+    0.27.0"). Each step shows its counts, its good/bad/skip call and how confident that call is.
+    """
+    tone = {"good": "good", "bad": "bad", "skip": "warn"}
+    rows = tuple((str(i + 1), Cell(s.point, code=True), f"{s.crashes}/{s.runs}", " ".join(s.labels) or "-",
+                  Cell(s.verdict, tone.get(s.verdict, "")), f"{100 * s.confidence:.1f}%", s.note)
+                 for i, s in enumerate(steps))
+    blocks: list[Block] = [Heading(2, "Bisection")]
+    if good or bad:
+        blocks.append(Para(f"from good `{good or '?'}` to bad `{bad or '?'}`"))
+    blocks.append(Table(("step", "point", "failed", "verdicts", "call", "confidence", "note"), rows,
+                        align="rlrllrl"))
+    if result:
+        blocks.append(Para(f"**{result}**"))
+    return blocks
+
+
+# GitHub refuses comments over 65,536 characters; past this the Markdown leaves out the per-run
+# table and the tracebacks (report.html keeps them)
+MARKDOWN_LIMIT = 60_000
+
+
+def document(run: MatrixRun, out_dir: Path | None = None, bisection: list[Block] | None = None,
+             details: bool = True) -> list[Block]:
+    """The whole report as blocks; ``out_dir`` receives the PNG the Markdown links to."""
+    info = run.info
+    problems = mismatches(run)
+    expected = [b for b in run.builds if b.expect]
+    blocks: list[Block] = [Heading(1, f"kvrepro {run.run_id}: vLLM {info.base_text}, target {info.target}, {run.status}")]
+    if problems:
+        blocks.append(Para(f"**{len(problems)} verdict(s) differ from `expect:`**: "
+                           + "; ".join(str(p) for p in problems), tone="bad"))
+    elif expected:
+        blocks.append(Para("**Every verdict as `expect:` says.**", tone="good"))
+    if run.status != "complete":
+        blocks.append(Para(f"The run is **{run.status}**: only the repetitions that finished are shown.",
+                           tone="warn"))
+    blocks += _verdict_blocks(run)
+    blocks += _effect_blocks(run)
+    if bisection:
+        blocks += bisection
+    blocks += _survival_blocks(run, out_dir)
+    if details:
+        blocks += _crash_blocks(run)
+        blocks += _runs_blocks(run)
+    else:
+        blocks.append(Para(f"(tracebacks and the per-run table are left out to fit a PR comment: see "
+                           f"`{REPORT_HTML}`)"))
+    blocks += _what_ran_blocks(run)
+    return blocks
+
+
+def write_report(run: MatrixRun, bisection: list[Block] | None = None) -> tuple[Path, Path]:
+    """Write report.md (+ survival.png it links to) and report.html into the run's folder."""
+    blocks = document(run, run.path, bisection)
+    md_path, html_path = run.path / REPORT_MD, run.path / REPORT_HTML
+    markdown = to_markdown(blocks)
+    if len(markdown) > MARKDOWN_LIMIT:
+        markdown = to_markdown(document(run, run.path, bisection, details=False))
+    write_atomic(md_path, markdown)
+    write_atomic(html_path, to_html(f"kvrepro {run.run_id}", blocks))
+    return md_path, html_path
+
+
+def write_bisection_report(out_dir: Path, title: str, steps: list[BisectionStep], *, good: str | None = None,
+                           bad: str | None = None, result: str | None = None) -> tuple[Path, Path]:
+    """report.md and report.html of a bisection alone (when its steps are not one matrix run)."""
+    blocks: list[Block] = [Heading(1, title), *render_bisection(steps, good=good, bad=bad, result=result)]
+    md_path, html_path = out_dir / REPORT_MD, out_dir / REPORT_HTML
+    write_atomic(md_path, to_markdown(blocks))
+    write_atomic(html_path, to_html(title, blocks))
+    return md_path, html_path
+
+
+def append_step_summary(markdown: str) -> Path | None:
+    """Append to ``$GITHUB_STEP_SUMMARY`` when GitHub Actions provides it (the job's summary page)."""
+    target = os.environ.get("GITHUB_STEP_SUMMARY")
+    if not target:
+        return None
+    with open(target, "a", encoding="utf-8") as fh:
+        fh.write(markdown if markdown.endswith("\n") else markdown + "\n")
+    return Path(target)

@@ -18,12 +18,14 @@ import os
 import secrets as _random
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from . import __version__
 from .errors import KvreproError
-from .records import to_jsonable
+from .records import (RESULTS_SCHEMA, BuildRecord, RecordError, RunBuildEntry, RunInfo, RunManifest, RunResult,
+                      from_jsonable, to_jsonable)
 
 DEFAULT_ROOT = Path("results")
 
@@ -84,16 +86,110 @@ def create_run(root: Path, matrix_text: str, info: dict[str, Any]) -> RunFolder:
     folder = RunFolder(root=root, run_id=new_run_id())
     folder.path.mkdir(parents=True, exist_ok=False)
     write_atomic(folder.path / "matrix.yaml", matrix_text)
-    folder.update(run_id=folder.run_id, status="running", started=time.time(), **info)
+    folder.update(schema=RESULTS_SCHEMA, run_id=folder.run_id, status="running", started=time.time(), **info)
     return folder
 
 
-def list_runs(root: Path = DEFAULT_ROOT) -> list[dict[str, Any]]:
-    runs = []
+class ResultsSchemaError(KvreproError):
+    """A results folder this kvrepro cannot read as its records (another version wrote it)."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class BuildResults:
+    """One (base, build) of a run: its stack, its build record and every finished repetition."""
+
+    name: str
+    base: str
+    patches: tuple[str, ...]
+    build: BuildRecord | None  # None while it was being built (or the folder lost build.json)
+    runs: tuple[RunResult, ...]
+    manifest: RunManifest | None  # the first repetition's: engine args, seeds, load
+    expect: str | None = None
+    matrix_build: str = ""  # the build's name in matrix.yaml (``name`` is the cell: ``A@0.30.0``)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.base, self.build_name)
+
+    @property
+    def build_name(self) -> str:
+        return self.matrix_build or self.name
+
+    @property
+    def build_error(self) -> str | None:
+        return self.build.error if self.build is not None else None
+
+
+@dataclass(frozen=True)
+class MatrixRun:
+    """A recorded run read back from disk: the truth after a crash or Ctrl-C."""
+
+    info: RunInfo
+    path: Path
+    builds: tuple[BuildResults, ...]
+
+    @property
+    def run_id(self) -> str:
+        return self.info.run_id
+
+    @property
+    def status(self) -> str:
+        return self.info.status
+
+    def runs(self) -> list[RunResult]:
+        return [r for b in self.builds for r in b.runs]
+
+    def build(self, name: str, base: str | None = None) -> BuildResults | None:
+        for b in self.builds:
+            if b.name == name and (base is None or b.base == base):
+                return b
+        return None
+
+
+def _read_record(cls: Any, path: Path) -> Any:
+    """One JSON file as its record; a file of another schema or shape is one clear line."""
+    try:
+        data = read_json(path)
+    except (OSError, ValueError) as exc:
+        raise ResultsSchemaError(f"{path}: unreadable ({exc})") from None
+    if cls in (RunInfo, RunResult):  # the two files that carry the schema number
+        _check_schema(path, data)
+    try:
+        return from_jsonable(cls, data)
+    except RecordError as exc:
+        raise ResultsSchemaError(f"{path}: field {exc.field_path}: {exc.problem} "
+                                 f"(written by another kvrepro? this one reads results schema {RESULTS_SCHEMA})") from None
+
+
+def _check_schema(path: Path, data: Any) -> None:
+    version = data.get("schema", 1) if isinstance(data, dict) else None
+    if version == RESULTS_SCHEMA:
+        return
+    writer = data.get("kvrepro_version", "unknown") if isinstance(data, dict) else "unknown"
+    age = "an older" if isinstance(version, int) and version < RESULTS_SCHEMA else "a newer"
+    raise ResultsSchemaError(
+        f"{path.parent}: written by {age} kvrepro ({writer}, results schema {version}); this kvrepro "
+        f"{__version__} reads schema {RESULTS_SCHEMA}: read it with the kvrepro that wrote it, or run the matrix again")
+
+
+def _reps(build_dir: Path) -> list[Path]:
+    if not build_dir.is_dir():
+        return []
+    return sorted((d for d in build_dir.iterdir() if d.is_dir() and d.name.isdigit()), key=lambda d: int(d.name))
+
+
+def list_runs(root: Path = DEFAULT_ROOT) -> list[MatrixRun | ResultsSchemaError]:
+    """Every run under ``root``, oldest first; a folder that cannot be read is listed as its error."""
+    runs: list[MatrixRun | ResultsSchemaError] = []
     if root.is_dir():
         for d in sorted(root.iterdir()):
             if (d / "run.json").is_file():
-                runs.append(load_run(root, d.name))
+                try:
+                    runs.append(load_run(root, d.name))
+                except ResultsSchemaError as exc:
+                    runs.append(exc)
     return runs
 
 
@@ -106,32 +202,45 @@ def resolve_run_id(root: Path, run_id: str) -> str:
     return ids[-1]
 
 
-def load_run(root: Path, run_id: str) -> dict[str, Any]:
-    """run.json plus every build's manifest and verdicts found on disk (the truth after a crash)."""
+def run_path(root: Path, run_id: str) -> Path:
+    """The folder of a run named by id, by ``latest`` or by its path."""
+    as_path = Path(run_id)
+    if (as_path / "run.json").is_file() and run_id != "latest":
+        return as_path
     run_id = resolve_run_id(root, run_id)
     path = root / run_id
     if not (path / "run.json").is_file():
         known = ", ".join(d.name for d in sorted(root.iterdir())[-5:]) if root.is_dir() else ""
         raise KvreproError(f"no run {run_id!r} under {root}/ (latest: {known or 'none'})")
-    info = read_json(path / "run.json")
-    builds: dict[str, Any] = {}
-    for name in info.get("build_order", []):
+    return path
+
+
+def load_run(root: Path, run_id: str) -> MatrixRun:
+    """run.json plus every build's record and verdicts found on disk, as the records written.
+
+    ``run_id`` may be an id under ``root``, ``latest`` or a run folder's path.
+    """
+    path = run_path(root, run_id)
+    info: RunInfo = _read_record(RunInfo, path / "run.json")
+    builds: list[BuildResults] = []
+    for name in info.build_order:
         build_dir = path / name
-        build_info = read_json(build_dir / "build.json") if (build_dir / "build.json").is_file() else {}
-        runs = []
-        if build_dir.is_dir():
-            reps = sorted((d for d in build_dir.iterdir() if d.is_dir() and d.name.isdigit()), key=lambda d: int(d.name))
-            for rep in reps:
-                if (rep / "verdict.json").is_file():
-                    runs.append(read_json(rep / "verdict.json"))
-        declared = info.get("builds", {}).get(name, {})
-        builds[name] = {
-            "patches": declared.get("patches", []),
-            "base": declared.get("base") or info.get("base"),
-            "matrix_build": declared.get("build") or name,
-            "build": build_info,
-            "runs": runs,
-        }
-    info["builds_results"] = builds
-    info["path"] = str(path)
-    return info
+        build = _read_record(BuildRecord, build_dir / "build.json") if (build_dir / "build.json").is_file() else None
+        entry = info.builds.get(name, RunBuildEntry())
+        default_base = entry.base or info.default_base
+        runs: list[RunResult] = []
+        manifest: RunManifest | None = None
+        for rep in _reps(build_dir):
+            if manifest is None and (rep / "manifest.json").is_file():
+                manifest = _read_record(RunManifest, rep / "manifest.json")
+            if (rep / "verdict.json").is_file():
+                result: RunResult = _read_record(RunResult, rep / "verdict.json")
+                runs.append(result if result.base else replace(result, base=default_base))
+        bases = list(dict.fromkeys(r.base or default_base for r in runs)) or [default_base]
+        for base in bases:
+            builds.append(BuildResults(
+                name=name, base=base, patches=entry.patches, build=build,
+                runs=tuple(r for r in runs if (r.base or default_base) == base),
+                manifest=manifest, expect=info.expect.get(entry.build or name),
+                matrix_build=entry.build or name))
+    return MatrixRun(info=info, path=path, builds=tuple(builds))

@@ -8,16 +8,18 @@ Ctrl-C or a crash of kvrepro itself loses nothing already known.
 
 from __future__ import annotations
 
+import os
+import platform
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import requests
 
-from . import __version__, results
+from . import __version__, results, stats
 from .classify import classify_log, read_engine_counters, read_exposure
 from .classify.lines import split_line
 from .deploy import get_target
@@ -25,8 +27,8 @@ from .deploy.base import EngineHandle, Target
 from .errors import InfraError, KvreproError
 from .loadgen import run_load
 from .metrics import parse_prometheus, total
-from .records import (BuildArtifact, BuildPlan, Classification, Exposure, LoadSummary, Outcome,
-                      RunResult, Verdict)
+from .records import (BuildArtifact, BuildPlan, BuildRecord, Classification, Exposure, HostInfo, LoadSummary,
+                      Outcome, PatchInfo, RunManifest, RunResult, Verdict)
 from .secrets import redact
 from .spec import LoadedMatrix
 from .verdict import decide, died_without_traceback_title
@@ -70,17 +72,14 @@ class MatrixOptions:
     repetitions: int | None = None
     results_root: Path = results.DEFAULT_ROOT
     jobs: int | None = None  # engines run at once; None: what the target says it can take
+    adaptive_max: int | None = None  # repeat each build until decisive (stats.decisive), at most this often
     bases: list[str] | None = None  # vLLM releases to run every build on; None: the matrix's base
 
 
-def _artifact_json(artifact: BuildArtifact) -> dict[str, Any]:
-    return {
-        "ok": artifact.ok,
-        "ref": artifact.ref,
-        "error": artifact.error,
-        "reused": artifact.reused,
-        "manifest": artifact.manifest,
-    }
+def _build_record(artifact: BuildArtifact) -> BuildRecord:
+    """build.json: what results.load_run reads back as the same record."""
+    return BuildRecord(ok=artifact.ok, ref=artifact.ref, error=artifact.error, reused=artifact.reused,
+                       manifest=artifact.manifest)
 
 
 def _fetch_metrics(handle: EngineHandle) -> str | None:
@@ -134,20 +133,15 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     """One repetition of one build; writes manifest.json first and verdict.json last."""
     matrix = loaded.matrix
     plan = artifact.plan
-    results.write_json(run_dir / "manifest.json", {
-        "build": plan.name,
-        "rep": rep,
-        "base": plan.base,
-        "target": target.name,
-        "patches": [{"name": p.name, "upstream": p.upstream, "sha256": p.sha256} for p in plan.patches],
-        "artifact": _artifact_json(artifact),
-        "engine_args": _engine_args(target),
-        "sim_seed": matrix.engine.sim.seed + rep,
-        "load_seed": matrix.load.seed + rep,
-        "load": matrix.load.model_dump(),
-        "runs": matrix.runs.model_dump(),
-        "kvrepro_version": __version__,
-    })
+    engine_args = _engine_args(target)
+    results.write_json(run_dir / "manifest.json", RunManifest(
+        build=plan.name, rep=rep, base=plan.base, target=target.name,
+        patches=tuple(PatchInfo(p.name, p.upstream, p.sha256) for p in plan.patches),
+        artifact=_build_record(artifact),
+        engine_args=tuple(engine_args) if engine_args is not None else None,
+        sim_seed=matrix.engine.sim.seed + rep, load_seed=matrix.load.seed + rep,
+        load=matrix.load.model_dump(), runs=matrix.runs.model_dump(), kvrepro_version=__version__,
+    ))
     started = time.monotonic()
     if not artifact.ok:
         return _infra_result(plan, rep, run_dir, artifact.error or "build failed")
@@ -204,23 +198,14 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
         requests=load.requests_sent if load else 0, seconds=round(seconds, 3),
         state_count=exposure.state_calls, state_groups=dict(exposure.state_groups), kv_check=exposure.kv_check,
         signature=classification.signature, run_dir=str(run_dir), base=plan.base,
-        extra={
-            "kv_checks": exposure.kv_checks,
-            "kv_violations": exposure.kv_violations,
-            "kv_violations_by": dict(exposure.kv_violations_by),
-            "kv_first_violation": exposure.kv_first_violation,
-            "probe_expected_sha256": expected_sha,
-            "load": load,
-            "engine_exit": engine_exit,
-            "probe_seen": exposure.probe_seen,
-            "probe_source_sha256": exposure.probe_source_sha256,
-            "offload_load_jobs": counters.offload_load_jobs,
-            "offload_store_jobs": counters.offload_store_jobs,
-            "engine_steps": counters.steps,
-            "engine_start_s": engine_start_s,
-            "external_prefix_cache_hits": total(samples, "vllm:external_prefix_cache_hits_total"),
-            "prefix_cache_hits": total(samples, "vllm:prefix_cache_hits_total"),
-        },
+        load=load, engine_exit=engine_exit, probe_seen=exposure.probe_seen,
+        probe_source_sha256=exposure.probe_source_sha256, probe_expected_sha256=expected_sha,
+        kv_checks=exposure.kv_checks, kv_violations=exposure.kv_violations,
+        kv_violations_by=dict(exposure.kv_violations_by), kv_first_violation=exposure.kv_first_violation,
+        offload_load_jobs=counters.offload_load_jobs, offload_store_jobs=counters.offload_store_jobs,
+        engine_steps=counters.steps, engine_start_s=engine_start_s,
+        external_prefix_cache_hits=int(total(samples, "vllm:external_prefix_cache_hits_total")),
+        prefix_cache_hits=int(total(samples, "vllm:prefix_cache_hits_total")),
     )
 
 
@@ -238,8 +223,27 @@ def _wait_for_slots(futures: list) -> None:
                 break
 
 
+def _decided(artifact: BuildArtifact, runs: list[RunResult], expect: str | None) -> bool:
+    """Adaptive repetitions: has this build seen enough (stats.decisive, the README's rule)?"""
+    if not artifact.ok:
+        return bool(runs)  # every repetition of a failed build is the same INFRA
+    expected_failure = None
+    if expect:
+        expected_failure = expect.startswith(("CRASH", "CORRUPT"))
+        if not expected_failure and expect != "SURVIVED":
+            # VACUOUS/STALL/INFRA expected: three agreeing repetitions, or the first that disagrees
+            return len(runs) >= 3 or any(r.label != expect for r in runs)
+    return stats.decisive(stats.rate(runs), expected_failure).decisive
+
+
+def host_info() -> HostInfo:
+    """Where kvrepro runs, for the report's "what ran" (no user names, no environment)."""
+    return HostInfo(hostname=platform.node(), platform=platform.platform(terse=True),
+                    python=platform.python_version(), cpus=os.cpu_count() or 0)
+
+
 def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress | None = None,
-               stop: threading.Event | None = None) -> dict[str, Any]:
+               stop: threading.Event | None = None) -> results.MatrixRun:
     """Run every build x repetition; return the run as `results.load_run` reads it back."""
     progress = progress or SilentProgress()
     stop = stop or threading.Event()
@@ -255,11 +259,14 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
         "target": target_name,
         "base": bases[0] if len(bases) == 1 else bases,
         "bases": bases,
-        "repetitions": reps,
+        "repetitions": options.adaptive_max or reps,
+        "adaptive": bool(options.adaptive_max),
         "build_order": [p.name for p in plans],
         "builds": {p.name: {"patches": [x.name for x in p.patches], "base": p.base, "build": p.build_name}
                    for p in plans},
+        "expect": {name: label for name, label in matrix.expect.items() if name in {p.build_name for p in plans}},
         "kvrepro_version": __version__,
+        "host": host_info(),
     })
     target = target_cls(loaded)
     target.on_line = progress.detail
@@ -284,8 +291,10 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
                 artifact = target.prepare(plan)
             except KvreproError as exc:
                 artifact = BuildArtifact(plan=plan, ref=None, manifest={}, error=str(exc))
-            results.write_json(folder.build_dir(plan.name) / "build.json", _artifact_json(artifact))
+            results.write_json(folder.build_dir(plan.name) / "build.json", _build_record(artifact))
             artifacts.append(artifact)
+
+        recorded: dict[str, list[RunResult]] = {a.plan.name: [] for a in artifacts}
 
         def one(artifact: BuildArtifact, rep: int) -> None:
             if stop.is_set():
@@ -293,14 +302,14 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
             run_dir = folder.rep_dir(artifact.plan.name, rep)
             result = run_one(loaded, target, artifact, run_dir, rep, progress, stop)
             results.write_json(run_dir / "verdict.json", result)
+            recorded[artifact.plan.name].append(result)
             progress.run_finished(result)
 
-        # Repetition-major order: with N parallel slots the first results cover every build.
-        work = [(a, rep) for rep in range(reps) for a in artifacts]
-        if jobs == 1:
-            for artifact, rep in work:
-                one(artifact, rep)
-        else:
+        def run_all(work: list[tuple[BuildArtifact, int]]) -> None:
+            if jobs == 1:
+                for artifact, rep in work:
+                    one(artifact, rep)
+                return
             pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="kvrepro-run")
             futures = [pool.submit(one, a, rep) for a, rep in work]
             try:
@@ -312,6 +321,19 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
                 raise
             finally:
                 pool.shutdown(wait=True, cancel_futures=True)
+
+        if options.adaptive_max:
+            # one more repetition of every undecided build per round, until each is decisive
+            for rep in range(options.adaptive_max):
+                pending = [a for a in artifacts
+                           if not _decided(a, recorded[a.plan.name], matrix.expect.get(a.plan.build_name))]
+                if not pending or stop.is_set():
+                    break
+                progress.stage(f"round {rep + 1}: {', '.join(a.plan.name for a in pending)} not decisive yet")
+                run_all([(a, rep) for a in pending])
+        else:
+            # Repetition-major order: with N parallel slots the first results cover every build.
+            run_all([(a, rep) for rep in range(reps) for a in artifacts])
         folder.update(status="interrupted" if stop.is_set() else "complete", finished=time.time())
     except BaseException:
         stop.set()

@@ -164,7 +164,17 @@ class HostSpec(_Strict):
     cert_path: str | None = Field(
         None, description="tcp:// with tls: folder holding ca.pem, cert.pem, key.pem (default: $DOCKER_CERT_PATH)"
     )
-    use_ssh_client: bool = Field(True, description="ssh://: use the system `ssh` (and ~/.ssh/config) to reach the daemon")
+    ssh_config: str | None = Field(
+        None, description="ssh://: the ssh client config file to use (ssh -F); default: ~/.ssh/config as `ssh` reads it"
+    )
+    api_address: str | None = Field(
+        None, description="publish engine APIs on this IP of the host and call them there; default: the host's "
+                          "loopback, reached through the ssh connection (required for remote tcp:// hosts)"
+    )
+    local: bool | None = Field(
+        None, description="whether this daemon runs on this machine (bind mounts, 127.0.0.1); null: decided by "
+                          "comparing the daemon's ID with the local daemon's, never by the address"
+    )
 
     @field_validator("name")
     @classmethod

@@ -1,52 +1,122 @@
-"""How much a handful of repetitions proves.
+"""How much a handful of repetitions proves: numbers a maintainer can quote.
 
 Three crashes out of three against zero out of three is p = 0.05 (one-sided Fisher exact): the
-report says so, so that nobody ships a fix on a 1-of-1 coincidence. Pairs of builds whose
-patch stacks differ by exactly one patch measure that patch's effect in that context.
+report says so, so that nobody ships a fix on a 1-of-1 coincidence. What is computed here:
+
+* per build, the failure rate (a run fails when it CRASHes or is CORRUPT; it succeeds when it
+  SURVIVED; every other verdict proves nothing about the code and is not counted), its exact
+  Clopper-Pearson and its Wilson 95% interval, and for zero failures the one-sided upper bound
+  ``1 - alpha ** (1 / n)`` ("0 of 3 is consistent with a rate up to 63%");
+* failures per 1,000 occurrences of the bug's state, with an exact Poisson interval: how often the
+  state, once reached, ends in a crash;
+* for every pair of builds one patch apart, the one-sided Fisher exact p-value that adding the
+  patch lowered the failure rate by chance;
+* for every 2x2 (a stack, plus patch P, plus patch Q, plus both), each patch's main effect and the
+  interaction on the risk-difference scale with adjusted-Wald intervals (Price & Bonett 2004: add
+  2/m failures and 4/m runs to each cell of an m-cell contrast, which stays sensible at 0/3 and 3/3);
+* the adaptive-repetition stopping rule (:func:`decisive`) stated in the README.
+
+scipy does the distributions; the code here only says which question each number answers.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-# verdicts that say something about the code's crash rate: it crashed, or it served the budget
-# with the trigger path exercised (CORRUPT and UNREACHED runs did not crash either)
-COUNTED = ("CRASH", "CORRUPT", "SURVIVED", "UNREACHED")
+from scipy import stats as _sp
+
+from .records import RunResult, Verdict
+
+FAILED = (Verdict.CRASH, Verdict.CORRUPT)  # the bug showed: the engine died or served wrong KV
+PASSED = (Verdict.SURVIVED,)  # the bug's path ran and the engine got through it
+COUNTED = FAILED + PASSED  # VACUOUS, UNREACHED, STALL, INFRA, INTERRUPTED prove nothing either way
+CONFIDENCE = 0.95
 
 
 @dataclass(frozen=True)
 class Rate:
-    crashes: int
-    trials: int  # COUNTED runs; VACUOUS/INFRA/STALL prove nothing and are left out
+    """Failures out of counted runs of one build."""
 
-    def wilson(self, z: float = 1.96) -> tuple[float, float]:
-        """95% Wilson score interval of the crash probability."""
+    crashes: int
+    trials: int  # CRASH + CORRUPT + SURVIVED runs
+
+    @property
+    def value(self) -> float | None:
+        return self.crashes / self.trials if self.trials else None
+
+    def wilson(self, confidence: float = CONFIDENCE) -> tuple[float, float]:
+        """Wilson score interval: good coverage at small n, never outside [0, 1]."""
         if self.trials == 0:
             return (0.0, 1.0)
+        z = float(_sp.norm.ppf(1 - (1 - confidence) / 2))
         n, p = self.trials, self.crashes / self.trials
         centre = (p + z * z / (2 * n)) / (1 + z * z / n)
         half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-        return (max(0.0, centre - half), min(1.0, centre + half))
+        # at 0/n and n/n the bound is exactly 0 or 1; rounding would print 5.6e-17
+        low = 0.0 if self.crashes == 0 else max(0.0, centre - half)
+        high = 1.0 if self.crashes == self.trials else min(1.0, centre + half)
+        return (low, high)
+
+    def clopper_pearson(self, confidence: float = CONFIDENCE) -> tuple[float, float]:
+        """Exact (conservative) binomial interval from the beta distribution."""
+        if self.trials == 0:
+            return (0.0, 1.0)
+        ci = _sp.binomtest(self.crashes, self.trials).proportion_ci(confidence_level=confidence, method="exact")
+        return (float(ci.low), float(ci.high))
+
+    def zero_event_upper(self, confidence: float = CONFIDENCE) -> float | None:
+        """With no failure in n runs, the largest failure rate not ruled out: 1 - alpha^(1/n).
+
+        This is the one-sided Clopper-Pearson bound (about 3/n, the "rule of three"). None when
+        there was a failure or no run.
+        """
+        if self.crashes or not self.trials:
+            return None
+        return 1 - (1 - confidence) ** (1 / self.trials)
 
 
-def rate(runs: list[dict[str, Any]]) -> Rate:
-    counted = [r for r in runs if r.get("verdict") in COUNTED]
-    return Rate(crashes=sum(r["verdict"] == "CRASH" for r in counted), trials=len(counted))
+def rate(runs: Iterable[RunResult]) -> Rate:
+    counted = [r for r in runs if r.verdict in COUNTED]
+    return Rate(crashes=sum(r.verdict in FAILED for r in counted), trials=len(counted))
+
+
+@dataclass(frozen=True)
+class StateRate:
+    """Failures per 1,000 occurrences of the bug's state (summed over a build's counted runs)."""
+
+    failures: int
+    occurrences: int
+
+    @property
+    def per_1000(self) -> float | None:
+        return 1000 * self.failures / self.occurrences if self.occurrences else None
+
+    def interval(self, confidence: float = CONFIDENCE) -> tuple[float, float] | None:
+        """Exact Poisson (Garwood) interval of the per-1,000 rate, from the chi-square quantiles."""
+        if not self.occurrences:
+            return None
+        alpha = 1 - confidence
+        k = self.failures
+        low = 0.0 if k == 0 else float(_sp.chi2.ppf(alpha / 2, 2 * k)) / 2
+        high = float(_sp.chi2.ppf(1 - alpha / 2, 2 * k + 2)) / 2
+        return (1000 * low / self.occurrences, 1000 * high / self.occurrences)
+
+
+def state_rate(runs: Iterable[RunResult]) -> StateRate:
+    counted = [r for r in runs if r.verdict in COUNTED]
+    return StateRate(failures=sum(r.verdict in FAILED for r in counted),
+                     occurrences=sum(r.state_count for r in counted))
 
 
 def fisher_one_sided(a_crash: int, a_n: int, b_crash: int, b_n: int) -> float:
-    """P(B crashes this rarely or less | same crash probability), hypergeometric tail."""
-    total_crash, n = a_crash + b_crash, a_n + b_n
-    if a_n == 0 or b_n == 0 or total_crash == 0:
+    """P(B fails this rarely or less | both have the same failure probability): Fisher's exact test,
+    one-sided, for "B's rate is lower than A's"."""
+    if a_n == 0 or b_n == 0 or a_crash + b_crash == 0:
         return 1.0
-    denom = math.comb(n, total_crash)
-    return sum(
-        math.comb(b_n, k) * math.comb(a_n, total_crash - k)
-        for k in range(0, b_crash + 1)
-        if 0 <= total_crash - k <= a_n
-    ) / denom
+    table = [[a_crash, a_n - a_crash], [b_crash, b_n - b_crash]]
+    return float(_sp.fisher_exact(table, alternative="greater").pvalue)
 
 
 @dataclass(frozen=True)
@@ -56,21 +126,152 @@ class PatchEffect:
     with_: str  # build with it
     without_rate: Rate
     with_rate: Rate
-    p_value: float  # that adding the patch lowered the crash rate by chance
+    p_value: float  # that adding the patch lowered the failure rate by chance
 
 
-def patch_effects(builds: dict[str, list[str]], runs: dict[str, list[dict[str, Any]]],
-                  bases: dict[str, str] | None = None) -> list[PatchEffect]:
-    """One entry per pair of builds on the same base whose stacks differ by one added patch."""
+def _adds_one(a_stack: Sequence[str], b_stack: Sequence[str]) -> str | None:
+    """The patch b adds to a, when b is a plus exactly one patch (order aside)."""
+    added = [p for p in b_stack if p not in a_stack]
+    if len(b_stack) == len(a_stack) + 1 and len(added) == 1 and all(p in b_stack for p in a_stack):
+        return added[0]
+    return None
+
+
+def patch_effects(builds: Mapping[str, Sequence[str]], runs: Mapping[str, Sequence[RunResult]],
+                  bases: Mapping[str, str] | None = None) -> list[PatchEffect]:
+    """One entry per pair of builds (on the same base, when ``bases`` says) whose stacks differ by
+    exactly one added patch."""
     effects = []
     bases = bases or {}
     for a, a_stack in builds.items():
         for b, b_stack in builds.items():
             if bases.get(a) != bases.get(b):
-                continue
-            extra = [p for p in b_stack if p not in a_stack]
-            if len(b_stack) == len(a_stack) + 1 and len(extra) == 1 and all(p in b_stack for p in a_stack):
+                continue  # across releases more than one patch differs
+            patch = _adds_one(a_stack, b_stack)
+            if patch is not None:
                 ra, rb = rate(runs.get(a, [])), rate(runs.get(b, []))
-                p = fisher_one_sided(ra.crashes, ra.trials, rb.crashes, rb.trials)
-                effects.append(PatchEffect(extra[0], a, b, ra, rb, p))
+                effects.append(PatchEffect(patch, a, b, ra, rb, fisher_one_sided(ra.crashes, ra.trials,
+                                                                                  rb.crashes, rb.trials)))
     return effects
+
+
+@dataclass(frozen=True)
+class Contrast:
+    """A difference of failure rates with its adjusted-Wald 95% interval."""
+
+    estimate: float
+    low: float
+    high: float
+
+
+def _contrast(cells: Sequence[tuple[Rate, float]], confidence: float = CONFIDENCE) -> Contrast | None:
+    """sum(c_i * p_i) with the Price-Bonett adjusted-Wald interval; None if a cell has no run."""
+    if any(r.trials == 0 for r, _ in cells):
+        return None
+    m = sum(1 for _, c in cells if c)
+    z = float(_sp.norm.ppf(1 - (1 - confidence) / 2))
+    estimate = sum(c * r.crashes / r.trials for r, c in cells)
+    adjusted = [((r.crashes + 2 / m) / (r.trials + 4 / m), r.trials + 4 / m, c) for r, c in cells]
+    centre = sum(c * p for p, _, c in adjusted)
+    half = z * math.sqrt(sum(c * c * p * (1 - p) / n for p, n, c in adjusted))
+    return Contrast(estimate, max(-1.0, centre - half), min(1.0, centre + half))
+
+
+@dataclass(frozen=True)
+class Factorial:
+    """A 2x2 of builds: ``none`` (the common stack), ``p`` (+P), ``q`` (+Q) and ``both``.
+
+    Effects are changes of the failure rate (negative: the patch lowers it). ``effect_p`` is P's
+    average effect over Q absent and present; ``p_alone``/``p_with_q`` are the two simple
+    effects; ``interaction`` is ``p_with_q - p_alone`` (0: P does the same with or without Q).
+    """
+
+    patch_p: str
+    patch_q: str
+    none: str
+    p: str
+    q: str
+    both: str
+    effect_p: Contrast
+    effect_q: Contrast
+    p_alone: Contrast
+    p_with_q: Contrast
+    q_alone: Contrast
+    q_with_p: Contrast
+    interaction: Contrast
+
+
+def factorials(builds: Mapping[str, Sequence[str]], runs: Mapping[str, Sequence[RunResult]]) -> list[Factorial]:
+    """Every 2x2 among the builds (each found once, patches in the order the builds are listed)."""
+    found: list[Factorial] = []
+    seen: set[frozenset[str]] = set()
+    names = list(builds)
+    for none in names:
+        for p_build in names:
+            patch_p = _adds_one(builds[none], builds[p_build])
+            if patch_p is None:
+                continue
+            for q_build in names:
+                patch_q = _adds_one(builds[none], builds[q_build])
+                if patch_q is None or patch_q == patch_p:
+                    continue
+                both = next((b for b in names if _adds_one(builds[p_build], builds[b]) == patch_q
+                             and _adds_one(builds[q_build], builds[b]) == patch_p), None)
+                key = frozenset((none, p_build, q_build, both or ""))
+                if both is None or key in seen:
+                    continue
+                seen.add(key)
+                r0, rp, rq, rb = (rate(runs.get(n, [])) for n in (none, p_build, q_build, both))
+                contrasts = {
+                    "effect_p": _contrast([(r0, -0.5), (rp, 0.5), (rq, -0.5), (rb, 0.5)]),
+                    "effect_q": _contrast([(r0, -0.5), (rp, -0.5), (rq, 0.5), (rb, 0.5)]),
+                    "p_alone": _contrast([(r0, -1), (rp, 1)]),
+                    "p_with_q": _contrast([(rq, -1), (rb, 1)]),
+                    "q_alone": _contrast([(r0, -1), (rq, 1)]),
+                    "q_with_p": _contrast([(rp, -1), (rb, 1)]),
+                    "interaction": _contrast([(r0, 1), (rp, -1), (rq, -1), (rb, 1)]),
+                }
+                if any(c is None for c in contrasts.values()):
+                    continue
+                found.append(Factorial(patch_p, patch_q, none, p_build, q_build, both, **contrasts))  # type: ignore[arg-type]
+    return found
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The adaptive-repetition rule's call for one build after some runs."""
+
+    decisive: bool
+    reason: str
+
+
+def decisive(r: Rate, expected_failure: bool | None, *, confidence: float = CONFIDENCE,
+             max_rate_if_fixed: float = 0.5) -> Decision:
+    """The stopping rule for adaptive repetitions (stated in the README).
+
+    A build whose expectation is a failure (CRASH/CORRUPT) is decided once it has failed in every
+    counted run so far and at least ``min_runs`` of them (3: 3/3 against 0/3 is what reaches
+    Fisher p = 0.05), or as soon as any run passed (the expectation is then already broken).
+    A build expected to SURVIVE is decided once the zero-event upper bound of its failure rate
+    drops below ``max_rate_if_fixed`` (at 95%: 5 clean runs give 45%), or at its first failure.
+    A build with no expectation is decided once its Clopper-Pearson interval excludes 0.5.
+    """
+    min_runs = 3
+    if expected_failure is True:
+        if r.trials - r.crashes > 0:
+            return Decision(True, f"{r.trials - r.crashes} of {r.trials} counted runs passed")
+        if r.crashes >= min_runs:
+            return Decision(True, f"{r.crashes}/{r.trials} failed")
+        return Decision(False, f"{r.crashes}/{r.trials} failed, {min_runs} needed")
+    if expected_failure is False:
+        if r.crashes:
+            return Decision(True, f"{r.crashes} of {r.trials} counted runs failed")
+        bound = r.zero_event_upper(confidence)
+        if bound is not None and bound < max_rate_if_fixed:
+            return Decision(True, f"0/{r.trials} failed: rate < {bound:.0%} at {confidence:.0%}")
+        return Decision(False, f"0/{r.trials} failed, bound {bound if bound is not None else 1:.0%} "
+                               f">= {max_rate_if_fixed:.0%}")
+    low, high = r.clopper_pearson(confidence)
+    if r.trials and (high < 0.5 or low > 0.5):
+        return Decision(True, f"{r.crashes}/{r.trials}: interval {low:.0%}-{high:.0%} excludes 50%")
+    return Decision(False, f"{r.crashes}/{r.trials}: interval {low:.0%}-{high:.0%} includes 50%")

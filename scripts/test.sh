@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Sets up everything kvrepro's tests need on a fresh Debian machine (as root), then runs them:
-# system packages (patch, docker.io, debootstrap), a running dockerd, the project venv, the runtime
-# env with vLLM's dependencies and the A-D overlays, the CPU base image for the docker target.
+# system packages (patch, openssh, docker.io, debootstrap), a running dockerd, the project venv,
+# the runtime env with vLLM's dependencies and the A-D overlays, the CPU base image for the docker target.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 missing=()
 command -v patch >/dev/null || missing+=(patch)
+command -v ssh >/dev/null || missing+=(openssh-client)
+[ -x /usr/sbin/sshd ] || missing+=(openssh-server)   # tests/test_docker_ssh.py starts its own sshd on 127.0.0.1
 if ((${#missing[@]})); then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
 fi

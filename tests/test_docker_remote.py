@@ -1,10 +1,12 @@
 """The docker target's remote-host code paths, against the real local daemon reached over TCP.
 
-Faked: the remoteness. No second machine exists here, so a byte relay on 127.0.0.2 (not one of
-the names kvrepro treats as local) forwards TCP to the local daemon's socket. Everything on the
-other side is the real daemon: image assembly over tcp://, the model folder uploaded into the
-container (a remote host cannot bind-mount this machine's files), ports that can only be seen
-through the daemon, and the API reached at the host's `address`.
+Faked: the remoteness. No second machine exists here, so a byte relay on 127.0.0.2 forwards TCP
+to the local daemon's socket, and the hosts say `local: false` (kvrepro tells this machine by the
+daemon's ID, which the relay cannot change). Everything on the other side is the real daemon:
+image assembly over tcp://, the model folder uploaded into the container (a remote host cannot
+bind-mount this machine's files), ports that can only be seen through the daemon, and the API
+published on the host's `api_address` only (never on all interfaces) and reached there.
+ssh:// hosts have their own test with a real sshd (test_docker_ssh.py).
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def relay():
 
 
 def test_remote_host_over_tcp(tmp_path, docker_host, cpu_base, relay):
-    hosts = [{"name": "peer", "docker": f"tcp://127.0.0.2:{relay.port}", "address": "127.0.0.1"}]
+    hosts = [{"name": "peer", "docker": f"tcp://127.0.0.2:{relay.port}", "address": "127.0.0.1",
+              "api_address": "127.0.0.1", "local": False}]
     loaded = docker_matrix(tmp_path, cpu_base, hosts=hosts, docker={"health_timeout_s": 300})
 
     proc = subprocess.run([sys.executable, "-m", "kvrepro.cli", "hosts", "check", "--json", "-m", str(loaded.path)],
@@ -127,7 +130,7 @@ def test_remote_host_over_tcp(tmp_path, docker_host, cpu_base, relay):
     model = loaded.model_dir()
     assert seen.get("config") == (model / "config.json").read_bytes()  # uploaded, not mounted
     assert str(model) not in seen["mounts"]
-    assert '"HostIp": "0.0.0.0"' in seen["ports"]  # published for other machines, not on 127.0.0.1
+    assert '"HostIp": "127.0.0.1"' in seen["ports"]  # on hosts[].api_address only, never 0.0.0.0
     assert result.infra_error is None or "Traceback" not in result.infra_error
     assert docker_host.client.containers.list(all=True, filters={"label": f"{L.LABEL_SESSION}={L.SESSION}"}) == []
 
@@ -138,7 +141,7 @@ def test_two_node_engine_orchestration(tmp_path, docker_host, cpu_base, relay):
     orchestration: one container per node on the host network with its rank's flags, per-node
     logs in the run folder, and teardown of both."""
     hosts = [{"name": "n0", "docker": "unix:///var/run/docker.sock"},
-             {"name": "n1", "docker": f"tcp://127.0.0.2:{relay.port}", "address": "127.0.0.1"}]
+             {"name": "n1", "docker": f"tcp://127.0.0.2:{relay.port}", "address": "127.0.0.1", "local": False}]
     loaded = docker_matrix(tmp_path, cpu_base, hosts=hosts, docker={"nodes": ["n0", "n1"], "health_timeout_s": 300})
     [plan] = loaded.plans(["A"])
     target = DockerTarget(loaded)

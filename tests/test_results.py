@@ -42,9 +42,9 @@ def test_run_reads_back_from_disk_including_an_interrupted_one(tmp_path):
     folder.rep_dir("A", 2)  # started, never finished: no verdict
     folder.update(status="interrupted")
     run = results.load_run(tmp_path, "latest")
-    assert run["status"] == "interrupted"
-    assert [r["verdict"] for r in run["builds_results"]["A"]["runs"]] == ["CRASH", "SURVIVED"]
-    assert run["builds_results"]["B"]["runs"] == []
+    assert run.status == "interrupted"
+    assert [r.verdict for r in run.build("A").runs] == [Verdict.CRASH, Verdict.SURVIVED]
+    assert run.build("B").runs == ()
     data = report.matrix_json(run)
     assert data["builds"]["A"]["patches"] == ["p1"]
     assert data["builds"]["A"]["runs"][0]["verdict"] == "CRASH"
@@ -60,6 +60,6 @@ def test_unknown_run_is_a_clear_error(tmp_path):
 
 
 def test_verdict_labels():
-    assert report.verdict_label({"verdict": "CRASH", "outcome": "target"}) == "CRASH(target)"
-    assert report.verdict_label({"verdict": "CRASH", "outcome": "other_crash"}) == "CRASH(other)"
-    assert report.verdict_label({"verdict": "VACUOUS"}) == "VACUOUS"
+    assert _result("A", 0).label == "CRASH(target)"
+    assert _result("A", 0, outcome=Outcome.OTHER_CRASH).label == "CRASH(other)"
+    assert _result("A", 0, Verdict.VACUOUS, Outcome.NONE).label == "VACUOUS"

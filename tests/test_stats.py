@@ -1,40 +1,122 @@
-"""Statistics of the matrix: how much a few repetitions prove."""
+"""Statistics of the matrix: how much a few repetitions prove, checked against hand computations."""
 
-from kvrepro.stats import Rate, fisher_one_sided, patch_effects
+import math
+
+import pytest
+
+from kvrepro.records import Outcome, RunResult, Verdict
+from kvrepro.stats import (Rate, StateRate, decisive, factorials, fisher_one_sided, patch_effects, rate,
+                           state_rate)
+
+Z = 1.959963984540054  # the 97.5% normal quantile
+
+
+def _runs(verdict: Verdict, n: int, state: int = 0) -> list[RunResult]:
+    return [RunResult(build="x", rep=i, verdict=verdict, outcome=Outcome.NONE, title="", trigger_count=1,
+                      external_hit_calls=1, requests=10, seconds=1.0, state_count=state) for i in range(n)]
 
 
 def test_fisher_one_sided_known_values():
-    assert fisher_one_sided(3, 3, 0, 3) == 0.05  # 1 / C(6, 3)
-    assert fisher_one_sided(1, 1, 0, 1) == 0.5
+    assert fisher_one_sided(3, 3, 0, 3) == pytest.approx(1 / math.comb(6, 3))  # = 0.05
+    assert fisher_one_sided(3, 3, 0, 3) == pytest.approx(0.05)
+    assert fisher_one_sided(1, 1, 0, 1) == pytest.approx(0.5)
     assert fisher_one_sided(3, 3, 3, 3) == 1.0
-    assert abs(fisher_one_sided(10, 10, 0, 10) - 1 / 184756) < 1e-12
+    assert fisher_one_sided(10, 10, 0, 10) == pytest.approx(1 / 184756)
+    # 2/3 against 0/3: tables at least as extreme are (2,0) and (3,... impossible): C(3,2)C(3,0)/C(6,2)
+    assert fisher_one_sided(2, 3, 0, 3) == pytest.approx(3 / 15)
 
 
-def test_wilson_interval_brackets_the_rate():
+def test_wilson_interval_by_hand():
     lo, hi = Rate(3, 3).wilson()
-    assert 0.4 < lo < 0.5 and hi == 1.0
+    assert lo == pytest.approx(3 / (3 + Z * Z)) and hi == 1.0  # p = 1: lower bound n / (n + z^2) = 0.4385
     lo, hi = Rate(0, 3).wilson()
-    assert lo == 0.0 and 0.5 < hi < 0.6
+    assert lo == 0.0 and hi == pytest.approx(Z * Z / (3 + Z * Z))
+    lo, hi = Rate(1, 2).wilson()  # p = 1/2: centre 1/2, half-width z*sqrt(1/8 + z^2/16)/(1 + z^2/2)
+    half = Z * math.sqrt(0.25 / 2 + Z * Z / 16) / (1 + Z * Z / 2)
+    assert (lo, hi) == (pytest.approx(0.5 - half), pytest.approx(0.5 + half))
+
+
+def test_clopper_pearson_and_zero_event_bound_by_hand():
+    lo, hi = Rate(3, 3).clopper_pearson()
+    assert lo == pytest.approx(0.025 ** (1 / 3)) and hi == 1.0  # all failed: lower = (alpha/2)^(1/n)
+    lo, hi = Rate(0, 3).clopper_pearson()
+    assert lo == 0.0 and hi == pytest.approx(1 - 0.025 ** (1 / 3))
+    assert Rate(0, 3).zero_event_upper() == pytest.approx(1 - 0.05 ** (1 / 3))  # 0.632
+    assert Rate(0, 5).zero_event_upper() == pytest.approx(0.4507, abs=1e-4)
+    assert Rate(1, 3).zero_event_upper() is None and Rate(0, 0).zero_event_upper() is None
+
+
+def test_failures_per_thousand_states_with_an_exact_poisson_interval():
+    s = StateRate(failures=0, occurrences=300)
+    assert s.per_1000 == 0.0
+    lo, hi = s.interval()
+    assert lo == 0.0 and hi == pytest.approx(1000 * -math.log(0.025) / 300)  # chi2(2)/2 quantile = -ln(alpha/2)
+    s = StateRate(failures=3, occurrences=12)
+    assert s.per_1000 == 250.0
+    assert StateRate(2, 0).interval() is None
+    runs = _runs(Verdict.CRASH, 2, state=3) + _runs(Verdict.SURVIVED, 1, state=30) + _runs(Verdict.VACUOUS, 1, 99)
+    assert state_rate(runs) == StateRate(failures=2, occurrences=36)
+
+
+def test_what_counts_as_a_failure_and_what_is_not_counted():
+    runs = (_runs(Verdict.CRASH, 1) + _runs(Verdict.CORRUPT, 1) + _runs(Verdict.SURVIVED, 2)
+            + _runs(Verdict.VACUOUS, 1) + _runs(Verdict.UNREACHED, 1) + _runs(Verdict.INFRA, 1))
+    assert rate(runs) == Rate(crashes=2, trials=4)
 
 
 def test_patch_effects_pair_builds_differing_by_one_patch():
     stacks = {"A": ["c"], "B": ["c", "fix"], "C": ["c", "mtp"], "D": ["c", "mtp", "fix"]}
-    crash = [{"verdict": "CRASH"}] * 3
-    live = [{"verdict": "SURVIVED"}] * 3
-    runs = {"A": crash, "B": live, "C": crash, "D": live + [{"verdict": "VACUOUS"}]}
+    crash, live = _runs(Verdict.CRASH, 3), _runs(Verdict.SURVIVED, 3)
+    runs = {"A": crash, "B": live, "C": crash, "D": live + _runs(Verdict.VACUOUS, 1)}
     effects = {(e.without, e.with_): e for e in patch_effects(stacks, runs)}
     assert set(effects) == {("A", "B"), ("A", "C"), ("B", "D"), ("C", "D")}
-    assert effects[("C", "D")].patch == "fix" and effects[("C", "D")].p_value == 0.05
+    assert effects[("C", "D")].patch == "fix" and effects[("C", "D")].p_value == pytest.approx(0.05)
     assert effects[("B", "D")].with_rate.trials == 3  # VACUOUS proves nothing: not counted
     assert effects[("A", "C")].p_value == 1.0
 
 
-def test_corrupt_and_unreached_runs_did_not_crash():
-    """A fix that turns 3/3 crashes into 3/3 CORRUPT runs lowers the crash rate (p = 0.05); the
-    corruption is reported as its own verdict, not folded into the crash rate."""
-    from kvrepro.stats import rate
+def test_two_by_two_effects_and_interaction_by_hand():
+    stacks = {"A": ["c"], "B": ["c", "fix"], "C": ["c", "mtp"], "D": ["c", "mtp", "fix"]}
+    crash, live = _runs(Verdict.CRASH, 3), _runs(Verdict.SURVIVED, 3)
+    (f,) = factorials(stacks, {"A": crash, "B": live, "C": crash, "D": live})
+    assert (f.patch_p, f.patch_q, f.none, f.p, f.q, f.both) == ("fix", "mtp", "A", "B", "C", "D")
+    assert f.effect_p.estimate == -1.0 and f.effect_q.estimate == 0.0 and f.interaction.estimate == 0.0
+    # Price-Bonett with m = 4 cells: each 3/3 becomes 3.5/4 = 0.875, each 0/3 becomes 0.5/4 = 0.125
+    half = Z * math.sqrt(4 * 0.875 * 0.125 / 4)
+    assert (f.interaction.low, f.interaction.high) == (pytest.approx(-half), pytest.approx(half))
+    half_main = Z * math.sqrt(4 * 0.25 * 0.875 * 0.125 / 4)
+    assert f.effect_p.high == pytest.approx(-0.75 + half_main)  # adjusted centre (0.125 - 0.875)
+    # m = 2 (a simple effect) is Agresti-Caffo: 4/5 and 1/5
+    assert f.p_alone.high == pytest.approx(-0.6 + Z * math.sqrt(2 * 0.8 * 0.2 / 5))
+    # a patch that only works together with the other: interaction -1
+    (g,) = factorials(stacks, {"A": crash, "B": crash, "C": crash, "D": live})
+    assert g.interaction.estimate == -1.0 and g.p_alone.estimate == 0.0 and g.p_with_q.estimate == -1.0
 
-    assert rate([{"verdict": "CORRUPT"}, {"verdict": "UNREACHED"}, {"verdict": "STALL"}]) == Rate(0, 2)
-    stacks = {"A": ["c"], "B": ["c", "fix"]}
-    effects = patch_effects(stacks, {"A": [{"verdict": "CRASH"}] * 3, "B": [{"verdict": "CORRUPT"}] * 3})
-    assert [(e.without, e.with_, e.p_value) for e in effects] == [("A", "B", 0.05)]
+
+def test_stopping_rule():
+    assert decisive(Rate(3, 3), expected_failure=True).decisive
+    assert not decisive(Rate(2, 2), expected_failure=True).decisive
+    assert decisive(Rate(1, 2), expected_failure=True).decisive  # a pass already breaks CRASH
+    assert not decisive(Rate(0, 4), expected_failure=False).decisive  # 1 - 0.05^(1/4) = 53% >= 50%
+    assert decisive(Rate(0, 5), expected_failure=False).decisive  # 45% < 50%
+    assert decisive(Rate(1, 1), expected_failure=False).decisive
+    assert not decisive(Rate(1, 2), expected_failure=None).decisive
+    assert not decisive(Rate(0, 5), expected_failure=None).decisive  # exact interval 0-52% includes 50%
+    assert decisive(Rate(0, 6), expected_failure=None).decisive  # 0-46%
+
+
+def test_adaptive_rounds_stop_each_build_by_the_rule():
+    """runner._decided applies the stopping rule per build; INFRA builds stop after one run."""
+    from kvrepro.records import BuildArtifact, BuildPlan
+    from kvrepro.runner import _decided
+
+    ok = BuildArtifact(plan=BuildPlan("B", "0.26.0", ()), ref="/overlay", manifest={})
+    broken = BuildArtifact(plan=BuildPlan("X", "0.26.0", ()), ref=None, manifest={}, error="hunk #1 failed")
+    assert not _decided(ok, _runs(Verdict.SURVIVED, 4), "SURVIVED")
+    assert _decided(ok, _runs(Verdict.SURVIVED, 5), "SURVIVED")
+    assert _decided(ok, _runs(Verdict.SURVIVED, 4) + _runs(Verdict.CRASH, 1), "SURVIVED")
+    assert not _decided(ok, _runs(Verdict.CRASH, 2), "CRASH(target)")
+    assert _decided(ok, _runs(Verdict.CRASH, 3), "CRASH(target)")
+    assert not _decided(ok, _runs(Verdict.VACUOUS, 9), "SURVIVED")  # nothing counted yet: go on
+    assert not _decided(broken, [], "CRASH(target)") and _decided(broken, _runs(Verdict.INFRA, 1), "CRASH(target)")
+    assert _decided(ok, _runs(Verdict.VACUOUS, 3), "VACUOUS")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..records import Classification
 from ..spec import TargetSignature
-from .classifier import classify_lines
+from .classifier import classify_lines, excerpt, fatal_traceback
 from .engine_counters import read_engine_counters
 from .exposure import read_exposure
 from .patterns import Pattern, known_patterns, match_pattern
@@ -30,6 +30,7 @@ __all__ = [
     "Pattern",
     "classify_file",
     "classify_log",
+    "crash_excerpt",
     "known_patterns",
     "match_pattern",
     "read_engine_counters",
@@ -57,3 +58,14 @@ def classify_file(path: str | Path, source_root: Path | None = None,
     """
     with open(path, encoding="utf-8", errors="replace", newline="\n") as fh:
         return classify_lines(fh, source_root, target)
+
+
+def crash_excerpt(path: str | Path, max_frames: int = 3) -> list[str]:
+    """The relevant lines of the traceback that killed the engine in a log file (innermost frames,
+    their code, the exception line), for a report; empty when the log holds none."""
+    try:
+        with open(path, encoding="utf-8", errors="replace", newline="\n") as fh:
+            tb = fatal_traceback(fh)
+    except OSError:
+        return []
+    return excerpt(tb, max_frames) if tb is not None else []

@@ -282,3 +282,35 @@ def _scrub(text: str) -> str:
 def _clip(title: str) -> str:
     title = " ".join(title.split())
     return title if len(title) <= _TITLE_MAX else title[: _TITLE_MAX - 3] + "..."
+
+
+def fatal_traceback(lines: Iterable[str] | str) -> Traceback | None:
+    """The traceback :func:`classify_lines` would reduce to a title, in the same order of trust."""
+    ev = scan(lines)
+    for tb in (ev.fatal, ev.failed_start):
+        if tb is not None:
+            return ev.best(tb)
+    return ev.raw or ev.logged_error or ev.consequence
+
+
+def excerpt(tb: Traceback, max_frames: int = 3) -> list[str]:
+    """The few lines of a traceback a person needs: the innermost frames of the exception that
+    explains it (paths shortened to ``vllm/...``), the code they show, and the exception line."""
+    segment = tb.root()
+    lines = []
+    # the probe's wrapper sits between vLLM's frames in every build: it explains nothing
+    frames = [f for f in segment.frames if not f.path.endswith("kvrepro_probe.py")]
+    for frame in frames[-max_frames:]:
+        path = _vllm_path(frame.path) if "/vllm/" in frame.path or frame.path.startswith("vllm/") \
+            else _display_path(frame.path)
+        lines.append(f'  File "{path}", line {frame.line}, in {frame.function}')
+        lines.extend("    " + src.strip() for src in frame.source if src.strip() and not _is_caret(src))
+    if segment.exception:
+        head = segment.exception + (f": {segment.message_lines[0]}" if segment.message_lines else "")
+        lines.append(_scrub(head))
+        lines.extend(_scrub(m) for m in segment.message_lines[1:5])
+    return lines
+
+
+def _is_caret(line: str) -> bool:
+    return set(line.strip()) <= set("^~")

@@ -20,6 +20,7 @@ matrix.yaml, for a cluster (values shown are the defaults unless marked as an ex
 
 Modules: ``assemble`` (image per build), ``launch`` (which container gets which flags),
 ``containers`` (logs, watchdog, health gate, teardown), ``target`` (the Target), ``hosts``,
+``ssh`` (one kept OpenSSH connection per ssh:// host: daemon socket and engine API forwarded),
 ``basecpu`` (the CPU base image), ``clean``, ``cli``, ``errors`` (the named failures).
 """
 

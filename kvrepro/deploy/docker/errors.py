@@ -19,6 +19,12 @@ class DaemonDownError(DockerInfraError):
     kind = "daemon_down"
 
 
+class SshError(DaemonDownError):
+    """The ssh connection to a host failed; the message carries ssh's own reason."""
+
+    kind = "ssh"
+
+
 class UnknownHostError(DockerInfraError):
     kind = "unknown_host"
 

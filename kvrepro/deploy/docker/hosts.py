@@ -1,13 +1,20 @@
 """Docker hosts: connecting to a daemon (local socket, ssh://, tcp with TLS) and checking it.
 
 A failed connection is turned into a named error here, once, so that everything above can say
-"host gpu-1: daemon down" instead of showing docker-py's or urllib3's stack.
+"host gpu-1: daemon down" (or ssh's own reason) instead of showing docker-py's or urllib3's stack.
+ssh:// hosts go through one kept OpenSSH connection each (ssh.py), not docker-py's ssh transport.
+
+Whether a host is *this machine* decides bind mounts versus uploads and where the engine API
+is reached. An address says nothing about that (ssh://u@127.0.0.1:2222 is often a VM behind a
+port forward), so it is decided by comparing the daemon's ID with the local daemon's.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,12 +24,13 @@ import docker
 import docker.errors
 import requests
 
+from ...errors import SpecError
 from ...spec import HostSpec, Matrix
-from .errors import DaemonDownError, UnknownHostError
+from .errors import DaemonDownError, SshError, UnknownHostError
 from .labels import MANAGED_FILTER
+from .ssh import SshConnection
 
 DEFAULT_SOCKET = "unix:///var/run/docker.sock"
-_LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", ""}
 
 
 def remove_quietly(container) -> None:
@@ -48,16 +56,40 @@ def host_of(spec: HostSpec) -> str:
     return "" if parsed.scheme == "unix" else (parsed.hostname or "")
 
 
-def is_local(spec: HostSpec) -> bool:
-    """True when the daemon runs on this machine, so ports it publishes are ours to bind-test."""
-    return urlparse(spec.docker).scheme == "unix" or host_of(spec) in _LOCAL_NAMES
+def is_local(spec: HostSpec, daemon_id: str | None = None) -> bool:
+    """True when the daemon runs on this machine, so its bind mounts and 127.0.0.1 are ours.
+
+    A unix socket is local; otherwise hosts[].local if set, else whether ``daemon_id`` (from
+    `docker info` of that host) is the local daemon's. Without an ID: not local.
+    """
+    if urlparse(spec.docker).scheme == "unix":
+        return True
+    if spec.local is not None:
+        return spec.local
+    return daemon_id is not None and daemon_id == local_daemon_id()
 
 
-def reach_address(spec: HostSpec) -> str:
-    """How other nodes and the load generator reach a host."""
+@functools.lru_cache(maxsize=1)
+def local_daemon_id() -> str | None:
+    """The ID of the daemon behind this machine's default socket (None: there is none)."""
+    path = urlparse(DEFAULT_SOCKET).path
+    if not Path(path).exists():
+        return None
+    try:
+        client = docker.DockerClient(base_url=DEFAULT_SOCKET, timeout=10, version="auto")
+        try:
+            return client.info().get("ID")
+        finally:
+            client.close()
+    except (docker.errors.DockerException, requests.RequestException, OSError):
+        return None
+
+
+def reach_address(spec: HostSpec, local: bool | None = None) -> str:
+    """How other nodes reach a host (hosts[].address, else 127.0.0.1 for this machine, else its name)."""
     if spec.address:
         return spec.address
-    return "127.0.0.1" if is_local(spec) else host_of(spec)
+    return "127.0.0.1" if (is_local(spec) if local is None else local) else host_of(spec)
 
 
 def engine_hosts(matrix: Matrix) -> list[HostSpec]:
@@ -102,35 +134,73 @@ def _tls_config(spec: HostSpec) -> docker.tls.TLSConfig | None:
 
 @dataclass
 class DockerHost:
-    """A connected daemon and the spec it came from."""
+    """A connected daemon, the spec it came from, and (ssh://) the kept ssh connection."""
 
     spec: HostSpec
     client: docker.DockerClient
     info: dict[str, Any] = field(default_factory=dict)
+    tunnel: SshConnection | None = None
+    local: bool = False
 
     @property
     def name(self) -> str:
         return self.spec.name
 
     @property
-    def local(self) -> bool:
-        return is_local(self.spec)
-
-    @property
     def address(self) -> str:
-        return reach_address(self.spec)
+        return reach_address(self.spec, self.local)
+
+    def api_bind_ip(self) -> str:
+        """Where an engine publishes its API on this host: never all interfaces by default.
+
+        This machine: 127.0.0.1. hosts[].api_address when set. An ssh:// host: its loopback,
+        reached through the kept ssh connection (:meth:`api_url`). A remote tcp:// host offers
+        no such path, so it needs api_address.
+        """
+        if self.local:
+            return "127.0.0.1"
+        if self.spec.api_address:
+            return self.spec.api_address
+        if self.tunnel is not None:
+            return "127.0.0.1"
+        raise SpecError(
+            f"host {self.name}: {self.spec.docker} is another machine reached without ssh, so its engine API cannot "
+            "stay on its loopback; set hosts[].api_address to the IP of that host to publish the API on "
+            "(kvrepro never publishes it on all interfaces), or reach the host with ssh://"
+        )
+
+    def api_url(self, port: int) -> tuple[str, int | None]:
+        """(base URL the load generator uses for an API published on ``port`` of this host, the
+        local port forwarded over ssh for it or None)."""
+        if self.local:
+            return f"http://127.0.0.1:{port}", None
+        if self.spec.api_address:
+            return f"http://{self.spec.api_address}:{port}", None
+        if self.tunnel is None:
+            self.api_bind_ip()  # raises the explanation
+        assert self.tunnel is not None
+        forwarded = self.tunnel.forward(port)
+        return f"http://127.0.0.1:{forwarded}", forwarded
+
+    def drop_forward(self, local_port: int | None) -> None:
+        if local_port is not None and self.tunnel is not None:
+            self.tunnel.cancel(local_port)
 
     def close(self) -> None:
         try:
             self.client.close()
         except Exception:  # closing a broken connection must not hide the error that broke it
             pass
+        if self.tunnel is not None:
+            self.tunnel.close()
 
 
 def connect(spec: HostSpec, timeout: float = 60.0) -> DockerHost:
-    """Connect to a host's daemon and ping it; raise UnknownHostError or DaemonDownError."""
+    """Connect to a host's daemon and ping it; raise UnknownHostError, SshError or DaemonDownError."""
     parsed = urlparse(spec.docker)
     machine = host_of(spec)
+    tunnel: SshConnection | None = None
+    base_url = spec.docker
     if parsed.scheme == "unix":
         sock = parsed.path
         if not Path(sock).exists():
@@ -138,27 +208,37 @@ def connect(spec: HostSpec, timeout: float = 60.0) -> DockerHost:
                 f"host {spec.name}: no Docker daemon socket at {sock}; start the daemon "
                 "(`sudo systemctl start docker`, or `dockerd &`) or fix hosts[].docker"
             )
-    elif machine not in _LOCAL_NAMES:
+    elif parsed.scheme == "ssh":
+        # ssh resolves the name itself (it may be an alias from ~/.ssh/config) and says so if it cannot.
+        tunnel = SshConnection(spec, timeout=timeout).open()
+        base_url = tunnel.docker_url
+    elif machine not in ("localhost", "127.0.0.1", "::1", ""):
         try:
             socket.getaddrinfo(machine, None)
         except (socket.gaierror, UnicodeError) as exc:
             raise UnknownHostError(
                 f"host {spec.name}: {machine!r} (from {spec.docker}) does not resolve ({exc.strerror or exc}); "
-                "check the name in hosts[].docker or your DNS / ~/.ssh/config"
+                "check the name in hosts[].docker or your DNS"
             ) from None
     try:
-        client = docker.DockerClient(
-            base_url=spec.docker, tls=_tls_config(spec), timeout=int(timeout),
-            use_ssh_client=spec.use_ssh_client, version="auto",
-        )
+        client = docker.DockerClient(base_url=base_url, tls=_tls_config(spec), timeout=int(timeout), version="auto")
         client.ping()
         info = client.info()
     except (docker.errors.DockerException, requests.RequestException, OSError) as exc:
+        if tunnel is not None:
+            time.sleep(0.2)  # ssh logs why the forwarded channel failed just after the client sees it
+            reason = tunnel.reason() or _short(exc)
+            tunnel.close()
+            raise SshError(
+                f"host {spec.name}: connected with {tunnel.describe()}, but the Docker daemon socket "
+                f"{tunnel.remote_socket} does not answer through it ({reason}); start the daemon there, check "
+                "that this user may use it, or give its path in the URL (ssh://user@host/run/user/1000/docker.sock)"
+            ) from None
         raise DaemonDownError(
             f"host {spec.name}: the Docker daemon at {spec.docker} does not answer ({_short(exc)}); "
-            "start it, or check hosts[].docker / TLS / ssh settings, then `kvrepro hosts check`"
+            "start it, or check hosts[].docker / TLS settings, then `kvrepro hosts check`"
         ) from None
-    return DockerHost(spec=spec, client=client, info=info)
+    return DockerHost(spec=spec, client=client, info=info, tunnel=tunnel, local=is_local(spec, info.get("ID")))
 
 
 def _short(exc: BaseException) -> str:
@@ -206,13 +286,14 @@ def port_state(host: DockerHost, port: int) -> str:
 
 def check_host(spec: HostSpec, matrix: Matrix | None) -> dict[str, Any]:
     """What `kvrepro hosts check` reports for one host; never raises for a bad host."""
-    report: dict[str, Any] = {"name": spec.name, "docker": spec.docker, "gpus_declared": spec.gpus,
-                              "local": is_local(spec), "address": reach_address(spec)}
+    report: dict[str, Any] = {"name": spec.name, "docker": spec.docker, "gpus_declared": spec.gpus}
     try:
         host = connect(spec, timeout=20)
     except (DaemonDownError, UnknownHostError) as exc:
         report.update(ok=False, error=str(exc), error_kind=exc.kind)
         return report
+    report.update(local=host.local, address=host.address, daemon_id=host.info.get("ID"),
+                  via="ssh (one kept connection)" if host.tunnel else urlparse(spec.docker).scheme)
     try:
         info = host.info
         runtimes = sorted((info.get("Runtimes") or {}).keys())

@@ -28,7 +28,7 @@ from . import labels as L
 from .assemble import assemble
 from .containers import ContainerEngine
 from .errors import (ContainerError, DaemonDownError, DockerInfraError, ImageMissingError, PortInUseError,
-                     UnknownHostError)
+                     SshError, UnknownHostError)
 from .hosts import (DockerHost, connect, engine_hosts, free_local_port, port_free_locally, published_ports,
                     remove_quietly)
 from .launch import NodeLaunch, plan_launch
@@ -48,6 +48,7 @@ class DockerEngineHandle(EngineHandle):
         self._on_stop = on_stop
         self.base_url = engine.base_url
         self.log_path = engine.engine_log.path
+        self.forwards: list[tuple[DockerHost, int]] = []  # (host, local port) forwarded over its ssh connection
 
     @property
     def containers(self) -> list[str]:
@@ -59,8 +60,17 @@ class DockerEngineHandle(EngineHandle):
     def exit_code(self) -> int | None:
         return self._engine.exit_code()
 
+    def use_api(self, url: str, note: str | None = None) -> None:
+        """Where the load generator and the health gate reach the engine's API."""
+        self._engine.base_url = self.base_url = url
+        if note:
+            self._engine.note(note)
+
     def stop(self) -> None:
         self._engine.stop()
+        forwards, self.forwards = self.forwards, []
+        for host, local_port in forwards:
+            host.drop_forward(local_port)
         if self._on_stop is not None:
             self._on_stop(self)
 
@@ -87,7 +97,10 @@ class DockerTarget(Target):
                 return self._hosts[spec.name]
         host = connect(spec)
         with self._lock:
-            return self._hosts.setdefault(spec.name, host)
+            kept = self._hosts.setdefault(spec.name, host)
+        if kept is not host:
+            host.close()  # another thread connected first: one connection (one ssh master) per host
+        return kept
 
     def max_parallel(self) -> int:
         """Engines at once: one per cluster/GPU set (an engine owns its hosts' GPUs and ports);
@@ -218,7 +231,7 @@ class DockerTarget(Target):
         except KvreproError:
             raise
         except _API_ERRORS as exc:
-            raise _translate(exc, "starting the engine") from None
+            raise self._lost_ssh("starting the engine") or _translate(exc, "starting the engine") from None
 
     def _start(self, artifact: BuildArtifact, run_dir: Path, rep: int) -> EngineHandle:
         matrix = self.loaded.matrix
@@ -239,7 +252,7 @@ class DockerTarget(Target):
         serve_args = matrix.engine.serve_args(model_arg, include_sim=gpu_free)
         env, secrets = self._env(rep, gpu_free)
         multi = len(hosts) > 1
-        bind_ip = "127.0.0.1" if head.local else "0.0.0.0"
+        bind_ip = head.api_bind_ip()  # loopback (reached over ssh) or an explicit address, never 0.0.0.0
         api_port = spec.api_port
         if multi and api_port is None:
             api_port = free_local_port() if head.local else 8000
@@ -247,13 +260,14 @@ class DockerTarget(Target):
         launches = plan_launch(serve_args, node_specs, spec, head_address=head.address, api_port=api_port,
                                bind_ip=bind_ip, env=env)
 
-        base_url_host = "127.0.0.1" if head.local else head.address
-        engine = ContainerEngine(run_dir, f"http://{base_url_host}:{api_port or 0}", spec.stop_timeout_s,
+        engine = ContainerEngine(run_dir, "http://127.0.0.1:0", spec.stop_timeout_s,
                                  spec.log_stall_s, secrets, multi)
         handle = DockerEngineHandle(engine, on_stop=self._forget)
         with self._lock:
             self._handles.append(handle)
         try:
+            if api_port:
+                self._reach_api(handle, head, api_port)
             for launch, host in zip(launches, hosts):
                 container = self._create(launch, host, artifact, run_dir, rep, model_dir, model_arg)
                 engine.attach(launch, host, container)
@@ -262,10 +276,10 @@ class DockerTarget(Target):
                 self._start_container(node.container, node.host, node.launch)
                 node.pump.start()
             engine.start_watchdog()
-            if not multi:
-                url = self._published_url(engine.nodes[0].container, base_url_host, launches[0])
-                if url:  # None: the container already exited; wait_healthy says so with its log
-                    engine.base_url = handle.base_url = url
+            if not api_port:
+                port = self._published_port(engine.nodes[0].container, launches[0])
+                if port:  # None: the container already exited; wait_healthy says so with its log
+                    self._reach_api(handle, head, port)
             timeout = spec.health_timeout_s or matrix.runs.start_timeout_s
             engine.wait_healthy(timeout, f"build {artifact.plan.name} rep {rep}", cancel=self._interrupted)
         except BaseException:
@@ -329,11 +343,31 @@ class DockerTarget(Target):
                                      "free it or change docker.api_port") from None
             raise ContainerError(f"host {host.name}: starting {container.name} failed: {text}") from None
 
-    def _published_url(self, container, url_host: str, launch: NodeLaunch) -> str | None:
+    @staticmethod
+    def _published_port(container, launch: NodeLaunch) -> int | None:
         container.reload()
         ports = container.attrs.get("NetworkSettings", {}).get("Ports") or {}
         bindings = ports.get(f"{launch.container_port}/tcp") or []
-        return f"http://{url_host}:{bindings[0]['HostPort']}" if bindings else None
+        return int(bindings[0]["HostPort"]) if bindings else None
+
+    @staticmethod
+    def _reach_api(handle: DockerEngineHandle, head: DockerHost, port: int) -> None:
+        """Point the handle at the API published on ``port`` of the head host (through a port
+        forward over the host's ssh connection when it is another machine)."""
+        url, forwarded = head.api_url(port)
+        if forwarded is not None:
+            handle.forwards.append((head, forwarded))
+        handle.use_api(url, f"engine API {head.name}:{port} forwarded to {url} over ssh" if forwarded else None)
+
+    def _lost_ssh(self, what: str) -> SshError | None:
+        """An API call failed because a host's kept ssh connection ended: say so with ssh's reason."""
+        with self._lock:
+            hosts = list(self._hosts.values())
+        for host in hosts:
+            if host.tunnel is not None and not host.tunnel.alive():
+                return SshError(f"{what}: the ssh connection to host {host.name} ended "
+                                f"({host.tunnel.reason() or 'ssh gave no reason'}); check the host and the network")
+        return None
 
     def _forget(self, handle: DockerEngineHandle) -> None:
         with self._lock:
