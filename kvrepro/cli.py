@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -32,6 +33,8 @@ results_app = typer.Typer(help="Recorded runs under results/.", no_args_is_help=
 app.add_typer(matrix_app, name="matrix")
 app.add_typer(engine_app, name="engine")
 app.add_typer(results_app, name="results")
+load_app = typer.Typer(help="Request traces: replay what a run sent.", no_args_is_help=True)
+app.add_typer(load_app, name="load")
 
 out = Console()
 err = Console(stderr=True)
@@ -449,6 +452,83 @@ def engine_serve(
     raise typer.Exit(code)
 
 
+@load_app.command("replay")
+def load_replay(
+    trace: Path = typer.Argument(..., help="a trace.jsonl (results/<run>/<build>/<rep>/trace.jsonl)"),
+    build: str = typer.Option(..., "--build", "-b", help="the build to replay it against"),
+    matrix: Path = MatrixOpt,
+    target: Optional[str] = typer.Option(None, help="override matrix.yaml's target (sim, docker)"),
+    results_root: Path = ResultsOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Send a recorded trace again, one request at a time, and give the verdict and the request it
+    crashed at (deterministic on the GPU-free engine). Exit 0 whatever the verdict; 2 bad trace."""
+    from .loadgen.trace import read_trace
+    from .runner import MatrixOptions, run_matrix
+
+    loaded = _load(matrix)
+    recorded = read_trace(trace)
+    loaded.plans([build])  # unknown build: exit 2 before anything starts
+    options = MatrixOptions(target=target, builds=[build], repetitions=1, results_root=results_root,
+                            jobs=1, replay=recorded)
+    stop = threading.Event()
+    progress = RichProgress(1)
+    with progress.progress:
+        run = run_matrix(loaded, options, progress, stop)
+    result = run.build(build).runs[0]
+    summary = {"trace": str(trace), "build": build, "verdict": result.label, "title": result.title,
+               "crash_at": result.load.first_failed_index if result.load else None,
+               "requests": result.requests, "requests_in_trace": len(recorded.requests),
+               "trigger_count": result.trigger_count, "state_count": result.state_count,
+               "run_dir": result.run_dir}
+    if as_json:
+        _emit_json(summary)
+    else:
+        at = f" at request {summary['crash_at']}" if summary["crash_at"] is not None else ""
+        out.print(f"build {build}: [bold]{summary['verdict']}[/]{at} ({summary['requests']}/"
+                  f"{summary['requests_in_trace']} requests sent)  {summary['title'] or ''}")
+    if run.status == "interrupted":
+        raise typer.Exit(130)
+    if result.label == "INFRA":
+        raise typer.Exit(3)
+
+
+@app.command("minimize")
+def minimize_cmd(
+    run_id: str = typer.Argument("latest", help="a recorded run whose build --build crashed"),
+    build: str = typer.Option(..., "--build", "-b", help="the crashing build (e.g. A)"),
+    fixed: Optional[str] = typer.Option(None, "--fixed", help="a build that must NOT crash on the result (e.g. D)"),
+    rep: Optional[int] = typer.Option(None, "--rep", help="which repetition's trace (default: the first that crashed)"),
+    emit_pytest: Optional[Path] = typer.Option(None, "--emit-pytest", help="also write a standalone pytest here"),
+    confirm: bool = typer.Option(True, "--confirm/--no-confirm",
+                                 help="replay the result over HTTP on --build and --fixed"),
+    matrix: Path = MatrixOpt,
+    results_root: Path = ResultsOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Shrink a crashing run's trace (fewer requests, shorter prompts) to the smallest one that still
+    crashes --build deterministically (and does not crash --fixed)."""
+    from .minimize import minimize
+
+    loaded = _load(matrix)
+    with err.status("minimizing") as status:
+        summary = minimize(loaded, results_root, run_id, build, fixed=fixed, rep=rep, emit_pytest=emit_pytest,
+                           confirm=confirm, on_line=lambda line: status.update(line[:120]))
+    if as_json:
+        _emit_json(summary)
+    else:
+        out.print(f"minimized: {summary['requests_before']} -> [bold]{summary['requests']}[/] requests, "
+                  f"{summary['tokens_before']} -> {summary['tokens']} prompt tokens; crashes {build} at request "
+                  f"{summary['crash_at']}" + (f"; {fixed}: {summary['fixed_result']}" if fixed else ""))
+        out.print(f"trace: {summary['trace']}")
+        if summary.get("pytest"):
+            out.print(f"pytest: {summary['pytest']}")
+        for line in summary.get("confirmed", []):
+            out.print(f"  replay: {line}")
+    if not summary["ok"]:
+        raise typer.Exit(1)
+
+
 # --- docker target commands (kvrepro/deploy/docker/cli.py) are wired below ---
 try:
     from .deploy.docker import cli as _docker_cli
@@ -464,7 +544,7 @@ def main() -> None:
     try:
         app()
     except KvreproError as exc:
-        err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         err.print("interrupted; finished runs are kept under results/")

@@ -185,6 +185,7 @@ class LoadSummary:
     requests_failed: int
     seconds: float
     stopped_because: str  # "budget" | "duration" | "engine_dead" | "stall" | "interrupted"
+    first_failed_index: int | None = None  # the first request that failed as the engine died (or 5xx)
 
 
 # Version of the layout of results/<run>/run.json and every verdict.json. Bump it when a field
@@ -314,6 +315,7 @@ class RunManifest:
     load: dict[str, Any] = field(default_factory=dict)
     runs: dict[str, Any] = field(default_factory=dict)
     kvrepro_version: str = ""
+    replay_of: str | None = None  # the trace a `kvrepro load replay` sent instead of the matrix's load
 
 
 @dataclass(frozen=True)

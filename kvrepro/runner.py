@@ -26,6 +26,8 @@ from .deploy import get_target
 from .deploy.base import EngineHandle, Target
 from .errors import InfraError, KvreproError
 from .loadgen import run_load
+from .loadgen.runner import replay_load
+from .loadgen.capacity import engine_capacity
 from .metrics import parse_prometheus, total
 from .records import (BuildArtifact, BuildPlan, BuildRecord, Classification, Exposure, HostInfo, LoadSummary,
                       Outcome, PatchInfo, RunManifest, RunResult, Verdict)
@@ -74,6 +76,7 @@ class MatrixOptions:
     jobs: int | None = None  # engines run at once; None: what the target says it can take
     adaptive_max: int | None = None  # repeat each build until decisive (stats.decisive), at most this often
     bases: list[str] | None = None  # vLLM releases to run every build on; None: the matrix's base
+    replay: Any = None  # a loadgen.trace.Trace: send it (sequentially) instead of the matrix's load
 
 
 def _build_record(artifact: BuildArtifact) -> BuildRecord:
@@ -128,9 +131,14 @@ def _start_failure_title(error: str, log_path: Path, artifact: BuildArtifact, ta
     return head
 
 
+_PROBE_SETTLE_S = 2.5
+
+
 def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_dir: Path, rep: int,
-            progress: Progress, stop: threading.Event) -> RunResult:
-    """One repetition of one build; writes manifest.json first and verdict.json last."""
+            progress: Progress, stop: threading.Event, replay: Any = None) -> RunResult:
+    """One repetition of one build; writes manifest.json first and verdict.json last.
+
+    ``replay`` (a :class:`~kvrepro.loadgen.trace.Trace`) is sent instead of the matrix's load."""
     matrix = loaded.matrix
     plan = artifact.plan
     engine_args = _engine_args(target)
@@ -141,6 +149,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
         engine_args=tuple(engine_args) if engine_args is not None else None,
         sim_seed=matrix.engine.sim.seed + rep, load_seed=matrix.load.seed + rep,
         load=matrix.load.model_dump(), runs=matrix.runs.model_dump(), kvrepro_version=__version__,
+        replay_of=str(replay.path) if replay is not None else None,
     ))
     started = time.monotonic()
     if not artifact.ok:
@@ -163,10 +172,23 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     metrics_text: str | None = None
     engine_exit: int | None = None
     try:
-        load = run_load(handle.base_url, matrix.load, matrix.runs, run_dir / "load.jsonl",
-                        seed=matrix.load.seed + rep, alive=handle.alive,
-                        on_progress=lambda done, failed: progress.requests_done(plan.name, rep, done, failed),
-                        stop=stop)
+        log_so_far = handle.log_path.read_text(errors="replace") if handle.log_path.exists() else ""
+        header = {"build": plan.name, "rep": rep, "sim_seed": matrix.engine.sim.seed + rep,
+                  "engine_args": _engine_args(target)}
+        if replay is not None:
+            load = replay_load(handle.base_url, replay, matrix.runs, run_dir / "load.jsonl", alive=handle.alive,
+                               on_progress=lambda done, failed: progress.requests_done(plan.name, rep, done, failed),
+                               stop=stop, trace_path=run_dir / "trace.jsonl")
+            if load.stopped_because == "budget" and not stop.is_set():
+                # a replay can be over in a fraction of a second: give the probe's reporter
+                # (every REPORT_INTERVAL_S = 2 s) time to write the counts before the engine stops
+                stop.wait(_PROBE_SETTLE_S)
+        else:
+            capacity = engine_capacity(matrix.load, log_so_far, matrix.engine.block_size, matrix.engine.max_model_len)
+            load = run_load(handle.base_url, matrix.load, matrix.runs, run_dir / "load.jsonl",
+                            seed=matrix.load.seed + rep, alive=handle.alive,
+                            on_progress=lambda done, failed: progress.requests_done(plan.name, rep, done, failed),
+                            stop=stop, capacity=capacity, trace_path=run_dir / "trace.jsonl", trace_header=header)
         engine_exit = handle.exit_code()
         metrics_text = _fetch_metrics(handle)
         if metrics_text is not None:
@@ -300,7 +322,7 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
             if stop.is_set():
                 return
             run_dir = folder.rep_dir(artifact.plan.name, rep)
-            result = run_one(loaded, target, artifact, run_dir, rep, progress, stop)
+            result = run_one(loaded, target, artifact, run_dir, rep, progress, stop, options.replay)
             results.write_json(run_dir / "verdict.json", result)
             recorded[artifact.plan.name].append(result)
             progress.run_finished(result)
@@ -322,7 +344,9 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
             finally:
                 pool.shutdown(wait=True, cancel_futures=True)
 
-        if options.adaptive_max:
+        if options.replay is not None:  # the trace's repetition number: the same engine seed
+            run_all([(a, int(options.replay.header.get("rep", 0))) for a in artifacts])
+        elif options.adaptive_max:
             # one more repetition of every undecided build per round, until each is decisive
             for rep in range(options.adaptive_max):
                 pending = [a for a in artifacts

@@ -115,25 +115,57 @@ class EngineSpec(_Strict):
 
 
 class LoadSpec(_Strict):
-    """Shared-prefix traffic: each request is a random-length prefix of one document + a suffix."""
+    """The traffic: which profile makes the prompts, how they arrive, how they are sent.
 
-    profile: str = "shared_prefix"
-    concurrency: int = Field(4, ge=1, le=1024)
-    documents: int = Field(6, ge=1)
-    document_tokens: int = Field(400, ge=1)
-    min_prefix_tokens: int = Field(1, ge=0)
-    suffix_tokens: tuple[int, int] = (0, 39)
+    Fields not listed here belong to the profile (``load.profile``) and are validated by its
+    ``Settings`` (kvrepro/loadgen/profiles/<profile>.py), with the same file:line errors.
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    profile: str = Field("partial-prefix", description="a file in kvrepro/loadgen/profiles/ (by its name)")
+    concurrency: int = Field(4, ge=1, le=1024, description="closed loop: requests in flight at once; "
+                             "poisson: the most in flight. 1 = sequential, deterministic on the sim engine")
+    arrival: Literal["closed", "poisson"] = Field(
+        "closed", description="closed: a new request as soon as one finishes; poisson: at rate_rps on average")
+    rate_rps: float | None = Field(None, gt=0, description="poisson arrival: mean requests per second")
     max_tokens: int = Field(8, ge=1)
     vocab_size: int = Field(1000, ge=2)
+    prompt_format: Literal["tokens", "text"] = Field(
+        "tokens", description="tokens: prompts as token-id lists; text: words (for engines with a tokenizer)")
+    stream: bool = Field(False, description="ask for server-sent events, as chat clients do")
+    gpu_kv_tokens: int | None = Field(None, ge=16, description="GPU prefix-cache size in tokens; "
+                                      "default: read from the engine's log (`GPU KV cache size: N tokens`)")
+    offload_kv_tokens: int | None = Field(None, ge=16, description="offload tier size in tokens; default: unbounded")
+    chunk_tokens: int | None = Field(None, ge=1, description="offload chunk in tokens; default: the block size")
     seed: int = 0
 
     @model_validator(mode="after")
-    def _ranges(self) -> "LoadSpec":
-        lo, hi = self.suffix_tokens
-        if lo < 0 or hi < lo:
-            raise ValueError("suffix_tokens must be [low, high] with 0 <= low <= high")
-        if self.min_prefix_tokens > self.document_tokens:
-            raise ValueError("min_prefix_tokens must not exceed document_tokens")
+    def _profile_settings(self) -> "LoadSpec":
+        if self.arrival == "poisson" and self.rate_rps is None:
+            raise _FieldError("load.arrival", "poisson needs rate_rps (mean requests per second) in load:")
+        from .loadgen.profiles import get_profile, profile_fields  # profiles import this module
+
+        try:
+            profile = get_profile(self.profile)
+        except SpecError as exc:
+            raise _FieldError("load.profile", str(exc).removeprefix("load.profile: ")) from None
+        try:
+            profile.Settings.model_validate(profile_fields(self))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            if not where:  # a cross-field check: its message starts with the field it is about
+                named = [f for f in profile.Settings.model_fields if str(first["msg"]).removeprefix("Value error, ")
+                         .startswith(f)]
+                where = max(named, key=len) if named else ""
+            if first["type"] == "extra_forbidden":
+                allowed = ", ".join(list(LoadSpec.model_fields) + list(profile.Settings.model_fields))
+                msg = f"unknown field (not a setting of profile {self.profile!r}); allowed here: {allowed}"
+            else:
+                msg = first["msg"].removeprefix("Value error, ")
+            raise _FieldError(f"load.{where}" if where else "load.profile",
+                              f"{msg} (profile {self.profile!r})" if first["type"] != "extra_forbidden" else msg) from None
         return self
 
 

@@ -21,7 +21,7 @@ from kvrepro.errors import SpecError
 from kvrepro.loadgen import get_profile, known_profiles, run_load
 from kvrepro.spec import LoadSpec, RunsSpec
 
-LOAD = LoadSpec(concurrency=4, documents=3, document_tokens=60, min_prefix_tokens=1, suffix_tokens=(0, 5),
+LOAD = LoadSpec(profile="shared_prefix", concurrency=4, documents=3, document_tokens=60, min_prefix_tokens=1, suffix_tokens=(0, 5),
                 max_tokens=4, vocab_size=500)
 
 
@@ -154,7 +154,7 @@ def test_shared_prefix_prompts_share_prefixes_of_varying_length():
 
 
 def test_empty_prompt_is_never_sent():
-    load = LoadSpec(documents=1, document_tokens=5, min_prefix_tokens=0, suffix_tokens=(0, 0))
+    load = LoadSpec(profile="shared_prefix", documents=1, document_tokens=5, min_prefix_tokens=0, suffix_tokens=(0, 0))
     profile = get_profile("shared_prefix")(load, seed=0)
     assert all(len(profile.prompt(i).tokens) >= 1 for i in range(100))
 

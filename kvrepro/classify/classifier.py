@@ -13,9 +13,12 @@ Choosing the fatal traceback, in order of trust:
    (``KeyboardInterrupt``, ``CancelledError``, ...) are ignored altogether;
 4. a traceback logged at ERROR by some other code, but only when the log also shows that the
    engine died (a consequence was seen): the best guess at the cause;
-5. only consequences: a crash whose cause is not in the log; unless they come after the server
-   began an orderly stop (vLLM's ``[shutdown]`` steps, uvicorn's ``Shutting down``): a healthy
-   server stopped with SIGTERM logs an ``EngineDeadError`` too, and that is no crash.
+5. only consequences: a crash whose cause is not in the log.
+
+Tracebacks of 3-5 that start after the server began an orderly stop (vLLM's ``[shutdown]`` steps,
+uvicorn's ``Shutting down``) are ignored: a healthy server stopped with SIGTERM logs an
+``EngineDeadError``, and now and then a teardown race (psutil's ``ZombieProcess``); neither is a
+crash of the code under test, which had stopped serving by then.
 
 Any of 3-5 that happens before the server logged ``Application startup complete.`` (uvicorn's
 line, which vLLM's API server and kvrepro's engine both print once serving) means the engine never
@@ -102,9 +105,11 @@ class _Evidence:
                     and tb.stream == marked.stream and id(marked) not in self.followup):
                 self.followup[id(marked)] = tb
                 return
+        if self.shutdown_line is not None and tb.first_line > self.shutdown_line:
+            # the server was being stopped (by kvrepro, after the load): what it prints while
+            # tearing down (an EngineDeadError, psutil's ZombieProcess ...) is not a crash
+            return
         if _reports_death(tb):
-            if self.shutdown_line is not None and tb.first_line > self.shutdown_line:
-                return  # the server was being stopped: its death report is not a crash
             self.consequence = self.consequence or tb
         elif tb.final.short_exception in SHUTDOWN_NOISE:
             pass

@@ -1,12 +1,15 @@
 """Load profiles: what each request of a run asks for. One module per profile.
 
 A profile module defines ``PROFILE``, a :class:`Profile` subclass whose ``name`` is what
-``load.profile`` in matrix.yaml selects. Modules are discovered by listing this package, so a
-new traffic shape is one new file.
+``load.profile`` in matrix.yaml selects, and whose ``Settings`` (a pydantic model) validates the
+profile's own fields of the ``load:`` section. ``kvrepro matrix validate`` checks them with
+``file:line`` like every other field, so a typo in a profile setting is caught before a run.
+Modules are discovered by listing this package, so a new traffic shape is one new file.
 
-A profile must be a pure function of ``(load, seed, index)``: request ``index`` gets the same
-prompt whichever worker thread sends it and whenever, so two runs with the same seed send the same
-requests (their order on the wire still depends on timing).
+A profile must be a pure function of ``(load, settings, seed, capacity, index)``: request
+``index`` gets the same prompt whichever worker thread sends it and whenever, so two runs with
+the same seed send the same requests (their order on the wire still depends on timing, unless
+the run is sequential: ``load.concurrency: 1``).
 """
 
 from __future__ import annotations
@@ -16,38 +19,78 @@ import importlib
 import pkgutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
 
 from ...errors import SpecError
-from ...spec import LoadSpec
+
+
+class ProfileSettings(BaseModel):
+    """Base of a profile's own settings: unknown fields are errors, values are frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True)
+class EngineCapacity:
+    """How much KV the engine holds, in tokens: what eviction pressure is sized from.
+
+    ``gpu_tokens`` is the GPU (device) prefix cache, ``offload_tokens`` the offload tier (None:
+    unknown or unbounded), ``block_tokens`` the KV block and ``chunk_tokens`` the offload chunk
+    (what one offload hit is counted in). Read from the engine's log when it says, else given.
+    """
+
+    gpu_tokens: int
+    offload_tokens: int | None = None
+    block_tokens: int = 16
+    chunk_tokens: int = 16
+    max_model_len: int | None = None
+    source: str = "default"
+
+
+DEFAULT_CAPACITY = EngineCapacity(gpu_tokens=1536, offload_tokens=None, block_tokens=16, chunk_tokens=16)
 
 
 @dataclass(frozen=True)
 class Prompt:
     """One request to send: token ids, output length, and what the profile wants recorded.
 
-    ``fields`` go into the request's line of requests.jsonl as they are (the shared-prefix
+    ``fields`` go into the request's line of load.jsonl as they are (the shared-prefix
     profile records which document, how long a prefix and how long a suffix).
     """
 
     index: int
     tokens: tuple[int, ...]
     max_tokens: int
-    fields: dict[str, int] = field(default_factory=dict)
+    fields: dict[str, Any] = field(default_factory=dict)
 
 
 class Profile(ABC):
-    """A traffic shape. Built once per run from the load spec and the run's seed."""
+    """A traffic shape. Built once per run from the load spec, its settings and the run's seed."""
 
     name: ClassVar[str]
+    Settings: ClassVar[type[ProfileSettings]] = ProfileSettings
 
-    def __init__(self, load: LoadSpec, seed: int):
+    def __init__(self, load: Any, seed: int, capacity: EngineCapacity | None = None):
         self.load = load
         self.seed = seed
+        self.capacity = capacity or DEFAULT_CAPACITY
+        self.settings = self.Settings.model_validate(profile_fields(load))
 
     @abstractmethod
     def prompt(self, index: int) -> Prompt:
         """The request number ``index`` (0-based) of the run."""
+
+    def describe(self) -> dict[str, Any]:
+        """What the trace header records about how this run's prompts were made."""
+        return {"profile": self.name, "seed": self.seed, "settings": self.settings.model_dump(),
+                "capacity": self.capacity.__dict__}
+
+
+def profile_fields(load: Any) -> dict[str, Any]:
+    """The ``load:`` fields that belong to the profile (everything LoadSpec does not know)."""
+    return dict(getattr(load, "model_extra", None) or {})
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,0 +1,149 @@
+"""Request traces: what a run sent, in order, so that it can be sent again.
+
+``trace.jsonl`` (next to load.jsonl in every run folder) starts with one header line (``"trace":
+1``, the profile, its settings and seed, the engine capacity it was sized for, how requests went
+out) and then one line per request *as it was sent* -- written before the request leaves, so a
+request that killed the engine is in the trace even though it never got an answer:
+
+``{"index", "slot", "sent_s", "in_flight", "max_tokens", "tokens": [...]}``
+
+``slot`` is the worker (concurrency slot) that sent it, ``sent_s`` seconds since the run's first
+request, ``in_flight`` the requests in flight including this one. Prompts are stored as token ids
+even when they went out as text (the text is a function of the ids), so a trace can be replayed,
+cut down (:mod:`kvrepro.minimize`) and turned into a test that drives vLLM's scheduler directly.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import SpecError
+from .profiles import Profile, Prompt
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    index: int
+    tokens: tuple[int, ...]
+    max_tokens: int
+    slot: int = 0
+    sent_s: float = 0.0
+    in_flight: int = 1
+
+
+@dataclass
+class Trace:
+    path: Path
+    header: dict[str, Any]
+    requests: list[TraceRequest]
+
+    def load_spec(self):
+        """The LoadSpec the trace was sent with (for max_tokens, vocab, format, streaming)."""
+        from ..spec import LoadSpec
+
+        return LoadSpec.model_validate(self.header.get("load") or {})
+
+    def with_requests(self, requests: list[TraceRequest]) -> "Trace":
+        return Trace(self.path, dict(self.header), list(requests))
+
+
+class TraceWriter:
+    """Appends request lines and flushes each one: a crash of the engine or of kvrepro loses none."""
+
+    def __init__(self, path: Path, header: dict[str, Any]):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "w", encoding="utf-8")
+        self._lock = threading.Lock()
+        self._write({"trace": FORMAT_VERSION, **header})
+
+    def _write(self, obj: dict[str, Any]) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(json.dumps(obj, separators=(",", ":")) + "\n")
+                self._file.flush()
+
+    def request(self, prompt: Prompt, *, slot: int, sent_s: float, in_flight: int) -> None:
+        self._write({"index": prompt.index, "slot": slot, "sent_s": round(sent_s, 6), "in_flight": in_flight,
+                     "max_tokens": prompt.max_tokens, "tokens": list(prompt.tokens)})
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def open_writer(path: Path, header: dict[str, Any]) -> TraceWriter:
+    return TraceWriter(Path(path), header)
+
+
+def write_trace(path: Path, trace: Trace) -> None:
+    """Write a whole trace (a minimized one, say) in the same format."""
+    writer = TraceWriter(Path(path), {k: v for k, v in trace.header.items() if k != "trace"})
+    for i, r in enumerate(trace.requests):
+        writer.request(Prompt(index=i, tokens=r.tokens, max_tokens=r.max_tokens), slot=r.slot,
+                       sent_s=r.sent_s, in_flight=r.in_flight)
+    writer.close()
+
+
+def read_trace(path: str | Path) -> Trace:
+    """Read a trace; SpecError (exit 2) naming the file and line if it is not one."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such trace; every run writes results/<run>/<build>/<rep>/trace.jsonl") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{path}: cannot read the trace: {exc}") from None
+    header: dict[str, Any] | None = None
+    requests: list[TraceRequest] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            if number == len(lines):  # the last line of a run killed mid-write: the rest is good
+                break
+            raise SpecError(f"{path}:{number}: not a JSON line") from None
+        if header is None:
+            if not isinstance(obj, dict) or obj.get("trace") != FORMAT_VERSION:
+                raise SpecError(f"{path}:{number}: not a kvrepro trace (the first line must be its header, "
+                                f'"trace": {FORMAT_VERSION})')
+            header = obj
+            continue
+        try:
+            tokens = tuple(int(t) for t in obj["tokens"])
+            requests.append(TraceRequest(index=int(obj["index"]), tokens=tokens, max_tokens=int(obj["max_tokens"]),
+                                         slot=int(obj.get("slot", 0)), sent_s=float(obj.get("sent_s", 0.0)),
+                                         in_flight=int(obj.get("in_flight", 1))))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SpecError(f"{path}:{number}: a request line needs index, max_tokens and tokens ({exc})") from None
+    if header is None:
+        raise SpecError(f"{path}: empty trace")
+    return Trace(path, header, requests)
+
+
+class ReplayProfile(Profile):
+    """Serves a trace's requests in the order they were sent (request i = the i-th line)."""
+
+    name = "replay"
+
+    def __init__(self, trace: Trace, load):
+        self.trace = trace
+        self.load = load
+        self.seed = int(trace.header.get("seed", 0))
+        self.capacity = None
+        self.settings = None
+
+    def prompt(self, index: int) -> Prompt:
+        r = self.trace.requests[index]
+        return Prompt(index=index, tokens=r.tokens, max_tokens=r.max_tokens,
+                      fields={"trace_index": r.index})
+
+    def describe(self) -> dict[str, Any]:
+        return {"profile": "replay", "seed": self.seed}
