@@ -90,6 +90,10 @@ def test_a_run_whose_prompts_are_mostly_refused_is_not_survived(tmp_path, matrix
     spec["engine"].update(max_model_len=100, mamba_cache_mode="none",
                           model=str(ROOT / "tests" / "data" / "models" / "qwen3-next-attention-only"))
     spec["runs"]["requests"] = 60
+    # the shared-prefix profile draws prompts up to 439 tokens whatever the engine takes
+    # (the default partial-prefix profile fits its prompts to max_model_len)
+    spec["load"] = {"profile": "shared_prefix", "concurrency": 4, "documents": 6, "document_tokens": 400,
+                    "suffix_tokens": [0, 39], "max_tokens": 8, "seed": 0}
     spec["builds"] = {"A": []}
     spec["expect"] = {}
     matrix_copy.write_text(yaml.safe_dump(spec))
