@@ -21,8 +21,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from . import builds, report, results
-from .errors import KvreproError, SpecError
+from .errors import BadInputError, KvreproError, SpecError, describe_os_error
 from .records import RunResult, Verdict, to_jsonable
+from .secrets import redact, redact_args
 from .spec import LoadedMatrix, load_matrix
 
 app = typer.Typer(help="Reproduce vLLM engine crashes and prove which fixes cure them.",
@@ -45,17 +46,36 @@ ResultsOpt = typer.Option(results.DEFAULT_ROOT, "--results", help="where runs ar
 
 
 def _emit_json(value: Any) -> None:
-    sys.stdout.write(json.dumps(to_jsonable(value), indent=2) + "\n")
+    # one redaction for everything kvrepro hands on, --json included
+    sys.stdout.write(redact(json.dumps(to_jsonable(value), indent=2)) + "\n")
 
 
 def _load(path: Path) -> LoadedMatrix:
     return load_matrix(path)
 
 
+def _check(loaded: LoadedMatrix, target: Optional[str] = None, engine_flags: bool = True) -> None:
+    """Everything checkable without an engine (kvrepro/validate.py); notes go to stderr."""
+    from .validate import check
+
+    with err.status("checking the matrix") as status:
+        notes = check(loaded, target, engine_flags=engine_flags, on_line=lambda line: status.update(line[:120]))
+    for note in notes:
+        err.print(f"[yellow]note[/]: {note}", highlight=False)
+
+
+def _results_root(root: Path) -> Path:
+    if root.exists() and not root.is_dir():
+        raise BadInputError(f"--results {root}: is a file, not a folder; give a folder where runs are recorded")
+    return root
+
+
 @matrix_app.command("validate")
 def matrix_validate(matrix: Path = MatrixOpt, as_json: bool = JsonOpt) -> None:
-    """Check matrix.yaml (and that every patch file exists and matches its sha256)."""
+    """Check matrix.yaml without starting anything: fields, duplicate keys, patch files and their
+    sha256, target, load profile, model and engine.extra_args (against the base's `vllm serve`)."""
     loaded = _load(matrix)
+    _check(loaded)
     plans = loaded.plans()
     if as_json:
         _emit_json({"valid": True, "matrix": str(loaded.path), "builds": [p.name for p in plans]})
@@ -68,6 +88,7 @@ def matrix_plan(matrix: Path = MatrixOpt, target: Optional[str] = typer.Option(N
                 as_json: bool = JsonOpt) -> None:
     """What would be built and run, without building or running anything."""
     loaded = _load(matrix)
+    _check(loaded, target, engine_flags=False)
     m = loaded.matrix
     target_name = target or m.target
     plan = {
@@ -97,7 +118,7 @@ def matrix_plan(matrix: Path = MatrixOpt, target: Optional[str] = typer.Option(N
         table.add_row(b["name"], " -> ".join(f"{x['name']} ({x['sha256'][:12]})" for x in b["patches"]) or "(base)",
                       b["expect"] or "")
     out.print(table)
-    out.print("engine: vllm serve " + " ".join(plan["engine_args"]))
+    out.print("engine: vllm serve " + " ".join(redact_args(plan["engine_args"])), highlight=False)
 
 
 class RichProgress:
@@ -198,6 +219,9 @@ def _exit_code(run: "results.MatrixRun") -> int:
         err.print("[red]verdicts differ from expect:[/]\n  " + "\n  ".join(str(p) for p in problems))
         return 1
     if any(r.verdict is Verdict.INFRA for r in run.runs()):
+        # INFRA wins over "differs from expect:" (report.meets_expectation): CI must not read a
+        # broken host as "the bug is back"
+        err.print("[magenta]infrastructure failed (INFRA above); no verdict differs from expect:[/]")
         return 3
     return 0
 
@@ -228,6 +252,7 @@ def matrix_run(
     from .runner import MatrixOptions, run_matrix
 
     loaded = _load(matrix)
+    results_root = _results_root(results_root)
     if base_image:
         loaded.matrix = loaded.matrix.model_copy(update={"base_image": base_image})
     options = MatrixOptions(target=target, builds=build, repetitions=reps, results_root=results_root, jobs=jobs,
@@ -236,13 +261,17 @@ def matrix_run(
     total = len(plans) * (adaptive or reps or loaded.matrix.runs.repetitions)
     stop = threading.Event()
 
-    def on_sigint(signum, frame):
+    def on_stop_signal(signum, frame):
         if stop.is_set():
             raise KeyboardInterrupt
         stop.set()
-        err.print("[yellow]stopping after the current run is recorded (Ctrl-C again to stop at once)[/]")
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        err.print(f"[yellow]{what}: stopping; engines are being stopped and finished runs recorded "
+                  "(Ctrl-C again to stop at once)[/]")
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    _check(loaded, target)  # before a run folder exists: a typo leaves nothing behind
+    # SIGTERM (a CI runner cancelling the job, `kill`) is a Ctrl-C: engines stopped, runs kept
+    previous = {sig: signal.signal(sig, on_stop_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         if ci:
             run = run_matrix(loaded, options, PlainProgress(total), stop)
@@ -251,7 +280,8 @@ def matrix_run(
             with progress.progress:
                 run = run_matrix(loaded, options, progress, stop)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if as_json:
         _emit_json(report.matrix_json(run))
     else:
@@ -303,7 +333,7 @@ def matrix_show(run_id: str = typer.Argument("latest"), results_root: Path = Res
 def results_list(results_root: Path = ResultsOpt, as_json: bool = JsonOpt) -> None:
     """Every recorded run, oldest first (a folder another kvrepro wrote is listed with why it is unreadable)."""
     rows = []
-    for r in results.list_runs(results_root):
+    for r in results.list_runs(_results_root(results_root)):
         if isinstance(r, results.ResultsSchemaError):
             rows.append({"run_id": None, "status": "unreadable", "error": str(r)})
             continue
@@ -381,8 +411,11 @@ def classify_cmd(
     """Find the fatal traceback in an engine log and name its crash signature."""
     from .classify import classify_file
 
+    if log.is_dir():
+        raise BadInputError(f"{log}: is a folder; give an engine log file, e.g. {log / 'engine.log'} "
+                            "(results/<run>/<build>/<rep>/engine.log)")
     if not log.is_file():
-        raise KvreproError(f"{log}: no such file")
+        raise BadInputError(f"{log}: no such file; give an engine log (engine.log, `docker logs` output)")
     from .spec import default_target_signature
 
     target = _load(matrix).matrix.target_signature if matrix else default_target_signature()
@@ -420,7 +453,7 @@ def setup_cmd(matrix: Path = MatrixOpt, as_json: bool = JsonOpt) -> None:
 @engine_app.command("serve")
 def engine_serve(
     build: str = typer.Option(..., "--build", "-b", help="which build of the matrix to serve"),
-    port: int = typer.Option(8000, "--port", "-p"),
+    port: int = typer.Option(8000, "--port", "-p", min=1, max=65535),
     matrix: Path = MatrixOpt,
     rep: int = typer.Option(0, help="repetition number (selects the seed)"),
 ) -> None:
@@ -439,7 +472,10 @@ def engine_serve(
         raise KvreproError(f"build {build} failed: {artifact.error}")
     cmd = target.command(artifact, port)
     err.print(f"serving build {build} on http://127.0.0.1:{port} (overlay {artifact.ref}); Ctrl-C to stop")
-    proc = subprocess.Popen(cmd, env=target.environment(artifact, rep))
+    from . import lifetime
+
+    proc = subprocess.Popen(cmd, env=target.environment(artifact, rep),
+                            preexec_fn=lifetime.child_hook())  # kvrepro#8: dies with us, even on SIGKILL
     # SIGTERM (a supervisor, `kill`) stops the engine the way Ctrl-C does
     signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
     try:
@@ -544,8 +580,11 @@ def main() -> None:
     try:
         app()
     except KvreproError as exc:
-        err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        err.print("[red]error:[/] " + escape(redact(str(exc))), highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
+    except OSError as exc:  # a full or read-only disk, a folder where a file should be: one line
+        err.print("[red]error:[/] " + escape(redact(describe_os_error(exc))), highlight=False, soft_wrap=True)
+        sys.exit(3)
     except KeyboardInterrupt:
         err.print("interrupted; finished runs are kept under results/")
         sys.exit(130)

@@ -21,3 +21,10 @@ def parse_prometheus(text: str) -> dict[str, float]:
 def total(samples: dict[str, float], metric: str) -> float:
     """Sum of a metric over all its label sets (vLLM labels per engine/model)."""
     return sum(v for k, v in samples.items() if k == metric or k.startswith(metric + "{"))
+
+
+def total_or_none(samples: dict[str, float], metric: str) -> float | None:
+    """Like ``total``, but None when the engine did not report the metric at all: "unknown"
+    must not read as 0 (no metrics after a crash is not the same as no offload loads)."""
+    found = [v for k, v in samples.items() if k == metric or k.startswith(metric + "{")]
+    return sum(found) if found else None

@@ -28,6 +28,8 @@ class Verdict(str, enum.Enum):
     STALL = "STALL"  # the engine stopped making progress without dying
     INTERRUPTED = "INTERRUPTED"  # stopped by the user (Ctrl-C) before the budget was spent
     INFRA = "INFRA"  # could not build, start or drive the engine: says nothing about the code
+    # read back only, never written: the repetition left files but no verdict (kvrepro was killed)
+    INCOMPLETE = "INCOMPLETE"
 
 
 class Outcome(str, enum.Enum):
@@ -358,6 +360,8 @@ class RunInfo:
     expect: dict[str, str] = field(default_factory=dict)  # by matrix build name, as matrix.yaml says
     kvrepro_version: str = ""
     host: HostInfo | None = None
+    # the kvrepro process running it (kvrepro/lifetime.py): "running" + owner gone = aborted
+    owner: dict[str, str] | None = None
 
     @property
     def base_text(self) -> str:

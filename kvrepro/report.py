@@ -30,7 +30,8 @@ from .records import BisectionStep, RunResult, Verdict
 from .results import BuildResults, MatrixRun, write_atomic
 
 _STYLE = {"CRASH": "bold red", "CORRUPT": "bold red", "SURVIVED": "bold green", "VACUOUS": "yellow",
-          "UNREACHED": "yellow", "STALL": "yellow", "INFRA": "magenta", "INTERRUPTED": "dim"}
+          "UNREACHED": "yellow", "STALL": "yellow", "INFRA": "magenta", "INTERRUPTED": "dim",
+          "INCOMPLETE": "dim"}
 _TONE = {"CRASH": "bad", "CORRUPT": "bad", "SURVIVED": "good", "VACUOUS": "warn", "UNREACHED": "warn",
          "STALL": "warn", "INFRA": "warn", "INTERRUPTED": "muted"}
 REPORT_MD = "report.md"
@@ -59,7 +60,9 @@ class Mismatch:
 
 def meets_expectation(run: RunResult, expected: str | None) -> bool:
     """An INTERRUPTED repetition is neither a pass nor a failure of ``expect:``: it did not finish."""
-    return not expected or run.verdict is Verdict.INTERRUPTED or run.label == expected
+    return (not expected or run.verdict in (Verdict.INTERRUPTED, Verdict.INCOMPLETE) or run.label == expected
+            # INFRA says nothing about the code: its own exit code (3), not "differs from expect"
+            or (run.verdict is Verdict.INFRA and expected != "INFRA"))
 
 
 def mismatches(run: MatrixRun) -> list[Mismatch]:
@@ -90,8 +93,13 @@ def _effects_by_base(run: MatrixRun) -> tuple[list[stats.PatchEffect], list[stat
 
 
 def _count(value: int | None) -> str:
-    """A counter for a table: "?" when it was not known (not the same as 0)."""
-    return "?" if value is None else str(value)
+    """A counter for a table: "unknown" when it was not known (not the same as 0)."""
+    return "unknown" if value is None else str(value)
+
+
+def offload_loads_text(run: RunResult) -> str:
+    """A repetition's completed offload load jobs, or "unknown" when they were not read."""
+    return _count(run.offload_load_jobs)
 
 
 def _pct(x: float | None) -> str:

@@ -7,8 +7,14 @@ Layout::
     results/<run-id>/<build>/build.json     the build's manifest, or why it failed
     results/<run-id>/<build>/<rep>/         engine.log, load.jsonl, metrics.txt, manifest.json, verdict.json
 
-A run interrupted by Ctrl-C or a crash keeps every finished repetition; ``run.json`` says
-``interrupted`` and ``kvrepro results show`` reports what exists.
+A run interrupted by Ctrl-C or SIGTERM keeps every finished repetition; ``run.json`` says
+``interrupted``. A run whose kvrepro process vanished (SIGKILL, a power cut) still says
+``running``; ``run.json`` carries its owner (pid, host, start time, see kvrepro/lifetime.py), so
+``load_run`` reports it as ``aborted`` once that process is gone. Repetitions that left files but
+no verdict are shown as ``INCOMPLETE`` with what they left.
+
+Every text written here goes through ``secrets.redact``; files are created with the usual
+permissions (0644 under the common umask 022), like the logs next to them.
 """
 
 from __future__ import annotations
@@ -22,21 +28,34 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .errors import KvreproError
+from . import __version__, lifetime
+from .errors import BadInputError, KvreproError
 from .records import (RESULTS_SCHEMA, BuildRecord, RecordError, RunBuildEntry, RunInfo, RunManifest, RunResult,
-                      from_jsonable, to_jsonable)
+                      Outcome, Verdict, from_jsonable, to_jsonable)
+from .secrets import redact
 
 DEFAULT_ROOT = Path("results")
+
+
+def _file_mode() -> int:
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+_FILE_MODE = _file_mode()  # what open() would give; mkstemp's 0600 would differ from the logs
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write via a temporary sibling + rename: readers see the old file or the new, never half."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(data, str):
+        data = redact(data).encode()  # one redaction for every results file (issue 8)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        os.fchmod(fd, _FILE_MODE)
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data.encode() if isinstance(data, str) else data)
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -85,8 +104,16 @@ class RunFolder:
 def create_run(root: Path, matrix_text: str, info: dict[str, Any]) -> RunFolder:
     folder = RunFolder(root=root, run_id=new_run_id())
     folder.path.mkdir(parents=True, exist_ok=False)
-    write_atomic(folder.path / "matrix.yaml", matrix_text)
-    folder.update(schema=RESULTS_SCHEMA, run_id=folder.run_id, status="running", started=time.time(), **info)
+    try:
+        write_atomic(folder.path / "matrix.yaml", matrix_text)
+        # who runs it: once that process is gone while this still says "running", it was aborted
+        folder.update(schema=RESULTS_SCHEMA, run_id=folder.run_id, status="running", started=time.time(),
+                      owner=lifetime.owner(), **info)
+    except OSError:  # a full disk: leave no half-made run folder behind
+        import shutil
+
+        shutil.rmtree(folder.path, ignore_errors=True)
+        raise
     return folder
 
 
@@ -153,7 +180,8 @@ def _read_record(cls: Any, path: Path) -> Any:
     try:
         data = read_json(path)
     except (OSError, ValueError) as exc:
-        raise ResultsSchemaError(f"{path}: unreadable ({exc})") from None
+        raise ResultsSchemaError(f"{path}: unreadable ({exc}); the file is damaged (a full disk or a crash "
+                                 "while writing?): fix or remove it") from None
     if cls in (RunInfo, RunResult):  # the two files that carry the schema number
         _check_schema(path, data)
     try:
@@ -193,10 +221,19 @@ def list_runs(root: Path = DEFAULT_ROOT) -> list[MatrixRun | ResultsSchemaError]
     return runs
 
 
+def run_ids(root: Path) -> list[str]:
+    """The run folders under ``root`` (those with a run.json), oldest first."""
+    if not root.is_dir():
+        return []
+    return [d.name for d in sorted(root.iterdir()) if (d / "run.json").is_file()]
+
+
 def resolve_run_id(root: Path, run_id: str) -> str:
+    if root.exists() and not root.is_dir():
+        raise BadInputError(f"--results {root}: is a file, not a folder of runs; give the folder runs are recorded in")
     if run_id != "latest":
         return run_id
-    ids = [d.name for d in sorted(root.iterdir()) if (d / "run.json").is_file()] if root.is_dir() else []
+    ids = run_ids(root)
     if not ids:
         raise KvreproError(f"no runs under {root}/; start one with `kvrepro matrix run`")
     return ids[-1]
@@ -210,8 +247,9 @@ def run_path(root: Path, run_id: str) -> Path:
     run_id = resolve_run_id(root, run_id)
     path = root / run_id
     if not (path / "run.json").is_file():
-        known = ", ".join(d.name for d in sorted(root.iterdir())[-5:]) if root.is_dir() else ""
-        raise KvreproError(f"no run {run_id!r} under {root}/ (latest: {known or 'none'})")
+        known = ", ".join(run_ids(root)[-5:])
+        raise BadInputError(f"no run {run_id!r} under {root}/ (latest: {known or 'none'}); "
+                            "`kvrepro results list` shows them all")
     return path
 
 
@@ -222,6 +260,8 @@ def load_run(root: Path, run_id: str) -> MatrixRun:
     """
     path = run_path(root, run_id)
     info: RunInfo = _read_record(RunInfo, path / "run.json")
+    if info.status == "running" and lifetime.owner_alive(info.owner) is False:
+        info = replace(info, status="aborted")  # its kvrepro vanished (SIGKILL, a crash) mid-run
     builds: list[BuildResults] = []
     for name in info.build_order:
         build_dir = path / name
@@ -236,6 +276,8 @@ def load_run(root: Path, run_id: str) -> MatrixRun:
             if (rep / "verdict.json").is_file():
                 result: RunResult = _read_record(RunResult, rep / "verdict.json")
                 runs.append(result if result.base else replace(result, base=default_base))
+            elif (unfinished := _unfinished(rep, name, info.status, default_base)) is not None:
+                runs.append(unfinished)
         bases = list(dict.fromkeys(r.base or default_base for r in runs)) or [default_base]
         for base in bases:
             builds.append(BuildResults(
@@ -244,3 +286,14 @@ def load_run(root: Path, run_id: str) -> MatrixRun:
                 manifest=manifest, expect=info.expect.get(entry.build or name),
                 matrix_build=entry.build or name))
     return MatrixRun(info=info, path=path, builds=tuple(builds))
+
+
+def _unfinished(rep: Path, build: str, run_status: str, base: str) -> RunResult | None:
+    """A repetition with files but no verdict.json, as what it left (None: it left nothing)."""
+    kept = sorted(p.name for p in rep.iterdir() if p.is_file() and not p.name.startswith("."))
+    if not kept:
+        return None
+    state = "still running" if run_status == "running" else f"run {run_status} before its verdict"
+    return RunResult(build=build, rep=int(rep.name), verdict=Verdict.INCOMPLETE, outcome=Outcome.NONE,
+                     title=f"no verdict: {state}; kept {', '.join(kept)}", trigger_count=0, external_hit_calls=0,
+                     requests=0, seconds=0.0, run_dir=str(rep), base=base)

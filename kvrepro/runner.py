@@ -167,6 +167,11 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
             return replace(result, verdict=Verdict.INTERRUPTED, outcome=Outcome.NONE,
                            title="interrupted while the engine was starting")
         return result
+    if stop.is_set():  # stopped while it started: it gets no request (kvrepro#8)
+        handle.stop()
+        return replace(_infra_result(plan, rep, run_dir, "interrupted", time.monotonic() - started),
+                       verdict=Verdict.INTERRUPTED, outcome=Outcome.NONE,
+                       title="interrupted while the engine was starting", infra_error=None)
 
     load: LoadSummary | None = None
     metrics_text: str | None = None

@@ -475,10 +475,36 @@ def _line_for(lines: dict[tuple[Any, ...], int], loc: tuple[Any, ...]) -> int | 
     return lines.get(())
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, line: int, first_line: int):
+        super().__init__(f"duplicate key {key!r} (first at line {first_line})")
+        self.key, self.line, self.first_line = key, line, first_line
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping: PyYAML would keep the last one
+    silently, and a build or patch written twice is a mistake, never an intent."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        if isinstance(node, yaml.MappingNode):
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark.line + 1)
+                except TypeError:  # an unhashable key: the mapping constructor reports it
+                    continue
+                if first != key_node.start_mark.line + 1:
+                    raise _DuplicateKey(key, key_node.start_mark.line + 1, first)
+        return super().construct_mapping(node, deep=deep)
+
+
 def parse_matrix(text: str, path: Path) -> LoadedMatrix:
     """Validate matrix text; raise SpecError naming file:line, field and what is allowed."""
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+    except _DuplicateKey as exc:
+        raise SpecError(f"{path}:{exc.line}: {exc}; each key may appear once, remove or rename one") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -508,6 +534,10 @@ def parse_matrix(text: str, path: Path) -> LoadedMatrix:
             field = ".".join(str(p) for p in loc) or "(top level)"
             problems.append(f"{path}:{line}: {field}: {msg}" if line else f"{path}: {field}: {msg}")
         raise SpecError("invalid matrix:\n  " + "\n  ".join(problems)) from None
+    # the values of --hf-token & co. are masked from here on in everything kvrepro writes
+    from .secrets import remember, secret_arg_values
+
+    remember(secret_arg_values(list(matrix.engine.extra_args)))
     return LoadedMatrix(matrix, path, text)
 
 
@@ -532,10 +562,21 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
 
 def load_matrix(path: str | Path) -> LoadedMatrix:
     path = Path(path)
+    if path.is_dir():
+        hint = f"; did you mean {path / 'matrix.yaml'}?" if (path / "matrix.yaml").is_file() else ""
+        raise SpecError(f"{path}: is a folder, not a matrix file; pass --matrix PATH/TO/matrix.yaml{hint}")
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise SpecError(f"{path}: no such file; pass --matrix PATH or run from the project root") from None
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise SpecError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                        "save the file as UTF-8") from None
     return parse_matrix(text, path.resolve())
 
 

@@ -104,6 +104,28 @@ IDENTIFIER_ALIASES: dict[str, str] = {
 }
 
 
+# Prints the option strings of `vllm serve` (one JSON line after KVREPRO-FLAGS), run in the runtime
+# env with a release's vllm/ on PYTHONPATH; `matrix validate` checks engine.extra_args with it.
+# 0.26.0+ build the serve parser in ServeSubcommand.subparser_init; older layouts expose
+# make_arg_parser. The CPU platform stands in for a GPU so config classes that look at the
+# device can be built.
+SERVE_FLAGS_SCRIPT = r"""
+import json, sys
+import vllm.platforms as platforms
+from vllm.platforms.cpu import CpuPlatform
+platforms._current_platform = CpuPlatform()
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser(prog="vllm")
+try:
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    serve = ServeSubcommand().subparser_init(parser.add_subparsers())
+except ImportError:
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    serve = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+sys.stdout.write("\nKVREPRO-FLAGS " + json.dumps(sorted(serve._option_string_actions)) + "\n")
+"""
+
+
 class UnsupportedRelease(Exception):
     """A vLLM version the GPU-free engine has no adapter for yet; the message says what to do."""
 

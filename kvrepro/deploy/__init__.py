@@ -24,6 +24,13 @@ def register(name: str):
     return deco
 
 
+def known_targets() -> list[str]:
+    """Every target this installation has (one module or package per target in this folder)."""
+    import pkgutil
+
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in ("base",))
+
+
 def get_target(name: str) -> type[Target]:
     if name not in _TARGETS:
         try:
@@ -32,8 +39,8 @@ def get_target(name: str) -> type[Target]:
             if exc.name != f"{__name__}.{name}":
                 raise
     if name not in _TARGETS:
-        raise SpecError(f"unknown target {name!r}; known targets: sim, docker")
+        raise SpecError(f"unknown target {name!r}; known targets: {', '.join(known_targets())}")
     return _TARGETS[name]
 
 
-__all__ = ["EngineHandle", "Target", "get_target", "register"]
+__all__ = ["EngineHandle", "Target", "get_target", "known_targets", "register"]

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import requests
 
-from .. import builds, paths, versions
-from ..errors import InfraError, KvreproError
+from .. import builds, lifetime, paths, versions
+from ..errors import InfraError, KvreproError, describe_os_error
 from ..records import BuildArtifact, BuildPlan
 from ..engine.zygote import ENV_VAR as ZYGOTE_ENV, start_zygote
-from ..secrets import scrubbed_environ
+from ..secrets import redact, scrubbed_environ
 from . import register
 from .base import EngineHandle, Target
 
@@ -44,17 +44,44 @@ def log_tail(path: Path, lines: int = 15) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+class RedactingLog:
+    """Copies a child's output into its log file line by line, through ``secrets.redact``: a
+    token the engine prints (vLLM logs its non-default arguments) never reaches the disk."""
+
+    def __init__(self, source, log_path: Path):
+        self._source = source
+        self._log = log_path.open("ab")
+        self._thread = threading.Thread(target=self._pump, name=f"kvrepro-log-{log_path.parent.name}", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        try:
+            for line in iter(self._source.readline, b""):
+                self._log.write(redact(line.decode("utf-8", "replace")).encode())
+                self._log.flush()
+        except (OSError, ValueError):
+            pass
+        finally:
+            self._source.close()
+            self._log.close()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Wait for the output to end (the engine exited); give up after ``timeout``."""
+        self._thread.join(timeout)
+
+
 class ProcessEngine(EngineHandle):
     """An engine running as a child process in its own session, logging to a file."""
 
     def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path, port: int):
         self.log_path = log_path
         self.base_url = f"http://127.0.0.1:{port}"
-        self._log = log_path.open("ab")
         # Own session: the user's Ctrl-C reaches kvrepro, which stops the engine in order
         # (SIGTERM, then SIGKILL) after recording what it has.
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=lifetime.child_hook())  # kvrepro#8: dies with kvrepro, even on SIGKILL
+        self._log = RedactingLog(self.proc.stdout, log_path)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -62,9 +89,11 @@ class ProcessEngine(EngineHandle):
     def exit_code(self) -> int | None:
         return self.proc.poll()
 
-    def wait_healthy(self, timeout: float) -> None:
+    def wait_healthy(self, timeout: float, cancel: threading.Event | None = None) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if cancel is not None and cancel.is_set():
+                raise InfraError("interrupted while the engine was starting")
             code = self.proc.poll()
             if code is not None:
                 raise InfraError(f"engine exited with code {code} before it became healthy; "
@@ -74,23 +103,31 @@ class ProcessEngine(EngineHandle):
                     return
             except requests.RequestException:
                 pass
-            time.sleep(0.2)
+            if cancel is not None:
+                cancel.wait(0.2)
+            else:
+                time.sleep(0.2)
         raise InfraError(f"engine did not become healthy within {timeout:.0f}s "
                          f"(runs.start_timeout_s); last lines of {self.log_path}:\n{log_tail(self.log_path)}")
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 10.0) -> None:
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
             try:
-                self.proc.wait(timeout=10)
+                self.proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        if not self._log.closed:
-            self._log.close()
+                try:  # a second SIGTERM: the zygote client SIGKILLs the engine's whole session
+                    os.killpg(self.proc.pid, signal.SIGTERM)
+                    self.proc.wait(timeout=2)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    pass
+                if self.proc.poll() is None:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait()
+        self._log.close()
 
 
 class _Zygote:
@@ -125,6 +162,11 @@ class SimTarget(Target):
         self._runtimes: dict[str, builds.Runtime] = {}
         self._zygotes: dict[str, _Zygote] = {}
         self._zygote_lock = threading.Lock()
+        self._interrupted = threading.Event()
+
+    def interrupt(self) -> None:
+        """Ctrl-C / SIGTERM: engines (and the zygote) still starting give up now."""
+        self._interrupted.set()
 
     def _zygote_socket(self, runtime: builds.Runtime) -> str | None:
         """Start (once) the engine zygote: it imports torch & co. once and forks every engine.
@@ -142,7 +184,8 @@ class SimTarget(Target):
                 self.on_line("starting the engine zygote (imports vLLM's dependencies once)")
                 try:
                     zygote.proc = start_zygote(str(runtime.python), str(zygote.socket), env,
-                                               str(zygote.folder / "zygote.log"))
+                                               str(zygote.folder / "zygote.log"),
+                                               cancel=self._interrupted)  # kvrepro#8
                 except RuntimeError as exc:
                     self.on_line(f"engine zygote unavailable, starting engines directly: {exc}")
             return str(zygote.socket) if zygote.running() else None
@@ -168,6 +211,9 @@ class SimTarget(Target):
             return builds.build_overlay(plan, self.on_line)
         except (versions.UnsupportedRelease, KvreproError) as exc:
             return BuildArtifact(plan=plan, ref=None, manifest={}, error=str(exc))
+        except OSError as exc:  # a read-only or full cache: this build is INFRA, with what to do
+            return BuildArtifact(plan=plan, ref=None, manifest={},
+                                 error=f"build {plan.name}: cannot write the build cache: {describe_os_error(exc)}")
 
     def command(self, artifact: BuildArtifact, port: int) -> list[str]:
         """`vllm serve MODEL ARGS` in the build's runtime (see kvrepro.engine.__main__)."""
@@ -208,14 +254,16 @@ class SimTarget(Target):
     def start(self, artifact: BuildArtifact, run_dir: Path, rep: int) -> EngineHandle:
         if not artifact.ok:
             raise InfraError(artifact.error or "build failed")
+        if self._interrupted.is_set():
+            raise InfraError("interrupted before the engine was started")
         port = free_port()
         zygote = self._zygote_socket(self.runtime(artifact.plan.base))
         handle = ProcessEngine(self.command(artifact, port),
                                self.environment(artifact, rep, zygote),
                                run_dir / "engine.log", port)
         try:
-            handle.wait_healthy(self.loaded.matrix.runs.start_timeout_s)
+            handle.wait_healthy(self.loaded.matrix.runs.start_timeout_s, cancel=self._interrupted)
         except BaseException:
-            handle.stop()
+            handle.stop(grace=1.0 if self._interrupted.is_set() else 10.0)  # mid-start: nothing to flush
             raise
         return handle

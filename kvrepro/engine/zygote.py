@@ -131,6 +131,9 @@ def _run_engine(conn: socket.socket, listen_path: str, request: dict, fds: list[
             except OSError:
                 pass
             os.kill(os.getpid(), signal.SIGTERM)
+            from kvrepro import lifetime  # kvrepro#8: nobody waits on us any more: bound the stop
+
+            lifetime.kill_group_later(os.getpid(), grace=3.0)
 
         threading.Thread(target=watch_client, name="zygote-client-watch", daemon=True).start()
 
@@ -176,6 +179,7 @@ def serve(socket_path: str) -> int:
     listener.bind(socket_path)
     listener.listen(64)
     children: dict[int, socket.socket] = {}
+    zygote_pid = os.getpid()
     stopping = {"flag": False}
     learned = {"done": False}
 
@@ -226,6 +230,9 @@ def serve(socket_path: str) -> int:
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
+                from kvrepro import lifetime  # kvrepro#8: the engine dies with the zygote
+
+                lifetime.die_with_parent(signal.SIGTERM, expected_parent=zygote_pid)
                 listener.close()
                 for other in children.values():
                     other.close()
@@ -245,7 +252,7 @@ def serve(socket_path: str) -> int:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 5
         while children and time.monotonic() < deadline:
             try:
                 pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -257,7 +264,7 @@ def serve(socket_path: str) -> int:
                 time.sleep(0.05)
         for pid in children:
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.killpg(pid, signal.SIGKILL)  # the engine and what it started (it called setsid)
             except ProcessLookupError:
                 pass
         listener.close()
@@ -282,12 +289,24 @@ def delegate(socket_path: str, argv: list[str]) -> int | None:
     if reply is None or "pid" not in reply:
         return None
     pid = reply["pid"]
+    parent = os.getppid()
+
+    stops = {"count": 0}
 
     def forward(signum, frame):
+        if signum != signal.SIGHUP:
+            stops["count"] += 1
         try:
-            os.kill(pid, signum)
+            if stops["count"] > 1:  # kvrepro#8: a second stop is a hard stop, engine and helpers
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signum)
         except ProcessLookupError:
             pass
+        if signum != signal.SIGHUP:  # kvrepro#8: a stop is bounded, even for an engine mid-start
+            from kvrepro import lifetime
+
+            lifetime.kill_group_later(pid, grace=5.0 if os.getppid() == parent else 3.0)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
@@ -299,20 +318,30 @@ def delegate(socket_path: str, argv: list[str]) -> int | None:
         if message is None:
             return 1  # the zygote went away; it took the engine with it
         if "exit" in message:
+            try:  # kvrepro#8: what the engine started and left behind (its session) goes with it
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
             code = message["exit"]
             return code if code >= 0 else 128 - code
 
 
 def start_zygote(python: str, socket_path: str, env: dict[str, str], log_path: str,
-                 timeout: float = 180.0) -> subprocess.Popen:
-    """Start a zygote (for a deploy target) and wait until it accepts connections."""
+                 timeout: float = 180.0, cancel: threading.Event | None = None) -> subprocess.Popen:
+    """Start a zygote (for a deploy target) and wait until it accepts connections (or ``cancel``)."""
+    from kvrepro import lifetime
+
     log = open(log_path, "ab")
     proc = subprocess.Popen([python, "-m", "kvrepro.engine.zygote", "--socket", socket_path], env=env,
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=lifetime.child_hook())  # kvrepro#8: SIGTERM when kvrepro dies
     log.close()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if cancel is not None and cancel.is_set():  # kvrepro#8: Ctrl-C while it preloads
+            proc.terminate()
+            raise RuntimeError("interrupted while the engine zygote was starting")
         if proc.poll() is not None:
             raise RuntimeError(f"the engine zygote exited with code {proc.returncode}; see {log_path}")
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:

@@ -60,7 +60,10 @@ class TraceWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "w", encoding="utf-8")
         self._lock = threading.Lock()
-        self._write({"trace": FORMAT_VERSION, **header})
+        from ..secrets import redact_value
+
+        # the header carries the engine's arguments: one redaction for every file (issue 8)
+        self._write(redact_value({"trace": FORMAT_VERSION, **header}))
 
     def _write(self, obj: dict[str, Any]) -> None:
         with self._lock:

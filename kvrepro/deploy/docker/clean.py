@@ -1,8 +1,11 @@
 """`kvrepro clean`: remove what kvrepro left on Docker hosts (containers; images on request).
 
 Only objects carrying kvrepro's label are touched, so a user's own containers and images are
-never at risk. Containers of a kvrepro process that is still running are removed too: `clean`
-is for when no matrix run is in progress.
+never at risk. Containers of a kvrepro process that is still running (their owner labels name a
+live process on this machine, or a process on another machine) are left alone unless ``--all``:
+`clean` may run next to a matrix run. ``reap_orphans`` is the same rule, run by every docker
+`matrix run` when it connects to a host: a kvrepro killed with SIGKILL left its engines running,
+and the next one removes them.
 """
 
 from __future__ import annotations
@@ -12,17 +15,44 @@ from typing import Any
 import docker.errors
 import requests
 
+from ... import lifetime
 from ...spec import Matrix
 from . import labels as L
 from .errors import DockerInfraError
-from .hosts import all_hosts, connect
+from .hosts import all_hosts, connect, remove_quietly
 
 IMAGE_KINDS = ("assembled",)
 BASE_KINDS = ("base-cpu", "base-vllm", "base-deps", "base-os")
 
 
+def owner_gone(labels: dict[str, str]) -> bool:
+    """True if the kvrepro process that made this container is known to be gone."""
+    return lifetime.owner_alive(L.owner_of(labels)) is False
+
+
+def is_leftover(labels: dict[str, str]) -> bool:
+    """What `kvrepro clean` removes: containers whose owner is gone, and those without an owner
+    record (made by an older kvrepro); a live owner's, or another machine's, stay."""
+    record = L.owner_of(labels)
+    return record is None or lifetime.owner_alive(record) is False
+
+
+def reap_orphans(host) -> list[str]:
+    """Remove the containers on ``host`` whose kvrepro process is gone; their names."""
+    removed = []
+    try:
+        found = host.client.containers.list(all=True, filters=L.MANAGED_FILTER, ignore_removed=True)
+    except (docker.errors.DockerException, requests.RequestException, OSError):
+        return removed
+    for container in found:
+        if owner_gone(container.labels):
+            remove_quietly(container)
+            removed.append(container.name)
+    return removed
+
+
 def clean(matrix: Matrix | None = None, images: bool = False, base_images: bool = False,
-          dry_run: bool = False) -> list[dict[str, Any]]:
+          dry_run: bool = False, everything: bool = False) -> list[dict[str, Any]]:
     """Per host: containers (and, if asked, images) removed, or the error that prevented it."""
     reports = []
     for spec in all_hosts(matrix):
@@ -33,10 +63,15 @@ def clean(matrix: Matrix | None = None, images: bool = False, base_images: bool 
             report["errors"].append(str(exc))
             reports.append(report)
             continue
+        report["kept"] = []
         try:
             for container in host.client.containers.list(all=True, filters=L.MANAGED_FILTER, ignore_removed=True):
                 entry = {"name": container.name, "status": container.status,
                          "kind": container.labels.get(L.LABEL_KIND), "run": container.labels.get(L.LABEL_RUN)}
+                if not everything and not is_leftover(container.labels):
+                    entry["owner"] = L.owner_of(container.labels)
+                    report["kept"].append(entry)  # a live run's: not ours to remove
+                    continue
                 if not dry_run:
                     try:
                         container.remove(force=True)

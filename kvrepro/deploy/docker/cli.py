@@ -32,7 +32,9 @@ JsonOpt = typer.Option(False, "--json", help="print machine-readable JSON on std
 
 
 def _emit(value: Any) -> None:
-    sys.stdout.write(json.dumps(value, indent=2, default=str) + "\n")
+    from ...secrets import redact
+
+    sys.stdout.write(redact(json.dumps(value, indent=2, default=str)) + "\n")
 
 
 def _matrix_or_none(path: Path) -> Matrix | None:
@@ -173,16 +175,18 @@ def clean(
     images: bool = typer.Option(False, "--images", help="also remove the images kvrepro assembled (kvrepro/vllm:*)"),
     base_images: bool = typer.Option(False, "--base-images", help="also remove the CPU base and its layers"),
     dry_run: bool = typer.Option(False, "--dry-run", help="only list what would be removed"),
+    everything: bool = typer.Option(False, "--all", help="also containers of kvrepro runs still in progress"),
     as_json: bool = JsonOpt,
 ) -> None:
-    """Remove kvrepro's leftover containers (and images, if asked) from every host."""
+    """Remove kvrepro's leftover containers (and images, if asked) from every host; containers of
+    runs still in progress are kept (unless --all)."""
     from .clean import clean as do_clean
 
     try:
         m = _matrix_or_none(matrix)
     except KvreproError as exc:
         _fail(exc)
-    reports = do_clean(m, images=images, base_images=base_images, dry_run=dry_run)
+    reports = do_clean(m, images=images, base_images=base_images, dry_run=dry_run, everything=everything)
     if as_json:
         _emit(reports)
     else:
@@ -191,6 +195,10 @@ def clean(
             out.print(f"[bold]{r['host']}[/]: {verb} {len(r['containers'])} container(s), {len(r['images'])} image(s)")
             for c in r["containers"]:
                 out.print(f"  container {c['name']} ({c['status']}, {c['kind']})")
+            for c in r.get("kept", []):
+                owner = c.get("owner") or {}
+                out.print(f"  kept {c['name']}: its kvrepro (pid {owner.get('pid')} on {owner.get('host')}) "
+                          "is still running (--all removes it too)")
             for i in r["images"]:
                 out.print(f"  image {', '.join(i['tags']) or i['id'][:19]} ({i['kind']})")
             for e in r["errors"]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import uuid
 
+from ... import lifetime
+
 LABEL_MANAGED = "io.kvrepro.managed"          # "1" on every container kvrepro creates
 LABEL_KIND = "io.kvrepro.kind"                # container: engine | probe | layer-step
 LABEL_IMAGE = "io.kvrepro.image"              # image: assembled | base-cpu | base-vllm | base-deps | base-os
@@ -21,6 +23,11 @@ LABEL_KEY = "io.kvrepro.key"                  # content key of an assembled imag
 LABEL_PATCHES = "io.kvrepro.patches"          # JSON: ordered [{"name", "sha256"}]
 LABEL_MANIFEST = "io.kvrepro.manifest"        # JSON: what went into the image
 LABEL_PROBE = "io.kvrepro.probe.sha256"
+# The kvrepro process that owns a container (kvrepro/lifetime.py): once it is gone (SIGKILL),
+# the next kvrepro (`matrix run`, `clean`) removes the container; live runs are left alone.
+LABEL_OWNER_PID = "io.kvrepro.owner.pid"
+LABEL_OWNER_HOST = "io.kvrepro.owner.host"
+LABEL_OWNER_START = "io.kvrepro.owner.start"
 OCI_BASE_NAME = "org.opencontainers.image.base.name"
 OCI_BASE_DIGEST = "org.opencontainers.image.base.digest"
 
@@ -31,9 +38,22 @@ SESSION = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 def managed(kind: str, **extra: str) -> dict[str, str]:
     """Labels of a container kvrepro creates (`kvrepro clean` removes those with managed=1)."""
-    labels = {LABEL_MANAGED: "1", LABEL_KIND: kind, LABEL_SESSION: SESSION}
+    labels = {LABEL_MANAGED: "1", LABEL_KIND: kind, LABEL_SESSION: SESSION, **owner_labels()}
     labels.update({k: str(v) for k, v in extra.items()})
     return labels
+
+
+def owner_labels() -> dict[str, str]:
+    record = lifetime.owner()
+    return {LABEL_OWNER_PID: record["pid"], LABEL_OWNER_HOST: record["host"], LABEL_OWNER_START: record["start"]}
+
+
+def owner_of(labels: dict[str, str]) -> dict[str, str] | None:
+    """The owner record in a container's labels (None for containers made before owners were recorded)."""
+    if not labels.get(LABEL_OWNER_PID):
+        return None
+    return {"pid": labels[LABEL_OWNER_PID], "host": labels.get(LABEL_OWNER_HOST, ""),
+            "start": labels.get(LABEL_OWNER_START, "")}
 
 
 def image_labels(kind: str, **extra: str) -> dict[str, str]:
@@ -43,7 +63,8 @@ def image_labels(kind: str, **extra: str) -> dict[str, str]:
     the container labels are therefore set to "" here, so that a user's own `docker run` of a
     kvrepro image is not mistaken for a kvrepro container (and removed by `kvrepro clean`).
     """
-    labels = {LABEL_IMAGE: kind, LABEL_MANAGED: "", LABEL_KIND: "", LABEL_SESSION: ""}
+    labels = {LABEL_IMAGE: kind, LABEL_MANAGED: "", LABEL_KIND: "", LABEL_SESSION: "", LABEL_OWNER_PID: "",
+              LABEL_OWNER_HOST: "", LABEL_OWNER_START: ""}
     labels.update({k: str(v) for k, v in extra.items()})
     return labels
 

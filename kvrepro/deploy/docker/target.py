@@ -26,6 +26,8 @@ from ...spec import HostSpec, LoadedMatrix
 from ..base import EngineHandle, Target
 from . import labels as L
 from .assemble import assemble
+from .clean import reap_orphans
+from .reaper import Reaper
 from .containers import ContainerEngine
 from .errors import (ContainerError, DaemonDownError, DockerInfraError, ImageMissingError, PortInUseError,
                      SshError, UnknownHostError)
@@ -84,6 +86,7 @@ class DockerTarget(Target):
         self._handles: list[DockerEngineHandle] = []
         self._lock = threading.Lock()
         self._interrupted = threading.Event()
+        self._reaper: Reaper | None = None
         names = [h.name for h in loaded.matrix.hosts]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -100,6 +103,10 @@ class DockerTarget(Target):
             kept = self._hosts.setdefault(spec.name, host)
         if kept is not host:
             host.close()  # another thread connected first: one connection (one ssh master) per host
+            return kept
+        # kvrepro#8: engines of a kvrepro that was killed (SIGKILL) go when the next one connects
+        for name in reap_orphans(host):
+            self.on_line(f"removed {name}: its kvrepro process is gone")
         return kept
 
     def max_parallel(self) -> int:
@@ -260,6 +267,7 @@ class DockerTarget(Target):
         launches = plan_launch(serve_args, node_specs, spec, head_address=head.address, api_port=api_port,
                                bind_ip=bind_ip, env=env)
 
+        self._watch_for_death(node_specs)
         engine = ContainerEngine(run_dir, "http://127.0.0.1:0", spec.stop_timeout_s,
                                  spec.log_stall_s, secrets, multi)
         handle = DockerEngineHandle(engine, on_stop=self._forget)
@@ -369,6 +377,12 @@ class DockerTarget(Target):
                                 f"({host.tunnel.reason() or 'ssh gave no reason'}); check the host and the network")
         return None
 
+    def _watch_for_death(self, node_specs: list[HostSpec]) -> None:
+        """kvrepro#8: a watcher removes this session's containers if kvrepro is killed (SIGKILL)."""
+        with self._lock:
+            if self._reaper is None:
+                self._reaper = Reaper(L.SESSION, [s.model_dump() for s in node_specs])
+
     def _forget(self, handle: DockerEngineHandle) -> None:
         with self._lock:
             if handle in self._handles:
@@ -398,6 +412,9 @@ class DockerTarget(Target):
                     interrupted = exc
             host.close()
         self._hosts.clear()
+        if self._reaper is not None:
+            self._reaper.done()
+            self._reaper = None
         if interrupted is not None:
             raise interrupted
 

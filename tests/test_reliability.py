@@ -1,0 +1,623 @@
+"""Faults and bad inputs, injected for real (issue 8): each case ends in one clear line and a
+documented exit code, never a traceback; nothing kvrepro started outlives it; nothing recorded is
+lost; no secret reaches a file.
+
+Real parts only: real `kvrepro` processes (``python -m kvrepro.cli``) get real signals; full and
+read-only file systems are real tmpfs mounts inside a private mount namespace (``unshare -m``,
+so nothing is mounted on the machine itself); an unreachable Docker host is a real closed TCP
+port; engines are the real GPU-free engine (vLLM 0.26.0's scheduler, fake GPU executor) and,
+for the docker cases, real containers of the CPU base image on the local dockerd. Waits are
+bounded, never asserted as timings (the 10 s figures of the issue are measured by hand, see the
+README's "Bad inputs and faults").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, require
+
+TOKEN = "hf_kvreproTestTokenDoNotLeak0123456789"
+
+
+# ------------------------------------------------------------------ helpers
+
+def kvrepro(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None,
+            timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvrepro.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def in_namespace(script: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run a shell script in a private mount namespace (its mounts vanish with it)."""
+    require(shutil.which("unshare") is not None and os.geteuid() == 0,
+            "needs root and unshare(1) for private tmpfs mounts")
+    return subprocess.run(["unshare", "-m", "sh", "-ec", script], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def one_clear_line(proc: subprocess.CompletedProcess, code: int, *needles: str) -> str:
+    """The failure is one `error:` line (rich may wrap it) with the given code and no traceback."""
+    text = proc.stderr
+    assert "Traceback" not in text and "Traceback" not in proc.stdout, text[-3000:]
+    assert proc.returncode == code, (proc.returncode, text[-3000:])
+    flat = " ".join(text.split())
+    for needle in needles:
+        assert needle in flat, (needle, text[-3000:])
+    return flat
+
+
+def small_matrix(folder: Path, **changes) -> Path:
+    """A copy of matrix.yaml with a small budget (and the given top-level changes)."""
+    data = yaml.safe_load((ROOT / "matrix.yaml").read_text())
+    data["runs"].update(repetitions=2, requests=400)
+    data["engine"]["extra_args"] = ["--hf-token", TOKEN]
+    for key, value in changes.items():
+        data[key] = value
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "matrix.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    if not (folder / "builds").exists():
+        os.symlink(ROOT / "builds", folder / "builds")
+    return folder / "matrix.yaml"
+
+
+def children_of(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (engines, the zygote, its forks)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        parents.setdefault(ppid, []).append(int(entry.name))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def wait_until(condition, limit: float, every: float = 0.25) -> bool:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(every)
+    return condition()
+
+
+class Run(subprocess.Popen):
+    """A `kvrepro matrix run` in the background; its output goes to files (a pipe nobody reads
+    would fill up and block it), ``stderr_text()`` reads them."""
+
+    def stderr_text(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+
+def start_run(matrix: Path, results: Path, *extra: str) -> Run:
+    out_path, err_path = matrix.parent / "run.out", matrix.parent / "run.err"
+    with out_path.open("wb") as out, err_path.open("wb") as err:
+        proc = Run([sys.executable, "-m", "kvrepro.cli", "matrix", "run", "-m", str(matrix),
+                    "--results", str(results), *extra], cwd=ROOT, stdout=out, stderr=err)
+    proc.err_path = err_path
+    return proc
+
+
+def verdict_files(results: Path) -> dict[str, str]:
+    return {str(p.relative_to(results)): p.read_text() for p in results.glob("*/*/*/verdict.json")}
+
+
+def show(results: Path, run_id: str = "latest") -> dict:
+    """`results show --json`, as {"status", "builds_results": {build: {"runs": [...]}}}."""
+    proc = kvrepro("results", "show", run_id, "--json", "--results", str(results))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    data = json.loads(proc.stdout)
+    return {"status": data["info"]["status"],
+            "builds_results": {b["name"]: {"runs": b["runs"]} for b in data["builds"]}}
+
+
+# ------------------------------------------------------------------ 1. orphans (sim)
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_signal_leaves_no_engine_and_keeps_finished_runs_sim(tmp_path, overlays, sig):
+    """`kill -TERM` / `kill -KILL` of a running sim matrix: every engine process (the zygote and
+    its forks included) goes, the run reads back interrupted / aborted with every finished
+    repetition intact, and the token given in extra_args is nowhere under results/."""
+    matrix = small_matrix(tmp_path)
+    results = tmp_path / "results"
+    proc = start_run(matrix, results)
+    seen: set[int] = set()
+    try:
+        def one_done_and_engines_up() -> bool:
+            seen.update(children_of(proc.pid))
+            return bool(verdict_files(results)) and len(children_of(proc.pid)) >= 2
+        assert wait_until(one_done_and_engines_up, 600), proc.stderr_text() if proc.poll() is not None else ""
+        seen.update(children_of(proc.pid))
+        before = verdict_files(results)
+        proc.send_signal(sig)
+        proc.wait(timeout=120)
+        assert wait_until(lambda: not any(alive(p) for p in seen), 60), [p for p in seen if alive(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = proc.stderr_text()
+    assert "Traceback" not in stderr, stderr[-3000:]
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 130, stderr[-2000:]
+    run = show(results)
+    assert run["status"] == ("interrupted" if sig == signal.SIGTERM else "aborted")
+    after = verdict_files(results)
+    assert all(after[name] == text for name, text in before.items())  # finished repetitions intact
+    shown = [r for b in run["builds_results"].values() for r in b["runs"]]
+    assert len([r for r in shown if r["verdict"] not in ("INTERRUPTED", "INCOMPLETE")]) >= len(before)
+    if sig == signal.SIGKILL:  # a repetition cut off mid-run is shown with what it left, not as "(not run)"
+        assert any(r["verdict"] == "INCOMPLETE" and "kept" in r["title"] for r in shown), shown
+    leaked = subprocess.run(["grep", "-rl", TOKEN, str(results)], capture_output=True, text=True)
+    assert leaked.stdout == "", leaked.stdout
+
+
+# ------------------------------------------------------------------ 1. orphans (docker)
+
+@pytest.fixture(scope="module")
+def docker_base():
+    try:
+        import docker
+
+        client = docker.from_env(timeout=20)
+        client.ping()
+    except Exception as exc:  # noqa: BLE001
+        require(False, f"no Docker daemon answers: {exc}")
+    tag = "kvrepro/vllm-openai-cpu:v0.26.0"
+    try:
+        client.images.get(tag)
+    except Exception:  # noqa: BLE001
+        require(False, f"{tag} is missing: run `bash .ci/docker-setup.sh`")
+    yield client
+    client.close()
+
+
+def owned_containers(client, pid: int) -> list:
+    from kvrepro.deploy.docker import labels as L
+
+    return client.containers.list(all=True, filters={"label": f"{L.LABEL_OWNER_PID}={pid}"}, ignore_removed=True)
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_signal_leaves_no_container_docker(tmp_path, docker_base, sig):
+    """The same with the docker target: no container of the run stays (SIGKILL: the session's
+    watcher removes them, and the next kvrepro command would too), the run reads back
+    interrupted / aborted, and the token is nowhere under results/."""
+    matrix = small_matrix(tmp_path, target="docker", base_image="kvrepro/vllm-openai-cpu:v0.26.0")
+    results = tmp_path / "results"
+    proc = start_run(matrix, results, "-b", "A", "-b", "B")
+    try:
+        assert wait_until(lambda: len([c for c in owned_containers(docker_base, proc.pid) if c.status == "running"]) >= 1
+                          or proc.poll() is not None, 900, every=1)
+        assert proc.poll() is None, proc.stderr_text()[-3000:]
+        proc.send_signal(sig)
+        proc.wait(timeout=120)
+        if sig == signal.SIGKILL:
+            kvrepro("clean", "--dry-run")  # "the next kvrepro command"; the watcher normally has done it
+        assert wait_until(lambda: not owned_containers(docker_base, proc.pid), 60, every=0.5), \
+            [c.name for c in owned_containers(docker_base, proc.pid)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for container in owned_containers(docker_base, proc.pid):
+            try:
+                container.remove(force=True)
+            except Exception:  # noqa: BLE001 - already being removed
+                pass
+    stderr = proc.stderr_text()
+    assert "Traceback" not in stderr, stderr[-3000:]
+    run = show(results)
+    assert run["status"] == ("interrupted" if sig == signal.SIGTERM else "aborted")
+    leaked = subprocess.run(["grep", "-rl", TOKEN, str(results)], capture_output=True, text=True)
+    assert leaked.stdout == "", leaked.stdout
+
+
+@pytest.mark.docker
+def test_clean_removes_orphans_and_leaves_live_runs_alone(docker_base):
+    """Two containers labelled as kvrepro's: one owned by this (live) process, one by a process
+    that has exited. `kvrepro clean` removes only the orphan; --all removes both."""
+    from kvrepro import lifetime
+    from kvrepro.deploy.docker import labels as L
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    made = []
+    try:
+        for name, record in (("live", lifetime.owner()), ("orphan", {"pid": str(dead.pid), "host": lifetime.hostname(),
+                                                                     "start": "1"})):
+            labels = {L.LABEL_MANAGED: "1", L.LABEL_KIND: "engine", L.LABEL_SESSION: f"test-{os.getpid()}",
+                      L.LABEL_OWNER_PID: record["pid"], L.LABEL_OWNER_HOST: record["host"],
+                      L.LABEL_OWNER_START: record["start"]}
+            made.append(docker_base.containers.create("kvrepro/vllm-openai-cpu:v0.26.0", entrypoint=["true"],
+                                                      labels=labels, name=f"kvrepro-reliability-{name}-{os.getpid()}"))
+        proc = kvrepro("clean", "--json")
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+        report = json.loads(proc.stdout)
+        removed = {c["name"] for r in report for c in r["containers"]}
+        kept = {c["name"] for r in report for c in r["kept"]}
+        assert f"kvrepro-reliability-orphan-{os.getpid()}" in removed
+        assert f"kvrepro-reliability-live-{os.getpid()}" in kept
+        left = {c.name for c in docker_base.containers.list(all=True, filters={"label": f"{L.LABEL_SESSION}=test-{os.getpid()}"})}
+        assert left == {f"kvrepro-reliability-live-{os.getpid()}"}
+    finally:
+        for container in made:
+            try:
+                container.remove(force=True)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+@pytest.mark.docker
+def test_next_docker_run_reaps_containers_of_a_killed_kvrepro(tmp_path, docker_base):
+    """A container whose kvrepro was SIGKILLed (its owner pid is a real process that has exited)
+    is removed when the next docker-target kvrepro connects to the host; a live owner's stays."""
+    from kvrepro import lifetime
+    from kvrepro.deploy.docker import labels as L
+    from kvrepro.deploy.docker.hosts import local_host_spec
+    from kvrepro.deploy.docker.target import DockerTarget
+    from kvrepro.spec import load_matrix
+
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    live_record = lifetime.owner()
+    dead_record = lifetime.owner(victim.pid)
+    victim.kill()  # SIGKILL, as a CI runner would
+    victim.wait()
+    made = []
+    try:
+        for name, record in (("live", live_record), ("dead", dead_record)):
+            labels = {L.LABEL_MANAGED: "1", L.LABEL_KIND: "engine", L.LABEL_SESSION: f"reap-{os.getpid()}",
+                      L.LABEL_OWNER_PID: record["pid"], L.LABEL_OWNER_HOST: record["host"],
+                      L.LABEL_OWNER_START: record["start"]}
+            made.append(docker_base.containers.create("kvrepro/vllm-openai-cpu:v0.26.0", entrypoint=["sleep", "600"],
+                                                      labels=labels, name=f"kvrepro-reap-{name}-{os.getpid()}"))
+            made[-1].start()
+        target = DockerTarget(load_matrix(small_matrix(tmp_path, target="docker")))
+        try:
+            target.host(local_host_spec())
+        finally:
+            target.close()
+        left = {c.name for c in docker_base.containers.list(all=True, filters={"label": f"{L.LABEL_SESSION}=reap-{os.getpid()}"})}
+        assert left == {f"kvrepro-reap-live-{os.getpid()}"}
+    finally:
+        for container in made:
+            try:
+                container.remove(force=True)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+# ------------------------------------------------------------------ 2. secrets
+
+def test_plan_validate_and_json_never_show_a_token(tmp_path):
+    """`matrix plan` (table and --json) and `validate --json` print extra_args with the token masked."""
+    matrix = small_matrix(tmp_path)
+    for args in (("matrix", "plan", "-m", str(matrix)), ("matrix", "plan", "--json", "-m", str(matrix)),
+                 ("matrix", "validate", "--json", "-m", str(matrix))):
+        proc = kvrepro(*args)
+        assert proc.returncode == 0, proc.stderr
+        assert TOKEN not in proc.stdout + proc.stderr
+    plan = json.loads(kvrepro("matrix", "plan", "--json", "-m", str(matrix)).stdout)
+    assert plan["engine_args"][-2:] == ["--hf-token", "***"]
+
+
+def test_results_files_are_redacted_and_0644(tmp_path):
+    """Every file results.py writes goes through one redaction and gets the usual mode."""
+    from kvrepro import results
+    from kvrepro.secrets import remember
+
+    remember([TOKEN])
+    folder = results.create_run(tmp_path, f"engine:\n  extra_args: [--hf-token, {TOKEN}]\n", {"build_order": []})
+    results.write_json(folder.rep_dir("A", 0) / "manifest.json", {"engine_args": ["--api-key", "s3cr3t-value"]})
+    for path in folder.path.rglob("*"):
+        if path.is_file():
+            text = path.read_text()
+            assert TOKEN not in text and "s3cr3t-value" not in text, path
+            assert path.stat().st_mode & 0o777 == 0o666 & ~_umask(), (path, oct(path.stat().st_mode))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# ------------------------------------------------------------------ 3. exit codes
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # closed again when this returns: connections are refused
+
+
+def test_infra_wins_over_expect_when_nothing_else_differs(tmp_path):
+    """expect: says CRASH(target) for A, but A's Docker host does not answer (a real refused TCP
+    connection): the run is INFRA and the exit code is 3, not 1."""
+    matrix = small_matrix(tmp_path, target="docker", base_image="kvrepro/vllm-openai-cpu:v0.26.0",
+                          hosts=[{"name": "gone", "docker": f"tcp://127.0.0.1:{closed_port()}"}],
+                          builds={"A": []}, expect={"A": "CRASH(target)"})
+    proc = kvrepro("matrix", "run", "-m", str(matrix), "--reps", "1", "--json", "--results", str(tmp_path / "r"))
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["builds"]["A"]["runs"][0]["verdict"] == "INFRA"
+    assert "verdicts differ" not in proc.stderr
+
+
+def test_infra_is_not_a_difference_from_expect():
+    """The rule behind exit 3: INFRA (and INTERRUPTED / INCOMPLETE) never counts as "differs from
+    expect:"; a real different verdict does; INFRA meets an `expect: INFRA`."""
+    from kvrepro.records import Outcome, RunResult, Verdict
+    from kvrepro.report import meets_expectation
+
+    def result(verdict, outcome=Outcome.NONE):
+        return RunResult(build="A", rep=0, verdict=verdict, outcome=outcome, title="t", trigger_count=0,
+                         external_hit_calls=0, requests=0, seconds=0.0)
+    assert meets_expectation(result(Verdict.INFRA), "CRASH(target)")
+    assert meets_expectation(result(Verdict.INCOMPLETE), "SURVIVED")
+    assert meets_expectation(result(Verdict.INFRA), "INFRA")
+    assert not meets_expectation(result(Verdict.SURVIVED), "CRASH(target)")
+    assert not meets_expectation(result(Verdict.CRASH, Outcome.TARGET), "INFRA")
+
+
+# ------------------------------------------------------------------ 4. one line instead of a traceback
+
+def test_read_only_results_folder():
+    proc = in_namespace("""
+        mkdir -p /tmp/kvrepro-ro && mount -t tmpfs -o size=1m,ro tmpfs /tmp/kvrepro-ro
+        exec "$0" -m kvrepro.cli matrix run --results /tmp/kvrepro-ro/results
+    """.replace('"$0"', sys.executable))
+    one_clear_line(proc, 3, "Read-only file system", "writable folder")
+
+
+def test_full_results_folder():
+    proc = in_namespace("""
+        mkdir -p /tmp/kvrepro-full && mount -t tmpfs -o size=64k tmpfs /tmp/kvrepro-full
+        dd if=/dev/zero of=/tmp/kvrepro-full/filler bs=4k 2>/dev/null || true
+        PY -m kvrepro.cli matrix run --results /tmp/kvrepro-full/results && exit 99 || code=$?
+        ls -A /tmp/kvrepro-full/results
+        exit $code
+    """.replace("PY", sys.executable))
+    one_clear_line(proc, 3, "No space left on device", "free some space")
+    assert proc.stdout.strip() == ""  # no half-made run folder left behind
+
+
+def test_read_only_cache_with_a_stack_not_built_yet(tmp_path, runtime_python):
+    """$KVREPRO_HOME read-only (a read-only bind mount of the real cache): a build whose overlay
+    does not exist yet is INFRA naming the cache and what to do; exit 3."""
+    from kvrepro import paths
+
+    matrix = small_matrix(tmp_path, builds={"N": ["pr-52771"]}, common=[], expect={})
+    home = paths.home()
+    proc = in_namespace(f"""
+        mount --bind {home} {home} && mount -o remount,bind,ro {home}
+        exec {sys.executable} -m kvrepro.cli matrix run -m {matrix} --reps 1 --results {tmp_path}/r
+    """)
+    one_clear_line(proc, 3, "cannot write the build cache", "Read-only file system")
+
+
+def test_results_pointing_at_a_file(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    one_clear_line(kvrepro("matrix", "run", "--results", str(tmp_path / "afile")), 2, "is a file, not a folder")
+    one_clear_line(kvrepro("results", "show", "--results", str(tmp_path / "afile")), 2, "is a file")
+    one_clear_line(kvrepro("results", "list", "--results", str(tmp_path / "afile")), 2, "is a file")
+
+
+def test_matrix_pointing_at_a_folder(tmp_path):
+    one_clear_line(kvrepro("matrix", "validate", "-m", str(ROOT)), 2, "is a folder", "matrix.yaml")
+
+
+def test_matrix_not_utf8(tmp_path):
+    bad = tmp_path / "matrix.yaml"
+    bad.write_bytes(b"base: '0.26.0'\n# caf\xe9\nbuilds: {A: []}\n")
+    one_clear_line(kvrepro("matrix", "validate", "-m", str(bad)), 2, f"{bad}:2", "not UTF-8")
+
+
+def test_engine_serve_bad_port():
+    proc = kvrepro("engine", "serve", "--build", "A", "--port", "-1", timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--port" in proc.stderr
+
+
+def test_damaged_run_json_and_verdict_json(tmp_path):
+    """A truncated run.json or an empty verdict.json fails only `show` of that run (one line
+    naming the file, exit 2); `results list` still lists every other run."""
+    from kvrepro import results
+
+    good = results.create_run(tmp_path, "builds: {A: []}\n", {"build_order": ["A"], "builds": {"A": {"patches": []}}})
+    good.rep_dir("A", 0)
+    good.update(status="complete")
+    time.sleep(1.1)  # run ids are per second
+    broken = results.create_run(tmp_path, "builds: {A: []}\n", {"build_order": ["A"]})
+    text = (broken.path / "run.json").read_text()
+    (broken.path / "run.json").write_text(text[: len(text) // 2])
+    time.sleep(1.1)
+    empty = results.create_run(tmp_path, "builds: {A: []}\n", {"build_order": ["A"]})
+    (empty.rep_dir("A", 0) / "verdict.json").write_text("")
+
+    one_clear_line(kvrepro("results", "show", broken.run_id, "--results", str(tmp_path)), 2,
+                   "run.json: unreadable", "damaged")
+    one_clear_line(kvrepro("results", "show", empty.run_id, "--results", str(tmp_path)), 2,
+                   "verdict.json: unreadable", "damaged")
+    listed = kvrepro("results", "list", "--json", "--results", str(tmp_path))
+    assert listed.returncode == 0 and "Traceback" not in listed.stderr, listed.stderr
+    rows = json.loads(listed.stdout)
+    assert [r["status"] for r in rows] == ["complete", "unreadable", "unreadable"]
+    assert rows[0]["run_id"] == good.run_id
+
+
+def test_classify_a_folder(tmp_path):
+    one_clear_line(kvrepro("classify", str(tmp_path)), 2, "is a folder", "engine.log")
+
+
+# ------------------------------------------------------------------ 5. validation before anything starts
+
+def test_duplicate_build_key_names_both_lines(tmp_path):
+    matrix = tmp_path / "matrix.yaml"
+    text = (ROOT / "matrix.yaml").read_text().replace("  D: [pr-52771, pr-52807]", "  D: [pr-52771, pr-52807]\n  B: []")
+    matrix.write_text(text)
+    os.symlink(ROOT / "builds", tmp_path / "builds")
+    lines = text.splitlines()
+    line = next(i for i, ln in enumerate(lines) if ln.startswith("  B: []")) + 1
+    first = next(i for i, ln in enumerate(lines) if ln.startswith("  B: [pr-52807]")) + 1
+    one_clear_line(kvrepro("matrix", "validate", "-m", str(matrix)), 2,
+                   f"{matrix}:{line}: duplicate key 'B' (first at line {first})")
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"load": {"profile": "no_such_profile"}}, "load.profile: unknown profile 'no_such_profile'; known profiles:"),
+    ({"target": "nonsense"}, "target: unknown target 'nonsense'; known targets: docker, sim"),
+    ({"engine": {"model": "no-such-model"}}, "engine.model: 'no-such-model' is neither a directory"),
+], ids=["profile", "target", "model"])
+def test_validate_catches_what_used_to_fail_late(tmp_path, change, needle):
+    matrix = small_matrix(tmp_path)
+    data = yaml.safe_load(matrix.read_text())
+    for key, value in change.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) else value
+    matrix.write_text(yaml.safe_dump(data, sort_keys=False))
+    flat = one_clear_line(kvrepro("matrix", "validate", "-m", str(matrix)), 2, needle)
+    assert f"{matrix}:" in flat  # file:line
+    # `matrix run` says the same before it makes a run folder or starts anything
+    one_clear_line(kvrepro("matrix", "run", "-m", str(matrix), "--results", str(tmp_path / "r")), 2, needle)
+    assert not (tmp_path / "r").exists()
+
+
+def test_plan_with_an_unknown_target():
+    one_clear_line(kvrepro("matrix", "plan", "--target", "nonsense"), 2,
+                   "--target: unknown target 'nonsense'; known targets: docker, sim")
+
+
+def test_engine_flag_checked_against_vllm_serve(tmp_path, runtime_python):
+    """A flag `vllm serve` of the base release does not know, read from vLLM's own parser."""
+    matrix = small_matrix(tmp_path)
+    data = yaml.safe_load(matrix.read_text())
+    data["engine"]["extra_args"] = ["--max_num_seqs", "4", "--no-such-serve-flag", "1", "--hf-token", TOKEN]
+    matrix.write_text(yaml.safe_dump(data, sort_keys=False))
+    flat = one_clear_line(kvrepro("matrix", "validate", "-m", str(matrix)), 2,
+                          "engine.extra_args: `vllm serve` of vLLM 0.26.0 does not know --no-such-serve-flag")
+    assert "--max_num_seqs" not in flat and "--hf-token" not in flat and TOKEN not in flat
+    data["engine"]["extra_args"] = ["--api-key", "x" * 12, "--enable-log-requests"]  # frontend flags are known
+    matrix.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert kvrepro("matrix", "validate", "-m", str(matrix)).returncode == 0
+
+
+# ------------------------------------------------------------------ 6. Ctrl-C while engines start
+
+@pytest.mark.slow
+def test_ctrl_c_while_engines_start(tmp_path, overlays):
+    """SIGINT 3 s after `matrix run`: it stops without waiting for engines to become healthy,
+    exit 130, no engine left, and no engine got a request after the stop."""
+    matrix = small_matrix(tmp_path)
+    results = tmp_path / "results"
+    proc = start_run(matrix, results)
+    seen: set[int] = set()
+    try:
+        wait_until(lambda: bool(seen.update(children_of(proc.pid))) or False, 3, every=0.1)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=300)
+        assert wait_until(lambda: not any(alive(p) for p in seen), 60), [p for p in seen if alive(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = proc.stderr_text()
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
+    run = show(results) if results.exists() and any(results.iterdir()) else {"builds_results": {}, "status": "interrupted"}
+    assert run["status"] == "interrupted"
+    for build in run["builds_results"].values():
+        for r in build["runs"]:
+            if r["verdict"] == "INTERRUPTED":
+                assert r["requests"] == 0
+                load = Path(r["run_dir"]) / "load.jsonl"
+                assert not load.exists() or load.read_text() == ""
+
+
+# ------------------------------------------------------------------ 7. small things
+
+def test_offload_loads_unknown_when_metrics_unknown():
+    from kvrepro import report
+    from kvrepro.records import Outcome, RunResult, Verdict
+
+    def result(loads):
+        return RunResult(build="A", rep=0, verdict=Verdict.CRASH, outcome=Outcome.TARGET, title="t",
+                         trigger_count=1, external_hit_calls=1, requests=3, seconds=1.0, offload_load_jobs=loads)
+    assert report.offload_loads_text(result(None)) == "unknown"
+    assert report.offload_loads_text(result(0)) == "0"
+    from kvrepro.metrics import parse_prometheus, total_or_none
+
+    assert total_or_none(parse_prometheus(""), "kvrepro_offload_load_jobs_total") is None
+
+
+def test_latest_hint_lists_runs_only(tmp_path):
+    from kvrepro import results
+
+    (tmp_path / "README.md").write_text("about results\n")
+    run = results.create_run(tmp_path, "builds: {A: []}\n", {"build_order": []})
+    proc = kvrepro("results", "show", "nope", "--results", str(tmp_path))
+    flat = one_clear_line(proc, 2, f"latest: {run.run_id}")
+    assert "README.md" not in flat
+
+
+def test_a_run_whose_process_vanished_is_aborted(tmp_path):
+    """run.json says running, its owner process is gone: shown as aborted (a real exited pid)."""
+    from kvrepro import lifetime, results
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    folder = results.create_run(tmp_path, "builds: {A: []}\n", {"build_order": ["A"]})
+    folder.update(owner={"pid": str(gone.pid), "host": lifetime.hostname(), "start": "1"})
+    assert results.load_run(tmp_path, folder.run_id).status == "aborted"
+    folder.update(owner=lifetime.owner())  # this process: still running
+    assert results.load_run(tmp_path, folder.run_id).status == "running"
+
+
+def test_die_with_parent_for_real(tmp_path):
+    """A child that asked for the parent-death signal dies when its parent is SIGKILLed."""
+    script = tmp_path / "parent.py"
+    script.write_text(f"""
+import subprocess, sys, time
+sys.path.insert(0, {str(ROOT)!r})
+from kvrepro import lifetime
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], preexec_fn=lifetime.child_hook())
+print(child.pid, flush=True)
+time.sleep(600)
+""")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    assert alive(child)
+    parent.kill()
+    parent.wait()
+    assert wait_until(lambda: not alive(child), 30), "the child outlived its SIGKILLed parent"
+
