@@ -158,7 +158,8 @@ class RichProgress:
 
 def _run_line(result: RunResult) -> str:
     return (f"build {result.build} rep {result.rep}: {result.label}  trigger={result.trigger_count} "
-            f"state={result.state_count} requests={result.requests} {result.seconds:.1f}s  {result.title}")
+            f"state={result.state_count} kv={result.kv_check} requests={result.requests} {result.seconds:.1f}s  "
+            f"{result.title}")
 
 
 class PlainProgress:
@@ -415,7 +416,8 @@ def results_compare(before: str = typer.Argument(..., help="the earlier run (id,
 def classify_cmd(
     log: Path = typer.Argument(..., help="an engine log (engine.log, `docker logs` output, vllm serve output)"),
     source: Optional[Path] = typer.Option(None, "--source", help="a folder holding the build's vllm/ sources"),
-    matrix: Optional[Path] = typer.Option(None, "--matrix", "-m", help="take target_signature from this matrix"),
+    matrix: Optional[Path] = typer.Option(None, "--matrix", "-m",
+                                          help="take target_signature from this matrix (default: the shipped matrix.yaml's)"),
     as_json: bool = JsonOpt,
 ) -> None:
     """Find the fatal traceback in an engine log and name its crash signature."""
@@ -426,7 +428,9 @@ def classify_cmd(
                             "(results/<run>/<build>/<rep>/engine.log)")
     if not log.is_file():
         raise BadInputError(f"{log}: no such file; give an engine log (engine.log, `docker logs` output)")
-    target = _load(matrix).matrix.target_signature if matrix else None
+    from .spec import default_target_signature
+
+    target = _load(matrix).matrix.target_signature if matrix else default_target_signature()
     result = classify_file(log, source, target)
     if as_json:
         _emit_json(result.to_json())

@@ -22,7 +22,7 @@ class Verdict(str, enum.Enum):
 
     CRASH = "CRASH"  # the engine died; `outcome` says whether on the target signature
     CORRUPT = "CORRUPT"  # the engine lived but the shadow KV check caught stale/missing/misplaced KV
-    SURVIVED = "SURVIVED"  # the whole budget ran AND the trigger path ran (trigger_count > 0)
+    SURVIVED = "SURVIVED"  # the whole budget ran AND the bug's state occurred (state_count > 0)
     UNREACHED = "UNREACHED"  # the both-hit path ran but the bug's state never occurred
     VACUOUS = "VACUOUS"  # the whole budget ran but the trigger path never ran: proves nothing
     STALL = "STALL"  # the engine stopped making progress without dying
@@ -163,6 +163,23 @@ class Exposure:
     external_hit_calls: int = 0
     probe_source_sha256: str | None = None
     probe_seen: bool = False
+    # trigger calls in which the bug's own state was there (a non-null, unhashed block below the
+    # local boundary in some group), and per kind of group how many calls it was in that kind
+    state_calls: int = 0
+    state_groups: dict[str, int] = field(default_factory=dict)
+    # the sim engine's shadow KV: contexts checked, violations (silent KV corruption), the first
+    kv_checks: int = 0
+    kv_violations: int = 0
+    kv_violations_by: dict[str, int] = field(default_factory=dict)  # group kind[+offload] -> violations
+    kv_first_violation: str | None = None
+    shadow_seen: bool = False
+
+    @property
+    def kv_check(self) -> str:
+        """``"corrupt"``, ``"ok"`` or ``"off"`` (no shadow KV ran: docker, or a real GPU)."""
+        if self.kv_violations:
+            return "corrupt"
+        return "ok" if self.shadow_seen and self.kv_checks else "off"
 
 
 @dataclass(frozen=True)
@@ -221,6 +238,14 @@ class RunResult:
     state_count: int = 0
     state_groups: dict[str, int] = field(default_factory=dict)
     kv_check: str = "off"
+    # the shadow KV's numbers: contexts checked, violations (once per request, group and block),
+    # violations by kind of group ("+offload" when the request had an offload hit), the first one
+    kv_checks: int = 0
+    kv_violations: int = 0
+    kv_violations_by: dict[str, int] = field(default_factory=dict)
+    kv_first_violation: str | None = None
+    # what the probe had to log as the wrapped method's hash (the build manifest's); None: unknown
+    probe_expected_sha256: str | None = None
     load: LoadSummary | None = None
     engine_exit: int | None = None
     probe_seen: bool = False

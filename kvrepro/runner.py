@@ -34,6 +34,12 @@ from .records import (BuildArtifact, BuildPlan, BuildRecord, Classification, Exp
 from .secrets import redact
 from .spec import LoadedMatrix
 from .verdict import decide, died_without_traceback_title
+from .verdict import title as verdict_title
+
+
+# how long a finished run's engine keeps running so its last counts reach the log
+# (kvrepro/engine/executor.py writes them every FLUSH_INTERVAL_S = 0.5 s)
+COUNTS_SETTLE_S = 1.0
 
 
 class Progress(Protocol):
@@ -193,6 +199,10 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
         metrics_text = _fetch_metrics(handle)
         if metrics_text is not None:
             results.write_atomic(run_dir / "metrics.txt", metrics_text)
+        if engine_exit is None and not stop.is_set():
+            # the engine writes its counters (probe, shadow KV, offload jobs) to its log every
+            # 0.5 s; a stop may kill EngineCore before it writes them once more
+            time.sleep(COUNTS_SETTLE_S)
     finally:
         handle.stop()
     seconds = time.monotonic() - started
@@ -202,22 +212,24 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     classification: Classification = classify_log(log_text, source_root, matrix.target_signature)
     exposure: Exposure = read_exposure(log_text, metrics_text)
     counters = read_engine_counters(log_text)
-    verdict = decide(classification, exposure, load, engine_exit)
-    title = classification.title
+    expected_sha = artifact.manifest.get("probe_target_sha256")
+    verdict = decide(classification, exposure, load, engine_exit, expected_sha)
+    title = verdict_title(verdict, exposure, load, expected_sha) or classification.title
     if verdict is Verdict.CRASH and classification.outcome is Outcome.NONE:
         title = died_without_traceback_title(engine_exit)
     elif verdict is Verdict.STALL:
         title = f"no request finished for {matrix.runs.stall_timeout_s:.0f}s (runs.stall_timeout_s)"
-    elif verdict is Verdict.VACUOUS:
-        title = "budget spent but the trigger path never ran: proves nothing"
     samples = parse_prometheus(metrics_text or "")
     return RunResult(
         build=plan.name, rep=rep, verdict=verdict, outcome=classification.outcome, title=title,
         trigger_count=exposure.trigger_calls, external_hit_calls=exposure.external_hit_calls,
         requests=load.requests_sent if load else 0, seconds=round(seconds, 3),
+        state_count=exposure.state_calls, state_groups=dict(exposure.state_groups), kv_check=exposure.kv_check,
         signature=classification.signature, run_dir=str(run_dir), base=plan.base,
         load=load, engine_exit=engine_exit, probe_seen=exposure.probe_seen,
-        probe_source_sha256=exposure.probe_source_sha256,
+        probe_source_sha256=exposure.probe_source_sha256, probe_expected_sha256=expected_sha,
+        kv_checks=exposure.kv_checks, kv_violations=exposure.kv_violations,
+        kv_violations_by=dict(exposure.kv_violations_by), kv_first_violation=exposure.kv_first_violation,
         offload_load_jobs=counters.offload_load_jobs, offload_store_jobs=counters.offload_store_jobs,
         engine_steps=counters.steps, engine_start_s=engine_start_s,
         external_prefix_cache_hits=int(total(samples, "vllm:external_prefix_cache_hits_total")),

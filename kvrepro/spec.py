@@ -19,7 +19,7 @@ from .errors import SpecError
 from .records import BuildPlan, PatchRef, cell_name
 from .versions import DEFAULT_BASE
 
-EXPECTABLE = ("CRASH(target)", "CRASH(other)", "SURVIVED", "VACUOUS", "STALL", "INFRA")
+EXPECTABLE = ("CRASH(target)", "CRASH(other)", "CORRUPT", "SURVIVED", "UNREACHED", "VACUOUS", "STALL", "INFRA")
 SHIPPED_MODELS = Path(__file__).resolve().parent / "data" / "models"
 _VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?([.+-]?[A-Za-z0-9.]+)?$")
 
@@ -578,3 +578,18 @@ def load_matrix(path: str | Path) -> LoadedMatrix:
         raise SpecError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
                         "save the file as UTF-8") from None
     return parse_matrix(text, path.resolve())
+
+
+# the experiment kvrepro ships; `kvrepro classify LOG` without --matrix judges logs against its target
+DEFAULT_MATRIX = Path(__file__).resolve().parent.parent / "matrix.yaml"
+_DEFAULT_EXPRESSION = "num_locally_computed_tokens <= num_locally_computed_gpu_blocks * tokens_per_block"
+
+
+def default_target_signature() -> TargetSignature:
+    """The default matrix's target signature, expression included, so that another assertion in
+    the same function is not taken for the target. Falls back to the same values when the package
+    is installed without its matrix.yaml."""
+    try:
+        return load_matrix(DEFAULT_MATRIX).matrix.target_signature
+    except SpecError:
+        return TargetSignature(expression=_DEFAULT_EXPRESSION)

@@ -1,21 +1,47 @@
 """From what was observed in one run to what it proves.
 
-The rule that matters: a run that finishes its budget only counts as SURVIVED when the probe saw
-the trigger path run (a request with both a local prefix hit and an offload hit). A clean run
-that never exercised the path is VACUOUS: it proves nothing about the fix.
+The rules that matter:
+
+* a run that finishes its budget only counts as SURVIVED when the bug's own state occurred (the
+  probe's ``state_calls``: a group holding a real, unhashed block below the local boundary in a
+  call with both a local prefix hit and an offload hit) and the code handled it. When the trigger
+  path ran but the state never did, the run is UNREACHED (on that code and load the crash's
+  precondition may be unreachable: a different claim from "fixed"); when the trigger path never
+  ran it is VACUOUS;
+* a run in which the shadow KV caught a forward reading wrong KV is CORRUPT, whatever the load
+  says: silent corruption ranks with a crash;
+* a run in which more than ``MAX_FAILED_SHARE`` of the requests failed while the engine stayed up
+  (refused prompts, HTTP errors) did not test the engine under the intended load: INFRA;
+* a probe that logs another source hash than the build holds means other code ran: INFRA.
 """
 
 from __future__ import annotations
 
 from .records import Classification, Exposure, LoadSummary, Outcome, Verdict
 
+# share of requests that may fail, with the engine alive, in a run that still counts
+MAX_FAILED_SHARE = 0.05
+
+
+def wrong_code(exposure: Exposure, expected_probe_sha256: str | None) -> bool:
+    """The probe logged a hash of the wrapped method that differs from the build's."""
+    return bool(expected_probe_sha256 and exposure.probe_source_sha256
+                and exposure.probe_source_sha256 != expected_probe_sha256)
+
+
+def too_many_failed(load: LoadSummary) -> bool:
+    return load.requests_failed > MAX_FAILED_SHARE * max(1, load.requests_sent)
+
 
 def decide(classification: Classification, exposure: Exposure, load: LoadSummary | None,
-           engine_exit: int | None) -> Verdict:
+           engine_exit: int | None, expected_probe_sha256: str | None = None) -> Verdict:
     """The run's verdict.
 
-    ``engine_exit`` is the engine's exit code when it exited before we stopped it, else None.
+    ``engine_exit`` is the engine's exit code when it exited before we stopped it, else None;
+    ``expected_probe_sha256`` what the build's manifest says the probe must log (None: unknown).
     """
+    if wrong_code(exposure, expected_probe_sha256):
+        return Verdict.INFRA
     if classification.outcome in (Outcome.TARGET, Outcome.OTHER_CRASH):
         return Verdict.CRASH
     if classification.outcome is Outcome.INFRA:
@@ -27,11 +53,33 @@ def decide(classification: Classification, exposure: Exposure, load: LoadSummary
     if load.stopped_because == "engine_dead" or engine_exit is not None:
         # died without a fatal traceback in its log (killed, OOM, segfault): still a crash
         return Verdict.CRASH
+    if exposure.kv_violations:
+        return Verdict.CORRUPT
     if load.stopped_because == "stall":
         return Verdict.STALL
-    if load.requests_ok == 0:
+    if load.requests_ok == 0 or too_many_failed(load):
         return Verdict.INFRA
-    return Verdict.SURVIVED if exposure.trigger_calls > 0 else Verdict.VACUOUS
+    if exposure.state_calls > 0:
+        return Verdict.SURVIVED
+    return Verdict.UNREACHED if exposure.trigger_calls > 0 else Verdict.VACUOUS
+
+
+def title(verdict: Verdict, exposure: Exposure, load: LoadSummary | None,
+          expected_probe_sha256: str | None = None) -> str | None:
+    """The words for a verdict that no traceback names (None: keep the classifier's title)."""
+    if verdict is Verdict.INFRA and wrong_code(exposure, expected_probe_sha256):
+        return (f"wrong code ran: the probe hashed update_state_after_alloc as "
+                f"{exposure.probe_source_sha256[:12]}, the build holds {expected_probe_sha256[:12]}")
+    if verdict is Verdict.CORRUPT:
+        return f"silent KV corruption: {exposure.kv_first_violation or 'see kvrepro-shadow lines in engine.log'}"
+    if verdict is Verdict.INFRA and load is not None and load.requests_ok and too_many_failed(load):
+        return (f"{load.requests_failed} of {load.requests_sent} requests failed with the engine up (more than "
+                f"{MAX_FAILED_SHARE:.0%}): the load did not test the engine; see load.jsonl")
+    if verdict is Verdict.UNREACHED:
+        return "trigger path ran but the bug's state never occurred: the fix was not exercised"
+    if verdict is Verdict.VACUOUS:
+        return "budget spent but the trigger path never ran: proves nothing"
+    return None
 
 
 def died_without_traceback_title(engine_exit: int | None) -> str:

@@ -81,8 +81,13 @@ def main() -> int:
     rows = []
     for name, build in run["builds"].items():
         for r in build["runs"]:
+            kv_violations = None
+            if r.get("run_dir") and (Path(r["run_dir"]) / "verdict.json").is_file():
+                kv_violations = json.loads((Path(r["run_dir"]) / "verdict.json").read_text()).get("kv_violations")
             rows.append({"release": r.get("base") or build.get("base"), "verdict": r["verdict"],
                          "outcome": r["outcome"], "trigger_count": r["trigger_count"],
+                         "state_count": r.get("state_count"), "state_groups": r.get("state_groups"),
+                         "kv_check": r.get("kv_check"), "kv_violations": kv_violations,
                          "requests": r["requests"], "offload_load_jobs": r.get("offload_load_jobs"),
                          "seconds": r["seconds"], "title": r["title"]})
     home = paths.home()
@@ -102,12 +107,14 @@ def main() -> int:
         print(json.dumps({"run_id": run["run_id"], "rows": rows, "disk": disk, "home": str(home)}, indent=2))
         return 0
     print(f"run {run['run_id']} ({run['path']})")
-    print(f"{'release':<9} {'verdict':<15} {'trigger':>7} {'requests':>8} {'loads':>6} {'seconds':>8}  title")
+    print(f"{'release':<9} {'verdict':<15} {'trigger':>7} {'state':>6} {'kv':>8} {'viol.':>6} {'requests':>8} "
+          f"{'loads':>6} {'seconds':>8}  title")
     for row in rows:
         verdict = row["verdict"] + (f"({row['outcome'].replace('_crash', '')})" if row["verdict"] == "CRASH" else "")
         loads = "?" if row["offload_load_jobs"] is None else row["offload_load_jobs"]
-        print(f"{row['release']:<9} {verdict:<15} {row['trigger_count']:>7} {row['requests']:>8} {loads:>6} "
-              f"{row['seconds']:>8.1f}  {row['title'][:90]}")
+        print(f"{row['release']:<9} {verdict:<15} {row['trigger_count']:>7} {row['state_count'] or 0:>6} "
+              f"{row['kv_check'] or '-':>8} {row['kv_violations'] if row['kv_violations'] is not None else '-':>6} "
+              f"{row['requests']:>8} {loads:>6} {row['seconds']:>8.1f}  {row['title'][:70]}")
     gib = 1024 ** 3
     print(f"disk under {home}: wheels {disk['wheels'] / gib:.1f} GiB, extracted trees "
           f"{disk['pristine_trees'] / gib:.1f} GiB, {len(disk['envs'])} runtime env(s) "

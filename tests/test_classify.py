@@ -8,6 +8,7 @@ engine: the logs are the input.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -490,3 +491,75 @@ def test_probe_counts_of_unprefixed_processes_are_kept_apart_by_pid():
            "kvrepro-probe: counts external_hit_calls=0 trigger_calls=0 pid=10\n")
     exposure = read_exposure(log)
     assert (exposure.external_hit_calls, exposure.trigger_calls) == (520, 52)
+
+
+# --------------------------------------------------------------------------- evidence: state + shadow KV
+
+def test_exposure_reads_the_bugs_state_and_the_shadow_kv():
+    log = "\n".join([
+        INSTALLED,
+        "kvrepro-probe: counts external_hit_calls=3 trigger_calls=1 state_calls=0 state_groups=- pid=12",
+        "kvrepro-shadow: installed groups=0:mamba/16,1:full_attention/16",
+        "kvrepro-shadow: violation step=9 request r1 group 1 (full_attention) block index 5: missing",
+        "kvrepro-shadow: violation step=12 request r2 group 0 (mamba) block index 2: null block",
+        "kvrepro-shadow: counts checks=40 violations=2 by=full_attention:1,mamba+offload:1",
+        "kvrepro-probe: counts external_hit_calls=9 trigger_calls=4 state_calls=3 state_groups=full_attention:3,mamba:1 "
+        "pid=12",
+    ])
+    exp = read_exposure(log)
+    assert (exp.trigger_calls, exp.state_calls, exp.state_groups) == (4, 3, {"full_attention": 3, "mamba": 1})
+    assert (exp.kv_checks, exp.kv_violations, exp.kv_check) == (40, 2, "corrupt")
+    assert exp.kv_violations_by == {"full_attention": 1, "mamba+offload": 1}
+    assert exp.kv_first_violation == "step=9 request r1 group 1 (full_attention) block index 5: missing"
+    # an older probe's line (no state fields) still reads, as no state evidence
+    old = read_exposure(f"{INSTALLED}\nkvrepro-probe: counts external_hit_calls=2 trigger_calls=1\n")
+    assert (old.trigger_calls, old.state_calls, old.state_groups, old.kv_check) == (1, 0, {}, "off")
+
+
+# --------------------------------------------------------------------------- honest verdicts
+
+OTHER_ASSERT_IN_TARGET_FUNCTION = "\n".join([
+    "INFO:     Application startup complete.",
+    "ERROR 11-29 10:00:07 [core.py:1000] EngineCore encountered a fatal error.",
+    "ERROR 11-29 10:00:07 [core.py:1000] Traceback (most recent call last):",
+    f'ERROR 11-29 10:00:07 [core.py:1000]   File "/x/{SCHED}", line 807, in update_state_after_alloc',
+    "ERROR 11-29 10:00:07 [core.py:1000]     assert len(group_blocks) >= num_gpu_blocks",
+    "ERROR 11-29 10:00:07 [core.py:1000] AssertionError",
+])
+
+
+def test_classify_cli_without_matrix_uses_the_default_target_expression(tmp_path):
+    """Another assertion in update_state_after_alloc is not the target, with or without --matrix."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "engine.log"
+    log.write_text(OTHER_ASSERT_IN_TARGET_FUNCTION + "\n")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "kvrepro.cli", "classify", str(log), "--json"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout)
+    assert got["outcome"] == "other_crash", got
+    assert got["signature"]["expression"] == "len(group_blocks) >= num_gpu_blocks"
+    from kvrepro.spec import default_target_signature, load_matrix
+
+    assert default_target_signature() == load_matrix(root / "matrix.yaml").matrix.target_signature
+    assert default_target_signature().expression
+
+
+def test_engine_that_served_then_died_without_cause_is_a_crash_of_unknown_cause():
+    """A log cut at its start (no 'Application startup complete.') that shows answered requests
+    and then the engine's death without a traceback: not 'engine did not start'."""
+    log = "\n".join([
+        'INFO:     127.0.0.1:5000 - "POST /v1/completions HTTP/1.1" 200 OK',
+        "INFO 11-29 10:01:00 [loggers.py:100] Engine 000: Avg prompt throughput: 1200.0 tokens/s",
+        'INFO:     127.0.0.1:5001 - "POST /v1/completions HTTP/1.1" 200 OK',
+        "ERROR 11-29 10:09:00 [core_client.py:600] Engine core proc EngineCore_DP0 died unexpectedly, shutting down client.",
+    ])
+    result = classify_log(log)
+    assert result.outcome is Outcome.OTHER_CRASH
+    assert result.title.startswith("crash of unknown cause: the engine served, then died with no root cause")
+    # the same death line in a log of an engine that never served stays a failed start
+    never = classify_log(log.split("\n")[-1] + "\n")
+    assert never.outcome is Outcome.INFRA and never.title.startswith("engine did not start")

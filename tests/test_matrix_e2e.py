@@ -21,7 +21,9 @@ def kvrepro(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
                           timeout=900)
 
 
-def test_builds_a_and_d_give_target_crash_and_evidenced_survival(tmp_path, overlays):
+def test_builds_a_and_d_give_target_crash_and_silent_corruption(tmp_path, overlays):
+    """A dies on the target assertion; D (both fixes) serves every request, the bug's state occurs
+    in it (in the full-attention group), and the shadow KV catches forwards reading wrong KV."""
     proc = kvrepro("matrix", "run", "--build", "A", "--build", "D", "--reps", "1", "--json",
                    "--results", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -31,8 +33,12 @@ def test_builds_a_and_d_give_target_crash_and_evidenced_survival(tmp_path, overl
     assert a["verdict"] == "CRASH" and a["outcome"] == "target", a
     assert a["title"].startswith("AssertionError in update_state_after_alloc: num_locally_computed_tokens <=")
     assert a["trigger_count"] > 0  # the crashing call itself is counted
-    assert d["verdict"] == "SURVIVED", d
-    assert d["trigger_count"] > 0
+    assert a["state_count"] >= 1 and set(a["state_groups"]) == {"full_attention"}, a  # ... in its state
+    assert d["verdict"] == "CORRUPT" and d["kv_check"] == "corrupt", d
+    assert d["title"].startswith("silent KV corruption: step="), d["title"]
+    assert d["trigger_count"] > 0 and d["state_count"] > 0, d
+    assert set(d["state_groups"]) == {"full_attention"}, d
+    assert d["requests"] == 600  # it did not crash: the whole budget was served
     assert d["offload_load_jobs"] > 0  # the fixed build still loads from the offload
 
     run_dir = Path(d["run_dir"])
@@ -73,3 +79,30 @@ def test_a_hunk_that_does_not_apply_fails_only_its_build(tmp_path, matrix_copy, 
     assert x["runs"][0]["verdict"] == "INFRA"
     assert "patch broken" in x["build_error"] and "scheduler.py" in x["build_error"] and "hunk #" in x["build_error"]
     assert run["builds"]["A"]["runs"][0]["verdict"] == "CRASH"
+
+
+def test_a_run_whose_prompts_are_mostly_refused_is_not_survived(tmp_path, matrix_copy, overlays):
+    """Measured before: engine.max_model_len 100 made build A SURVIVED although 498 of its 600
+    requests were refused (HTTP 400, engine alive). The load then did not test the engine: INFRA.
+    (Attention-only geometry, so that neither the target crash nor 0.26.0's hybrid-hit corruption
+    can decide the run first.)"""
+    spec = yaml.safe_load(matrix_copy.read_text())
+    spec["engine"].update(max_model_len=100, mamba_cache_mode="none",
+                          model=str(ROOT / "tests" / "data" / "models" / "qwen3-next-attention-only"))
+    spec["runs"]["requests"] = 60
+    # the shared-prefix profile draws prompts up to 439 tokens whatever the engine takes
+    # (the default partial-prefix profile fits its prompts to max_model_len)
+    spec["load"] = {"profile": "shared_prefix", "concurrency": 4, "documents": 6, "document_tokens": 400,
+                    "suffix_tokens": [0, 39], "max_tokens": 8, "seed": 0}
+    spec["builds"] = {"A": []}
+    spec["expect"] = {}
+    matrix_copy.write_text(yaml.safe_dump(spec))
+    proc = kvrepro("matrix", "run", "-m", str(matrix_copy), "--reps", "1", "--json", "--results", str(tmp_path / "r"))
+    assert proc.returncode == 3, proc.stderr[-3000:]  # INFRA
+    a = json.loads(proc.stdout)["builds"]["A"]["runs"][0]
+    lines = [json.loads(line) for line in (Path(a["run_dir"]) / "load.jsonl").read_text().splitlines()]
+    refused = sum(1 for line in lines if not line["ok"])
+    assert refused > 0.05 * len(lines) and refused < len(lines)  # some served, most refused
+    assert a["verdict"] == "INFRA", a
+    assert a["title"] == (f"{refused} of {a['requests']} requests failed with the engine up (more than 5%): "
+                          "the load did not test the engine; see load.jsonl")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -37,9 +38,14 @@ def vllm_tree(runtime_python, overlays) -> tuple[str, Path]:
     return str(runtime_python), root
 
 
-def run_py(python: str, code: str, path: list[Path], timeout: float = 120) -> subprocess.CompletedProcess:
+def run_py(python: str, code: str, path: list[Path], timeout: float = 120,
+           plugins: bool = True) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = os.pathsep.join(str(p) for p in path)
+    if not plugins:
+        # an overlay carries kvrepro's vLLM plugin, which activates the probe as vLLM loads plugins;
+        # VLLM_PLUGINS naming no installed plugin keeps vLLM from loading it
+        env["VLLM_PLUGINS"] = "kvrepro-test-no-plugin"
     return subprocess.run([python, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -101,12 +107,14 @@ def test_counts_external_hits_and_triggers_and_keeps_behaviour(vllm_tree, tmp_pa
     counts = [r["counts"] for r in data["results"]]
     # (0,0) and (32,0): no offload hit -> nothing counted; (0,16): hit without local prefix;
     # (32,16) and (16,48): hit with a local prefix -> trigger.
+    # (blocks=None: no group layout to read, so the bug's state is never counted)
+    none = {"state_calls": 0, "state_groups": {}}
     assert counts == [
-        {"external_hit_calls": 0, "trigger_calls": 0},
-        {"external_hit_calls": 0, "trigger_calls": 0},
-        {"external_hit_calls": 1, "trigger_calls": 0},
-        {"external_hit_calls": 2, "trigger_calls": 1},
-        {"external_hit_calls": 3, "trigger_calls": 2},
+        {"external_hit_calls": 0, "trigger_calls": 0, **none},
+        {"external_hit_calls": 0, "trigger_calls": 0, **none},
+        {"external_hit_calls": 1, "trigger_calls": 0, **none},
+        {"external_hit_calls": 2, "trigger_calls": 1, **none},
+        {"external_hit_calls": 3, "trigger_calls": 2, **none},
     ]
     for r in data["results"]:
         assert r["got"] == r["want"], r
@@ -119,7 +127,67 @@ def test_counts_external_hits_and_triggers_and_keeps_behaviour(vllm_tree, tmp_pa
     assert "kvrepro-probe: counts external_hit_calls=2 trigger_calls=1" in proc.stderr
     assert "kvrepro-probe: counts external_hit_calls=3 trigger_calls=2" in proc.stderr
     # ... and at exit.
-    assert proc.stderr.rstrip().splitlines()[-1] == "kvrepro-probe: counts external_hit_calls=3 trigger_calls=2"
+    assert re.fullmatch(r"kvrepro-probe: counts external_hit_calls=3 trigger_calls=2 state_calls=0 state_groups=- "
+                        r"pid=\d+", proc.stderr.rstrip().splitlines()[-1])
+
+
+# The bug's state: real KVCacheBlock / KVCacheBlocks from vLLM; the connector config is a stand-in
+# carrying what update_state_after_alloc reads of it (per group: tokens_per_block, the spec kind).
+STATE_CALLS = """
+import json, types
+import kvrepro_probe
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler as mod
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+def group(i, kind):
+    spec = types.SimpleNamespace(kv_cache_spec_kind=kind)
+    return types.SimpleNamespace(group_idx=i, tokens_per_block=16, kv_event_group_spec=spec)
+
+def block(i, hashed=True, null=False):
+    b = KVCacheBlock(i)
+    if hashed:
+        b._block_hash = b"h%d" % i
+    b.is_null = null
+    return b
+
+config = types.SimpleNamespace(kv_group_configs=(group(0, "full_attention"), group(1, "mamba")))
+def call(local, fa, mamba):
+    status = types.SimpleNamespace(num_locally_computed_tokens=local)
+    self_ = types.SimpleNamespace(_req_status={"r": status}, config=config)
+    try:
+        mod.OffloadingConnectorScheduler.update_state_after_alloc(
+            self_, types.SimpleNamespace(request_id="r"), KVCacheBlocks((fa, mamba)), 16)
+    except Exception:
+        pass  # the stand-in scheduler lacks what the rest of the method needs
+    return kvrepro_probe.counts()
+
+out = []
+# local hit of 32 tokens = 2 blocks per group; everything below the boundary hashed: no state
+out.append(call(32, [block(1), block(2), block(3, False)], [block(0, False, True), block(4), block(5, False)]))
+# a real, unhashed full-attention block below the boundary: the state, in full attention
+out.append(call(32, [block(1), block(6, False), block(7, False)], [block(0, False, True), block(8), block(9, False)]))
+# the boundary is cdiv(local, 16): 17 tokens reach into block 1; the unhashed one there counts
+out.append(call(17, [block(1), block(10, False)], [block(0, False, True), block(11, False)]))
+# unhashed blocks above the boundary or null ones below it are not the state
+out.append(call(16, [block(1), block(12, False)], [block(0, False, True), block(13, False)]))
+print("RESULTS " + json.dumps(out))
+"""
+
+
+def test_counts_the_bugs_state_and_its_group_kind(vllm_tree, tmp_path):
+    python, tree = vllm_tree
+    proc = run_py(python, STATE_CALLS, [probe_dir(tmp_path), tree])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULTS "))[8:])
+    assert [(c["trigger_calls"], c["state_calls"], c["state_groups"]) for c in counts] == [
+        (1, 0, {}),
+        (2, 1, {"full_attention": 1}),
+        (3, 2, {"full_attention": 2, "mamba": 1}),
+        (4, 2, {"full_attention": 2, "mamba": 1}),
+    ]
+    assert ("kvrepro-probe: counts external_hit_calls=4 trigger_calls=4 state_calls=2 "
+            "state_groups=full_attention:2,mamba:1") in proc.stderr
 
 
 def test_installed_line_names_file_and_source_hash(vllm_tree, tmp_path):
@@ -153,7 +221,7 @@ def test_wraps_at_once_when_vllm_was_imported_first(vllm_tree, tmp_path):
         kvrepro_probe.install()  # idempotent: no second wrapper
         inner = mod.OffloadingConnectorScheduler.update_state_after_alloc.__wrapped__
         print("STATE", before, after, getattr(inner, "__kvrepro_probe__", False))
-    """, [probe_dir(tmp_path), tree])
+    """, [probe_dir(tmp_path), tree], plugins=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "STATE False True False" in proc.stdout
     assert proc.stderr.count("kvrepro-probe: installed ") == 1

@@ -7,6 +7,7 @@ the pristine extraction, so a build costs a few megabytes and well under a secon
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -23,6 +24,10 @@ from . import patching, wheel as wheels
 
 PROBE_SOURCE = paths.PACKAGE_ROOT / "probe" / "kvrepro_probe.py"
 OVERLAY_FORMAT = 2  # 2: vllm and kvrepro_sim dist-info folders (vLLM's own `vllm serve`)
+# what the probe wraps (kvrepro_probe.TARGET_*; not imported: importing the probe installs it)
+PROBE_TARGET_FILE = "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
+PROBE_TARGET_CLASS = "OffloadingConnectorScheduler"
+PROBE_TARGET_METHOD = "update_state_after_alloc"
 
 
 def _sha256(path: Path) -> str:
@@ -36,6 +41,30 @@ def tree_sha256(root: Path) -> str:
         digest.update(path.relative_to(root).as_posix().encode() + b"\0")
         digest.update(_sha256(path).encode())
     return digest.hexdigest()
+
+
+def probe_target_sha256(root: Path) -> str | None:
+    """The sha256 the probe will log for this tree's wrapped method, computed from the file.
+
+    The probe hashes ``inspect.getsource(method)``: the method's lines from its first decorator
+    (or ``def``) to the end of its last statement, as written. ``ast`` gives the same span
+    (``lineno`` of the first decorator, ``end_lineno``), so a run whose probe logs another hash
+    ran other code than this build holds. None when the file or the method is not there.
+    """
+    path = root / PROBE_TARGET_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+        tree = ast.parse(text)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == PROBE_TARGET_CLASS:
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == PROBE_TARGET_METHOD:
+                    start = min([item.lineno] + [d.lineno for d in item.decorator_list])
+                    lines = text.splitlines(keepends=True)[start - 1:item.end_lineno]
+                    return hashlib.sha256("".join(lines).encode()).hexdigest()
+    return None
 
 
 def pristine_tree(version: str, on_line: Callable[[str], None] | None = None) -> tuple[Path, Path, str]:
@@ -105,8 +134,10 @@ def build_overlay(plan: BuildPlan, on_line: Callable[[str], None] | None = None)
     dest = paths.overlays_dir() / key
     manifest_path = dest / "manifest.json"
     if manifest_path.exists():
-        return BuildArtifact(plan=plan, ref=str(dest), manifest=json.loads(manifest_path.read_text()),
-                             reused=True, source_root=str(dest))
+        manifest = json.loads(manifest_path.read_text())
+        if "probe_target_sha256" not in manifest:  # an overlay made before the field existed
+            manifest["probe_target_sha256"] = probe_target_sha256(dest)
+        return BuildArtifact(plan=plan, ref=str(dest), manifest=manifest, reused=True, source_root=str(dest))
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{key}-"))
@@ -128,6 +159,8 @@ def build_overlay(plan: BuildPlan, on_line: Callable[[str], None] | None = None)
             "wheel_sha256": wheel_digest,
             "patches": [{"name": p.name, "upstream": p.upstream, "sha256": p.sha256} for p in plan.patches],
             "probe_sha256": _sha256(PROBE_SOURCE),
+            # what the probe must log as source_sha256 when this build's code runs
+            "probe_target_sha256": probe_target_sha256(tmp),
             "overlay_key": key,
             "overlay_sha256": tree_sha256(tmp),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

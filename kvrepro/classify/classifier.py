@@ -22,7 +22,10 @@ crash of the code under test, which had stopped serving by then.
 
 Any of 3-5 that happens before the server logged ``Application startup complete.`` (uvicorn's
 line, which vLLM's API server and kvrepro's engine both print once serving) means the engine never
-got going: infra. So do argparse errors (``vllm serve: error: ...``) before that point, and,
+got going: infra. A log whose start was cut off (``docker logs --tail``, a rotated file) may lack
+that line: a request answered with 200, or vLLM's throughput line, proves the engine was up just
+as well, and an engine that served and then died with no cause in the log is a crash of unknown
+cause, never "did not start". So do argparse errors (``vllm serve: error: ...``) before that point, and,
 when the server never came up at all, an ERROR logged without a traceback.
 
 Titles never carry environment values: they are built from code (the statement) and, where the
@@ -55,10 +58,15 @@ SHUTDOWN_NOISE = frozenset({"KeyboardInterrupt", "SystemExit", "CancelledError",
 IMPORT_ERRORS = frozenset({"ImportError", "ModuleNotFoundError"})
 _SYNTAX_ERRORS = frozenset({"SyntaxError", "IndentationError", "TabError"})
 _ARG_ERROR = re.compile(r"(?:vllm|[\w.-]+(?: serve)?): error: (?P<msg>.+)$")
+# the engine was serving: an answered request (uvicorn's access log) or vLLM's periodic stats
+_SERVED = re.compile(r'"(?:POST|GET) /v1/[^"]*" 200\b|Avg prompt throughput:')
+# the engine died, said without a traceback
+_DIED = re.compile(r"EngineDeadError|Engine ?core\b.*\bdied|died unexpectedly|EngineCore encountered an issue")
 # a raw line must contain one of these to matter while no traceback is being read; checking
 # substrings first keeps a 100 MB log of request lines cheap
 _KEYWORDS = (TRACEBACK_START[:15], FATAL_MARKER[:21], FAILED_START_MARKER[:18], STARTUP_COMPLETE, ": error: ",
-             "ERROR ", "CRITICAL ", *SHUTDOWN_MARKERS)
+             "ERROR ", "CRITICAL ", *SHUTDOWN_MARKERS, '" 200', "throughput:", "died", "EngineDead",
+             "EngineCore encountered")
 _TITLE_MAX = 240
 _SECRET = re.compile(
     r"(?i)(hf_[A-Za-z0-9]{6,}|ghp_[A-Za-z0-9]{6,}|sk-[A-Za-z0-9_-]{6,}"
@@ -81,6 +89,7 @@ class _Evidence:
         self.shutdown_line: int | None = None  # where an orderly stop began
         self.arg_error: tuple[int, str] | None = None
         self.last_error_line: str | None = None  # last ERROR/CRITICAL record before startup
+        self.death_line: str | None = None  # first line saying the engine died (no traceback needed)
 
     def add(self, tb: Traceback) -> None:
         if tb.marker == FATAL_MARKER:
@@ -131,7 +140,9 @@ def scan(lines: Iterable[str] | str) -> _Evidence:
         if evidence.shutdown_line is None and evidence.startup_line is not None and any(
                 m in body for m in SHUTDOWN_MARKERS):
             evidence.shutdown_line = number
-        if evidence.startup_line is None and STARTUP_COMPLETE in body:
+        if evidence.death_line is None and evidence.shutdown_line is None and _DIED.search(body):
+            evidence.death_line = body.strip()  # after an orderly stop began, "died" is the stop
+        if evidence.startup_line is None and (STARTUP_COMPLETE in body or _SERVED.search(body)):
             evidence.startup_line = number
         elif evidence.startup_line is None:
             if line.level in ("ERROR", "CRITICAL") and body.strip() and not scanner.busy:
@@ -168,6 +179,10 @@ def classify_lines(lines: Iterable[str] | str, source_root: Path | None = None,
         return Classification(cls.outcome, title, cls.signature)
     if ev.arg_error is not None:
         return Classification(Outcome.INFRA, _clip(f"argument error: {_scrub(ev.arg_error[1])}"), None)
+    if ev.startup_line is not None and ev.death_line is not None:
+        return Classification(Outcome.OTHER_CRASH, _clip(
+            f"crash of unknown cause: the engine served, then died with no root cause in the log "
+            f"({_scrub(ev.death_line)})"), None)
     if ev.startup_line is None and ev.last_error_line is not None:
         # an error logged without a traceback (the GPU-free engine reports a bad setup this way
         # and exits) and the server never came up

@@ -5,7 +5,14 @@ A SURVIVED verdict is only worth something if the crash's precondition happened 
 The probe installed in the engine says so on stderr::
 
     kvrepro-probe: installed function=OffloadingConnectorScheduler.update_state_after_alloc file=<path> source_sha256=<64 hex>
-    kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M>
+    kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M> state_calls=<K> state_groups=<kind>:<n>,... pid=<P>
+
+(older probes end the counts line after ``trigger_calls``: no state evidence, read as zero). The
+GPU-free engine's shadow KV (kvrepro/engine/shadow.py) reports what it checked the same way::
+
+    kvrepro-shadow: installed groups=...
+    kvrepro-shadow: violation step=<S> <words>
+    kvrepro-shadow: counts checks=<N> violations=<M> by=<kind>[+offload]:<n>,...
 
 The counts line is repeated with running totals, so the last one of each process counts; when
 several processes print (their lines carry different ``(Name pid=N)`` prefixes, or, from vLLM
@@ -27,7 +34,11 @@ _INSTALLED = re.compile(
     r"kvrepro-probe: installed function=(?P<function>\S+) file=(?P<file>.*?) source_sha256=(?P<sha>[0-9a-f]{64})\b"
 )
 _COUNTS = re.compile(r"kvrepro-probe: counts external_hit_calls=(?P<ext>\d+) trigger_calls=(?P<trig>\d+)\b"
-                     r"(?: pid=(?P<pid>\d+))?")
+                     r"(?: state_calls=(?P<state>\d+) state_groups=(?P<groups>\S+))?(?: pid=(?P<pid>\d+))?")
+_SHADOW_TAG = "kvrepro-shadow:"
+_SHADOW_COUNTS = re.compile(r"kvrepro-shadow: counts checks=(?P<checks>\d+) violations=(?P<violations>\d+)\b"
+                            r"(?: by=(?P<by>\S+))?")
+_SHADOW_VIOLATION = re.compile(r"kvrepro-shadow: violation (?P<text>.*\S)")
 _METRIC = re.compile(
     r"^(?P<name>kvrepro_probe_external_hit_calls_total|kvrepro_probe_trigger_calls_total)(?:\{[^}]*\})?\s+(?P<value>\S+)",
     re.MULTILINE,
@@ -37,23 +48,59 @@ _METRIC = re.compile(
 def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
     """Exposure evidence from an engine log and, optionally, a ``/metrics`` scrape."""
     sha: str | None = None
-    seen = False
-    last: dict[tuple[str, str], tuple[int, int]] = {}  # (stream, pid) -> (external_hit_calls, trigger_calls)
+    seen = shadow_seen = False
+    # (stream, pid) -> last probe counts (external_hit_calls, trigger_calls, state_calls, state_groups)
+    last: dict[tuple[str, str], tuple[int, int, int, dict[str, int]]] = {}
+    shadow: dict[str, tuple[int, int, dict[str, int]]] = {}  # stream -> (checks, violations, by kind)
+    first_violation: str | None = None
     for number, raw in enumerate(io.StringIO(log_text, newline="\n"), start=1):
-        if _TAG not in raw:
+        if _TAG not in raw and _SHADOW_TAG not in raw:
             continue
         line = split_line(number, raw)
         if (m := _INSTALLED.search(line.body)) is not None:
             seen = True
             sha = m["sha"]
         elif (m := _COUNTS.search(line.body)) is not None:
-            last[(line.stream, m["pid"] or "")] = (int(m["ext"]), int(m["trig"]))
-    external = sum(e for e, _ in last.values())
-    trigger = sum(t for _, t in last.values())
+            last[(line.stream, m["pid"] or "")] = (int(m["ext"]), int(m["trig"]), int(m["state"] or 0),
+                                                 _groups(m["groups"]))
+        elif (m := _SHADOW_COUNTS.search(line.body)) is not None:
+            shadow_seen = True
+            shadow[line.stream] = (int(m["checks"]), int(m["violations"]), _groups(m["by"]))
+        elif (m := _SHADOW_VIOLATION.search(line.body)) is not None:
+            shadow_seen = True
+            first_violation = first_violation or m["text"]
+        elif "kvrepro-shadow: installed" in line.body:
+            shadow_seen = True
+    external = sum(v[0] for v in last.values())
+    trigger = sum(v[1] for v in last.values())
+    state = sum(v[2] for v in last.values())
+    state_groups: dict[str, int] = {}
+    for v in last.values():
+        for kind, n in v[3].items():
+            state_groups[kind] = state_groups.get(kind, 0) + n
     if metrics_text:
         m_ext, m_trig = _read_metrics(metrics_text)
         external, trigger = max(external, m_ext), max(trigger, m_trig)
-    return Exposure(trigger_calls=trigger, external_hit_calls=external, probe_source_sha256=sha, probe_seen=seen)
+    violations = sum(v[1] for v in shadow.values())
+    violations_by: dict[str, int] = {}
+    for v in shadow.values():
+        for kind, n in v[2].items():
+            violations_by[kind] = violations_by.get(kind, 0) + n
+    if first_violation is not None:
+        violations = max(violations, 1)  # the counts line may be cut off after the violation line
+    return Exposure(trigger_calls=trigger, external_hit_calls=external, probe_source_sha256=sha, probe_seen=seen,
+                    state_calls=state, state_groups=state_groups, kv_checks=sum(v[0] for v in shadow.values()),
+                    kv_violations=violations, kv_violations_by=violations_by, kv_first_violation=first_violation, shadow_seen=shadow_seen)
+
+
+def _groups(text: str | None) -> dict[str, int]:
+    """``full_attention:3,mamba+offload:1`` (or ``-``) -> {kind: count}."""
+    out: dict[str, int] = {}
+    for item in (text or "").split(","):
+        kind, _, n = item.partition(":")
+        if kind and kind != "-" and n.isdigit():
+            out[kind] = out.get(kind, 0) + int(n)
+    return out
 
 
 def _read_metrics(text: str) -> tuple[int, int]:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import threading
 import time
 import zlib
@@ -49,10 +50,12 @@ from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
 from kvrepro import versions
 
+from . import shadow as shadow_kv
 from .config import SimKnobs
 
 logger = init_logger("vllm.kvrepro_engine.executor")
 COUNTS_INTERVAL_S = 2.0
+FLUSH_INTERVAL_S = 0.5  # the runner waits a little longer than this before stopping an engine
 
 
 
@@ -69,7 +72,8 @@ def _answer(call, arg, non_block: bool):
 class SimTransferWorker(OffloadingWorker):
     """vLLM's OffloadingWorker interface without data movement: a job finishes one step later."""
 
-    def __init__(self) -> None:
+    def __init__(self, shadow: "shadow_kv.ShadowKV | None" = None) -> None:
+        self.shadow = shadow  # shadow KV: copies block contents as the real transfers would
         self._lock = threading.Lock()
         self._submitted: dict[int, str] = {}  # job id -> "load" | "store", this step
         self._done: dict[int, str] = {}  # finished, not yet reported
@@ -82,11 +86,15 @@ class SimTransferWorker(OffloadingWorker):
             self._submitted = {}
 
     def submit_store(self, job_id, src_spec, dst_spec) -> bool:
+        if self.shadow is not None:  # shadow KV (kvrepro/engine/shadow.py)
+            self.shadow.store(job_id, src_spec, dst_spec)
         with self._lock:
             self._submitted[job_id] = "store"
         return True
 
     def submit_load(self, job_id, src_spec, dst_spec) -> bool:
+        if self.shadow is not None:  # shadow KV (kvrepro/engine/shadow.py)
+            self.shadow.load(job_id, src_spec, dst_spec)
         with self._lock:
             self._submitted[job_id] = "load"
         return True
@@ -114,14 +122,19 @@ class SimTransferWorker(OffloadingWorker):
 @dataclass
 class _ReqState:
     key: int  # stable per-request number for token values
-    num_tokens: int  # prompt + output tokens this runner knows of
+    tokens: list[int]  # the request's real tokens: prompt + accepted output (rejected drafts never enter)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
 
 
 class SimRunner:
     """Stands where GPUModelRunner stands: tracks requests, runs the connector, samples."""
 
-    def __init__(self, vllm_config: VllmConfig, knobs: SimKnobs, connector, transfers):
+    def __init__(self, vllm_config: VllmConfig, knobs: SimKnobs, connector, transfers, shadow=None):
         self.vllm_config = vllm_config
+        self.shadow = shadow  # shadow KV: checks each forward's context (kvrepro/engine/shadow.py)
         self.connector = connector
         self.transfers = transfers
         self.vocab_size = max(2, int(vllm_config.model_config.get_vocab_size()))
@@ -144,12 +157,14 @@ class SimRunner:
         for new in so.scheduled_new_reqs:
             if new.req_id not in self.requests:
                 self.requests[new.req_id] = _ReqState(
-                    key=zlib.crc32(new.req_id.encode()), num_tokens=len(new.prompt_token_ids or ())
+                    key=zlib.crc32(new.req_id.encode()), tokens=list(new.prompt_token_ids or ())
                 )
             num_computed[new.req_id] = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
         for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
             num_computed[req_id] = computed
+        if self.shadow is not None:
+            self.shadow.update_requests(so)
         return num_computed
 
     def execute_model(self, so):
@@ -180,6 +195,8 @@ class SimRunner:
             state = self.requests[req_id]
             spec = so.scheduled_spec_decode_tokens.get(req_id) or []
             seq_end = num_computed[req_id] + so.num_scheduled_tokens[req_id] - len(spec)
+            if self.shadow is not None:  # before the forward: is its context really in the KV cache?
+                self.shadow.forward(req_id, num_computed[req_id], so.num_scheduled_tokens[req_id], spec)
             if seq_end < state.num_tokens:
                 sampled.append([])  # a chunk of a longer prefill: nothing is sampled
                 continue
@@ -193,7 +210,9 @@ class SimRunner:
             if accepted < len(spec) and new == spec[accepted]:
                 new = (new + 1) % self.vocab_size  # a rejected draft is replaced by another token
             tokens.append(new)
-            state.num_tokens += len(tokens)
+            state.tokens.extend(tokens)
+            if self.shadow is not None:
+                self.shadow.sampled(req_id, tokens, seq_end)
             sampled.append(tokens)
             if self.num_spec:
                 self._drafts[req_id] = [self._token(state, state.num_tokens + i) for i in range(self.num_spec)]
@@ -238,6 +257,8 @@ class SimExecutor(Executor):
         self.runner: SimRunner | None = None
         self.connector = None
         self.transfers: SimTransferWorker | None = None
+        self.shadow: shadow_kv.ShadowKV | None = None
+        self._start_flusher()
         # A GPU worker calls this after loading the model (UniProcExecutor._init_executor);
         # it aligns the attention block size with the Mamba page size for hybrid models.
         current_platform.update_block_size_for_backend(self.vllm_config)
@@ -324,9 +345,20 @@ class SimExecutor(Executor):
 
     def initialize_from_config(self, kv_cache_configs) -> None:
         kv_cache_config = kv_cache_configs[0]
+        self.shadow = None
+        if shadow_kv.enabled():
+            self.shadow = shadow_kv.ShadowKV(kv_cache_config, blocks_per_chunk=self._blocks_per_chunk())
         if self.vllm_config.kv_transfer_config is not None:
             self.connector, self.transfers = self._make_worker_connector(kv_cache_config)
-        self.runner = SimRunner(self.vllm_config, self.knobs, self.connector, self.transfers)
+        self.runner = SimRunner(self.vllm_config, self.knobs, self.connector, self.transfers, self.shadow)
+
+    def _blocks_per_chunk(self) -> int:
+        """GPU blocks per offloaded block, for the shadow KV's view of CPU blocks: the offload
+        block size (kv_connector_extra_config ``block_size``) over the GPU block size."""
+        config = self.vllm_config.kv_transfer_config
+        extra = (getattr(config, "kv_connector_extra_config", None) or {}) if config is not None else {}
+        offload_block = int(extra.get("block_size") or self.vllm_config.cache_config.block_size)
+        return max(1, offload_block // self.vllm_config.cache_config.block_size)
 
     def _make_worker_connector(self, kv_cache_config):
         """vLLM's worker-side connector, installed as this process's KV transfer agent.
@@ -346,7 +378,13 @@ class SimExecutor(Executor):
         transfers = None
         worker_side = getattr(connector, "connector_worker", None)
         if worker_side is not None and hasattr(worker_side, "worker"):
-            transfers = SimTransferWorker()
+            transfers = SimTransferWorker(self.shadow)
+            spec = getattr(worker_side, "spec", None)
+            if self.shadow is not None and getattr(spec, "blocks_per_chunk", None):
+                self.shadow.blocks_per_chunk = int(spec.blocks_per_chunk)  # what the connector really uses
+            if self.shadow is not None:
+                # the connector worker notes each load job's request before submitting it
+                self.shadow.load_owner = lambda job_id: (getattr(worker_side, "_load_jobs", None) or {}).get(job_id)
             worker_side.worker = transfers
         else:
             raise RuntimeError(
@@ -428,8 +466,35 @@ class SimExecutor(Executor):
         logger.info("kvrepro-sim: counts steps=%d offload_load_jobs=%d offload_store_jobs=%d pid=%d",
                     *counts, os.getpid())
 
+    def _start_flusher(self) -> None:
+        """Write changed counts (this executor's, the probe's, the shadow KV's) every
+        FLUSH_INTERVAL_S, also while the engine is idle: vLLM may kill EngineCore at a stop without
+        running shutdown() or exit handlers, and the last counts must be in the log by then."""
+
+        def flush() -> None:
+            while True:
+                time.sleep(FLUSH_INTERVAL_S)
+                try:
+                    self.report_counts()
+                    probe = sys.modules.get("kvrepro_probe")
+                    if probe is not None and hasattr(probe, "report"):
+                        probe.report()
+                    if self.shadow is not None:
+                        self.shadow.report()
+                except Exception:  # counting must never take the engine down
+                    pass
+
+        threading.Thread(target=flush, name="kvrepro-sim-flush", daemon=True).start()
+
     def shutdown(self) -> None:
         self.report_counts(force=True)
+        # EngineCore may end without running exit handlers: the probe's and the shadow KV's last
+        # counts are written here, where a stop always passes
+        probe = sys.modules.get("kvrepro_probe")
+        if probe is not None and hasattr(probe, "report"):
+            probe.report(force=True)
+        if self.shadow is not None:
+            self.shadow.report(force=True)
         if self.connector is not None:
             from vllm.distributed.kv_transfer import kv_transfer_state
 

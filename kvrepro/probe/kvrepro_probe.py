@@ -9,6 +9,13 @@ kv_connector/v1/offloading/scheduler.py); the probe wraps it and counts
   offload tier), and
 * ``trigger_calls``: those calls where the request ALSO has a local prefix-cache hit
   (``num_locally_computed_tokens > 0``), the combination the matrix's crash needs.
+* ``state_calls``: those trigger calls where the bug's own state is there: some KV-cache group
+  holds a real (non-null) block WITHOUT a block hash below the local boundary
+  ``cdiv(num_locally_computed_tokens, tokens_per_block)`` -- what the crashing scan stops on. The
+  probe reads what the method itself reads (the ``blocks`` argument's per-group lists,
+  ``block.is_null`` / ``block.block_hash``, the connector's per-group ``tokens_per_block``), and
+  ``state_groups`` counts, per kind of group (``full_attention``, ``mamba``, ``sliding_window``,
+  ...; from the group's KV-cache spec kind), the calls in which a group of that kind held it.
 
 Counting happens BEFORE the original runs, so the call that crashes is counted. The wrapper
 returns what the original returns and re-raises what it raises.
@@ -29,7 +36,7 @@ never import vLLM pay for one string comparison per import and print nothing.
 Output, on stderr, flushed, one line each (kvrepro's classifier parses these exact formats)::
 
   kvrepro-probe: installed function=OffloadingConnectorScheduler.update_state_after_alloc file=<path> source_sha256=<hex>
-  kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M> pid=<P>
+  kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M> state_calls=<K> state_groups=<kind>:<n>,... pid=<P>
 
 (``pid`` because vLLM >= 0.33 no longer prefixes what a child process writes to stderr with
 its ``(EngineCore pid=N)`` tag: the API server's zero counts must not hide the EngineCore's.)
@@ -55,7 +62,8 @@ TARGET_METHOD = "update_state_after_alloc"
 REPORT_INTERVAL_S = 2.0
 
 _lock = threading.Lock()
-_counts = {"external_hit_calls": 0, "trigger_calls": 0}
+_counts = {"external_hit_calls": 0, "trigger_calls": 0, "state_calls": 0}
+_state_groups: dict = {}  # kind of KV-cache group -> calls in which it held the bug's state
 _state = {
     "installed": False,
     "source_sha256": None,  # of inspect.getsource(original)
@@ -68,7 +76,7 @@ _state = {
 def counts() -> dict:
     """A copy of the counters (for the sim engine's /metrics)."""
     with _lock:
-        return dict(_counts)
+        return {**_counts, "state_groups": dict(_state_groups)}
 
 
 def source_sha256() -> str | None:
@@ -94,11 +102,13 @@ def report(force: bool = False) -> None:
     if not _state["installed"]:
         return
     with _lock:
-        snapshot = (_counts["external_hit_calls"], _counts["trigger_calls"])
+        groups = ",".join(f"{kind}:{n}" for kind, n in sorted(_state_groups.items()))
+        snapshot = (_counts["external_hit_calls"], _counts["trigger_calls"], _counts["state_calls"], groups)
         if not force and snapshot == _state["last_reported"]:
             return
         _state["last_reported"] = snapshot
-    _write(f"kvrepro-probe: counts external_hit_calls={snapshot[0]} trigger_calls={snapshot[1]} pid={os.getpid()}")
+    _write(f"kvrepro-probe: counts external_hit_calls={snapshot[0]} trigger_calls={snapshot[1]} "
+           f"state_calls={snapshot[2]} state_groups={snapshot[3] or '-'} pid={os.getpid()}")
 
 
 def _reporter_loop() -> None:
@@ -120,8 +130,9 @@ def _after_fork_in_child() -> None:
     # the parent's counts belong to the parent, so the child starts from zero.
     if _state["installed"]:
         with _lock:
-            _counts["external_hit_calls"] = 0
-            _counts["trigger_calls"] = 0
+            for name in _counts:
+                _counts[name] = 0
+            _state_groups.clear()
             _state["last_reported"] = None
         _start_reporter()
 
@@ -136,6 +147,34 @@ def _locally_computed_tokens(scheduler, request) -> int:
         return 0
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _group_kind(group_config) -> str:
+    """The kind of a connector group: its KV-cache spec kind where the release records it
+    (``kv_event_group_spec.kv_cache_spec_kind``), else full attention vs windowed."""
+    kind = getattr(getattr(group_config, "kv_event_group_spec", None), "kv_cache_spec_kind", None)
+    if kind:
+        return str(getattr(kind, "value", kind))
+    window = getattr(group_config, "sliding_window_size_in_chunks",
+                     getattr(group_config, "sliding_window_size_in_blocks", None))
+    return "full_attention" if window is None else "windowed"
+
+
+def _state_kinds(scheduler, blocks, local: int) -> list:
+    """Kinds of the groups holding a non-null, unhashed block below the local boundary."""
+    kinds = []
+    per_group = blocks.blocks
+    for i, group_config in enumerate(scheduler.config.kv_group_configs):
+        tokens_per_block = getattr(group_config, "tokens_per_block", None) or group_config.gpu_block_size
+        group_blocks = per_group[getattr(group_config, "group_idx", i)]
+        boundary = _cdiv(local, int(tokens_per_block))
+        if any(not b.is_null and b.block_hash is None for b in group_blocks[:boundary]):
+            kinds.append(_group_kind(group_config))
+    return kinds
+
+
 def _wrap(cls) -> None:
     original = cls.__dict__.get(TARGET_METHOD)
     if original is None or getattr(original, "__kvrepro_probe__", False):
@@ -148,11 +187,22 @@ def _wrap(cls) -> None:
             bound = signature.bind(*args, **kwargs)
             num_external_tokens = bound.arguments.get("num_external_tokens") or 0
             if num_external_tokens > 0:
-                local = _locally_computed_tokens(bound.arguments["self"], bound.arguments["request"])
+                scheduler = bound.arguments["self"]
+                local = _locally_computed_tokens(scheduler, bound.arguments["request"])
+                kinds = []
+                if local > 0:
+                    try:
+                        kinds = _state_kinds(scheduler, bound.arguments["blocks"], local)
+                    except Exception:
+                        kinds = []  # unknown layout: the trigger still counts
                 with _lock:
                     _counts["external_hit_calls"] += 1
                     if local > 0:
                         _counts["trigger_calls"] += 1
+                    if kinds:
+                        _counts["state_calls"] += 1
+                        for kind in set(kinds):
+                            _state_groups[kind] = _state_groups.get(kind, 0) + 1
         except Exception:
             pass  # counting is best effort; the call itself must behave exactly as before
         try:

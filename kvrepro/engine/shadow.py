@@ -1,0 +1,441 @@
+"""Shadow KV: what every KV block of the GPU-free engine would hold, and a check before each forward.
+
+Why: the fake model computes nothing, so a wrong load (wrong destination block, a block that is
+neither loaded nor recomputed, a recurrent state from the wrong position) cannot show up in its
+output. A real GPU would silently attend to stale keys. This module keeps, for every GPU block and
+every offloaded (CPU) block, the *identity* of what it holds and checks, before every forward,
+that each scheduled request's context is really there. A violation is logged on stderr::
+
+    kvrepro-shadow: installed groups=0:full_attention/16,1:mamba/16
+    kvrepro-shadow: violation step=<S> <what, in words>
+    kvrepro-shadow: counts checks=<N> violations=<M> by=<kind>[+offload]:<n>,...
+
+(the counts line every ~2 s while it changes and at exit, like the probe's), and kvrepro's
+classifier turns a violation into the run verdict CORRUPT.
+
+Content identity: a token's KV (and a recurrent state) depends on the whole token prefix it was
+computed from, so a slot holds ``prefix_hash(tokens[:p + 1])`` for position ``p``; two requests
+sharing a prefix hold equal values, which is what makes prefix-cache sharing check out. A Mamba
+block in ``align`` mode holds a *state* after some prefix; under speculative decoding the state
+written by a forward can be read back at any of the accepted lengths, so it is a small set of
+prefix hashes.
+
+What is modelled, per vLLM's GPU model runner (``gpu_model_runner._update_states``) and the
+Mamba ``align`` helpers (``v1/worker/mamba_utils.preprocess_mamba`` and the align postprocess):
+
+* attention groups: a forward writes positions ``[computed, computed + scheduled)`` (drafts with
+  the draft tokens) into ``block_ids[position // block_size]``; it reads every position below
+  ``computed`` (sliding window: the last ``sliding_window`` of them);
+* Mamba ``align`` groups: a forward reads the running state from block ``prev`` (the block the
+  last forward of this request wrote, or ``(computed - 1) // block_size`` for a new or resumed
+  request), copies it to ``curr = cdiv(computed + scheduled, block_size) - 1`` and writes there
+  the states after the scheduled tokens; after sampling, when the accepted length crosses a block
+  boundary ``a``, the state after exactly ``a`` tokens is saved to block ``a // block_size - 1``
+  (the block prefix caching will hash);
+* offloading: ``GPULoadStoreSpec`` lists GPU blocks group after group (``group_sizes``), CPU specs
+  list offloaded chunks of ``blocks_per_chunk`` GPU blocks, the first one entered at
+  ``block_indices[g] % blocks_per_chunk`` (as vLLM's CPU offloading worker computes its copies);
+  stores and loads copy contents at submission (the engine waits for a load before computing on
+  it, and vLLM flushes stores before their blocks are reused).
+
+Knobs (environment of the engine): ``KVREPRO_SIM_SHADOW_KV=0`` turns it off,
+``KVREPRO_SIM_SHADOW_DESCRIBE=N`` describes the first N violations (default 5; the rest are
+counted), ``KVREPRO_SIM_SHADOW_DEBUG=1`` adds each violating request's block table.
+
+Runs in the engine process; stdlib only, no vLLM import.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+TAG = "kvrepro-shadow:"
+REPORT_INTERVAL_S = 0.5
+_DESCRIBE = os.environ.get("KVREPRO_SIM_SHADOW_DESCRIBE", "").strip()
+MAX_DESCRIBED = int(_DESCRIBE) if _DESCRIBE.isdigit() else 5  # described one by one; the rest counted
+_ROOT_HASH = 0x6B7672
+
+
+def _extend(prefix_hash: int, token: int) -> int:
+    # tuple hashing of ints is deterministic (no hash randomisation for ints)
+    return hash((prefix_hash, int(token)))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class Group:
+    index: int
+    kind: str  # "full_attention" | "sliding_window" | "mamba" | "other" (not checked)
+    block_size: int
+    window: int | None = None
+
+
+def describe_groups(kv_cache_config) -> list[Group]:
+    """Group kinds from the KV-cache specs, by class name (no vLLM import needed here)."""
+    groups = []
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        names = {cls.__name__ for cls in type(spec).__mro__}
+        if "MambaSpec" in names:
+            kind = "mamba" if getattr(spec, "mamba_cache_mode", "align") == "align" else "other"
+        elif names & {"SlidingWindowSpec", "SlidingWindowMLASpec", "ChunkedLocalAttentionSpec"}:
+            kind = "sliding_window"
+        elif "FullAttentionSpec" in names or "AttentionSpec" in names:
+            kind = "full_attention"
+        else:
+            kind = "other"
+        window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
+        groups.append(Group(index, kind, int(spec.block_size), int(window) if window else None))
+    return groups
+
+
+@dataclass
+class Content:
+    """What one block holds. ``slots``: per position of an attention block, the prefix hash the
+    KV there was computed from (None: never written). ``states``: for a recurrent block, the
+    prefix hashes whose state it holds. ``source`` says how it got there, in words."""
+
+    group: int
+    slots: list | None = None
+    states: frozenset | None = None
+    writer: str = ""
+    first_position: int = 0  # position of slot 0 in the writer's sequence
+    state_lengths: tuple = ()  # prefix lengths of ``states`` (for the description)
+    source: str = ""
+
+    def copy(self, source: str) -> "Content":
+        return Content(self.group, list(self.slots) if self.slots is not None else None, self.states,
+                       self.writer, self.first_position, self.state_lengths, source)
+
+
+@dataclass
+class _Request:
+    hashes: list = field(default_factory=lambda: [_ROOT_HASH])  # hashes[i]: prefix of i tokens
+    blocks: list = field(default_factory=list)  # per group: block ids, as the runner's block table
+    state_idx: int | None = None  # Mamba: block index the last forward wrote the running state to
+    hit: int = 0  # tokens the request started with (prefix hit + offload hit)
+
+    def append(self, tokens) -> None:
+        h = self.hashes[-1]
+        for token in tokens:
+            h = _extend(h, token)
+            self.hashes.append(h)
+
+
+class ShadowKV:
+    """Shadow contents of the GPU and offloaded blocks; see the module docstring."""
+
+    def __init__(self, kv_cache_config, blocks_per_chunk: int = 1, stream=None):
+        self.groups = describe_groups(kv_cache_config)
+        self.blocks_per_chunk = max(1, int(blocks_per_chunk))
+        self.gpu: dict[int, Content] = {}
+        self.cpu: dict[tuple[int, int], Content] = {}
+        self.requests: dict[str, _Request] = {}
+        self.step = 0
+        self.checks = 0
+        self.violations = 0
+        self._stream = stream
+        self._lock = threading.Lock()
+        self._last_reported: tuple | None = None
+        self._last_report_time = 0.0
+        self._seen: set[tuple] = set()  # (request, group, block index) already counted
+        # violations by kind of group, "+offload" when the request had loaded blocks (an offload hit)
+        self.by_kind: dict[str, int] = {}
+        # which request a load job is for (the connector worker knows; None: unknown), and the
+        # requests that had blocks loaded for them (an offload hit)
+        self.load_owner = lambda job_id: None
+        self.loaded_for: set[str] = set()
+        self._write("installed groups=" + ",".join(f"{g.index}:{g.kind}/{g.block_size}" for g in self.groups))
+        atexit.register(self.report, True)
+
+    # -- output ------------------------------------------------------------------------------
+
+    def _write(self, text: str) -> None:
+        try:
+            stream = self._stream or sys.stderr
+            stream.write(f"{TAG} {text}\n")
+            stream.flush()
+        except Exception:
+            pass
+
+    def report(self, force: bool = False) -> None:
+        snapshot = (self.checks, self.violations, ",".join(f"{k}:{n}" for k, n in sorted(self.by_kind.items())))
+        if not force and (snapshot == self._last_reported or time.monotonic() - self._last_report_time < REPORT_INTERVAL_S):
+            return
+        self._last_reported, self._last_report_time = snapshot, time.monotonic()
+        self._write(f"counts checks={snapshot[0]} violations={snapshot[1]} by={snapshot[2] or '-'}")
+
+    def _violation(self, key: tuple, text: str) -> None:
+        # a broken context stays broken on every later step of that request: count it once
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        self.violations += 1
+        req_id, group_index = key[0], key[1]
+        req = self.requests.get(req_id)
+        loaded = req_id in self.loaded_for
+        kind = self.groups[group_index].kind + ("+offload" if loaded else "")
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
+        text += f" (request {'had' if loaded else 'had no'} offload hit)"
+        if os.environ.get("KVREPRO_SIM_SHADOW_DEBUG") and req is not None:
+            text += f" [hit={req.hit} state_idx={req.state_idx} blocks={req.blocks}]"
+        if self.violations <= MAX_DESCRIBED:
+            self._write(f"violation step={self.step} {text}")
+            self.report(force=True)
+
+    # -- the runner's request table ----------------------------------------------------------
+
+    def update_requests(self, so) -> None:
+        """Mirror GPUModelRunner._update_states: finished requests go, new ones come, block
+        tables grow (or are replaced for a request resumed after preemption)."""
+        self.step += 1
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+            self.loaded_for.discard(req_id)
+        if so.finished_req_ids and self._seen:
+            self._seen = {key for key in self._seen if key[0] not in so.finished_req_ids}
+        for req_id in getattr(so, "preempted_req_ids", None) or ():
+            if req_id in self.requests:
+                self.requests[req_id].state_idx = None
+        for new in so.scheduled_new_reqs:
+            req = self.requests.get(new.req_id)
+            if req is None:
+                req = self.requests[new.req_id] = _Request()
+                req.append(new.prompt_token_ids or ())
+            req.blocks = [list(ids) for ids in new.block_ids]
+            req.state_idx = None
+            req.hit = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            if req_id in resumed:
+                req.blocks = [list(ids) for ids in new_ids]
+                req.state_idx = None
+            elif new_ids is not None:
+                for mine, more in zip(req.blocks, new_ids, strict=False):
+                    mine.extend(more)
+
+    def sampled(self, req_id: str, tokens, seq_end: int) -> None:
+        """After sampling: the accepted tokens become part of the request; Mamba saves the state
+        at a block boundary the accepted length crossed (the align postprocess)."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return
+        req.append(tokens)
+        new_computed = len(req.hashes) - 2  # the newest sampled token is not computed yet
+        for group in self.groups:
+            if group.kind != "mamba" or not req.blocks[group.index]:
+                continue
+            aligned = new_computed // group.block_size * group.block_size
+            if aligned <= 0 or aligned < seq_end:
+                continue
+            dest = aligned // group.block_size - 1
+            ids = req.blocks[group.index]
+            if dest < len(ids) and ids[dest] != 0:
+                self.gpu[ids[dest]] = Content(group.index, states=frozenset((req.hashes[aligned],)), writer=req_id,
+                                              state_lengths=(aligned,),
+                                              source=f"state saved by request {req_id} at step {self.step}")
+
+    # -- the forward --------------------------------------------------------------------------
+
+    def forward(self, req_id: str, computed: int, scheduled: int, drafts) -> None:
+        """Check what this request's forward reads, then record what it writes."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return
+        with self._lock:
+            self.checks += 1
+            for group in self.groups:
+                if group.kind in ("full_attention", "sliding_window"):
+                    self._check_attention(req_id, req, group, computed)
+                elif group.kind == "mamba":
+                    self._mamba_read(req_id, req, group, computed, scheduled)
+            self._write_forward(req_id, req, computed, scheduled, drafts)
+        self.report()
+
+    def _position_hashes(self, req: _Request, start: int, end: int, drafts) -> list:
+        """Prefix hashes of positions [start, end): known tokens, then the drafts."""
+        known = len(req.hashes) - 1
+        out = [req.hashes[p + 1] for p in range(start, min(end, known))]
+        h = req.hashes[min(end, known)] if end > known else None
+        for p in range(max(start, known), end):
+            draft = drafts[p - known] if p - known < len(drafts) else -1
+            h = _extend(h, draft)
+            out.append(h)
+        return out
+
+    def _write_forward(self, req_id, req, computed, scheduled, drafts) -> None:
+        end = computed + scheduled
+        hashes = self._position_hashes(req, computed, end, drafts)
+        for group in self.groups:
+            ids = req.blocks[group.index] if group.index < len(req.blocks) else []
+            bs = group.block_size
+            if group.kind in ("full_attention", "sliding_window"):
+                for p in range(computed, end):
+                    j = p // bs
+                    if j >= len(ids) or ids[j] == 0:
+                        continue  # nothing to write to: the read check of a later step says so
+                    content = self.gpu.get(ids[j])
+                    if (content is None or content.slots is None or content.group != group.index
+                            or content.writer != req_id or content.first_position != j * bs):
+                        old = content.slots if content is not None and content.slots is not None else None
+                        content = Content(group.index, slots=list(old) if old is not None else [None] * bs,
+                                          writer=req_id, first_position=j * bs,
+                                          source=f"computed by request {req_id} at step {self.step}")
+                        self.gpu[ids[j]] = content
+                    content.slots[p - j * bs] = hashes[p - computed]
+            elif group.kind == "mamba":
+                curr = _cdiv(end, bs) - 1
+                if 0 <= curr < len(ids) and ids[curr] != 0:
+                    n_drafts = len(drafts)
+                    lengths = tuple(range(end - n_drafts, end + 1))
+                    states = frozenset(hashes[length - computed - 1] if length > computed else req.hashes[computed]
+                                       for length in lengths)
+                    self.gpu[ids[curr]] = Content(group.index, states=states, writer=req_id, state_lengths=lengths,
+                                                  source=f"state computed by request {req_id} at step {self.step}")
+                req.state_idx = curr
+
+    def _origin(self, req_id: str, req: _Request, content: Content | None, position: int) -> str:
+        """How the request came to hold this block, and where the block's content came from."""
+        how = ("the request got this block with its prefix hit (local cache or offload)" if position < req.hit
+               else "the request computed here itself")
+        what = content.source if content is not None and content.source else "never written since the engine started"
+        return f"{how}; its content: {what}"
+
+    def _check_attention(self, req_id, req, group, computed) -> None:
+        bs = group.block_size
+        start = 0
+        if group.kind == "sliding_window" and group.window:
+            start = max(0, computed - group.window + 1)
+        ids = req.blocks[group.index] if group.index < len(req.blocks) else []
+        for j in range(start // bs, _cdiv(computed, bs)):
+            lo, hi = max(j * bs, start), min((j + 1) * bs, computed)
+            where = f"request {req_id} group {group.index} ({group.kind}) block index {j}"
+            if j >= len(ids) or ids[j] == 0:
+                self._violation((req_id, group.index, j),
+                                f"{where}: positions {lo}-{hi - 1} must be held but the request has no block there")
+                return
+            block = ids[j]
+            content = self.gpu.get(block)
+            want = req.hashes[lo + 1:hi + 1]
+            held = None
+            if content is not None and content.slots is not None and content.group == group.index:
+                held = content.slots[lo - j * bs:hi - j * bs]
+            if held == want:
+                continue
+            self._violation((req_id, group.index, j), f"{where} (GPU block {block}): positions {lo}-{hi - 1} expected with this request's "
+                            f"tokens; {self._held(content, group, lo - j * bs, hi - j * bs, want, j * bs, req)}; "
+                            f"{self._origin(req_id, req, content, lo)}")
+            return  # the first wrong block of a request names the problem; the rest follow from it
+
+    def _held(self, content: Content | None, group: Group, lo: int, hi: int, want: list, block_start: int,
+              req: _Request) -> str:
+        """What the block holds instead, named by kind: missing (never written), stale (other
+        tokens' KV), misplaced (KV of other positions)."""
+        if content is None or (content.slots is None and content.states is None):
+            return "stale KV: the block was never written (neither computed nor loaded)"
+        if content.group != group.index or content.slots is None:
+            return f"stale KV: the block holds group {content.group}'s data"
+        slots = content.slots[lo:hi]
+        bad = [i for i, (a, b) in enumerate(zip(slots, want)) if a != b]
+        if all(slots[i] is None for i in bad):
+            return f"stale KV: {len(bad)} of {hi - lo} positions were never written"
+        held = (f"it holds positions {content.first_position + lo}-{content.first_position + hi - 1} of request "
+                f"{content.writer}")
+        own = set(req.hashes)
+        if (content.source.startswith("offload load") and content.first_position != block_start
+                and all(h in own for h in slots if h is not None)):
+            # loaded into this block, and it is this request's own prefix, from other positions
+            return f"misplaced KV: {held}"
+        return f"stale KV: {held}, {len(bad)} of {hi - lo} positions computed from other tokens"
+
+    def _mamba_read(self, req_id, req, group, computed, scheduled) -> None:
+        bs = group.block_size
+        ids = req.blocks[group.index] if group.index < len(req.blocks) else []
+        prev = req.state_idx if req.state_idx is not None else (computed - 1) // bs
+        curr = _cdiv(computed + scheduled, bs) - 1
+        if computed <= 0 or prev < 0:
+            return
+        where = f"request {req_id} group {group.index} (mamba) block index {prev}"
+        if os.environ.get("KVREPRO_SIM_SHADOW_DEBUG"):
+            where += f" [computed={computed} scheduled={scheduled} hit={req.hit} state_idx={req.state_idx} blocks={ids[:12]} tokens={len(req.hashes) - 1}]"
+        if prev >= len(ids) or ids[prev] == 0:
+            self._violation((req_id, group.index, prev), f"{where}: the state after {computed} tokens must be read from a block the request "
+                            "does not have (null block)")
+            return
+        content = self.gpu.get(ids[prev])
+        want = req.hashes[computed]
+        if content is None or content.states is None or content.group != group.index or want not in content.states:
+            if content is None or (content.slots is None and content.states is None):
+                held = "holds nothing (never written)"
+            elif content.states is None or content.group != group.index:
+                held = f"holds group {content.group}'s data"
+            else:
+                lengths = "/".join(str(n) for n in content.state_lengths)
+                held = f"holds the state after {lengths} tokens of request {content.writer}"
+            self._violation((req_id, group.index, prev), f"{where} (GPU block {ids[prev]}): the state after exactly {computed} tokens of this "
+                            f"request expected; {held}; {self._origin(req_id, req, content, computed - 1)}")
+            return
+        if prev != curr and 0 <= curr < len(ids) and ids[curr] != 0:
+            self.gpu[ids[curr]] = content.copy(f"state copied by request {req_id} at step {self.step}")
+
+    # -- the offload tier ---------------------------------------------------------------------
+
+    def _pairs(self, gpu_spec, cpu_spec):
+        """(group, gpu block id, (cpu block id, sub-block)) for every GPU block of a transfer."""
+        gpu_ids = [int(b) for b in gpu_spec.block_ids]
+        cpu_ids = [int(b) for b in cpu_spec.block_ids]
+        sizes = getattr(gpu_spec, "group_sizes", None) or [len(gpu_ids)]
+        indices = getattr(gpu_spec, "block_indices", None) or [0] * len(sizes)
+        bpc = self.blocks_per_chunk
+        g_off = c_off = 0
+        for group, (size, first) in enumerate(zip(sizes, indices)):
+            skip = int(first) % bpc
+            for k in range(int(size)):
+                cpu_block = cpu_ids[c_off + (skip + k) // bpc]
+                yield group, gpu_ids[g_off + k], (cpu_block, (skip + k) % bpc)
+            g_off += int(size)
+            c_off += _cdiv(int(size) + skip, bpc) if size else 0
+
+    def store(self, job_id, gpu_spec, cpu_spec) -> None:
+        with self._lock:
+            for group, gpu_block, cpu_key in self._pairs(gpu_spec, cpu_spec):
+                content = self.gpu.get(gpu_block)
+                self.cpu[cpu_key] = (content.copy(f"{content.source}, stored to offload (job {job_id})")
+                                     if content is not None else None)
+
+    def load(self, job_id, cpu_spec, gpu_spec) -> None:
+        owner = None
+        try:
+            owner = self.load_owner(job_id)
+        except Exception:
+            pass
+        with self._lock:
+            if owner is not None:
+                self.loaded_for.add(owner)
+            for group, gpu_block, cpu_key in self._pairs(gpu_spec, cpu_spec):
+                content = self.cpu.get(cpu_key)
+                origin = (f"offload load (job {job_id}, CPU block {cpu_key[0]}.{cpu_key[1]}"
+                          + (f", for request {owner})" if owner is not None else ")"))
+                if content is None:
+                    self.gpu.pop(gpu_block, None)
+                    self.gpu[gpu_block] = Content(group, source=f"{origin} of a chunk never stored")
+                else:
+                    self.gpu[gpu_block] = content.copy(f"{origin} of: {content.source}")
+
+
+def enabled(environ=None) -> bool:
+    """On unless KVREPRO_SIM_SHADOW_KV=0 (it costs a few percent of engine time)."""
+    env = os.environ if environ is None else environ
+    return env.get("KVREPRO_SIM_SHADOW_KV", "1").strip() not in ("0", "false", "no", "off")

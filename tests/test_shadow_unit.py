@@ -1,0 +1,128 @@
+"""The shadow KV's bookkeeping, step by step (kvrepro/engine/shadow.py).
+
+The inputs are stand-ins shaped like vLLM 0.26.0's: ``SchedulerOutput`` (new requests with their
+block ids per group, cached requests with new block ids), ``GPULoadStoreSpec`` (block ids listed
+group after group, ``group_sizes``, ``block_indices``) and a KV-cache config whose spec classes
+carry vLLM's class names. Stand-ins, because these cases pin exact block layouts that a real
+engine reaches only by chance; tests/test_shadow_kv.py runs the same code inside real engines.
+"""
+
+from __future__ import annotations
+
+import io
+from types import SimpleNamespace as NS
+
+from kvrepro.engine.shadow import ShadowKV
+
+
+class FullAttentionSpec:
+    block_size = 4
+
+
+class MambaSpec:
+    block_size = 4
+    mamba_cache_mode = "align"
+
+
+def shadow(*specs, blocks_per_chunk: int = 1) -> tuple[ShadowKV, io.StringIO]:
+    out = io.StringIO()
+    config = NS(kv_cache_groups=[NS(kv_cache_spec=spec()) for spec in specs])
+    return ShadowKV(config, blocks_per_chunk=blocks_per_chunk, stream=out), out
+
+
+def step(kv: ShadowKV, new=(), cached=(), finished=()):
+    """One scheduler output: new = [(req, prompt, block ids per group, computed)],
+    cached = [(req, new block ids per group, computed)]."""
+    so = NS(finished_req_ids=set(finished), preempted_req_ids=set(),
+            scheduled_new_reqs=[NS(req_id=r, prompt_token_ids=p, block_ids=b, num_computed_tokens=c)
+                                for r, p, b, c in new],
+            scheduled_cached_reqs=NS(req_ids=[r for r, _, _ in cached], resumed_req_ids=set(),
+                                     new_block_ids=[b for _, b, _ in cached],
+                                     num_computed_tokens=[c for _, _, c in cached]))
+    kv.update_requests(so)
+
+
+PROMPT = list(range(100, 110))  # 10 tokens: blocks of 4 -> 2 full blocks + 2 tokens
+
+
+def prefill(kv, req, blocks, prompt=PROMPT, computed=0):
+    step(kv, new=[(req, prompt, blocks, computed)])
+    kv.forward(req, computed, len(prompt) - computed, [])
+    kv.sampled(req, [7], len(prompt))
+
+
+def test_a_prefix_hit_on_blocks_another_request_computed_checks_out():
+    kv, out = shadow(FullAttentionSpec)
+    prefill(kv, "r1", ([1, 2, 3],))
+    prefill(kv, "r2", ([1, 2, 4],), prompt=PROMPT[:8] + [55, 56], computed=8)  # 8-token local hit
+    assert (kv.checks, kv.violations) == (2, 0)
+
+
+def test_a_hit_on_blocks_of_other_tokens_is_stale_kv():
+    kv, out = shadow(FullAttentionSpec)
+    prefill(kv, "r1", ([1, 2, 3],))
+    prefill(kv, "r2", ([1, 2, 4],), prompt=[1] * 8 + [55, 56], computed=8)
+    assert kv.violations == 1
+    line = next(l for l in out.getvalue().splitlines() if " violation " in l)
+    assert "request r2 group 0 (full_attention) block index 0 (GPU block 1): positions 0-3" in line
+    assert "stale KV: it holds positions 0-3 of request r1, 4 of 4 positions computed from other tokens" in line
+    assert "the request got this block with its prefix hit" in line
+
+
+def test_store_and_load_move_contents_between_gpu_and_offloaded_chunks():
+    """Two GPU blocks per offloaded chunk: a load that starts mid-chunk (block index 1) enters
+    the chunk at its second sub-block, as vLLM's CPU offloading worker does."""
+    kv, out = shadow(FullAttentionSpec, blocks_per_chunk=2)
+    prefill(kv, "r1", ([1, 2, 3],))
+    kv.store(0, NS(block_ids=[1, 2], group_sizes=[2], block_indices=[0]), NS(block_ids=[40]))
+    # r2: a local hit on block 0 only (block 1 was evicted); block index 1 is loaded from chunk 40
+    kv.load(1, NS(block_ids=[40]), NS(block_ids=[9], group_sizes=[1], block_indices=[1]))
+    prefill(kv, "r2", ([1, 9, 5],), computed=8)
+    assert kv.violations == 0, out.getvalue()
+    # the same load one block early (chunk entered at sub-block 0): misplaced KV, named as a load
+    kv.load(2, NS(block_ids=[40]), NS(block_ids=[11], group_sizes=[1], block_indices=[0]))
+    prefill(kv, "r3", ([1, 11, 6],), computed=8)
+    line = [l for l in out.getvalue().splitlines() if " violation " in l][-1]
+    assert "request r3 group 0 (full_attention) block index 1 (GPU block 11): positions 4-7" in line
+    assert "misplaced KV: it holds positions 0-3 of request r1" in line
+    assert "its content: offload load (job 2, CPU block 40.0)" in line
+
+
+def test_mamba_align_reads_the_state_at_exactly_the_computed_prefix():
+    kv, out = shadow(FullAttentionSpec, MambaSpec)
+    # r1 computes 8 tokens in a chunk: the state after 8 lands in Mamba block index 1 (id 21)
+    step(kv, new=[("r1", PROMPT, ([1, 2, 3], [0, 21, 22]), 0)])
+    kv.forward("r1", 0, 8, [])
+    # a request hitting 8 tokens reads the state from block index (8 - 1) // 4 = 1
+    step(kv, new=[("r2", PROMPT[:8] + [1, 2], ([1, 2, 4], [0, 21, 23]), 8)])
+    kv.forward("r2", 8, 2, [])
+    assert kv.violations == 0, out.getvalue()
+    # ... and a request whose Mamba group has a null block there reads no state at all
+    step(kv, new=[("r3", PROMPT[:8] + [3], ([1, 2, 5], [0, 0, 24]), 8)])
+    kv.forward("r3", 8, 1, [])
+    line = next(l for l in out.getvalue().splitlines() if " violation " in l)
+    assert "request r3 group 1 (mamba) block index 1: the state after 8 tokens must be read from a block the " \
+           "request does not have (null block)" in line
+    assert "by=mamba:1" in out.getvalue()
+
+
+def test_spec_decode_rollback_keeps_the_state_readable_at_the_accepted_length():
+    kv, out = shadow(FullAttentionSpec, MambaSpec)
+    step(kv, new=[("r", PROMPT[:6], ([1, 2], [0, 31, 32]), 0)])
+    kv.forward("r", 0, 6, [])
+    kv.sampled("r", [50], 6)  # 7 tokens known, 6 computed
+    # decode with one draft (token 60); the draft is rejected, 51 comes instead
+    step(kv, cached=[("r", ([], []), 6)])
+    kv.forward("r", 6, 2, [60])
+    kv.sampled("r", [51], 7)  # computed 7 now (the draft's position will be recomputed)
+    step(kv, cached=[("r", ([3], [33]), 7)])
+    kv.forward("r", 7, 2, [61])
+    assert (kv.checks, kv.violations) == (3, 0), out.getvalue()
+    # the draft 61 is rejected again (52 comes instead); a scheduler that counted it as computed
+    # would attend to the draft's KV at position 8
+    kv.sampled("r", [52], 8)
+    step(kv, cached=[("r", ([], []), 9)])
+    kv.forward("r", 9, 1, [])
+    line = next(l for l in out.getvalue().splitlines() if " violation " in l)
+    assert "request r group 0 (full_attention) block index 2 (GPU block 3): positions 8-8" in line
+    assert "1 of 1 positions computed from other tokens" in line
