@@ -20,6 +20,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--requests", "300", "--calibrate", "2"]
+# The boundary fix removes the assertion but, on 0.26.0, leaves requests reading stale KV
+# (CORRUPT, which the default rule counts as bad): these tests bisect the assertion by title.
+ASSERTION = ["--title", "AssertionError in update_state_after_alloc"]
 
 
 def kvrepro(*args: str, cwd: Path = ROOT, timeout: float = 1800) -> subprocess.CompletedProcess:
@@ -89,7 +92,7 @@ def test_bisect_commits_interrupted_and_resumed_finds_the_fix_as_git_bisect_run_
     repo, shas = vllm_history
     results = tmp_path / "results"
     args = ["bisect", "commits", "--repo", str(repo), "--bad", shas["0.26.0"], "--good", shas["later"],
-            "--results", str(results), "--json", *QUICK]
+            "--results", str(results), "--json", *QUICK, *ASSERTION]
     proc = subprocess.Popen([sys.executable, "-m", "kvrepro.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -124,7 +127,7 @@ def test_bisect_commits_interrupted_and_resumed_finds_the_fix_as_git_bisect_run_
     assert by_label[shas["0.26.0"][:12]]["verdict"] == "bad"
     assert by_label[shas["0.26.0"][:12]]["counts"].get("CRASH(target)", 0) >= 1
     assert by_label[shas["later"][:12]]["verdict"] == "good"
-    assert by_label[shas["later"][:12]]["state"] == "handled"  # the bug's state occurred and was handled
+    assert by_label[shas["later"][:12]]["state"] == "handled"  # the bug's state occurred; no assertion
     assert by_label[shas["fix"][:12]]["verdict"] == "good"
     for step in result["steps"]:
         for probe in step["probe_runs"]:  # every probe is an ordinary run folder
@@ -139,7 +142,7 @@ def test_bisect_commits_interrupted_and_resumed_finds_the_fix_as_git_bisect_run_
     git(repo, "bisect", "start", "--term-old=broken", "--term-new=fixed", shas["later"], shas["0.26.0"])
     try:
         script = [sys.executable, "-m", "kvrepro.cli", "matrix", "verdict", "--git-bisect", "--find-fix",
-                  "--repo", ".", "--matrix", str(ROOT / "matrix.yaml"), "--requests", "300", "--p-bad", "0.8",
+                  "--repo", ".", "--matrix", str(ROOT / "matrix.yaml"), "--requests", "300", "--p-bad", "0.8", *ASSERTION,
                   "--results", str(tmp_path / "git-bisect")]
         run = subprocess.run(["git", "-C", str(repo), "bisect", "run", *script], capture_output=True, text=True,
                              timeout=1800)
@@ -151,7 +154,7 @@ def test_bisect_commits_interrupted_and_resumed_finds_the_fix_as_git_bisect_run_
 
 def test_bisect_patches_names_the_boundary_fix_on_the_default_matrix(tmp_path, overlays):
     # the full 600-request budget: with 300, the fixed build's trigger path sometimes never runs
-    proc = kvrepro("bisect", "patches", "--results", str(tmp_path), "--json", "--calibrate", "2")
+    proc = kvrepro("bisect", "patches", "--results", str(tmp_path), "--json", "--calibrate", "2", *ASSERTION)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["answer"] == ["pr-52807"], result

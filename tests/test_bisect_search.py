@@ -41,6 +41,8 @@ def test_title_selects_the_crash_and_other_crashes_are_skips():
     target = run("CRASH", "target", "AssertionError in update_state_after_alloc: x")
     assert evidence(other, title="_apply_cow") is Evidence.BAD
     assert evidence(target, title="_apply_cow") is Evidence.SKIP
+    assert evidence(run("CORRUPT")) is Evidence.BAD
+    assert evidence(run("CORRUPT"), title="_apply_cow") is Evidence.HANDLED  # lived; the named crash did not happen
 
 
 @pytest.mark.parametrize("p, alpha, n", [(0.8, 0.05, 2), (0.5, 0.05, 5), (0.4, 0.05, 6), (0.99, 0.05, 1),

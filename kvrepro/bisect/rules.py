@@ -20,7 +20,9 @@ A run whose load was stopped by Ctrl-C is dropped whatever its verdict, unless i
 crash seen before the stop is real, a shutdown traceback logged by the stop is not.
 
 With ``--title TEXT`` a crash is bad when its title contains TEXT (any outcome) and a skip
-otherwise.
+otherwise, and a CORRUPT run counts as clean ("handled"): the engine lived and the crash named
+by TEXT did not happen (use this to ask which change removed an assertion even where the
+engine then serves stale KV).
 
 A point is **bad** as soon as one run is bad. It is **good** after ``N`` clean exposed runs
 (handled or unreached) and no bad one, where ``N`` is the smallest number with
@@ -81,6 +83,8 @@ def evidence(run: Mapping[str, Any], title: str | None = None) -> Evidence:
     label = run_label(run)
     if title is not None and label.startswith("CRASH"):
         found = RUN_EVIDENCE["CRASH(target)"] if title.lower() in str(run.get("title", "")).lower() else Evidence.SKIP
+    elif title is not None and label == "CORRUPT":
+        found = Evidence.HANDLED
     else:
         found = RUN_EVIDENCE.get(label, Evidence.SKIP)
     if found is not Evidence.BAD and run.get("stopped_because") == "interrupted":
