@@ -134,7 +134,7 @@ def _check_ends(session: Session, bad: Point, good: Point, also: list[Point]) ->
     session.measure_p_bad(bad)
     verdict = session.verdict_of(good, "good end", session.point_rule())
     if verdict is PointVerdict.BAD:
-        return f"the good end {point_label(good)} crashed too ({_counts(session, good)})"
+        return f"the good end {point_label(good)} is bad too ({_counts(session, good)})"
     if verdict is PointVerdict.SKIP:
         return f"the good end {point_label(good)} could not be decided: {_reason(session, good)}"
     return None
