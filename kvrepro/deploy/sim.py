@@ -16,6 +16,7 @@ import socket
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 from pathlib import Path
 
@@ -162,6 +163,7 @@ class SimTarget(Target):
         self._runtimes: dict[str, builds.Runtime] = {}
         self._zygotes: dict[str, _Zygote] = {}
         self._zygote_lock = threading.Lock()
+        self._zygote_parent = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrepro-zygote-parent")
         self._interrupted = threading.Event()
 
     def interrupt(self) -> None:
@@ -183,9 +185,12 @@ class SimTarget(Target):
                 env["PYTHONPATH"] = runtime.pythonpath(paths.SOURCE_ROOT)
                 self.on_line("starting the engine zygote (imports vLLM's dependencies once)")
                 try:
-                    zygote.proc = start_zygote(str(runtime.python), str(zygote.socket), env,
-                                               str(zygote.folder / "zygote.log"),
-                                               cancel=self._interrupted)  # kvrepro#8
+                    # Started from the target's own long-lived thread: the zygote's parent-death
+                    # signal fires when the *thread* that forked it ends, and a run slot's or a
+                    # bisection's prefetch thread may end long before kvrepro does.
+                    zygote.proc = self._zygote_parent.submit(
+                        start_zygote, str(runtime.python), str(zygote.socket), env,
+                        str(zygote.folder / "zygote.log"), cancel=self._interrupted).result()  # kvrepro#8
                 except RuntimeError as exc:
                     self.on_line(f"engine zygote unavailable, starting engines directly: {exc}")
             return str(zygote.socket) if zygote.running() else None
@@ -193,6 +198,7 @@ class SimTarget(Target):
     def close(self) -> None:
         for zygote in self._zygotes.values():
             zygote.stop()
+        self._zygote_parent.shutdown(wait=False)
 
     def max_parallel(self) -> int:
         # one engine keeps about one core busy; the load generator is light
