@@ -470,7 +470,6 @@ def engine_serve(
     rep: int = typer.Option(0, help="repetition number (selects the seed)"),
 ) -> None:
     """Serve one build with vLLM's own `vllm serve`, GPU-free, on 127.0.0.1 until stopped (Ctrl-C)."""
-    import os
     import subprocess
 
     from .deploy.sim import SimTarget

@@ -8,7 +8,6 @@ patching code on files copied out of a base image.
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 from .overlay import build_overlay, pristine_tree
 from .patching import apply_patch_stack, touched_files

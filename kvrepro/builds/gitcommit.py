@@ -16,13 +16,11 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import re
 import shutil
 import subprocess
 import tarfile
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,7 +28,7 @@ from .. import paths, versions
 from ..errors import KvreproError, SpecError
 from ..records import BuildArtifact, BuildPlan
 from . import patching
-from .overlay import OVERLAY_FORMAT, PROBE_SOURCE, _sha256, install_dist_info, pristine_tree, tree_sha256
+from .overlay import OVERLAY_FORMAT, PROBE_SOURCE, _sha256, finish_overlay, pristine_tree
 
 # generated at release time, never committed: always taken from the wheel
 _GENERATED = ("vllm/_version.py",)
@@ -162,28 +160,12 @@ def build_commit_overlay(plan: BuildPlan, on_line: Callable[[str], None] | None 
             failure = patching.apply_patch_stack(tmp, plan.patches)
             if failure is not None:
                 return BuildArtifact(plan=plan, ref=None, manifest={}, error=str(failure))
-            shutil.copy2(PROBE_SOURCE, tmp / PROBE_SOURCE.name)
-            install_dist_info(wheel, tmp)  # `vllm serve` needs vLLM's metadata and our plugin's entry point
-            manifest = {
+            return finish_overlay(plan, tmp, dest, wheel, wheel_digest, key, {
                 "source": "git commit",
                 "repo": source.repo,
                 "commit": source.commit,
-                "base": plan.base,
-                "wheel": wheel.name,
-                "wheel_sha256": wheel_digest,
                 "from_wheel": added,
-                "patches": [{"name": p.name, "upstream": p.upstream, "sha256": p.sha256} for p in plan.patches],
-                "probe_sha256": _sha256(PROBE_SOURCE),
-                "overlay_key": key,
-                "overlay_sha256": tree_sha256(tmp),
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            }
-            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-            if dest.exists():  # a concurrent builder (the prefetch thread) won; theirs is identical
-                shutil.rmtree(tmp)
-            else:
-                os.replace(tmp, dest)
-            return BuildArtifact(plan=plan, ref=str(dest), manifest=manifest, source_root=str(dest))
+            })
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)

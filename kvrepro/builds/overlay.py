@@ -118,6 +118,34 @@ def install_dist_info(wheel: Path, root: Path) -> None:
         (root / rel).write_text(text)
 
 
+def finish_overlay(plan: BuildPlan, tmp: Path, dest: Path, wheel: Path, wheel_digest: str, key: str,
+                   about: dict) -> BuildArtifact:
+    """Complete a patched ``vllm/`` tree in ``tmp`` and move it to ``dest``: the probe, the
+    dist-info folders `vllm serve` needs, and the manifest (``about`` says where the tree came
+    from). Every kind of build (release wheel, git commit) ends here."""
+    shutil.copy2(PROBE_SOURCE, tmp / PROBE_SOURCE.name)
+    install_dist_info(wheel, tmp)
+    manifest = {
+        **about,
+        "base": plan.base,
+        "wheel": wheel.name,
+        "wheel_sha256": wheel_digest,
+        "patches": [{"name": p.name, "upstream": p.upstream, "sha256": p.sha256} for p in plan.patches],
+        "probe_sha256": _sha256(PROBE_SOURCE),
+        # what the probe must log as source_sha256 when this build's code runs
+        "probe_target_sha256": probe_target_sha256(tmp),
+        "overlay_key": key,
+        "overlay_sha256": tree_sha256(tmp),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    if dest.exists():  # a concurrent builder (another slot, a prefetch thread) won; theirs is identical
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, dest)
+    return BuildArtifact(plan=plan, ref=str(dest), manifest=manifest, source_root=str(dest))
+
+
 def build_overlay(plan: BuildPlan, on_line: Callable[[str], None] | None = None) -> BuildArtifact:
     """Build (or reuse) the overlay for ``plan``.
 
@@ -151,26 +179,7 @@ def build_overlay(plan: BuildPlan, on_line: Callable[[str], None] | None = None)
         failure = patching.apply_patch_stack(tmp, plan.patches)
         if failure is not None:
             return BuildArtifact(plan=plan, ref=None, manifest={}, error=str(failure))
-        shutil.copy2(PROBE_SOURCE, tmp / PROBE_SOURCE.name)
-        install_dist_info(wheel, tmp)
-        manifest = {
-            "base": plan.base,
-            "wheel": wheel.name,
-            "wheel_sha256": wheel_digest,
-            "patches": [{"name": p.name, "upstream": p.upstream, "sha256": p.sha256} for p in plan.patches],
-            "probe_sha256": _sha256(PROBE_SOURCE),
-            # what the probe must log as source_sha256 when this build's code runs
-            "probe_target_sha256": probe_target_sha256(tmp),
-            "overlay_key": key,
-            "overlay_sha256": tree_sha256(tmp),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        if dest.exists():  # a concurrent builder won the race; theirs is identical
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, dest)
-        return BuildArtifact(plan=plan, ref=str(dest), manifest=manifest, source_root=str(dest))
+        return finish_overlay(plan, tmp, dest, wheel, wheel_digest, key, {})
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
