@@ -27,6 +27,7 @@ from rich.text import Text
 from . import __version__, stats
 from .pages import Block, Bullets, Cell, Code, Details, Heading, Image, Para, Table, to_html, to_markdown
 from .records import BisectionStep, RunResult, Verdict
+from .spec import expected_labels
 from .results import BuildResults, MatrixRun, write_atomic
 
 _STYLE = {"CRASH": "bold red", "CORRUPT": "bold red", "SURVIVED": "bold green", "VACUOUS": "yellow",
@@ -60,7 +61,8 @@ class Mismatch:
 
 def meets_expectation(run: RunResult, expected: str | None) -> bool:
     """An INTERRUPTED repetition is neither a pass nor a failure of ``expect:``: it did not finish."""
-    return (not expected or run.verdict in (Verdict.INTERRUPTED, Verdict.INCOMPLETE) or run.label == expected
+    return (not expected or run.verdict in (Verdict.INTERRUPTED, Verdict.INCOMPLETE)
+            or run.label in expected_labels(expected)
             # INFRA says nothing about the code: its own exit code (3), not "differs from expect"
             or (run.verdict is Verdict.INFRA and expected != "INFRA"))
 

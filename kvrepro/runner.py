@@ -32,7 +32,7 @@ from .metrics import parse_prometheus, total
 from .records import (BuildArtifact, BuildPlan, BuildRecord, Classification, Exposure, HostInfo, LoadSummary,
                       Outcome, PatchInfo, RunManifest, RunResult, Verdict)
 from .secrets import redact
-from .spec import LoadedMatrix
+from .spec import LoadedMatrix, expected_labels
 from .verdict import decide, died_without_traceback_title
 from .verdict import title as verdict_title
 
@@ -257,10 +257,12 @@ def _decided(artifact: BuildArtifact, runs: list[RunResult], expect: str | None)
         return bool(runs)  # every repetition of a failed build is the same INFRA
     expected_failure = None
     if expect:
-        expected_failure = expect.startswith(("CRASH", "CORRUPT"))
-        if not expected_failure and expect != "SURVIVED":
-            # VACUOUS/STALL/INFRA expected: three agreeing repetitions, or the first that disagrees
-            return len(runs) >= 3 or any(r.label != expect for r in runs)
+        labels = expected_labels(expect)
+        expected_failure = all(label.startswith(("CRASH", "CORRUPT")) for label in labels)
+        if not expected_failure and labels != ("SURVIVED",):
+            # VACUOUS/UNREACHED/STALL/INFRA or several expected: three agreeing repetitions, or
+            # the first that disagrees
+            return len(runs) >= 3 or any(r.label not in labels for r in runs)
     return stats.decisive(stats.rate(runs), expected_failure).decisive
 
 

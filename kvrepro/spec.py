@@ -24,6 +24,11 @@ SHIPPED_MODELS = Path(__file__).resolve().parent / "data" / "models"
 _VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?([.+-]?[A-Za-z0-9.]+)?$")
 
 
+def expected_labels(expect: str) -> tuple[str, ...]:
+    """An ``expect:`` value as the verdicts it accepts: ``SURVIVED|UNREACHED`` is either."""
+    return tuple(part.strip() for part in expect.split("|") if part.strip())
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -363,8 +368,10 @@ class Matrix(_Strict):
         for name, label in self.expect.items():
             if name not in self.builds:
                 raise _FieldError(f"expect.{name}", f"no build {name!r}; builds: {', '.join(self.builds)}")
-            if label not in EXPECTABLE:
-                raise _FieldError(f"expect.{name}", f"{label!r} is not a verdict; use one of {', '.join(EXPECTABLE)}")
+            for alternative in expected_labels(label):
+                if alternative not in EXPECTABLE:
+                    raise _FieldError(f"expect.{name}", f"{alternative!r} is not a verdict; use one of "
+                                      f"{', '.join(EXPECTABLE)}, or several joined by '|' (any of them)")
         return self
 
     @property

@@ -114,3 +114,24 @@ def test_bad_base_lists_are_named(tmp_path):
     path.write_text("builds: {A: []}\n")
     with pytest.raises(SpecError, match="--base 'nightly': must be a vLLM release version"):
         load_matrix(path).plans(bases=["nightly"])
+
+
+def test_expect_may_accept_any_of_several_verdicts(tmp_path):
+    """Release validation: "the crash is not back" is SURVIVED or UNREACHED, never CRASH/CORRUPT."""
+    from kvrepro.records import Outcome, RunResult, Verdict
+    from kvrepro.report import meets_expectation
+
+    path = tmp_path / "matrix.yaml"
+    path.write_text("builds: {release: []}\nexpect: {release: SURVIVED|UNREACHED}\n")
+    expect = load_matrix(path).matrix.expect["release"]
+
+    def run(verdict: Verdict, outcome: Outcome = Outcome.NONE) -> RunResult:
+        return RunResult(build="release", rep=0, verdict=verdict, outcome=outcome, title="", trigger_count=1,
+                         external_hit_calls=1, requests=600, seconds=1.0)
+
+    assert meets_expectation(run(Verdict.UNREACHED), expect)
+    assert meets_expectation(run(Verdict.SURVIVED), expect)
+    assert not meets_expectation(run(Verdict.CORRUPT), expect)
+    assert not meets_expectation(run(Verdict.CRASH, Outcome.TARGET), expect)
+    msg = _error("builds: {A: []}\nexpect: {A: SURVIVED|FINE}\n", tmp_path)
+    assert ":2: expect.A: 'FINE' is not a verdict" in msg and "joined by '|'" in msg
