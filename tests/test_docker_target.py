@@ -204,7 +204,7 @@ def _start_failure_cases(tmp_path: Path, cpu_base: str):
         ("unknown_host", {"hosts": [{"name": "a", "docker": "unix:///var/run/docker.sock"}],
                           "docker": {"nodes": ["a", "gpu-7"]}}, "'gpu-7'"),
         ("unresolvable_host", {"hosts": [{"name": "far", "docker": "ssh://ops@no-such-gpu-node.invalid"}]},
-         "does not resolve"),
+         "Could not resolve hostname"),
     ]
     return busy, cases
 
