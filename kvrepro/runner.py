@@ -162,8 +162,12 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
         engine_start_s = round(time.monotonic() - started, 3)
     except InfraError as exc:
         result = _infra_result(plan, rep, run_dir, str(exc), time.monotonic() - started)
-        result = replace(result, title=_start_failure_title(str(exc), run_dir / "engine.log", artifact,
-                                                            matrix.target_signature))
+        title = _start_failure_title(str(exc), run_dir / "engine.log", artifact, matrix.target_signature)
+        result = replace(result, title=title)
+        if "last lines of" in str(exc):
+            # the target quoted the engine's log (a traceback of vLLM's, perhaps): the record keeps
+            # the root cause and where the whole log is, not raw log lines
+            result = replace(result, infra_error=redact(f"{title}\n(the whole engine log: {run_dir / 'engine.log'})"))
         if stop.is_set():  # Ctrl-C while it was starting: says nothing about the infrastructure
             return replace(result, verdict=Verdict.INTERRUPTED, outcome=Outcome.NONE,
                            title="interrupted while the engine was starting")
