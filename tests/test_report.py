@@ -268,6 +268,8 @@ def test_step_summary_is_appended_when_github_provides_it(tmp_path, monkeypatch)
 
 
 def test_markdown_too_long_for_a_pr_comment_leaves_out_the_details(tmp_path, monkeypatch):
+    """The limit (GitHub's comment size) is lowered so that a small run exceeds it: no fake
+    beyond that constant; the report code runs as it would on a long run."""
     run = make_run(tmp_path, DEFAULT, EXPECT)
     monkeypatch.setattr(report, "MARKDOWN_LIMIT", 3000)
     md_path, html_path = report.write_report(run)
