@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, require
+from kvrepro.deploy.docker.hosts import remove_quietly
 
 TOKEN = "hf_kvreproTestTokenDoNotLeak0123456789"
 
@@ -234,10 +235,7 @@ def test_signal_leaves_no_container_docker(tmp_path, docker_base, sig):
             proc.kill()
             proc.wait()
         for container in owned_containers(docker_base, proc.pid):
-            try:
-                container.remove(force=True)
-            except Exception:  # noqa: BLE001 - already being removed
-                pass
+            remove_quietly(container)  # may be being removed by the reaper already
     stderr = proc.stderr_text()
     assert "Traceback" not in stderr, stderr[-3000:]
     run = show(results)
@@ -275,10 +273,7 @@ def test_clean_removes_orphans_and_leaves_live_runs_alone(docker_base):
         assert left == {f"kvrepro-reliability-live-{os.getpid()}"}
     finally:
         for container in made:
-            try:
-                container.remove(force=True)
-            except Exception:  # noqa: BLE001
-                pass
+            remove_quietly(container)
 
 
 @pytest.mark.docker
@@ -314,10 +309,7 @@ def test_next_docker_run_reaps_containers_of_a_killed_kvrepro(tmp_path, docker_b
         assert left == {f"kvrepro-reap-live-{os.getpid()}"}
     finally:
         for container in made:
-            try:
-                container.remove(force=True)
-            except Exception:  # noqa: BLE001
-                pass
+            remove_quietly(container)
 
 
 # ------------------------------------------------------------------ 2. secrets
