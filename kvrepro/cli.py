@@ -282,14 +282,19 @@ def matrix_run(
             progress = RichProgress(total)
             with progress.progress:
                 run = run_matrix(loaded, options, progress, stop)
+        # Every run is recorded and nothing is left running; the table and the report take a
+        # moment. A further Ctrl-C must not land inside them (a KeyboardInterrupt raised in a
+        # library's callback prints a traceback and leaves a half-written report): ignored.
+        for sig in previous:
+            signal.signal(sig, lambda signum, frame: None)
+        if as_json:
+            _emit_json(report.matrix_json(run))
+        else:
+            (_ci_console() if ci else out).print(report.matrix_table(run))
+        _write_outputs(run, junit, ci)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if as_json:
-        _emit_json(report.matrix_json(run))
-    else:
-        (_ci_console() if ci else out).print(report.matrix_table(run))
-    _write_outputs(run, junit, ci)
     code = _exit_code(run)
     if code:
         raise typer.Exit(code)
