@@ -774,7 +774,8 @@ def minimize_cmd(
     build: str = typer.Option(..., "--build", "-b", help="the crashing build (e.g. A)"),
     fixed: Optional[str] = typer.Option(None, "--fixed", help="a build that must NOT crash on the result (e.g. D)"),
     rep: Optional[int] = typer.Option(None, "--rep", help="which repetition's trace (default: the first that crashed)"),
-    emit_pytest: Optional[Path] = typer.Option(None, "--emit-pytest", help="also write a standalone pytest here"),
+    emit_pytest: Optional[Path] = typer.Option(None, "--emit-pytest", help="also write a standalone test here (vLLM's scheduler driven with the result; "
+                                              "imports only vLLM and torch) and run it on --build and --fixed"),
     confirm: bool = typer.Option(True, "--confirm/--no-confirm",
                                  help="replay the result over HTTP on --build and --fixed"),
     matrix: Path = MatrixOpt,
@@ -797,7 +798,9 @@ def minimize_cmd(
                   f"{summary['crash_at']}" + (f"; {fixed}: {summary['fixed_result']}" if fixed else ""))
         out.print(f"trace: {summary['trace']}")
         if summary.get("pytest"):
-            out.print(f"pytest: {summary['pytest']}")
+            out.print(f"pytest: {summary['pytest']} (drives vLLM's scheduler; imports vLLM and torch only)")
+            for name, check in summary.get("pytest_check", {}).items():
+                out.print(f"  with build {name}'s vLLM: {check['result']}")
         for line in summary.get("confirmed", []):
             out.print(f"  replay: {line}")
     if not summary["ok"]:

@@ -15,6 +15,10 @@ Every candidate runs on the GPU-free engine in-process and sequentially
 candidate), which is deterministic and takes well under a second. The result is then checked:
 it must crash A the same way twice and must not crash ``fixed``; with ``confirm`` it is replayed
 over HTTP against both builds (``kvrepro load replay``), the path every other run takes.
+
+With ``emit_pytest`` the result is also written as a standalone test that drives vLLM's
+scheduler directly (:mod:`kvrepro.pytest_emit`), and that test is run with each build's vLLM:
+it must fail on ``build`` with the target signature and pass on ``fixed``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from .errors import InfraError, KvreproError, SpecError
 from .loadgen.trace import Trace, TraceRequest, read_trace, write_trace
 from .spec import LoadedMatrix, TargetSignature
 
+
 class OfflineEngine:
     """One ``python -m kvrepro.engine.offline -`` process for one build: jobs in, results out."""
 
@@ -46,7 +51,10 @@ class OfflineEngine:
         args = loaded.matrix.engine.serve_args(str(loaded.model_dir()), include_sim=True)
         env = self.target.environment(artifact, rep)
         env["VLLM_LOGGING_LEVEL"] = "ERROR"
-        self.command = [str(self.target.runtime(plan.base).python), "-m", "kvrepro.engine.offline", "-", *args]
+        runtime = self.target.runtime(plan.base)
+        self.command = [str(runtime.python), "-m", "kvrepro.engine.offline", "-", *args]
+        # a standalone test needs the build's vLLM and the runtime's packages, not kvrepro
+        self.test_pythonpath = runtime.pythonpath(artifact.ref or "")
         self.env = env
         self.proc = subprocess.Popen(self.command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True)
@@ -56,6 +64,8 @@ class OfflineEngine:
             self.close()
             raise InfraError(f"the offline engine for build {build} did not start (run "
                              f"`{' '.join(self.command[:4])} ...` by hand to see why)")
+        # the settings and KV-cache groups vLLM built (kvrepro.engine.offline.describe)
+        self.engine_info: dict[str, Any] = json.loads(first).get("engine") or {}
 
     def run(self, job: list[TraceRequest]) -> dict[str, Any]:
         line = json.dumps([{"tokens": list(r.tokens), "max_tokens": r.max_tokens} for r in job])
@@ -233,20 +243,45 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
         "candidates_run": runs["count"],
     }
     if emit_pytest is not None:
-        from .pytest_emit import emit
-
-        runs_for = {build: (engine.command[0], engine.env["PYTHONPATH"])}
-        if fixed_engine is not None:
-            runs_for[fixed] = (fixed_engine.command[0], fixed_engine.env["PYTHONPATH"])
-        emit(Path(emit_pytest), minimized, loaded, build, fixed, runs_for)
-        summary["pytest"] = str(emit_pytest)
+        summary.update(_emit_and_check(Path(emit_pytest), minimized, loaded, build, engine, fixed, fixed_engine,
+                                       on_line))
     summary["confirmed"] = []
     if confirm:
         summary["confirmed"] = _confirm(loaded, out_path, root, [build] + ([fixed] if fixed else []), on_line)
     ok = deterministic and (fixed is None or not str(fixed_result).startswith("CRASH"))
+    ok = ok and all(c["ok"] for c in summary.get("pytest_check", {}).values())
     summary["ok"] = ok and all("error" not in c for c in summary["confirmed"])
     results.write_json(trace_path.with_name("minimized.json"), summary)
     return summary
+
+
+def _emit_and_check(path: Path, trace: Trace, loaded: LoadedMatrix, build: str, engine: OfflineEngine,
+                    fixed: str | None, fixed_engine: OfflineEngine | None,
+                    on_line: Callable[[str], None]) -> dict[str, Any]:
+    """Write the scheduler-level test and run it with each build's vLLM: it must fail on
+    ``build`` with the target signature and pass on ``fixed``."""
+    from .pytest_emit import emit, run_emitted
+
+    sig = loaded.matrix.target_signature
+    engines = {build: engine, **({fixed: fixed_engine} if fixed and fixed_engine is not None else {})}
+    runs = {name: (e.command[0], e.test_pythonpath,
+                   f"build {name}: " + ("fails (the bug)" if name == build else "passes (fixed)"))
+            for name, e in engines.items()}
+    emit(path, trace, loaded, engine.engine_info, runs)
+    check: dict[str, dict[str, Any]] = {}
+    for name, e in engines.items():
+        on_line(f"running the emitted test with build {name}'s vLLM")
+        got = run_emitted(path, e.command[0], e.test_pythonpath)
+        target = (got["exit"] != 0 and got["exception"] == sig.exception and got["function"] == sig.function
+                  and (not sig.file or str(got["file"] or "").endswith(sig.file)))
+        if name == build:
+            ok, seen = target, ("fails with the target signature" if target else
+                                f"exit {got['exit']}, not the target signature: {got['tail'][-300:]}")
+        else:
+            ok = got["exit"] == 0
+            seen = "passes" if ok else f"exit {got['exit']}: {got['tail'][-300:]}"
+        check[name] = {"ok": ok, "result": seen, "exit": got["exit"]}
+    return {"pytest": str(path), "pytest_check": check}
 
 
 def _confirm(loaded: LoadedMatrix, trace_path: Path, root: Path, builds: list[str],

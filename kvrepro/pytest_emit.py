@@ -1,104 +1,500 @@
-"""Write a minimized trace as a pytest that drives vLLM's engine core with that request sequence.
+"""Write a minimized trace as a standalone pytest that drives vLLM's scheduler with it.
 
-The test builds the same EngineCore the GPU-free engine serves -- vLLM's scheduler, KV-cache
-manager and OffloadingConnector (scheduler and worker side) over kvrepro's sim executor, which
-fakes only the GPU model and the offload data movement -- adds the requests one at a time and
-steps each to completion. It has no assertion of its own: on a build with the bug, vLLM's own
-assertion fails inside ``step()``; on a fixed build the sequence runs through.
+The emitted file is meant to be attached to an upstream pull request, in the style of vLLM's
+``tests/v1/kv_connector/unit/offloading_connector/`` tests: it imports only vLLM, torch and
+pytest (no kvrepro), builds vLLM's ``Scheduler`` from a hand-made ``VllmConfig`` and
+``KVCacheConfig``, and steps it with fake model-runner outputs. What runs for real is all of
+vLLM above the model runner: the scheduler, the KV-cache manager with its hybrid groups, the
+spec-decode bookkeeping, the ``OffloadingConnector``'s scheduler side (with its CPU offloading
+manager; it holds the assertion) and its worker side. Faked, exactly as kvrepro's GPU-free
+executor fakes them, so the scheduling is step for step the engine's:
 
-The file runs under pytest or as a script (``python FILE``: exit 1 with vLLM's traceback when
-the bug fires), with the build's overlay and kvrepro's sources on PYTHONPATH (the header says
-exactly how). Upstream's offloading_connector unit tests drive ``Scheduler`` with a hand-made
-config instead of ``EngineCore``; porting this sequence there means replacing the sim executor
-with their ``RequestRunner`` (not done here).
+* the model: token values are a function of request and position; each scheduled MTP draft is
+  accepted with the matrix's rate from a ``random.Random(seed)`` (the engine's seed for that
+  repetition); a prefill chunk samples nothing; drafts are proposed after each sampled step;
+* the offload data movement: an ``OffloadingWorker`` that moves no bytes and reports each job
+  finished at the next step (the sim executor's ``SimTransferWorker``).
+
+The geometry is not re-derived: the minimizer's offline engine reports the settings vLLM
+resolved from the matrix's ``vllm serve`` arguments and the KV-cache groups it built
+(:func:`kvrepro.engine.offline.describe`), and they are written into the test as literals.
+
+The test has no assertion about the bug: on a build with it, vLLM's own assertion fails inside
+``Scheduler.schedule()``. It does assert that the sequence reached the bug's state (an offload
+hit behind a local prefix hit), so a fixed build passes only by going through that state.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import pprint
+import re
+import subprocess
 from pathlib import Path
+from typing import Any
 
-from . import paths
 from .loadgen.trace import Trace
 from .spec import LoadedMatrix
 
-_TEMPLATE = '''"""Regression test: vLLM {base} {signature}.
+_TEMPLATE = '''"""Regression test: vLLM {base}, {exception} in {function}.
 
-Emitted by `kvrepro minimize` from {source}
-({requests} requests, {tokens} prompt tokens, sent one at a time). It drives vLLM's EngineCore
-(scheduler, KV-cache manager, OffloadingConnector) over kvrepro's GPU-free executor, which fakes
-only the GPU model and the offload data movement, and has no assertion of its own: with the bug,
-vLLM's assertion fails inside step(); with the fix the sequence runs through.
+{expression_line}A KV-offloading request whose offload hit sits behind a partial local (GPU prefix-cache) hit,
+on a hybrid model (Gated-DeltaNet Mamba groups + a full-attention group, Mamba cache mode
+{mamba_cache_mode!r}, MTP with {num_spec} speculative {token_word}). The sequence below is {requests} requests
+({tokens} prompt tokens), sent one at a time, each run to completion before the next; kvrepro
+minimized it from a load run that crashed the engine ({source}).
 
-Run with a build's overlay first on PYTHONPATH (or under pytest: `python -m pytest {name}`):
+It drives vLLM's Scheduler, KV-cache manager and OffloadingConnector (scheduler side with the
+real CPU offloading manager, and worker side) directly. Faked: the model (sampled and draft
+tokens are deterministic; drafts are accepted with probability {acceptance} from a seeded RNG)
+and the offload data movement (a job is reported finished one step after it is submitted). The
+test has no assertion about the bug: with it, vLLM's assertion fails inside schedule(); with a
+fix the sequence runs through, and the test checks it did reach the offload-hit-behind-a-local-
+hit state.
+
+Needs only vLLM (no GPU) and torch; pytest is optional. Run it as a script, with a build's vLLM
+first on PYTHONPATH (exit 1 with vLLM's traceback when the bug fires, 0 when it runs through):
 {run_lines}
+(VLLM_PLUGINS= keeps vLLM from loading the platform plugin kvrepro's overlays carry), or under
+pytest, in an environment that has vLLM and pytest: `python -m pytest -q {name}`.
 """
 
-import os
+import json
+import random
+import tempfile
+import zlib
+from pathlib import Path
 
-ENGINE_ARGS = {engine_args}
-SIM_SEED = {sim_seed}
+{imports}
+
+# A tiny Qwen3-Next: {layers}. No weights are loaded.
+MODEL_CONFIG = {model_config}
+
+MAX_MODEL_LEN = {max_model_len}
+BLOCK_SIZE = {block_size}
+NUM_GPU_BLOCKS = {num_gpu_blocks}
+SEED = {seed}
 DRAFT_ACCEPTANCE_RATE = {acceptance}
 
-# before vLLM resolves its platform: kvrepro's plugin then names the GPU-free CPU platform
-os.environ["KVREPRO_SIM"] = "1"
-os.environ["KVREPRO_SIM_SEED"] = str(SIM_SEED)
-os.environ["KVREPRO_SIM_ACCEPTANCE_RATE"] = repr(DRAFT_ACCEPTANCE_RATE)
-
-# (max_tokens, prompt token ids), in the order they are sent
-REQUESTS = [
-{requests_literal}
+# The KV-cache groups vLLM {vllm} builds for this model with these settings.
+KV_CACHE_GROUPS = [
+{groups}
+]
+KV_CACHE_TENSORS = [
+{tensors}
 ]
 
+# (max_tokens, prompt token ids), in the order they are sent; P[i] is request i's prompt
+P: list[list[int]] = []
+{prompts}
+REQUESTS = [{request_list}]
 
-def _engine_core():
-    from kvrepro.engine.offline import build_engine_factory  # `vllm serve ENGINE_ARGS`'s EngineCore
 
-    return build_engine_factory(ENGINE_ARGS)()
+def make_vllm_config(model_dir: str) -> VllmConfig:
+    model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True,
+                               max_model_len=MAX_MODEL_LEN, dtype={dtype!r})
+    parallel_config = ParallelConfig()
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        parallel_config=parallel_config,
+        device_config=DeviceConfig("cpu"),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching={enable_prefix_caching},
+                                 prefix_caching_hash_algo={hash_algo!r}{mamba_cache_kw}),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_num_batched_tokens},
+            max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False,
+            enable_chunked_prefill={enable_chunked_prefill},
+            long_prefill_token_threshold={long_prefill_token_threshold},
+            async_scheduling={async_scheduling}),
+        speculative_config={speculative_config},
+        kv_transfer_config=KVTransferConfig(
+            kv_connector={kv_connector!r}, kv_role={kv_role!r},
+            kv_connector_extra_config={kv_extra!r}),
+    )
+    vllm_config.cache_config.num_gpu_blocks = NUM_GPU_BLOCKS
+    # a GPU platform keeps the hybrid KV-cache manager on; without a platform vLLM turns it off,
+    # which here only changes how layers would be grouped (the groups are given below)
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = {disable_hybrid}
+    return vllm_config
 
 
-def test_offload_hit_behind_a_partial_local_hit():
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.engine import EngineCoreRequest
+def make_kv_cache_config() -> KVCacheConfig:
+    return KVCacheConfig(
+        num_blocks=NUM_GPU_BLOCKS,
+        kv_cache_tensors=[KVCacheTensor(size=size, shared_by=list(layers)) for size, layers in KV_CACHE_TENSORS],
+        kv_cache_groups=[KVCacheGroupSpec(list(layers), spec) for layers, spec in KV_CACHE_GROUPS],
+    )
 
-    core = _engine_core()
+
+class InstantOffloadingWorker(OffloadingWorker):
+    """Moves no bytes: a load or store submitted in one step is reported done in the next."""
+
+    def __init__(self):
+        self.submitted: list[int] = []
+        self.done: list[int] = []
+
+    def begin_step(self) -> None:
+        self.done += self.submitted
+        self.submitted = []
+
+    def submit_store(self, job_id, src_spec, dst_spec) -> bool:
+        self.submitted.append(job_id)
+        return True
+
+    def submit_load(self, job_id, src_spec, dst_spec) -> bool:
+        self.submitted.append(job_id)
+        return True
+
+    def wait(self, job_ids) -> None:  # a flush: the named jobs finish now
+        for job_id in job_ids:
+            if job_id in self.submitted:
+                self.submitted.remove(job_id)
+                self.done.append(job_id)
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self.done = sorted(set(self.done)), []
+        return [TransferResult(job_id=job_id, success=True) for job_id in done]
+
+
+class FakeModel:
+    """What the GPU model runner would return: sampled tokens and MTP drafts, deterministic."""
+
+    def __init__(self, vocab_size: int, num_spec: int):
+        self.vocab_size = vocab_size
+        self.num_spec = num_spec
+        self.rng = random.Random(SEED)
+        self.tokens: dict[str, list[int]] = {{}}  # prompt + accepted output, per request
+        self.keys: dict[str, int] = {{}}
+        self.drafts: dict[str, list[int]] = {{}}
+
+    def token(self, req_id: str, position: int) -> int:
+        return (self.keys[req_id] * 1_000_003 + position * 7_919) % self.vocab_size
+
+    def update_states(self, so) -> dict[str, int]:
+        """Every step: forget finished requests, learn new ones; tokens computed per request."""
+        for req_id in so.finished_req_ids:
+            self.tokens.pop(req_id, None)
+        computed = {{}}
+        for new in so.scheduled_new_reqs:
+            if new.req_id not in self.tokens:
+                self.tokens[new.req_id] = list(new.prompt_token_ids)
+                self.keys[new.req_id] = zlib.crc32(new.req_id.encode())
+            computed[new.req_id] = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        return computed
+
+    def forward(self, so, computed: dict[str, int]) -> tuple[list[str], list[list[int]]]:
+        req_ids = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        self.drafts = {{}}
+        for req_id in req_ids:
+            tokens = self.tokens[req_id]
+            spec = so.scheduled_spec_decode_tokens.get(req_id) or []
+            if computed[req_id] + so.num_scheduled_tokens[req_id] - len(spec) < len(tokens):
+                sampled.append([])  # a chunk of a longer prefill samples nothing
+                continue
+            accepted = 0
+            for draft in spec:
+                if draft < 0 or self.rng.random() >= DRAFT_ACCEPTANCE_RATE:
+                    break
+                accepted += 1
+            out = list(spec[:accepted])
+            new = self.token(req_id, len(tokens) + accepted)
+            if accepted < len(spec) and new == spec[accepted]:
+                new = (new + 1) % self.vocab_size  # a rejected draft is replaced by another token
+            out.append(new)
+            tokens.extend(out)
+            sampled.append(out)
+            if self.num_spec:
+                self.drafts[req_id] = [self.token(req_id, len(tokens) + i) for i in range(self.num_spec)]
+        return req_ids, sampled
+
+
+def run_sequence(model_dir: str) -> list[tuple[str, int, int]]:
+    """Send REQUESTS one at a time, each stepped to completion as EngineCore.step() does.
+    Returns the offload hits: (request id, local prefix-hit tokens, offloaded tokens to load)."""
+    vllm_config = make_vllm_config(model_dir)
+    kv_cache_config = make_kv_cache_config()
+    scheduler = Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size={scheduler_block_size},
+        hash_block_size={hash_block_size},
+        log_stats=True,
+    )
+    worker_connector = OffloadingConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    transfers = InstantOffloadingWorker()
+    worker_connector.connector_worker.worker = transfers
+    spec_config = vllm_config.speculative_config
+    model = FakeModel(vllm_config.model_config.get_vocab_size(),
+                      spec_config.num_speculative_tokens if spec_config is not None else 0)
+
+    hits: list[tuple[str, int, int]] = []
+    connector = scheduler.connector
+    lookup = connector.get_num_new_matched_tokens
+
+    def recorded_lookup(request, num_computed_tokens):
+        num_external, is_async = lookup(request, num_computed_tokens)
+        if num_external:
+            hits.append((request.request_id, num_computed_tokens, num_external))
+        return num_external, is_async
+
+    connector.get_num_new_matched_tokens = recorded_lookup
+
+    hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    block_hasher = get_request_block_hasher({hash_block_size}, hash_fn)
+
     for i, (max_tokens, prompt) in enumerate(REQUESTS):
-        request = EngineCoreRequest(
-            request_id=f"req-{{i}}", prompt_token_ids=list(prompt), mm_features=None,
-            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True), pooling_params=None,
-            arrival_time=float(i), lora_request=None, cache_salt=None, data_parallel_rank=None)
-        core.add_request(*core.preprocess_add_request(request))
-        while core.scheduler.has_requests():  # one request at a time, to completion
-            _, executed = core.step()
-            core.post_step(executed)
+        scheduler.add_request(Request(
+            request_id=f"req-{{i}}", prompt_token_ids=list(prompt),
+            sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            pooling_params=None, arrival_time=float(i), block_hasher=block_hasher))
+        for _ in range(100_000):
+            if not scheduler.has_requests():
+                break
+            try:
+                so = scheduler.schedule()  # <- the bug's AssertionError is raised in here
+            except AssertionError as exc:
+                exc.add_note(f"scheduling request {{i}} of {{len(REQUESTS)}} (req-{{i}})")
+                raise
+            # the worker side, in the order the GPU model runner drives it
+            transfers.begin_step()
+            worker_connector.handle_preemptions(so.kv_connector_metadata)
+            computed = model.update_states(so)
+            worker_connector.bind_connector_metadata(so.kv_connector_metadata)
+            worker_connector.start_load_kv(None)
+            executed = so.total_num_scheduled_tokens > 0
+            req_ids, sampled = model.forward(so, computed) if executed else ([], [])
+            if executed:
+                worker_connector.wait_for_save()
+            finished_sending, finished_recving = worker_connector.get_finished(so.finished_req_ids)
+            kv_output = KVConnectorOutput(
+                finished_sending=finished_sending, finished_recving=finished_recving,
+                invalid_block_ids=worker_connector.get_block_ids_with_load_errors(),
+                kv_connector_worker_meta=worker_connector.build_connector_worker_meta())
+            worker_connector.clear_connector_metadata()
+            if executed:
+                output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={{r: n for n, r in enumerate(req_ids)}},
+                                           sampled_token_ids=sampled, kv_connector_output=kv_output)
+            else:
+                output = ModelRunnerOutput.with_kv_conn_output_only(kv_output)
+            scheduler.update_from_output(so, output)
+            if executed and model.drafts:
+                drafts, model.drafts = model.drafts, {{}}
+                scheduler.update_draft_token_ids(DraftTokenIds(list(drafts), list(drafts.values())))
+        else:
+            raise RuntimeError(f"request {{i}} did not finish within 100000 steps")
+    return hits
+
+
+def test_offload_hit_behind_partial_local_hit(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    hits = run_sequence(str(tmp_path))
+    # without the bug the sequence runs through; it must still have reached the bug's state
+    assert any(local > 0 for _, local, _ in hits), f"no offload hit behind a local prefix hit: {{hits}}"
 
 
 if __name__ == "__main__":
-    test_offload_hit_behind_a_partial_local_hit()
+    with tempfile.TemporaryDirectory() as folder:
+        test_offload_hit_behind_partial_local_hit(Path(folder))
     print("passed: the sequence ran through")
 '''
 
 
-def emit(path: Path, trace: Trace, loaded: LoadedMatrix, build: str, fixed: str | None,
-         runs: dict[str, tuple[str, str]] | None = None) -> None:
-    """``runs``: build -> (python, PYTHONPATH) of that build's runtime, for the header."""
+def _prompts_source(prompts: list[list[int]], width: int = 100) -> list[str]:
+    """``P.append(P[j][:n] + [...])`` per prompt: the longest prefix shared with an earlier
+    prompt is written as a slice of it (shared prefixes are what the bug is about), the rest as
+    literal token ids."""
+    lines = []
+    for i, tokens in enumerate(prompts):
+        best_n, best_j = 0, None
+        for j in range(i):
+            other, n = prompts[j], 0
+            limit = min(len(tokens), len(other))
+            while n < limit and tokens[n] == other[n]:
+                n += 1
+            if n > best_n:
+                best_n, best_j = n, j
+        rest = tokens[best_n:]
+        head = f"P[{best_j}][:{best_n}]" if best_j is not None and best_n >= 16 else None
+        if head is None:
+            rest = tokens
+        literal = ", ".join(str(t) for t in rest)
+        wrapped = _wrap(literal, width, indent="    ")
+        count = f"{len(tokens)} token" + ("" if len(tokens) == 1 else "s")
+        if head and not rest:
+            lines.append(f"P.append({head})  # {i}: {count}")
+        elif head:
+            lines.append(f"P.append({head} + [  # {i}: {count}, {best_n} shared with {best_j}\n{wrapped}\n])")
+        else:
+            lines.append(f"P.append([  # {i}: {count}\n{wrapped}\n])")
+    return lines
+
+
+def _wrap(literal: str, width: int, indent: str) -> str:
+    out, line = [], indent
+    for part in literal.split(" "):
+        if len(line) + len(part) + 1 > width and line.strip():
+            out.append(line.rstrip())
+            line = indent
+        line += part + " "
+    if line.strip():
+        out.append(line.rstrip())
+    return "\n".join(out)
+
+
+def _wrap_call(source: str, indent: int, width: int = 100) -> str:
+    """``Spec(a=1, b=2, ...)`` over several lines when it is wider than ``width``."""
+    if indent + len(source) <= width:
+        return source
+    head, _, args = source.partition("(")
+    parts = re.split(r",\s(?=\w+=)", args[:-1])
+    pad = " " * (indent + 4)
+    lines, line = [], pad
+    for part in parts:
+        piece = part + ", "
+        if len(line) + len(piece) > width and line.strip():
+            lines.append(line.rstrip())
+            line = pad
+        line += piece
+    lines.append(line.rstrip().rstrip(","))
+    return head + "(\n" + "\n".join(lines) + ")"
+
+
+def _layers_summary(config: dict[str, Any]) -> str:
+    kinds = config.get("layer_types") or []
+    counts: dict[str, int] = {}
+    for kind in kinds:
+        counts[kind] = counts.get(kind, 0) + 1
+    parts = [f"{n} {kind.replace('_', ' ')}" for kind, n in counts.items()]
+    mtp = config.get("num_nextn_predict_layers")
+    if mtp:
+        parts.append(f"{mtp} MTP")
+    return " + ".join(parts) + " layers" if parts else "hybrid layers"
+
+
+_BASE_IMPORTS = [
+    "vllm.SamplingParams",
+    *(f"vllm.config.{n}" for n in ("CacheConfig", "DeviceConfig", "KVTransferConfig", "ModelConfig",
+                                     "ParallelConfig", "SchedulerConfig", "SpeculativeConfig", "VllmConfig")),
+    "vllm.distributed.kv_transfer.kv_connector.v1.KVConnectorRole",
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector.OffloadingConnector",
+    "vllm.utils.hashing.get_hash_fn_by_name",
+    "vllm.v1.core.kv_cache_utils.get_request_block_hasher",
+    "vllm.v1.core.kv_cache_utils.init_none_hash",
+    "vllm.v1.core.sched.scheduler.Scheduler",
+    "vllm.v1.kv_cache_interface.KVCacheConfig",
+    "vllm.v1.kv_cache_interface.KVCacheGroupSpec",
+    "vllm.v1.kv_cache_interface.KVCacheTensor",
+    "vllm.v1.kv_offload.base.OffloadingWorker",
+    "vllm.v1.kv_offload.base.TransferResult",
+    "vllm.v1.outputs.DraftTokenIds",
+    "vllm.v1.outputs.KVConnectorOutput",
+    "vllm.v1.outputs.ModelRunnerOutput",
+    "vllm.v1.request.Request",
+    "vllm.v1.structured_output.StructuredOutputManager",
+]
+
+
+def _imports_source(spec_names: list[str]) -> str:
+    """The test's third-party imports, grouped by module (isort's order)."""
+    plain = sorted(n for n in spec_names if "." not in n)  # "torch"
+    by_module: dict[str, set[str]] = {}
+    for name in [*_BASE_IMPORTS, *(n for n in spec_names if "." in n)]:
+        module, _, attr = name.rpartition(".")
+        by_module.setdefault(module, set()).add(attr)
+    lines = [f"import {n}" for n in plain]
+    for module in sorted(by_module):
+        names = sorted(by_module[module], key=lambda n: (not n[0].isupper(), n))
+        one = f"from {module} import {', '.join(names)}"
+        if len(one) <= 100:
+            lines.append(one)
+        else:
+            lines.append(f"from {module} import (\n" + "".join(f"    {n},\n" for n in names) + ")")
+    return "\n".join(lines)
+
+
+def _qualified(function: str, file: str | None) -> str:
+    """``OffloadingConnectorScheduler.update_state_after_alloc`` for the shipped signature."""
+    known = {"update_state_after_alloc": "OffloadingConnectorScheduler"}
+    if file and file.endswith("offloading/scheduler.py") and function in known:
+        return f"{known[function]}.{function}"
+    return function
+
+
+def render(trace: Trace, loaded: LoadedMatrix, engine: dict[str, Any], name: str,
+           runs: dict[str, tuple[str, str, str]]) -> str:
+    """The test file's text. ``engine``: :func:`kvrepro.engine.offline.describe` of the build;
+    ``runs``: build -> (python, PYTHONPATH, what it shows) for the header."""
     matrix = loaded.matrix
     sig = matrix.target_signature
-    args = matrix.engine.serve_args(str(loaded.model_dir()), include_sim=True)
+    model_config = json.loads((Path(loaded.model_dir()) / "config.json").read_text())
+    model_config = {k: v for k, v in model_config.items() if not k.startswith("_")}
     rep = int(trace.header.get("rep", 0))
-    requests_literal = "\n".join(f"    ({r.max_tokens}, {json.dumps(list(r.tokens))})," for r in trace.requests)
-    text = _TEMPLATE.format(
-        base=matrix.base,
-        signature=f"{sig.exception} in {sig.function}" + (f": {sig.expression}" if sig.expression else ""),
+    spec = engine.get("speculative")
+    transfer = engine.get("kv_transfer") or {}
+    prompts = [list(r.tokens) for r in trace.requests]
+    return _TEMPLATE.format(
+        base=matrix.base, exception=sig.exception, function=_qualified(sig.function, sig.file),
+        expression_line=(f"The assertion: `{sig.expression}`.\n\n" if sig.expression else ""),
+        token_word="token" if spec and spec["num_speculative_tokens"] == 1 else "tokens",
+        vllm=engine.get("vllm", matrix.base), imports=_imports_source(engine["spec_imports"]),
+        mamba_cache_mode=engine.get("mamba_cache_mode"),
+        num_spec=spec["num_speculative_tokens"] if spec else 0,
+        requests=len(trace.requests), tokens=sum(len(p) for p in prompts),
         source=trace.header.get("minimized_from", trace.path),
-        requests=len(trace.requests), tokens=sum(len(r.tokens) for r in trace.requests),
-        run_lines="\n".join(
-            f"    # build {name} ({'fails: the bug' if name == build else 'passes: fixed'})\n"
-            f"    PYTHONPATH={pythonpath} {python} {path.name}"
-            for name, (python, pythonpath) in (runs or {build: ("python", f"<overlay>:{paths.SOURCE_ROOT}")}).items()),
-        name=path.name,
-        engine_args=json.dumps(args), sim_seed=matrix.engine.sim.seed + rep,
-        acceptance=repr(matrix.engine.sim.draft_acceptance_rate), requests_literal=requests_literal,
+        acceptance=repr(matrix.engine.sim.draft_acceptance_rate),
+        name=name,
+        run_lines="\n".join(f"    # {label}\n    VLLM_PLUGINS= PYTHONPATH={pythonpath} {python} {name}"
+                            for python, pythonpath, label in runs.values()),
+        layers=_layers_summary(model_config),
+        model_config=pprint.pformat(model_config, width=100, sort_dicts=False, compact=True),
+        max_model_len=engine["max_model_len"], block_size=engine["block_size"],
+        num_gpu_blocks=engine["num_gpu_blocks"], seed=matrix.engine.sim.seed + rep,
+        groups="\n".join(f"    ({g['layer_names']!r},\n     {_wrap_call(g['spec'], 5)})," for g in engine["kv_cache_groups"]),
+        tensors="\n".join(f"    ({t['size']}, {t['shared_by']!r})," for t in engine["kv_cache_tensors"]),
+        prompts="\n".join(_prompts_source(prompts)),
+        request_list=", ".join(f"({r.max_tokens}, P[{i}])" for i, r in enumerate(trace.requests)),
+        dtype=engine.get("dtype", "auto"),
+        enable_prefix_caching=engine["enable_prefix_caching"], hash_algo=engine["prefix_caching_hash_algo"],
+        mamba_cache_kw=(f", mamba_cache_mode={engine['mamba_cache_mode']!r}" if engine.get("mamba_cache_mode") else ""),
+        max_num_seqs=engine["max_num_seqs"], max_num_batched_tokens=engine["max_num_batched_tokens"],
+        enable_chunked_prefill=engine["enable_chunked_prefill"],
+        long_prefill_token_threshold=engine["long_prefill_token_threshold"],
+        async_scheduling=engine["async_scheduling"], disable_hybrid=engine["disable_hybrid_kv_cache_manager"],
+        speculative_config=("None" if not spec else
+                            f"SpeculativeConfig(method={spec['method']!r}, num_speculative_tokens="
+                            f"{spec['num_speculative_tokens']}, target_model_config=model_config,\n"
+                            f"                                        target_parallel_config=parallel_config)"),
+        kv_connector=transfer.get("kv_connector"), kv_role=transfer.get("kv_role"),
+        kv_extra=transfer.get("kv_connector_extra_config") or {},
+        scheduler_block_size=engine["scheduler_block_size"], hash_block_size=engine["hash_block_size"],
     )
+
+
+def emit(path: Path, trace: Trace, loaded: LoadedMatrix, engine: dict[str, Any],
+         runs: dict[str, tuple[str, str, str]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    path.write_text(render(trace, loaded, engine, path.name, runs))
+
+
+def run_emitted(path: Path, python: str, pythonpath: str, timeout: float = 600) -> dict[str, Any]:
+    """Run the emitted file as a script with a build's vLLM: {"exit", "exception", "function",
+    "statement", "tail"} (the failing frame is read from the traceback's last frame)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVREPRO_", "VLLM_"))}
+    env.update(PYTHONPATH=pythonpath, VLLM_PLUGINS="", VLLM_LOGGING_LEVEL="ERROR", PYTHONDONTWRITEBYTECODE="1")
+    proc = subprocess.run([python, str(path)], env=env, cwd=str(path.parent), capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    text = proc.stderr
+    frames = re.findall(r'File "([^"]+)", line \d+, in (\w+)\n\s+(.*)', text)
+    last = re.findall(r"^(\w+(?:Error|Exception)|AssertionError)\b.*$", text, flags=re.M)
+    result: dict[str, Any] = {"exit": proc.returncode, "exception": last[-1] if last else None,
+                              "file": frames[-1][0] if frames else None,
+                              "function": frames[-1][1] if frames else None,
+                              "statement": frames[-1][2].strip() if frames else None,
+                              "tail": "\n".join((proc.stdout + text).strip().splitlines()[-6:])}
+    return result

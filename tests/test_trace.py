@@ -1,5 +1,6 @@
 """Tests of request traces (record, read, replay), the client's arrival/streaming/text options
-and the minimizer's pure parts (ddmin, signature matching, the emitted test's text).
+and the minimizer's pure parts (ddmin, signature matching); the emitted test is covered by
+tests/test_pytest_emit.py.
 
 The client runs against ``StandInEngine`` (tests/test_loadgen.py), a stdlib HTTP server on
 127.0.0.1 standing in for the engine's API, and against a small server-sent-events stand-in; the
@@ -240,20 +241,3 @@ def test_signature_matching_reads_the_whole_statement():
     assert not matches({**crash, "statement": "assert len(offload_keys) == len(offload_block_ids)"}, SIG)
     assert not matches({**crash, "function": "_build_store_jobs"}, SIG)
     assert not matches({**crash, "crashed": False}, SIG)
-
-
-def test_emitted_pytest_is_python_with_the_sequence(tmp_path, default_matrix):
-    from kvrepro.loadgen.trace import Trace
-    from kvrepro.pytest_emit import emit
-
-    trace = Trace(tmp_path / "t.jsonl", {"rep": 2, "minimized_from": "x/trace.jsonl"},
-                  [TraceRequest(index=0, tokens=(5, 6, 7), max_tokens=3), TraceRequest(index=1, tokens=(5, 6), max_tokens=1)])
-    out = tmp_path / "test_repro.py"
-    emit(out, trace, default_matrix, "A", "D")
-    text = out.read_text()
-    namespace: dict = {}
-    exec(compile(text, str(out), "exec"), namespace)  # defines the test; vLLM is imported only when it runs
-    assert namespace["REQUESTS"] == [(3, [5, 6, 7]), (1, [5, 6])]
-    assert namespace["SIM_SEED"] == default_matrix.matrix.engine.sim.seed + 2
-    assert "--num-gpu-blocks-override" in namespace["ENGINE_ARGS"]
-    assert callable(namespace["test_offload_hit_behind_a_partial_local_hit"])

@@ -8,7 +8,9 @@ one by one and steps until each has finished before adding the next: exactly wha
 loop does when a client sends one request at a time (``load.concurrency: 1``, every replay).
 It prints one JSON line per job: ``{"job", "crashed", "crash_at", "exception", "function",
 "file", "statement", "requests_done", "trigger_calls", "seconds"}``. With ``-`` it reads one job
-per line from stdin and answers each at once (the minimizer keeps one such process per build).
+per line from stdin and answers each at once (the minimizer keeps one such process per build);
+its first line, ``{"ready": true, "engine": {...}}``, describes the engine it builds (settings
+and KV-cache groups, see ``describe``) for the scheduler-level test the minimizer emits.
 
 Why: minimizing a trace runs hundreds of candidate sequences. Over HTTP each one costs an engine
 start; here a candidate costs one EngineCore construction and its steps. The minimizer confirms
@@ -118,6 +120,86 @@ def run_job(build_core, job: list[dict]) -> dict:
     return result
 
 
+def _literal(value, imports: set[str]) -> str:
+    """Python source for a KV-cache spec field (``imports``: the names it needs)."""
+    import enum
+
+    import torch
+
+    if isinstance(value, torch.dtype):
+        imports.add("torch")
+        return str(value)
+    if isinstance(value, enum.Enum):
+        imports.add(f"{type(value).__module__}.{type(value).__name__}")
+        return f"{type(value).__name__}.{value.name}"
+    if isinstance(value, (tuple, list)):
+        items = [_literal(v, imports) for v in value]
+        return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+    return repr(value)
+
+
+def _spec_source(spec, imports: set[str]) -> str:
+    """``FullAttentionSpec(block_size=16, ...)``: the spec as source, fields that differ from
+    their defaults (a dataclass field without a default is always written)."""
+    import dataclasses
+
+    imports.add(f"{type(spec).__module__}.{type(spec).__name__}")
+    parts = []
+    for f in dataclasses.fields(spec):
+        if not f.init:
+            continue
+        value = getattr(spec, f.name)
+        if f.default is not dataclasses.MISSING and value == f.default:
+            continue
+        if f.default_factory is not dataclasses.MISSING and value == f.default_factory():
+            continue
+        parts.append(f"{f.name}={_literal(value, imports)}")
+    return f"{type(spec).__name__}({', '.join(parts)})"
+
+
+def describe(core) -> dict:
+    """What a scheduler-level test needs to rebuild this engine's scheduler (kvrepro.pytest_emit):
+    the scheduler, cache, speculative and KV-transfer settings vLLM resolved from the command
+    line, and the KV-cache groups it built (specs as source text)."""
+    import vllm
+
+    vc = core.vllm_config
+    sched = core.scheduler
+    kvc = sched.kv_cache_config
+    imports: set[str] = set()
+    groups = [{"layer_names": list(g.layer_names), "spec": _spec_source(g.kv_cache_spec, imports)}
+              for g in kvc.kv_cache_groups]
+    spec = vc.speculative_config
+    transfer = vc.kv_transfer_config
+    return {
+        "vllm": getattr(vllm, "__version__", "?"),
+        "max_model_len": vc.model_config.max_model_len,
+        "dtype": str(vc.model_config.dtype).replace("torch.", ""),
+        "vocab_size": vc.model_config.get_vocab_size(),
+        "block_size": vc.cache_config.block_size,
+        "mamba_cache_mode": getattr(vc.cache_config, "mamba_cache_mode", None),
+        "enable_prefix_caching": bool(vc.cache_config.enable_prefix_caching),
+        "prefix_caching_hash_algo": vc.cache_config.prefix_caching_hash_algo,
+        "num_gpu_blocks": kvc.num_blocks,
+        "max_num_seqs": vc.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
+        "enable_chunked_prefill": bool(vc.scheduler_config.enable_chunked_prefill),
+        "long_prefill_token_threshold": vc.scheduler_config.long_prefill_token_threshold,
+        "async_scheduling": bool(vc.scheduler_config.async_scheduling),
+        "disable_hybrid_kv_cache_manager": bool(vc.scheduler_config.disable_hybrid_kv_cache_manager),
+        "speculative": None if spec is None else {"method": spec.method,
+                                                  "num_speculative_tokens": spec.num_speculative_tokens},
+        "kv_transfer": None if transfer is None else {
+            "kv_connector": transfer.kv_connector, "kv_role": transfer.kv_role,
+            "kv_connector_extra_config": dict(transfer.kv_connector_extra_config or {})},
+        "scheduler_block_size": sched.block_size,
+        "hash_block_size": getattr(sched, "hash_block_size", None) or sched.block_size,
+        "kv_cache_groups": groups,
+        "kv_cache_tensors": [{"size": t.size, "shared_by": list(t.shared_by)} for t in kvc.kv_cache_tensors],
+        "spec_imports": sorted(imports),
+    }
+
+
 def build_engine_factory(serve_args: list[str]):
     """A function making a fresh EngineCore configured exactly as ``vllm serve SERVE_ARGS`` is:
     vLLM's own argument parsing, the platform kvrepro's plugin names (KVREPRO_SIM=1), the
@@ -147,7 +229,16 @@ def main(argv: list[str]) -> int:
     build_core = build_engine_factory(serve_args)
     out = sys.stdout
     if jobs_path == "-":
-        out.write(json.dumps({"ready": True}) + "\n")
+        core = build_core()  # what the engine looks like, for an emitted scheduler-level test
+        try:
+            geometry = describe(core)
+        finally:
+            for part in (core.model_executor.shutdown, core.scheduler.shutdown):
+                try:
+                    part()
+                except Exception:
+                    pass
+        out.write(json.dumps({"ready": True, "engine": geometry}) + "\n")
         out.flush()
         for n, line in enumerate(sys.stdin):
             if not line.strip():

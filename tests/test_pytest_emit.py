@@ -1,0 +1,184 @@
+"""The test `kvrepro minimize --emit-pytest` writes: a standalone file that drives vLLM's scheduler.
+
+The first tests read the emitted text only (no vLLM). The last ones run it: a shipped minimized
+trace (6 requests, from the default matrix's A, rep 0) is emitted with the geometry vLLM reports
+from the offline engine of A and D, then run with each build's vLLM in the runtime env, as a
+script and under pytest: it must fail on A with vLLM's target AssertionError and pass on D.
+They need the runtime env and the overlays, which the fixtures build (CI runs `kvrepro setup`
+first); when they cannot, the fixtures error, so nothing here passes by skipping.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvrepro.loadgen.trace import Trace, TraceRequest, read_trace
+from kvrepro.pytest_emit import _prompts_source, render
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT / "tests" / "data" / "traces" / "minimized-A.trace.jsonl"
+
+# what kvrepro.engine.offline.describe() reports for the default matrix on vLLM 0.26.0
+ENGINE = {
+    "vllm": "0.26.0", "max_model_len": 1024, "dtype": "bfloat16", "vocab_size": 1024, "block_size": 16,
+    "mamba_cache_mode": "align", "enable_prefix_caching": True, "prefix_caching_hash_algo": "sha256",
+    "num_gpu_blocks": 96, "max_num_seqs": 4, "max_num_batched_tokens": 2048, "enable_chunked_prefill": True,
+    "long_prefill_token_threshold": 0, "async_scheduling": False, "disable_hybrid_kv_cache_manager": False,
+    "speculative": {"method": "mtp", "num_speculative_tokens": 1},
+    "kv_transfer": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"cpu_bytes_to_use": 1073741824.0}},
+    "scheduler_block_size": 16, "hash_block_size": 16,
+    "kv_cache_groups": [
+        {"layer_names": ["model.layers.0.linear_attn", "model.layers.2.linear_attn"],
+         "spec": "MambaSpec(block_size=16, shapes=((4, 128), (4, 16, 16)), dtypes=(torch.bfloat16, "
+                 "torch.bfloat16), page_size_padded=4096, mamba_type=MambaAttentionBackendEnum.GDN_ATTN, "
+                 "mamba_cache_mode='align', num_speculative_blocks=1)"},
+        {"layer_names": ["model.layers.3.self_attn.attn", "mtp.layers.4.self_attn.attn"],
+         "spec": "FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, head_size_v=32)"},
+    ],
+    "kv_cache_tensors": [{"size": 393216, "shared_by": ["model.layers.0.linear_attn", "model.layers.3.self_attn.attn"]}],
+    "spec_imports": ["torch", "vllm.v1.attention.backends.registry.MambaAttentionBackendEnum",
+                     "vllm.v1.kv_cache_interface.FullAttentionSpec", "vllm.v1.kv_cache_interface.MambaSpec"],
+}
+
+
+def _text(default_matrix, trace: Trace) -> str:
+    return render(trace, default_matrix, ENGINE, "test_repro.py",
+                  {"A": ("/rt/bin/python", "/overlays/a", "build A: fails (the bug)"),
+                   "D": ("/rt/bin/python", "/overlays/d", "build D: passes (fixed)")})
+
+
+def test_the_emitted_test_imports_only_vllm_torch_and_the_standard_library(default_matrix):
+    text = _text(default_matrix, read_trace(TRACE))
+    tree = ast.parse(text)
+    top = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            top |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            top.add((node.module or "").split(".")[0])
+    assert top - set(sys.stdlib_module_names) == {"vllm", "torch"}
+    assert "kvrepro" not in text.split('"""', 2)[2]  # the code; the docstring may name the tool
+    assert "def test_offload_hit_behind_partial_local_hit(tmp_path)" in text
+    assert 'if __name__ == "__main__":' in text
+
+
+def test_the_header_says_how_to_run_it_with_each_build(default_matrix):
+    doc = ast.get_docstring(ast.parse(_text(default_matrix, read_trace(TRACE))))
+    assert "VLLM_PLUGINS= PYTHONPATH=/overlays/a /rt/bin/python test_repro.py" in doc
+    assert "VLLM_PLUGINS= PYTHONPATH=/overlays/d /rt/bin/python test_repro.py" in doc
+    assert "OffloadingConnectorScheduler.update_state_after_alloc" in doc
+    assert "6 requests" in doc
+
+
+def test_the_settings_and_groups_vllm_reported_are_written_as_literals(default_matrix):
+    text = _text(default_matrix, read_trace(TRACE))
+    assert "NUM_GPU_BLOCKS = 96" in text
+    assert "SEED = 0" in text
+    assert "DRAFT_ACCEPTANCE_RATE = 0.7" in text
+    assert "mamba_cache_mode='align'" in text
+    assert "SpeculativeConfig(method='mtp', num_speculative_tokens=1" in text
+    assert "{'cpu_bytes_to_use': 1073741824.0}" in text
+    assert "num_speculative_blocks=1" in text and "num_kv_heads=2" in text and "FullAttentionSpec(" in text
+
+
+def test_prompts_are_written_as_slices_of_earlier_prompts_and_read_back_exactly():
+    shared = list(range(100, 164))
+    prompts = [shared + [1, 2, 3], [7], shared[:48], shared + [1, 2, 3, 9], list(range(500, 540))]
+    source = "P = []\n" + "\n".join(_prompts_source(prompts))
+    namespace: dict = {}
+    exec(source, namespace)
+    assert namespace["P"] == prompts
+    assert "P.append(P[0][:48])" in source
+    assert "P.append(P[0][:67] + [" in source  # the longest shared prefix, not the first one
+
+
+def test_the_seed_is_the_repetition_s(default_matrix):
+    trace = Trace(TRACE, {"rep": 2}, [TraceRequest(index=0, tokens=(5, 6, 7), max_tokens=3)])
+    text = _text(default_matrix, trace)
+    assert f"SEED = {default_matrix.matrix.engine.sim.seed + 2}" in text
+    assert "REQUESTS = [(3, P[0])]" in text
+
+
+# --------------------------------------------------------------------------- run with vLLM
+
+
+@pytest.fixture(scope="module")
+def emitted(default_matrix, overlays, tmp_path_factory):
+    """The shipped trace emitted and checked the way `kvrepro minimize` does it."""
+    from kvrepro.minimize import OfflineEngine, _emit_and_check
+
+    path = tmp_path_factory.mktemp("emit") / "test_offload_repro.py"
+    engines = {name: OfflineEngine(default_matrix, name, 0) for name in ("A", "D")}
+    try:
+        summary = _emit_and_check(path, read_trace(TRACE), default_matrix, "A", engines["A"], "D", engines["D"],
+                                  lambda line: None)
+    finally:
+        for e in engines.values():
+            e.close()
+    return path, summary, {name: (e.command[0], e.test_pythonpath) for name, e in engines.items()}
+
+
+def test_the_emitted_test_fails_on_a_with_the_target_assertion_and_passes_on_d(emitted):
+    path, summary, _ = emitted
+    check = summary["pytest_check"]
+    assert check["A"] == {"ok": True, "result": "fails with the target signature", "exit": 1}, check
+    assert check["D"] == {"ok": True, "result": "passes", "exit": 0}, check
+    assert summary["pytest"] == str(path)
+
+
+def test_the_engine_reported_the_geometry_the_test_rebuilds(emitted):
+    path, _, _ = emitted
+    text = path.read_text()
+    # two Mamba groups (3 Gated-DeltaNet layers) and one full-attention group with the MTP layer
+    assert "(['model.layers.0.linear_attn', 'model.layers.2.linear_attn'],\n     MambaSpec(" in text
+    assert "(['model.layers.1.linear_attn'],\n     MambaSpec(" in text
+    assert "(['model.layers.3.self_attn.attn', 'mtp.layers.4.self_attn.attn'],\n     FullAttentionSpec(" in text
+    assert "NUM_GPU_BLOCKS = 96" in text
+
+
+def _pytest_folder(tmp_path: Path) -> Path:
+    """pytest for the runtime env (which has none): links to this environment's pure-Python
+    pytest and its dependencies (same Python version)."""
+    import _pytest
+    import iniconfig
+    import pluggy
+
+    folder = tmp_path / "pytest-only"
+    folder.mkdir()
+    for module in (pytest, _pytest, pluggy, iniconfig):
+        source = Path(module.__file__).parent
+        (folder / source.name).symlink_to(source)
+    py_shim = Path(pytest.__file__).parents[1] / "py.py"
+    if py_shim.exists():
+        (folder / "py.py").symlink_to(py_shim)
+    return folder
+
+
+@pytest.mark.parametrize("build, outcome", [("A", "1 failed"), ("D", "1 passed")])
+def test_under_pytest_it_fails_on_a_and_passes_on_d(emitted, build, outcome, tmp_path):
+    path, _, runs = emitted
+    python, pythonpath = runs[build]
+    env = {"PATH": "/usr/bin:/bin", "VLLM_PLUGINS": "", "VLLM_LOGGING_LEVEL": "ERROR",
+           "PYTHONPATH": f"{pythonpath}:{_pytest_folder(tmp_path)}"}
+    proc = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert outcome in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+    if build == "A":
+        assert "AssertionError" in proc.stdout and "update_state_after_alloc" in proc.stdout
+        assert "scheduling request 5 of 6" in proc.stdout
+
+
+def test_the_runtime_env_cannot_import_kvrepro(emitted):
+    """The emitted test runs where kvrepro is not importable: what passes there needs no kvrepro."""
+    _, _, runs = emitted
+    python, pythonpath = runs["A"]
+    proc = subprocess.run([python, "-c", "import kvrepro"], env={"PYTHONPATH": pythonpath, "PATH": "/usr/bin:/bin"},
+                          cwd="/", capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "No module named 'kvrepro'" in proc.stderr, json.dumps(proc.__dict__, default=str)
