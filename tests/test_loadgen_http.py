@@ -267,3 +267,27 @@ def test_an_exception_in_the_run_leaves_no_connection_or_thread_behind(server, t
     assert set(threading.enumerate()) <= threads  # (other tests' server threads may end meanwhile)
     records = [json.loads(line) for line in (tmp_path / "l.jsonl").read_text().splitlines()]
     assert len(records) >= 5 and all(r["ok"] for r in records)
+
+
+def test_the_encoded_ids_give_the_same_trace_line_and_the_same_hash_as_before(server, tmp_path):
+    """The ids are encoded once per request (runner) and reused: the trace line and the record's
+    prompt_sha256 must be what encoding them separately gave (earlier runs are compared to them)."""
+    import hashlib
+
+    from kvrepro.loadgen import get_profile
+    from kvrepro.loadgen.profiles import Prompt
+    from kvrepro.loadgen.trace import open_writer
+
+    prompt = Prompt(index=7, tokens=(5, 0, 123, 99999), max_tokens=3)
+    writer = open_writer(tmp_path / "t.jsonl", {})
+    writer.request(prompt, slot=1, sent_s=0.5, in_flight=2)
+    writer.request(prompt, slot=1, sent_s=0.5, in_flight=2, tokens_json="[5,0,123,99999]")
+    writer.close()
+    first, second = (tmp_path / "t.jsonl").read_text().splitlines()[1:]
+    assert first == second and json.loads(first)["tokens"] == [5, 0, 123, 99999]
+
+    run_load(server.url, LOAD, _runs(requests=6), tmp_path / "l.jsonl", seed=4, alive=lambda: True)
+    profile = get_profile(LOAD.profile)(LOAD, seed=4)
+    for record in map(json.loads, (tmp_path / "l.jsonl").read_text().splitlines()):
+        tokens = profile.prompt(record["index"]).tokens
+        assert record["prompt_sha256"] == hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]

@@ -304,10 +304,11 @@ class _Run:
             if self.halted:
                 return
             self.in_flight += 1
-            tokens_json = json.dumps(prompt.tokens)
+            # the ids are encoded once: for the body, the trace line and the record's hash
+            tokens_json = json.dumps(prompt.tokens, separators=(",", ":"))
             if self.trace is not None:
                 self.trace.request(prompt, slot=slot, sent_s=time.monotonic() - self.started,
-                                   in_flight=self.in_flight)
+                                   in_flight=self.in_flight, tokens_json=tokens_json)
             record, answered, failed = await self._send(conn, body_head, prompt, tokens_json)
             record["slot"] = slot
             self.in_flight -= 1
@@ -351,7 +352,9 @@ class _Run:
             **prompt.fields,
             "prompt_tokens": len(prompt.tokens),
             "max_tokens": prompt.max_tokens,
-            "prompt_sha256": hashlib.sha256(tokens_json.encode()).hexdigest()[:16],
+            # of json.dumps(tokens) with its default ", " (what earlier runs recorded): for a list
+            # of ints the compact encoding with each comma widened is exactly that
+            "prompt_sha256": hashlib.sha256(tokens_json.replace(",", ", ").encode()).hexdigest()[:16],
             "started_at": round(time.time(), 6),
         }
         t0 = time.monotonic()
