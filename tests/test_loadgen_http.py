@@ -97,6 +97,13 @@ def test_a_body_without_length_ends_with_the_connection_and_is_not_reused():
     assert (response.body, closed) == (b"ok", True)
 
 
+def test_bytes_past_the_response_or_a_bad_length_do_not_pass_unnoticed():
+    response, error, closed = _feed([b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokEXTRA"])
+    assert (response.body, error, closed) == (b"ok", None, True)  # answered, but not reused
+    response, error, closed = _feed([b"HTTP/1.1 200 OK\r\nContent-Length: two\r\n\r\nok"])
+    assert response is None and isinstance(error, http.HttpError) and closed
+
+
 def test_what_is_not_http_is_an_error():
     response, error, closed = _feed([b"SSH-2.0-OpenSSH_9.6\r\n\r\n"])
     assert response is None and isinstance(error, http.HttpError) and closed

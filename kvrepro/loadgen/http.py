@@ -93,12 +93,15 @@ class _Protocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.last_data = time.monotonic()
         if self.waiter is None or self.waiter.done():
-            return  # nothing asked: a stray byte after a response; the connection is not reused
+            self.closed = True  # nothing asked: stray bytes after a response; not reused
+            return
         self.buf += data
         try:
             self._parse()
         except HttpError as exc:
             self._fail(exc)
+        except ValueError as exc:  # a length that is not a number
+            self._fail(HttpError(f"bad response: {exc}"))
 
     def eof_received(self) -> bool:
         self._finish_at_eof()
@@ -204,7 +207,8 @@ class _Protocol(asyncio.Protocol):
 
     def _done(self) -> None:
         waiter, response = self.waiter, Response(self.status, bytes(self.body))
-        keep = self.keep_alive
+        keep = self.keep_alive and not self.buf  # bytes past the response: the stream is out of step
+        self.buf.clear()
         self._reset()
         self.waiter = None
         if not keep:
