@@ -23,14 +23,25 @@ Every request is written to the trace (``trace_path``, see :mod:`kvrepro.loadgen
 moment it is sent: what was sent, in order, when, from which slot, with how many in flight.
 Every finished request is one JSON line appended to ``out_path`` and flushed at once, so a run
 that kills the engine (or kvrepro) leaves every line that was finished. Requests still in flight
-when the run ends for death, stall or interruption are abandoned and not recorded: their worker
-threads are daemons, bounded by ``runs.request_timeout_s``, and write nothing after the return.
+when the run ends for death, stall or interruption are abandoned and not recorded: their tasks
+are cancelled and their connections closed before the call returns, so nothing is written after
+the return and nothing the run started is left running (a Ctrl-C raised inside the run too).
+
+Why one event loop: the client must cost the engine's host little and must never be what limits
+the load. All slots run as tasks on one asyncio loop (uvloop's when installed) in the calling
+thread, each with its own keep-alive connection (:mod:`kvrepro.loadgen.http`); the calling
+thread also watches the end conditions and calls ``on_progress``. Threads with ``requests``
+did ~700 req/s on a core against a null server, this several times that (``benchmarks/
+client_capacity.py``). ``runs.request_timeout_s`` bounds connecting and each wait for the next
+byte of an answer, as it did with ``requests``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import os
 import random
 import threading
 import time
@@ -43,6 +54,7 @@ import requests
 from ..errors import InfraError
 from ..records import LoadSummary
 from ..spec import LoadSpec, RunsSpec
+from . import http
 from . import trace as tracefile
 from .profiles import EngineCapacity, Profile, Prompt, get_profile
 
@@ -111,6 +123,10 @@ class _Run:
                  stop: threading.Event | None, trace_path: Path | None = None,
                  trace_header: dict[str, Any] | None = None):
         self.base_url = base_url
+        self.host, self.port, prefix = http.parse_url(base_url)
+        self.completions = http.build_request("POST", self.host, self.port, prefix + "/v1/completions", b"")
+        self.completions_head = self.completions[:self.completions.index(b"Content-Length:")]
+        self.health = http.build_request("GET", self.host, self.port, prefix + "/health")
         self.profile = profile
         self.load = load
         self.runs = runs
@@ -125,8 +141,8 @@ class _Run:
         self.on_progress = on_progress
         self.stop = stop or threading.Event()
         self.budget = runs.requests
-        self.lock = threading.Lock()
-        self.halt = threading.Event()  # workers: send nothing more
+        self.halted = False  # workers: send nothing more
+        self.wake: asyncio.Event | None = None  # the watcher: look now (a worker ended, the run ended)
         self.draining = False  # duration over: let in-flight requests finish
         self.reason: str | None = None
         self.next_index = 0
@@ -138,8 +154,9 @@ class _Run:
         self.out: Any = None
         self.worker_error: BaseException | None = None  # a bug in a profile or here: re-raised
         self.reported = -1  # the finished count on_progress last heard
+        self.connections: list[http.Connection] = []
 
-    # ------------------------------------------------------------------ main thread
+    # ------------------------------------------------------------------ the calling thread
 
     def run(self) -> LoadSummary:
         started = time.monotonic()
@@ -154,77 +171,86 @@ class _Run:
                 "arrival": self.load.arrival, "rate_rps": self.load.rate_rps, "stream": self.load.stream,
                 "prompt_format": self.load.prompt_format, "started_at": round(time.time(), 6)})
         self.started = time.monotonic()
-        workers = [threading.Thread(target=self._worker, args=(model, i), name=f"kvrepro-load-{i}", daemon=True)
-                   for i in range(self.load.concurrency)]
+        loop = new_event_loop()
         try:
-            for w in workers:
-                w.start()
-            self._watch(workers, started)
+            loop.run_until_complete(self._main(model, started))
         finally:
-            self.halt.set()
-            with self.lock:
-                self.closed = True
-                self.out.close()
-                if self.trace is not None:
-                    self.trace.close()
-            for w in workers:
-                w.join(timeout=0.05)
+            self.halted = self.closed = True
+            self.out.close()
+            if self.trace is not None:
+                self.trace.close()
+            _close_loop(loop)
         self._report()  # the last requests may have finished after the last tick
         return self._summary(started)
 
     def _report(self) -> None:
-        with self.lock:
-            finished = self.finished
-        if finished != self.reported and self.on_progress is not None:
-            self.reported = finished
-            self.on_progress(finished, self.budget or 0)
+        if self.finished != self.reported and self.on_progress is not None:
+            self.reported = self.finished
+            self.on_progress(self.finished, self.budget or 0)
 
-    def _watch(self, workers: list[threading.Thread], started: float) -> None:
+    async def _main(self, model: str, started: float) -> None:
+        self.wake = asyncio.Event()
+        workers = [asyncio.ensure_future(self._worker(model, slot)) for slot in range(self.load.concurrency)]
+        try:
+            await self._watch(workers, started)
+        finally:
+            self.halted = True
+            for w in workers:
+                w.cancel()  # requests still in flight are abandoned: nothing of them is recorded
+            await asyncio.gather(*workers, return_exceptions=True)
+            for conn in self.connections:
+                conn.close()
+
+    async def _watch(self, workers: list[asyncio.Future[None]], started: float) -> None:
+        assert self.wake is not None
         next_alive_check = 0.0
         while True:
-            self.halt.wait(_TICK_S)
+            try:
+                await asyncio.wait_for(self.wake.wait(), _TICK_S)
+            except asyncio.TimeoutError:
+                pass
+            self.wake.clear()
             now = time.monotonic()
             self._report()
-            with self.lock:
-                in_flight, reason, last_answer = self.in_flight, self.reason, self.last_answer
             if self.worker_error is not None:
                 raise self.worker_error
-            if reason is not None:
+            if self.reason is not None:
                 return
             if self.stop.is_set():
                 self._end("interrupted")
                 return
             if now >= next_alive_check:
                 next_alive_check = now + _ALIVE_EVERY_S
+                # alive() blocks this loop for as long as it takes (a docker API call: a few ms,
+                # four times a second); requests in flight just wait that long for their answer
                 if not self.alive():
                     self._end("engine_dead")
                     return
-            if in_flight > 0 and now - last_answer > self.runs.stall_timeout_s:
+            if self.in_flight > 0 and now - self.last_answer > self.runs.stall_timeout_s:
                 self._end("stall")
                 return
-            if not any(w.is_alive() for w in workers):
+            if all(w.done() for w in workers):
                 self._end("duration" if self.draining else "budget")
                 return
             if self.runs.duration_s is not None and not self.draining and now - started >= self.runs.duration_s:
-                with self.lock:
-                    self.draining = True
+                self.draining = True
 
     def _end(self, reason: str) -> None:
-        with self.lock:
-            if self.reason is None:
-                self.reason = reason
-        self.halt.set()
+        if self.reason is None:
+            self.reason = reason
+        self.halted = True
+        if self.wake is not None:
+            self.wake.set()
 
     def _summary(self, started: float) -> LoadSummary:
-        with self.lock:
-            return LoadSummary(
-                requests_sent=self.next_index,
-                requests_ok=self.ok,
-                requests_failed=self.finished - self.ok,
-                seconds=round(time.monotonic() - started, 3),
-                stopped_because=self.reason or "engine_dead",
-                first_failed_index=self.first_failed,
-            )
+        return LoadSummary(
+            requests_sent=self.next_index,
+            requests_ok=self.ok,
+            requests_failed=self.finished - self.ok,
+            seconds=round(time.monotonic() - started, 3),
+            stopped_because=self.reason or "engine_dead",
+            first_failed_index=self.first_failed,
+        )
 
     def _model_id(self) -> str | None:
         """The served model's id from /v1/models; None (run over: engine dead) if it is gone."""
@@ -248,77 +274,87 @@ class _Run:
                                  "but does not serve the OpenAI API there -- check the target's port and logs")
             time.sleep(0.2)
 
-    # ------------------------------------------------------------------ worker threads
+    # ------------------------------------------------------------------ workers (one per slot, on the loop)
 
-    def _worker(self, model: str, slot: int) -> None:
+    async def _worker(self, model: str, slot: int) -> None:
         try:
-            self._work(model, slot)
-        except BaseException as exc:  # surfaced by the watching thread, not lost in a thread
-            with self.lock:
-                self.worker_error = self.worker_error or exc
-            self.halt.set()
+            await self._work(model, slot)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # surfaced by the watcher, not lost in a task
+            self.worker_error = self.worker_error or exc
+            self.halted = True
+        finally:
+            if self.wake is not None:
+                self.wake.set()
 
-    def _work(self, model: str, slot: int) -> None:
-        with requests.Session() as session:
-            while True:
-                with self.lock:
-                    spent = self.budget is not None and self.next_index >= self.budget
-                    if self.halt.is_set() or self.draining or spent:
-                        return
-                    index = self.next_index
-                    self.next_index += 1
-                if self.arrivals is not None and not self._wait_for_arrival(index):
-                    with self.lock:
-                        self.next_index = min(self.next_index, index)  # not sent: not counted
-                    return
-                prompt = self.profile.prompt(index)
-                with self.lock:
-                    if self.halt.is_set():
-                        return
-                    self.in_flight += 1
-                    if self.trace is not None:
-                        self.trace.request(prompt, slot=slot, sent_s=time.monotonic() - self.started,
-                                           in_flight=self.in_flight)
-                record, answered, failed = self._send(session, model, prompt)
-                record["slot"] = slot
-                with self.lock:
-                    self.in_flight -= 1
-                    if self.closed:
-                        return
-                    self.finished += 1
-                    self.ok += bool(record["ok"])
-                    if failed and (self.first_failed is None or index < self.first_failed):
-                        self.first_failed = index
-                    if answered:
-                        self.last_answer = time.monotonic()
-                    self.out.write(json.dumps(record) + "\n")
-                    self.out.flush()
-                if failed and self._engine_is_dead():
-                    self._end("engine_dead")
-                    return
+    async def _work(self, model: str, slot: int) -> None:
+        conn = http.Connection(self.host, self.port, self.runs.request_timeout_s)
+        self.connections.append(conn)
+        body_head = self._body_head(model)
+        while True:
+            if self.halted or self.draining or (self.budget is not None and self.next_index >= self.budget):
+                return
+            index = self.next_index
+            self.next_index += 1
+            if self.arrivals is not None and not await self._wait_for_arrival(index):
+                self.next_index = min(self.next_index, index)  # not sent: not counted
+                return
+            prompt = self.profile.prompt(index)
+            if self.halted:
+                return
+            self.in_flight += 1
+            # the ids are encoded once: for the body, the trace line and the record's hash
+            tokens_json = json.dumps(prompt.tokens, separators=(",", ":"))
+            if self.trace is not None:
+                self.trace.request(prompt, slot=slot, sent_s=time.monotonic() - self.started,
+                                   in_flight=self.in_flight, tokens_json=tokens_json)
+            record, answered, failed = await self._send(conn, body_head, prompt, tokens_json)
+            record["slot"] = slot
+            self.in_flight -= 1
+            if self.closed:
+                return
+            self.finished += 1
+            self.ok += bool(record["ok"])
+            if failed and (self.first_failed is None or index < self.first_failed):
+                self.first_failed = index
+            if answered:
+                self.last_answer = time.monotonic()
+            self.out.write(json.dumps(record) + "\n")
+            self.out.flush()
+            if failed and await self._engine_is_dead():
+                self._end("engine_dead")
+                return
 
-    def _send(self, session: requests.Session, model: str, prompt: Prompt) -> tuple[dict[str, Any], bool, bool]:
-        """POST one request: (its JSON line, whether the server answered, whether it failed in a
-        way that can mean the engine died)."""
-        stream = self.load.stream
-        body = {
+    def _body_head(self, model: str) -> str:
+        """The request body without its prompt and closing brace: the same for every request."""
+        body: dict[str, Any] = {
             "model": model,
-            "prompt": list(prompt.tokens) if self.load.prompt_format == "tokens" else tokens_to_text(prompt.tokens),
-            "max_tokens": prompt.max_tokens,
             "temperature": 0.0,
             # every request generates exactly max_tokens: the load's shape does not depend on
             # which tokens come out (vLLM's extension of the OpenAI API)
             "ignore_eos": True,
-            "stream": stream,
+            "stream": self.load.stream,
         }
-        if stream:
+        if self.load.stream:
             body["stream_options"] = {"include_usage": True}
+        return json.dumps(body)[:-1]
+
+    async def _send(self, conn: http.Connection, body_head: str, prompt: Prompt,
+                    tokens_json: str) -> tuple[dict[str, Any], bool, bool]:
+        """POST one request: (its JSON line, whether the server answered, whether it failed in a
+        way that can mean the engine died)."""
+        text = tokens_json if self.load.prompt_format == "tokens" else json.dumps(tokens_to_text(prompt.tokens))
+        body = f'{body_head}, "max_tokens": {prompt.max_tokens}, "prompt": {text}}}'.encode()
+        request = self.completions_head + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
         record: dict[str, Any] = {
             "index": prompt.index,
             **prompt.fields,
             "prompt_tokens": len(prompt.tokens),
             "max_tokens": prompt.max_tokens,
-            "prompt_sha256": hashlib.sha256(json.dumps(prompt.tokens).encode()).hexdigest()[:16],
+            # of json.dumps(tokens) with its default ", " (what earlier runs recorded): for a list
+            # of ints the compact encoding with each comma widened is exactly that
+            "prompt_sha256": hashlib.sha256(tokens_json.replace(",", ", ").encode()).hexdigest()[:16],
             "started_at": round(time.time(), 6),
         }
         t0 = time.monotonic()
@@ -327,27 +363,26 @@ class _Run:
         completion_tokens: int | None = None
         answered = failed = False
         try:
-            resp = session.post(f"{self.base_url}/v1/completions", json=body, timeout=self.runs.request_timeout_s,
-                                stream=stream)
+            resp = await conn.request(request, self.runs.request_timeout_s)
             answered = True
-            status = resp.status_code
-            if resp.status_code == 200 and stream:
-                completion_tokens, error = _read_stream(resp)
+            status = resp.status
+            if status == 200 and self.load.stream:
+                completion_tokens, error = _read_stream(resp.body)
                 failed = error is not None and "engine" in error.lower()
-            elif resp.status_code == 200:
-                data = resp.json()
+            elif status == 200:
+                data = json.loads(resp.body)
                 completion_tokens = _completion_tokens(data)
                 if not data.get("choices"):
                     error = "200 without choices"
             else:
-                error = f"HTTP {resp.status_code}: {resp.text[:_ERROR_CHARS]}"
-                failed = resp.status_code >= 500
-        except requests.Timeout as exc:
-            error = f"timeout after {self.runs.request_timeout_s}s: {_short_error(exc)}"
-        except requests.RequestException as exc:
-            error = _short_error(exc)
+                error = f"HTTP {status}: {resp.body.decode('utf-8', 'replace')[:_ERROR_CHARS]}"
+                failed = status >= 500
+        except http.HttpTimeout as exc:
+            error = f"timeout after {self.runs.request_timeout_s}s: {exc}"[:_ERROR_CHARS]
+        except http.HttpError as exc:
+            error = str(exc)[:_ERROR_CHARS]
             failed = True
-        except ValueError as exc:  # a 200 whose body is not JSON
+        except (ValueError, AttributeError) as exc:  # a 200 whose body is not (a JSON object)
             error = f"bad JSON in response: {exc}"[:_ERROR_CHARS]
         record.update(
             status=status,
@@ -358,7 +393,7 @@ class _Run:
         )
         return record, answered, failed
 
-    def _wait_for_arrival(self, index: int) -> bool:
+    async def _wait_for_arrival(self, index: int) -> bool:
         """Poisson arrivals: sleep until request ``index`` is due; False if the run ended first."""
         assert self.arrivals is not None
         due = self.started + self.arrivals.offset(index)
@@ -366,19 +401,48 @@ class _Run:
             left = due - time.monotonic()
             if left <= 0:
                 return True
-            if self.halt.wait(min(left, _TICK_S)) or self.draining:
+            await asyncio.sleep(min(left, _TICK_S))
+            if self.halted or self.draining:
                 return False
 
-    def _engine_is_dead(self) -> bool:
+    async def _engine_is_dead(self) -> bool:
         """Confirm a failed request as engine death: process gone, /health 503 or unreachable."""
         if not self.alive():
             return True
         try:
-            return requests.get(f"{self.base_url}/health", timeout=_HEALTH_TIMEOUT_S).status_code == 503
-        except requests.ConnectionError:
+            return (await http.fetch(self.host, self.port, self.health, _HEALTH_TIMEOUT_S)).status == 503
+        except http.HttpTimeout as exc:
+            return exc.connect  # no connection at all is unreachable; a slow answer is not death
+        except http.HttpError:
             return True
-        except requests.RequestException:
-            return False
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's loop when it is installed (a fraction of the stdlib loop's cost per request),
+    else asyncio's; ``KVREPRO_EVENT_LOOP=asyncio`` forces the stdlib one."""
+    if os.environ.get("KVREPRO_EVENT_LOOP", "") != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel what is still on the loop, let closed connections release their sockets, close it.
+    Runs after a KeyboardInterrupt too: nothing the run started outlives it."""
+    try:
+        tasks = asyncio.all_tasks(loop)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.run_until_complete(asyncio.sleep(0))  # transports' connection_lost callbacks
+    finally:
+        loop.close()
 
 
 def tokens_to_text(tokens: tuple[int, ...] | list[int]) -> str:
@@ -387,12 +451,12 @@ def tokens_to_text(tokens: tuple[int, ...] | list[int]) -> str:
     return " ".join(f"w{t}" for t in tokens)
 
 
-def _read_stream(resp: requests.Response) -> tuple[int | None, str | None]:
+def _read_stream(body: bytes) -> tuple[int | None, str | None]:
     """Read server-sent events to the end: (completion tokens from the usage event, error)."""
     completion_tokens: int | None = None
     chunks = 0
-    for raw in resp.iter_lines():
-        if not raw or not raw.startswith(b"data:"):
+    for raw in body.splitlines():
+        if not raw.startswith(b"data:"):
             continue
         data = raw[5:].strip()
         if data == b"[DONE]":
@@ -417,14 +481,12 @@ class _Arrivals:
         self.rate = float(load.rate_rps or 1.0)
         self.rng = random.Random(f"arrivals/{seed}")
         self.times: list[float] = []
-        self.lock = threading.Lock()
 
     def offset(self, index: int) -> float:
-        with self.lock:
-            while len(self.times) <= index:
-                last = self.times[-1] if self.times else 0.0
-                self.times.append(last + self.rng.expovariate(self.rate))
-            return self.times[index]
+        while len(self.times) <= index:
+            last = self.times[-1] if self.times else 0.0
+            self.times.append(last + self.rng.expovariate(self.rate))
+        return self.times[index]
 
 
 def _completion_tokens(data: dict[str, Any]) -> int | None:
