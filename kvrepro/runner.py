@@ -194,7 +194,8 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
                 # (every REPORT_INTERVAL_S = 2 s) time to write the counts before the engine stops
                 stop.wait(_PROBE_SETTLE_S)
         else:
-            capacity = engine_capacity(matrix.load, log_so_far, matrix.engine.block_size, matrix.engine.max_model_len)
+            capacity = engine_capacity(matrix.load, log_so_far, matrix.engine.block_size, matrix.engine.max_model_len,
+                                       chunk_tokens=matrix.engine.offload_chunk_tokens)
             load = run_load(handle.base_url, matrix.load, matrix.runs, run_dir / "load.jsonl",
                             seed=matrix.load.seed + rep, alive=handle.alive,
                             on_progress=lambda done, failed: progress.requests_done(plan.name, rep, done, failed),
