@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -141,3 +142,27 @@ def describe(engine) -> str:
             f"({plan.linear_layers} GDN + {plan.full_layers} attention layers + {plan.draft_layers} MTP), "
             f"block {engine.block_size}, offload chunk {chunk} ({chunk // engine.block_size} block(s)), "
             f"{engine.num_speculative_tokens} speculative token(s), {g.data_parallel_size} DP rank(s)")
+
+
+_BUILT_RE = re.compile(r"kvrepro-sim: geometry kv_cache_groups=(?P<groups>\S+) block_size=(?P<block>\d+) "
+                       r"offload_chunk_tokens=(?P<chunk>\S+) .*?data_parallel_size=(?P<dp>\d+)")
+
+
+def built_mismatch(engine, log_text: str) -> str | None:
+    """What the engine log says vLLM built, against ``engine.geometry``: None when they agree or
+    the log says nothing (an engine that is not the GPU-free one), else a title for an INFRA
+    verdict: a run on another geometry than the matrix describes says nothing about it."""
+    g = engine.geometry
+    if g is None:
+        return None
+    for m in _BUILT_RE.finditer(log_text):
+        kinds = [part.split(":", 1)[1].split("/", 1)[0] for part in m["groups"].split(",") if ":" in part]
+        built = (kinds.count("mamba"), kinds.count("full_attention"), int(m["block"]), m["chunk"], int(m["dp"]))
+        asked = (g.mamba_groups, g.full_attention_groups, engine.block_size, str(engine.offload_chunk_tokens),
+                 g.data_parallel_size)
+        if built != asked:
+            return (f"the engine built another geometry than engine.geometry: {built[0]} Mamba + {built[1]} "
+                    f"full-attention groups ({m['groups']}), block {built[2]}, offload chunk {built[3]}, "
+                    f"{built[4]} DP rank(s); asked: {asked[0]} + {asked[1]} groups, block {asked[2]}, "
+                    f"chunk {asked[3]}, {asked[4]} rank(s) (vLLM's grouping rule: kvrepro/versions.py)")
+    return None

@@ -27,6 +27,7 @@ from .deploy.base import EngineHandle, Target
 from .errors import InfraError, KvreproError
 from .loadgen import run_load
 from .loadgen.runner import replay_load
+from .geometry import built_mismatch as geometry_mismatch
 from .loadgen.capacity import engine_capacity
 from .metrics import parse_prometheus, total
 from .records import (BuildArtifact, BuildPlan, BuildRecord, Classification, Exposure, HostInfo, LoadSummary,
@@ -220,7 +221,10 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     expected_sha = artifact.manifest.get("probe_target_sha256")
     verdict = decide(classification, exposure, load, engine_exit, expected_sha)
     title = verdict_title(verdict, exposure, load, expected_sha) or classification.title
-    if verdict is Verdict.CRASH and classification.outcome is Outcome.NONE:
+    built_mismatch = geometry_mismatch(matrix.engine, log_text)
+    if built_mismatch and verdict is not Verdict.INTERRUPTED:
+        verdict, title = Verdict.INFRA, built_mismatch  # another engine than the matrix describes ran
+    elif verdict is Verdict.CRASH and classification.outcome is Outcome.NONE:
         title = died_without_traceback_title(engine_exit)
     elif verdict is Verdict.STALL:
         title = f"no request finished for {matrix.runs.stall_timeout_s:.0f}s (runs.stall_timeout_s)"

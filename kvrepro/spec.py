@@ -246,7 +246,8 @@ class LoadSpec(_Strict):
     gpu_kv_tokens: int | None = Field(None, ge=16, description="GPU prefix-cache size in tokens; "
                                       "default: read from the engine's log (`GPU KV cache size: N tokens`)")
     offload_kv_tokens: int | None = Field(None, ge=16, description="offload tier size in tokens; default: unbounded")
-    chunk_tokens: int | None = Field(None, ge=1, description="offload chunk in tokens; default: the block size")
+    chunk_tokens: int | None = Field(None, ge=1, description="offload chunk in tokens; default: what the engine "
+                                      "log says (GPU-free engine), else engine.geometry's, else the block size")
     seed: int = 0
 
     @model_validator(mode="after")

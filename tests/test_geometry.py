@@ -70,12 +70,12 @@ def test_one_value_in_one_place(tmp_path):
 def test_geometry_values_become_the_engines_and_its_flags():
     engine = load_matrix(EXAMPLE).matrix.engine
     assert engine.block_size == 2128 and engine.num_speculative_tokens == 1
-    assert engine.offload_chunk_tokens == 2128 and engine.data_parallel_size == 2
+    assert engine.offload_chunk_tokens == 2128 and engine.data_parallel_size == 4
     args = engine.serve_args("m", include_sim=True)
     assert args[args.index("--block-size") + 1] == "2128"
     transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
     assert transfer == {"kv_connector_extra_config": {"block_size": 2128}}
-    assert args[args.index("--data-parallel-size") + 1] == "2"
+    assert args[args.index("--data-parallel-size") + 1] == "4"
 
 
 def test_without_geometry_nothing_changes():
@@ -197,3 +197,19 @@ def test_the_engine_builds_the_production_geometry(overlays, tmp_path):
     assert line is not None, log[-3000:]
     assert ("kv_cache_groups=0:mamba/2128,1:mamba/2128,2:mamba/2128,3:full_attention/2128 "
             "block_size=2128 offload_chunk_tokens=2128 num_gpu_blocks=32 num_speculative_tokens=1") in line, line
+
+
+def test_a_run_on_another_geometry_than_asked_is_named():
+    from kvrepro.geometry import built_mismatch
+
+    engine = load_matrix(EXAMPLE).matrix.engine
+    line = ("(EngineCore_DP{r} pid=1) INFO [executor.py:364] kvrepro-sim: geometry kv_cache_groups={g} "
+            "block_size=2128 offload_chunk_tokens=2128 num_gpu_blocks=32 num_speculative_tokens=1 "
+            "data_parallel_rank={r} data_parallel_size=4\n")
+    good = "0:mamba/2128,1:mamba/2128,2:mamba/2128,3:full_attention/2128"
+    assert built_mismatch(engine, line.format(r=0, g=good) + line.format(r=1, g=good)) is None
+    assert built_mismatch(engine, "no such line") is None  # e.g. a GPU engine: nothing to compare
+    bad = built_mismatch(engine, line.format(r=0, g=good) + line.format(r=1, g="0:mamba/2128,1:full_attention/2128"))
+    assert bad is not None and "1 Mamba + 1 full-attention groups" in bad and "asked: 3 + 1 groups" in bad
+    # the default matrix has no geometry: never a mismatch
+    assert built_mismatch(load_matrix(ROOT / "matrix.yaml").matrix.engine, line.format(r=0, g="0:mamba/16")) is None
