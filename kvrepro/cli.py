@@ -76,7 +76,9 @@ def _results_root(root: Path) -> Path:
 @matrix_app.command("validate")
 def matrix_validate(matrix: Path = MatrixOpt, as_json: bool = JsonOpt) -> None:
     """Check matrix.yaml without starting anything: fields, duplicate keys, patch files and their
-    sha256, target, load profile, model and engine.extra_args (against the base's `vllm serve`)."""
+    sha256, target, load profile, model, engine.geometry (block_size, offload_chunk_tokens,
+    mamba_groups, full_attention_groups, num_speculative_tokens, data_parallel_size: printed as
+    the KV groups vLLM will form) and engine.extra_args (against the base's `vllm serve`)."""
     loaded = _load(matrix)
     _check(loaded)
     plans = loaded.plans()
@@ -84,6 +86,11 @@ def matrix_validate(matrix: Path = MatrixOpt, as_json: bool = JsonOpt) -> None:
         _emit_json({"valid": True, "matrix": str(loaded.path), "builds": [p.name for p in plans]})
     else:
         out.print(f"[green]valid[/]: {loaded.path} ({len(plans)} builds on vLLM {', '.join(loaded.matrix.bases)})")
+        if loaded.matrix.engine.geometry is not None:
+            from .geometry import describe
+
+            out.print(f"geometry: {describe(loaded.matrix.engine)}; model config {loaded.model_dir()}",
+                      highlight=False)
 
 
 @matrix_app.command("plan")

@@ -27,6 +27,7 @@ from .deploy.base import EngineHandle, Target
 from .errors import InfraError, KvreproError
 from .loadgen import run_load
 from .loadgen.runner import replay_load
+from .geometry import built_mismatch as geometry_mismatch
 from .loadgen.capacity import engine_capacity
 from .metrics import parse_prometheus, total
 from .records import (BuildArtifact, BuildPlan, BuildRecord, Classification, Exposure, HostInfo, LoadSummary,
@@ -194,7 +195,8 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
                 # (every REPORT_INTERVAL_S = 2 s) time to write the counts before the engine stops
                 stop.wait(_PROBE_SETTLE_S)
         else:
-            capacity = engine_capacity(matrix.load, log_so_far, matrix.engine.block_size, matrix.engine.max_model_len)
+            capacity = engine_capacity(matrix.load, log_so_far, matrix.engine.block_size, matrix.engine.max_model_len,
+                                       chunk_tokens=matrix.engine.offload_chunk_tokens)
             load = run_load(handle.base_url, matrix.load, matrix.runs, run_dir / "load.jsonl",
                             seed=matrix.load.seed + rep, alive=handle.alive,
                             on_progress=lambda done, failed: progress.requests_done(plan.name, rep, done, failed),
@@ -219,7 +221,10 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     expected_sha = artifact.manifest.get("probe_target_sha256")
     verdict = decide(classification, exposure, load, engine_exit, expected_sha)
     title = verdict_title(verdict, exposure, load, expected_sha) or classification.title
-    if verdict is Verdict.CRASH and classification.outcome is Outcome.NONE:
+    built_mismatch = geometry_mismatch(matrix.engine, log_text)
+    if built_mismatch and verdict is not Verdict.INTERRUPTED:
+        verdict, title = Verdict.INFRA, built_mismatch  # another engine than the matrix describes ran
+    elif verdict is Verdict.CRASH and classification.outcome is Outcome.NONE:
         title = died_without_traceback_title(engine_exit)
     elif verdict is Verdict.STALL:
         title = f"no request finished for {matrix.runs.stall_timeout_s:.0f}s (runs.stall_timeout_s)"

@@ -8,6 +8,7 @@ the field and what is allowed, because a person fixes them by hand in an editor.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -68,6 +69,47 @@ class SimSettings(_Strict):
     step_delay_ms: float = Field(0.0, ge=0.0, description="sleep per engine step, to mimic GPU time")
 
 
+class GeometrySpec(_Strict):
+    """The KV geometry of the engine, as production had it (``engine.geometry``).
+
+    kvrepro writes the model's config.json from ``engine.model``'s (``layer_types`` with as many
+    linear- and full-attention layers as make vLLM form these KV-cache groups; see
+    kvrepro/geometry.py) and adds the `vllm serve` flags: ``--block-size``, the offload chunk
+    (``--kv-transfer-config`` extra config), the MTP tokens and ``--data-parallel-size``.
+    """
+
+    block_size: int | None = Field(None, ge=1, description="GPU KV block in tokens (--block-size); "
+                                   "default: engine.block_size")
+    offload_chunk_tokens: int | None = Field(
+        None, ge=1, description="the OffloadingConnector's offload chunk in tokens, a multiple of block_size; "
+                                "default: one block")
+    mamba_groups: int = Field(2, ge=0, le=64, description="KV-cache groups of Gated-DeltaNet (Mamba `align`) layers")
+    full_attention_groups: int = Field(1, ge=1, le=64, description="KV-cache groups of full-attention layers "
+                                       "(the MTP draft layer joins them)")
+    num_speculative_tokens: int | None = Field(None, ge=0, le=8, description="MTP draft tokens per step; "
+                                               "default: engine.num_speculative_tokens")
+    data_parallel_size: int = Field(1, ge=1, le=16, description="EngineCores (DP ranks) behind one API "
+                                    "(--data-parallel-size); every rank is a GPU-free engine with its own pool")
+
+    @model_validator(mode="after")
+    def _groups(self) -> "GeometrySpec":
+        # vLLM groups each kind of layer in groups of the smaller kind's layer count (see
+        # versions.hybrid_kv_groups): the smaller kind always forms exactly one group
+        if self.mamba_groups == 0 and self.full_attention_groups != 1:
+            raise _FieldError("engine.geometry.full_attention_groups",
+                              "an attention-only model (mamba_groups: 0) has one KV-cache group; use 1")
+        if self.mamba_groups > 1 and self.full_attention_groups > 1:
+            raise _FieldError("engine.geometry.full_attention_groups",
+                              f"{self.full_attention_groups} with mamba_groups {self.mamba_groups}: vLLM groups "
+                              "layers in groups of the smaller kind's layer count, so one kind forms exactly one "
+                              "group; set mamba_groups or full_attention_groups to 1")
+        return self
+
+
+# `vllm serve` flags that engine.geometry writes; giving them in extra_args as well is an error
+GEOMETRY_FLAGS = ("--data-parallel-size", "-dp", "--kv-transfer-config", "--block-size")
+
+
 class EngineSpec(_Strict):
     """How every build is served. Turned into `vllm serve` arguments for every target."""
 
@@ -87,7 +129,63 @@ class EngineSpec(_Strict):
     max_num_batched_tokens: int = Field(2048, ge=16)
     max_model_len: int = Field(1024, ge=64)
     extra_args: list[str] = Field(default_factory=list, description="passed verbatim to `vllm serve`")
+    geometry: GeometrySpec | None = Field(
+        None, description="KV geometry (block, offload chunk, KV groups, MTP tokens, DP ranks); when given, "
+                          "kvrepro generates the model config.json from engine.model's")
     sim: SimSettings = Field(default_factory=SimSettings)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _geometry_values(cls, data: Any) -> Any:
+        """engine.geometry's block_size and num_speculative_tokens are the engine's: one value, one place."""
+        if not isinstance(data, dict) or not isinstance(data.get("geometry"), dict):
+            return data
+        data = dict(data)
+        for name in ("block_size", "num_speculative_tokens"):
+            value = data["geometry"].get(name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (name == "block_size"):
+                continue  # absent, or wrong: GeometrySpec names it (once)
+            if name in data and data[name] != value:
+                raise _FieldError(f"engine.geometry.{name}", f"{value!r}, but engine.{name} says {data[name]!r}; "
+                                  f"give it in one place (engine.geometry wins when engine.{name} is left out)")
+            data[name] = value
+        return data
+
+    @model_validator(mode="after")
+    def _geometry_checks(self) -> "EngineSpec":
+        g = self.geometry
+        if g is None:
+            return self
+        from .versions import block_size_problem
+
+        problem = block_size_problem(self.block_size, self.mamba_cache_mode, self.max_num_batched_tokens)
+        if problem:
+            field, msg = problem
+            raise _FieldError("engine.geometry.block_size" if field == "block_size" else f"engine.{field}", msg)
+        chunk = self.offload_chunk_tokens
+        if chunk % self.block_size:
+            raise _FieldError("engine.geometry.offload_chunk_tokens",
+                              f"{chunk} is not a multiple of the block size {self.block_size}; vLLM's offloading "
+                              f"connector moves whole blocks (e.g. {self.block_size * max(1, round(chunk / self.block_size))})")
+        if self.num_speculative_tokens > 0 and self.speculative_method != "mtp":
+            raise _FieldError("engine.speculative_method", f"{self.speculative_method!r}: engine.geometry builds "
+                              "MTP models only; use mtp, or num_speculative_tokens: 0")
+        for i, arg in enumerate(self.extra_args):
+            if arg.split("=", 1)[0] in GEOMETRY_FLAGS:
+                raise _FieldError(f"engine.extra_args.{i}", f"{arg.split('=', 1)[0]} is set by engine.geometry; "
+                                  "remove it here and say it there")
+        return self
+
+    @property
+    def offload_chunk_tokens(self) -> int:
+        """The offload chunk in tokens: engine.geometry's, else one block (vLLM's default)."""
+        if self.geometry is not None and self.geometry.offload_chunk_tokens:
+            return self.geometry.offload_chunk_tokens
+        return self.block_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.geometry.data_parallel_size if self.geometry is not None else 1
 
     def serve_args(self, model_path: str, include_sim: bool) -> list[str]:
         """The `vllm serve` argument list (model first). The sim engine parses the same list."""
@@ -107,13 +205,19 @@ class EngineSpec(_Strict):
         if served:
             args += ["--served-model-name", served]
         if self.speculative_method != "none" and self.num_speculative_tokens > 0:
-            import json
-
             args += [
                 "--speculative-config",
                 json.dumps({"method": self.speculative_method,
                             "num_speculative_tokens": self.num_speculative_tokens}),
             ]
+        if self.geometry is not None:
+            from .versions import OFFLOAD_CHUNK_EXTRA_KEY
+
+            # merged by vLLM with what --kv-offloading-size sets (the connector, cpu_bytes_to_use)
+            args += ["--kv-transfer-config",
+                     json.dumps({"kv_connector_extra_config": {OFFLOAD_CHUNK_EXTRA_KEY: self.offload_chunk_tokens}})]
+            if self.geometry.data_parallel_size > 1:
+                args += ["--data-parallel-size", str(self.geometry.data_parallel_size)]
         if include_sim:
             args += ["--num-gpu-blocks-override", str(self.sim.num_gpu_blocks)]
         return args + list(self.extra_args)
@@ -142,7 +246,8 @@ class LoadSpec(_Strict):
     gpu_kv_tokens: int | None = Field(None, ge=16, description="GPU prefix-cache size in tokens; "
                                       "default: read from the engine's log (`GPU KV cache size: N tokens`)")
     offload_kv_tokens: int | None = Field(None, ge=16, description="offload tier size in tokens; default: unbounded")
-    chunk_tokens: int | None = Field(None, ge=1, description="offload chunk in tokens; default: the block size")
+    chunk_tokens: int | None = Field(None, ge=1, description="offload chunk in tokens; default: what the engine "
+                                      "log says (GPU-free engine), else engine.geometry's, else the block size")
     seed: int = 0
 
     @model_validator(mode="after")
@@ -409,6 +514,13 @@ class LoadedMatrix:
         name = self.matrix.engine.model
         for candidate in (self.path.parent / name, SHIPPED_MODELS / name):
             if (candidate / "config.json").is_file():
+                if self.matrix.engine.geometry is not None:
+                    from .geometry import materialize  # engine.geometry: the config generated from it
+
+                    try:
+                        return materialize(candidate.resolve(), self.matrix.engine)
+                    except SpecError as exc:
+                        raise SpecError(f"{self.path}: {exc}") from None
                 return candidate.resolve()
         shipped = ", ".join(sorted(p.name for p in SHIPPED_MODELS.glob("*") if (p / "config.json").is_file()))
         raise SpecError(

@@ -46,6 +46,9 @@ _COMMON_RPC_ANSWERS: dict[str, Any] = {
     "update_max_model_len": None,
     "reset_mm_cache": None,
     "reset_encoder_cache": None,
+    # data parallel: an idle rank runs a dummy forward so its collectives stay in step with the
+    # busy ranks' (EngineCore.execute_dummy_batch); the sim has no model and no collectives
+    "execute_dummy_batch": None,
 }
 
 
@@ -102,6 +105,48 @@ SUPPORTED_RELEASES: tuple[str, ...] = tuple(r.version for r in RELEASES)
 IDENTIFIER_ALIASES: dict[str, str] = {
     "gpu_block_size": "tokens_per_block",  # offloading scheduler, 0.25.1 -> 0.26.0
 }
+
+
+# -- KV geometry (engine.geometry in matrix.yaml) -------------------------------------------------
+# What kvrepro/geometry.py needs to know about how vLLM lays out the KV cache, checked by reading
+# 0.25.1-0.30.0's code (kv_cache_utils, the offloading connector's config, interface.py).
+
+# The OffloadingConnector's offload chunk, in tokens: kv_connector_extra_config["block_size"]
+# (0.26.0+: distributed/kv_transfer/kv_connector/v1/offloading/config.py; 0.25.1:
+# v1/kv_offload/base.py). It must be a multiple of the GPU block size; the alternative key
+# "blocks_per_chunk" (0.26.0+) says the same in blocks and may not be given with it.
+OFFLOAD_CHUNK_EXTRA_KEY = "block_size"
+
+# FlashAttention's kernel block sizes are MultipleOf(16); the sim platform answers FlashAttention
+# for hybrid block alignment, so a --block-size must be a multiple of this.
+KERNEL_BLOCK_ALIGNMENT = 16
+
+
+def block_size_problem(block_size: int, mamba_cache_mode: str, max_num_batched_tokens: int) -> tuple[str, str] | None:
+    """(field, what is wrong) when vLLM would refuse this block size at start-up, else None."""
+    if block_size % KERNEL_BLOCK_ALIGNMENT:
+        return ("block_size", f"{block_size} is not a multiple of {KERNEL_BLOCK_ALIGNMENT} (FlashAttention's "
+                              f"kernel block sizes, which hybrid models are aligned to)")
+    # VllmConfig.validate_block_size: in Mamba cache mode `align` a block must fit one step
+    if mamba_cache_mode == "align" and block_size > max_num_batched_tokens:
+        return ("max_num_batched_tokens", f"{max_num_batched_tokens} is below the block size {block_size}; "
+                                          "vLLM's Mamba cache mode `align` needs block_size <= max_num_batched_tokens")
+    return None
+
+
+def hybrid_kv_groups(layers_by_kind: dict[str, int]) -> dict[str, int]:
+    """How many KV-cache groups vLLM forms per kind of layer (kind -> layer count, draft layers
+    included): ``_get_kv_cache_groups_uniform_page_size`` (0.25.1-0.30.0) splits every kind into
+    groups of ``group_size`` layers, where group_size is the smallest kind's layer count, or the
+    largest's when that is below 1.5 times the smallest (padding the last group of a kind).
+    One kind alone is one group. 0.33.0 restructured this code: verify its groups in the engine
+    log (the ``kvrepro-sim: geometry`` line) before relying on this."""
+    counts = {kind: n for kind, n in layers_by_kind.items() if n > 0}
+    if len(counts) <= 1:
+        return {kind: 1 for kind in counts}
+    smallest, largest = min(counts.values()), max(counts.values())
+    group_size = largest if largest < smallest * 1.5 else smallest
+    return {kind: -(-n // group_size) for kind, n in counts.items()}
 
 
 # Prints the option strings of `vllm serve` (one JSON line after KVREPRO-FLAGS), run in the runtime

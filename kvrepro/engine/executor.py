@@ -348,16 +348,33 @@ class SimExecutor(Executor):
         self.shadow = None
         if shadow_kv.enabled():
             self.shadow = shadow_kv.ShadowKV(kv_cache_config, blocks_per_chunk=self._blocks_per_chunk())
+        self._chunk_blocks = self._blocks_per_chunk()
         if self.vllm_config.kv_transfer_config is not None:
             self.connector, self.transfers = self._make_worker_connector(kv_cache_config)
         self.runner = SimRunner(self.vllm_config, self.knobs, self.connector, self.transfers, self.shadow)
+        self._log_geometry(kv_cache_config)
+
+    def _log_geometry(self, kv_cache_config) -> None:
+        """The KV geometry vLLM built, as one line (kvrepro reads it: groups, block, chunk, DP rank)."""
+        vc = self.vllm_config
+        groups = ",".join(f"{g.index}:{g.kind}/{g.block_size}" for g in shadow_kv.describe_groups(kv_cache_config))
+        block = vc.cache_config.block_size
+        parallel = vc.parallel_config
+        spec = vc.speculative_config
+        logger.info(
+            "kvrepro-sim: geometry kv_cache_groups=%s block_size=%d offload_chunk_tokens=%s num_gpu_blocks=%d "
+            "num_speculative_tokens=%d data_parallel_rank=%d data_parallel_size=%d",
+            groups, block, block * self._chunk_blocks if self.connector is not None else "-",
+            kv_cache_config.num_blocks, spec.num_speculative_tokens if spec is not None else 0,
+            getattr(parallel, "data_parallel_rank", 0), getattr(parallel, "data_parallel_size", 1),
+        )
 
     def _blocks_per_chunk(self) -> int:
         """GPU blocks per offloaded block, for the shadow KV's view of CPU blocks: the offload
         block size (kv_connector_extra_config ``block_size``) over the GPU block size."""
         config = self.vllm_config.kv_transfer_config
         extra = (getattr(config, "kv_connector_extra_config", None) or {}) if config is not None else {}
-        offload_block = int(extra.get("block_size") or self.vllm_config.cache_config.block_size)
+        offload_block = int(extra.get(versions.OFFLOAD_CHUNK_EXTRA_KEY) or self.vllm_config.cache_config.block_size)
         return max(1, offload_block // self.vllm_config.cache_config.block_size)
 
     def _make_worker_connector(self, kv_cache_config):
@@ -380,8 +397,10 @@ class SimExecutor(Executor):
         if worker_side is not None and hasattr(worker_side, "worker"):
             transfers = SimTransferWorker(self.shadow)
             spec = getattr(worker_side, "spec", None)
-            if self.shadow is not None and getattr(spec, "blocks_per_chunk", None):
-                self.shadow.blocks_per_chunk = int(spec.blocks_per_chunk)  # what the connector really uses
+            if getattr(spec, "blocks_per_chunk", None):
+                self._chunk_blocks = int(spec.blocks_per_chunk)  # what the connector really uses
+                if self.shadow is not None:
+                    self.shadow.blocks_per_chunk = self._chunk_blocks
             if self.shadow is not None:
                 # the connector worker notes each load job's request before submitting it
                 self.shadow.load_owner = lambda job_id: (getattr(worker_side, "_load_jobs", None) or {}).get(job_id)
