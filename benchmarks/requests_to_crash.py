@@ -12,15 +12,16 @@ included.
 The generic loads are `vllm bench serve` (the build's own, run by the runtime env's python with the
 build's overlay on PYTHONPATH, as the sim target runs `vllm serve`) and guidellm (installed on
 first use into its own venv, ~/.cache/kvrepro/tools/guidellm, never into kvrepro's), each told to
-send the budget, one request at a time, seeded with the run's seed (`--seed`, guidellm `--seed
-kind=static,value=N`). How requests are counted: the tool talks to a counting reverse proxy
+send the budget, one request at a time like our default profile (`--tool-concurrency` changes it),
+seeded with the run's seed (`--seed`, guidellm `--seed kind=static,value=N`). How requests are counted: the tool talks to a counting reverse proxy
 (kvrepro/loadgen/proxy.py) in front of the engine. The proxy numbers every generation request
 (POST /v1/completions, /v1/chat/completions, /v1/responses) as it passes it on; when one fails
 (5xx, a broken connection, an `error` event in its stream or a stream without [DONE]) and the
 engine's /health then does not answer 200, the engine is dead and the proxy refuses every later
 request itself. The count is the number of generation requests the engine received, the one it
 died on included: at concurrency 1 the number of that request, the same measure as our loads'.
-Requests the tools send besides (/v1/models, /tokenize, /health) are passed on and not counted. A
+Requests the tools send besides (/v1/models, /tokenize, /health) are passed on and not counted;
+the engine's access log gives a second count (`engine_log_requests` in --json). A
 run counts as a target crash only when kvrepro's classifier finds the target signature in the
 engine log (CRASH(target)); a run that died on something else shows as 'x' (CRASH(other)).
 
@@ -79,35 +80,37 @@ GUIDELLM_REQUIREMENTS = ["guidellm==0.8.1"]
 PREFIX_TOKENS, PREFIXES, OUTPUT_TOKENS = 400, 10, 8
 
 
-def _bench(seed: int, budget: int, url: str, model: str) -> list[str]:
+def _bench(seed: int, budget: int, url: str, model: str, conc: int) -> list[str]:
     return ["--base-url", url, "--model", model, "--tokenizer", str(TOKENIZER), "--endpoint", "/v1/completions",
-            "--num-prompts", str(budget), "--max-concurrency", "1", "--request-rate", "inf", "--seed", str(seed),
+            "--num-prompts", str(budget), "--max-concurrency", str(conc), "--request-rate", "inf", "--seed", str(seed),
             "--ignore-eos", "--disable-tqdm"]
 
 
-def _guidellm(seed: int, budget: int, url: str, model: str, turns: int) -> list[str]:
+def _guidellm(seed: int, budget: int, url: str, model: str, conc: int, turns: int) -> list[str]:
     data = (f"kind=synthetic_text,prompt_tokens=20,prompt_tokens_min=1,prompt_tokens_max=39,"
             f"output_tokens={OUTPUT_TOKENS},prefix_tokens={PREFIX_TOKENS},prefix_count={PREFIXES},turns={turns}")
     return ["run", "--backend", f"kind=openai_http,target={url},model={model}",
             "--tokenizer", f"kind=huggingface_auto,model={TOKENIZER}",
-            "--profile", "kind=synchronous", "--data", data,
+            "--profile", "kind=synchronous" if conc == 1 else f"kind=concurrent,streams={conc}", "--data", data,
             "--constraint", f"kind=max_requests,count={budget}",
             "--seed", f"kind=static,value={seed}",
             "--output", "kind=json,path=guidellm.json", "--disable-console-interactive"]
 
 
-# name -> (tool, its arguments for a seed, a budget, the proxy's URL and the served model name)
+# name -> (tool, its arguments for a seed, a budget, the proxy's URL, the served model name, the concurrency)
 GENERIC = {
-    "vllm bench prefix_repetition": ("vllm-bench", lambda seed, budget, url, model: [
-        *_bench(seed, budget, url, model), "--dataset-name", "prefix_repetition",
+    "vllm bench prefix_repetition": ("vllm-bench", lambda seed, budget, url, model, conc: [
+        *_bench(seed, budget, url, model, conc), "--dataset-name", "prefix_repetition",
         "--prefix-repetition-prefix-len", str(PREFIX_TOKENS), "--prefix-repetition-suffix-len", "40",
         "--prefix-repetition-num-prefixes", str(PREFIXES), "--prefix-repetition-output-len", str(OUTPUT_TOKENS)]),
-    "vllm bench random+prefix": ("vllm-bench", lambda seed, budget, url, model: [
-        *_bench(seed, budget, url, model), "--dataset-name", "random", "--random-prefix-len", str(PREFIX_TOKENS),
+    "vllm bench random+prefix": ("vllm-bench", lambda seed, budget, url, model, conc: [
+        *_bench(seed, budget, url, model, conc), "--dataset-name", "random", "--random-prefix-len", str(PREFIX_TOKENS),
         "--random-input-len", "20", "--random-output-len", str(OUTPUT_TOKENS),
         "--random-range-ratio", json.dumps({"input": 0.95, "output": 0.0})]),
-    "guidellm single-turn": ("guidellm", lambda seed, budget, url, model: _guidellm(seed, budget, url, model, 1)),
-    "guidellm multi-turn": ("guidellm", lambda seed, budget, url, model: _guidellm(seed, budget, url, model, 5)),
+    "guidellm single-turn": ("guidellm", lambda seed, budget, url, model, conc:
+                             _guidellm(seed, budget, url, model, conc, turns=1)),
+    "guidellm multi-turn": ("guidellm", lambda seed, budget, url, model, conc:
+                            _guidellm(seed, budget, url, model, conc, turns=5)),
 }
 
 
@@ -220,7 +223,7 @@ def access_log_requests(log_text: str) -> int:
 
 
 def run_generic_one(engine: Engine, name: str, tool: str, make_args, seed: int, budget: int, run_dir: Path,
-                    guidellm: Path | None, timeout_s: float) -> Run:
+                    guidellm: Path | None, timeout_s: float, concurrency: int = 1) -> Run:
     from kvrepro import lifetime
     from kvrepro.classify import classify_log, read_engine_counters, read_exposure
     from kvrepro.loadgen.proxy import CountingProxy
@@ -230,7 +233,7 @@ def run_generic_one(engine: Engine, name: str, tool: str, make_args, seed: int, 
     runs = engine.loaded.matrix.runs
     handle = engine.target.start(engine.artifact, run_dir, seed)
     proxy = CountingProxy(handle.base_url, trace_path=run_dir / "requests.jsonl").start()
-    cmd, env = engine.tool_command(tool, make_args(seed, budget, proxy.url, engine.model), guidellm)
+    cmd, env = engine.tool_command(tool, make_args(seed, budget, proxy.url, engine.model, concurrency), guidellm)
     (run_dir / "tool.cmd").write_text(" ".join(cmd) + "\n")
     ended = "tool exited"
     with open(run_dir / "tool.log", "wb") as log:
@@ -292,7 +295,8 @@ def run_generic_one(engine: Engine, name: str, tool: str, make_args, seed: int, 
     return Run(seed, None, "SURVIVED", counts.forwarded, **evidence)
 
 
-def run_generic(engine: Engine, name: str, seeds: int, budget: int, workdir: Path, jobs: int, log) -> list[Run]:
+def run_generic(engine: Engine, name: str, seeds: int, budget: int, workdir: Path, jobs: int, log,
+                concurrency: int = 1) -> list[Run]:
     tool, make_args = GENERIC[name]
     guidellm = ensure_guidellm(log) if tool == "guidellm" else None
     folder = workdir / "".join(c if c.isalnum() else "-" for c in name)
@@ -300,7 +304,7 @@ def run_generic(engine: Engine, name: str, seeds: int, budget: int, workdir: Pat
 
     def one(seed: int) -> Run:
         result = run_generic_one(engine, name, tool, make_args, seed, budget, folder / f"seed-{seed}", guidellm,
-                                 timeout_s)
+                                 timeout_s, concurrency)
         log(f"    seed {seed}: {result.label} after {result.sent} requests "
             f"(trigger {result.trigger_count}, state {result.state_count}, offload loads {result.offload_load_jobs})"
             + (f": {result.title.splitlines()[0]}" if result.label not in ("CRASH(target)", "SURVIVED")
@@ -374,6 +378,10 @@ def main() -> int:
     parser.add_argument("--budget", type=int, default=2000, help="requests per run")
     parser.add_argument("--only", action="append", help="run only loads whose name starts with this (repeatable)")
     parser.add_argument("--jobs", type=int, default=2, help="generic runs at once (one engine each)")
+    parser.add_argument("--tool-concurrency", type=int, default=1,
+                        help="requests the generic tools keep in flight (1, like our default profile: the count "
+                             "is then the number of the request the engine died on; above 1 it also counts the "
+                             "requests in flight with it)")
     parser.add_argument("--keep", type=Path, help="keep every run's folder (engine and tool logs) here")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
     args = parser.parse_args()
@@ -396,13 +404,15 @@ def main() -> int:
                     rows[name] = run_ours(name, LOADS[name], args.seeds, args.budget, workdir)
                 else:
                     assert engine is not None
-                    rows[name] = run_generic(engine, name, args.seeds, args.budget, workdir, args.jobs, log)
+                    rows[name] = run_generic(engine, name, args.seeds, args.budget, workdir, args.jobs, log,
+                                             args.tool_concurrency)
                 log(f"  {name}: {[cell(r) for r in rows[name]]}")
         finally:
             if engine is not None:
                 engine.close()
     summary = summarise(rows, args.budget)
     summary["seeds"] = args.seeds
+    summary["tool_concurrency"] = args.tool_concurrency
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
