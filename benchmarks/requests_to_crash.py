@@ -13,8 +13,10 @@ The generic loads are `vllm bench serve` (the build's own, run by the runtime en
 build's overlay on PYTHONPATH, as the sim target runs `vllm serve`) and guidellm (installed on
 first use into its own venv, ~/.cache/kvrepro/tools/guidellm, never into kvrepro's), each told to
 send the budget, one request at a time like our default profile (`--tool-concurrency` changes it),
-seeded with the run's seed (`--seed`, guidellm `--seed kind=static,value=N`). How requests are counted: the tool talks to a counting reverse proxy
-(kvrepro/loadgen/proxy.py) in front of the engine. The proxy numbers every generation request
+seeded with the run's seed (`--seed`, guidellm `--seed kind=static,value=N`).
+
+How requests are counted: the tool talks to a counting reverse proxy (kvrepro/loadgen/proxy.py) in
+front of the engine. The proxy numbers every generation request
 (POST /v1/completions, /v1/chat/completions, /v1/responses) as it passes it on; when one fails
 (5xx, a broken connection, an `error` event in its stream or a stream without [DONE]) and the
 engine's /health then does not answer 200, the engine is dead and the proxy refuses every later
