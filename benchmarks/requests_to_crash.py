@@ -366,7 +366,8 @@ def print_table(summary: dict, seeds: int) -> None:
     print(f"{'load':34} {'median':>7} {'crashed':>8} {'x default':>9}  per seed")
     for name, load in summary["loads"].items():
         median = f"{'>=' if load['median_is_lower_bound'] else ''}{load['median']:g}"
-        ratio = f"{load['ratio_to_default']:.2f}" if load["ratio_to_default"] is not None else "-"
+        ratio = "-" if load["ratio_to_default"] is None else \
+            f"{'>=' if load['median_is_lower_bound'] else ''}{load['ratio_to_default']:.2f}"
         cells = " ".join(cell(Run(**r)) for r in load["runs"])
         print(f"{name:34} {median:>7} {load['crashed']:>5}/{load['seeds']:<2} {ratio:>9}  {cells}")
     if summary["best_generic"] and summary["best_generic_over_default"] is not None:
