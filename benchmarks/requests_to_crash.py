@@ -250,7 +250,7 @@ def run_generic_one(engine: Engine, name: str, tool: str, make_args, seed: int, 
                 if not handle.alive():
                     ended = "engine process exited"
                     break
-                if proxy.in_flight() and time.monotonic() - proxy.last_answer > runs.stall_timeout_s:
+                if proxy.waiting_for() > runs.stall_timeout_s:  # requests in flight, none answered
                     ended = "stall"
                     break
                 if time.monotonic() - started > timeout_s:

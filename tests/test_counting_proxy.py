@@ -149,3 +149,13 @@ def test_sse_scan_needs_done_and_sees_errors_split_across_chunks():
     whole = _SseScan()
     whole.feed(b'data: {"choices": []}\n\ndata: [DONE]\n\n')
     assert whole.problem() is None
+
+
+def test_waiting_counts_from_the_oldest_request_in_flight_not_from_the_proxys_start(make):
+    engine, proxy = make()
+    assert proxy.waiting_for() == 0.0  # nothing in flight: never a stall, however long the tool takes to start
+    record = proxy._begin("/v1/completions", b"{}")
+    assert record is not None
+    assert proxy.waiting_for(now=record.arrived + 5) == 5  # not since the proxy was made
+    proxy._end(record, 200, None)
+    assert proxy.waiting_for() == 0.0

@@ -42,6 +42,7 @@ class Forwarded:
 
     index: int
     path: str
+    arrived: float = 0.0  # time.monotonic() when the proxy got it
     status: int | None = None  # the engine's HTTP status; None: no answer (connection failed)
     failed: bool = False
     error: str | None = None
@@ -110,6 +111,16 @@ class CountingProxy:
         with self._lock:
             return sum(not r.finished for r in self.records)
 
+    def waiting_for(self, now: float | None = None) -> float:
+        """Seconds the engine has kept requests in flight without finishing any (0: none in flight):
+        since the last answer, or since the oldest request in flight arrived if that is later."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            pending = [r.arrived for r in self.records if not r.finished]
+            if not pending:
+                return 0.0
+            return now - max(self.last_answer, min(pending))
+
     def counts(self) -> ProxyCounts:
         with self._lock:
             records = list(self.records)
@@ -146,7 +157,7 @@ class CountingProxy:
             if self.dead.is_set():
                 self.refused += 1
                 return None
-            record = Forwarded(index=len(self.records) + 1, path=path)
+            record = Forwarded(index=len(self.records) + 1, path=path, arrived=time.monotonic())
             self.records.append(record)
             if self._trace is not None:
                 self._trace.write(json.dumps({"index": record.index, "path": path,
