@@ -45,8 +45,49 @@ def test_prompts_are_a_function_of_seed_and_index(profile):
     assert all(p.tokens and len(p.tokens) + p.max_tokens <= 1024 for p in a)
 
 
-def test_partial_prefix_reuses_families_to_every_block_boundary():
-    ps = prompts("partial-prefix", 400)
+def test_revisit_uses_every_family_deep_then_shallow_then_again():
+    """The default schedule: deep(i), shallow(i-1), again(i-1); the crash needs exactly this order."""
+    ps = prompts("partial-prefix", 300)
+    assert [p.fields["phase"] for p in ps[:7]] == ["deep", "deep", "shallow", "again", "deep", "shallow", "again"]
+    by_family: dict[int, list] = {}
+    for p in ps:
+        by_family.setdefault(p.fields["family"], []).append(p)
+    complete = [uses for uses in by_family.values() if len(uses) == 3]
+    assert len(complete) >= 95
+    for deep, shallow, again in complete:
+        assert [deep.fields["phase"], shallow.fields["phase"], again.fields["phase"]] == ["deep", "shallow", "again"]
+        body = deep.tokens
+        assert len(body) % 16 == 0 and len(shallow.tokens) % 16 == 0  # both end on a KV block boundary
+        assert shallow.tokens == body[:len(shallow.tokens)] and len(shallow.tokens) < len(body)
+        assert again.tokens[:len(body)] == body and len(again.tokens) > len(body)  # + a fresh suffix
+    assert len({len(s.tokens) // 16 for _, s, _ in complete}) >= 15  # shallow depths at many blocks
+    assert {"documents", "agent_transcripts"} <= {p.fields["kind"] for p in ps}
+
+
+def test_revisit_sizes_bodies_from_the_gpu_cache_and_the_engine_limit():
+    def lengths(gpu_tokens, **settings):
+        cap = EngineCapacity(gpu_tokens=gpu_tokens, block_tokens=16, chunk_tokens=16, max_model_len=1 << 16)
+        p = get_profile("partial-prefix")(LoadSpec(**settings), 0, cap)
+        return [len(q.tokens) for q in map(p.prompt, range(60)) if q.fields["phase"] == "deep"]
+
+    small, big = lengths(1000), lengths(8000)
+    assert all(0.85 * 600 - 16 <= n <= 1.15 * 600 for n in small)  # family_share 0.6 of 1000 tokens
+    assert all(0.85 * 4800 - 16 <= n <= 1.15 * 4800 for n in big)
+    assert max(lengths(1000, family_share=0.3)) < min(small)
+    capped = get_profile("partial-prefix")(LoadSpec(max_tokens=8), 0, CAPACITY)  # max_model_len 1024
+    assert all(len(capped.prompt(i).tokens) + 8 <= 1024 for i in range(200))
+
+
+@pytest.mark.parametrize("align,unit", [("block", 16), ("chunk", 64)])
+def test_reused_parts_end_on_the_align_unit(align, unit):
+    cap = EngineCapacity(gpu_tokens=1404, block_tokens=16, chunk_tokens=64, max_model_len=1024)
+    p = get_profile("partial-prefix")(LoadSpec(align=align), 0, cap)
+    ends = {p.prompt(i).fields["reused_tokens"] % unit for i in range(120)}
+    assert ends == {0}
+
+
+def test_random_schedule_reuses_families_to_every_block_position():
+    ps = prompts("partial-prefix", 400, schedule="random", align="none")
     kinds = {p.fields["kind"] for p in ps}
     assert {"documents", "agent_transcripts"} <= kinds
     ends = {p.fields["reused_tokens"] % 16 for p in ps if p.fields["kind"] == "documents"}
@@ -55,27 +96,32 @@ def test_partial_prefix_reuses_families_to_every_block_boundary():
     assert len(depths) >= 30  # ... of many different blocks
 
 
-def test_partial_prefix_pressure_is_sized_from_the_gpu_cache():
-    small = get_profile("partial-prefix")(LoadSpec(), 0, EngineCapacity(gpu_tokens=1000, max_model_len=1024))
-    big = get_profile("partial-prefix")(LoadSpec(), 0, EngineCapacity(gpu_tokens=8000, max_model_len=1024))
+def test_random_schedule_pressure_is_sized_from_the_gpu_cache():
+    def make(**cap):
+        return get_profile("partial-prefix")(LoadSpec(schedule="random"), 0, EngineCapacity(**cap))
+
+    small, big = make(gpu_tokens=1000, max_model_len=1024), make(gpu_tokens=8000, max_model_len=1024)
     total = lambda p: sum(len(f.body) for f in p.families)  # noqa: E731
     assert total(small) >= 1.7 * 1000 and total(big) >= 1.7 * 8000
     assert len(big.families) > len(small.families)
-    capped = get_profile("partial-prefix")(LoadSpec(), 0, EngineCapacity(gpu_tokens=8000, offload_tokens=4000))
+    capped = make(gpu_tokens=8000, offload_tokens=4000)
     assert total(capped) < total(big)  # families must stay in the offload tier
 
 
 def test_agent_transcripts_grow_with_every_use():
-    ps = [p for p in prompts("partial-prefix", 300, mix={"agent_transcripts": 1}) if p.fields["family"] == 0]
+    ps = [p for p in prompts("partial-prefix", 300, schedule="random", mix={"agent_transcripts": 1})
+          if p.fields["family"] == 0]
     reused = [p.fields["reused_tokens"] for p in ps]
     assert sum(b > a for a, b in zip(reused, reused[1:])) >= len(reused) * 0.6
 
 
 @pytest.mark.parametrize("dist", [{"dist": "constant", "chunks": 5}, {"dist": "uniform"},
                                   {"dist": "lognormal", "median_chunks": 4}, {"dist": "zipf"}])
-def test_depth_distributions(dist):
-    ps = prompts("partial-prefix", 200, mix={"documents": 1}, depth=dist)
-    chunks = [p.fields["reused_tokens"] // 16 for p in ps]
+@pytest.mark.parametrize("schedule", ["random", "revisit"])
+def test_depth_distributions(dist, schedule):
+    ps = prompts("partial-prefix", 300, mix={"documents": 1}, depth=dist, schedule=schedule)
+    chunks = [p.fields["reused_tokens"] // 16 for p in ps
+              if p.fields["phase"] in ("reuse", "shallow")]
     if dist["dist"] == "constant":
         assert set(chunks) <= {5}
     elif dist["dist"] == "zipf":

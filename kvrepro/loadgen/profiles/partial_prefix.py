@@ -2,24 +2,38 @@
 
 The crash (vLLM 0.26.0, hybrid model with MTP and KV offloading) needs one request whose prefix is
 partly on the GPU (full-attention blocks and a Mamba state up to a boundary) and continues in the
-offload tier past that boundary. That takes a prefix reused to many different depths, families
-that fall out of the GPU cache between two uses but stay in the offload tier, and Mamba states at
-many boundaries (the hybrid scheduler keeps one where a request diverges from a cached prefix).
-This profile makes each of those frequent:
+offload tier past that boundary, where a Mamba state was offloaded too. Measured on the GPU-free
+engine (README: "Load"): a Mamba state is kept only where a prompt's computed part ends on a block
+boundary (without chunked prefill: where the prompt itself ends on one), so both boundaries must be
+the end of an earlier prompt, and the GPU must have lost the blocks between them but not the part
+before. Production traffic does that when a document or an agent transcript is used in full, then
+only up to an earlier point (a question on its first sections, an agent rewinding to a checkpoint),
+then in full again with something new after it, while other traffic pushes the family's tail out
+of the GPU cache into the offload tier.
 
-* **Prefix families** of three kinds, as production traffic has them: ``documents`` (RAG,
-  long-context Q&A: reused to a depth drawn from ``depth``), ``system_prompts`` (short bodies,
-  reused whole, then a user turn) and ``agent_transcripts`` (reused to a depth that grows with
-  every use of the family, as an agent's context does, and starts over when it reaches the end).
-* **Reuse depth** drawn from a distribution (``constant``, ``uniform``, ``lognormal``, ``zipf``)
-  in offload chunks, plus a uniform position inside the chunk: hits end at every block and chunk
-  boundary, not only at a family's end. A short fresh suffix follows (a long one only dilutes).
-* **Eviction pressure**: the families' bodies together hold ``pressure`` times the engine's GPU
-  prefix cache (``EngineCapacity.gpu_tokens``: read from the engine's log, or given), capped so
-  they fit the offload tier: families fall out of the GPU cache and stay offloaded.
+Two schedules (``schedule``):
 
-Measured on the GPU-free engine (build A, 0.26.0, sequential): see benchmarks/requests_to_crash.py.
-Every choice is seeded: request ``index`` is a pure function of (settings, seed, capacity, index).
+* ``revisit`` (default): every family is used three times -- ``deep`` (the whole body), ``shallow``
+  (the body up to a depth drawn from ``depth``) and ``again`` (the whole body and a fresh suffix:
+  a question, an agent's next step) -- and families are interleaved ``lag`` apart: the requests
+  go ``deep(i), shallow(i-lag), again(i-lag)`` for i = 0, 1, ... Each body is ``family_share`` of
+  the GPU prefix cache (``EngineCapacity.gpu_tokens``: read from the engine's log, or given), so
+  the next family's deep use evicts the oldest cached blocks: vLLM frees a request's blocks last
+  first, so a family loses its tail before its head and keeps it in the offload tier. The shallow
+  use then leaves a Mamba state where the cached part ends, and ``again`` finds the rest offloaded.
+  Measured (shipped matrix, build A, 10 seeds): the first target crash at request 4 or 7 for any
+  share from 0.55 to 0.65, at 7-10 from 0.33 to 0.45 (``lag: 1``).
+* ``random``: a fixed set of families (their bodies together ``pressure`` times the GPU cache,
+  capped to fit the offload tier), each use a family at random reused to a drawn depth (the
+  previous default; agent transcripts grow with every use).
+
+Families are of three kinds, as production traffic has them: ``documents`` (RAG, long-context
+Q&A), ``system_prompts`` (short bodies) and ``agent_transcripts`` (their ``again`` adds a longer
+step, ``transcript_step_tokens``). Reuse depth is drawn from a distribution (``constant``,
+``uniform``, ``lognormal``, ``zipf``) in units of ``align`` (a block or an offload chunk; ``none``:
+any token, plus a uniform position inside the chunk) so hits end at every block and chunk
+boundary of a body. Every choice is seeded: request ``index`` is a pure function of (settings,
+seed, capacity, index).
 """
 
 from __future__ import annotations
@@ -39,13 +53,18 @@ KINDS = ("documents", "system_prompts", "agent_transcripts")
 
 
 class Depth(ProfileSettings):
-    """How deep (in offload chunks) a document is reused."""
+    """How deep a family is reused, in units of ``align`` (blocks or chunks).
+
+    ``uniform`` draws from ``low_share`` of the body up to one unit short of it (revisit) or from
+    one unit up to the whole body (random); the others are bounded by the body.
+    """
 
     dist: Literal["constant", "uniform", "lognormal", "zipf"] = "uniform"
-    chunks: int | None = Field(None, ge=1, description="constant: this many chunks")
+    chunks: int | None = Field(None, ge=1, description="constant: this many units")
     median_chunks: float = Field(8.0, gt=0, description="lognormal: the median depth")
     sigma: float = Field(0.8, gt=0, description="lognormal: spread (of the log)")
-    exponent: float = Field(1.1, gt=0, description="zipf: P(depth = n chunks) ~ 1 / n**exponent")
+    exponent: float = Field(1.1, gt=0, description="zipf: P(depth = n units) ~ 1 / n**exponent")
+    low_share: float = Field(0.5, ge=0, lt=1, description="uniform, revisit: the shallowest depth, as a share of the body")
 
     @model_validator(mode="after")
     def _needs(self) -> "Depth":
@@ -55,24 +74,33 @@ class Depth(ProfileSettings):
 
 
 class PartialPrefixSettings(ProfileSettings):
+    schedule: Literal["revisit", "random"] = Field("revisit", description="how families are used (module docstring)")
     mix: dict[Literal["documents", "system_prompts", "agent_transcripts"], float] = Field(
         default_factory=lambda: {"documents": 0.7, "system_prompts": 0.0, "agent_transcripts": 0.3},
         description="share of families per kind (weights, need not sum to 1)")
-    document_tokens: tuple[int, int] = Field((720, 880), description="document body length range")
+    align: Literal["block", "chunk", "none"] = Field(
+        "block", description="where reused parts end: on a KV block, an offload chunk, or anywhere")
+    depth: Depth = Field(default_factory=Depth, description="partial use: depth distribution")
+    suffix_tokens: tuple[int, int] = Field((1, 8), description="fresh tokens after the reused part")
+    # revisit
+    family_share: float = Field(0.6, gt=0, le=2, description="revisit: a body's length / the GPU prefix cache")
+    lag: int = Field(1, ge=1, description="revisit: families between a family's deep use and its again")
+    transcript_step_tokens: tuple[int, int] = Field((16, 64), description="revisit: an agent's new step")
+    # random
+    document_tokens: tuple[int, int] = Field((720, 880), description="random: document body length range")
     system_prompt_tokens: tuple[int, int] = Field((160, 320), description="system prompt length range")
-    transcript_tokens: tuple[int, int] = Field((720, 880), description="full agent transcript length range")
-    transcript_start: float = Field(0.25, gt=0, le=1, description="an agent transcript's first use (share of it)")
-    transcript_step_chunks: int = Field(2, ge=1, description="chunks an agent transcript grows per use")
-    depth: Depth = Field(default_factory=Depth, description="partial use k: depth distribution")
-    suffix_tokens: tuple[int, int] = Field((0, 8), description="fresh tokens after the reused part")
-    pressure: float = Field(1.7, gt=0, description="families' bodies together, in GPU prefix caches")
-    families: int | None = Field(None, ge=1, description="this many families (default: sized by pressure)")
+    transcript_tokens: tuple[int, int] = Field((720, 880), description="random: full agent transcript length range")
+    transcript_start: float = Field(0.25, gt=0, le=1, description="random: an agent transcript's first use (share of it)")
+    transcript_step_chunks: int = Field(2, ge=1, description="random: chunks an agent transcript grows per use")
+    pressure: float = Field(1.7, gt=0, description="random: families' bodies together, in GPU prefix caches")
+    families: int | None = Field(None, ge=1, description="random: this many families (default: sized by pressure)")
 
     @model_validator(mode="after")
     def _ranges(self) -> "PartialPrefixSettings":
-        for name in ("document_tokens", "system_prompt_tokens", "transcript_tokens", "suffix_tokens"):
+        for name in ("document_tokens", "system_prompt_tokens", "transcript_tokens", "suffix_tokens",
+                     "transcript_step_tokens"):
             lo, hi = getattr(self, name)
-            low = 0 if name == "suffix_tokens" else 2
+            low = 0 if name == "suffix_tokens" else 2 if name.endswith("_tokens") and "step" not in name else 1
             if lo < low or hi < lo:
                 raise ValueError(f"{name} must be [low, high] with {low} <= low <= high")
         if not any(w > 0 for w in self.mix.values()) or any(w < 0 for w in self.mix.values()):
@@ -85,6 +113,7 @@ class _Family:
     kind: str
     body: tuple[int, ...]
     cycles: int = 0
+    shallow: int = 0  # revisit: tokens of the body the shallow use keeps
 
 
 @dataclass(frozen=True)
@@ -93,6 +122,7 @@ class _Use:
     phase: str
     reused: int  # tokens of the body the prompt starts with
     cycle: int
+    suffix: tuple[int, int] = (0, 0)  # fresh tokens after it: [low, high]
 
 
 class PartialPrefix(Profile):
@@ -105,36 +135,95 @@ class PartialPrefix(Profile):
         cap = self.capacity
         self.block = max(1, cap.block_tokens)
         self.chunk = max(self.block, cap.chunk_tokens)
-        rng = random.Random(f"partial-prefix/families/{seed}")
-        kinds = [k for k in KINDS if s.mix.get(k, 0) > 0]
-        weights = [s.mix[k] for k in kinds]
-        ranges = {"documents": s.document_tokens, "system_prompts": s.system_prompt_tokens,
-                  "agent_transcripts": s.transcript_tokens}
+        self.unit = {"block": self.block, "chunk": self.chunk, "none": 1}[s.align]
+        self.kinds = [k for k in KINDS if s.mix.get(k, 0) > 0]
+        self.weights = [s.mix[k] for k in self.kinds]
         # a prompt must fit the engine (body + suffix + output <= max_model_len)
-        longest = max(2 * self.chunk, (cap.max_model_len or 1 << 30) - s.suffix_tokens[1] - load.max_tokens - 1)
-        target = s.pressure * cap.gpu_tokens
-        if cap.offload_tokens is not None:  # every family must stay in the offload tier
-            target = min(target, 0.8 * cap.offload_tokens)
-        self.families = []
-        total = 0
-        while (len(self.families) < s.families) if s.families else (total < target or len(self.families) < 2):
-            n = len(self.families)
-            kind = kinds[n % len(kinds)] if n < len(kinds) else rng.choices(kinds, weights)[0]
-            lo, hi = ranges[kind]
-            length = max(2 * self.chunk, min(rng.randint(lo, hi), longest))
-            self.families.append(_Family(kind, tuple(rng.randrange(load.vocab_size) for _ in range(length))))
-            total += length
-        rng.shuffle(self.families)
+        most_suffix = max(s.suffix_tokens[1], s.transcript_step_tokens[1] if "agent_transcripts" in self.kinds else 0)
+        self.longest = max(2 * self.chunk, (cap.max_model_len or 1 << 30) - most_suffix - load.max_tokens - 1)
         self._lock = threading.Lock()
         self._uses: list[_Use] = []
-        self._program = self._schedule()
+        self.families: list[_Family] = []
+        if s.schedule == "random":
+            self._make_fixed_families()
+            self._program = self._random_schedule()
+        else:
+            self._program = self._revisit_schedule()
 
     def describe(self) -> dict:
         d = super().describe()
-        d["families"] = [{"kind": f.kind, "tokens": len(f.body)} for f in self.families]
+        if self.settings.schedule == "random":
+            d["families"] = [{"kind": f.kind, "tokens": len(f.body)} for f in self.families]
+        else:
+            d["family_tokens"] = self._revisit_length_range()
         return d
 
-    # ------------------------------------------------------------------ the schedule
+    def _body(self, rng: random.Random, length: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(self.load.vocab_size) for _ in range(length))
+
+    def _round(self, tokens: int) -> int:
+        """Down to a whole ``align`` unit (at least one)."""
+        return max(self.unit, tokens - tokens % self.unit)
+
+    # ------------------------------------------------------------------ revisit
+
+    def _revisit_length_range(self) -> tuple[int, int]:
+        target = self.settings.family_share * self.capacity.gpu_tokens
+        lo = self._round(min(self.longest, max(2 * self.unit, int(0.85 * target))))
+        hi = self._round(min(self.longest, max(2 * self.unit, int(1.15 * target))))
+        return lo, max(lo, hi)
+
+    def _revisit_family(self, i: int) -> _Family:
+        while len(self.families) <= i:
+            n = len(self.families)
+            rng = random.Random(f"partial-prefix/revisit-family/{self.seed}/{n}")
+            kind = self.kinds[n % len(self.kinds)] if n < len(self.kinds) else rng.choices(self.kinds, self.weights)[0]
+            lo, hi = self._revisit_length_range()
+            if kind == "system_prompts":  # short bodies: at most their own range
+                hi = max(2 * self.unit, min(hi, self._round(self.settings.system_prompt_tokens[1])))
+                lo = min(lo, hi)
+            length = self._round(rng.randint(lo, hi))
+            units = length // self.unit
+            fam = _Family(kind, self._body(rng, length))
+            fam.shallow = self._depth_units(rng, units, revisit=True) * self.unit
+            self.families.append(fam)
+        return self.families[i]
+
+    def _revisit_schedule(self):
+        """deep(i), shallow(i-lag), again(i-lag) for i = 0, 1, 2, ... (the uses that exist)."""
+        lag = self.settings.lag
+        step_suffix = self.settings.transcript_step_tokens
+        i = 0
+        while True:
+            fam = self._revisit_family(i)
+            yield _Use(i, "deep", len(fam.body), 0)
+            if i >= lag:
+                prev = self._revisit_family(i - lag)
+                yield _Use(i - lag, "shallow", prev.shallow, 0)
+                suffix = step_suffix if prev.kind == "agent_transcripts" else self.settings.suffix_tokens
+                yield _Use(i - lag, "again", len(prev.body), 0, (max(1, suffix[0]), max(1, suffix[1])))
+            i += 1
+
+    # ------------------------------------------------------------------ random
+
+    def _make_fixed_families(self) -> None:
+        s = self.settings
+        cap = self.capacity
+        rng = random.Random(f"partial-prefix/families/{self.seed}")
+        ranges = {"documents": s.document_tokens, "system_prompts": s.system_prompt_tokens,
+                  "agent_transcripts": s.transcript_tokens}
+        target = s.pressure * cap.gpu_tokens
+        if cap.offload_tokens is not None:  # every family must stay in the offload tier
+            target = min(target, 0.8 * cap.offload_tokens)
+        total = 0
+        while (len(self.families) < s.families) if s.families else (total < target or len(self.families) < 2):
+            n = len(self.families)
+            kind = self.kinds[n % len(self.kinds)] if n < len(self.kinds) else rng.choices(self.kinds, self.weights)[0]
+            lo, hi = ranges[kind]
+            length = max(2 * self.chunk, min(rng.randint(lo, hi), self.longest))
+            self.families.append(_Family(kind, self._body(rng, length)))
+            total += length
+        rng.shuffle(self.families)
 
     def _deep_end(self, fam: _Family) -> int:
         if fam.kind != "agent_transcripts":
@@ -146,23 +235,26 @@ class PartialPrefix(Profile):
             grown = start
         return int(grown)
 
-    def _depth_chunks(self, rng: random.Random, most: int) -> int:
+    def _depth_units(self, rng: random.Random, most: int, revisit: bool = False) -> int:
+        """A depth in align units: 1..most (random) or 1..most-1 (revisit: short of the body)."""
         d = self.settings.depth
+        top = max(1, most - 1) if revisit else most
         if d.dist == "constant":
-            n = d.chunks or most
+            n = d.chunks or top
         elif d.dist == "uniform":
-            n = rng.randint(1, most)
+            low = max(1, math.ceil(d.low_share * most)) if revisit else 1
+            n = rng.randint(min(low, top), top)
         elif d.dist == "lognormal":
             n = round(math.exp(rng.gauss(math.log(d.median_chunks), d.sigma)))
-        else:  # zipf over 1..most
+        else:  # zipf over 1..top
             cum, acc = [], 0.0
-            for j in range(1, most + 1):
+            for j in range(1, top + 1):
                 acc += 1.0 / j ** d.exponent
                 cum.append(acc)
             n = bisect.bisect_left(cum, rng.random() * acc) + 1
-        return max(1, min(most, n))
+        return max(1, min(top, n))
 
-    def _schedule(self):
+    def _random_schedule(self):
         """The endless sequence of uses: a family at random, reused to a drawn depth."""
         turn = 0
         while True:
@@ -170,15 +262,18 @@ class PartialPrefix(Profile):
             turn += 1
             fi = rng.randrange(len(self.families))
             fam = self.families[fi]
+            inside = rng.randrange(self.chunk) if self.settings.align == "none" else 0
             if fam.kind == "system_prompts":
                 reused = len(fam.body)
             elif fam.kind == "agent_transcripts":
-                reused = self._deep_end(fam) + rng.randrange(self.chunk)
+                reused = self._deep_end(fam) + inside
                 fam.cycles += 1
             else:
-                chunks = max(1, len(fam.body) // self.chunk)
-                reused = self._depth_chunks(rng, chunks) * self.chunk + rng.randrange(self.chunk)
-            yield _Use(fi, "reuse", max(1, min(reused, len(fam.body))), fam.cycles)
+                units = max(1, len(fam.body) // self.unit)
+                reused = self._depth_units(rng, units) * self.unit + inside
+            yield _Use(fi, "reuse", max(1, min(reused, len(fam.body))), fam.cycles, self.settings.suffix_tokens)
+
+    # ------------------------------------------------------------------ prompts
 
     def _use(self, index: int) -> _Use:
         with self._lock:  # memoised in index order: the same answer whichever thread asks first
@@ -190,12 +285,12 @@ class PartialPrefix(Profile):
         use = self._use(index)
         fam = self.families[use.family]
         rng = random.Random(f"partial-prefix/request/{self.seed}/{index}")
-        suffix = rng.randint(*self.settings.suffix_tokens)
+        suffix = rng.randint(*use.suffix)
         if use.reused + suffix == 0:
             suffix = 1
-        tokens = fam.body[:use.reused] + tuple(rng.randrange(self.load.vocab_size) for _ in range(suffix))
+        tokens = fam.body[:use.reused] + self._body(rng, suffix)
         return Prompt(index=index, tokens=tokens, max_tokens=self.load.max_tokens,
-                      fields={"family": use.family, "kind": fam.kind,
+                      fields={"family": use.family, "kind": fam.kind, "phase": use.phase,
                               "reused_tokens": use.reused, "suffix_tokens": suffix})
 
 
