@@ -196,7 +196,8 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
                 stop.wait(_PROBE_SETTLE_S)
         else:
             capacity = engine_capacity(matrix.load, log_so_far, matrix.engine.block_size, matrix.engine.max_model_len,
-                                       chunk_tokens=matrix.engine.offload_chunk_tokens)
+                                       chunk_tokens=matrix.engine.offload_chunk_tokens,
+                                       data_parallel_size=matrix.engine.data_parallel_size)
             load = run_load(handle.base_url, matrix.load, matrix.runs, run_dir / "load.jsonl",
                             seed=matrix.load.seed + rep, alive=handle.alive,
                             on_progress=lambda done, failed: progress.requests_done(plan.name, rep, done, failed),

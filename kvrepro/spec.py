@@ -248,6 +248,10 @@ class LoadSpec(_Strict):
     offload_kv_tokens: int | None = Field(None, ge=16, description="offload tier size in tokens; default: unbounded")
     chunk_tokens: int | None = Field(None, ge=1, description="offload chunk in tokens; default: what the engine "
                                       "log says (GPU-free engine), else engine.geometry's, else the block size")
+    dp_routing: Literal["engine", "affinity"] = Field(
+        "engine", description="with data-parallel ranks: engine = vLLM's own load balancer picks the rank; "
+        "affinity = all requests of a family (session) go to one rank (X-data-parallel-rank), "
+        "as a prefix-aware router sends them")
     seed: int = 0
 
     @model_validator(mode="after")

@@ -126,6 +126,7 @@ class _Server:
     def __init__(self, close_every: int = 0, trickle_s: float = 0.0):
         self.connections = 0
         self.requests = 0
+        self.ranks: list[str | None] = []  # X-data-parallel-rank of each POST, in arrival order
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -143,6 +144,7 @@ class _Server:
                 self._answer()
 
             def do_POST(self):
+                outer.ranks.append(self.headers.get("X-data-parallel-rank"))
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 self._answer(body)
 
@@ -298,3 +300,36 @@ def test_the_encoded_ids_give_the_same_trace_line_and_the_same_hash_as_before(se
     for record in map(json.loads, (tmp_path / "l.jsonl").read_text().splitlines()):
         tokens = profile.prompt(record["index"]).tokens
         assert record["prompt_sha256"] == hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+
+
+def test_affinity_routing_sends_each_family_to_one_rank_and_the_replay_does_too(server, tmp_path):
+    """dp_routing: affinity puts vLLM's X-data-parallel-rank header on every request (all uses of a
+    family on one rank); the trace records the rank and a replay sends the same headers. Without
+    it (the default, and with one rank) no header goes out: vLLM's balancer chooses."""
+    from kvrepro.loadgen.runner import replay_load
+    from kvrepro.loadgen.profiles import EngineCapacity
+    from kvrepro.loadgen.trace import read_trace
+
+    cap = EngineCapacity(gpu_tokens=400, block_tokens=16, chunk_tokens=16, max_model_len=1024, data_parallel_size=4)
+    load = LoadSpec(concurrency=1, max_tokens=2, vocab_size=100, dp_routing="affinity")
+    out = tmp_path / "l.jsonl"
+    run_load(server.url, load, _runs(requests=24), out, seed=0, alive=lambda: True, capacity=cap,
+             trace_path=tmp_path / "trace.jsonl", trace_header={"build": "A"})
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    sent = [int(r) for r in server.ranks]
+    assert len(sent) == 24 and set(sent) == {0, 1, 2, 3}
+    for record, rank in zip(records, sent):
+        assert rank == record["family"] % 4  # every use of a family on the same rank
+    trace = read_trace(tmp_path / "trace.jsonl")
+    assert [r.rank for r in trace.requests] == sent
+
+    server.ranks.clear()
+    replay_load(server.url, trace, _runs(), tmp_path / "replay.jsonl", alive=lambda: True)
+    assert [int(r) for r in server.ranks] == sent
+
+    server.ranks.clear()
+    run_load(server.url, load.model_copy(update={"dp_routing": "engine"}), _runs(requests=6), tmp_path / "e.jsonl",
+             seed=0, alive=lambda: True, capacity=cap)
+    run_load(server.url, load, _runs(requests=6), tmp_path / "one.jsonl", seed=0, alive=lambda: True,
+             capacity=EngineCapacity(gpu_tokens=400, max_model_len=1024))
+    assert server.ranks == [None] * 12

@@ -21,7 +21,8 @@ _GEOMETRY_RE = re.compile(r"kvrepro-sim: geometry .*?\bblock_size=(\d+) offload_
 
 
 def engine_capacity(load: LoadSpec, log_text: str = "", block_size: int | None = None,
-                    max_model_len: int | None = None, chunk_tokens: int | None = None) -> EngineCapacity:
+                    max_model_len: int | None = None, chunk_tokens: int | None = None,
+                    data_parallel_size: int = 1) -> EngineCapacity:
     """What the matrix's load says, else what the log says, else the engine spec (``block_size``,
     ``chunk_tokens``), else the defaults (``source`` tells which)."""
     sources = []
@@ -50,4 +51,5 @@ def engine_capacity(load: LoadSpec, log_text: str = "", block_size: int | None =
         chunk_tokens=load.chunk_tokens or chunk or chunk_tokens or block,
         max_model_len=max_model_len,
         source="+".join(sources) or "default",
+        data_parallel_size=data_parallel_size,
     )

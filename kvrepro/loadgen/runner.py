@@ -300,7 +300,7 @@ class _Run:
             if self.arrivals is not None and not await self._wait_for_arrival(index):
                 self.next_index = min(self.next_index, index)  # not sent: not counted
                 return
-            prompt = self.profile.prompt(index)
+            prompt = self.profile.routed(index)
             if self.halted:
                 return
             self.in_flight += 1
@@ -346,7 +346,10 @@ class _Run:
         way that can mean the engine died)."""
         text = tokens_json if self.load.prompt_format == "tokens" else json.dumps(tokens_to_text(prompt.tokens))
         body = f'{body_head}, "max_tokens": {prompt.max_tokens}, "prompt": {text}}}'.encode()
-        request = self.completions_head + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        head = self.completions_head
+        if prompt.rank is not None:
+            head += b"X-data-parallel-rank: " + str(prompt.rank).encode() + b"\r\n"
+        request = head + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
         record: dict[str, Any] = {
             "index": prompt.index,
             **prompt.fields,

@@ -35,6 +35,7 @@ class TraceRequest:
     slot: int = 0
     sent_s: float = 0.0
     in_flight: int = 1
+    rank: int | None = None  # the data-parallel rank it was sent to (None: vLLM's balancer chose)
 
 
 @dataclass
@@ -78,6 +79,8 @@ class TraceWriter:
         prompt is most of what a line costs, and the line comes out the same."""
         head = {"index": prompt.index, "slot": slot, "sent_s": round(sent_s, 6), "in_flight": in_flight,
                 "max_tokens": prompt.max_tokens}
+        if prompt.rank is not None:
+            head["rank"] = prompt.rank
         if tokens_json is None:
             tokens_json = json.dumps(list(prompt.tokens), separators=(",", ":"))
         line = json.dumps(head, separators=(",", ":"))[:-1] + ',"tokens":' + tokens_json + "}\n"
@@ -134,7 +137,8 @@ def read_trace(path: str | Path) -> Trace:
             tokens = tuple(int(t) for t in obj["tokens"])
             requests.append(TraceRequest(index=int(obj["index"]), tokens=tokens, max_tokens=int(obj["max_tokens"]),
                                          slot=int(obj.get("slot", 0)), sent_s=float(obj.get("sent_s", 0.0)),
-                                         in_flight=int(obj.get("in_flight", 1))))
+                                         in_flight=int(obj.get("in_flight", 1)),
+                                         rank=int(obj["rank"]) if obj.get("rank") is not None else None))
         except (KeyError, TypeError, ValueError) as exc:
             raise SpecError(f"{path}:{number}: a request line needs index, max_tokens and tokens ({exc})") from None
     if header is None:
@@ -157,7 +161,7 @@ class ReplayProfile(Profile):
     def prompt(self, index: int) -> Prompt:
         r = self.trace.requests[index]
         return Prompt(index=index, tokens=r.tokens, max_tokens=r.max_tokens,
-                      fields={"trace_index": r.index})
+                      fields={"trace_index": r.index}, rank=r.rank)
 
     def describe(self) -> dict[str, Any]:
         return {"profile": "replay", "seed": self.seed}

@@ -14,7 +14,9 @@ the run is sequential: ``load.concurrency: 1``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import importlib
 import pkgutil
 from abc import ABC, abstractmethod
@@ -47,6 +49,7 @@ class EngineCapacity:
     chunk_tokens: int = 16
     max_model_len: int | None = None
     source: str = "default"
+    data_parallel_size: int = 1
 
 
 DEFAULT_CAPACITY = EngineCapacity(gpu_tokens=1536, offload_tokens=None, block_tokens=16, chunk_tokens=16)
@@ -57,13 +60,16 @@ class Prompt:
     """One request to send: token ids, output length, and what the profile wants recorded.
 
     ``fields`` go into the request's line of load.jsonl as they are (the shared-prefix
-    profile records which document, how long a prefix and how long a suffix).
+    profile records which document, how long a prefix and how long a suffix). ``rank``: the
+    data-parallel rank the request is sent to (header ``X-data-parallel-rank``, which vLLM's
+    server honours); None leaves the choice to vLLM's own load balancer.
     """
 
     index: int
     tokens: tuple[int, ...]
     max_tokens: int
     fields: dict[str, Any] = field(default_factory=dict)
+    rank: int | None = None
 
 
 class Profile(ABC):
@@ -71,6 +77,9 @@ class Profile(ABC):
 
     name: ClassVar[str]
     Settings: ClassVar[type[ProfileSettings]] = ProfileSettings
+    # the field of Prompt.fields that names what a request reuses (a family, a session, a
+    # document): with ``load.dp_routing: affinity`` requests with the same value go to one rank
+    affinity_field: ClassVar[str | None] = None
 
     def __init__(self, load: Any, seed: int, capacity: EngineCapacity | None = None):
         self.load = load
@@ -81,6 +90,18 @@ class Profile(ABC):
     @abstractmethod
     def prompt(self, index: int) -> Prompt:
         """The request number ``index`` (0-based) of the run."""
+
+    def routed(self, index: int) -> Prompt:
+        """``prompt(index)`` with its data-parallel rank set when the load routes by affinity (as
+        a prefix-aware router does): every request of one family on one rank, ranks in turn."""
+        prompt = self.prompt(index)
+        ranks = self.capacity.data_parallel_size if self.capacity is not None else 1
+        if (prompt.rank is None and ranks > 1 and getattr(self.load, "dp_routing", "engine") == "affinity"
+                and self.affinity_field and self.affinity_field in prompt.fields):
+            key = prompt.fields[self.affinity_field]
+            rank = key % ranks if isinstance(key, int) else int(hashlib.sha256(str(key).encode()).hexdigest(), 16) % ranks
+            prompt = dataclasses.replace(prompt, rank=rank)
+        return prompt
 
     def describe(self) -> dict[str, Any]:
         """What the trace header records about how this run's prompts were made."""

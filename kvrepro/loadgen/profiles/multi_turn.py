@@ -41,6 +41,7 @@ class MultiTurnSettings(ProfileSettings):
 class MultiTurn(Profile):
     name = "multi-turn"
     Settings = MultiTurnSettings
+    affinity_field = "session"
 
     def __init__(self, load, seed, capacity=None):
         super().__init__(load, seed, capacity)

@@ -84,7 +84,8 @@ class PartialPrefixSettings(ProfileSettings):
     suffix_tokens: tuple[int, int] = Field((1, 8), description="fresh tokens after the reused part")
     # revisit
     family_share: float = Field(0.6, gt=0, le=2, description="revisit: a body's length / the GPU prefix cache")
-    lag: int = Field(1, ge=1, description="revisit: families between a family's deep use and its again")
+    lag: int = Field(1, ge=1, description="revisit: families between a family's deep use and its again "
+                     "(times the DP ranks with dp_routing: affinity)")
     transcript_step_tokens: tuple[int, int] = Field((16, 64), description="revisit: an agent's new step")
     # random
     document_tokens: tuple[int, int] = Field((720, 880), description="random: document body length range")
@@ -128,6 +129,7 @@ class _Use:
 class PartialPrefix(Profile):
     name = "partial-prefix"
     Settings = PartialPrefixSettings
+    affinity_field = "family"
 
     def __init__(self, load, seed, capacity=None):
         super().__init__(load, seed, capacity)
@@ -192,6 +194,9 @@ class PartialPrefix(Profile):
     def _revisit_schedule(self):
         """deep(i), shallow(i-lag), again(i-lag) for i = 0, 1, 2, ... (the uses that exist)."""
         lag = self.settings.lag
+        if getattr(self.load, "dp_routing", "engine") == "affinity":
+            # family i goes to rank i % ranks: the next deep use on its rank is `ranks` families on
+            lag *= max(1, self.capacity.data_parallel_size)
         step_suffix = self.settings.transcript_step_tokens
         i = 0
         while True:
