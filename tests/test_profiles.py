@@ -74,6 +74,9 @@ def test_revisit_sizes_bodies_from_the_gpu_cache_and_the_engine_limit():
     assert all(0.85 * 600 - 16 <= n <= 1.15 * 600 for n in small)  # family_share 0.6 of 1000 tokens
     assert all(0.85 * 4800 - 16 <= n <= 1.15 * 4800 for n in big)
     assert max(lengths(1000, family_share=0.3)) < min(small)
+    offload = EngineCapacity(gpu_tokens=8000, offload_tokens=2000, block_tokens=16, max_model_len=1 << 16)
+    in_offload = get_profile("partial-prefix")(LoadSpec(), 0, offload)
+    assert max(len(q.tokens) for q in map(in_offload.prompt, range(30))) <= 0.8 * 2000 / 2 * 1.15 + 8
     capped = get_profile("partial-prefix")(LoadSpec(max_tokens=8), 0, CAPACITY)  # max_model_len 1024
     assert all(len(capped.prompt(i).tokens) + 8 <= 1024 for i in range(200))
 

@@ -171,6 +171,8 @@ class PartialPrefix(Profile):
 
     def _revisit_length_range(self) -> tuple[int, int]:
         target = self.settings.family_share * self.capacity.gpu_tokens
+        if self.capacity.offload_tokens is not None:  # the families in flight must stay in the offload tier
+            target = min(target, 0.8 * self.capacity.offload_tokens / (self.settings.lag + 1))
         lo = self._round(min(self.longest, max(2 * self.unit, int(0.85 * target))))
         hi = self._round(min(self.longest, max(2 * self.unit, int(1.15 * target))))
         return lo, max(lo, hi)
