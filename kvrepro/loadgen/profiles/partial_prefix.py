@@ -38,6 +38,7 @@ seed, capacity, index).
 
 from __future__ import annotations
 
+import array
 import bisect
 import math
 import random
@@ -163,6 +164,15 @@ class PartialPrefix(Profile):
     def _body(self, rng: random.Random, length: int) -> tuple[int, ...]:
         return tuple(rng.randrange(self.load.vocab_size) for _ in range(length))
 
+    def _fresh_body(self, key: str, length: int) -> tuple[int, ...]:
+        """``length`` seeded token ids, ~25x cheaper than ``_body``: the revisit schedule makes a
+        new family every third request, and drawing each id with randrange made the profile the
+        load generator's main cost (1.5 of 2.4 CPU-seconds per 5,000 requests). 16-bit draws
+        taken modulo the vocabulary: the slight bias towards low ids does not matter here."""
+        raw = array.array("H", random.Random(key).randbytes(2 * length))
+        vocab = self.load.vocab_size
+        return tuple(x % vocab for x in raw)
+
     def _round(self, tokens: int) -> int:
         """Down to a whole ``align`` unit (at least one)."""
         return max(self.unit, tokens - tokens % self.unit)
@@ -188,7 +198,7 @@ class PartialPrefix(Profile):
                 lo = min(lo, hi)
             length = self._round(rng.randint(lo, hi))
             units = length // self.unit
-            fam = _Family(kind, self._body(rng, length))
+            fam = _Family(kind, self._fresh_body(f"partial-prefix/revisit-body/{self.seed}/{n}", length))
             fam.shallow = self._depth_units(rng, units, revisit=True) * self.unit
             self.families.append(fam)
         return self.families[i]
