@@ -223,9 +223,14 @@ def test_zygote_forks_vllm_serve_and_relays_signals(default_matrix, overlays, ru
                              json={"model": "qwen3-next-tiny", "prompt": [5, 6, 7], "max_tokens": 3})
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
         first.send_signal(signal.SIGTERM)
-        assert first.wait(timeout=60) == 0
+        code = first.wait(timeout=60)
         log.close()
         text = (tmp_path / "first.log").read_text()
+        # vLLM 0.26.0's own teardown race (1 CI run in ~3): on SIGTERM serve_http looks up who holds
+        # its port, finds the forked EngineCore already a zombie, and psutil raises ZombieProcess
+        # (exit 1); the classifier knows it too (tests/data/logs/serve-0.26-zombie-at-stop.log)
+        vllm_teardown_race = "psutil.ZombieProcess" in text and "launcher.py" in text
+        assert code == 0 or (code == 1 and vllm_teardown_race), text[-3000:]
         assert "no zygote answers" not in text and "Application startup complete." in text
 
         # The client dies without a word: the forked engine notices and goes away too.
