@@ -28,6 +28,15 @@ import time
 import traceback
 
 
+
+def _shutdown(core) -> None:
+    """Stop an EngineCore's executor and scheduler; a part that fails to stop is not the result."""
+    for part in (core.model_executor.shutdown, core.scheduler.shutdown):
+        try:
+            part()
+        except Exception:  # noqa: BLE001
+            pass
+
 def _statement(frame) -> str | None:
     """The failing statement, all of its lines (an assert often spans several)."""
     if frame is None or not frame.lineno:
@@ -111,11 +120,7 @@ def run_job(build_core, job: list[dict]) -> dict:
                 break
             result["requests_done"] = i + 1
     finally:
-        for part in (core.model_executor.shutdown, core.scheduler.shutdown):
-            try:
-                part()
-            except Exception:
-                pass
+        _shutdown(core)
     result.update(counts, seconds=round(time.monotonic() - started, 3))
     return result
 
@@ -233,11 +238,7 @@ def main(argv: list[str]) -> int:
         try:
             geometry = describe(core)
         finally:
-            for part in (core.model_executor.shutdown, core.scheduler.shutdown):
-                try:
-                    part()
-                except Exception:
-                    pass
+            _shutdown(core)
         out.write(json.dumps({"ready": True, "engine": geometry}) + "\n")
         out.flush()
         for n, line in enumerate(sys.stdin):
