@@ -442,12 +442,47 @@ def classify_cmd(
         raise BadInputError(f"{log}: no such file; give an engine log (engine.log, `docker logs` output)")
     from .spec import default_target_signature
 
+    from .classify import read_exposure
+    from .classify.corruption import defects_of
+    from .verdict import corruption_title
+
     target = _load(matrix).matrix.target_signature if matrix else default_target_signature()
     result = classify_file(log, source, target)
+    exposure = read_exposure(log.read_text(errors="replace"))
+    defects = defects_of(exposure.kv_violations, exposure.kv_violations_by, exposure.kv_first_violation_class)
     if as_json:
-        _emit_json(result.to_json())
+        _emit_json({**result.to_json(), "kv_violations": exposure.kv_violations, "kv_defects": defects,
+                    "kv_violations_by_class": dict(exposure.kv_violations_by)})
     else:
-        out.print(f"[bold]{result.outcome.value}[/]: {result.title}")
+        out.print(f"[bold]{result.outcome.value}[/]: {escape(result.title)}")
+        if defects:
+            out.print(f"[bold]corrupt[/]: {escape(corruption_title(defects, exposure.kv_first_violation))} "
+                      f"({', '.join(f'{name} {n}' for name, n in defects.items())})")
+
+
+@app.command("signatures")
+def signatures_cmd(as_json: bool = JsonOpt) -> None:
+    """List the known crash and corruption signatures (the names `expect:` and reports use)."""
+    from .classify import known_patterns
+    from .classify.corruption import known_corruptions
+
+    crashes = [{"kind": "crash", "name": p.name, "title": p.title if "{" not in p.title else
+                f"{p.exception} in {p.function}" + (f": {p.expressions[0]}" if p.expressions else ""),
+                "site": f"{p.file}:{p.function}", "upstream": list(p.upstream), "test_log": p.test_log}
+               for p in known_patterns()]
+    corruptions = [{"kind": "corruption", "name": c.name, "title": c.title,
+                    "classes": [vars(k) for k in c.classes], "upstream": list(c.upstream),
+                    "fixed_by": list(c.fixed_by), "test_log": c.test_log} for c in known_corruptions()]
+    if as_json:
+        _emit_json(crashes + corruptions)
+        return
+    table = Table(title="known signatures (kvrepro/classify/signatures/, kvrepro/classify/corruptions/)",
+                  title_justify="left")
+    for column in ("kind", "name", "what"):
+        table.add_column(column, overflow="fold")
+    for row in crashes + corruptions:
+        table.add_row(row["kind"], row["name"], escape(row["title"]))
+    out.print(table)
 
 
 @app.command("setup")

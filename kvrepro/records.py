@@ -170,8 +170,10 @@ class Exposure:
     # the sim engine's shadow KV: contexts checked, violations (silent KV corruption), the first
     kv_checks: int = 0
     kv_violations: int = 0
-    kv_violations_by: dict[str, int] = field(default_factory=dict)  # group kind[+offload] -> violations
+    # violation class (kvrepro.engine.shadow: group kind[+offload]/read/region) -> violations
+    kv_violations_by: dict[str, int] = field(default_factory=dict)
     kv_first_violation: str | None = None
+    kv_first_violation_class: str | None = None
     shadow_seen: bool = False
 
     @property
@@ -239,11 +241,16 @@ class RunResult:
     state_groups: dict[str, int] = field(default_factory=dict)
     kv_check: str = "off"
     # the shadow KV's numbers: contexts checked, violations (once per request, group and block),
-    # violations by kind of group ("+offload" when the request had an offload hit), the first one
+    # violations by class (kind of group, "+offload" when the request had an offload hit, what the
+    # read found, where), the first one
     kv_checks: int = 0
     kv_violations: int = 0
     kv_violations_by: dict[str, int] = field(default_factory=dict)
     kv_first_violation: str | None = None
+    kv_first_violation_class: str | None = None
+    # violations per known corruption defect (kvrepro.classify.corruption; "unknown" for a class
+    # no signature knows), attributed when the run was classified
+    kv_defects: dict[str, int] = field(default_factory=dict)
     # what the probe had to log as the wrapped method's hash (the build manifest's); None: unknown
     probe_expected_sha256: str | None = None
     load: LoadSummary | None = None
