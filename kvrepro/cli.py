@@ -449,7 +449,8 @@ def classify_cmd(
     target = _load(matrix).matrix.target_signature if matrix else default_target_signature()
     result = classify_file(log, source, target)
     exposure = read_exposure(log.read_text(errors="replace"))
-    defects = defects_of(exposure.kv_violations, exposure.kv_violations_by, exposure.kv_first_violation_class)
+    defects = defects_of(exposure.kv_violations, exposure.kv_violations_by, exposure.kv_first_violation_class,
+                         exposure.kv_groups)
     if as_json:
         _emit_json({**result.to_json(), "kv_violations": exposure.kv_violations, "kv_defects": defects,
                     "kv_violations_by_class": dict(exposure.kv_violations_by)})

@@ -174,6 +174,7 @@ class Exposure:
     kv_violations_by: dict[str, int] = field(default_factory=dict)
     kv_first_violation: str | None = None
     kv_first_violation_class: str | None = None
+    kv_groups: tuple[str, ...] = ()  # kinds of the engine's KV groups, from the shadow KV's installed line
     shadow_seen: bool = False
 
     @property
@@ -248,6 +249,7 @@ class RunResult:
     kv_violations_by: dict[str, int] = field(default_factory=dict)
     kv_first_violation: str | None = None
     kv_first_violation_class: str | None = None
+    kv_groups: tuple[str, ...] = ()  # kinds of the engine's KV groups (the shadow KV's installed line)
     # violations per known corruption defect (kvrepro.classify.corruption; "unknown" for a class
     # no signature knows), attributed when the run was classified
     kv_defects: dict[str, int] = field(default_factory=dict)

@@ -297,7 +297,8 @@ def _attributed(result: RunResult) -> RunResult:
     from .classify.corruption import defects_of
     from .verdict import corruption_title
 
-    defects = defects_of(result.kv_violations, result.kv_violations_by, result.kv_first_violation_class)
+    defects = defects_of(result.kv_violations, result.kv_violations_by, result.kv_first_violation_class,
+                         result.kv_groups)
     title = corruption_title(defects, result.kv_first_violation) if result.verdict is Verdict.CORRUPT else result.title
     return replace(result, kv_defects=defects, title=title)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 UNKNOWN = "unknown"
@@ -90,6 +90,9 @@ class CorruptionSignature:
     upstream: tuple[str, ...] = ()
     fixed_by: tuple[str, ...] = ()
     test_log: str | None = None
+    # kinds of KV group the engine must have for this defect to exist (the hybrid holes need a
+    # Mamba group); checked when the log says which groups the engine had
+    needs_groups: tuple[str, ...] = ()
 
     def specificity(self, cls: ViolationClass) -> int | None:
         """How specifically this defect matches a class (None: not at all)."""
@@ -123,33 +126,39 @@ def title_of(name: str) -> str:
     return signature.title if signature is not None else UNKNOWN_TITLE
 
 
-def match_class(key: str) -> CorruptionSignature | None:
-    """The most specific signature for a class key (ties: the first by name), or None."""
+def match_class(key: str, groups: Iterable[str] = ()) -> CorruptionSignature | None:
+    """The most specific signature for a class key (ties: the first by name), or None.
+    ``groups``: the kinds of the engine's KV groups (empty: unknown, no signature is ruled out)."""
     cls = ViolationClass.parse(key)
+    present = set(groups)
     best: tuple[int, CorruptionSignature] | None = None
     for signature in known_corruptions():
+        if present and not present.issuperset(signature.needs_groups):
+            continue
         how = signature.specificity(cls)
         if how is not None and (best is None or how > best[0]):
             best = (how, signature)
     return best[1] if best else None
 
 
-def attribute(violations_by_class: Mapping[str, int]) -> dict[str, int]:
+def attribute(violations_by_class: Mapping[str, int], groups: Iterable[str] = ()) -> dict[str, int]:
     """Violations per defect name (``unknown`` for classes no signature knows), largest first."""
     out: dict[str, int] = {}
     for key, n in violations_by_class.items():
-        signature = match_class(key)
+        signature = match_class(key, groups)
         name = signature.name if signature is not None else UNKNOWN
         out[name] = out.get(name, 0) + int(n)
     return dict(sorted(out.items(), key=lambda item: (-item[1], item[0])))
 
 
-def defects_of(violations: int, violations_by_class: Mapping[str, int], first_class: str | None) -> dict[str, int]:
+def defects_of(violations: int, violations_by_class: Mapping[str, int], first_class: str | None,
+               groups: Iterable[str] = ()) -> dict[str, int]:
     """A run's violations per defect. When the counts line was cut off (violations counted from
-    the described lines only), the first violation's class stands for all of them."""
+    the described lines only), the first violation's class stands for all of them. ``groups``:
+    the kinds of the engine's KV groups, as the shadow KV's ``installed`` line lists them."""
     if not violations:
         return {}
     by_class = dict(violations_by_class)
     if not by_class:
         by_class = {first_class or "?": violations}
-    return attribute(by_class)
+    return attribute(by_class, groups)

@@ -41,6 +41,7 @@ _COUNTS = re.compile(r"kvrepro-probe: counts external_hit_calls=(?P<ext>\d+) tri
 _SHADOW_TAG = "kvrepro-shadow:"
 _SHADOW_COUNTS = re.compile(r"kvrepro-shadow: counts checks=(?P<checks>\d+) violations=(?P<violations>\d+)\b"
                             r"(?: by=(?P<by>\S+))?")
+_SHADOW_INSTALLED = re.compile(r"kvrepro-shadow: installed groups=(?P<groups>\S*)")
 _SHADOW_VIOLATION = re.compile(r"kvrepro-shadow: violation (?P<step>step=\S+ )?(?:class=(?P<cls>\S+) )?(?P<text>.*\S)")
 _METRIC = re.compile(
     r"^(?P<name>kvrepro_probe_external_hit_calls_total|kvrepro_probe_trigger_calls_total)(?:\{[^}]*\})?\s+(?P<value>\S+)",
@@ -57,6 +58,7 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
     shadow: dict[str, tuple[int, int, dict[str, int]]] = {}  # stream -> (checks, violations, by kind)
     first_violation: str | None = None
     first_class: str | None = None
+    kv_groups: tuple[str, ...] = ()
     for number, raw in enumerate(io.StringIO(log_text, newline="\n"), start=1):
         if _TAG not in raw and _SHADOW_TAG not in raw:
             continue
@@ -75,8 +77,9 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
             if first_violation is None:
                 first_violation = (m["step"] or "") + m["text"]
                 first_class = m["cls"]
-        elif "kvrepro-shadow: installed" in line.body:
+        elif (m := _SHADOW_INSTALLED.search(line.body)) is not None:
             shadow_seen = True
+            kv_groups = tuple(item.split(":", 1)[-1].split("/", 1)[0] for item in m["groups"].split(",") if item)
     external = sum(v[0] for v in last.values())
     trigger = sum(v[1] for v in last.values())
     state = sum(v[2] for v in last.values())
@@ -97,7 +100,7 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
     return Exposure(trigger_calls=trigger, external_hit_calls=external, probe_source_sha256=sha, probe_seen=seen,
                     state_calls=state, state_groups=state_groups, kv_checks=sum(v[0] for v in shadow.values()),
                     kv_violations=violations, kv_violations_by=violations_by, kv_first_violation=first_violation, kv_first_violation_class=first_class,
-                    shadow_seen=shadow_seen)
+                    kv_groups=kv_groups, shadow_seen=shadow_seen)
 
 
 def _groups(text: str | None) -> dict[str, int]:
