@@ -136,7 +136,12 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=2, help="repetitions per cell (default 2: 12 runs)")
     parser.add_argument("--requests", type=int, default=None, help="runs.requests (default: the geometry's)")
     parser.add_argument("--results", default=str(ROOT / "results"))
-    parser.add_argument("--jobs", type=int, default=None, help="engines at once (default: one per core)")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="engines at once (default: one per core; 1 for the production geometry, whose "
+                             "engine is 4 EngineCores already)")
+    parser.add_argument("--start-timeout", type=float, default=None,
+                        help="runs.start_timeout_s (default: the geometry's; 600 for production: 4 ranks start "
+                             "slowly on 2 shared cores)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.reps < 1:
@@ -154,7 +159,11 @@ def main() -> int:
     for geometry in args.geometry or GEOMETRIES:
         for profile in args.profile or PROFILES:
             matrix = cell_matrix(default, production, args.build, profile, geometry, args.reps, args.requests)
-            outcome = run_cell(folder, f"{args.build}-{profile}-{geometry}", matrix, results, args.jobs)
+            start_timeout = args.start_timeout or (600.0 if geometry == "production" else None)
+            if start_timeout:
+                matrix["runs"]["start_timeout_s"] = start_timeout
+            jobs = args.jobs or (1 if geometry == "production" else None)
+            outcome = run_cell(folder, f"{args.build}-{profile}-{geometry}", matrix, results, jobs)
             rows.append({"profile": profile, "geometry": geometry, **outcome})
             if not args.json:
                 print(f"... {profile} / {geometry}: "
