@@ -64,6 +64,7 @@ def _run_summary(run: RunResult) -> dict[str, Any]:
     """What the point rule reads of a run (the run folder keeps the rest)."""
     return {"verdict": run.verdict.value, "outcome": run.outcome.value, "title": run.title, "rep": run.rep,
             "trigger_count": run.trigger_count, "state_count": run.state_count, "requests": run.requests,
+            "kv_check": run.kv_check, "kv_violations": run.kv_violations,
             "seconds": run.seconds, "run_dir": run.run_dir,
             "stopped_because": run.load.stopped_because if run.load is not None else None}
 
