@@ -90,7 +90,7 @@ def _effects_by_base(run: MatrixRun, kind: stats.FailureKind = stats.ANY_FAILURE
         members = [b for b in run.builds if b.base == base]
         stacks = {build_key(run, b): list(b.patches) for b in members}
         runs = {build_key(run, b): list(b.runs) for b in members}
-        effects += stats.patch_effects(stacks, runs, kind=kind)
+        effects += stats.patch_effects(stacks, runs, kind=kind) + stats.stack_effects(stacks, runs, kind=kind)
         factorials += stats.factorials(stacks, runs, kind=kind)
     return effects, factorials
 
@@ -155,7 +155,8 @@ def proved(run: MatrixRun) -> list[str]:
             if failing and kind.name not in named:
                 left.append(f"{kind.name} in " + ", ".join(f"{b} {_ratio(stats.rate(runs_of[b], kind))}"
                                                            for b in failing))
-        sentence = f"`{patch}` " + ("; ".join(clauses) if clauses else "shows no measurable effect")
+        together = " (added together)" if " + " in patch else ""
+        sentence = f"`{patch}`{together} " + ("; ".join(clauses) if clauses else "shows no measurable effect")
         if left:
             sentence += "; with it the engine still reads wrong KV: " + "; ".join(left)
         lines.append(sentence + ".")

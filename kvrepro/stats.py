@@ -205,6 +205,27 @@ def _adds_one(a_stack: Sequence[str], b_stack: Sequence[str]) -> str | None:
     return None
 
 
+def stack_effects(builds: Mapping[str, Sequence[str]], runs: Mapping[str, Sequence[RunResult]],
+                  kind: FailureKind = ANY_FAILURE) -> list[PatchEffect]:
+    """For a build that no other build reaches by one patch (E = D + two backports), the effect of
+    what it adds to its closest build below it (the largest stack it contains); ``patch`` names
+    the added patches joined by " + "."""
+    effects = []
+    for b, b_stack in builds.items():
+        if any(_adds_one(a_stack, b_stack) for a_stack in builds.values()):
+            continue  # patch_effects covers it one patch at a time
+        below = [(len(a_stack), a) for a, a_stack in builds.items()
+                 if a != b and len(a_stack) < len(b_stack) and all(p in b_stack for p in a_stack)]
+        if not below:
+            continue
+        a = max(below)[1]
+        added = " + ".join(p for p in b_stack if p not in builds[a])
+        ra, rb = rate(runs.get(a, []), kind), rate(runs.get(b, []), kind)
+        effects.append(PatchEffect(added, a, b, ra, rb, fisher_one_sided(ra.crashes, ra.trials, rb.crashes, rb.trials),
+                                   kind, fisher_raised(ra.crashes, ra.trials, rb.crashes, rb.trials)))
+    return effects
+
+
 def patch_effects(builds: Mapping[str, Sequence[str]], runs: Mapping[str, Sequence[RunResult]],
                   bases: Mapping[str, str] | None = None, kind: FailureKind = ANY_FAILURE) -> list[PatchEffect]:
     """One entry per pair of builds (on the same base, when ``bases`` says) whose stacks differ by

@@ -168,3 +168,16 @@ def test_the_report_says_in_words_what_each_patch_proved(tmp_path):
     data = report.matrix_json(run)
     assert data["builds"]["B"]["failure_rates"][HOLE]["failed"] == 3
     assert any(e["kind"] == "target" and e["p_value"] == 0.05 for e in data["patch_effects"])
+
+
+def test_a_build_two_patches_above_its_closest_build_gets_a_stack_effect():
+    """E = D + two backports: no build is one patch below it, so the report compares it with D."""
+    builds = {"A": [], "D": ["p1", "p2"], "E": ["p1", "p2", "b1", "b2"], "F": ["p1"]}
+    runs = {"D": [_result("D", i, Verdict.CORRUPT, {HOLE: 3}) for i in range(3)],
+            "E": [_result("E", i, Verdict.UNREACHED) for i in range(3)]}
+    hole = stats.corruption_kind(HOLE, HOLE)
+    (effect,) = stats.stack_effects(builds, runs, kind=hole)
+    assert (effect.patch, effect.without, effect.with_) == ("b1 + b2", "D", "E")
+    assert effect.lowered and effect.p_value == pytest.approx(0.05)
+    # builds one patch apart are patch_effects' business, not this one's
+    assert [e.with_ for e in stats.stack_effects({"A": [], "F": ["p1"]}, runs)] == []
