@@ -359,7 +359,7 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
         "trace": str(out_path), "source": str(trace_path), "build": build, "fixed": fixed,
         "requests_before": len(original), "requests": len(items),
         "tokens_before": sum(len(r.tokens) for r in original), "tokens": sum(len(r.tokens) for r in items),
-        "crash_at": len(items) - 1, "deterministic": deterministic, "fixed_result": fixed_result,
+        "crash_at": None if violation else len(items) - 1, "deterministic": deterministic, "fixed_result": fixed_result,
         "candidates_run": runs["count"], "failure": failure.label, "violation": violation,
     }
     if violation:

@@ -220,7 +220,10 @@ def describe(core) -> dict:
         "scheduler_block_size": sched.block_size,
         "hash_block_size": getattr(sched, "hash_block_size", None) or sched.block_size,
         "kv_cache_groups": groups,
-        "kv_cache_tensors": [{"size": t.size, "shared_by": list(t.shared_by)} for t in kvc.kv_cache_tensors],
+        # from 0.30 a KVCacheTensor places `layers` by offsets and strides (no `shared_by`): a test
+        # written from such a build's geometry would need that layout, not this one
+        "kv_cache_tensors": [{"size": t.size, "shared_by": list(getattr(t, "shared_by", None) or getattr(t, "layers", ()))}
+                             for t in kvc.kv_cache_tensors],
         "spec_imports": sorted(imports),
     }
 
