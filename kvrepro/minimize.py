@@ -137,6 +137,8 @@ def resolve_plan(loaded: LoadedMatrix, name: str) -> BuildPlan:
                     f"(or write <build>@<release>, e.g. {next(iter(loaded.matrix.builds))}@0.30.0)")
 
 
+# the kinds of KV group the shadow KV names (kvrepro/engine/shadow.py, Group.kind)
+VIOLATION_GROUP_KINDS = ("full_attention", "sliding_window", "mamba", "other")
 _VIOLATION_GROUP = re.compile(r"\bgroup \d+ \((?P<kind>\w+)\)")
 
 
@@ -295,7 +297,7 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
              on_line: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     for name in [build] + ([fixed] if fixed else []):
         resolve_plan(loaded, name)
-    if violation is not None and violation_kind(f"group 0 ({violation.removesuffix('+offload')})") is None:
+    if violation is not None and violation.removesuffix("+offload") not in VIOLATION_GROUP_KINDS:
         raise SpecError(f"--violation {violation!r}: a kind of KV group, optionally +offload "
                         f"(e.g. full_attention+offload, mamba)")
     run, trace_path = find_crash(root, run_id, build, rep, violation)
@@ -411,12 +413,15 @@ def _emit_and_check(path: Path, trace: Trace, loaded: LoadedMatrix, build: str, 
         if name == build:
             ok, seen = target, (f"fails with {expected}" if target else
                                 f"exit {got['exit']}, not {expected}: {got['tail'][-300:]}")
-            if target and violation:
-                seen += ": " + got["message"][:400]
+            if target and violation:  # the assertion's line for this kind: the stale block, in words
+                marker = corruption_marker(violation)
+                seen += ": " + next((x for x in got["message"].splitlines() if x.startswith(marker)), "")
         else:
             ok = got["exit"] == 0
             seen = "passes" if ok else f"exit {got['exit']}: {got['tail'][-300:]}"
         check[name] = {"ok": ok, "result": seen, "exit": got["exit"]}
+        if violation and got["exit"] != 0:
+            check[name]["message"] = got["message"][:4000]
     return {"pytest": str(path), "pytest_check": check}
 
 
