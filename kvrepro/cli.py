@@ -809,12 +809,12 @@ def minimize_cmd(
                   f"{summary['tokens_before']} -> {summary['tokens']} prompt tokens; {fails}"
                   + (f"; {fixed}: {summary['fixed_result']}" if fixed else ""))
         if summary.get("first_violation"):
-            out.print(f"first violation: {summary['first_violation']}")
+            out.print(f"first violation: {escape(summary['first_violation'])}")
         out.print(f"trace: {summary['trace']}")
         if summary.get("pytest"):
             out.print(f"pytest: {summary['pytest']} (drives vLLM's scheduler; imports vLLM and torch only)")
             for name, check in summary.get("pytest_check", {}).items():
-                out.print(f"  with build {name}'s vLLM: {check['result']}")
+                out.print(f"  with build {name}'s vLLM: {escape(check['result'])}")
         for line in summary.get("confirmed", []):
             out.print(f"  replay: {line}")
     if not summary["ok"]:
