@@ -422,6 +422,7 @@ _CORRUPT_EDITS = [
      """    connector_worker = worker_connector.connector_worker
     # offloaded chunks of blocks_per_chunk GPU blocks, as the connector's offloading spec has them
     shadow = ShadowKV(kv_cache_config, blocks_per_chunk=connector_worker.spec.blocks_per_chunk)
+    atexit.unregister(shadow.report)  # the test reports through its assertion, not at exit
     shadow.load_owner = lambda job_id: connector_worker._load_jobs.get(job_id)  # the request a load is for
     transfers = InstantOffloadingWorker(shadow)
     connector_worker.worker = transfers
