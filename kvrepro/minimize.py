@@ -365,9 +365,9 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
         "candidates_run": runs["count"], "failure": failure.label, "violation": violation,
     }
     if violation:
-        first = next(r for r in again[0]["kv_records"] if corruption_matches(r, violation))
-        summary.update(violation_at=first["request_index"], first_violation=first["text"],
-                       violations_by=again[0]["kv_violations_by"])
+        first = next((r for r in again[0].get("kv_records") or () if corruption_matches(r, violation)), {})
+        summary.update(violation_at=first.get("request_index"), first_violation=first.get("text"),
+                       violations_by=again[0].get("kv_violations_by") or {})
     if emit_pytest is not None:
         summary.update(_emit_and_check(Path(emit_pytest), minimized, loaded, build, engine, fixed, fixed_engine,
                                        on_line, violation, summary.get("first_violation")))
@@ -456,7 +456,7 @@ def _confirm(loaded: LoadedMatrix, trace_path: Path, root: Path, builds: list[st
             by = ", ".join(f"{k} {v}" for k, v in sorted(r.kv_violations_by.items())) or "none"
             line += f", KV {r.kv_check} (violations: {by})"
             good = ((r.label == "CORRUPT" and bool(r.kv_violations_by.get(violation))) if n == 0
-                    else r.label not in ("CORRUPT",) and not r.label.startswith("CRASH") and r.kv_check == "ok")
+                    else r.label != "CORRUPT" and not r.label.startswith("CRASH") and r.kv_check == "ok")
             ok = ok and good
             line += "" if good else " -- not as expected"
         lines.append(line + f" ({r.run_dir})")
