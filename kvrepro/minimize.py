@@ -129,6 +129,8 @@ def resolve_plan(loaded: LoadedMatrix, name: str) -> BuildPlan:
         return cells[name]
     build, at, release = name.partition("@")
     if at and build in loaded.matrix.builds:
+        if not re.fullmatch(r"\d+\.\d+(\.\d+)?\S*", release):
+            raise SpecError(f"{name!r}: {release!r} must be a vLLM release version such as 0.30.0")
         return loaded.plans([build], [release])[0]
     if not at and name in loaded.matrix.builds:  # several bases: the build on the first one
         return loaded.plans([name])[0]

@@ -94,7 +94,7 @@ def test_builds_are_named_as_in_the_matrix_or_on_another_release(default_matrix)
     assert (other.base, other.build_name, [p.name for p in other.patches]) == ("0.30.0", "B", ["pr-49146", "pr-52807"])
     with pytest.raises(SpecError, match=r"unknown build 'Z'; .* defines A, B, C, D"):
         resolve_plan(default_matrix, "Z")
-    with pytest.raises(SpecError, match="must be a vLLM release version"):
+    with pytest.raises(SpecError, match="'B@latest': 'latest' must be a vLLM release version"):
         resolve_plan(default_matrix, "B@latest")
 
 
