@@ -501,10 +501,10 @@ def shadow_source() -> tuple[str, list[str]]:
     text = path.read_text(encoding="utf-8")
     tree = ast.parse(text)
     lines = text.splitlines()
-    imports, start = [], 0
+    imports, start, doc = [], 0, ""
     for node in tree.body:
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-            start = node.end_lineno
+            start, doc = node.end_lineno, node.value.value
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             if not (isinstance(node, ast.ImportFrom) and node.module == "__future__"):
@@ -515,8 +515,11 @@ def shadow_source() -> tuple[str, list[str]]:
     body = "\n".join(lines[start:]).strip("\n")
     digest = hashlib.sha256(text.encode()).hexdigest()
     bar = "# " + "-" * 98
+    # its docstring (what it models, per vLLM's runner and offloading worker) as a comment
+    commented = "\n".join(("# " + line).rstrip() for line in doc.strip().splitlines())
     header = (f"{bar}\n# Shadow KV: kvrepro/engine/shadow.py (sha256 {digest[:16]}), inlined verbatim at emit time:\n"
-              f"# the code kvrepro's GPU-free engine checks every forward with. See that file's docstring.\n{bar}")
+              f"# the code kvrepro's GPU-free engine checks every forward with. Its docstring:\n#\n"
+              f"{commented}\n{bar}")
     return f"{header}\n\n{body}\n\n{bar}", imports
 
 
