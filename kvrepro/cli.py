@@ -813,37 +813,44 @@ def load_replay(
 
 @app.command("minimize")
 def minimize_cmd(
-    run_id: str = typer.Argument("latest", help="a recorded run whose build --build crashed"),
-    build: str = typer.Option(..., "--build", "-b", help="the crashing build (e.g. A)"),
-    fixed: Optional[str] = typer.Option(None, "--fixed", help="a build that must NOT crash on the result (e.g. D)"),
+    run_id: str = typer.Argument("latest", help="a recorded run whose build --build crashed or was CORRUPT"),
+    build: str = typer.Option(..., "--build", "-b", help="the crashing (or CORRUPT) build (e.g. A, B)"),
+    fixed: Optional[str] = typer.Option(None, "--fixed", help="a build that must NOT crash on the result (e.g. D; for a "
+                                        "CORRUPT run: must be clean, e.g. E); <build>@<release> for a build on another release"),
     rep: Optional[int] = typer.Option(None, "--rep", help="which repetition's trace (default: the first that crashed)"),
     emit_pytest: Optional[Path] = typer.Option(None, "--emit-pytest", help="also write a standalone test here (vLLM's scheduler driven with the result; "
                                               "imports only vLLM and torch) and run it on --build and --fixed"),
     confirm: bool = typer.Option(True, "--confirm/--no-confirm",
                                  help="replay the result over HTTP on --build and --fixed"),
+    violation: Optional[str] = typer.Option(None, "--violation", help="minimize this kind of shadow-KV violation "
+                                            "(e.g. full_attention+offload; default for a CORRUPT run: its first one's)"),
     matrix: Path = MatrixOpt,
     results_root: Path = ResultsOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Shrink a crashing run's trace (fewer requests, shorter prompts) to the smallest one that still
-    crashes --build deterministically (and does not crash --fixed)."""
+    """Shrink a crashing or CORRUPT run's trace (fewer requests, shorter prompts) to the smallest one that
+    still crashes --build deterministically, or still reads wrong KV the same way (and leaves --fixed clean)."""
     from .minimize import minimize
 
     loaded = _load(matrix)
     with err.status("minimizing") as status:
         summary = minimize(loaded, results_root, run_id, build, fixed=fixed, rep=rep, emit_pytest=emit_pytest,
-                           confirm=confirm, on_line=lambda line: status.update(line[:120]))
+                           confirm=confirm, violation=violation, on_line=lambda line: status.update(line[:120]))
     if as_json:
         _emit_json(summary)
     else:
+        fails = (f"reads wrong KV ({summary['violation']}) on {build} at request {summary['violation_at']}"
+                 if summary.get("violation") else f"crashes {build} at request {summary['crash_at']}")
         out.print(f"minimized: {summary['requests_before']} -> [bold]{summary['requests']}[/] requests, "
-                  f"{summary['tokens_before']} -> {summary['tokens']} prompt tokens; crashes {build} at request "
-                  f"{summary['crash_at']}" + (f"; {fixed}: {summary['fixed_result']}" if fixed else ""))
+                  f"{summary['tokens_before']} -> {summary['tokens']} prompt tokens; {fails}"
+                  + (f"; {fixed}: {summary['fixed_result']}" if fixed else ""))
+        if summary.get("first_violation"):
+            out.print(f"first violation: {escape(summary['first_violation'])}")
         out.print(f"trace: {summary['trace']}")
         if summary.get("pytest"):
             out.print(f"pytest: {summary['pytest']} (drives vLLM's scheduler; imports vLLM and torch only)")
             for name, check in summary.get("pytest_check", {}).items():
-                out.print(f"  with build {name}'s vLLM: {check['result']}")
+                out.print(f"  with build {name}'s vLLM: {escape(check['result'])}")
         for line in summary.get("confirmed", []):
             out.print(f"  replay: {line}")
     if not summary["ok"]:

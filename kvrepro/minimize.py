@@ -1,4 +1,4 @@
-"""Shrink a crashing run's request trace to a small, deterministic reproducer.
+"""Shrink a crashing or corrupting run's request trace to a small, deterministic reproducer.
 
 ``minimize(RUN, build=A, fixed=D)`` takes the trace of a repetition where A crashed with the
 matrix's target signature, cuts it at the crashing request, and shrinks it:
@@ -19,20 +19,35 @@ over HTTP against both builds (``kvrepro load replay``), the path every other ru
 With ``emit_pytest`` the result is also written as a standalone test that drives vLLM's
 scheduler directly (:mod:`kvrepro.pytest_emit`), and that test is run with each build's vLLM:
 it must fail on ``build`` with the target signature and pass on ``fixed``.
+
+A **CORRUPT** repetition (the engine served, the shadow KV caught a forward reading wrong KV) is
+minimized the same way; "still fails" then means the shadow KV reports a violation of the same
+kind as the run's first one (kind of KV group, and whether the request had an offload hit, e.g.
+``full_attention+offload``; ``violation=`` picks another kind), and every candidate is cut at the
+request of its first such violation (:func:`corruption_matches` is the one comparison). ``fixed``
+must then be *clean*: no crash and no violation at all. The emitted test carries the shadow KV
+(:mod:`kvrepro.engine.shadow`, inlined) and fails with the stale block in its message.
+
+``build`` and ``fixed`` name a build of the matrix, or a cell ``<build>@<release>``: that build's
+patch stack on another vLLM release (e.g. ``--fixed X@0.30.0`` for a build ``X: []``), as
+``matrix run --base`` would build it (:func:`resolve_plan`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import results
 from .errors import InfraError, KvreproError, SpecError
 from .loadgen.trace import Trace, TraceRequest, read_trace, write_trace
+from .records import BuildPlan
 from .spec import LoadedMatrix, TargetSignature
 
 
@@ -43,7 +58,7 @@ class OfflineEngine:
         from .deploy.sim import SimTarget
 
         self.target = SimTarget(loaded)
-        plan = loaded.plans([build])[0]
+        plan = resolve_plan(loaded, build)
         artifact = self.target.prepare(plan)
         if not artifact.ok:
             raise InfraError(f"build {build} failed: {artifact.error}")
@@ -106,6 +121,93 @@ def matches(result: dict[str, Any], sig: TargetSignature) -> bool:
     return True
 
 
+def resolve_plan(loaded: LoadedMatrix, name: str) -> BuildPlan:
+    """The plan of ``name``: a build of the matrix (on its first base), a cell ``<build>@<release>``
+    of a matrix that lists several bases, or any build's stack on another release (``X@0.30.0``)."""
+    cells = {plan.name: plan for plan in loaded.plans()}
+    if name in cells:
+        return cells[name]
+    build, at, release = name.partition("@")
+    if at and build in loaded.matrix.builds:
+        if not re.fullmatch(r"\d+\.\d+(\.\d+)?\S*", release):
+            raise SpecError(f"{name!r}: {release!r} must be a vLLM release version such as 0.30.0")
+        return loaded.plans([build], [release])[0]
+    if not at and name in loaded.matrix.builds:  # several bases: the build on the first one
+        return loaded.plans([name])[0]
+    known = ", ".join(cells)
+    raise SpecError(f"unknown build {name!r}; {loaded.path} defines {known} "
+                    f"(or write <build>@<release>, e.g. {next(iter(loaded.matrix.builds))}@0.30.0)")
+
+
+# the kinds of KV group the shadow KV names (kvrepro/engine/shadow.py, Group.kind)
+VIOLATION_GROUP_KINDS = ("full_attention", "sliding_window", "mamba", "other")
+_VIOLATION_GROUP = re.compile(r"\bgroup \d+ \((?P<kind>\w+)\)")
+
+
+def violation_kind(text: str | None) -> str | None:
+    """``full_attention+offload`` from a shadow-KV violation line (kvrepro/engine/shadow.py words
+    it: ``request R group G (<kind>) block index J ... (request had offload hit)``)."""
+    m = _VIOLATION_GROUP.search(text or "")
+    if m is None:
+        return None
+    return m["kind"] + ("+offload" if "(request had offload hit)" in (text or "") else "")
+
+
+def corruption_matches(record: dict[str, Any], want: str) -> bool:
+    """Whether one shadow-KV violation (an offline ``kv_records`` entry) is the corruption being
+    minimized. Today: the same kind of KV group and offload-hit flag (``full_attention+offload``).
+    The one place to compare a named corruption signature instead, once violations carry one."""
+    return record.get("kind") == want
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What "still fails" means for a candidate: the target crash, or (``violation`` set) a
+    shadow-KV violation that :func:`corruption_matches` the one being minimized."""
+
+    sig: TargetSignature
+    violation: str | None = None
+
+    @property
+    def label(self) -> str:
+        return "CORRUPT" if self.violation else "CRASH(target)"
+
+    def at(self, result: dict[str, Any]) -> int | None:
+        """The index of the request at which ``result`` fails this way (None: it does not). A
+        corruption counts only before any crash: the candidate is then cut before the crash."""
+        if not self.violation:
+            return result["crash_at"] if matches(result, self.sig) else None
+        for record in result.get("kv_records") or ():
+            at = record.get("request_index")
+            if at is None or not corruption_matches(record, self.violation):
+                continue
+            if result.get("crashed") and result.get("crash_at") is not None and at >= result["crash_at"]:
+                return None
+            return at
+        return None
+
+    def clean(self, result: dict[str, Any]) -> bool:
+        """What a fixed build must show: no crash; for a corruption, no violation of any kind
+        either (and the shadow KV did check)."""
+        if not self.violation:
+            return not result.get("crashed")
+        return not result.get("crashed") and not result.get("kv_violations") and bool(result.get("kv_checks"))
+
+    def describe(self, result: dict[str, Any]) -> str:
+        """One build's offline result, in words."""
+        if matches(result, self.sig):
+            return "CRASH(target)"
+        if result.get("crashed"):
+            return f"CRASH({result.get('exception')} in {result.get('function')})"
+        if result.get("kv_violations"):
+            by = ", ".join(f"{k} {n}" for k, n in sorted((result.get("kv_violations_by") or {}).items()))
+            return f"CORRUPT ({result['kv_violations']} violations: {by}; {result['trigger_calls']} trigger calls)"
+        if self.violation:
+            return (f"clean (no crash, no KV violation in {result.get('kv_checks') or 0} checked contexts; "
+                    f"{result['trigger_calls']} trigger calls)")
+        return f"no crash ({result['trigger_calls']} trigger calls)"
+
+
 def ddmin(items: list[TraceRequest], crashes: Callable[[list[TraceRequest]], list[TraceRequest] | None],
           on_line: Callable[[str], None] = lambda _: None) -> list[TraceRequest]:
     """Delta debugging: a 1-minimal sublist for which ``crashes`` holds. ``crashes`` returns the
@@ -164,31 +266,51 @@ def _shorten_outputs(items: list[TraceRequest], crashes) -> list[TraceRequest]:
     return items
 
 
-def find_crash(root: Path, run_id: str, build: str, rep: int | None):
+def find_crash(root: Path, run_id: str, build: str, rep: int | None, violation: str | None = None):
     """The first repetition of ``build`` (or repetition ``rep``) that crashed with the target
-    signature, and its trace."""
+    signature or was CORRUPT, and its trace. With ``violation`` (a kind of shadow-KV violation,
+    ``full_attention+offload``): the first whose shadow KV counted that kind, whatever its verdict."""
     run = results.load_run(root, run_id)
     found = run.build(build)
     runs = list(found.runs) if found is not None else []
     if not runs:
         raise SpecError(f"run {run.run_id} has no repetitions of build {build}")
     for r in runs:
-        if (rep is None or r.rep == rep) and r.label == "CRASH(target)":
+        if rep is not None and r.rep != rep:
+            continue
+        if (violation is not None and (r.kv_violations_by or {}).get(violation)) or (
+                violation is None and r.label in ("CRASH(target)", "CORRUPT")):
             trace = Path(r.run_dir or "") / "trace.jsonl"
             if not trace.is_file():
                 raise SpecError(f"{trace}: missing; runs record their trace since kvrepro wrote trace.jsonl")
             return r, trace
+    if violation is not None:
+        seen = "; ".join(f"rep {r.rep}: " + (", ".join(f"{k} {n}" for k, n in sorted(r.kv_violations_by.items()))
+                                             or "none") for r in runs)
+        raise SpecError(f"no repetition of build {build} in run {run.run_id} had a {violation} violation "
+                        f"(violations by kind: {seen})")
     raise SpecError(f"no repetition of build {build} in run {run.run_id} crashed with the target "
-                    f"signature (verdicts: {', '.join(r.label for r in runs)})")
+                    f"signature or was CORRUPT (verdicts: {', '.join(r.label for r in runs)})")
 
 
 def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed: str | None = None,
              rep: int | None = None, emit_pytest: Path | None = None, confirm: bool = True,
+             violation: str | None = None,
              on_line: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    loaded.plans([build] + ([fixed] if fixed else []))
-    run, trace_path = find_crash(root, run_id, build, rep)
+    for name in [build] + ([fixed] if fixed else []):
+        resolve_plan(loaded, name)
+    if violation is not None and violation.removesuffix("+offload") not in VIOLATION_GROUP_KINDS:
+        raise SpecError(f"--violation {violation!r}: a kind of KV group, optionally +offload "
+                        f"(e.g. full_attention+offload, mamba)")
+    run, trace_path = find_crash(root, run_id, build, rep, violation)
     trace = read_trace(trace_path)
     sig = loaded.matrix.target_signature
+    if violation is None and run.label == "CORRUPT":
+        violation = violation_kind(run.kv_first_violation)
+        if violation is None:
+            raise KvreproError(f"{run.run_dir}: CORRUPT, but its first violation does not say which KV group "
+                               f"({run.kv_first_violation!r}); name one with --violation KIND")
+    failure = Failure(sig, violation)
     rep_number = int(trace.header.get("rep", run.rep))
     on_line(f"starting the offline engine for build {build}")
     engine = OfflineEngine(loaded, build, rep_number)
@@ -198,34 +320,36 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
 
         def crashes(candidate: list[TraceRequest]) -> list[TraceRequest] | None:
             runs["count"] += 1
-            result = engine.run(candidate)
-            if not matches(result, sig):
+            at = failure.at(engine.run(candidate))
+            if at is None:
                 return None
-            return candidate[:result["crash_at"] + 1]
+            return candidate[:at + 1]
 
         original = list(trace.requests)
         start = crashes(original)
         if start is None:
+            what = (f"make build {build} read wrong KV ({violation} violation)" if violation
+                    else f"crash build {build} with the target signature")
             raise KvreproError(
-                f"{trace_path}: sent one request at a time, the trace does not crash build {build} "
-                f"with the target signature (the run was concurrent: load.concurrency > 1 interleaves "
+                f"{trace_path}: sent one request at a time, the trace does not {what} "
+                f"(the run was concurrent: load.concurrency > 1 interleaves "
                 f"requests differently); record the run with load.concurrency: 1 to minimize it")
-        on_line(f"crashes at request {len(start) - 1}; ddmin over {len(start)} requests")
+        on_line(f"{'crashes' if not violation else f'{violation} violation'} at request {len(start) - 1}; "
+                f"ddmin over {len(start)} requests")
         items = ddmin(start, crashes, on_line)
         on_line(f"shortening {len(items)} prompts")
         items = _shorten_prompts(items, crashes, loaded.matrix.engine.block_size)
         items = _shorten_outputs(items, crashes)
         # deterministic: the same verdict at the same request, twice more
         again = [engine.run(items) for _ in range(2)]
-        deterministic = all(matches(r, sig) and r["crash_at"] == len(items) - 1 for r in again)
+        deterministic = all(failure.at(r) == len(items) - 1 for r in again)
         fixed_result = None
+        fixed_clean = True
         if fixed:
             on_line(f"checking build {fixed}")
             fixed_engine = OfflineEngine(loaded, fixed, rep_number)
             got = fixed_engine.run(items)
-            fixed_result = ("CRASH(target)" if matches(got, sig) else
-                            f"CRASH({got.get('exception')} in {got.get('function')})" if got.get("crashed") else
-                            f"no crash ({got['trigger_calls']} trigger calls)")
+            fixed_result, fixed_clean = failure.describe(got), failure.clean(got)
     finally:
         engine.close()
         if fixed_engine is not None:
@@ -239,63 +363,103 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
         "trace": str(out_path), "source": str(trace_path), "build": build, "fixed": fixed,
         "requests_before": len(original), "requests": len(items),
         "tokens_before": sum(len(r.tokens) for r in original), "tokens": sum(len(r.tokens) for r in items),
-        "crash_at": len(items) - 1, "deterministic": deterministic, "fixed_result": fixed_result,
-        "candidates_run": runs["count"],
+        "crash_at": None if violation else len(items) - 1, "deterministic": deterministic, "fixed_result": fixed_result,
+        "candidates_run": runs["count"], "failure": failure.label, "violation": violation,
     }
+    if violation:
+        first = next((r for r in again[0].get("kv_records") or () if corruption_matches(r, violation)), {})
+        summary.update(violation_at=first.get("request_index"), first_violation=first.get("text"),
+                       violations_by=again[0].get("kv_violations_by") or {})
     if emit_pytest is not None:
         summary.update(_emit_and_check(Path(emit_pytest), minimized, loaded, build, engine, fixed, fixed_engine,
-                                       on_line))
+                                       on_line, violation, summary.get("first_violation")))
     summary["confirmed"] = []
+    confirmed_ok = True
     if confirm:
-        summary["confirmed"] = _confirm(loaded, out_path, root, [build] + ([fixed] if fixed else []), on_line)
-    ok = deterministic and (fixed is None or not str(fixed_result).startswith("CRASH"))
-    ok = ok and all(c["ok"] for c in summary.get("pytest_check", {}).values())
-    summary["ok"] = ok and all("error" not in c for c in summary["confirmed"])
+        summary["confirmed"], confirmed_ok = _confirm(loaded, out_path, root, [build] + ([fixed] if fixed else []),
+                                                      on_line, violation)
+    ok = deterministic and (fixed is None or fixed_clean)
+    ok = ok and all(c["ok"] is not False for c in summary.get("pytest_check", {}).values())
+    summary["ok"] = ok and confirmed_ok and all("error" not in c for c in summary["confirmed"])
     results.write_json(trace_path.with_name("minimized.json"), summary)
     return summary
 
 
 def _emit_and_check(path: Path, trace: Trace, loaded: LoadedMatrix, build: str, engine: OfflineEngine,
                     fixed: str | None, fixed_engine: OfflineEngine | None,
-                    on_line: Callable[[str], None]) -> dict[str, Any]:
+                    on_line: Callable[[str], None], violation: str | None = None,
+                    first_violation: str | None = None) -> dict[str, Any]:
     """Write the scheduler-level test and run it with each build's vLLM: it must fail on
-    ``build`` with the target signature and pass on ``fixed``."""
-    from .pytest_emit import emit, run_emitted
+    ``build`` with the target signature (a corruption: with the shadow KV's assertion naming a
+    ``violation`` of that kind) and pass on ``fixed``."""
+    from .pytest_emit import corruption_marker, emit, run_emitted
 
     sig = loaded.matrix.target_signature
     engines = {build: engine, **({fixed: fixed_engine} if fixed and fixed_engine is not None else {})}
     runs = {name: (e.command[0], e.test_pythonpath,
                    f"build {name}: " + ("fails (the bug)" if name == build else "passes (fixed)"))
             for name, e in engines.items()}
-    emit(path, trace, loaded, engine.engine_info, runs)
+    emit(path, trace, loaded, engine.engine_info, runs, violation=violation, first_violation=first_violation)
     check: dict[str, dict[str, Any]] = {}
+    base = resolve_plan(loaded, build).base
     for name, e in engines.items():
+        other = resolve_plan(loaded, name).base
+        if other != base:
+            # the test is written against the failing build's vLLM: its KVCacheConfig, Scheduler and
+            # connector APIs (0.30 changed KVCacheTensor, for one); the oracle and the replay still judge
+            check[name] = {"ok": None, "exit": None,
+                           "result": f"not run: the test is written for vLLM {base}'s API, build {name} is on {other}"}
+            continue
         on_line(f"running the emitted test with build {name}'s vLLM")
         got = run_emitted(path, e.command[0], e.test_pythonpath)
-        target = (got["exit"] != 0 and got["exception"] == sig.exception and got["function"] == sig.function
-                  and (not sig.file or str(got["file"] or "").endswith(sig.file)))
+        if violation:
+            target = (got["exit"] != 0 and got["exception"] == "AssertionError"
+                      and corruption_marker(violation) in got["output"])
+            expected = f"the shadow KV's assertion on a {violation} violation"
+        else:
+            target = (got["exit"] != 0 and got["exception"] == sig.exception and got["function"] == sig.function
+                      and (not sig.file or str(got["file"] or "").endswith(sig.file)))
+            expected = "the target signature"
         if name == build:
-            ok, seen = target, ("fails with the target signature" if target else
-                                f"exit {got['exit']}, not the target signature: {got['tail'][-300:]}")
+            ok, seen = target, (f"fails with {expected}" if target else
+                                f"exit {got['exit']}, not {expected}: {got['tail'][-300:]}")
+            if target and violation:  # the assertion's line for this kind: the stale block, in words
+                marker = corruption_marker(violation)
+                seen += ": " + next((x for x in got["message"].splitlines() if x.startswith(marker)), "")
         else:
             ok = got["exit"] == 0
             seen = "passes" if ok else f"exit {got['exit']}: {got['tail'][-300:]}"
         check[name] = {"ok": ok, "result": seen, "exit": got["exit"]}
+        if violation and got["exit"] != 0:
+            check[name]["message"] = got["message"][:4000]
     return {"pytest": str(path), "pytest_check": check}
 
 
 def _confirm(loaded: LoadedMatrix, trace_path: Path, root: Path, builds: list[str],
-             on_line: Callable[[str], None]) -> list[str]:
-    """Replay the minimized trace over HTTP on each build (the path `kvrepro load replay` takes)."""
+             on_line: Callable[[str], None], violation: str | None = None) -> tuple[list[str], bool]:
+    """Replay the minimized trace over HTTP on each build (the path `kvrepro load replay` takes).
+    For a corruption, ok means: the first build CORRUPT with a ``violation``-kind violation, the
+    others clean (neither a crash nor CORRUPT). A crash's replay is reported, not judged."""
     from .runner import MatrixOptions, run_matrix
 
     lines = []
+    ok = True
     trace = read_trace(trace_path)
-    for name in builds:
+    for n, name in enumerate(builds):
         on_line(f"replaying the minimized trace on build {name} over HTTP")
-        options = MatrixOptions(target="sim", builds=[name], repetitions=1, results_root=root, jobs=1, replay=trace)
-        r = run_matrix(loaded, options).build(name).runs[0]
+        plan = resolve_plan(loaded, name)
+        options = MatrixOptions(target="sim", builds=[plan.build_name], bases=[plan.base], repetitions=1,
+                                results_root=root, jobs=1, replay=trace)
+        r = run_matrix(loaded, options).build(plan.build_name).runs[0]
         at = r.load.first_failed_index if r.load else None
-        lines.append(f"{name}: {r.label}" + (f" at request {at}" if at is not None else "")
-                     + f", trigger count {r.trigger_count}, bug state {r.state_count} ({r.run_dir})")
-    return lines
+        line = (f"{name}: {r.label}" + (f" at request {at}" if at is not None else "")
+                + f", trigger count {r.trigger_count}, bug state {r.state_count}")
+        if violation:
+            by = ", ".join(f"{k} {v}" for k, v in sorted(r.kv_violations_by.items())) or "none"
+            line += f", KV {r.kv_check} (violations: {by})"
+            good = ((r.label == "CORRUPT" and bool(r.kv_violations_by.get(violation))) if n == 0
+                    else r.label != "CORRUPT" and not r.label.startswith("CRASH") and r.kv_check == "ok")
+            ok = ok and good
+            line += "" if good else " -- not as expected"
+        lines.append(line + f" ({r.run_dir})")
+    return lines, ok

@@ -22,10 +22,22 @@ resolved from the matrix's ``vllm serve`` arguments and the KV-cache groups it b
 The test has no assertion about the bug: on a build with it, vLLM's own assertion fails inside
 ``Scheduler.schedule()``. It does assert that the sequence reached the bug's state (an offload
 hit behind a local prefix hit), so a fixed build passes only by going through that state.
+
+For a **corruption** (``violation=``: the engine served, but a forward read wrong KV), the test
+also carries kvrepro's shadow KV: the source of :mod:`kvrepro.engine.shadow` (stdlib only) is
+inlined verbatim at emit time, so the test and the engine check with the same code. It is
+hooked where the GPU-free executor hooks it: the runner's request table and each request's
+forward (``FakeModel``), the sampled tokens, and the offload stores and loads
+(``InstantOffloadingWorker``). The test fails with an assertion that names, for the first
+violation of each kind, the request, KV group, block index, GPU block, positions and what the
+block holds instead; it passes when every checked context was right (and an offload hit
+happened).
 """
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import json
 import os
 import pprint
@@ -305,6 +317,212 @@ if __name__ == "__main__":
 '''
 
 
+_CORRUPT_DOC = '''"""Regression test: vLLM {base} reads wrong KV ({violation}) under KV offloading.
+
+{situation},
+on a hybrid model (Gated-DeltaNet Mamba groups + a full-attention group, Mamba cache mode
+{mamba_cache_mode!r}, MTP with {num_spec} speculative {token_word}). The sequence below is {requests} requests
+({tokens} prompt tokens), sent one at a time, each run to completion before the next; kvrepro
+minimized it from a load run in which the engine served every request, but a forward read KV
+that its request's context does not have ({source}).
+
+It drives vLLM's Scheduler, KV-cache manager and OffloadingConnector (scheduler side with the
+real CPU offloading manager, and worker side) directly. Faked: the model (sampled and draft
+tokens are deterministic; drafts are accepted with probability {acceptance} from a seeded RNG)
+and the offload data movement (a job is reported finished one step after it is submitted).
+
+Nothing computes KV here, so the test keeps a *shadow KV* (kvrepro's, inlined below): for every
+GPU block and every offloaded block, which tokens' KV it would hold (a token's KV is named by a
+hash of the token prefix it was computed from), written by each forward where vLLM's GPU model
+runner writes it and copied by each offload store and load as the CPU offloading worker copies
+it. Before every forward it checks that each scheduled request's context below its computed
+count is there: every position of a full-attention group, and for a Mamba `align` group the
+state after exactly the computed prefix, in the block the runner reads it from. The test fails
+when a forward would read wrong KV, naming the request, group, block index, GPU block, positions
+and what the block holds instead. Seen with vLLM {base} (kvrepro's offline engine, same code):
+
+    {first_violation}
+
+With a fix the sequence runs clean{reach_doc}.
+
+Needs only vLLM (no GPU) and torch; pytest is optional. Run it as a script, with a build's vLLM
+first on PYTHONPATH (exit 1 with the assertion when a forward reads wrong KV, 0 when clean):
+{run_lines}
+(VLLM_PLUGINS= keeps vLLM from loading the platform plugin kvrepro's overlays carry), or under
+pytest, in an environment that has vLLM and pytest: `python -m pytest -q {name}`.
+"""
+
+from __future__ import annotations
+'''
+
+_STDLIB_IMPORTS = """import json
+import random
+import tempfile
+import zlib
+from pathlib import Path
+"""
+
+_CORRUPT_EDITS = [
+    (_STDLIB_IMPORTS, "{stdlib_imports}\n"),
+    # the shadow KV, after the imports (its own stdlib imports join the test's)
+    ("""{imports}
+""", """{imports}
+
+{shadow_source}
+"""),
+    ("""class InstantOffloadingWorker(OffloadingWorker):
+    \"\"\"Moves no bytes: a load or store submitted in one step is reported done in the next.\"\"\"
+
+    def __init__(self):
+        self.submitted: list[int] = []""", """class InstantOffloadingWorker(OffloadingWorker):
+    \"\"\"Moves no bytes: a load or store submitted in one step is reported done in the next. The
+    shadow KV copies what the blocks hold at submission, as the real transfer would move it.\"\"\"
+
+    def __init__(self, shadow: ShadowKV):
+        self.shadow = shadow
+        self.submitted: list[int] = []"""),
+    ("""    def submit_store(self, job_id, src_spec, dst_spec) -> bool:
+        self.submitted.append(job_id)""", """    def submit_store(self, job_id, src_spec, dst_spec) -> bool:
+        self.shadow.store(job_id, src_spec, dst_spec)
+        self.submitted.append(job_id)"""),
+    ("""    def submit_load(self, job_id, src_spec, dst_spec) -> bool:
+        self.submitted.append(job_id)""", """    def submit_load(self, job_id, src_spec, dst_spec) -> bool:
+        self.shadow.load(job_id, src_spec, dst_spec)
+        self.submitted.append(job_id)"""),
+    ("""    def __init__(self, vocab_size: int, num_spec: int):
+        self.vocab_size = vocab_size""", """    def __init__(self, vocab_size: int, num_spec: int, shadow: ShadowKV):
+        self.shadow = shadow  # checks each forward's context, records what it writes
+        self.vocab_size = vocab_size"""),
+    ("""        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        return computed""", """        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        self.shadow.update_requests(so)
+        return computed"""),
+    ("""            if computed[req_id] + so.num_scheduled_tokens[req_id] - len(spec) < len(tokens):
+                sampled.append([])""", """            seq_end = computed[req_id] + so.num_scheduled_tokens[req_id] - len(spec)
+            # before the forward: is its context really in the KV cache?
+            self.shadow.forward(req_id, computed[req_id], so.num_scheduled_tokens[req_id], spec)
+            if seq_end < len(tokens):
+                sampled.append([])"""),
+    ("""            tokens.extend(out)
+            sampled.append(out)""", """            tokens.extend(out)
+            self.shadow.sampled(req_id, out, seq_end)
+            sampled.append(out)"""),
+    ("""def run_sequence(model_dir: str) -> list[tuple[str, int, int]]:
+    \"\"\"Send REQUESTS one at a time, each stepped to completion as EngineCore.step() does.
+    Returns the offload hits: (request id, local prefix-hit tokens, offloaded tokens to load).\"\"\"""",
+     """def run_sequence(model_dir: str) -> tuple[list[tuple[str, int, int]], ShadowKV]:
+    \"\"\"Send REQUESTS one at a time, each stepped to completion as EngineCore.step() does.
+    Returns the offload hits (request id, local prefix-hit tokens, offloaded tokens to load) and
+    the shadow KV, which has checked every forward.\"\"\""""),
+    ("""    transfers = InstantOffloadingWorker()
+    worker_connector.connector_worker.worker = transfers
+    spec_config = vllm_config.speculative_config
+    model = FakeModel(vllm_config.model_config.get_vocab_size(),
+                      spec_config.num_speculative_tokens if spec_config is not None else 0)""",
+     """    connector_worker = worker_connector.connector_worker
+    # offloaded chunks of blocks_per_chunk GPU blocks, as the connector's offloading spec has them
+    shadow = ShadowKV(kv_cache_config, blocks_per_chunk=connector_worker.spec.blocks_per_chunk)
+    atexit.unregister(shadow.report)  # the test reports through its assertion, not at exit
+    shadow.load_owner = lambda job_id: connector_worker._load_jobs.get(job_id)  # the request a load is for
+    transfers = InstantOffloadingWorker(shadow)
+    connector_worker.worker = transfers
+    spec_config = vllm_config.speculative_config
+    model = FakeModel(vllm_config.model_config.get_vocab_size(),
+                      spec_config.num_speculative_tokens if spec_config is not None else 0, shadow)"""),
+    ("""            raise RuntimeError(f"request {{i}} did not finish within 100000 steps")
+    return hits
+""", """            raise RuntimeError(f"request {{i}} did not finish within 100000 steps")
+    return hits, shadow
+"""),
+    ("""def test_offload_hit_behind_partial_local_hit(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    hits = run_sequence(str(tmp_path))
+    # without the bug the sequence runs through; it must still have reached the bug's state
+    assert any(local > 0 for _, local, _ in hits), f"no offload hit behind a local prefix hit: {{hits}}"
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory() as folder:
+        test_offload_hit_behind_partial_local_hit(Path(folder))
+    print("passed: the sequence ran through")
+""", """def wrong_kv(shadow: ShadowKV) -> str:
+    \"\"\"The shadow KV's violations in words: the first of each kind (KV group kind, +offload
+    when the request had an offload hit), with the step it was seen at.\"\"\"
+    first: dict[str, dict] = {{}}
+    for record in shadow.records:
+        first.setdefault(record["kind"], record)
+    lines = [f"a forward read wrong KV: {{shadow.violations}} violation(s) in {{shadow.checks}} checked contexts; "
+             f"the first of each kind:"]
+    lines += [f"[{{kind}}] step {{r['step']}}: {{r['text']}}" for kind, r in first.items()]
+    return "\\n".join(lines)
+
+
+def test_no_wrong_kv_read(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    hits, shadow = run_sequence(str(tmp_path))
+    assert shadow.checks > 0, "the shadow KV checked no forward"
+    assert not shadow.violations, wrong_kv(shadow)
+{reach_assert}
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory() as folder:
+        test_no_wrong_kv_read(Path(folder))
+    print("passed: every forward read the KV its request needs")
+"""),
+]
+
+
+def corruption_marker(violation: str) -> str:
+    """How the emitted corruption test's assertion message tags the first violation of a kind."""
+    return f"[{violation}] "
+
+
+def _template(violation: str | None) -> str:
+    """The crash test's template, or (``violation``) the corruption test's: the crash template
+    with the shadow KV hooked in (each edit applies to exactly one place)."""
+    if not violation:
+        return _TEMPLATE
+    head, sep, code = _TEMPLATE.partition('"""\n\nimport json\n')
+    assert sep, "the template's docstring ends before its imports"
+    text = _CORRUPT_DOC + "\nimport json\n" + code
+    for old, new in _CORRUPT_EDITS:
+        assert text.count(old) == 1, f"template edit does not apply once: {old[:60]!r}"
+        text = text.replace(old, new)
+    return text
+
+
+def shadow_source() -> tuple[str, list[str]]:
+    """kvrepro/engine/shadow.py as inlined into a corruption test: its code without the module
+    docstring and imports, under a header naming the file and its sha256; and its imports
+    (stdlib), for the test's import block."""
+    from .engine import shadow
+
+    path = Path(shadow.__file__)
+    text = path.read_text(encoding="utf-8")
+    tree = ast.parse(text)
+    lines = text.splitlines()
+    imports, start, doc = [], 0, ""
+    for node in tree.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            start, doc = node.end_lineno, node.value.value
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            if not (isinstance(node, ast.ImportFrom) and node.module == "__future__"):
+                imports.append(ast.get_source_segment(text, node))
+            start = node.end_lineno
+            continue
+        break
+    body = "\n".join(lines[start:]).strip("\n")
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    bar = "# " + "-" * 98
+    # its docstring (what it models, per vLLM's runner and offloading worker) as a comment
+    commented = "\n".join(("# " + line).rstrip() for line in doc.strip().splitlines())
+    header = (f"{bar}\n# Shadow KV: kvrepro/engine/shadow.py (sha256 {digest[:16]}), inlined verbatim at emit time:\n"
+              f"# the code kvrepro's GPU-free engine checks every forward with. Its docstring:\n#\n"
+              f"{commented}\n{bar}")
+    return f"{header}\n\n{body}\n\n{bar}", imports
+
+
 def _prompts_source(prompts: list[list[int]], width: int = 100) -> list[str]:
     """``P.append(P[j][:n] + [...])`` per prompt: the longest prefix shared with an earlier
     prompt is written as a slice of it (shared prefixes are what the bug is about), the rest as
@@ -426,10 +644,28 @@ def _qualified(function: str, file: str | None) -> str:
     return function
 
 
+def _merge_imports(ours: str, more: list[str]) -> str:
+    """The stdlib import block with the inlined shadow KV's imports added (plain ``import``
+    lines first, then ``from`` lines, each sorted; ``from m import a`` lines of one module merged)."""
+    plain: set[str] = set()
+    froms: dict[str, set[str]] = {}
+    for line in ours.splitlines() + [x for imp in more for x in imp.splitlines()]:
+        if line.startswith("import "):
+            plain |= {n.strip() for n in line[len("import "):].split(",")}
+        elif line.startswith("from "):
+            module, _, names = line[len("from "):].partition(" import ")
+            froms.setdefault(module.strip(), set()).update(n.strip() for n in names.split(","))
+    return "\n".join([f"import {n}" for n in sorted(plain)]
+                     + [f"from {m} import {', '.join(sorted(froms[m]))}" for m in sorted(froms)])
+
+
 def render(trace: Trace, loaded: LoadedMatrix, engine: dict[str, Any], name: str,
-           runs: dict[str, tuple[str, str, str]]) -> str:
+           runs: dict[str, tuple[str, str, str]], violation: str | None = None,
+           first_violation: str | None = None) -> str:
     """The test file's text. ``engine``: :func:`kvrepro.engine.offline.describe` of the build;
-    ``runs``: build -> (python, PYTHONPATH, what it shows) for the header."""
+    ``runs``: build -> (python, PYTHONPATH, what it shows) for the header. ``violation`` (a kind
+    of shadow-KV violation, ``full_attention+offload``): the corruption test instead, with the
+    shadow KV inlined; ``first_violation``: what the offline engine saw, for its docstring."""
     matrix = loaded.matrix
     sig = matrix.target_signature
     model_config = json.loads((Path(loaded.model_dir()) / "config.json").read_text())
@@ -438,7 +674,21 @@ def render(trace: Trace, loaded: LoadedMatrix, engine: dict[str, Any], name: str
     spec = engine.get("speculative")
     transfer = engine.get("kv_transfer") or {}
     prompts = [list(r.tokens) for r in trace.requests]
-    return _TEMPLATE.format(
+    extra: dict[str, Any] = {}
+    if violation:
+        source, shadow_imports = shadow_source()
+        offload = violation.endswith("+offload")
+        extra = dict(violation=violation, shadow_source=source,
+                     situation=("A KV-offloading request whose offload hit sits behind a partial local (GPU "
+                                "prefix-cache) hit" if offload else
+                                "A request with a local (GPU prefix-cache) hit and no offload hit, KV offloading on"),
+                     reach_doc="; the test also checks that it reached an offload hit" if offload else "",
+                     reach_assert=('    # clean: it must still have gone through an offload hit\n'
+                                   '    assert hits, "no offload hit: the sequence did not exercise the '
+                                   'OffloadingConnector\'s loads"\n') if offload else "",
+                     stdlib_imports=_merge_imports(_STDLIB_IMPORTS, shadow_imports),
+                     first_violation=_wrap(first_violation or "(not recorded)", 96, "    ").strip())
+    return _template(violation).format(**extra,
         base=matrix.base, exception=sig.exception, function=_qualified(sig.function, sig.file),
         expression_line=(f"The assertion: `{sig.expression}`.\n\n" if sig.expression else ""),
         token_word="token" if spec and spec["num_speculative_tokens"] == 1 else "tokens",
@@ -477,14 +727,16 @@ def render(trace: Trace, loaded: LoadedMatrix, engine: dict[str, Any], name: str
 
 
 def emit(path: Path, trace: Trace, loaded: LoadedMatrix, engine: dict[str, Any],
-         runs: dict[str, tuple[str, str, str]]) -> None:
+         runs: dict[str, tuple[str, str, str]], violation: str | None = None,
+         first_violation: str | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(trace, loaded, engine, path.name, runs))
+    path.write_text(render(trace, loaded, engine, path.name, runs, violation, first_violation))
 
 
 def run_emitted(path: Path, python: str, pythonpath: str, timeout: float = 600) -> dict[str, Any]:
     """Run the emitted file as a script with a build's vLLM: {"exit", "exception", "function",
-    "statement", "tail"} (the failing frame is read from the traceback's last frame)."""
+    "statement", "tail", "message", "output"} (the failing frame is read from the traceback's last
+    frame; ``message``: the last exception's message, all its lines; ``output``: stderr's end)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVREPRO_", "VLLM_"))}
     env.update(PYTHONPATH=pythonpath, VLLM_PLUGINS="", VLLM_LOGGING_LEVEL="ERROR", PYTHONDONTWRITEBYTECODE="1")
     proc = subprocess.run([python, str(path)], env=env, cwd=str(path.parent), capture_output=True,
@@ -496,5 +748,16 @@ def run_emitted(path: Path, python: str, pythonpath: str, timeout: float = 600) 
                               "file": frames[-1][0] if frames else None,
                               "function": frames[-1][1] if frames else None,
                               "statement": frames[-1][2].strip() if frames else None,
-                              "tail": "\n".join((proc.stdout + text).strip().splitlines()[-6:])}
+                              "tail": "\n".join((proc.stdout + text).strip().splitlines()[-6:]),
+                              "message": _last_exception_message(text), "output": text[-20000:]}
     return result
+
+
+def _last_exception_message(text: str) -> str:
+    """The message of the traceback's final exception, with its continuation lines."""
+    lines = text.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        m = re.match(r"^(\w+(?:Error|Exception))(?::\s?(.*))?$", lines[i])
+        if m:
+            return "\n".join([m[2] or ""] + [x for x in lines[i + 1:] if x.strip()]).strip()
+    return ""

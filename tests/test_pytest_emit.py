@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import require
 
 from kvrepro.loadgen.trace import Trace, TraceRequest, read_trace
 from kvrepro.pytest_emit import _prompts_source, render
@@ -182,3 +183,133 @@ def test_the_runtime_env_cannot_import_kvrepro(emitted):
     proc = subprocess.run([python, "-c", "import kvrepro"], env={"PYTHONPATH": pythonpath, "PATH": "/usr/bin:/bin"},
                           cwd="/", capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "No module named 'kvrepro'" in proc.stderr, json.dumps(proc.__dict__, default=str)
+
+
+# --------------------------------------------------------------------------- the corruption test
+
+CORRUPT_TRACE = ROOT / "tests" / "data" / "traces" / "minimized-B-corrupt.trace.jsonl"
+FA_OFFLOAD = "full_attention+offload"
+
+
+def _corrupt_text(default_matrix) -> str:
+    return render(read_trace(CORRUPT_TRACE), default_matrix, ENGINE, "test_repro.py",
+                  {"B": ("/rt/bin/python", "/overlays/b", "build B: fails (the bug)"),
+                   "E": ("/rt/bin/python", "/overlays/e", "build E: passes (fixed)")},
+                  violation=FA_OFFLOAD, first_violation="request req-3 group 2 (full_attention) block index 43 ...")
+
+
+def test_the_corruption_test_imports_only_vllm_torch_and_the_standard_library(default_matrix):
+    text = _corrupt_text(default_matrix)
+    tree = ast.parse(text)
+    top = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            top |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            top.add((node.module or "").split(".")[0])
+    assert top - set(sys.stdlib_module_names) == {"vllm", "torch"}
+    assert "def test_no_wrong_kv_read(tmp_path)" in text
+    assert "def test_offload_hit_behind_partial_local_hit" not in text
+    # every import is at the top (the inlined shadow KV's own imports joined the test's)
+    first_def = next(n.lineno for n in tree.body if not isinstance(n, (ast.Import, ast.ImportFrom, ast.Expr)))
+    assert all(n.lineno < first_def for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)))
+    assert text.count("import atexit") == 1
+
+
+def test_the_corruption_test_inlines_the_shadow_kv_verbatim(default_matrix):
+    """One source of truth: the code of kvrepro/engine/shadow.py (all of it after its imports) is
+    in the emitted file unchanged, so the test checks exactly as the engine does."""
+    import inspect
+
+    from kvrepro.engine import shadow
+
+    text = _corrupt_text(default_matrix)
+    for obj in (shadow.ShadowKV, shadow.Content, shadow.describe_groups, shadow._Request, shadow._extend):
+        assert inspect.getsource(obj) in text
+    source = Path(shadow.__file__).read_text()
+    body = source[source.index("TAG = "):].strip()
+    assert body in text
+    doc = ast.get_docstring(ast.parse(text))
+    assert "reads wrong KV (full_attention+offload)" in doc and "shadow KV" in doc
+    assert "VLLM_PLUGINS= PYTHONPATH=/overlays/e /rt/bin/python test_repro.py" in doc
+    assert "request req-3 group 2 (full_attention) block index 43" in doc
+
+
+def test_the_corruption_test_hooks_the_shadow_where_the_executor_does(default_matrix):
+    text = _corrupt_text(default_matrix)
+    for hook in ("self.shadow.store(job_id, src_spec, dst_spec)", "self.shadow.load(job_id, src_spec, dst_spec)",
+                 "self.shadow.update_requests(so)",
+                 "self.shadow.forward(req_id, computed[req_id], so.num_scheduled_tokens[req_id], spec)",
+                 "self.shadow.sampled(req_id, out, seq_end)",
+                 "ShadowKV(kv_cache_config, blocks_per_chunk=connector_worker.spec.blocks_per_chunk)",
+                 "shadow.load_owner = lambda job_id: connector_worker._load_jobs.get(job_id)"):
+        assert text.count(hook) == 1, hook
+    # the forward is checked before the model samples, as SimRunner._forward does
+    assert text.index("self.shadow.forward(") < text.index("if seq_end < len(tokens):")
+
+
+def test_the_crash_test_has_no_shadow_kv(default_matrix):
+    text = _text(default_matrix, read_trace(TRACE))
+    assert "ShadowKV" not in text and "self.shadow" not in text
+
+
+@pytest.fixture(scope="module")
+def emitted_corruption(default_matrix, overlays, tmp_path_factory):
+    """The shipped corrupt trace (4 requests, minimized from a default-matrix B run) emitted and
+    checked the way `kvrepro minimize --violation full_attention+offload` does it: on B, and on
+    E when matrix.yaml has it."""
+    from kvrepro.minimize import OfflineEngine, _emit_and_check
+
+    path = tmp_path_factory.mktemp("emit-corrupt") / "test_offload_corruption.py"
+    names = ["B"] + (["E"] if "E" in default_matrix.matrix.builds else [])
+    engines = {name: OfflineEngine(default_matrix, name, 0) for name in names}
+    try:
+        summary = _emit_and_check(path, read_trace(CORRUPT_TRACE), default_matrix, "B", engines["B"],
+                                  names[-1] if len(names) > 1 else None, engines.get("E"), lambda line: None,
+                                  FA_OFFLOAD, "request req-3 group 2 (full_attention) ...")
+    finally:
+        for e in engines.values():
+            e.close()
+    return path, summary, {name: (e.command[0], e.test_pythonpath) for name, e in engines.items()}
+
+
+def test_the_corruption_test_fails_on_b_naming_the_stale_block(emitted_corruption):
+    _, summary, _ = emitted_corruption
+    check = summary["pytest_check"]["B"]
+    assert check["ok"] is True and check["exit"] == 1, check
+    assert check["result"].startswith("fails with the shadow KV's assertion on a full_attention+offload violation: "
+                                      "[full_attention+offload] step ")
+    assert check["message"].startswith("a forward read wrong KV: ")
+    line = next(x for x in check["message"].splitlines() if x.startswith("[full_attention+offload] "))
+    assert line in check["result"]
+    # request, group, block index, GPU block, positions, what the block holds
+    assert "request req-3 group 2 (full_attention) block index 43 (GPU block " in line
+    assert "positions 688-703 expected with this request's tokens; stale KV: " in line
+
+
+def test_the_corruption_test_passes_on_e(emitted_corruption):
+    _, summary, _ = emitted_corruption
+    require("E" in summary["pytest_check"], "matrix.yaml has no build E (the backports of #48425/#50344)")
+    assert summary["pytest_check"]["E"] == {"ok": True, "result": "passes", "exit": 0}
+
+
+def test_under_pytest_the_corruption_test_fails_on_b_with_the_message(emitted_corruption, tmp_path):
+    path, _, runs = emitted_corruption
+    python, pythonpath = runs["B"]
+    env = {"PATH": "/usr/bin:/bin", "VLLM_PLUGINS": "", "VLLM_LOGGING_LEVEL": "ERROR",
+           "PYTHONPATH": f"{pythonpath}:{_pytest_folder(tmp_path)}"}
+    proc = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert "1 failed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "AssertionError: a forward read wrong KV" in proc.stdout
+    assert "[full_attention+offload] step " in proc.stdout and "(GPU block " in proc.stdout
+
+
+def test_a_corruption_without_offload_hit_does_not_require_one(default_matrix):
+    """A Mamba state read from the null block happens on requests without an offload hit: the
+    clean build passes without one (the reach check is for `+offload` kinds)."""
+    offload = _corrupt_text(default_matrix)
+    plain = render(read_trace(CORRUPT_TRACE), default_matrix, ENGINE, "test_repro.py", {}, violation="mamba")
+    assert "assert hits, " in offload and "assert hits, " not in plain
+    assert "assert not shadow.violations, wrong_kv(shadow)" in plain
+    assert ast.get_docstring(ast.parse(plain)).startswith("Regression test: vLLM 0.26.0 reads wrong KV (mamba)")

@@ -7,7 +7,9 @@ scheduler, KV-cache manager and OffloadingConnector over the sim executor -- and
 one by one and steps until each has finished before adding the next: exactly what the engine
 loop does when a client sends one request at a time (``load.concurrency: 1``, every replay).
 It prints one JSON line per job: ``{"job", "crashed", "crash_at", "exception", "function",
-"file", "statement", "requests_done", "trigger_calls", "seconds"}``. With ``-`` it reads one job
+"file", "statement", "requests_done", "trigger_calls", "kv_checks", "kv_violations",
+"kv_violations_by", "kv_records", "seconds"}`` (``kv_*``: the shadow KV's check of the job, each
+violation with the index of its request; see ``_shadow_result``). With ``-`` it reads one job
 per line from stdin and answers each at once (the minimizer keeps one such process per build);
 its first line, ``{"ready": true, "engine": {...}}``, describes the engine it builds (settings
 and KV-cache groups, see ``describe``) for the scheduler-level test the minimizer emits.
@@ -121,8 +123,26 @@ def run_job(build_core, job: list[dict]) -> dict:
             result["requests_done"] = i + 1
     finally:
         _shutdown(core)
-    result.update(counts, seconds=round(time.monotonic() - started, 3))
+    result.update(counts, **_shadow_result(core), seconds=round(time.monotonic() - started, 3))
     return result
+
+
+def _shadow_result(core) -> dict:
+    """The shadow KV's verdict on the job (kvrepro/engine/shadow.py): contexts checked, violations
+    by kind (``full_attention+offload``, ...), and each violation as data with the index of the
+    request it was in (request ``req-<i>``). ``kv_checks`` None: the engine had no shadow KV."""
+    import atexit
+
+    shadow = getattr(core.model_executor, "shadow", None)
+    if shadow is None:
+        return {"kv_checks": None, "kv_violations": 0, "kv_violations_by": {}, "kv_records": []}
+    atexit.unregister(shadow.report)  # one shadow per job: do not keep them all alive until exit
+    records = []
+    for record in shadow.records:
+        index = str(record.get("request", "")).rpartition("-")[2]
+        records.append({**record, "request_index": int(index) if index.isdigit() else None})
+    return {"kv_checks": shadow.checks, "kv_violations": shadow.violations,
+            "kv_violations_by": dict(shadow.by_kind), "kv_records": records}
 
 
 def _literal(value, imports: set[str]) -> str:
@@ -200,7 +220,10 @@ def describe(core) -> dict:
         "scheduler_block_size": sched.block_size,
         "hash_block_size": getattr(sched, "hash_block_size", None) or sched.block_size,
         "kv_cache_groups": groups,
-        "kv_cache_tensors": [{"size": t.size, "shared_by": list(t.shared_by)} for t in kvc.kv_cache_tensors],
+        # from 0.30 a KVCacheTensor places `layers` by offsets and strides (no `shared_by`): a test
+        # written from such a build's geometry would need that layout, not this one
+        "kv_cache_tensors": [{"size": t.size, "shared_by": list(getattr(t, "shared_by", None) or getattr(t, "layers", ()))}
+                             for t in kvc.kv_cache_tensors],
         "spec_imports": sorted(imports),
     }
 

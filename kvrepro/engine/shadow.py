@@ -68,6 +68,7 @@ TAG = "kvrepro-shadow:"
 REPORT_INTERVAL_S = 0.5
 _DESCRIBE = os.environ.get("KVREPRO_SIM_SHADOW_DESCRIBE", "").strip()
 MAX_DESCRIBED = int(_DESCRIBE) if _DESCRIBE.isdigit() else 5  # described one by one; the rest counted
+MAX_RECORDS = 1000  # violations kept as data (ShadowKV.records); the rest are counted
 _ROOT_HASH = 0x6B7672
 
 
@@ -167,6 +168,8 @@ class ShadowKV:
         # requests that had blocks loaded for them (an offload hit)
         self.load_owner = lambda job_id: None
         self.loaded_for: set[str] = set()
+        # every violation as data (the first MAX_RECORDS): what a minimizer or a test compares
+        self.records: list[dict] = []
         self._write("installed groups=" + ",".join(f"{g.index}:{g.kind}/{g.block_size}" for g in self.groups))
         atexit.register(self.report, True)
 
@@ -210,6 +213,10 @@ class ShadowKV:
         text += f" (request {'had' if loaded else 'had no'} offload hit)"
         if os.environ.get("KVREPRO_SIM_SHADOW_DEBUG") and req is not None:
             text += f" [hit={req.hit} state_idx={req.state_idx} blocks={req.blocks}]"
+        if len(self.records) < MAX_RECORDS:
+            self.records.append({"step": self.step, "request": req_id, "group": group_index,
+                                 "group_kind": self.groups[group_index].kind, "block_index": key[2],
+                                 "offload": loaded, "kind": kind, "text": text})
         if self.violations <= MAX_DESCRIBED:
             self._write(f"violation step={self.step} class={cls} {text}")
             self.report(force=True)
