@@ -216,7 +216,7 @@ class ShadowKV:
         if len(self.records) < MAX_RECORDS:
             self.records.append({"step": self.step, "request": req_id, "group": group_index,
                                  "group_kind": self.groups[group_index].kind, "block_index": key[2],
-                                 "offload": loaded, "kind": kind, "text": text})
+                                 "offload": loaded, "kind": cls.split("/", 1)[0], "class": cls, "text": text})
         if self.violations <= MAX_DESCRIBED:
             self._write(f"violation step={self.step} class={cls} {text}")
             self.report(force=True)
