@@ -153,6 +153,12 @@ def violation_kind(text: str | None) -> str | None:
     return m["kind"] + ("+offload" if "(request had offload hit)" in (text or "") else "")
 
 
+def kind_count(violations_by: dict[str, int], kind: str) -> int:
+    """Violations of one kind (``full_attention+offload``) in a shadow-KV count by class
+    (``full_attention+offload/foreign/hit``; older runs counted by kind alone)."""
+    return sum(n for key, n in (violations_by or {}).items() if key.split("/", 1)[0] == kind)
+
+
 def corruption_matches(record: dict[str, Any], want: str) -> bool:
     """Whether one shadow-KV violation (an offline ``kv_records`` entry) is the corruption being
     minimized. Today: the same kind of KV group and offload-hit flag (``full_attention+offload``).
@@ -278,7 +284,7 @@ def find_crash(root: Path, run_id: str, build: str, rep: int | None, violation: 
     for r in runs:
         if rep is not None and r.rep != rep:
             continue
-        if (violation is not None and (r.kv_violations_by or {}).get(violation)) or (
+        if (violation is not None and kind_count(r.kv_violations_by, violation)) or (
                 violation is None and r.label in ("CRASH(target)", "CORRUPT")):
             trace = Path(r.run_dir or "") / "trace.jsonl"
             if not trace.is_file():
@@ -457,7 +463,7 @@ def _confirm(loaded: LoadedMatrix, trace_path: Path, root: Path, builds: list[st
         if violation:
             by = ", ".join(f"{k} {v}" for k, v in sorted(r.kv_violations_by.items())) or "none"
             line += f", KV {r.kv_check} (violations: {by})"
-            good = ((r.label == "CORRUPT" and bool(r.kv_violations_by.get(violation))) if n == 0
+            good = ((r.label == "CORRUPT" and bool(kind_count(r.kv_violations_by, violation))) if n == 0
                     else r.label != "CORRUPT" and not r.label.startswith("CRASH") and r.kv_check == "ok")
             ok = ok and good
             line += "" if good else " -- not as expected"
