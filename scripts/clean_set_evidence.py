@@ -177,11 +177,12 @@ def main() -> int:
         print(json.dumps(summary, indent=2))
     else:
         print(f"build {args.build}, {started}; matrices under {folder}")
-        print("| profile | geometry | runs | verdicts | trigger | state | KV check | violations | offload loads | run |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("| profile | geometry | runs | verdicts | trigger | state | KV check | contexts checked | violations "
+              "| offload loads | run |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for row in rows:
             if "error" in row:
-                print(f"| {row['profile']} | {row['geometry']} | 0 | {row['error']} | | | | | | |")
+                print(f"| {row['profile']} | {row['geometry']} | 0 | {row['error']} | | | | | | | |")
                 continue
             runs = row["runs"]
             verdicts = ", ".join(f"{sum(r['label'] == label for r in runs)}x {label}"
@@ -189,7 +190,8 @@ def main() -> int:
             fmt = lambda key: " / ".join("?" if r.get(key) is None else str(r[key]) for r in runs)  # noqa: E731
             checks = ", ".join(f"{sum(r['kv_check'] == k for r in runs)}x {k}" for k in sorted({str(r['kv_check']) for r in runs}))
             print(f"| {row['profile']} | {row['geometry']} | {len(runs)} | {verdicts} | {fmt('trigger_count')} | "
-                  f"{fmt('state_count')} | {checks} | {fmt('kv_violations')} | {fmt('offload_load_jobs')} | "
+                  f"{fmt('state_count')} | {checks} | {fmt('kv_checks')} | {fmt('kv_violations')} | "
+                  f"{fmt('offload_load_jobs')} | "
                   f"{row['run_id']} |")
         print(f"clean (SURVIVED or UNREACHED, KV check ok): {summary['clean']} of {summary['runs']} runs")
     if any("error" in row for row in rows):
