@@ -49,3 +49,16 @@ def test_unknown_build_is_one_line(tmp_path):
     default = evidence.load_yaml(ROOT / "matrix.yaml")
     with pytest.raises(SystemExit, match="--build Z: matrix.yaml defines A, B, C, D, E"):
         evidence.cell_matrix(default, default, "Z", "multi-turn", "default", 1, None)
+
+
+def test_a_patch_list_runs_on_top_of_common_as_its_own_build(tmp_path):
+    default = evidence.load_yaml(ROOT / "matrix.yaml")
+    cell = evidence.cell_matrix(default, default, "+pr-48425", "partial-prefix", "default", 1, None)
+    assert cell["builds"] == {"only-pr-48425": ["pr-48425"]}
+    assert set(cell["patches"]) == {"pr-49146", "pr-48425"}
+    (tmp_path / "builds").symlink_to(ROOT / "builds")
+    (tmp_path / "cell.yaml").write_text(yaml.safe_dump(cell, sort_keys=False))
+    (plan,) = load_matrix(tmp_path / "cell.yaml").plans()
+    assert [p.name for p in plan.patches] == ["pr-49146", "pr-48425"]
+    with pytest.raises(SystemExit, match="--patch pr-00000: not declared"):
+        evidence.cell_matrix(default, default, "+pr-00000", "partial-prefix", "default", 1, None)
