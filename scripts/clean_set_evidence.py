@@ -67,11 +67,20 @@ def load_yaml(path: Path) -> dict:
 
 def cell_matrix(default: dict, production: dict, build: str, profile: str, geometry: str,
                 reps: int, requests: int | None) -> dict:
-    """The matrix of one cell: ``build`` of ``matrix.yaml`` alone, on the cell's engine and load."""
-    if build not in default["builds"]:
+    """The matrix of one cell: ``build`` of ``matrix.yaml`` alone (or, for ``+a+b``, the patches
+    a, b on top of ``common``, as build ``only-a-b``), on the cell's engine and load."""
+    builds = dict(default["builds"])
+    if build.startswith("+"):  # a stack given with --patch: "+pr-48425" (on top of common)
+        names = [n for n in build[1:].split("+") if n]
+        unknown = [n for n in names if n not in default["patches"]]
+        if unknown:
+            raise SystemExit(f"--patch {', '.join(unknown)}: not declared under patches: in matrix.yaml")
+        builds[build] = names
+    if build not in builds:
         raise SystemExit(f"--build {build}: matrix.yaml defines {', '.join(default['builds'])}")
     source = default if geometry == "default" else production
-    stack = list(default.get("common", [])) + list(default["builds"][build])
+    stack = list(default.get("common", [])) + list(builds[build])
+    name = build if not build.startswith("+") else "only-" + "-".join(builds[build])
     load = dict(source["load"])
     if profile != "partial-prefix":
         load = {k: v for k, v in load.items() if k in COMMON_LOAD}
@@ -85,12 +94,12 @@ def cell_matrix(default: dict, production: dict, build: str, profile: str, geome
         "target": default["target"],
         "patches": {name: spec for name, spec in default["patches"].items() if name in stack},
         "common": list(default.get("common", [])),
-        "builds": {build: list(default["builds"][build])},
+        "builds": {name: list(builds[build])},
         "target_signature": default["target_signature"],
         "engine": source["engine"],
         "load": load,
         "runs": runs,
-        "expect": {build: "SURVIVED|UNREACHED"},
+        "expect": {name: "SURVIVED|UNREACHED"},
     }
 
 
@@ -131,6 +140,9 @@ def clean(run: dict) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--build", default="E", help="build of matrix.yaml to run (default E)")
+    parser.add_argument("--patch", action="append",
+                        help="run these declared patches on top of common: instead of --build (repeatable; "
+                             "e.g. the answer of `bisect patches`)")
     parser.add_argument("--profile", action="append", choices=PROFILES, help="repeatable; default: all three")
     parser.add_argument("--geometry", action="append", choices=GEOMETRIES, help="repeatable; default: both")
     parser.add_argument("--reps", type=int, default=2, help="repetitions per cell (default 2: 12 runs)")
@@ -149,6 +161,8 @@ def main() -> int:
 
     default = load_yaml(ROOT / "matrix.yaml")
     production = load_yaml(ROOT / "examples" / "production-geometry.yaml")
+    if args.patch:
+        args.build = "+" + "+".join(args.patch)
     results = Path(args.results).resolve()
     folder = results / f"clean-set-evidence-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     folder.mkdir(parents=True)
@@ -163,7 +177,7 @@ def main() -> int:
             if start_timeout:
                 matrix["runs"]["start_timeout_s"] = start_timeout
             jobs = args.jobs or (1 if geometry == "production" else None)
-            outcome = run_cell(folder, f"{args.build}-{profile}-{geometry}", matrix, results, jobs)
+            outcome = run_cell(folder, f"{next(iter(matrix['builds']))}-{profile}-{geometry}", matrix, results, jobs)
             rows.append({"profile": profile, "geometry": geometry, **outcome})
             if not args.json:
                 print(f"... {profile} / {geometry}: "
@@ -177,11 +191,12 @@ def main() -> int:
         print(json.dumps(summary, indent=2))
     else:
         print(f"build {args.build}, {started}; matrices under {folder}")
-        print("| profile | geometry | runs | verdicts | trigger | state | KV check | violations | offload loads | run |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("| profile | geometry | runs | verdicts | trigger | state | KV check | contexts checked | violations "
+              "| offload loads | run |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for row in rows:
             if "error" in row:
-                print(f"| {row['profile']} | {row['geometry']} | 0 | {row['error']} | | | | | | |")
+                print(f"| {row['profile']} | {row['geometry']} | 0 | {row['error']} | | | | | | | |")
                 continue
             runs = row["runs"]
             verdicts = ", ".join(f"{sum(r['label'] == label for r in runs)}x {label}"
@@ -189,7 +204,8 @@ def main() -> int:
             fmt = lambda key: " / ".join("?" if r.get(key) is None else str(r[key]) for r in runs)  # noqa: E731
             checks = ", ".join(f"{sum(r['kv_check'] == k for r in runs)}x {k}" for k in sorted({str(r['kv_check']) for r in runs}))
             print(f"| {row['profile']} | {row['geometry']} | {len(runs)} | {verdicts} | {fmt('trigger_count')} | "
-                  f"{fmt('state_count')} | {checks} | {fmt('kv_violations')} | {fmt('offload_load_jobs')} | "
+                  f"{fmt('state_count')} | {checks} | {fmt('kv_checks')} | {fmt('kv_violations')} | "
+                  f"{fmt('offload_load_jobs')} | "
                   f"{row['run_id']} |")
         print(f"clean (SURVIVED or UNREACHED, KV check ok): {summary['clean']} of {summary['runs']} runs")
     if any("error" in row for row in rows):
