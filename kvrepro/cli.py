@@ -7,17 +7,10 @@ failed); 130 interrupted.
 
 from __future__ import annotations
 
-import os
-import sys
-
-if __name__ == "__main__" or os.path.basename(sys.argv[0] if sys.argv else "") == "kvrepro":
-    # the program itself (not an import): Ctrl-C during the imports below exits 130 quietly
-    from kvrepro.stopping import quiet_until_ready
-
-    quiet_until_ready()
-
 import json
+import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Optional
