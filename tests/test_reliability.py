@@ -913,8 +913,11 @@ def test_bisection_signals_lock_and_resume(tmp_path, overlays):
     assert_clean_end(third)
     state = json.loads((folder / "bisect.json").read_text())
     assert state["status"] == "interrupted"
-    probes = [json.loads(p.read_text())["status"] for p in folder.glob("probes/*/run.json")]
-    assert "running" not in probes and "interrupted" in probes, probes
+    from kvrepro.results import load_run
+
+    # as read back: the SIGKILLed owner's probe is "aborted", the SIGTERMed one's "interrupted"
+    probes = [load_run(folder / "probes", p.parent.name).status for p in sorted(folder.glob("probes/*/run.json"))]
+    assert "running" not in probes and probes[-1] == "interrupted" and "aborted" in probes, probes
 
 
 # ------------------------------------------------------------------ 9. kvrepro clean: the temp folder
