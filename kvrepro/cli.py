@@ -21,11 +21,14 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from . import builds, results
+from . import results
 from .errors import BadInputError, KvreproError, SpecError, describe_os_error
 from .records import RunResult, Verdict, to_jsonable
 from .secrets import redact, redact_args
-from .spec import LoadedMatrix, load_matrix
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # kvrepro.spec (pydantic) is imported when a command reads a matrix
+    from .spec import LoadedMatrix
 
 
 class _LazyModule:
@@ -42,6 +45,7 @@ class _LazyModule:
 
 
 report = _LazyModule("kvrepro.report")
+builds = _LazyModule("kvrepro.builds")
 
 app = typer.Typer(help="Reproduce vLLM engine crashes and prove which fixes cure them.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -71,6 +75,8 @@ def _emit_json(value: Any) -> None:
 
 
 def _load(path: Path) -> LoadedMatrix:
+    from .spec import load_matrix
+
     return load_matrix(path)
 
 
