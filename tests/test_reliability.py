@@ -1023,3 +1023,24 @@ def test_results_list_index_follows_the_folder(tmp_path):
     (tmp_path / ".index.json").write_text("{not json")
     assert [r["run_id"] for r in listing()] == [one.run_id, three.run_id]
     assert json.loads((tmp_path / ".index.json").read_text())["version"] == 1
+
+
+@pytest.mark.slow
+def test_a_finished_replay_leaves_nothing_in_the_temp_folder(tmp_path, overlays):
+    """A replay that runs to its end (exit 0): vLLM's 3 IPC socket files per engine, the zygote's
+    socket and log all lived under kvrepro's own temp folder, which is gone with the command
+    (was: 3 socket files per engine and a kvrepro-zygote-* folder left in /tmp by every run)."""
+    trace = synthetic_trace(tmp_path / "trace.jsonl", requests=5)
+    proc = spawn(tmp_path, "load", "replay", str(trace), "-b", "D", "-m", str(sim_matrix(tmp_path)),
+                 "--results", str(tmp_path / "r"), "--json")
+    sockets: set[str] = set()
+
+    def running() -> bool:
+        proc.watch()
+        sockets.update(str(p.relative_to(proc.tmp)) for p in proc.tmp.rglob("*") if p.is_socket())
+        return proc.poll() is not None
+    assert wait_until(running, 600, every=0.1)
+    assert_clean_end(proc, code=0)
+    assert json.loads(proc.stdout_text())["requests"] == 5
+    engine_sockets = [s for s in sockets if "/engine-tmp/" in s]
+    assert len(engine_sockets) >= 3 and all(s.startswith("kvrepro-") for s in sockets), sorted(sockets)
