@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 from rich.console import Console
@@ -25,7 +25,6 @@ from . import results
 from .errors import BadInputError, KvreproError, SpecError, describe_os_error
 from .records import RunResult, Verdict, to_jsonable
 from .secrets import redact, redact_args
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # kvrepro.spec (pydantic) is imported when a command reads a matrix
     from .spec import LoadedMatrix
@@ -514,7 +513,7 @@ def engine_serve(
         raise KvreproError(f"build {build} failed: {artifact.error}")
     cmd = target.command(artifact, port)
     err.print(f"serving build {build} on http://127.0.0.1:{port} (overlay {artifact.ref}); Ctrl-C to stop")
-    from . import lifetime
+    from . import lifetime, stopping
 
     # its own session: a terminal's Ctrl-C reaches kvrepro only, which stops the engine once
     proc = subprocess.Popen(cmd, env=target.environment(artifact, rep), start_new_session=True,
@@ -530,8 +529,6 @@ def engine_serve(
             os.killpg(proc.pid, signal.SIGTERM if stops["count"] == 1 else signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-    from . import stopping
 
     previous = {sig: signal.signal(sig, on_signal) for sig in stopping.SIGNALS}
     try:
@@ -599,7 +596,6 @@ def _print_bisection(result: Any) -> None:
 def _run_bisection(how: Any, as_json: bool) -> None:
     """Run a bisection under the Ctrl-C rule of `matrix run` and print its result."""
     from . import bisect
-
     from .stopping import name, stop_on_signals
 
     stop = threading.Event()
