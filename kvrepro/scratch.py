@@ -67,6 +67,8 @@ try:
         pass
 except OSError:
     pass
+if not os.path.exists(folder):  # kvrepro removed it itself (every exit but SIGKILL)
+    sys.exit(0)
 deadline = time.monotonic() + 30
 while time.monotonic() < deadline:
     shutil.rmtree(folder, ignore_errors=True)
@@ -89,6 +91,9 @@ def folder() -> Path:
     with _lock:
         if _folder is not None and _folder.is_dir():
             return _folder
+        if _pipe_w is not None:  # the folder was removed under us: let its janitor go, start anew
+            os.close(_pipe_w)
+            _pipe_w = None
         path = system_temp() / f"{PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
         path.mkdir(mode=0o700)
         (path / OWNER_FILE).write_text(json.dumps(lifetime.owner()) + "\n")
@@ -138,7 +143,7 @@ def remove() -> None:
             _pipe_w = None
         if _janitor is not None:
             try:
-                _janitor.wait(timeout=0.05 if path is None or not path.exists() else 2)
+                _janitor.wait(timeout=0.5 if path is None or not path.exists() else 2)
             except subprocess.TimeoutExpired:
                 pass  # it goes on removing in the background: its own session, no terminal
             _janitor = None
