@@ -669,8 +669,20 @@ class Cmd(subprocess.Popen):
                 self.wait()
 
 
+_SPAWNED_TMP: list[Path] = []
+
+
+@pytest.fixture(autouse=True)
+def _remove_spawned_tmp():
+    """Each spawned command's TMPDIR goes after its test (the test has checked what was in it)."""
+    yield
+    while _SPAWNED_TMP:
+        shutil.rmtree(_SPAWNED_TMP.pop(), ignore_errors=True)
+
+
 def spawn(folder: Path, *args: str, name: str = "cmd") -> Cmd:
     tmp = Path(tempfile.mkdtemp(prefix="kt", dir="/tmp"))  # short: unix socket paths live under it
+    _SPAWNED_TMP.append(tmp)
     env = dict(os.environ, TMPDIR=str(tmp))
     folder.mkdir(parents=True, exist_ok=True)
     out_path, err_path = folder / f"{name}.out", folder / f"{name}.err"
