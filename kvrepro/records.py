@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ class Verdict(str, enum.Enum):
     INFRA = "INFRA"  # could not build, start or drive the engine: says nothing about the code
     # read back only, never written: the repetition left files but no verdict (kvrepro was killed)
     INCOMPLETE = "INCOMPLETE"
+    # read back only, never written: its verdict.json is damaged (truncated, empty, not a verdict)
+    DAMAGED = "DAMAGED"
 
 
 class Outcome(str, enum.Enum):
@@ -481,6 +484,13 @@ class RecordError(ValueError):
         self.problem = problem
 
 
+@functools.cache
+def _type_hints(cls: Any) -> dict[str, Any]:
+    """``typing.get_type_hints`` once per record class: it compiles every annotation string each
+    time, most of what reading a results folder cost (`results list` over 500 runs)."""
+    return typing.get_type_hints(cls)
+
+
 def from_jsonable(cls: Any, value: Any, where: str = "") -> Any:
     """Read back what :func:`to_jsonable` wrote, as the typed record it was.
 
@@ -507,7 +517,7 @@ def from_jsonable(cls: Any, value: Any, where: str = "") -> Any:
     if dataclasses.is_dataclass(cls):
         if not isinstance(value, dict):
             raise RecordError(where or cls.__name__, f"expected an object, found {type(value).__name__}")
-        hints = typing.get_type_hints(cls)
+        hints = _type_hints(cls)
         names = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(value) - names)
         if unknown:

@@ -32,9 +32,10 @@ from .results import BuildResults, MatrixRun, write_atomic
 
 _STYLE = {"CRASH": "bold red", "CORRUPT": "bold red", "SURVIVED": "bold green", "VACUOUS": "yellow",
           "UNREACHED": "yellow", "STALL": "yellow", "INFRA": "magenta", "INTERRUPTED": "dim",
-          "INCOMPLETE": "dim"}
+          "INCOMPLETE": "dim", "DAMAGED": "bold magenta"}
 _TONE = {"CRASH": "bad", "CORRUPT": "bad", "SURVIVED": "good", "VACUOUS": "warn", "UNREACHED": "warn",
-         "STALL": "warn", "INFRA": "warn", "INTERRUPTED": "muted"}
+         "STALL": "warn", "INFRA": "warn", "INTERRUPTED": "muted",
+         "DAMAGED": "warn"}
 REPORT_MD = "report.md"
 REPORT_HTML = "report.html"
 SURVIVAL_PNG = "survival.png"
@@ -61,7 +62,7 @@ class Mismatch:
 
 def meets_expectation(run: RunResult, expected: str | None) -> bool:
     """An INTERRUPTED repetition is neither a pass nor a failure of ``expect:``: it did not finish."""
-    return (not expected or run.verdict in (Verdict.INTERRUPTED, Verdict.INCOMPLETE)
+    return (not expected or run.verdict in (Verdict.INTERRUPTED, Verdict.INCOMPLETE, Verdict.DAMAGED)
             or meets(expected, run.label, run.kv_defects)
             # INFRA says nothing about the code: its own exit code (3), not "differs from expect"
             or (run.verdict is Verdict.INFRA and expected != "INFRA"))

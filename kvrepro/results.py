@@ -272,9 +272,15 @@ def load_run(root: Path, run_id: str) -> MatrixRun:
         manifest: RunManifest | None = None
         for rep in _reps(build_dir):
             if manifest is None and (rep / "manifest.json").is_file():
-                manifest = _read_record(RunManifest, rep / "manifest.json")
+                try:
+                    manifest = _read_record(RunManifest, rep / "manifest.json")
+                except ResultsSchemaError:  # damaged: the next repetition's says the same
+                    pass
             if (rep / "verdict.json").is_file():
-                result: RunResult = _read_record(RunResult, rep / "verdict.json")
+                try:
+                    result: RunResult = _read_record(RunResult, rep / "verdict.json")
+                except ResultsSchemaError as exc:  # one damaged file: that repetition, not the run
+                    result = _damaged(rep, name, default_base, str(exc))
                 runs.append(_attributed(result if result.base else replace(result, base=default_base)))
             elif (unfinished := _unfinished(rep, name, info.status, default_base)) is not None:
                 runs.append(unfinished)
@@ -312,3 +318,10 @@ def _unfinished(rep: Path, build: str, run_status: str, base: str) -> RunResult 
     return RunResult(build=build, rep=int(rep.name), verdict=Verdict.INCOMPLETE, outcome=Outcome.NONE,
                      title=f"no verdict: {state}; kept {', '.join(kept)}", trigger_count=0, external_hit_calls=0,
                      requests=0, seconds=0.0, run_dir=str(rep), base=base)
+
+
+def _damaged(rep: Path, build: str, base: str, why: str) -> RunResult:
+    """A repetition whose verdict.json cannot be read back (truncated, empty, not a verdict)."""
+    return RunResult(build=build, rep=int(rep.name), verdict=Verdict.DAMAGED, outcome=Outcome.NONE,
+                     title=f"DAMAGED: {why}", trigger_count=0, external_hit_calls=0, requests=0, seconds=0.0,
+                     run_dir=str(rep), base=base)

@@ -22,7 +22,7 @@ from ..spec import load_matrix
 from .points import Point, PointMatrices, point_key, point_label, releases_between
 from .rules import Evidence, PointRule, PointVerdict, default_max_runs, evidence, run_label, runs_needed_for_good
 from .search import bisect_linear, ddmin, next_midpoint
-from .session import Interrupted, Session, is_bisection, load_state, result_from_state
+from .session import BisectionBusy, Interrupted, Session, ensure_idle, is_bisection, load_state, result_from_state
 
 KINDS = ("releases", "commits", "patches")
 
@@ -265,4 +265,4 @@ def probe_point(root: Path, request: dict[str, Any], **session_kw) -> tuple[Poin
     return verdict, result
 
 
-__all__ = ["Interrupted", "KINDS", "check_request", "is_bisection", "load_state", "probe_point", "result_from_state", "resume", "start"]
+__all__ = ["BisectionBusy", "Interrupted", "ensure_idle", "KINDS", "check_request", "is_bisection", "load_state", "probe_point", "result_from_state", "resume", "start"]
