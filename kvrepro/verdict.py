@@ -89,7 +89,8 @@ def title(verdict: Verdict, exposure: Exposure, load: LoadSummary | None,
         return (f"{load.requests_failed} of {load.requests_sent} requests failed with the engine up (more than "
                 f"{MAX_FAILED_SHARE:.0%}): the load did not test the engine; see load.jsonl")
     if verdict is Verdict.UNREACHED:
-        return "trigger path ran but the bug's state never occurred: the fix was not exercised"
+        return ("trigger path ran but the bug's state never occurred: on this code the crash's precondition "
+                "did not arise (a fix at the crash site was not exercised)")
     if verdict is Verdict.VACUOUS:
         return "budget spent but the trigger path never ran: proves nothing"
     return None
