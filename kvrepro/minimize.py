@@ -172,6 +172,17 @@ def find_crash(root: Path, run_id: str, build: str, rep: int | None):
     runs = list(found.runs) if found is not None else []
     if not runs:
         raise SpecError(f"run {run.run_id} has no repetitions of build {build}")
+    crashed = [r.rep for r in runs if r.label == "CRASH(target)"]
+    hint = (f"; repetitions that crashed with the target signature: {', '.join(map(str, crashed))}" if crashed
+            else "; none of its repetitions crashed with the target signature")
+    if rep is not None:
+        chosen = [r for r in runs if r.rep == rep]
+        if not chosen:
+            raise SpecError(f"--rep {rep}: run {run.run_id} has no repetition {rep} of build {build} (it has "
+                            f"{', '.join(str(r.rep) for r in runs)}){hint}")
+        if chosen[0].label != "CRASH(target)":
+            raise SpecError(f"--rep {rep}: repetition {rep} of build {build} in run {run.run_id} is "
+                            f"{chosen[0].label}, not CRASH(target): only a target crash can be minimized{hint}")
     for r in runs:
         if (rep is None or r.rep == rep) and r.label == "CRASH(target)":
             trace = Path(r.run_dir or "") / "trace.jsonl"

@@ -44,7 +44,13 @@ def build_name(point: Point) -> str:
         return point["release"]
     if point["kind"] == "commit":
         return point["commit"][:12]
-    return "_".join(point["patches"]) or "base"
+    name = "_".join(point["patches"]) or "base"
+    if len(name) > 64:  # a folder name must stay short: the first patch, how many, and a digest of all
+        import hashlib
+
+        digest = hashlib.sha256(",".join(point["patches"]).encode()).hexdigest()[:12]
+        name = f"{point['patches'][0][:32]}_and_{len(point['patches']) - 1}_more_{digest}"
+    return name
 
 
 def releases_between(a: str, b: str) -> list[str]:
