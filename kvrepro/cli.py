@@ -674,13 +674,13 @@ def _run_bisection(how: Any, as_json: bool) -> None:
 
 AlphaOpt = typer.Option(0.05, "--alpha", min=0.0001, max=0.5,
                         help="a good point must be this unlikely to be a crashing one that stayed clean")
-CalibrateOpt = typer.Option(3, "--calibrate", min=1, help="runs at the bad end (they measure the crash rate)")
-MaxRunsOpt = typer.Option(None, "--max-runs", min=1, help="runs after which an undecided point is a skip "
+CalibrateOpt = typer.Option(3, "--calibrate", min=1, max=100, help="runs at the bad end (they measure the crash rate)")
+MaxRunsOpt = typer.Option(None, "--max-runs", min=1, max=1000, help="runs after which an undecided point is a skip "
                                                            "(default: 3 x the runs a good verdict needs + 6)")
-RequestsOpt = typer.Option(None, "--requests", min=1, help="override runs.requests for every probe")
+RequestsOpt = typer.Option(None, "--requests", min=1, max=1_000_000, help="override runs.requests for every probe")
 TitleOpt = typer.Option(None, "--title", help="bisect this crash (title text) instead of target_signature")
 TargetOpt = typer.Option(None, "--target", help="override matrix.yaml's target (sim, docker)")
-JobsOpt = typer.Option(None, "--jobs", "-j", min=1, help="engines at once")
+JobsOpt = typer.Option(None, "--jobs", "-j", min=1, max=256, help="engines at once")
 ResumeOpt = typer.Option(None, "--resume", help="continue an interrupted bisection (its id, or `latest`)")
 
 

@@ -26,7 +26,8 @@ _SECRET_VALUE = re.compile(
 # a flag whose value is a credential: --hf-token, --hf_token, --api-key, --ssl-keyfile-password, ...
 # (vLLM's FlexibleArgumentParser takes '_' for '-' in flag names, and --a.b=... for JSON fields)
 _WORDS = r"(?:key|token|secret|password|passwd|passphrase|credentials?|auth)"
-_SECRET_FLAG = re.compile(r"(?:^|[-_.])" + _WORDS + r"(?:$|[-_.])", re.I)
+# (the secret word ends the name: --hf-token, not --long-prefill-token-threshold)
+_SECRET_FLAG = re.compile(r"(?:^|[-_.])" + _WORDS + r"$", re.I)
 # "--hf-token VALUE" / "--hf_token=VALUE" / JSON '"--hf-token", "VALUE"' in text
 _FLAG_VALUE_TEXT = re.compile(
     r"""(--[A-Za-z0-9_.-]*""" + _WORDS + r"""(?![A-Za-z0-9])['"]?"""

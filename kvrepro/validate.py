@@ -150,6 +150,10 @@ def check(loaded: LoadedMatrix, target: str | None = None, engine_flags: bool = 
         loaded.plans()  # every patch file exists and matches its sha256
     except SpecError as exc:
         problems.append(str(exc))
+    for name, patch in m.patches.items():
+        if patch.outside_matrix_folder:
+            notes.append(f"patches.{name}.file: {patch.file} is read from outside the matrix's folder "
+                         "(outside_matrix_folder: true)")
     if m.engine.extra_args:
         # reading the parser also registers its secret options (every spelling gets masked)
         known = {base: serve_flags(base, on_line) for base in m.bases}[m.bases[0]]
