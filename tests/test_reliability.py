@@ -932,10 +932,9 @@ def test_max_model_len_too_small_is_infra_not_corrupt(tmp_path, overlays):
 
 @pytest.mark.slow
 def test_api_key_in_extra_args_is_sent_by_the_runner(tmp_path, overlays):
-    """`--api-key K` (and `--api_key=K`): the runner's /v1/models call and every request carry
-    the key, so the run tests the engine (A: CRASH(target), exit 0); with a key kvrepro cannot
-    know (VLLM_API_KEY is not passed to a sim engine, so a wrong one is simulated by the engine
-    being given two args) ... a 401 is INFRA naming the key, never "interrupted"."""
+    """`--api-key K` (and `--api_key=K`) in extra_args: vLLM then answers 401 to /v1/* without
+    the key; the runner's /v1/models call and every request carry it, so the run tests the engine
+    (A: CRASH(target), run complete, exit 0), where it used to end "interrupted"."""
     for args in (["--api-key", "k-one-4711"], ["--api_key=k-two-4711"]):
         matrix = small_matrix(tmp_path / args[0].strip("-")[:7], builds={"A": []}, expect={"A": "CRASH(target)"})
         data = yaml.safe_load(matrix.read_text())
