@@ -557,6 +557,17 @@ class _FieldError(ValueError):
         return tuple(self.path.split(".")) if isinstance(self.path, str) else tuple(self.path)
 
 
+class _Lazy:
+    def __init__(self, make):
+        self.make = make
+
+    def __str__(self) -> str:
+        return self.make()
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
 class LoadedMatrix:
     """A validated matrix plus where it came from (to resolve patch files and report lines)."""
 
@@ -565,6 +576,7 @@ class LoadedMatrix:
         self.path = path
         self.text = text
         self.builds_dir = path.parent / "builds"
+        self.own_text = True  # False for a matrix derived from this file (its lines are not the file's)
 
     @property
     def sha256(self) -> str:
@@ -589,9 +601,19 @@ class LoadedMatrix:
             f"config (shipped: {shipped or 'none'})"
         )
 
+    def _at(self, *loc: Any) -> str:
+        """``file:line`` of a field (the file alone when the line is unknown, e.g. a derived matrix)."""
+        if not self.own_text:
+            return str(self.path)
+        try:
+            line = _line_for(_line_index(self.text), loc)
+        except yaml.YAMLError:
+            line = None
+        return f"{self.path}:{line}" if line else str(self.path)
+
     def patch_ref(self, name: str) -> PatchRef:
         spec = self.matrix.patches[name]
-        where = f"{self.path}: patches.{name}.file"
+        where = _Lazy(lambda: f"{self._at('patches', name, 'file')}: patches.{name}.file")  # on error paths only
         # where the file is, as written (a symlink placed in the folder is the user's own doing);
         # `..` and absolute paths must not reach outside the matrix's folder unless the patch says so
         given = Path(os.path.normpath(self.builds_dir / os.path.expanduser(spec.file)))
@@ -614,7 +636,8 @@ class LoadedMatrix:
         digest = hashlib.sha256(data).hexdigest()
         if spec.sha256 and spec.sha256 != digest:
             raise SpecError(
-                f"{self.path}: patches.{name}.sha256: {spec.file} has sha256 {digest}, matrix.yaml says {spec.sha256}; "
+                f"{self._at('patches', name, 'sha256')}: patches.{name}.sha256: {spec.file} has sha256 {digest}, "
+                f"matrix.yaml says {spec.sha256}; "
                 "update the sha256 if the patch changed on purpose"
             )
         return PatchRef(name=name, path=path, upstream=spec.upstream, sha256=digest)

@@ -71,6 +71,7 @@ class _CommitMatrix(LoadedMatrix):
     def __init__(self, base: LoadedMatrix, matrix, text: str, source: GitCommitSource):
         super().__init__(matrix, base.path, text)
         self.builds_dir = base.builds_dir
+        self.own_text = False
         self.source = source
 
     def plans(self, only: list[str] | None = None, bases: list[str] | None = None) -> list[BuildPlan]:
@@ -128,4 +129,5 @@ class PointMatrices:
             return _CommitMatrix(self.loaded, matrix, text, GitCommitSource(repo=str(self.repo), commit=point["commit"]))
         derived = LoadedMatrix(matrix, self.loaded.path, text)
         derived.builds_dir = self.loaded.builds_dir
+        derived.own_text = False
         return derived
