@@ -37,6 +37,7 @@ _remembered: set[str] = set()
 # names a secret, read from the release's own parser (validate.serve_flags), and how many values
 # each takes (None: one; "+"/"*": every value up to the next flag)
 _secret_options: dict[str, object] = {}
+_all_options: set[str] = set()  # every option of those parsers (normalised), to tell prefixes apart
 _lock = threading.Lock()
 
 
@@ -45,20 +46,27 @@ def _flag_name(arg: str) -> str:
     return arg.lstrip("-").split("=", 1)[0].replace("_", "-").lower()
 
 
-def register_secret_options(options: dict[str, object]) -> None:
+def register_secret_options(options: dict[str, object], all_options: list[str] | set[str] = ()) -> None:
     """Options of a release's `vllm serve` parser whose destination is a secret (option string ->
-    nargs), so that every spelling the parser accepts is masked, not only the ones the pattern knows."""
+    nargs), so that every spelling the parser accepts is masked, not only the ones the pattern knows;
+    ``all_options``: every option of that parser (a prefix is the parser's only when unambiguous)."""
     with _lock:
         _secret_options.update({_flag_name(k): v for k, v in options.items()})
+        _all_options.update(_flag_name(k) for k in all_options if k.startswith("--"))
 
 
 def _registered(name: str) -> object | bool:
     with _lock:
         if name in _secret_options:
             return _secret_options[name] or True
-        # argparse takes an unambiguous prefix of a long option (--hf-tok for --hf-token)
-        hits = [v for k, v in _secret_options.items() if len(name) >= 4 and k.startswith(name)]
-    return (hits[0] or True) if hits else False
+        if not name or name in _all_options:
+            return False
+        # argparse (allow_abbrev, vLLM's default) takes an unambiguous prefix of a long option:
+        # --hf-tok for --hf-token, --api-k for --api-key. A prefix that also starts a non-secret
+        # option is ambiguous to the parser (refused), except when only secret options share it.
+        hits = [v for k, v in _secret_options.items() if k.startswith(name)]
+        others = [k for k in _all_options if k.startswith(name) and k not in _secret_options]
+    return (hits[0] or True) if hits and not others else False
 
 
 def is_secret_flag(arg: str) -> bool:

@@ -46,7 +46,7 @@ def serve_flags(base: str, on_line: Callable[[str], None] | None = None) -> set[
     secrets_cache = cache.with_name(f"{base}-{digest[:12]}.secret-options.json")
     try:
         flags = json.loads(cache.read_text())
-        _register_secret_options(json.loads(secrets_cache.read_text()))
+        _register_secret_options(json.loads(secrets_cache.read_text()), flags)
         return set(flags)
     except (OSError, ValueError, TypeError, AttributeError):
         pass
@@ -70,7 +70,7 @@ def serve_flags(base: str, on_line: Callable[[str], None] | None = None) -> set[
         return None
     flags = json.loads(marker[-1].removeprefix("KVREPRO-FLAGS "))
     secret_options = json.loads(secret_marker[-1].removeprefix("KVREPRO-SECRET-OPTIONS ")) if secret_marker else {}
-    _register_secret_options(secret_options)
+    _register_secret_options(secret_options, flags)
     try:
         from .results import write_atomic
 
@@ -81,14 +81,14 @@ def serve_flags(base: str, on_line: Callable[[str], None] | None = None) -> set[
     return set(flags)
 
 
-def _register_secret_options(options: dict) -> None:
+def _register_secret_options(options: dict, flags: list[str]) -> None:
     """The release's secret options (``--hf-token``, ``--api-key``, ...: destinations naming a
     secret) join the ones kvrepro masks in every spelling (kvrepro/secrets.py)."""
     from .secrets import register_secret_options
 
-    if not isinstance(options, dict):
-        raise TypeError("not a mapping")
-    register_secret_options(options)
+    if not isinstance(options, dict) or not isinstance(flags, list):
+        raise TypeError("not a mapping and a list")
+    register_secret_options(options, flags)
 
 
 def secret_options(base: str) -> dict | None:

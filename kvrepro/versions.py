@@ -178,7 +178,6 @@ for option, action in serve._option_string_actions.items():
     if str(action.dest).lower().split("_")[-1] in SECRET_WORDS:
         secret[option] = action.nargs if action.nargs in ("+", "*") else None
 sys.stdout.write("\nKVREPRO-SECRET-OPTIONS " + json.dumps(secret, sort_keys=True) + "\n")
-sys.stdout.write("KVREPRO-ABBREV " + json.dumps(bool(getattr(serve, "allow_abbrev", True))) + "\n")
 """
 
 

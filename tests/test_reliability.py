@@ -635,6 +635,8 @@ for option, action in parser._option_string_actions.items():
     if option.startswith("--") and action.nargs != 0 and action.dest.lower().split("_")[-1] in words:
         found[option] = [action.dest, action.nargs]
 print("WALKED " + json.dumps(found))
+print("ALL " + json.dumps(sorted(o for o in parser._option_string_actions if o.startswith("--"))))
+print("ABBREV " + json.dumps(parser.allow_abbrev))
 """
 
 
@@ -658,10 +660,16 @@ def test_every_secret_option_of_the_real_parser_is_masked_in_every_spelling(runt
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("WALKED ")]
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
     walked = json.loads(line[-1].removeprefix("WALKED "))
+    every = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("ALL ")][-1][4:])
+    abbrev = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("ABBREV ")][-1][7:])
     assert {"--hf-token", "--api-key"} <= set(walked), walked  # the walk found what we know is there
     assert serve_flags("0.26.0") is not None  # kvrepro reads the same parser (and registers its secrets)
     for option, (dest, nargs) in walked.items():
-        for spelling in {option, "--" + option[2:].replace("-", "_")}:
+        spellings = {option, "--" + option[2:].replace("-", "_")}
+        if abbrev:  # the shortest prefix the parser takes for this option alone (--hf-tok, --api-k)
+            spellings.add(next(option[:n] for n in range(3, len(option) + 1)
+                               if [o for o in every if o.startswith(option[:n])] == [option]))
+        for spelling in spellings:
             for argv in ([spelling, "v4lue-one"], [f"{spelling}=v4lue-one"],
                          [spelling, "v4lue-one", "v4lue-two", "--max-num-seqs", "4"] if nargs in ("+", "*") else
                          [spelling, "v4lue-one", "--max-num-seqs", "4"]):
