@@ -793,6 +793,16 @@ def matrix_verdict(
                "release": release, "build": build, "p_bad": p_bad, "target": target, "title": title,
                "alpha": alpha, "calibrate": 1, "max_runs": max_runs, "requests": requests, "jobs": jobs}
     holder: dict[str, Any] = {}
+    if release is not None and repo is None:
+        from .versions import SUPPORTED_RELEASES
+
+        if release not in SUPPORTED_RELEASES:  # before any progress is drawn; bad input, not a skip
+            problem = (f"--release {release}: not a vLLM release kvrepro supports; supported: "
+                       f"{', '.join(SUPPORTED_RELEASES)}")
+            if not git_bisect:
+                raise SpecError(problem)
+            err.print(f"[red]error:[/] {escape(problem)}", highlight=False, soft_wrap=True)
+            raise typer.Exit(128)
 
     def how(**kw: Any) -> Any:
         verdict, result = bisect.probe_point(results_root, request, **kw)

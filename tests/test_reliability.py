@@ -1011,7 +1011,11 @@ def test_commands_on_an_empty_results_folder(tmp_path, args):
 
 def test_git_bisect_verdict_on_an_unknown_release_is_bad_input(tmp_path):
     proc = kvrepro("matrix", "verdict", "--release", "9.9.9", "--git-bisect", "--results", str(tmp_path / "r"))
-    one_clear_line(proc, 128, "--release 9.9.9: not a vLLM release kvrepro supports")
+    flat = one_clear_line(proc, 128, "--release 9.9.9: not a vLLM release kvrepro supports")
+    assert "runs" not in flat.split("error:")[0]  # nothing drawn before the line
+    proc = kvrepro("matrix", "verdict", "--release", "9.9.9", "--results", str(tmp_path / "r"))
+    one_clear_line(proc, 2, "--release 9.9.9: not a vLLM release kvrepro supports")
+    assert not (tmp_path / "r").exists()
 
 
 def _inode_budget_script(results: str, inodes: int, matrix: Path) -> str:
