@@ -185,7 +185,10 @@ def find_crash(root: Path, run_id: str, build: str, rep: int | None):
                             f"{chosen[0].label}, not CRASH(target): only a target crash can be minimized{hint}")
     for r in runs:
         if (rep is None or r.rep == rep) and r.label == "CRASH(target)":
-            trace = Path(r.run_dir or "") / "trace.jsonl"
+            # the repetition's folder inside this run (minimized.* is written next to its trace),
+            # not the path verdict.json recorded: a copied or edited results folder must not
+            # send the output elsewhere
+            trace = results.inside(run.path, run.path / found.name / str(r.rep)) / "trace.jsonl"
             if not trace.is_file():
                 raise SpecError(f"{trace}: missing; runs record their trace since kvrepro wrote trace.jsonl")
             return r, trace
