@@ -94,13 +94,13 @@ def read_json(path: Path) -> Any:
     return json.loads(path.read_text(), parse_float=_finite, parse_constant=_no_constant)
 
 
-def inside(folder: Path, path: Path) -> Path:
+def inside(folder: Path, path: Path,
+           hint: str = "a build or patch name must be a plain name (letters, digits, '_', '.', '-')") -> Path:
     """``path`` if it lies inside ``folder`` once both are resolved; every folder kvrepro makes under
     a run is checked, so no name (a build, a patch, a point of a bisection) can lead elsewhere."""
     resolved, root = path.resolve(), folder.resolve()
     if resolved != root and not resolved.is_relative_to(root):
-        raise BadInputError(f"{path}: would be outside {folder}; a build or patch name must be a plain name "
-                            "(letters, digits, '_', '.', '-')")
+        raise BadInputError(f"{path}: would be outside {folder}; {hint}")
     return path
 
 

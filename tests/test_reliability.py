@@ -752,6 +752,17 @@ def test_every_folder_of_a_run_stays_inside_it(tmp_path):
     assert folder.rep_dir("A", 0).is_dir()
 
 
+def test_resume_of_a_bisection_outside_results_is_refused(tmp_path):
+    """`bisect --resume ../elsewhere` would read and rewrite a bisect.json outside --results."""
+    (tmp_path / "elsewhere").mkdir()
+    state = tmp_path / "elsewhere" / "bisect.json"
+    state.write_text("{}")
+    (tmp_path / "r").mkdir()
+    one_clear_line(kvrepro("bisect", "patches", "--resume", "../elsewhere", "--results", str(tmp_path / "r")), 2,
+                   "would be outside", "--resume takes a bisection id under")
+    assert state.read_text() == "{}" and list((tmp_path / "r").iterdir()) == []
+
+
 @pytest.mark.parametrize("file, extra, needle", [
     ("/etc/passwd", {}, "'/etc/passwd' is outside the matrix's folder"),
     ("../../outside.patch", {}, "'../../outside.patch' is outside the matrix's folder"),
