@@ -163,10 +163,10 @@ class RichProgress:
         self.active: dict[tuple[str, int], Any] = {}
 
     def stage(self, text: str) -> None:
-        self.progress.console.log(text)
+        self.progress.console.log(redact(text))
 
     def detail(self, text: str) -> None:
-        self.progress.update(self.runs, description=f"runs  [dim]{text[:80]}[/]")
+        self.progress.update(self.runs, description=f"runs  [dim]{escape(redact(text)[:80])}[/]")
 
     def run_started(self, build: str, rep: int, budget: int | None) -> None:
         self.progress.update(self.runs, description="runs")
@@ -186,7 +186,7 @@ class RichProgress:
 
 
 def _run_line(result: RunResult) -> str:
-    return (f"build {result.build} rep {result.rep}: {result.label}  trigger={result.trigger_count} "
+    return redact(f"build {result.build} rep {result.rep}: {result.label}  trigger={result.trigger_count} "
             f"state={result.state_count} kv={result.kv_check} requests={result.requests} {result.seconds:.1f}s  "
             f"{result.title}")
 
@@ -216,13 +216,15 @@ class PlainProgress:
 
 
 def _plain(text: str) -> None:
-    sys.stderr.write(text + "\n")
+    sys.stderr.write(redact(text) + "\n")
     sys.stderr.flush()
 
 
-def _write_outputs(run: "results.MatrixRun", junit_path: Optional[Path], ci: bool) -> None:
+def _write_outputs(run: "results.MatrixRun", junit_path: Optional[Path], ci: bool) -> bool:
     """report.md/report.html always, JUnit when asked, $GITHUB_STEP_SUMMARY in CI mode. A failure
-    here is one line: the verdicts are recorded and the exit code must still say what they are."""
+    here is one line: the verdicts are recorded and the exit code must still say what they are.
+    False when something was not written (the exit code then says infrastructure, 3, never 0)."""
+    ok = True
     try:
         md_path, html_path = report.write_report(run)
         err.print(f"report: {html_path} (markdown: {md_path.name})", highlight=False)
@@ -230,8 +232,12 @@ def _write_outputs(run: "results.MatrixRun", junit_path: Optional[Path], ci: boo
             summary = report.append_step_summary(md_path.read_text())
             if summary is not None:
                 err.print(f"appended the report to $GITHUB_STEP_SUMMARY ({summary})", highlight=False)
-    except (OSError, ValueError) as exc:
-        err.print(f"[red]error:[/] report not written: {exc}", highlight=False)
+    except OSError as exc:
+        err.print("[red]error:[/] report not written: " + escape(redact(describe_os_error(exc))), highlight=False)
+        ok = False
+    except ValueError as exc:
+        err.print(f"[red]error:[/] report not written: {escape(redact(str(exc)))}", highlight=False)
+        ok = False
     if junit_path is not None:
         from .junit import write_junit
 
@@ -239,7 +245,38 @@ def _write_outputs(run: "results.MatrixRun", junit_path: Optional[Path], ci: boo
             write_junit(run, junit_path)
             err.print(f"junit: {junit_path}", highlight=False)
         except OSError as exc:
-            raise KvreproError(f"--junit {junit_path}: cannot write ({exc.strerror or exc})") from None
+            err.print("[red]error:[/] " + escape(redact(_junit_problem(junit_path, exc))), highlight=False)
+            ok = False
+    return ok
+
+
+def _junit_problem(path: Path, exc: OSError) -> str:
+    return f"--junit {path}: cannot write it: {exc.strerror or exc}; give a path in a writable folder"
+
+
+def _check_junit(path: Optional[Path]) -> None:
+    """--junit checked before anything runs: a folder is bad input (2); a place that cannot be
+    written (read-only, no permission) is the environment (3). Either way one line, no run spent."""
+    if path is None:
+        return
+    import tempfile
+
+    from .errors import InfraError
+
+    if path.is_dir():
+        raise BadInputError(f"--junit {path}: is a folder; give a file, e.g. {path / 'kvrepro-junit.xml'}")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise BadInputError(f"--junit {path}: {parent} is a file, not a folder; give a path in a folder")
+    try:
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as exc:
+        raise InfraError(_junit_problem(path, exc)) from None
+    if path.exists() and not path.is_file():
+        raise BadInputError(f"--junit {path}: not a regular file; give a file path")
 
 
 def _exit_code(run: "results.MatrixRun") -> int:
@@ -263,14 +300,14 @@ def matrix_run(
     matrix: Path = MatrixOpt,
     target: Optional[str] = typer.Option(None, help="override matrix.yaml's target (sim, docker)"),
     build: Optional[list[str]] = typer.Option(None, "--build", "-b", help="only these builds (repeatable)"),
-    reps: Optional[int] = typer.Option(None, "--reps", min=1, help="override runs.repetitions"),
+    reps: Optional[int] = typer.Option(None, "--reps", min=1, max=1000, help="override runs.repetitions (at most 1000)"),
     base_image: Optional[str] = typer.Option(None, "--base-image",
                                              help="docker: base image to assemble on (e.g. kvrepro/vllm-openai-cpu:v0.26.0)"),
-    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1,
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, max=256,
                                        help="engines at once (default: what the target can take; sim: one per core)"),
     base: Optional[list[str]] = typer.Option(None, "--base",
                                              help="run on this vLLM release instead of matrix.yaml's base (repeatable)"),
-    adaptive: Optional[int] = typer.Option(None, "--adaptive", min=1, metavar="MAX",
+    adaptive: Optional[int] = typer.Option(None, "--adaptive", min=1, max=1000, metavar="MAX",
                                            help="repeat each build until its verdict is decisive (README: "
                                                 "stopping rule), at most MAX times"),
     ci: bool = typer.Option(False, "--ci", help="non-interactive: plain lines, no progress bars; appends the "
@@ -283,6 +320,10 @@ def matrix_run(
     """Build every build, run each under load, classify, record, report, and print the verdict table."""
     from .runner import MatrixOptions, run_matrix
 
+    if adaptive is not None and reps is not None:
+        raise BadInputError(f"--adaptive {adaptive} and --reps {reps}: give one; --adaptive MAX repeats each build "
+                            "until its verdict is decisive, at most MAX times (it replaces --reps)")
+    _check_junit(junit)
     loaded = _load(matrix)
     results_root = _results_root(results_root)
     if base_image:
@@ -320,11 +361,13 @@ def matrix_run(
             _emit_json(report.matrix_json(run))
         else:
             (_ci_console() if ci else out).print(report.matrix_table(run))
-        _write_outputs(run, junit, ci)
+        written = _write_outputs(run, junit, ci)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     code = _exit_code(run)
+    if not written and code == 0:
+        code = 3  # the error line above says what was not written; CI must not read it as a pass
     if code:
         raise typer.Exit(code)
 
@@ -342,12 +385,17 @@ def report_cmd(
     as_json: bool = JsonOpt,
 ) -> None:
     """Write results/<run>/report.md and report.html (self-contained) for a recorded run."""
+    _check_junit(junit)
     run = results.load_run(results_root, run_id)
     md_path, html_path = report.write_report(run)
     if junit is not None:
         from .junit import write_junit
+        from .errors import InfraError
 
-        write_junit(run, junit)
+        try:
+            write_junit(run, junit)
+        except OSError as exc:
+            raise InfraError(_junit_problem(junit, exc)) from None
     if as_json:
         _emit_json({"run_id": run.run_id, "markdown": str(md_path), "html": str(html_path),
                     "junit": str(junit) if junit else None})
@@ -374,6 +422,7 @@ def results_list(results_root: Path = ResultsOpt, as_json: bool = JsonOpt) -> No
     rows = indexed_rows(_results_root(results_root))  # results/.index.json: only changed runs are read
     if as_json:
         _emit_json(rows)
+        _say_what_list_omits(results_root, rows)
         return
     table = Table(title=f"runs under {results_root}/")
     for col in ("run id", "status", "target", "base", "verdicts"):
@@ -385,6 +434,23 @@ def results_list(results_root: Path = ResultsOpt, as_json: bool = JsonOpt) -> No
         table.add_row(r["run_id"], r["status"] or "", r["target"] or "", r["base"] or "",
                       "  ".join(f"{n}: {_compact(v)}" for n, v in r["builds"].items()))
     out.print(table)
+    _say_what_list_omits(results_root, rows)
+
+
+def _say_what_list_omits(root: Path, rows: list[dict[str, Any]]) -> None:
+    """results list shows runs; what else is there is said on stderr (so --json stays a list)."""
+    bisections, others = results.other_folders(root)
+    unreadable = sum(1 for r in rows if r["status"] == "unreadable")
+    notes = []
+    if unreadable:
+        notes.append(f"{unreadable} run(s) listed as unreadable (`kvrepro results show RUN` says why)")
+    if bisections:
+        notes.append(f"{len(bisections)} bisection(s) not listed: {', '.join(bisections[-5:])} "
+                     "(`kvrepro results show bisect-ID`)")
+    if others:
+        notes.append(f"{len(others)} folder(s) that are not runs (no run.json): {', '.join(others[-5:])}")
+    for note in notes:
+        err.print(f"note: {escape(note)}", highlight=False)
 
 
 def _compact(labels: list[str]) -> str:
@@ -458,6 +524,10 @@ def classify_cmd(
                             "(results/<run>/<build>/<rep>/engine.log)")
     if not log.is_file():
         raise BadInputError(f"{log}: no such file; give an engine log (engine.log, `docker logs` output)")
+    if source is not None and not source.is_dir():
+        what = "is a file, not a folder" if source.exists() else "no such folder"
+        raise BadInputError(f"--source {source}: {what}; give the folder that holds the build's vllm/ sources "
+                            "(e.g. the overlay `kvrepro setup` prints)")
     from .spec import default_target_signature
 
     from .classify import read_exposure
@@ -542,6 +612,7 @@ def engine_serve(
 
     loaded = _load(matrix)
     plan = loaded.plans([build])[0]
+    _port_free(port)  # at once, not after vLLM's 18 s of imports end in `OSError: [Errno 98]`
     target = SimTarget(loaded)
     with err.status(f"building {build}"):
         artifact = target.prepare(plan)
@@ -582,6 +653,19 @@ def engine_serve(
     if stops["signal"] is not None:
         raise typer.Exit(130)
     raise typer.Exit(code)
+
+
+def _port_free(port: int) -> None:
+    """BadInputError when 127.0.0.1:PORT cannot be listened on (another server holds it)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise BadInputError(f"--port {port}: 127.0.0.1:{port} is in use ({exc.strerror}); stop what listens "
+                                "there or choose another --port") from None
 
 
 # --- bisection ---------------------------------------------------------------------------------
@@ -657,13 +741,13 @@ def _run_bisection(how: Any, as_json: bool) -> None:
 
 AlphaOpt = typer.Option(0.05, "--alpha", min=0.0001, max=0.5,
                         help="a good point must be this unlikely to be a crashing one that stayed clean")
-CalibrateOpt = typer.Option(3, "--calibrate", min=1, help="runs at the bad end (they measure the crash rate)")
-MaxRunsOpt = typer.Option(None, "--max-runs", min=1, help="runs after which an undecided point is a skip "
+CalibrateOpt = typer.Option(3, "--calibrate", min=1, max=100, help="runs at the bad end (they measure the crash rate)")
+MaxRunsOpt = typer.Option(None, "--max-runs", min=1, max=1000, help="runs after which an undecided point is a skip "
                                                            "(default: 3 x the runs a good verdict needs + 6)")
-RequestsOpt = typer.Option(None, "--requests", min=1, help="override runs.requests for every probe")
+RequestsOpt = typer.Option(None, "--requests", min=1, max=1_000_000, help="override runs.requests for every probe")
 TitleOpt = typer.Option(None, "--title", help="bisect this crash (title text) instead of target_signature")
 TargetOpt = typer.Option(None, "--target", help="override matrix.yaml's target (sim, docker)")
-JobsOpt = typer.Option(None, "--jobs", "-j", min=1, help="engines at once")
+JobsOpt = typer.Option(None, "--jobs", "-j", min=1, max=256, help="engines at once")
 ResumeOpt = typer.Option(None, "--resume", help="continue an interrupted bisection (its id, or `latest`)")
 
 
@@ -778,6 +862,16 @@ def matrix_verdict(
                "release": release, "build": build, "p_bad": p_bad, "target": target, "title": title,
                "alpha": alpha, "calibrate": 1, "max_runs": max_runs, "requests": requests, "jobs": jobs}
     holder: dict[str, Any] = {}
+    if release is not None and repo is None:
+        from .versions import SUPPORTED_RELEASES
+
+        if release not in SUPPORTED_RELEASES:  # before any progress is drawn; bad input, not a skip
+            problem = (f"--release {release}: not a vLLM release kvrepro supports; supported: "
+                       f"{', '.join(SUPPORTED_RELEASES)}")
+            if not git_bisect:
+                raise SpecError(problem)
+            err.print(f"[red]error:[/] {escape(problem)}", highlight=False, soft_wrap=True)
+            raise typer.Exit(128)
 
     def how(**kw: Any) -> Any:
         verdict, result = bisect.probe_point(results_root, request, **kw)

@@ -300,12 +300,31 @@ def find_crash(root: Path, run_id: str, build: str, rep: int | None, violation: 
     runs = list(found.runs) if found is not None else []
     if not runs:
         raise SpecError(f"run {run.run_id} has no repetitions of build {build}")
+    def minimizable(r) -> bool:
+        if violation is not None:
+            return bool(kind_count(r.kv_violations_by, violation))
+        return r.label in ("CRASH(target)", "CORRUPT")
+
+    what = f"had a {violation} violation" if violation else "crashed with the target signature or were CORRUPT"
+    found_reps = [r.rep for r in runs if minimizable(r)]
+    hint = (f"; repetitions that {what}: {', '.join(map(str, found_reps))}" if found_reps
+            else f"; none of its repetitions {what}")
+    if rep is not None:
+        chosen = [r for r in runs if r.rep == rep]
+        if not chosen:
+            raise SpecError(f"--rep {rep}: run {run.run_id} has no repetition {rep} of build {build} (it has "
+                            f"{', '.join(str(r.rep) for r in runs)}){hint}")
+        if not minimizable(chosen[0]):
+            raise SpecError(f"--rep {rep}: repetition {rep} of build {build} in run {run.run_id} is "
+                            f"{chosen[0].label}: only a target crash or a corruption can be minimized{hint}")
     for r in runs:
         if rep is not None and r.rep != rep:
             continue
-        if (violation is not None and kind_count(r.kv_violations_by, violation)) or (
-                violation is None and r.label in ("CRASH(target)", "CORRUPT")):
-            trace = Path(r.run_dir or "") / "trace.jsonl"
+        if minimizable(r):
+            # the repetition's folder inside this run (minimized.* is written next to its trace),
+            # not the path verdict.json recorded: a copied or edited results folder must not
+            # send the output elsewhere
+            trace = results.inside(run.path, run.path / found.name / str(r.rep)) / "trace.jsonl"
             if not trace.is_file():
                 raise SpecError(f"{trace}: missing; runs record their trace since kvrepro wrote trace.jsonl")
             return r, trace

@@ -369,7 +369,7 @@ class RunInfo:
     """results/<run>/run.json: what was run, and how far it got."""
 
     run_id: str
-    status: str  # "running" | "complete" | "interrupted"
+    status: str  # "running" | "complete" | "interrupted" | "failed" (with ``error``)
     schema: int = RESULTS_SCHEMA
     started: float | None = None
     finished: float | None = None
@@ -387,6 +387,7 @@ class RunInfo:
     host: HostInfo | None = None
     # the kvrepro process running it (kvrepro/lifetime.py): "running" + owner gone = aborted
     owner: dict[str, str] | None = None
+    error: str | None = None  # status "failed": what stopped it (a full disk, a read-only folder)
 
     @property
     def base_text(self) -> str:

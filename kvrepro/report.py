@@ -571,7 +571,8 @@ def document(run: MatrixRun, out_dir: Path | None = None, bisection: list[Block]
     elif expected:
         blocks.append(Para("**Every verdict as `expect:` says.**", tone="good"))
     if run.status != "complete":
-        blocks.append(Para(f"The run is **{run.status}**: only the repetitions that finished are shown.",
+        why = f" ({info.error})" if info.error else ""
+        blocks.append(Para(f"The run is **{run.status}**{why}: only the repetitions that finished are shown.",
                            tone="warn"))
     claims = proved(run)
     if claims:

@@ -19,6 +19,7 @@ permissions (0644 under the common umask 022), like the logs next to them.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets as _random
@@ -48,19 +49,27 @@ _FILE_MODE = _file_mode()  # what open() would give; mkstemp's 0600 would differ
 
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write via a temporary sibling + rename: readers see the old file or the new, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(data, str):
         data = redact(data).encode()  # one redaction for every results file (issue 8)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "is a folder, not a file", str(path))
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         os.fchmod(fd, _FILE_MODE)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        if tmp and os.path.exists(tmp):
+            os.unlink(tmp)
+        # named by the file meant, never by the temporary sibling the user has never heard of
+        raise type(exc)(exc.errno, exc.strerror, str(path)) from None
     except BaseException:
-        if os.path.exists(tmp):
+        if tmp and os.path.exists(tmp):
             os.unlink(tmp)
         raise
 
@@ -69,8 +78,30 @@ def write_json(path: Path, value: Any) -> None:
     write_atomic(path, json.dumps(to_jsonable(value), indent=2, sort_keys=False) + "\n")
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text[:20]} out of range")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def read_json(path: Path) -> Any:
-    return json.loads(path.read_text())
+    """A JSON file kvrepro wrote; numbers that no writer produces (1e999999, NaN) mean damage."""
+    return json.loads(path.read_text(), parse_float=_finite, parse_constant=_no_constant)
+
+
+def inside(folder: Path, path: Path,
+           hint: str = "a build or patch name must be a plain name (letters, digits, '_', '.', '-')") -> Path:
+    """``path`` if it lies inside ``folder`` once both are resolved; every folder kvrepro makes under
+    a run is checked, so no name (a build, a patch, a point of a bisection) can lead elsewhere."""
+    resolved, root = path.resolve(), folder.resolve()
+    if resolved != root and not resolved.is_relative_to(root):
+        raise BadInputError(f"{path}: would be outside {folder}; {hint}")
+    return path
 
 
 def new_run_id() -> str:
@@ -87,10 +118,10 @@ class RunFolder:
         return self.root / self.run_id
 
     def build_dir(self, build: str) -> Path:
-        return self.path / build
+        return inside(self.path, self.path / build)
 
     def rep_dir(self, build: str, rep: int) -> Path:
-        d = self.path / build / str(rep)
+        d = inside(self.path, self.path / build / str(rep))
         d.mkdir(parents=True, exist_ok=True)
         return d
 
@@ -103,6 +134,8 @@ class RunFolder:
 
 def create_run(root: Path, matrix_text: str, info: dict[str, Any]) -> RunFolder:
     folder = RunFolder(root=root, run_id=new_run_id())
+    for name in info.get("build_order") or []:
+        folder.build_dir(name)  # every build's folder lies inside the run's (checked before anything is made)
     folder.path.mkdir(parents=True, exist_ok=False)
     try:
         write_atomic(folder.path / "matrix.yaml", matrix_text)
@@ -192,9 +225,14 @@ def _read_record(cls: Any, path: Path) -> Any:
 
 
 def _check_schema(path: Path, data: Any) -> None:
-    version = data.get("schema", 1) if isinstance(data, dict) else None
-    if version == RESULTS_SCHEMA:
+    if not isinstance(data, dict):
+        raise ResultsSchemaError(f"{path}: unreadable (not a JSON object); the file is damaged: fix or remove it")
+    version = data.get("schema", 1)
+    if version == RESULTS_SCHEMA and not isinstance(version, bool):
         return
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1 or version > 1000:
+        raise ResultsSchemaError(f"{path}: unreadable (schema {str(version)[:20]!r} is not a schema number); the "
+                                 "file is damaged: fix or remove it")
     writer = data.get("kvrepro_version", "unknown") if isinstance(data, dict) else "unknown"
     age = "an older" if isinstance(version, int) and version < RESULTS_SCHEMA else "a newer"
     raise ResultsSchemaError(
@@ -221,6 +259,19 @@ def list_runs(root: Path = DEFAULT_ROOT) -> list[MatrixRun | ResultsSchemaError]
     return runs
 
 
+def other_folders(root: Path) -> tuple[list[str], list[str]]:
+    """What ``list_runs`` leaves out: bisection folders (``bisect.json``; `kvrepro results show ID`)
+    and folders that are not runs (no run.json: a run that failed before writing it, a copy)."""
+    bisections: list[str] = []
+    others: list[str] = []
+    if root.is_dir():
+        for d in sorted(root.iterdir()):
+            if not d.is_dir() or d.name.startswith(".") or (d / "run.json").is_file():
+                continue
+            (bisections if (d / "bisect.json").is_file() else others).append(d.name)
+    return bisections, others
+
+
 def run_ids(root: Path) -> list[str]:
     """The run folders under ``root`` (those with a run.json), oldest first."""
     if not root.is_dir():
@@ -235,7 +286,8 @@ def resolve_run_id(root: Path, run_id: str) -> str:
         return run_id
     ids = run_ids(root)
     if not ids:
-        raise KvreproError(f"no runs under {root}/; start one with `kvrepro matrix run`")
+        raise BadInputError(f"no runs under {root}/; start one with `kvrepro matrix run` (or point --results "
+                            "at the folder that holds them)")
     return ids[-1]
 
 

@@ -12,7 +12,8 @@ import os
 import platform
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -103,6 +104,18 @@ def _engine_args(target: Target) -> list[str] | None:
         return None
 
 
+def engine_api_key(loaded: LoadedMatrix, target_name: str) -> str | None:
+    """The key an engine started with --api-key (any spelling) or VLLM_API_KEY wants on /v1/*."""
+    from .secrets import option_values
+
+    keys = option_values(list(loaded.matrix.engine.extra_args), "--api-key")
+    if keys:
+        return keys[0]
+    if target_name == "docker" and "VLLM_API_KEY" in loaded.matrix.docker.pass_env:
+        return os.environ.get("VLLM_API_KEY") or None
+    return None
+
+
 def _infra_result(plan: BuildPlan, rep: int, run_dir: Path, error: str, seconds: float = 0.0) -> RunResult:
     first = error.strip().splitlines()[0] if error.strip() else "infrastructure failure"
     return RunResult(build=plan.name, rep=rep, verdict=Verdict.INFRA, outcome=Outcome.INFRA, title=first,
@@ -183,6 +196,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     load: LoadSummary | None = None
     metrics_text: str | None = None
     engine_exit: int | None = None
+    api_key = engine_api_key(loaded, target.name)
     try:
         log_so_far = handle.log_path.read_text(errors="replace") if handle.log_path.exists() else ""
         header = {"build": plan.name, "rep": rep, "sim_seed": matrix.engine.sim.seed + rep,
@@ -190,7 +204,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
         if replay is not None:
             load = replay_load(handle.base_url, replay, matrix.runs, run_dir / "load.jsonl", alive=handle.alive,
                                on_progress=lambda done, failed: progress.requests_done(plan.name, rep, done, failed),
-                               stop=stop, trace_path=run_dir / "trace.jsonl")
+                               stop=stop, trace_path=run_dir / "trace.jsonl", api_key=api_key)
             if load.stopped_because == "budget" and not stop.is_set():
                 # a replay can be over in a fraction of a second: give the probe's reporter
                 # (every REPORT_INTERVAL_S = 2 s) time to write the counts before the engine stops
@@ -202,7 +216,8 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
             load = run_load(handle.base_url, matrix.load, matrix.runs, run_dir / "load.jsonl",
                             seed=matrix.load.seed + rep, alive=handle.alive,
                             on_progress=lambda done, failed: progress.requests_done(plan.name, rep, done, failed),
-                            stop=stop, capacity=capacity, trace_path=run_dir / "trace.jsonl", trace_header=header)
+                            stop=stop, capacity=capacity, trace_path=run_dir / "trace.jsonl", trace_header=header,
+                            api_key=api_key)
         engine_exit = handle.exit_code()
         metrics_text = _fetch_metrics(handle)
         if metrics_text is not None:
@@ -211,6 +226,11 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
             # the engine writes its counters (probe, shadow KV, offload jobs) to its log every
             # 0.5 s; a stop may kill EngineCore before it writes them once more
             time.sleep(COUNTS_SETTLE_S)
+    except InfraError as exc:
+        # the load could not be sent (the API refused kvrepro's own calls): this repetition is
+        # INFRA with the reason, the run goes on (the engine is stopped below)
+        return replace(_infra_result(plan, rep, run_dir, str(exc), time.monotonic() - started),
+                       engine_start_s=engine_start_s)
     finally:
         handle.stop()
     seconds = time.monotonic() - started
@@ -250,6 +270,37 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
         external_prefix_cache_hits=int(total(samples, "vllm:external_prefix_cache_hits_total")),
         prefix_cache_hits=int(total(samples, "vllm:prefix_cache_hits_total")),
     )
+
+
+def _error_line(exc: BaseException) -> str:
+    from .errors import describe_os_error
+
+    return redact(describe_os_error(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}")[:500]
+
+
+def _mark_ended(folder: results.RunFolder, status: str, error: str | None) -> None:
+    """run.json's last word, even on a full disk: the atomic write needs room for a second copy;
+    failing that, the file is overwritten in place (same inode, about the same size)."""
+    fields: dict[str, Any] = {"status": status, "finished": time.time()}
+    if error:
+        fields["error"] = error
+    try:
+        folder.update(**fields)
+        return
+    except OSError:
+        pass
+    try:
+        info_path = folder.path / "run.json"
+        info = results.read_json(info_path)
+        info.update(fields)
+        import json
+
+        text = redact(json.dumps(info, indent=2) + "\n").encode()
+        with open(info_path, "r+b") as fh:
+            fh.write(text)
+            fh.truncate()
+    except (OSError, ValueError):
+        pass  # nothing more can be written: the owner record makes `results show` say "aborted"
 
 
 def _wait_for_slots(futures: list) -> None:
@@ -357,25 +408,39 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
             recorded[artifact.plan.name].append(result)
             progress.run_finished(result)
 
-        def run_all(work: list[tuple[BuildArtifact, int]]) -> None:
+        def run_all(work: Iterable[tuple[BuildArtifact, int]]) -> None:
+            """Runs ``work`` (an iterator: nothing is made per repetition before its turn) with at
+            most ``jobs`` repetitions in flight."""
             if jobs == 1:
                 for artifact, rep in work:
+                    if stop.is_set():
+                        return
                     one(artifact, rep)
                 return
             pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="kvrepro-run")
-            futures = [pool.submit(one, a, rep) for a, rep in work]
+            running: set = set()
             try:
-                for future in futures:
+                for a, rep in work:
+                    if stop.is_set():
+                        break
+                    if len(running) >= jobs:
+                        done, running = wait(running, return_when=FIRST_COMPLETED)
+                        for future in done:
+                            future.result()
+                        if stop.is_set():
+                            break
+                    running.add(pool.submit(one, a, rep))
+                for future in list(running):
                     future.result()
             except BaseException:
                 stop.set()  # the other slots record what they have and stop
-                _wait_for_slots(futures)
+                _wait_for_slots(list(running))
                 raise
             finally:
                 pool.shutdown(wait=True, cancel_futures=True)
 
         if options.replay is not None:  # the trace's repetition number: the same engine seed
-            run_all([(a, int(options.replay.header.get("rep", 0))) for a in artifacts])
+            run_all((a, int(options.replay.header.get("rep", 0))) for a in artifacts)
         elif options.adaptive_max:
             # one more repetition of every undecided build per round, until each is decisive
             for rep in range(options.adaptive_max):
@@ -384,15 +449,19 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
                 if not pending or stop.is_set():
                     break
                 progress.stage(f"round {rep + 1}: {', '.join(a.plan.name for a in pending)} not decisive yet")
-                run_all([(a, rep) for a in pending])
+                run_all((a, rep) for a in pending)
         else:
             # Repetition-major order: with N parallel slots the first results cover every build.
             first = options.first_rep
-            run_all([(a, rep) for rep in range(first, first + reps) for a in artifacts])
+            run_all((a, rep) for rep in range(first, first + reps) for a in artifacts)
         folder.update(status="interrupted" if stop.is_set() else "complete", finished=time.time())
-    except BaseException:
+    except BaseException as exc:
         stop.set()
-        folder.update(status="interrupted", finished=time.time())
+        # Ctrl-C is an interruption; anything else (a full disk, a read-only results folder) is a
+        # failure, said as such: "interrupted" would send the reader looking for who pressed Ctrl-C
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        _mark_ended(folder, "interrupted" if interrupted else "failed",
+                    None if interrupted else _error_line(exc))
         raise
     finally:
         finished.set()

@@ -16,58 +16,140 @@ import os
 import re
 import threading
 
-_SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL|AUTH)", re.I)
+_SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|PASSPHRASE|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL|AUTH"
+                          r"|(?:^|_)KEYS?(?:$|_))", re.I)
 _SECRET_VALUE = re.compile(
     r"(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|AKIA[0-9A-Z]{16}"
     r"|-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z ]*PRIVATE KEY-----)"
 )
 
 
-# a flag whose value is a credential: --hf-token, --api-key, --ssl-keyfile-password, ...
-_SECRET_FLAG = re.compile(r"(?:^|-)(?:key|token|secret|password|passwd|credentials?|auth)(?:$|-)", re.I)
-# "--hf-token VALUE" / "--hf-token=VALUE" / JSON '"--hf-token", "VALUE"' in text
+# a flag whose value is a credential: --hf-token, --hf_token, --api-key, --ssl-keyfile-password, ...
+# (vLLM's FlexibleArgumentParser takes '_' for '-' in flag names, and --a.b=... for JSON fields)
+_WORDS = r"(?:key|token|secret|password|passwd|passphrase|credentials?|auth)"
+# (the secret word ends the name: --hf-token, not --long-prefill-token-threshold)
+_SECRET_FLAG = re.compile(r"(?:^|[-_.])" + _WORDS + r"$", re.I)
+# "--hf-token VALUE" / "--hf_token=VALUE" / JSON '"--hf-token", "VALUE"' in text
 _FLAG_VALUE_TEXT = re.compile(
-    r"""(--[A-Za-z0-9-]*(?:key|token|secret|password|passwd|credentials?|auth)(?![A-Za-z0-9])['"]?"""
+    r"""(--[A-Za-z0-9_.-]*""" + _WORDS + r"""(?![A-Za-z0-9])['"]?"""
     r"""(?:=|\s+|['"]?,\s*['"]))(?!\*\*\*)([^\s'",\]]+)""", re.I)
 _remembered: set[str] = set()
+# option strings of `vllm serve` (normalised: no leading dashes, '_' as '-') whose destination
+# names a secret, read from the release's own parser (validate.serve_flags), and how many values
+# each takes (None: one; "+"/"*": every value up to the next flag)
+_secret_options: dict[str, object] = {}
+_all_options: set[str] = set()  # every option of those parsers (normalised), to tell prefixes apart
 _lock = threading.Lock()
 
 
+def _flag_name(arg: str) -> str:
+    """``--hf_token=x`` -> ``hf-token``: the spelling-free name argparse matches."""
+    return arg.lstrip("-").split("=", 1)[0].replace("_", "-").lower()
+
+
+def register_secret_options(options: dict[str, object], all_options: list[str] | set[str] = ()) -> None:
+    """Options of a release's `vllm serve` parser whose destination is a secret (option string ->
+    nargs), so that every spelling the parser accepts is masked, not only the ones the pattern knows;
+    ``all_options``: every option of that parser (a prefix is the parser's only when unambiguous)."""
+    with _lock:
+        _secret_options.update({_flag_name(k): v for k, v in options.items()})
+        _all_options.update(_flag_name(k) for k in all_options if k.startswith("--"))
+
+
+def _registered(name: str) -> object | bool:
+    with _lock:
+        if name in _secret_options:
+            return _secret_options[name] or True
+        if not name or name in _all_options:
+            return False
+        # argparse (allow_abbrev, vLLM's default) takes an unambiguous prefix of a long option:
+        # --hf-tok for --hf-token, --api-k for --api-key. A prefix that also starts a non-secret
+        # option is ambiguous to the parser (refused), except when only secret options share it.
+        hits = [v for k, v in _secret_options.items() if k.startswith(name)]
+        others = [k for k in _all_options if k.startswith(name) and k not in _secret_options]
+    return (hits[0] or True) if hits and not others else False
+
+
 def is_secret_flag(arg: str) -> bool:
-    """``--hf-token``, ``--api-key=...``: a command-line flag whose value is a credential."""
-    return arg.startswith("--") and bool(_SECRET_FLAG.search(arg[2:].split("=", 1)[0]))
+    """``--hf-token``, ``--hf_token``, ``--api-key=...``: a command-line flag whose value is a credential."""
+    if not arg.startswith("--"):
+        return False
+    name = _flag_name(arg)
+    return bool(_registered(name)) or bool(_SECRET_FLAG.search(name))
+
+
+def _takes_many(arg: str) -> bool:
+    return _registered(_flag_name(arg)) in ("+", "*")
 
 
 def secret_arg_values(argv: list[str]) -> list[str]:
-    """The values given to secret-looking flags in an argument list."""
+    """The values given to secret-looking flags in an argument list (every spelling)."""
     values = []
     for i, arg in enumerate(argv):
         if not is_secret_flag(arg):
             continue
         if "=" in arg:
             values.append(arg.split("=", 1)[1])
-        elif i + 1 < len(argv):
-            values.append(argv[i + 1])
+            continue
+        for value in argv[i + 1:]:
+            if value.startswith("-") and len(value) > 1 and not _is_number(value):
+                break
+            values.append(value)
+            if not _takes_many(arg):
+                break
     return [v for v in values if v]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
 
 
 def redact_args(argv: list[str]) -> list[str]:
     """argv with the values of secret-looking flags masked (for commands shown or recorded)."""
     out: list[str] = []
-    mask_next = False
+    masking = 0  # values still to mask: 1 after a flag, unbounded after a nargs="+" one
     for arg in argv:
-        if mask_next:
+        is_flag = arg.startswith("-") and len(arg) > 1 and not _is_number(arg)
+        if masking and not is_flag:
             out.append("***")
-            mask_next = False
-        elif is_secret_flag(arg):
+            masking -= 1
+            continue
+        masking = 0
+        if is_secret_flag(arg):
             if "=" in arg:
                 out.append(arg.split("=", 1)[0] + "=***")
             else:
                 out.append(arg)
-                mask_next = True
+                masking = 1 << 30 if _takes_many(arg) else 1
         else:
             out.append(redact(arg))
     return out
+
+
+def option_values(argv: list[str], option: str) -> list[str]:
+    """The values given to ``option`` (``--api-key``) in ``argv``, in any spelling argparse takes
+    (``--api_key``, ``--api-key=K``, an unambiguous prefix such as ``--api-k``), every value of a
+    nargs="+" option included."""
+    want = _flag_name(option)
+    values: list[str] = []
+    for i, arg in enumerate(argv):
+        if not arg.startswith("--"):
+            continue
+        name = _flag_name(arg)
+        if name != want and not (want.startswith(name) and len(name) >= len(want) - 2):
+            continue
+        if "=" in arg:
+            values.append(arg.split("=", 1)[1])
+            continue
+        for value in argv[i + 1:]:
+            if value.startswith("-") and len(value) > 1 and not _is_number(value):
+                break
+            values.append(value)
+    return values
 
 
 def remember(values: list[str]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 from collections.abc import Iterable
@@ -24,6 +25,24 @@ from .versions import DEFAULT_BASE
 EXPECTABLE = ("CRASH(target)", "CRASH(other)", "CORRUPT", "SURVIVED", "UNREACHED", "VACUOUS", "STALL", "INFRA")
 SHIPPED_MODELS = Path(__file__).resolve().parent / "data" / "models"
 _VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?([.+-]?[A-Za-z0-9.]+)?$")
+# names of builds, patches and hosts become folder names, container names and CI class names
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+NAME_RULE = "1-64 letters, digits, '_', '.', '-', starting with a letter or digit"
+
+# Limits (README / docs/reliability.md "Limits"): what a matrix may ask for, checked by `validate`
+# before anything is built, so that a typo (an extra three zeros) costs a line, not the host.
+MAX_REPETITIONS = 1000
+MAX_REQUESTS = 1_000_000
+MAX_DURATION_S = 86_400.0  # a day per run
+MAX_TIMEOUT_S = 3_600.0
+MAX_PATCHES = 256
+MAX_BUILDS = 256
+MAX_STACK = 64  # patches in one build's stack (common: included)
+MAX_BASES = 16
+MAX_EXTRA_ARGS = 256
+MAX_HOSTS = 64
+MAX_MATRIX_BYTES = 1 << 20
+MAX_YAML_NODES = 100_000  # YAML nodes after alias expansion (a normal matrix has a few hundred)
 
 
 _NAMED_CORRUPT = re.compile(r"^CORRUPT\((?P<names>[^()]*)\)$")
@@ -65,12 +84,26 @@ class PatchSpec(_Strict):
     file: str = Field(description="patch file, relative to the builds/ folder")
     upstream: str = Field(description="the upstream PR or commit this patch stands for")
     sha256: str | None = Field(default=None, description="sha256 of the patch file; checked when given")
+    outside_matrix_folder: bool = Field(
+        False, description="opt-in: `file` may lie outside the folder that holds matrix.yaml (it is read and "
+                           "hashed, and its sha256 recorded in results)")
+
+    @field_validator("file")
+    @classmethod
+    def _file(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("is empty; give the patch file's path relative to the builds/ folder, "
+                             "e.g. pr-52771.patch")
+        return v
 
     @field_validator("sha256")
     @classmethod
     def _hex(cls, v: str | None) -> str | None:
         if v is not None and not re.fullmatch(r"[0-9a-f]{64}", v):
             raise ValueError("must be 64 lowercase hex digits (the output of `sha256sum FILE`)")
+        if v is not None and set(v) == {"0"}:
+            raise ValueError("all zeros is a placeholder, not a sha256; put the output of `sha256sum FILE` "
+                             "or leave sha256 out")
         return v
 
 
@@ -155,7 +188,8 @@ class EngineSpec(_Strict):
     max_num_seqs: int = Field(4, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)
     max_model_len: int = Field(1024, ge=64)
-    extra_args: list[str] = Field(default_factory=list, description="passed verbatim to `vllm serve`")
+    extra_args: list[str] = Field(default_factory=list, max_length=MAX_EXTRA_ARGS,
+                                  description="passed verbatim to `vllm serve`")
     geometry: GeometrySpec | None = Field(
         None, description="KV geometry (block, offload chunk, KV groups, MTP tokens, DP ranks); when given, "
                           "kvrepro generates the model config.json from engine.model's")
@@ -311,12 +345,13 @@ class LoadSpec(_Strict):
 
 
 class RunsSpec(_Strict):
-    repetitions: int = Field(3, ge=1)
-    requests: int | None = Field(600, ge=1, description="request budget per run")
-    duration_s: float | None = Field(120.0, gt=0, description="time budget per run")
-    start_timeout_s: float = Field(120.0, gt=0)
-    request_timeout_s: float = Field(60.0, gt=0)
-    stall_timeout_s: float = Field(30.0, gt=0, description="no request finishing for this long = STALL")
+    repetitions: int = Field(3, ge=1, le=MAX_REPETITIONS)
+    requests: int | None = Field(600, ge=1, le=MAX_REQUESTS, description="request budget per run")
+    duration_s: float | None = Field(120.0, gt=0, le=MAX_DURATION_S, description="time budget per run")
+    start_timeout_s: float = Field(120.0, gt=0, le=MAX_TIMEOUT_S)
+    request_timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S)
+    stall_timeout_s: float = Field(30.0, gt=0, le=MAX_TIMEOUT_S,
+                                   description="no request finishing for this long = STALL")
 
     @model_validator(mode="after")
     def _some_budget(self) -> "RunsSpec":
@@ -448,14 +483,14 @@ class Matrix(_Strict):
     )
     base_image: str | None = Field(None, description="docker target: default vllm/vllm-openai:v<base>")
     target: str = "sim"
-    patches: dict[str, PatchSpec] = Field(default_factory=dict)
-    common: list[str] = Field(default_factory=list)
-    builds: dict[str, list[str]]
+    patches: dict[str, PatchSpec] = Field(default_factory=dict, max_length=MAX_PATCHES)
+    common: list[str] = Field(default_factory=list, max_length=MAX_STACK)
+    builds: dict[str, list[str]] = Field(max_length=MAX_BUILDS)
     target_signature: TargetSignature = Field(default_factory=TargetSignature)
     engine: EngineSpec = Field(default_factory=EngineSpec)
     load: LoadSpec = Field(default_factory=LoadSpec)
     runs: RunsSpec = Field(default_factory=RunsSpec)
-    hosts: list[HostSpec] = Field(default_factory=list)
+    hosts: list[HostSpec] = Field(default_factory=list, max_length=MAX_HOSTS)
     docker: DockerSpec = Field(default_factory=DockerSpec)
     expect: dict[str, str] = Field(
         default_factory=dict,
@@ -468,6 +503,8 @@ class Matrix(_Strict):
         values = [v] if isinstance(v, str) else v
         if not values:
             raise ValueError("list at least one vLLM release, e.g. [0.26.0, 0.30.0]")
+        if len(values) > MAX_BASES:
+            raise ValueError(f"{len(values)} releases; at most {MAX_BASES}")
         for value in values:
             if not _VERSION_RE.match(value):
                 raise ValueError(f"{value!r} must be a vLLM release version such as 0.26.0")
@@ -485,18 +522,33 @@ class Matrix(_Strict):
     def _nonempty(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
         if not v:
             raise ValueError("name at least one build, e.g. `A: []` for the base alone")
+        for name, stack in v.items():
+            if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+                raise _FieldError(("builds", name), f"build name {str(name)[:80]!r}: use {NAME_RULE}")
+            if len(stack) > MAX_STACK:
+                raise _FieldError(("builds", name), f"{len(stack)} patches in one stack; at most {MAX_STACK}")
+        return v
+
+    @field_validator("patches")
+    @classmethod
+    def _patch_names(cls, v: dict[str, PatchSpec]) -> dict[str, PatchSpec]:
         for name in v:
-            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
-                raise ValueError(f"build name {name!r}: use letters, digits, '_', '.', '-'")
+            if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+                raise _FieldError(("patches", name), f"patch name {str(name)[:80]!r}: use {NAME_RULE} "
+                                  "(it names folders and builds)")
         return v
 
     @model_validator(mode="after")
     def _known_patches(self) -> "Matrix":
-        for where, names in [("common", self.common)] + [(f"builds.{b}", p) for b, p in self.builds.items()]:
+        for where, names in [(("common",), self.common)] + [(("builds", b), p) for b, p in self.builds.items()]:
             for i, name in enumerate(names):
                 if name not in self.patches:
                     known = ", ".join(sorted(self.patches)) or "(none declared)"
-                    raise _FieldError(f"{where}.{i}", f"unknown patch {name!r}; declared patches: {known}")
+                    raise _FieldError(where + (i,), f"unknown patch {name[:80]!r}; declared patches: {known}")
+        for b, stack in self.builds.items():
+            if len(self.common) + len(stack) > MAX_STACK:
+                raise _FieldError(("builds", b), f"common: + this build make {len(self.common) + len(stack)} "
+                                  f"patches in one stack; at most {MAX_STACK}")
         return self
 
     @model_validator(mode="after")
@@ -527,11 +579,27 @@ class Matrix(_Strict):
 
 
 class _FieldError(ValueError):
-    """A cross-field error that knows which field (dotted path) it is about."""
+    """A cross-field error that knows which field (dotted path, or a tuple of keys when a key may
+    hold dots) it is about."""
 
-    def __init__(self, path: str, message: str):
+    def __init__(self, path: str | tuple[Any, ...], message: str):
         super().__init__(message)
         self.path = path
+
+    @property
+    def loc(self) -> tuple[Any, ...]:
+        return tuple(self.path.split(".")) if isinstance(self.path, str) else tuple(self.path)
+
+
+class _Lazy:
+    def __init__(self, make):
+        self.make = make
+
+    def __str__(self) -> str:
+        return self.make()
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
 
 
 class LoadedMatrix:
@@ -542,6 +610,7 @@ class LoadedMatrix:
         self.path = path
         self.text = text
         self.builds_dir = path.parent / "builds"
+        self.own_text = True  # False for a matrix derived from this file (its lines are not the file's)
 
     @property
     def sha256(self) -> str:
@@ -566,15 +635,43 @@ class LoadedMatrix:
             f"config (shipped: {shipped or 'none'})"
         )
 
+    def _at(self, *loc: Any) -> str:
+        """``file:line`` of a field (the file alone when the line is unknown, e.g. a derived matrix)."""
+        if not self.own_text:
+            return str(self.path)
+        try:
+            line = _line_for(_line_index(self.text), loc)
+        except yaml.YAMLError:
+            line = None
+        return f"{self.path}:{line}" if line else str(self.path)
+
     def patch_ref(self, name: str) -> PatchRef:
         spec = self.matrix.patches[name]
-        path = (self.builds_dir / spec.file).resolve()
+        where = _Lazy(lambda: f"{self._at('patches', name, 'file')}: patches.{name}.file")  # on error paths only
+        # where the file is, as written (a symlink placed in the folder is the user's own doing);
+        # `..` and absolute paths must not reach outside the matrix's folder unless the patch says so
+        given = Path(os.path.normpath(self.builds_dir / os.path.expanduser(spec.file)))
+        folder = Path(os.path.normpath(self.path.parent))
+        if not spec.outside_matrix_folder and not given.is_relative_to(folder):
+            raise SpecError(f"{where}: {spec.file!r} is outside the matrix's folder {folder}; copy the patch under "
+                            f"{self.builds_dir}, or set `outside_matrix_folder: true` on patches.{name} to read it "
+                            "from there")
+        path = given.resolve()
+        if path.is_dir():
+            raise SpecError(f"{where}: {path} is a folder, not a patch file; name the .patch file in it")
+        if not path.exists():
+            raise SpecError(f"{where}: {path} does not exist; put the patch under {self.builds_dir}")
         if not path.is_file():
-            raise SpecError(f"{self.path}: patches.{name}.file: {path} does not exist; put the patch under {self.builds_dir}")
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            raise SpecError(f"{where}: {path} is not a regular file; give a .patch file")
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise SpecError(f"{where}: cannot read {path}: {exc.strerror or exc}") from None
+        digest = hashlib.sha256(data).hexdigest()
         if spec.sha256 and spec.sha256 != digest:
             raise SpecError(
-                f"{self.path}: patches.{name}.sha256: {spec.file} has sha256 {digest}, matrix.yaml says {spec.sha256}; "
+                f"{self._at('patches', name, 'sha256')}: patches.{name}.sha256: {spec.file} has sha256 {digest}, "
+                f"matrix.yaml says {spec.sha256}; "
                 "update the sha256 if the patch changed on purpose"
             )
         return PatchRef(name=name, path=path, upstream=spec.upstream, sha256=digest)
@@ -617,7 +714,7 @@ def _line_index(text: str) -> dict[tuple[Any, ...], int]:
             for i, item in enumerate(node.value):
                 walk(item, path + (i,))
 
-    root = yaml.compose(text)
+    root = yaml.compose(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass, bounded)
     if root is not None:
         walk(root, ())
     return lines
@@ -638,9 +735,43 @@ class _DuplicateKey(yaml.YAMLError):
         self.key, self.line, self.first_line = key, line, first_line
 
 
+class _TooBig(yaml.YAMLError):
+    def __init__(self, line: int, message: str):
+        super().__init__(message)
+        self.line = line
+
+
 class _StrictLoader(yaml.SafeLoader):
     """safe_load that refuses a key given twice in one mapping: PyYAML would keep the last one
-    silently, and a build or patch written twice is a mistake, never an intent."""
+    silently, and a build or patch written twice is a mistake, never an intent.
+
+    It also counts what aliases expand to (``*a`` stands for every node under ``&a``) and stops
+    at ``MAX_YAML_NODES``: a "billion laughs" file (9 aliases of 9 aliases of ...) is a few
+    hundred bytes that expand to 9^9 nodes, which every later walk of the data (line numbers,
+    validation) would visit. An alias inside its own anchor (a cycle) is refused too."""
+
+    def compose_node(self, parent, index):
+        sizes = self.__dict__.setdefault("_kvrepro_sizes", {})
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            target = self.anchors.get(event.anchor)
+            if target is not None and id(target) not in sizes:
+                raise _TooBig(event.start_mark.line + 1, f"alias *{event.anchor} inside its own anchor "
+                              "(a cycle); a matrix is a tree: write the values out")
+            return super().compose_node(parent, index)
+        node = super().compose_node(parent, index)
+        if isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            children = node.value
+        else:
+            children = []
+        size = 1 + sum(sizes.get(id(child), 1) for child in children)
+        if size > MAX_YAML_NODES:
+            raise _TooBig(node.start_mark.line + 1, f"aliases here expand to more than {MAX_YAML_NODES:,} "
+                          "values; a matrix needs a few hundred: write the values out instead of nesting aliases")
+        sizes[id(node)] = size
+        return node
 
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, int] = {}
@@ -658,10 +789,17 @@ class _StrictLoader(yaml.SafeLoader):
 
 def parse_matrix(text: str, path: Path) -> LoadedMatrix:
     """Validate matrix text; raise SpecError naming file:line, field and what is allowed."""
+    if len(text) > MAX_MATRIX_BYTES:
+        raise SpecError(f"{path}: {len(text):,} characters; a matrix is at most {MAX_MATRIX_BYTES:,} (is this the "
+                        "right file?)")
     try:
         data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
     except _DuplicateKey as exc:
         raise SpecError(f"{path}:{exc.line}: {exc}; each key may appear once, remove or rename one") from None
+    except _TooBig as exc:
+        raise SpecError(f"{path}:{exc.line}: {exc}") from None
+    except RecursionError:
+        raise SpecError(f"{path}: nested too deeply to read; a matrix is a few levels deep") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -679,7 +817,7 @@ def parse_matrix(text: str, path: Path) -> LoadedMatrix:
             loc = tuple(err["loc"])
             ctx_err = (err.get("ctx") or {}).get("error")
             if isinstance(ctx_err, _FieldError):
-                loc = tuple(ctx_err.path.split("."))
+                loc = ctx_err.loc
                 msg = str(ctx_err)
             elif err["type"] == "extra_forbidden":
                 parent = _model_at(loc[:-1])
@@ -687,8 +825,10 @@ def parse_matrix(text: str, path: Path) -> LoadedMatrix:
                 msg = f"unknown field; allowed here: {allowed}"
             else:
                 msg = err["msg"].removeprefix("Value error, ")
+                if err["type"] in ("less_than_equal", "too_long"):
+                    msg += " (a limit of kvrepro's, see docs/reliability.md)"
             line = _line_for(lines, loc)
-            field = ".".join(str(p) for p in loc) or "(top level)"
+            field = ".".join(str(p)[:80] for p in loc) or "(top level)"
             problems.append(f"{path}:{line}: {field}: {msg}" if line else f"{path}: {field}: {msg}")
         raise SpecError("invalid matrix:\n  " + "\n  ".join(problems)) from None
     # the values of --hf-token & co. are masked from here on in everything kvrepro writes
@@ -723,6 +863,9 @@ def load_matrix(path: str | Path) -> LoadedMatrix:
         hint = f"; did you mean {path / 'matrix.yaml'}?" if (path / "matrix.yaml").is_file() else ""
         raise SpecError(f"{path}: is a folder, not a matrix file; pass --matrix PATH/TO/matrix.yaml{hint}")
     try:
+        if path.is_file() and path.stat().st_size > MAX_MATRIX_BYTES:
+            raise SpecError(f"{path}: {path.stat().st_size:,} bytes; a matrix is at most {MAX_MATRIX_BYTES:,} "
+                            "(is this the right file?)")
         raw = path.read_bytes()
     except FileNotFoundError:
         raise SpecError(f"{path}: no such file; pass --matrix PATH or run from the project root") from None

@@ -43,9 +43,12 @@ def serve_flags(base: str, on_line: Callable[[str], None] | None = None) -> set[
         return None
     _, tree, digest = pristine_tree(base)
     cache = paths.home() / "serve-flags" / f"{base}-{digest[:12]}.json"
+    secrets_cache = cache.with_name(f"{base}-{digest[:12]}.secret-options.json")
     try:
-        return set(json.loads(cache.read_text()))
-    except (OSError, ValueError):
+        flags = json.loads(cache.read_text())
+        _register_secret_options(json.loads(secrets_cache.read_text()), flags)
+        return set(flags)
+    except (OSError, ValueError, TypeError, AttributeError):
         pass
     from .builds import prepare_runtime
     from .secrets import scrubbed_environ
@@ -62,16 +65,40 @@ def serve_flags(base: str, on_line: Callable[[str], None] | None = None) -> set[
     except (OSError, subprocess.TimeoutExpired):
         return None
     marker = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVREPRO-FLAGS ")]
+    secret_marker = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVREPRO-SECRET-OPTIONS ")]
     if proc.returncode != 0 or not marker:
         return None
     flags = json.loads(marker[-1].removeprefix("KVREPRO-FLAGS "))
+    secret_options = json.loads(secret_marker[-1].removeprefix("KVREPRO-SECRET-OPTIONS ")) if secret_marker else {}
+    _register_secret_options(secret_options, flags)
     try:
         from .results import write_atomic
 
+        write_atomic(secrets_cache, json.dumps(secret_options, sort_keys=True) + "\n")
         write_atomic(cache, json.dumps(flags) + "\n")
     except OSError:  # a read-only cache only costs the next check its time
         pass
     return set(flags)
+
+
+def _register_secret_options(options: dict, flags: list[str]) -> None:
+    """The release's secret options (``--hf-token``, ``--api-key``, ...: destinations naming a
+    secret) join the ones kvrepro masks in every spelling (kvrepro/secrets.py)."""
+    from .secrets import register_secret_options
+
+    if not isinstance(options, dict) or not isinstance(flags, list):
+        raise TypeError("not a mapping and a list")
+    register_secret_options(options, flags)
+
+
+def secret_options(base: str) -> dict | None:
+    """The options of vLLM ``base``'s `vllm serve` whose destination names a secret (option ->
+    nargs), read from its own parser; None when the runtime env is not set up."""
+    from .secrets import _secret_options
+
+    if serve_flags(base) is None:
+        return None
+    return dict(_secret_options)
 
 
 def unknown_flags(args: list[str], known: set[str]) -> list[str]:
@@ -133,8 +160,17 @@ def check(loaded: LoadedMatrix, target: str | None = None, engine_flags: bool = 
         loaded.plans()  # every patch file exists and matches its sha256
     except SpecError as exc:
         problems.append(str(exc))
+    for name, patch in m.patches.items():
+        if patch.outside_matrix_folder:
+            notes.append(f"patches.{name}.file: {patch.file} is read from outside the matrix's folder "
+                         "(outside_matrix_folder: true)")
+    if m.engine.extra_args:
+        # reading the parser also registers its secret options (every spelling gets masked)
+        known = {base: serve_flags(base, on_line) for base in m.bases}[m.bases[0]]
+        from .secrets import remember, secret_arg_values
+
+        remember(secret_arg_values(list(m.engine.extra_args)))
     if engine_flags and m.engine.extra_args:
-        known = serve_flags(m.base, on_line)
         if known is None:
             notes.append(f"engine.extra_args not checked against vLLM {m.base}'s `vllm serve` "
                          "(run `kvrepro setup` first)")

@@ -8,10 +8,11 @@ The rules that matter:
   path ran but the state never did, the run is UNREACHED (on that code and load the crash's
   precondition may be unreachable: a different claim from "fixed"); when the trigger path never
   ran it is VACUOUS;
-* a run in which the shadow KV caught a forward reading wrong KV is CORRUPT, whatever the load
-  says: silent corruption ranks with a crash;
 * a run in which more than ``MAX_FAILED_SHARE`` of the requests failed while the engine stayed up
-  (refused prompts, HTTP errors) did not test the engine under the intended load: INFRA;
+  (refused prompts, HTTP errors) did not test the engine under the intended load: INFRA, even if
+  the shadow KV flagged a read in the requests that did run (the build was not judged on its load);
+* otherwise a run in which the shadow KV caught a forward reading wrong KV is CORRUPT (a few
+  failed requests do not change that): silent corruption ranks with a crash;
 * a probe that logs another source hash than the build holds means other code ran: INFRA.
 """
 
@@ -36,6 +37,11 @@ def too_many_failed(load: LoadSummary) -> bool:
     return load.requests_failed > MAX_FAILED_SHARE * max(1, load.requests_sent)
 
 
+def load_untested(load: LoadSummary) -> bool:
+    """No request succeeded, or more than MAX_FAILED_SHARE failed with the engine up."""
+    return load.requests_ok == 0 or too_many_failed(load)
+
+
 def decide(classification: Classification, exposure: Exposure, load: LoadSummary | None,
            engine_exit: int | None, expected_probe_sha256: str | None = None) -> Verdict:
     """The run's verdict.
@@ -56,11 +62,16 @@ def decide(classification: Classification, exposure: Exposure, load: LoadSummary
     if load.stopped_because == "engine_dead" or engine_exit is not None:
         # died without a fatal traceback in its log (killed, OOM, segfault): still a crash
         return Verdict.CRASH
+    if load.stopped_because != "stall" and load_untested(load):
+        # the load did not test the engine (e.g. max_model_len refused the prompts): whatever the
+        # shadow KV saw in the few requests that ran is not the verdict of this build. A stall is
+        # the engine's own doing and is judged below; so is a corruption with a few failures.
+        return Verdict.INFRA
     if exposure.kv_violations:
         return Verdict.CORRUPT
     if load.stopped_because == "stall":
         return Verdict.STALL
-    if load.requests_ok == 0 or too_many_failed(load):
+    if load.requests_ok == 0:
         return Verdict.INFRA
     if exposure.state_calls > 0:
         return Verdict.SURVIVED
@@ -86,8 +97,10 @@ def title(verdict: Verdict, exposure: Exposure, load: LoadSummary | None,
     if verdict is Verdict.CORRUPT:
         return corruption_title(defects or {}, exposure.kv_first_violation)
     if verdict is Verdict.INFRA and load is not None and load.requests_ok and too_many_failed(load):
+        also = (f"; the shadow KV also flagged {exposure.kv_violations} read(s), not judged on this load"
+                if exposure.kv_violations else "")
         return (f"{load.requests_failed} of {load.requests_sent} requests failed with the engine up (more than "
-                f"{MAX_FAILED_SHARE:.0%}): the load did not test the engine; see load.jsonl")
+                f"{MAX_FAILED_SHARE:.0%}): the load did not test the engine; see load.jsonl{also}")
     if verdict is Verdict.UNREACHED:
         return ("trigger path ran but the bug's state never occurred: on this code the crash's precondition "
                 "did not arise (a fix at the crash site was not exercised)")

@@ -168,6 +168,16 @@ except ImportError:
     from vllm.entrypoints.openai.cli_args import make_arg_parser
     serve = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
 sys.stdout.write("\nKVREPRO-FLAGS " + json.dumps(sorted(serve._option_string_actions)) + "\n")
+# options whose destination names a secret (hf_token, api_key, ...; not long_prefill_token_threshold)
+# and take a value: kvrepro masks their values in every spelling the parser accepts (kvrepro/secrets.py)
+SECRET_WORDS = {"token", "key", "secret", "password", "passwd", "passphrase", "credential", "credentials", "auth"}
+secret = {}
+for option, action in serve._option_string_actions.items():
+    if action.nargs == 0 or not option.startswith("--"):
+        continue
+    if str(action.dest).lower().split("_")[-1] in SECRET_WORDS:
+        secret[option] = action.nargs if action.nargs in ("+", "*") else None
+sys.stdout.write("\nKVREPRO-SECRET-OPTIONS " + json.dumps(secret, sort_keys=True) + "\n")
 """
 
 

@@ -1056,3 +1056,543 @@ def test_a_finished_replay_leaves_nothing_in_the_temp_folder(tmp_path, overlays)
     assert json.loads(proc.stdout_text())["requests"] == 5
     engine_sockets = [s for s in sockets if "/engine-tmp/" in s]
     assert len(engine_sockets) >= 3 and all(s.startswith("kvrepro-") for s in sockets), sorted(sockets)
+
+
+# ================================================================== issue 16 (second round): items 1-3, 7, 8, 11
+# Every case here is in docs/reliability.md with its line and exit code.
+
+SECRET_WORDS = {"token", "key", "secret", "password", "passwd", "passphrase", "credential", "credentials", "auth"}
+# written independently of kvrepro/versions.py: the test must notice if kvrepro's walk misses one
+WALK_PARSER = r"""
+import json, sys
+import vllm.platforms as platforms
+from vllm.platforms.cpu import CpuPlatform
+platforms._current_platform = CpuPlatform()
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.entrypoints.openai.cli_args import make_arg_parser
+parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+words = set(json.loads(sys.argv[1]))
+found = {}
+for option, action in parser._option_string_actions.items():
+    # the destination names a secret: hf_token, api_key (not long_prefill_token_threshold)
+    if option.startswith("--") and action.nargs != 0 and action.dest.lower().split("_")[-1] in words:
+        found[option] = [action.dest, action.nargs]
+print("WALKED " + json.dumps(found))
+print("ALL " + json.dumps(sorted(o for o in parser._option_string_actions if o.startswith("--"))))
+print("ABBREV " + json.dumps(parser.allow_abbrev))
+"""
+
+
+def test_every_secret_option_of_the_real_parser_is_masked_in_every_spelling(runtime_python):
+    """vLLM 0.26.0's own `vllm serve` parser (make_arg_parser, in the runtime env): every option
+    whose destination names a secret and takes a value is masked by kvrepro in every spelling the
+    parser accepts (-/_, =VALUE or a separate VALUE, every value of a nargs="+" option), so a
+    secret option a new release adds is covered by what kvrepro reads from that release's parser."""
+    from kvrepro import paths
+    from kvrepro.builds import pristine_tree
+    from kvrepro.builds import prepare_runtime
+    from kvrepro.secrets import redact, redact_args, secret_arg_values
+    from kvrepro.validate import serve_flags
+
+    _, tree, _ = pristine_tree("0.26.0")
+    runtime = prepare_runtime("0.26.0")
+    env = {**os.environ, "PYTHONPATH": runtime.pythonpath(tree), "VLLM_LOGGING_LEVEL": "ERROR",
+           "PYTHONPYCACHEPREFIX": str(paths.home() / "pycache")}
+    proc = subprocess.run([str(runtime_python), "-c", WALK_PARSER, json.dumps(sorted(SECRET_WORDS))], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=str(tree))
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("WALKED ")]
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    walked = json.loads(line[-1].removeprefix("WALKED "))
+    every = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("ALL ")][-1][4:])
+    abbrev = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("ABBREV ")][-1][7:])
+    assert {"--hf-token", "--api-key"} <= set(walked), walked  # the walk found what we know is there
+    assert serve_flags("0.26.0") is not None  # kvrepro reads the same parser (and registers its secrets)
+    for option, (dest, nargs) in walked.items():
+        spellings = {option, "--" + option[2:].replace("-", "_")}
+        if abbrev:  # the shortest prefix the parser takes for this option alone (--hf-tok, --api-k)
+            spellings.add(next(option[:n] for n in range(3, len(option) + 1)
+                               if [o for o in every if o.startswith(option[:n])] == [option]))
+        for spelling in spellings:
+            for argv in ([spelling, "v4lue-one"], [f"{spelling}=v4lue-one"],
+                         [spelling, "v4lue-one", "v4lue-two", "--max-num-seqs", "4"] if nargs in ("+", "*") else
+                         [spelling, "v4lue-one", "--max-num-seqs", "4"]):
+                shown = " ".join(redact_args(argv))
+                assert "v4lue" not in shown, (option, argv, shown)
+                assert "v4lue-one" in secret_arg_values(argv), (option, argv)
+                assert "--max-num-seqs 4" in shown or "=" in argv[0] or len(argv) == 2
+        underscored = "--" + option[2:].replace("-", "_")
+        assert "v4lue" not in redact(f"vllm serve m {underscored} v4lue-one --port 1"), option
+        assert "v4lue" not in redact(f"vllm serve m {underscored}=v4lue-one --port 1"), option
+
+
+def test_secret_in_any_spelling_reaches_no_file_and_no_output(tmp_path, overlays):
+    """`--hf_token VALUE` and `--api-key=VALUE` in extra_args, `HF_TOKEN` and a `*_PASSWORD` in the
+    environment: after `matrix run` (table and --json, --junit), `plan`, `validate --json`, `results
+    show`, `report`: no file under results/, no JUnit file and no output holds any of them."""
+    hf, api = "hf_underscoreSpellingSecret0123456789", "kvrepro-api-key-value-4711"
+    env_token, env_password = "hf_environmentSecret9876543210abcd", "envpassword-s3cr3t"
+    matrix = small_matrix(tmp_path, builds={"A": []}, expect={"A": "CRASH(target)"})
+    data = yaml.safe_load(matrix.read_text())
+    data["engine"]["extra_args"] = ["--hf_token", hf, f"--api-key={api}"]
+    data["runs"].update(repetitions=1, requests=30)
+    matrix.write_text(yaml.safe_dump(data, sort_keys=False))
+    env = {**os.environ, "HF_TOKEN": env_token, "KVREPRO_TEST_DB_PASSWORD": env_password}
+    results, junit = tmp_path / "results", tmp_path / "out" / "junit.xml"
+    outputs = []
+    for args in (("matrix", "run", "-m", str(matrix), "--results", str(results), "--junit", str(junit), "--ci"),
+                 ("matrix", "run", "-m", str(matrix), "--results", str(results), "--json"),
+                 ("matrix", "plan", "-m", str(matrix)), ("matrix", "plan", "--json", "-m", str(matrix)),
+                 ("matrix", "validate", "--json", "-m", str(matrix)),
+                 ("results", "show", "--json", "--results", str(results)),
+                 ("results", "list", "--results", str(results)),
+                 ("report", "--results", str(results), "--junit", str(tmp_path / "out" / "again.xml"))):
+        proc = kvrepro(*args, env=env)
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert proc.returncode == 0, (args, proc.stderr[-3000:])
+        outputs.append(proc.stdout + proc.stderr)
+        if args[1] == "run" and "--json" in args:
+            run = json.loads(proc.stdout)
+    assert run["builds"]["A"]["runs"][0]["label"] == "CRASH(target)"  # the key was sent: the run tested the engine
+    files = [p for p in [*results.rglob("*"), *(tmp_path / "out").rglob("*")] if p.is_file()]
+    assert any(p.name == "engine.log" for p in files) and any(p.name == "trace.jsonl" for p in files)
+    assert junit.is_file() and any(p.name == "report.html" for p in files)
+    for secret in (hf, api, env_token, env_password):
+        leaked = [str(p) for p in files if secret.encode() in p.read_bytes()]
+        assert not leaked, (secret, leaked)
+        assert not [i for i, text in enumerate(outputs) if secret in text], secret
+
+
+# ------------------------------------------------------------------ names are identifiers; paths stay inside
+
+def test_patch_named_like_a_path_is_refused_at_load(tmp_path):
+    """A patch key `../../../../ESCAPED` (bisect patches made folders of patch names): refused by
+    validate, plan and bisect with file:line, and nothing is made anywhere."""
+    matrix = small_matrix(tmp_path)
+    text = matrix.read_text().replace("  pr-52807:\n", "  ../../../../ESCAPED:\n").replace(
+        "[pr-52807]", "['../../../../ESCAPED']").replace("pr-52807]", "'../../../../ESCAPED']")
+    matrix.write_text(text)
+    line = next(i for i, ln in enumerate(text.splitlines(), 1) if "ESCAPED:" in ln)
+    for args in (("matrix", "validate", "-m", str(matrix)), ("matrix", "plan", "-m", str(matrix)),
+                 ("bisect", "patches", "-m", str(matrix), "--results", str(tmp_path / "r"))):
+        one_clear_line(kvrepro(*args), 2, f"{matrix}:{line}:", "patch name '../../../../ESCAPED'", "letters, digits")
+    assert not (tmp_path / "r").exists()
+    assert not list(Path("/").glob("ESCAPED")) and not list(tmp_path.parent.glob("**/ESCAPED"))
+
+
+def test_every_folder_of_a_run_stays_inside_it(tmp_path):
+    """results.RunFolder refuses a build folder that resolves outside the run (whatever names
+    reach it, e.g. a derived matrix that skipped validation)."""
+    from kvrepro import results
+    from kvrepro.errors import BadInputError
+
+    with pytest.raises(BadInputError, match="would be outside"):
+        results.create_run(tmp_path / "r", "builds: {}\n", {"build_order": ["../../x"]})
+    assert not (tmp_path / "x").exists() and not (tmp_path / "r").exists()  # refused before anything is made
+    folder = results.create_run(tmp_path / "r", "builds: {}\n", {"build_order": ["A"]})
+    with pytest.raises(BadInputError):
+        folder.rep_dir("../../../y", 0)
+    assert not (tmp_path / "y").exists()
+    assert folder.rep_dir("A", 0).is_dir()
+
+
+def test_resume_of_a_bisection_outside_results_is_refused(tmp_path):
+    """`bisect --resume ../elsewhere` would read and rewrite a bisect.json outside --results."""
+    (tmp_path / "elsewhere").mkdir()
+    state = tmp_path / "elsewhere" / "bisect.json"
+    state.write_text("{}")
+    (tmp_path / "r").mkdir()
+    one_clear_line(kvrepro("bisect", "patches", "--resume", "../elsewhere", "--results", str(tmp_path / "r")), 2,
+                   "would be outside", "--resume takes a bisection id under")
+    assert state.read_text() == "{}" and list((tmp_path / "r").iterdir()) == []
+
+
+@pytest.mark.parametrize("file, extra, needle", [
+    ("/etc/passwd", {}, "'/etc/passwd' is outside the matrix's folder"),
+    ("../../outside.patch", {}, "'../../outside.patch' is outside the matrix's folder"),
+    ("", {}, "patches.pr-52807.file: is empty"),
+    (".", {}, "is a folder, not a patch file"),
+    ("pr-52807.patch", {"sha256": "0" * 64}, "all zeros is a placeholder, not a sha256"),
+], ids=["absolute", "dotdot", "empty", "folder", "zero-sha"])
+def test_patch_file_problems_are_named(tmp_path, file, extra, needle):
+    matrix = small_matrix(tmp_path / "m")
+    data = yaml.safe_load(matrix.read_text())
+    data["patches"]["pr-52807"] = {"file": file, "upstream": "x", **extra}
+    matrix.write_text(yaml.safe_dump(data, sort_keys=False))
+    flat = one_clear_line(kvrepro("matrix", "validate", "-m", str(matrix)), 2, needle)
+    assert "does not exist" not in flat
+    if "outside" in needle:
+        assert "outside_matrix_folder: true" in flat
+        data["patches"]["pr-52807"]["outside_matrix_folder"] = True  # the explicit opt-in: read, and said
+        (tmp_path / "outside.patch").write_text("--- a/x\n+++ b/x\n")
+        matrix.write_text(yaml.safe_dump(data, sort_keys=False))
+        proc = kvrepro("matrix", "validate", "-m", str(matrix))
+        assert proc.returncode == 0, proc.stderr
+        assert "outside_matrix_folder" in " ".join(proc.stderr.split())
+
+
+# ------------------------------------------------------------------ bounds
+
+def bomb_text(levels: int = 9, width: int = 9) -> str:
+    text = "a0: &a0 [" + ", ".join(["lol"] * width) + "]\n"
+    for i in range(1, levels):
+        text += f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * width) + "]\n"
+    return text + "builds: {A: []}\n"
+
+
+def test_alias_bomb_refused_fast_with_bounded_memory(tmp_path):
+    """9 levels x 9 aliases (9^9 values): refused in well under a second, a few MB at most."""
+    import tracemalloc
+
+    from kvrepro.errors import SpecError
+    from kvrepro.spec import parse_matrix
+
+    tracemalloc.start()
+    started = time.monotonic()
+    with pytest.raises(SpecError, match="aliases here expand to more than 100,000 values"):
+        parse_matrix(bomb_text(), tmp_path / "matrix.yaml")
+    elapsed = time.monotonic() - started
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert elapsed < 1.0 and peak < 20 << 20, (elapsed, peak)
+    (tmp_path / "matrix.yaml").write_text(bomb_text())
+    one_clear_line(kvrepro("matrix", "validate", "-m", str(tmp_path / "matrix.yaml"), timeout=60), 2,
+                   f"{tmp_path / 'matrix.yaml'}:", "aliases here expand to more than 100,000 values")
+    (tmp_path / "cycle.yaml").write_text("x: &x [1, *x]\nbuilds: {A: []}\n")
+    one_clear_line(kvrepro("matrix", "validate", "-m", str(tmp_path / "cycle.yaml"), timeout=60), 2,
+                   "alias *x inside its own anchor")
+
+
+@pytest.mark.parametrize("section, field, value, needle", [
+    ("runs", "repetitions", 1_000_000_000, "runs.repetitions: Input should be less than or equal to 1000"),
+    ("runs", "requests", 10**12, "runs.requests: Input should be less than or equal to 1000000"),
+    ("runs", "duration_s", 1e9, "runs.duration_s: Input should be less than or equal to 86400"),
+    ("runs", "stall_timeout_s", 1e9, "runs.stall_timeout_s: Input should be less than or equal to 3600"),
+    ("engine", "extra_args", ["--enable-log-requests"] * 300, "engine.extra_args: List should have at most 256"),
+], ids=["reps", "requests", "duration", "stall", "extra_args"])
+def test_bounds_checked_by_validate(tmp_path, section, field, value, needle):
+    """A billion repetitions passed validate and plan and died in `matrix run` with a
+    MemoryError: now validate, plan and run refuse it before anything is made."""
+    matrix = small_matrix(tmp_path)
+    data = yaml.safe_load(matrix.read_text())
+    data[section][field] = value
+    matrix.write_text(yaml.safe_dump(data, sort_keys=False))
+    for command in ("validate", "plan", "run"):
+        started = time.monotonic()
+        one_clear_line(kvrepro("matrix", command, "-m", str(matrix), "--results", str(tmp_path / "r"))
+                       if command == "run" else kvrepro("matrix", command, "-m", str(matrix)), 2,
+                       f"{matrix}:", needle, "docs/reliability.md")
+        assert time.monotonic() - started < 60
+    assert not (tmp_path / "r").exists()
+
+
+def test_too_many_builds_and_a_huge_file(tmp_path):
+    matrix = tmp_path / "matrix.yaml"
+    matrix.write_text("builds:\n" + "".join(f"  b{i}: []\n" for i in range(300)))
+    one_clear_line(kvrepro("matrix", "validate", "-m", str(matrix)), 2, "builds: Dictionary should have at most 256")
+    matrix.write_text("# " + "x" * (2 << 20) + "\nbuilds: {A: []}\n")
+    one_clear_line(kvrepro("matrix", "validate", "-m", str(matrix)), 2, "bytes; a matrix is at most 1,048,576")
+
+
+def test_reps_and_adaptive_bounded_and_exclusive(tmp_path):
+    one_clear_line(kvrepro("matrix", "run", "--reps", "1000000000", "--results", str(tmp_path / "r")), 2)
+    one_clear_line(kvrepro("matrix", "run", "--adaptive", "1", "--reps", "2", "--results", str(tmp_path / "r")), 2,
+                   "--adaptive 1 and --reps 2: give one")
+    assert not (tmp_path / "r").exists()
+
+
+def test_run_materialises_nothing_per_repetition(tmp_path, monkeypatch):
+    """The runner walks (build, repetition) pairs lazily with at most `jobs` in flight: a huge
+    repetition count costs nothing before the repetitions run (a stop after two ends it)."""
+    import threading
+
+    from kvrepro import runner
+    from kvrepro.records import BuildArtifact
+    from kvrepro.spec import load_matrix
+
+    loaded = load_matrix(small_matrix(tmp_path))
+    started: list[tuple[str, int]] = []
+    stop = threading.Event()
+
+    class FakeTarget:
+        name = "sim"
+        on_line = None
+
+        def __init__(self, loaded):
+            pass
+
+        def max_parallel(self):
+            return 2
+
+        def prepare(self, plan):
+            return BuildArtifact(plan=plan, ref=None, manifest={}, error="not built in this test")
+
+        def interrupt(self):
+            pass
+
+        def close(self):
+            pass
+
+    def fake_run_one(loaded, target, artifact, run_dir, rep, progress, stop_event, replay=None):
+        started.append((artifact.plan.name, rep))
+        if len(started) >= 6:
+            stop.set()
+        return runner._infra_result(artifact.plan, rep, run_dir, "fake")
+
+    monkeypatch.setattr(runner, "get_target", lambda name: FakeTarget)
+    monkeypatch.setattr(runner, "run_one", fake_run_one)
+    import tracemalloc
+
+    tracemalloc.start()
+    options = runner.MatrixOptions(builds=["A", "B"], repetitions=10**9, results_root=tmp_path / "r", jobs=2)
+    run = runner.run_matrix(loaded, options, stop=stop)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert 6 <= len(started) <= 8 and peak < 50 << 20, (len(started), peak)
+    assert run.status == "interrupted"
+
+
+# ------------------------------------------------------------------ verdicts and exit codes
+
+def test_failed_requests_win_over_the_shadow_kv_only_when_the_load_did_not_test():
+    """The order in verdict.decide: more than 5% failed with the engine up is INFRA even with
+    shadow-KV violations; a real corruption with a few failures stays CORRUPT."""
+    from kvrepro.records import Classification, Exposure, LoadSummary, Outcome, Verdict
+    from kvrepro.verdict import decide, title
+
+    none = Classification(Outcome.NONE, "")
+    seen = Exposure(trigger_calls=5, state_calls=2, kv_violations=4, kv_first_violation="step=3 ...")
+
+    def load(failed, sent=600, why="budget"):
+        return LoadSummary(requests_sent=sent, requests_ok=sent - failed, requests_failed=failed, seconds=1.0,
+                           stopped_because=why)
+    assert decide(none, seen, load(59), None) is Verdict.INFRA
+    assert "59 of 600 requests failed" in title(Verdict.INFRA, seen, load(59))
+    assert "shadow KV also flagged 4" in title(Verdict.INFRA, seen, load(59))
+    assert decide(none, seen, load(3), None) is Verdict.CORRUPT
+    assert decide(none, seen, load(30), None) is Verdict.CORRUPT  # exactly 5%: still counted
+    assert decide(none, seen, load(0), None) is Verdict.CORRUPT
+    assert decide(none, seen, load(59, why="stall"), None) is Verdict.CORRUPT  # the engine's own doing
+    assert decide(none, Exposure(trigger_calls=5), load(59), None) is Verdict.INFRA
+
+
+@pytest.mark.slow
+def test_max_model_len_too_small_is_infra_not_corrupt(tmp_path, overlays):
+    """max_model_len 64: the engine refuses most prompts (HTTP 400) while B's shadow KV flags
+    reads in the few that ran; the verdict is INFRA with the reason, exit 3."""
+    matrix = small_matrix(tmp_path, builds={"B": ["pr-52807"]}, expect={"B": "CORRUPT"})
+    data = yaml.safe_load(matrix.read_text())
+    data["engine"]["max_model_len"] = 64
+    data["runs"].update(repetitions=1, requests=200)
+    matrix.write_text(yaml.safe_dump(data, sort_keys=False))
+    proc = kvrepro("matrix", "run", "-m", str(matrix), "--json", "--results", str(tmp_path / "r"))
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    run = json.loads(proc.stdout)["builds"]["B"]["runs"][0]
+    assert run["verdict"] == "INFRA", run
+    assert "requests failed with the engine up" in run["title"], run["title"]
+
+
+@pytest.mark.slow
+def test_api_key_in_extra_args_is_sent_by_the_runner(tmp_path, overlays):
+    """`--api-key K` (and `--api_key=K`) in extra_args: vLLM then answers 401 to /v1/* without
+    the key; the runner's /v1/models call and every request carry it, so the run tests the engine
+    (A: CRASH(target), run complete, exit 0), where it used to end "interrupted"."""
+    for args in (["--api-key", "k-one-4711"], ["--api_key=k-two-4711"]):
+        matrix = small_matrix(tmp_path / args[0].strip("-")[:7], builds={"A": []}, expect={"A": "CRASH(target)"})
+        data = yaml.safe_load(matrix.read_text())
+        data["engine"]["extra_args"] = args
+        data["runs"].update(repetitions=1, requests=30)
+        matrix.write_text(yaml.safe_dump(data, sort_keys=False))
+        results = matrix.parent / "r"
+        proc = kvrepro("matrix", "run", "-m", str(matrix), "--json", "--results", str(results))
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert json.loads(proc.stdout)["builds"]["A"]["runs"][0]["label"] == "CRASH(target)"
+        assert show(results)["status"] == "complete"
+
+
+def test_api_key_refused_is_infra_with_a_reason(tmp_path):
+    """A server that answers 401 to /v1/models (as vLLM does without the key): the load stage
+    ends with an InfraError naming the key, which run_one records as INFRA (not interrupted)."""
+    import http.server
+    import threading
+
+    from kvrepro.errors import InfraError
+    from kvrepro.loadgen.runner import run_load
+    from kvrepro.spec import LoadSpec, RunsSpec
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(401)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(InfraError, match="401 Unauthorized: the engine requires an API key"):
+            run_load(f"http://127.0.0.1:{server.server_port}", LoadSpec(), RunsSpec(requests=1),
+                     tmp_path / "load.jsonl", seed=0, alive=lambda: True)
+    finally:
+        server.shutdown()
+
+
+def test_junit_to_a_folder_or_a_read_only_place(tmp_path):
+    """--junit DIR: bad input (2) naming the folder; --junit on a read-only mount: 3, one line
+    naming the path meant (no temporary name); both before anything runs."""
+    (tmp_path / "out").mkdir()
+    flat = one_clear_line(kvrepro("matrix", "run", "--junit", str(tmp_path / "out"), "--results", str(tmp_path / "r")),
+                          2, f"--junit {tmp_path / 'out'}: is a folder")
+    assert not (tmp_path / "r").exists()
+    one_clear_line(kvrepro("report", "--junit", str(tmp_path / "out"), "--results", str(tmp_path / "r")), 2,
+                   "is a folder")
+    proc = in_namespace(f"""
+        mkdir -p /tmp/kvrepro-ro-junit && mount -t tmpfs -o size=1m,ro tmpfs /tmp/kvrepro-ro-junit
+        exec {sys.executable} -m kvrepro.cli matrix run --junit /tmp/kvrepro-ro-junit/junit.xml --results {tmp_path}/r
+    """)
+    flat = one_clear_line(proc, 3, "--junit /tmp/kvrepro-ro-junit/junit.xml: cannot write it", "Read-only file system")
+    assert ".junit.xml." not in flat and "tmp" not in flat.replace("/tmp/kvrepro-ro-junit", "")
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("args", [("results", "show"), ("report",), ("minimize", "--build", "A"),
+                                  ("matrix", "show")], ids=["show", "report", "minimize", "matrix-show"])
+def test_commands_on_an_empty_results_folder(tmp_path, args):
+    (tmp_path / "r").mkdir()
+    one_clear_line(kvrepro(*args, "--results", str(tmp_path / "r")), 2, f"no runs under {tmp_path / 'r'}/")
+
+
+def test_git_bisect_verdict_on_an_unknown_release_is_bad_input(tmp_path):
+    proc = kvrepro("matrix", "verdict", "--release", "9.9.9", "--git-bisect", "--results", str(tmp_path / "r"))
+    flat = one_clear_line(proc, 128, "--release 9.9.9: not a vLLM release kvrepro supports")
+    assert "runs" not in flat.split("error:")[0]  # nothing drawn before the line
+    proc = kvrepro("matrix", "verdict", "--release", "9.9.9", "--results", str(tmp_path / "r"))
+    one_clear_line(proc, 2, "--release 9.9.9: not a vLLM release kvrepro supports")
+    assert not (tmp_path / "r").exists()
+
+
+def _inode_budget_script(results: str, inodes: int, matrix: Path) -> str:
+    return f"""
+        mkdir -p {results} && mount -t tmpfs -o size=64m,nr_inodes={inodes} tmpfs {results}
+        {sys.executable} -m kvrepro.cli matrix run -m {matrix} --results {results}/r --ci && code=0 || code=$?
+        echo "STATUS $(grep -o '"status": "[a-z]*"' {results}/r/*/run.json)"
+        echo "FILES $(find {results}/r | wc -l)"
+        exit $code
+    """
+
+
+@pytest.mark.slow
+def test_disk_full_is_failed_not_interrupted_and_never_exit_0(tmp_path, overlays):
+    """A real tmpfs with a fixed number of inodes: first measured (how many files a whole run
+    makes), then one short of the report (the run completes, report.md cannot be made: exit 3,
+    never 0), then far too few (the run dies mid-way: run.json says failed with the reason, not
+    interrupted; exit 3)."""
+    matrix = small_matrix(tmp_path, builds={"A": []}, expect={"A": "CRASH(target)"})
+    data = yaml.safe_load(matrix.read_text())
+    data["engine"]["extra_args"] = []
+    data["runs"].update(repetitions=1, requests=30)
+    matrix.write_text(yaml.safe_dump(data, sort_keys=False))
+    roomy = in_namespace(_inode_budget_script("/tmp/kvrepro-inodes", 1000, matrix))
+    assert roomy.returncode == 0 and "Traceback" not in roomy.stderr, roomy.stderr[-3000:]
+    made = int(roomy.stdout.split("FILES ")[1].split()[0])
+    # the report is 3 files (report.md, report.html, survival.png): room for the run's files only
+    tight = in_namespace(_inode_budget_script("/tmp/kvrepro-inodes", made - 1, matrix))
+    flat = one_clear_line(tight, 3, "report not written", "No space left on device")
+    assert '"status": "complete"' in tight.stdout  # the verdicts are recorded; only the report is missing
+    full = in_namespace(_inode_budget_script("/tmp/kvrepro-inodes", 8, matrix))
+    assert "Traceback" not in full.stderr and full.returncode == 3, full.stderr[-3000:]
+    assert "No space left on device" in full.stderr
+    assert '"status": "interrupted"' not in full.stdout, full.stdout
+    del flat
+
+
+# ------------------------------------------------------------------ 8: at once, one line
+
+def test_engine_serve_on_a_busy_port(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        started = time.monotonic()
+        proc = kvrepro("engine", "serve", "--build", "A", "--port", str(port), timeout=120)
+        elapsed = time.monotonic() - started
+    one_clear_line(proc, 2, f"--port {port}: 127.0.0.1:{port} is in use", "choose another --port")
+    assert "serving build" not in proc.stderr and elapsed < 30, elapsed
+
+
+def test_replay_of_a_trace_whose_only_request_is_truncated(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(json.dumps({"trace": 1, "rep": 0, "load": {}}) + "\n"
+                     + '{"index": 0, "slot": 0, "sent_s": 0.0, "in_flight": 1, "max_tokens": 8, "tokens": [1, 2, 3')
+    results = tmp_path / "r"
+    one_clear_line(kvrepro("load", "replay", str(trace), "--build", "A", "--results", str(results)), 2,
+                   f"{trace}:2: the only request line is truncated")
+    assert not results.exists()  # no engine started, no run folder made
+    trace.write_text(json.dumps({"trace": 1, "rep": 0, "load": {}}) + "\n")
+    one_clear_line(kvrepro("load", "replay", str(trace), "--build", "A", "--results", str(results)), 2,
+                   f"{trace}: no request lines after the header")
+
+
+# ------------------------------------------------------------------ 11: messages that said the wrong thing
+
+def _recorded_run(root: Path, verdicts: dict[int, str]):
+    """A recorded run of build A with the given repetitions (as `matrix run` writes them)."""
+    from kvrepro import results
+    from kvrepro.records import Outcome, RunResult, Verdict
+
+    folder = results.create_run(root, "builds: {A: []}\n", {"build_order": ["A"], "builds": {"A": {"patches": []}}})
+    for rep, label in verdicts.items():
+        verdict = Verdict.CRASH if label.startswith("CRASH") else Verdict(label)
+        outcome = Outcome.TARGET if label == "CRASH(target)" else Outcome.NONE
+        run_dir = folder.rep_dir("A", rep)
+        (run_dir / "trace.jsonl").write_text(json.dumps({"trace": 1, "rep": rep}) + "\n")
+        results.write_json(run_dir / "verdict.json", RunResult(
+            build="A", rep=rep, verdict=verdict, outcome=outcome, title="t", trigger_count=1, external_hit_calls=1,
+            requests=4, seconds=1.0, run_dir=str(run_dir)))
+    folder.update(status="complete")
+    return folder
+
+
+def test_run_json_with_an_impossible_number_is_damaged(tmp_path):
+    for where in ('"schema": 1e999999', '"started": 1e999999'):
+        folder = _recorded_run(tmp_path / where[1:7], {0: "CRASH(target)"})
+        text = (folder.path / "run.json").read_text()
+        key = where.split(":")[0]
+        start = text.index(key)
+        end = text.index(",", start)
+        (folder.path / "run.json").write_text(text[:start] + where + text[end:])
+        flat = one_clear_line(kvrepro("results", "show", folder.run_id, "--results", str(folder.root)), 2,
+                              "run.json: unreadable", "damaged")
+        assert "newer" not in flat and "older" not in flat
+
+
+def test_minimize_rep_that_does_not_exist_or_did_not_crash(tmp_path):
+    folder = _recorded_run(tmp_path, {0: "CRASH(target)", 1: "SURVIVED"})
+    flat = one_clear_line(kvrepro("minimize", folder.run_id, "--build", "A", "--rep", "7", "--results", str(tmp_path)),
+                          2, f"--rep 7: run {folder.run_id} has no repetition 7 of build A (it has 0, 1)",
+                          "crashed with the target signature or were CORRUPT: 0")
+    assert "no repetition crashed" not in flat
+    one_clear_line(kvrepro("minimize", folder.run_id, "--build", "A", "--rep", "1", "--results", str(tmp_path)),
+                   2, "--rep 1: repetition 1 of build A", "is SURVIVED: only a target crash or a corruption")
+
+
+def test_classify_source_that_does_not_exist(tmp_path):
+    log = tmp_path / "engine.log"
+    log.write_text("INFO nothing happened\n")
+    one_clear_line(kvrepro("classify", str(log), "--source", "/nonexistent"), 2, "--source /nonexistent: no such folder")
+    one_clear_line(kvrepro("classify", str(log), "--source", str(log)), 2, "is a file, not a folder")
+
+
+def test_results_list_says_what_it_omits(tmp_path):
+    _recorded_run(tmp_path, {0: "CRASH(target)"})
+    (tmp_path / "bisect-20260101-000000-abcd").mkdir()
+    (tmp_path / "bisect-20260101-000000-abcd" / "bisect.json").write_text("{}")
+    (tmp_path / "half-made").mkdir()
+    for extra in ((), ("--json",)):
+        proc = kvrepro("results", "list", "--results", str(tmp_path), *extra)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+        flat = " ".join(proc.stderr.split())
+        assert "1 bisection(s) not listed: bisect-20260101-000000-abcd" in flat, flat
+        assert "1 folder(s) that are not runs (no run.json): half-made" in flat, flat
+    assert len(json.loads(proc.stdout)) == 1

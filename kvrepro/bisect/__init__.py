@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from .. import versions
 from ..builds import gitcommit
 from ..errors import SpecError
 from ..records import BisectResult
@@ -250,6 +251,9 @@ def probe_point(root: Path, request: dict[str, Any], **session_kw) -> tuple[Poin
         point: Point = {"kind": "commit", "commit": gitcommit.resolve_commit(request["repo"], request.get("commit") or "HEAD")}
     else:
         point = {"kind": "release", "release": request.get("release") or matrices.loaded.matrix.bases[0]}
+        if point["release"] not in versions.SUPPORTED_RELEASES:  # bad input (128), not a skip (125)
+            raise SpecError(f"--release {point['release']}: not a vLLM release kvrepro supports; supported: "
+                            f"{', '.join(versions.SUPPORTED_RELEASES)}")
     session = Session.create(root, "verdict", request, matrices, **session_kw)
     session.state["p_bad"] = request["p_bad"]
     needed = runs_needed_for_good(request["p_bad"], request["alpha"])

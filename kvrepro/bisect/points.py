@@ -44,7 +44,13 @@ def build_name(point: Point) -> str:
         return point["release"]
     if point["kind"] == "commit":
         return point["commit"][:12]
-    return "_".join(point["patches"]) or "base"
+    name = "_".join(point["patches"]) or "base"
+    if len(name) > 64:  # a folder name must stay short: the first patch, how many, and a digest of all
+        import hashlib
+
+        digest = hashlib.sha256(",".join(point["patches"]).encode()).hexdigest()[:12]
+        name = f"{point['patches'][0][:32]}_and_{len(point['patches']) - 1}_more_{digest}"
+    return name
 
 
 def releases_between(a: str, b: str) -> list[str]:
@@ -65,6 +71,7 @@ class _CommitMatrix(LoadedMatrix):
     def __init__(self, base: LoadedMatrix, matrix, text: str, source: GitCommitSource):
         super().__init__(matrix, base.path, text)
         self.builds_dir = base.builds_dir
+        self.own_text = False
         self.source = source
 
     def plans(self, only: list[str] | None = None, bases: list[str] | None = None) -> list[BuildPlan]:
@@ -122,4 +129,5 @@ class PointMatrices:
             return _CommitMatrix(self.loaded, matrix, text, GitCommitSource(repo=str(self.repo), commit=point["commit"]))
         derived = LoadedMatrix(matrix, self.loaded.path, text)
         derived.builds_dir = self.loaded.builds_dir
+        derived.own_text = False
         return derived

@@ -78,7 +78,8 @@ def latest_bisection(root: Path) -> str:
 def load_state(root: Path, bisection_id: str) -> dict[str, Any]:
     if bisection_id == "latest":
         bisection_id = latest_bisection(root)
-    path = root / bisection_id / STATE_FILE
+    # the state is written back there: never outside --results
+    path = results.inside(root, root / bisection_id, f"--resume takes a bisection id under {root}/ (or latest)") / STATE_FILE
     if not path.is_file():
         raise SpecError(f"--resume {bisection_id}: no bisection of that id under {root}/ (a folder with {STATE_FILE}); "
                         f"pass --results if it is elsewhere")

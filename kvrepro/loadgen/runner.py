@@ -78,6 +78,7 @@ def run_load(
     capacity: EngineCapacity | None = None,
     trace_path: Path | None = None,
     trace_header: dict[str, Any] | None = None,
+    api_key: str | None = None,
 ) -> LoadSummary:
     """Send the load of one run and say why it ended.
 
@@ -90,7 +91,7 @@ def run_load(
     profile = get_profile(load.profile)(load, seed, capacity)
     header = {**(trace_header or {}), **profile.describe(), "load": load.model_dump(), "seed": seed}
     return _Run(base_url.rstrip("/"), profile, load, runs, Path(out_path), alive, on_progress, stop,
-                trace_path, header).run()
+                trace_path, header, api_key).run()
 
 
 def replay_load(
@@ -103,6 +104,7 @@ def replay_load(
     on_progress: Callable[[int, int], None] | None = None,
     stop: threading.Event | None = None,
     trace_path: Path | None = None,
+    api_key: str | None = None,
 ) -> LoadSummary:
     """Send a recorded trace again, one request at a time in recorded order (deterministic on the
     GPU-free engine), with the recorded output lengths, prompt format and streaming."""
@@ -114,18 +116,22 @@ def replay_load(
     runs = runs.model_copy(update={"requests": budget, "duration_s": None})
     header = {**trace.header, "replay_of": str(trace.path), "requests_in_trace": len(trace.requests)}
     return _Run(base_url.rstrip("/"), profile, load, runs, Path(out_path), alive, on_progress, stop,
-                trace_path, header).run()
+                trace_path, header, api_key).run()
 
 
 class _Run:
     def __init__(self, base_url: str, profile: Profile, load: LoadSpec, runs: RunsSpec, out_path: Path,
                  alive: Callable[[], bool], on_progress: Callable[[int, int], None] | None,
                  stop: threading.Event | None, trace_path: Path | None = None,
-                 trace_header: dict[str, Any] | None = None):
+                 trace_header: dict[str, Any] | None = None, api_key: str | None = None):
         self.base_url = base_url
         self.host, self.port, prefix = http.parse_url(base_url)
         self.completions = http.build_request("POST", self.host, self.port, prefix + "/v1/completions", b"")
         self.completions_head = self.completions[:self.completions.index(b"Content-Length:")]
+        # an engine started with --api-key answers 401 to /v1/* without it (vLLM's own check)
+        self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        if api_key:
+            self.completions_head += f"Authorization: Bearer {api_key}\r\n".encode()
         self.health = http.build_request("GET", self.host, self.port, prefix + "/health")
         self.profile = profile
         self.load = load
@@ -258,7 +264,11 @@ class _Run:
         url = f"{self.base_url}/v1/models"
         while True:
             try:
-                resp = requests.get(url, timeout=min(10.0, self.runs.request_timeout_s))
+                resp = requests.get(url, timeout=min(10.0, self.runs.request_timeout_s), headers=self.auth)
+                if resp.status_code == 401:
+                    raise InfraError(f"GET {url}: 401 Unauthorized: the engine requires an API key "
+                                     + ("and refused the one engine.extra_args gives (--api-key)" if self.auth else
+                                        "that kvrepro does not know; give it as --api-key in engine.extra_args"))
                 resp.raise_for_status()
                 return str(resp.json()["data"][0]["id"])
             except (requests.RequestException, ValueError, KeyError, IndexError, TypeError) as exc:

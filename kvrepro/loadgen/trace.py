@@ -118,13 +118,15 @@ def read_trace(path: str | Path) -> Trace:
         raise SpecError(f"{path}: cannot read the trace: {exc}") from None
     header: dict[str, Any] | None = None
     requests: list[TraceRequest] = []
+    truncated: int | None = None
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except ValueError:
-            if number == len(lines):  # the last line of a run killed mid-write: the rest is good
+            if number == len(lines) and header is not None:  # the last line of a run killed mid-write
+                truncated = number
                 break
             raise SpecError(f"{path}:{number}: not a JSON line") from None
         if header is None:
@@ -143,6 +145,11 @@ def read_trace(path: str | Path) -> Trace:
             raise SpecError(f"{path}:{number}: a request line needs index, max_tokens and tokens ({exc})") from None
     if header is None:
         raise SpecError(f"{path}: empty trace")
+    if not requests:
+        if truncated is not None:
+            raise SpecError(f"{path}:{truncated}: the only request line is truncated (the run was killed while "
+                            "writing it); nothing to replay: use a trace with at least one whole request")
+        raise SpecError(f"{path}: no request lines after the header; nothing to replay")
     return Trace(path, header, requests)
 
 

@@ -195,6 +195,9 @@ class DockerTarget(Target):
             if value:
                 env[name] = value
                 secrets.append(value)
+        from ...secrets import remember
+
+        remember(secrets)  # masked in every file kvrepro writes, whatever the variable's name or length
         if gpu_free:
             sim = self.loaded.matrix.engine.sim
             env.update(KVREPRO_SIM_ACCEPTANCE_RATE=repr(sim.draft_acceptance_rate),
