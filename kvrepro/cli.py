@@ -8,11 +8,12 @@ failed); 130 interrupted.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 from rich.console import Console
@@ -20,11 +21,30 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from . import builds, report, results
+from . import results
 from .errors import BadInputError, KvreproError, SpecError, describe_os_error
 from .records import RunResult, Verdict, to_jsonable
 from .secrets import redact, redact_args
-from .spec import LoadedMatrix, load_matrix
+
+if TYPE_CHECKING:  # kvrepro.spec (pydantic) is imported when a command reads a matrix
+    from .spec import LoadedMatrix
+
+
+class _LazyModule:
+    """A module imported on first use: kvrepro.report pulls in scipy (1.4 s of a 2 s start-up),
+    which `results list`, `clean` and the like never need."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        import importlib
+
+        return getattr(importlib.import_module(self._name), attr)
+
+
+report = _LazyModule("kvrepro.report")
+builds = _LazyModule("kvrepro.builds")
 
 app = typer.Typer(help="Reproduce vLLM engine crashes and prove which fixes cure them.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -54,6 +74,8 @@ def _emit_json(value: Any) -> None:
 
 
 def _load(path: Path) -> LoadedMatrix:
+    from .spec import load_matrix
+
     return load_matrix(path)
 
 
@@ -347,13 +369,9 @@ def matrix_show(run_id: str = typer.Argument("latest"), results_root: Path = Res
 @results_app.command("list")
 def results_list(results_root: Path = ResultsOpt, as_json: bool = JsonOpt) -> None:
     """Every recorded run, oldest first (a folder another kvrepro wrote is listed with why it is unreadable)."""
-    rows = []
-    for r in results.list_runs(_results_root(results_root)):
-        if isinstance(r, results.ResultsSchemaError):
-            rows.append({"run_id": None, "status": "unreadable", "error": str(r)})
-            continue
-        rows.append({"run_id": r.run_id, "status": r.status, "target": r.info.target, "base": r.info.base_text,
-                     "builds": {report.build_key(r, b): [x.label for x in b.runs] for b in r.builds}})
+    from .runindex import rows as indexed_rows
+
+    rows = indexed_rows(_results_root(results_root))  # results/.index.json: only changed runs are read
     if as_json:
         _emit_json(rows)
         return
@@ -442,12 +460,48 @@ def classify_cmd(
         raise BadInputError(f"{log}: no such file; give an engine log (engine.log, `docker logs` output)")
     from .spec import default_target_signature
 
+    from .classify import read_exposure
+    from .classify.corruption import defects_of
+    from .verdict import corruption_title
+
     target = _load(matrix).matrix.target_signature if matrix else default_target_signature()
     result = classify_file(log, source, target)
+    exposure = read_exposure(log.read_text(errors="replace"))
+    defects = defects_of(exposure.kv_violations, exposure.kv_violations_by, exposure.kv_first_violation_class,
+                         exposure.kv_groups)
     if as_json:
-        _emit_json(result.to_json())
+        _emit_json({**result.to_json(), "kv_violations": exposure.kv_violations, "kv_defects": defects,
+                    "kv_violations_by_class": dict(exposure.kv_violations_by)})
     else:
-        out.print(f"[bold]{result.outcome.value}[/]: {result.title}")
+        out.print(f"[bold]{result.outcome.value}[/]: {escape(result.title)}")
+        if defects:
+            out.print(f"[bold]corrupt[/]: {escape(corruption_title(defects, exposure.kv_first_violation))} "
+                      f"({', '.join(f'{name} {n}' for name, n in defects.items())})")
+
+
+@app.command("signatures")
+def signatures_cmd(as_json: bool = JsonOpt) -> None:
+    """List the known crash and corruption signatures (the names `expect:` and reports use)."""
+    from .classify import known_patterns
+    from .classify.corruption import known_corruptions
+
+    crashes = [{"kind": "crash", "name": p.name, "title": p.title if "{" not in p.title else
+                f"{p.exception} in {p.function}" + (f": {p.expressions[0]}" if p.expressions else ""),
+                "site": f"{p.file}:{p.function}", "upstream": list(p.upstream), "test_log": p.test_log}
+               for p in known_patterns()]
+    corruptions = [{"kind": "corruption", "name": c.name, "title": c.title,
+                    "classes": [vars(k) for k in c.classes], "upstream": list(c.upstream),
+                    "fixed_by": list(c.fixed_by), "test_log": c.test_log} for c in known_corruptions()]
+    if as_json:
+        _emit_json(crashes + corruptions)
+        return
+    table = Table(title="known signatures (kvrepro/classify/signatures/, kvrepro/classify/corruptions/)",
+                  title_justify="left")
+    for column in ("kind", "name", "what"):
+        table.add_column(column, overflow="fold")
+    for row in crashes + corruptions:
+        table.add_row(row["kind"], row["name"], escape(row["title"]))
+    out.print(table)
 
 
 @app.command("setup")
@@ -495,19 +549,38 @@ def engine_serve(
         raise KvreproError(f"build {build} failed: {artifact.error}")
     cmd = target.command(artifact, port)
     err.print(f"serving build {build} on http://127.0.0.1:{port} (overlay {artifact.ref}); Ctrl-C to stop")
-    from . import lifetime
+    from . import lifetime, stopping
 
-    proc = subprocess.Popen(cmd, env=target.environment(artifact, rep),
+    # its own session: a terminal's Ctrl-C reaches kvrepro only, which stops the engine once
+    proc = subprocess.Popen(cmd, env=target.environment(artifact, rep), start_new_session=True,
                             preexec_fn=lifetime.child_hook())  # kvrepro#8: dies with us, even on SIGKILL
-    # SIGTERM (a supervisor, `kill`) stops the engine the way Ctrl-C does
-    signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
+    stops = {"signal": None, "count": 0}
+
+    def on_signal(signum, frame):  # SIGINT, SIGTERM (a supervisor, `kill`), SIGHUP: stop the engine
+        stops["signal"] = stops["signal"] or signum
+        stops["count"] += 1
+        try:
+            if stops["count"] == 1:
+                err.print(f"{stopping.name(signum)}: stopping the engine (again to stop at once)")
+            os.killpg(proc.pid, signal.SIGTERM if stops["count"] == 1 else signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in stopping.SIGNALS}
     try:
         code = proc.wait()
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait()
-        err.print("stopped")
-        code = 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if proc.poll() is None:  # left by an exception of our own: never outlives the command
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        try:  # what the engine started in its session (EngineCore) goes with it
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if stops["signal"] is not None:
+        raise typer.Exit(130)
     raise typer.Exit(code)
 
 
@@ -559,26 +632,21 @@ def _print_bisection(result: Any) -> None:
 def _run_bisection(how: Any, as_json: bool) -> None:
     """Run a bisection under the Ctrl-C rule of `matrix run` and print its result."""
     from . import bisect
+    from .stopping import name, stop_on_signals
 
     stop = threading.Event()
 
-    def on_sigint(signum, frame):
-        if stop.is_set():
-            raise KeyboardInterrupt
-        stop.set()
-        err.print("[yellow]stopping after the current run is recorded; `--resume` continues (Ctrl-C again to "
-                  "stop at once)[/]")
+    def on_first(signum: int) -> None:
+        err.print(f"[yellow]{name(signum)}: stopping after the current run is recorded; `--resume` continues "
+                  "(Ctrl-C again to stop at once)[/]")
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
     progress = BisectProgress()
     try:
-        with progress.progress:
+        with stop_on_signals(stop, on_first), progress.progress:
             result = how(progress=progress, stop=stop, on_step=progress.step)
     except bisect.Interrupted:
         err.print("interrupted; finished runs are kept; continue with `--resume latest`")
         raise typer.Exit(130)
-    finally:
-        signal.signal(signal.SIGINT, previous)
     if as_json:
         _emit_json(_bisect_json(result))
     else:
@@ -605,6 +673,7 @@ def _bisect(kind: str, request: dict[str, Any], resume_id: Optional[str], result
     # bad input is reported before any progress is drawn
     if resume_id:
         bisect.load_state(results_root, resume_id)
+        bisect.ensure_idle(results_root, resume_id)  # a live bisection is not resumed twice
     else:
         bisect.check_request(kind, request)
     if resume_id:
@@ -753,9 +822,16 @@ def load_replay(
     loaded.plans([build])  # unknown build: exit 2 before anything starts
     options = MatrixOptions(target=target, builds=[build], repetitions=1, results_root=results_root,
                             jobs=1, replay=recorded)
+    from .stopping import name, stop_on_signals
+
     stop = threading.Event()
     progress = RichProgress(1)
-    with progress.progress:
+
+    def on_first(signum: int) -> None:
+        err.print(f"[yellow]{name(signum)}: stopping; the engine is being stopped and the replay recorded "
+                  "(Ctrl-C again to stop at once)[/]")
+
+    with stop_on_signals(stop, on_first), progress.progress:
         run = run_matrix(loaded, options, progress, stop)
     result = run.build(build).runs[0]
     summary = {"trace": str(trace), "build": build, "verdict": result.label, "title": result.title,
@@ -833,6 +909,9 @@ except ImportError:  # the docker extra is optional for the sim target
 
 
 def main() -> None:
+    from . import scratch, stopping
+
+    stopping.install_default()  # SIGINT, SIGTERM, SIGHUP: one line, exit 130 (kvrepro/stopping.py)
     try:
         app()
     except KvreproError as exc:
@@ -842,8 +921,12 @@ def main() -> None:
         err.print("[red]error:[/] " + escape(redact(describe_os_error(exc))), highlight=False, soft_wrap=True)
         sys.exit(3)
     except KeyboardInterrupt:
-        err.print("interrupted; finished runs are kept under results/")
+        if stopping.last_signal() is None:
+            err.print("interrupted; finished runs are kept under results/")
         sys.exit(130)
+    finally:
+        stopping.ignore()  # engines are stopped by now; nothing may cut the cleanup short
+        scratch.remove()  # the temp folder (zygote, vLLM's IPC sockets): kvrepro/scratch.py
 
 
 if __name__ == "__main__":

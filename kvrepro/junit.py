@@ -82,6 +82,10 @@ def junit_xml(run: MatrixRun) -> str:
             if r.verdict is Verdict.INTERRUPTED:
                 ET.SubElement(case, "skipped", message="interrupted before the budget was spent")
                 counts["skipped"] += 1
+            elif r.verdict is Verdict.DAMAGED:  # its verdict.json cannot be read: not a pass
+                error = ET.SubElement(case, "error", type="DAMAGED", message=_xml_safe(r.title))
+                error.text = _xml_safe(r.title)
+                counts["errors"] += 1
             elif r.verdict is Verdict.INFRA and build.expect != "INFRA":
                 error = ET.SubElement(case, "error", type="INFRA", message=_xml_safe(f"infrastructure: {r.title}"))
                 error.text = _xml_safe(r.infra_error or r.title)

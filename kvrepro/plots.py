@@ -22,7 +22,7 @@ from scipy import stats as _sp  # noqa: E402
 from .records import RunResult, Verdict  # noqa: E402
 
 # runs that say nothing about how long the engine lives under load
-_NOT_TIMED = (Verdict.INFRA, Verdict.INTERRUPTED, Verdict.INCOMPLETE)
+_NOT_TIMED = (Verdict.INFRA, Verdict.INTERRUPTED, Verdict.INCOMPLETE, Verdict.DAMAGED)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ import json
 import os
 import pprint
 import re
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -739,8 +740,12 @@ def run_emitted(path: Path, python: str, pythonpath: str, timeout: float = 600) 
     frame; ``message``: the last exception's message, all its lines; ``output``: stderr's end)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVREPRO_", "VLLM_"))}
     env.update(PYTHONPATH=pythonpath, VLLM_PLUGINS="", VLLM_LOGGING_LEVEL="ERROR", PYTHONDONTWRITEBYTECODE="1")
+    from . import lifetime, scratch
+
+    env.update(scratch.engine_env())  # its temporary files go where kvrepro's go (removed on exit)
     proc = subprocess.run([python, str(path)], env=env, cwd=str(path.parent), capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                          preexec_fn=lifetime.child_hook(signal.SIGKILL))  # never outlives kvrepro
     text = proc.stderr
     frames = re.findall(r'File "([^"]+)", line \d+, in (\w+)\n\s+(.*)', text)
     last = re.findall(r"^(\w+(?:Error|Exception)|AssertionError)\b.*$", text, flags=re.M)

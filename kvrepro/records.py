@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ class Verdict(str, enum.Enum):
     INFRA = "INFRA"  # could not build, start or drive the engine: says nothing about the code
     # read back only, never written: the repetition left files but no verdict (kvrepro was killed)
     INCOMPLETE = "INCOMPLETE"
+    # read back only, never written: its verdict.json is damaged (truncated, empty, not a verdict)
+    DAMAGED = "DAMAGED"
 
 
 class Outcome(str, enum.Enum):
@@ -170,8 +173,11 @@ class Exposure:
     # the sim engine's shadow KV: contexts checked, violations (silent KV corruption), the first
     kv_checks: int = 0
     kv_violations: int = 0
-    kv_violations_by: dict[str, int] = field(default_factory=dict)  # group kind[+offload] -> violations
+    # violation class (kvrepro.engine.shadow: group kind[+offload]/read/region) -> violations
+    kv_violations_by: dict[str, int] = field(default_factory=dict)
     kv_first_violation: str | None = None
+    kv_first_violation_class: str | None = None
+    kv_groups: tuple[str, ...] = ()  # kinds of the engine's KV groups, from the shadow KV's installed line
     shadow_seen: bool = False
 
     @property
@@ -239,11 +245,17 @@ class RunResult:
     state_groups: dict[str, int] = field(default_factory=dict)
     kv_check: str = "off"
     # the shadow KV's numbers: contexts checked, violations (once per request, group and block),
-    # violations by kind of group ("+offload" when the request had an offload hit), the first one
+    # violations by class (kind of group, "+offload" when the request had an offload hit, what the
+    # read found, where), the first one
     kv_checks: int = 0
     kv_violations: int = 0
     kv_violations_by: dict[str, int] = field(default_factory=dict)
     kv_first_violation: str | None = None
+    kv_first_violation_class: str | None = None
+    kv_groups: tuple[str, ...] = ()  # kinds of the engine's KV groups (the shadow KV's installed line)
+    # violations per known corruption defect (kvrepro.classify.corruption; "unknown" for a class
+    # no signature knows), attributed when the run was classified
+    kv_defects: dict[str, int] = field(default_factory=dict)
     # what the probe had to log as the wrapped method's hash (the build manifest's); None: unknown
     probe_expected_sha256: str | None = None
     load: LoadSummary | None = None
@@ -472,6 +484,13 @@ class RecordError(ValueError):
         self.problem = problem
 
 
+@functools.cache
+def _type_hints(cls: Any) -> dict[str, Any]:
+    """``typing.get_type_hints`` once per record class: it compiles every annotation string each
+    time, most of what reading a results folder cost (`results list` over 500 runs)."""
+    return typing.get_type_hints(cls)
+
+
 def from_jsonable(cls: Any, value: Any, where: str = "") -> Any:
     """Read back what :func:`to_jsonable` wrote, as the typed record it was.
 
@@ -498,7 +517,7 @@ def from_jsonable(cls: Any, value: Any, where: str = "") -> Any:
     if dataclasses.is_dataclass(cls):
         if not isinstance(value, dict):
             raise RecordError(where or cls.__name__, f"expected an object, found {type(value).__name__}")
-        hints = typing.get_type_hints(cls)
+        hints = _type_hints(cls)
         names = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(value) - names)
         if unknown:

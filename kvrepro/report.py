@@ -27,14 +27,15 @@ from rich.text import Text
 from . import __version__, stats
 from .pages import Block, Bullets, Cell, Code, Details, Heading, Image, Para, Table, to_html, to_markdown
 from .records import BisectionStep, RunResult, Verdict
-from .spec import expected_labels
+from .spec import meets
 from .results import BuildResults, MatrixRun, write_atomic
 
 _STYLE = {"CRASH": "bold red", "CORRUPT": "bold red", "SURVIVED": "bold green", "VACUOUS": "yellow",
           "UNREACHED": "yellow", "STALL": "yellow", "INFRA": "magenta", "INTERRUPTED": "dim",
-          "INCOMPLETE": "dim"}
+          "INCOMPLETE": "dim", "DAMAGED": "bold magenta"}
 _TONE = {"CRASH": "bad", "CORRUPT": "bad", "SURVIVED": "good", "VACUOUS": "warn", "UNREACHED": "warn",
-         "STALL": "warn", "INFRA": "warn", "INTERRUPTED": "muted"}
+         "STALL": "warn", "INFRA": "warn", "INTERRUPTED": "muted",
+         "DAMAGED": "warn"}
 REPORT_MD = "report.md"
 REPORT_HTML = "report.html"
 SURVIVAL_PNG = "survival.png"
@@ -61,8 +62,8 @@ class Mismatch:
 
 def meets_expectation(run: RunResult, expected: str | None) -> bool:
     """An INTERRUPTED repetition is neither a pass nor a failure of ``expect:``: it did not finish."""
-    return (not expected or run.verdict in (Verdict.INTERRUPTED, Verdict.INCOMPLETE)
-            or run.label in expected_labels(expected)
+    return (not expected or run.verdict in (Verdict.INTERRUPTED, Verdict.INCOMPLETE, Verdict.DAMAGED)
+            or meets(expected, run.label, run.kv_defects)
             # INFRA says nothing about the code: its own exit code (3), not "differs from expect"
             or (run.verdict is Verdict.INFRA and expected != "INFRA"))
 
@@ -82,16 +83,91 @@ def build_key(run: MatrixRun, build: BuildResults) -> str:
     return build.name
 
 
-def _effects_by_base(run: MatrixRun) -> tuple[list[stats.PatchEffect], list[stats.Factorial]]:
+def _effects_by_base(run: MatrixRun, kind: stats.FailureKind = stats.ANY_FAILURE
+                     ) -> tuple[list[stats.PatchEffect], list[stats.Factorial]]:
     """Patch effects compare builds on the same base only: across bases more than a patch differs."""
     effects, factorials = [], []
     for base in dict.fromkeys(b.base for b in run.builds):
         members = [b for b in run.builds if b.base == base]
         stacks = {build_key(run, b): list(b.patches) for b in members}
         runs = {build_key(run, b): list(b.runs) for b in members}
-        effects += stats.patch_effects(stacks, runs)
-        factorials += stats.factorials(stacks, runs)
+        effects += stats.patch_effects(stacks, runs, kind=kind) + stats.stack_effects(stacks, runs, kind=kind)
+        factorials += stats.factorials(stacks, runs, kind=kind)
     return effects, factorials
+
+
+def failure_kinds(run: MatrixRun) -> list[stats.FailureKind]:
+    """The questions the statistics answer one by one: the target crash, then every corruption
+    defect some repetition showed (by name); "any failure" comes on top of these."""
+    target = next((r for b in run.builds for r in b.runs if r.verdict is Verdict.CRASH
+                   and r.signature is not None and r.title and r.outcome.value == "target"), None)
+    label = "the target crash"
+    if target is not None and target.signature is not None:
+        label = f"the target crash ({target.signature.exception} in {target.signature.function.rsplit('.', 1)[-1]})"
+    kinds = [stats.FailureKind(stats.TARGET_CRASH.name, label, stats.TARGET_CRASH.outcome)]
+    names = sorted({name for b in run.builds for r in b.runs for name in r.kv_defects})
+    kinds += [stats.corruption_kind(name, name) for name in names]
+    return kinds
+
+
+def _ratio(r: stats.Rate) -> str:
+    return f"{r.crashes}/{r.trials}" if r.trials else "-"
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def proved(run: MatrixRun) -> list[str]:
+    """What the matrix proved, in words: per patch, which failures it removes (Fisher p <= 0.05),
+    brings in, or leaves; then every build that is clean. The first lines of report.md and of the
+    terminal output."""
+    kinds = failure_kinds(run)
+    by_patch: dict[str, list[stats.PatchEffect]] = {}
+    for kind in kinds:
+        for e in _effects_by_base(run, kind)[0]:
+            by_patch.setdefault(e.patch, []).append(e)
+    runs_of = {build_key(run, b): b.runs for b in run.builds}
+    lines = []
+    for patch, effects in by_patch.items():
+        clauses = []
+        named: set[str] = set()
+        for kind in kinds:
+            mine = [e for e in effects if e.kind.name == kind.name and e.measured]
+            pairs = "; ".join(f"{e.without} {_ratio(e.without_rate)} → {e.with_} {_ratio(e.with_rate)}"
+                              + (f", p = {min(e.p_value, e.p_raised):.2g}" if e.lowered or e.raised else "")
+                              for e in mine)
+            if any(e.lowered for e in mine):
+                clauses.append(f"removes {kind.label} ({pairs})")
+            elif any(e.raised for e in mine):
+                clauses.append(f"brings in {kind.label} ({pairs})")
+            elif any(e.with_rate.crashes and e.without_rate.crashes for e in mine):
+                clauses.append(f"does not remove {kind.label} ({pairs})")
+            elif any(e.with_rate.crashes or e.without_rate.crashes for e in mine):
+                clauses.append(f"changes {kind.label} by no significant amount ({pairs})")
+            else:
+                continue
+            named.add(kind.name)
+        # what the builds with this patch fail with that no clause named (its builds without the
+        # patch crashed before it could show): a fix that turns a crash into wrong KV says so here
+        left = []
+        for kind in kinds[1:]:
+            failing = [e.with_ for e in effects if e.kind.name == kind.name and e.with_rate.crashes]
+            if failing and kind.name not in named:
+                left.append(f"{kind.name} in " + ", ".join(f"{b} {_ratio(stats.rate(runs_of[b], kind))}"
+                                                           for b in failing))
+        together = " (added together)" if " + " in patch else ""
+        sentence = f"`{patch}`{together} " + ("; ".join(clauses) if clauses else "shows no measurable effect")
+        if left:
+            sentence += "; with it the engine still reads wrong KV: " + "; ".join(left)
+        lines.append(sentence + ".")
+    for b in run.builds:
+        if b.runs and all(r.verdict in (Verdict.SURVIVED, Verdict.UNREACHED) and r.kv_check == "ok"
+                          for r in b.runs):
+            labels = ", ".join(f"{n}x {label}" for label, n in Counter(r.label for r in b.runs).items())
+            lines.append(f"{build_key(run, b)} is clean: no crash and no wrong KV read in {len(b.runs)} of "
+                         f"{len(b.runs)} runs ({labels}; shadow-KV checks passed).")
+    return lines
 
 
 def _count(value: int | None) -> str:
@@ -148,6 +224,8 @@ def _run_json(r: RunResult) -> dict[str, Any]:
         "rep": r.rep, "base": r.base, "verdict": r.verdict.value, "label": r.label, "outcome": r.outcome.value,
         "title": r.title, "trigger_count": r.trigger_count, "external_hit_calls": r.external_hit_calls,
         "state_count": r.state_count, "state_groups": dict(r.state_groups), "kv_check": r.kv_check,
+        "kv_violations": r.kv_violations, "kv_defects": dict(r.kv_defects),
+        "kv_violations_by_class": dict(r.kv_violations_by), "kv_first_violation": r.kv_first_violation,
         "offload_load_jobs": r.offload_load_jobs, "requests": r.requests, "seconds": r.seconds,
         "load_seconds": r.load_seconds, "engine_start_s": r.engine_start_s, "run_dir": r.run_dir,
     }
@@ -178,9 +256,18 @@ def matrix_json(run: MatrixRun) -> dict[str, Any]:
             "failures_per_1000_states": {"failures": s.failures, "state_occurrences": s.occurrences,
                                          "per_1000": s.per_1000, "poisson_95": list(s.interval() or []) or None},
         }
-    effects, factorials = _effects_by_base(run)
+    kinds = [stats.ANY_FAILURE, *failure_kinds(run)]
+    effects, factorials = [], []
+    for kind in kinds:
+        kind_effects, kind_factorials = _effects_by_base(run, kind)
+        effects += kind_effects
+        factorials += kind_factorials
+    for b in run.builds:
+        builds[build_key(run, b)]["failure_rates"] = {k.name: _rate_json(stats.rate(b.runs, k)) for k in kinds}
     return {
         "run_id": run.run_id,
+        "proved": proved(run),
+        "failure_kinds": {k.name: k.label for k in kinds},
         "status": run.status,
         "target": run.info.target,
         "base": run.info.base,
@@ -188,14 +275,14 @@ def matrix_json(run: MatrixRun) -> dict[str, Any]:
         "builds": builds,
         "mismatches": [vars(m) for m in mismatches(run)],
         "patch_effects": [
-            {"patch": e.patch, "without": e.without, "with": e.with_,
+            {"patch": e.patch, "kind": e.kind.name, "without": e.without, "with": e.with_,
              "crashes_without": [e.without_rate.crashes, e.without_rate.trials],
              "crashes_with": [e.with_rate.crashes, e.with_rate.trials],
-             "p_value": round(e.p_value, 4)}
+             "p_value": round(e.p_value, 4), "p_raised": round(e.p_raised, 4)}
             for e in effects
         ],
         "factorials": [
-            {"patches": [f.patch_p, f.patch_q], "builds": {"none": f.none, "p": f.p, "q": f.q, "both": f.both},
+            {"kind": f.kind.name, "patches": [f.patch_p, f.patch_q], "builds": {"none": f.none, "p": f.p, "q": f.q, "both": f.both},
              "effect_p": _contrast_json(f.effect_p), "effect_q": _contrast_json(f.effect_q),
              "p_alone": _contrast_json(f.p_alone), "p_with_q": _contrast_json(f.p_with_q),
              "q_alone": _contrast_json(f.q_alone), "q_with_p": _contrast_json(f.q_with_p),
@@ -260,12 +347,10 @@ def matrix_table(run: MatrixRun) -> Group:
         for title, n in _titles(b):
             titles.append(Text(f"{build_key(run, b)}: {title}" + (f"  ({n}x)" if n > 1 else "")))
     lines: list[Any] = [table, *titles]
-    effects, _ = _effects_by_base(run)
-    for e in effects:
-        lines.append(Text(
-            f"{e.patch}: {e.without} {e.without_rate.crashes}/{e.without_rate.trials} crashed -> "
-            f"{e.with_} {e.with_rate.crashes}/{e.with_rate.trials}  (one-sided Fisher p = {e.p_value:.3g})"
-        ))
+    claims = proved(run)
+    if claims:
+        lines.append(Text("What this matrix proved:", style="bold"))
+        lines += [Text(f"  {claim.replace('`', '')}") for claim in claims]
     lines.append(Text(f"results: {run.path}", style="dim"))
     return Group(*lines)
 
@@ -310,22 +395,34 @@ def _verdict_blocks(run: MatrixRun) -> list[Block]:
 
 
 def _effect_blocks(run: MatrixRun) -> list[Block]:
-    effects, factorials = _effects_by_base(run)
+    kinds = [stats.ANY_FAILURE, *failure_kinds(run)]
+    rows = []
+    factorials: list[stats.Factorial] = []
+    for kind in kinds:
+        effects, kind_factorials = _effects_by_base(run, kind)
+        factorials += kind_factorials
+        for e in effects:
+            rows.append((Cell(e.patch, code=True), kind.name, f"{e.without} → {e.with_}", _ratio(e.without_rate),
+                         _ratio(e.with_rate),
+                         Cell(f"{e.p_value:.3g}" if e.measured else "-", "good" if e.lowered else ""),
+                         Cell(f"{e.p_raised:.3g}" if e.measured else "-", "bad" if e.raised else "")))
     blocks: list[Block] = []
-    if effects:
-        blocks += [Heading(2, "Patch effects"), Table(
-            ("patch", "without → with", "failed without", "failed with", "one-sided Fisher p"),
-            tuple((Cell(e.patch, code=True), f"{e.without} → {e.with_}",
-                   f"{e.without_rate.crashes}/{e.without_rate.trials}",
-                   f"{e.with_rate.crashes}/{e.with_rate.trials}",
-                   Cell(f"{e.p_value:.3g}", "good" if e.p_value <= 0.05 else ""))
-                  for e in effects), align="llrrr"),
-            Para("p: the probability that adding the patch lowered the failure rate this much by chance "
-                 "(Fisher's exact test, one-sided); 3/3 against 0/3 is p = 0.05.")]
+    if rows:
+        blocks += [Heading(2, "Patch effects, per kind of failure"), Table(
+            ("patch", "failure", "without → with", "failed without", "failed with", "p (lowered)", "p (raised)"),
+            tuple(rows), align="lllrrrr"),
+            Para("Each kind of failure is counted on its own: `any` is CRASH or CORRUPT against SURVIVED; "
+                 "`target` is the target crash (a run that served its budget did not hit it; another crash "
+                 "ended the run first and is not counted); each corruption defect is a run that showed it "
+                 "against one that served its budget under the shadow-KV check without it (a crash that "
+                 "did not show it is not counted). p: the probability that adding the patch lowered (or "
+                 "raised) that failure rate this much by chance (Fisher's exact test, one-sided); 3/3 "
+                 "against 0/3 is p = 0.05; `-`: a side has no counted run.")]
     for f in factorials:
         def row(name: str, c: stats.Contrast) -> tuple[str, str, str]:
             return (name, f"{100 * c.estimate:+.0f} pts", f"{100 * c.low:+.0f} to {100 * c.high:+.0f} pts")
-        blocks += [Heading(3, f"2x2: `{f.patch_p}` x `{f.patch_q}` ({f.none}, {f.p}, {f.q}, {f.both})"), Table(
+        blocks += [Heading(3, f"2x2 ({f.kind.name}): `{f.patch_p}` x `{f.patch_q}` "
+                              f"({f.none}, {f.p}, {f.q}, {f.both})"), Table(
             ("effect on the failure rate", "estimate", "95% CI (adjusted Wald)"),
             (row(f"`{f.patch_p}` (average over `{f.patch_q}`)", f.effect_p),
              row(f"`{f.patch_p}` without `{f.patch_q}` ({f.none} → {f.p})", f.p_alone),
@@ -476,6 +573,9 @@ def document(run: MatrixRun, out_dir: Path | None = None, bisection: list[Block]
     if run.status != "complete":
         blocks.append(Para(f"The run is **{run.status}**: only the repetitions that finished are shown.",
                            tone="warn"))
+    claims = proved(run)
+    if claims:
+        blocks += [Heading(2, "What this matrix proved"), Bullets(tuple(claims))]
     blocks += _verdict_blocks(run)
     blocks += _effect_blocks(run)
     if bisection:

@@ -272,10 +272,16 @@ def load_run(root: Path, run_id: str) -> MatrixRun:
         manifest: RunManifest | None = None
         for rep in _reps(build_dir):
             if manifest is None and (rep / "manifest.json").is_file():
-                manifest = _read_record(RunManifest, rep / "manifest.json")
+                try:
+                    manifest = _read_record(RunManifest, rep / "manifest.json")
+                except ResultsSchemaError:  # damaged: the next repetition's says the same
+                    pass
             if (rep / "verdict.json").is_file():
-                result: RunResult = _read_record(RunResult, rep / "verdict.json")
-                runs.append(result if result.base else replace(result, base=default_base))
+                try:
+                    result: RunResult = _read_record(RunResult, rep / "verdict.json")
+                except ResultsSchemaError as exc:  # one damaged file: that repetition, not the run
+                    result = _damaged(rep, name, default_base, str(exc))
+                runs.append(_attributed(result if result.base else replace(result, base=default_base)))
             elif (unfinished := _unfinished(rep, name, info.status, default_base)) is not None:
                 runs.append(unfinished)
         bases = list(dict.fromkeys(r.base or default_base for r in runs)) or [default_base]
@@ -288,6 +294,21 @@ def load_run(root: Path, run_id: str) -> MatrixRun:
     return MatrixRun(info=info, path=path, builds=tuple(builds))
 
 
+def _attributed(result: RunResult) -> RunResult:
+    """A repetition's corruption defects as today's signature table names them (the recorded
+    violation classes are the facts; which defect they are follows the table, so a run recorded
+    before a signature was added reads with it), and a CORRUPT title that names them."""
+    if not result.kv_violations:
+        return result
+    from .classify.corruption import defects_of
+    from .verdict import corruption_title
+
+    defects = defects_of(result.kv_violations, result.kv_violations_by, result.kv_first_violation_class,
+                         result.kv_groups)
+    title = corruption_title(defects, result.kv_first_violation) if result.verdict is Verdict.CORRUPT else result.title
+    return replace(result, kv_defects=defects, title=title)
+
+
 def _unfinished(rep: Path, build: str, run_status: str, base: str) -> RunResult | None:
     """A repetition with files but no verdict.json, as what it left (None: it left nothing)."""
     kept = sorted(p.name for p in rep.iterdir() if p.is_file() and not p.name.startswith("."))
@@ -297,3 +318,10 @@ def _unfinished(rep: Path, build: str, run_status: str, base: str) -> RunResult 
     return RunResult(build=build, rep=int(rep.name), verdict=Verdict.INCOMPLETE, outcome=Outcome.NONE,
                      title=f"no verdict: {state}; kept {', '.join(kept)}", trigger_count=0, external_hit_calls=0,
                      requests=0, seconds=0.0, run_dir=str(rep), base=base)
+
+
+def _damaged(rep: Path, build: str, base: str, why: str) -> RunResult:
+    """A repetition whose verdict.json cannot be read back (truncated, empty, not a verdict)."""
+    return RunResult(build=build, rep=int(rep.name), verdict=Verdict.DAMAGED, outcome=Outcome.NONE,
+                     title=f"DAMAGED: {why}", trigger_count=0, external_hit_calls=0, requests=0, seconds=0.0,
+                     run_dir=str(rep), base=base)

@@ -21,6 +21,7 @@ import requests
 
 from . import __version__, results, stats
 from .classify import classify_log, read_engine_counters, read_exposure
+from .classify.corruption import defects_of
 from .classify.lines import split_line
 from .deploy import get_target
 from .deploy.base import EngineHandle, Target
@@ -220,8 +221,10 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     exposure: Exposure = read_exposure(log_text, metrics_text)
     counters = read_engine_counters(log_text)
     expected_sha = artifact.manifest.get("probe_target_sha256")
+    defects = defects_of(exposure.kv_violations, exposure.kv_violations_by, exposure.kv_first_violation_class,
+                         exposure.kv_groups)
     verdict = decide(classification, exposure, load, engine_exit, expected_sha)
-    title = verdict_title(verdict, exposure, load, expected_sha) or classification.title
+    title = verdict_title(verdict, exposure, load, expected_sha, defects) or classification.title
     built_mismatch = geometry_mismatch(matrix.engine, log_text)
     if built_mismatch and verdict is not Verdict.INTERRUPTED:
         verdict, title = Verdict.INFRA, built_mismatch  # another engine than the matrix describes ran
@@ -240,6 +243,8 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
         probe_source_sha256=exposure.probe_source_sha256, probe_expected_sha256=expected_sha,
         kv_checks=exposure.kv_checks, kv_violations=exposure.kv_violations,
         kv_violations_by=dict(exposure.kv_violations_by), kv_first_violation=exposure.kv_first_violation,
+        kv_first_violation_class=exposure.kv_first_violation_class, kv_groups=exposure.kv_groups,
+        kv_defects=defects,
         offload_load_jobs=counters.offload_load_jobs, offload_store_jobs=counters.offload_store_jobs,
         engine_steps=counters.steps, engine_start_s=engine_start_s,
         external_prefix_cache_hits=int(total(samples, "vllm:external_prefix_cache_hits_total")),

@@ -11,6 +11,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import yaml
@@ -25,9 +26,35 @@ SHIPPED_MODELS = Path(__file__).resolve().parent / "data" / "models"
 _VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?([.+-]?[A-Za-z0-9.]+)?$")
 
 
+_NAMED_CORRUPT = re.compile(r"^CORRUPT\((?P<names>[^()]*)\)$")
+_DEFECT_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+
+
 def expected_labels(expect: str) -> tuple[str, ...]:
-    """An ``expect:`` value as the verdicts it accepts: ``SURVIVED|UNREACHED`` is either."""
-    return tuple(part.strip() for part in expect.split("|") if part.strip())
+    """An ``expect:`` value as the verdicts it accepts: ``SURVIVED|UNREACHED`` is either; a
+    ``CORRUPT(defect, ...)`` alternative is the verdict CORRUPT (see :func:`expected_defects`)."""
+    return tuple(_NAMED_CORRUPT.sub("CORRUPT", part.strip()) for part in expect.split("|") if part.strip())
+
+
+def expected_defects(alternative: str) -> tuple[str, ...]:
+    """The corruption defects a ``CORRUPT(a, b)`` alternative requires (each must be among the
+    run's); () for any other alternative."""
+    m = _NAMED_CORRUPT.match(alternative.strip())
+    return tuple(n.strip() for n in m["names"].split(",") if n.strip()) if m else ()
+
+
+def meets(expect: str | None, label: str, defects: Iterable[str] = ()) -> bool:
+    """Whether a repetition's verdict label (and, for CORRUPT, the defects it showed) is one that
+    ``expect:`` accepts. The one place that reads the ``expect:`` syntax; what counts as "not a
+    failure of expect:" (INTERRUPTED, INFRA) is the report's call (report.meets_expectation)."""
+    if not expect:
+        return True
+    shown = set(defects)
+    for alternative in (part.strip() for part in expect.split("|") if part.strip()):
+        wanted = expected_defects(alternative)
+        if _NAMED_CORRUPT.sub("CORRUPT", alternative) == label and shown.issuperset(wanted):
+            return True
+    return False
 
 
 class _Strict(BaseModel):
@@ -477,10 +504,17 @@ class Matrix(_Strict):
         for name, label in self.expect.items():
             if name not in self.builds:
                 raise _FieldError(f"expect.{name}", f"no build {name!r}; builds: {', '.join(self.builds)}")
-            for alternative in expected_labels(label):
+            for alternative, raw in zip(expected_labels(label), (p.strip() for p in label.split("|") if p.strip())):
                 if alternative not in EXPECTABLE:
                     raise _FieldError(f"expect.{name}", f"{alternative!r} is not a verdict; use one of "
                                       f"{', '.join(EXPECTABLE)}, or several joined by '|' (any of them)")
+                if _NAMED_CORRUPT.match(raw) and not expected_defects(raw):
+                    raise _FieldError(f"expect.{name}", f"{raw!r} names no defect: write CORRUPT, or "
+                                      "CORRUPT(<defect>) with a name from `kvrepro signatures`")
+                for defect in expected_defects(raw):
+                    if not _DEFECT_NAME.match(defect):
+                        raise _FieldError(f"expect.{name}", f"{defect!r} is not a defect name (lower-case "
+                                          "letters, digits and '-', as `kvrepro signatures` lists them)")
         return self
 
     @property

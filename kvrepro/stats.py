@@ -3,8 +3,10 @@
 Three crashes out of three against zero out of three is p = 0.05 (one-sided Fisher exact): the
 report says so, so that nobody ships a fix on a 1-of-1 coincidence. What is computed here:
 
-* per build, the failure rate (a run fails when it CRASHes or is CORRUPT; it succeeds when it
-  SURVIVED; every other verdict proves nothing about the code and is not counted), its exact
+* per build and per kind of failure (:class:`FailureKind`: any failure, the target crash, each
+  named corruption defect), the failure rate (for "any failure" a run fails when it CRASHes or
+  is CORRUPT and passes when it SURVIVED; every other verdict proves nothing about the code and
+  is not counted; each kind says what it counts), its exact
   Clopper-Pearson and its Wilson 95% interval, and for zero failures the one-sided upper bound
   ``1 - alpha ** (1 / n)`` ("0 of 3 is consistent with a rate up to 63%");
 * failures per 1,000 occurrences of the bug's state, with an exact Poisson interval: how often the
@@ -22,17 +24,62 @@ scipy does the distributions; the code here only says which question each number
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from scipy import stats as _sp
 
-from .records import RunResult, Verdict
+from .records import Outcome, RunResult, Verdict
 
 FAILED = (Verdict.CRASH, Verdict.CORRUPT)  # the bug showed: the engine died or served wrong KV
 PASSED = (Verdict.SURVIVED,)  # the bug's path ran and the engine got through it
 COUNTED = FAILED + PASSED  # VACUOUS, UNREACHED, STALL, INFRA, INTERRUPTED prove nothing either way
 CONFIDENCE = 0.95
+SIGNIFICANT = 0.05  # the p-value below which the report says a patch changed a failure rate
+
+
+@dataclass(frozen=True)
+class FailureKind:
+    """One question a run answers: "did it fail this way?". ``outcome(run)`` is True (it did),
+    False (it ran far enough to show it and did not) or None (the run says nothing about it: it
+    is not counted).
+
+    * :data:`ANY_FAILURE`: CRASH or CORRUPT against SURVIVED, the matrix's overall question;
+    * :data:`TARGET_CRASH`: the target signature's crash. A run that served its budget (CORRUPT
+      or SURVIVED) did not hit it; another crash ended the run before it could: not counted;
+    * :func:`corruption_kind`: one named corruption defect (kvrepro.classify.corruption). A run
+      that showed it failed, whatever its verdict; a run that served its budget with the shadow
+      KV checking (CORRUPT, SURVIVED or UNREACHED) and did not show it passed; a crash that
+      did not show it ended the run first and is censored, not counted.
+    """
+
+    name: str
+    label: str
+    outcome: Callable[[RunResult], bool | None]
+
+
+def _any_outcome(run: RunResult) -> bool | None:
+    return run.verdict in FAILED if run.verdict in COUNTED else None
+
+
+def _target_outcome(run: RunResult) -> bool | None:
+    if run.verdict is Verdict.CRASH:
+        return True if run.outcome is Outcome.TARGET else None
+    return False if run.verdict in (Verdict.CORRUPT, Verdict.SURVIVED) else None
+
+
+ANY_FAILURE = FailureKind("any", "any failure (crash or corruption)", _any_outcome)
+TARGET_CRASH = FailureKind("target", "the target crash", _target_outcome)
+
+
+def corruption_kind(name: str, label: str) -> FailureKind:
+    def outcome(run: RunResult) -> bool | None:
+        if run.kv_defects.get(name):
+            return True
+        if run.verdict in (Verdict.CORRUPT, Verdict.SURVIVED, Verdict.UNREACHED) and run.kv_check != "off":
+            return False
+        return None
+    return FailureKind(name, label, outcome)
 
 
 @dataclass(frozen=True)
@@ -77,9 +124,10 @@ class Rate:
         return 1 - (1 - confidence) ** (1 / self.trials)
 
 
-def rate(runs: Iterable[RunResult]) -> Rate:
-    counted = [r for r in runs if r.verdict in COUNTED]
-    return Rate(crashes=sum(r.verdict in FAILED for r in counted), trials=len(counted))
+def rate(runs: Iterable[RunResult], kind: FailureKind = ANY_FAILURE) -> Rate:
+    outcomes = [kind.outcome(r) for r in runs]
+    counted = [o for o in outcomes if o is not None]
+    return Rate(crashes=sum(counted), trials=len(counted))
 
 
 @dataclass(frozen=True)
@@ -119,6 +167,11 @@ def fisher_one_sided(a_crash: int, a_n: int, b_crash: int, b_n: int) -> float:
     return float(_sp.fisher_exact(table, alternative="greater").pvalue)
 
 
+def fisher_raised(a_crash: int, a_n: int, b_crash: int, b_n: int) -> float:
+    """The other side: P(B fails this often or more by chance), for "the patch brought a failure in"."""
+    return fisher_one_sided(b_crash, b_n, a_crash, a_n)
+
+
 @dataclass(frozen=True)
 class PatchEffect:
     patch: str
@@ -127,6 +180,21 @@ class PatchEffect:
     without_rate: Rate
     with_rate: Rate
     p_value: float  # that adding the patch lowered the failure rate by chance
+    kind: FailureKind = ANY_FAILURE
+    p_raised: float = 1.0  # that adding the patch raised it by chance
+
+    @property
+    def measured(self) -> bool:
+        """Both builds have counted runs for this kind of failure."""
+        return bool(self.without_rate.trials and self.with_rate.trials)
+
+    @property
+    def lowered(self) -> bool:
+        return self.measured and self.p_value <= SIGNIFICANT + 1e-9  # 3/3 vs 0/3 is 0.05 up to rounding
+
+    @property
+    def raised(self) -> bool:
+        return self.measured and self.p_raised <= SIGNIFICANT + 1e-9
 
 
 def _adds_one(a_stack: Sequence[str], b_stack: Sequence[str]) -> str | None:
@@ -137,10 +205,31 @@ def _adds_one(a_stack: Sequence[str], b_stack: Sequence[str]) -> str | None:
     return None
 
 
+def stack_effects(builds: Mapping[str, Sequence[str]], runs: Mapping[str, Sequence[RunResult]],
+                  kind: FailureKind = ANY_FAILURE) -> list[PatchEffect]:
+    """For a build that no other build reaches by one patch (E = D + two backports), the effect of
+    what it adds to its closest build below it (the largest stack it contains); ``patch`` names
+    the added patches joined by " + "."""
+    effects = []
+    for b, b_stack in builds.items():
+        if any(_adds_one(a_stack, b_stack) for a_stack in builds.values()):
+            continue  # patch_effects covers it one patch at a time
+        below = [(len(a_stack), a) for a, a_stack in builds.items()
+                 if a != b and len(a_stack) < len(b_stack) and all(p in b_stack for p in a_stack)]
+        if not below:
+            continue
+        a = max(below)[1]
+        added = " + ".join(p for p in b_stack if p not in builds[a])
+        ra, rb = rate(runs.get(a, []), kind), rate(runs.get(b, []), kind)
+        effects.append(PatchEffect(added, a, b, ra, rb, fisher_one_sided(ra.crashes, ra.trials, rb.crashes, rb.trials),
+                                   kind, fisher_raised(ra.crashes, ra.trials, rb.crashes, rb.trials)))
+    return effects
+
+
 def patch_effects(builds: Mapping[str, Sequence[str]], runs: Mapping[str, Sequence[RunResult]],
-                  bases: Mapping[str, str] | None = None) -> list[PatchEffect]:
+                  bases: Mapping[str, str] | None = None, kind: FailureKind = ANY_FAILURE) -> list[PatchEffect]:
     """One entry per pair of builds (on the same base, when ``bases`` says) whose stacks differ by
-    exactly one added patch."""
+    exactly one added patch, for one kind of failure."""
     effects = []
     bases = bases or {}
     for a, a_stack in builds.items():
@@ -149,9 +238,10 @@ def patch_effects(builds: Mapping[str, Sequence[str]], runs: Mapping[str, Sequen
                 continue  # across releases more than one patch differs
             patch = _adds_one(a_stack, b_stack)
             if patch is not None:
-                ra, rb = rate(runs.get(a, [])), rate(runs.get(b, []))
-                effects.append(PatchEffect(patch, a, b, ra, rb, fisher_one_sided(ra.crashes, ra.trials,
-                                                                                  rb.crashes, rb.trials)))
+                ra, rb = rate(runs.get(a, []), kind), rate(runs.get(b, []), kind)
+                effects.append(PatchEffect(patch, a, b, ra, rb,
+                                           fisher_one_sided(ra.crashes, ra.trials, rb.crashes, rb.trials), kind,
+                                           fisher_raised(ra.crashes, ra.trials, rb.crashes, rb.trials)))
     return effects
 
 
@@ -199,10 +289,13 @@ class Factorial:
     q_alone: Contrast
     q_with_p: Contrast
     interaction: Contrast
+    kind: FailureKind = ANY_FAILURE
 
 
-def factorials(builds: Mapping[str, Sequence[str]], runs: Mapping[str, Sequence[RunResult]]) -> list[Factorial]:
-    """Every 2x2 among the builds (each found once, patches in the order the builds are listed)."""
+def factorials(builds: Mapping[str, Sequence[str]], runs: Mapping[str, Sequence[RunResult]],
+               kind: FailureKind = ANY_FAILURE) -> list[Factorial]:
+    """Every 2x2 among the builds (each found once, patches in the order the builds are listed),
+    for one kind of failure."""
     found: list[Factorial] = []
     seen: set[frozenset[str]] = set()
     names = list(builds)
@@ -221,7 +314,7 @@ def factorials(builds: Mapping[str, Sequence[str]], runs: Mapping[str, Sequence[
                 if both is None or key in seen:
                     continue
                 seen.add(key)
-                r0, rp, rq, rb = (rate(runs.get(n, [])) for n in (none, p_build, q_build, both))
+                r0, rp, rq, rb = (rate(runs.get(n, []), kind) for n in (none, p_build, q_build, both))
                 contrasts = {
                     "effect_p": _contrast([(r0, -0.5), (rp, 0.5), (rq, -0.5), (rb, 0.5)]),
                     "effect_q": _contrast([(r0, -0.5), (rp, -0.5), (rq, 0.5), (rb, 0.5)]),
@@ -233,7 +326,8 @@ def factorials(builds: Mapping[str, Sequence[str]], runs: Mapping[str, Sequence[
                 }
                 if any(c is None for c in contrasts.values()):
                     continue
-                found.append(Factorial(patch_p, patch_q, none, p_build, q_build, both, **contrasts))  # type: ignore[arg-type]
+                found.append(Factorial(patch_p, patch_q, none, p_build, q_build, both, **contrasts,  # type: ignore[arg-type]
+                                       kind=kind))
     return found
 
 

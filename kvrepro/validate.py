@@ -116,6 +116,16 @@ def check(loaded: LoadedMatrix, target: str | None = None, engine_flags: bool = 
     if m.load.profile not in profiles:
         problems.append(f"{_where(loaded, 'load.profile', lines)}: load.profile: unknown profile {m.load.profile!r}; "
                         f"known profiles: {', '.join(profiles)} (one file each under kvrepro/loadgen/profiles/)")
+    from .classify.corruption import UNKNOWN, known_corruptions
+    from .spec import expected_defects
+
+    defects = {c.name for c in known_corruptions()} | {UNKNOWN}
+    for build, expect in m.expect.items():
+        for alternative in expect.split("|"):
+            for defect in expected_defects(alternative):
+                if defect not in defects:
+                    problems.append(f"{_where(loaded, f'expect.{build}', lines)}: expect.{build}: unknown defect "
+                                    f"{defect!r}; known: {', '.join(sorted(defects))} (`kvrepro signatures`)")
     problem = _model_problem(loaded, target_name)
     if problem:
         problems.append(f"{_where(loaded, 'engine.model', lines)}: engine.model: {problem}")

@@ -17,6 +17,9 @@ The rules that matter:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from .classify.corruption import UNKNOWN, title_of
 from .records import Classification, Exposure, LoadSummary, Outcome, Verdict
 
 # share of requests that may fail, with the engine alive, in a run that still counts
@@ -64,14 +67,24 @@ def decide(classification: Classification, exposure: Exposure, load: LoadSummary
     return Verdict.UNREACHED if exposure.trigger_calls > 0 else Verdict.VACUOUS
 
 
+def corruption_title(defects: Mapping[str, int], first_violation: str | None = None) -> str:
+    """A CORRUPT run's title: the defects it showed, by name, in words (stable across runs of the
+    same defects, so that a build's repetitions group under one title); a run whose violations no
+    signature knows quotes its first violation."""
+    if not defects or set(defects) == {UNKNOWN}:
+        return f"silent KV corruption: {first_violation or 'see kvrepro-shadow lines in engine.log'}"
+    names = sorted(defects, key=lambda name: (name == UNKNOWN, name))
+    return "silent KV corruption: " + "; ".join(f"{title_of(name)} [{name}]" for name in names)
+
+
 def title(verdict: Verdict, exposure: Exposure, load: LoadSummary | None,
-          expected_probe_sha256: str | None = None) -> str | None:
+          expected_probe_sha256: str | None = None, defects: Mapping[str, int] | None = None) -> str | None:
     """The words for a verdict that no traceback names (None: keep the classifier's title)."""
     if verdict is Verdict.INFRA and wrong_code(exposure, expected_probe_sha256):
         return (f"wrong code ran: the probe hashed update_state_after_alloc as "
                 f"{exposure.probe_source_sha256[:12]}, the build holds {expected_probe_sha256[:12]}")
     if verdict is Verdict.CORRUPT:
-        return f"silent KV corruption: {exposure.kv_first_violation or 'see kvrepro-shadow lines in engine.log'}"
+        return corruption_title(defects or {}, exposure.kv_first_violation)
     if verdict is Verdict.INFRA and load is not None and load.requests_ok and too_many_failed(load):
         return (f"{load.requests_failed} of {load.requests_sent} requests failed with the engine up (more than "
                 f"{MAX_FAILED_SHARE:.0%}): the load did not test the engine; see load.jsonl")

@@ -36,6 +36,25 @@ def test_run_evidence_table(record, expected):
     assert evidence(record) is expected
 
 
+@pytest.mark.parametrize("record, expected", [
+    # the shadow KV caught wrong KV, then something unrelated ended the run: corruption was seen
+    (run("CRASH", "other_crash") | {"kv_check": "corrupt"}, Evidence.BAD),
+    (run("INTERRUPTED") | {"kv_check": "corrupt", "stopped_because": "interrupted"}, Evidence.BAD),
+    (run("CRASH", "other_crash") | {"kv_check": "ok"}, Evidence.SKIP),
+    (run("UNREACHED") | {"kv_check": "ok"}, Evidence.UNREACHED),
+    # INFRA stays a skip: wrong code ran, or the load did not test the engine
+    (run("INFRA", "infra") | {"kv_check": "corrupt"}, Evidence.SKIP),
+])
+def test_wrong_kv_is_bad_whatever_ended_the_run(record, expected):
+    assert evidence(record) is expected
+
+
+def test_with_a_title_corruption_does_not_decide():
+    crashed = run("CRASH", "other_crash", "AssertionError in _apply_cow: x") | {"kv_check": "corrupt"}
+    assert evidence(crashed, title="update_state_after_alloc") is Evidence.SKIP
+    assert evidence(run("CORRUPT") | {"kv_check": "corrupt"}, title="x") is Evidence.HANDLED
+
+
 def test_title_selects_the_crash_and_other_crashes_are_skips():
     other = run("CRASH", "other_crash", "AssertionError in _apply_cow: block_idx < len(req_blocks)")
     target = run("CRASH", "target", "AssertionError in update_state_after_alloc: x")

@@ -35,7 +35,8 @@ def test_builds_a_and_d_give_target_crash_and_silent_corruption(tmp_path, overla
     assert a["trigger_count"] > 0  # the crashing call itself is counted
     assert a["state_count"] >= 1 and set(a["state_groups"]) == {"full_attention"}, a  # ... in its state
     assert d["verdict"] == "CORRUPT" and d["kv_check"] == "corrupt", d
-    assert d["title"].startswith("silent KV corruption: step="), d["title"]
+    assert d["title"].startswith("silent KV corruption: "), d["title"]
+    assert "fa-hole-below-boundary" in d["kv_defects"], d  # named: the boundary fix's hole
     assert d["trigger_count"] > 0 and d["state_count"] > 0, d
     assert set(d["state_groups"]) == {"full_attention"}, d
     assert d["requests"] == 600  # it did not crash: the whole budget was served
@@ -55,7 +56,9 @@ def test_builds_a_and_d_give_target_crash_and_silent_corruption(tmp_path, overla
     assert got["outcome"] == "target"
     assert got["signature"]["function"] == "update_state_after_alloc"
     got = json.loads(kvrepro("classify", str(run_dir / "engine.log"), "--json").stdout)
-    assert got == {"outcome": "none", "title": got["title"], "signature": None}
+    assert (got["outcome"], got["signature"]) == ("none", None)
+    # the same log read for its corruption: the defects the run's verdict named
+    assert got["kv_defects"] == d["kv_defects"] and got["kv_violations"] == d["kv_violations"]
 
 
 def test_a_hunk_that_does_not_apply_fails_only_its_build(tmp_path, matrix_copy, overlays):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvrepro.errors import SpecError
-from kvrepro.minimize import Failure, corruption_matches, resolve_plan, violation_kind
+from kvrepro.minimize import Failure, corruption_matches, kind_count, resolve_plan, violation_kind
 from kvrepro.spec import TargetSignature
 
 from conftest import require
@@ -118,7 +118,8 @@ def corrupt_run(default_matrix, overlays, tmp_path_factory):
     options = MatrixOptions(target="sim", builds=["B"], repetitions=1, results_root=root, jobs=1, replay=trace)
     run = run_matrix(default_matrix, options)
     r = run.build("B").runs[0]
-    assert r.label == "CORRUPT" and r.kv_violations_by.get("full_attention+offload"), (r.label, r.kv_violations_by)
+    assert r.label == "CORRUPT" and kind_count(r.kv_violations_by, "full_attention+offload"), (r.label, r.kv_violations_by)
+    assert "fa-hole-below-boundary" in r.kv_defects, r.kv_defects  # and the defect it is, named
     return root, run.run_id, len(requests), len(shipped.requests)
 
 

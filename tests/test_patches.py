@@ -23,11 +23,18 @@ from kvrepro.builds.patching import (
 from kvrepro.errors import SetupError, SpecError
 from kvrepro.records import PatchFailure, PatchRef
 from kvrepro.spec import load_matrix
+from kvrepro.versions import SUPPORTED_RELEASES
 
 PROJECT = Path(__file__).resolve().parent.parent
 MATRIX = PROJECT / "matrix.yaml"
 BUILDS_DIR = PROJECT / "builds"
 SCHEDULER = "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
+CORE_SCHEDULER = "vllm/v1/core/sched/scheduler.py"
+COORDINATOR = "vllm/v1/core/kv_cache_coordinator.py"
+KV_CACHE_MANAGER = "vllm/v1/core/kv_cache_manager.py"
+CONNECTOR_BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
+MULTI_CONNECTOR = "vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py"
+NIXL_CONNECTOR = "vllm/distributed/kv_transfer/kv_connector/v1/nixl/connector.py"
 @pytest.fixture(scope="session")
 def vllm_src(request) -> Path:
     """A READ-ONLY pristine vLLM 0.26.0 tree (a folder holding `vllm/`).
@@ -123,6 +130,7 @@ def test_matrix_declares_the_expected_stacks():
         "B": ["pr-49146", "pr-52807"],
         "C": ["pr-49146", "pr-52771"],
         "D": ["pr-49146", "pr-52771", "pr-52807"],
+        "E": ["pr-49146", "pr-52771", "pr-52807", "pr-48425", "pr-50344"],
     }
 
 
@@ -202,9 +210,19 @@ def test_pr52771_drops_the_all_groups_drafter_fallback(tree, vllm_src):
     assert fallback_assignments((root / SCHEDULER).read_text()) == []
 
 
+TOUCHED = {
+    "pr-49146.patch": [SCHEDULER],
+    "pr-52771.patch": [SCHEDULER],
+    "pr-52807.patch": [SCHEDULER],
+    "pr-48425.patch": [COORDINATOR, KV_CACHE_MANAGER, CORE_SCHEDULER],
+    "pr-50344.patch": [CONNECTOR_BASE, MULTI_CONNECTOR, NIXL_CONNECTOR, CORE_SCHEDULER],
+    "decoy-docstring.patch": ["vllm/logger.py"],
+}
+
+
 @pytest.mark.parametrize("patch", sorted(p.name for p in BUILDS_DIR.glob("*.patch")))
 def test_touched_files_of_real_patches(patch: str):
-    assert touched_files(BUILDS_DIR / patch) == [SCHEDULER]
+    assert touched_files(BUILDS_DIR / patch) == TOUCHED[patch]
 
 
 def test_headers_agree_with_matrix():
@@ -215,6 +233,85 @@ def test_headers_agree_with_matrix():
         assert header.title and header.description
         assert header.base == f"vllm {matrix.base}"
         assert all(r in matrix.patches for r in header.requires), name
+        # provenance: each Derived-From names a later release tree and a file the diff touches
+        touched = touched_files(BUILDS_DIR / spec.file)
+        for derived in header.derived_from:
+            assert derived.release in SUPPORTED_RELEASES, (name, derived)
+            assert SUPPORTED_RELEASES.index(derived.release) > SUPPORTED_RELEASES.index(matrix.base), (name, derived)
+            assert derived.file in touched, (name, derived)
+
+
+def test_backports_say_which_release_tree_each_file_came_from():
+    for patch in ("pr-48425.patch", "pr-50344.patch"):
+        header = read_header(BUILDS_DIR / patch)
+        assert sorted(d.file for d in header.derived_from) == sorted(touched_files(BUILDS_DIR / patch)), patch
+    assert {d.release for d in read_header(BUILDS_DIR / "pr-48425.patch").derived_from} == {"0.27.0"}
+    assert {d.release for d in read_header(BUILDS_DIR / "pr-50344.patch").derived_from} == {"0.28.0"}
+
+
+def _stack_for(name: str) -> list[str]:
+    """common, then what `name` requires (recursively, each once), then `name`."""
+    matrix = _matrix().matrix
+    order: list[str] = list(matrix.common)
+
+    def add(patch: str) -> None:
+        for required in read_header(BUILDS_DIR / matrix.patches[patch].file).requires:
+            add(required)
+        if patch not in order:
+            order.append(patch)
+
+    add(name)
+    return order
+
+
+@pytest.mark.parametrize("name", list(_matrix().matrix.patches))
+def test_every_declared_patch_changes_what_it_claims_on_its_required_stack(name: str, tree):
+    """Also the patches no build uses (the bisection's decoy): claims false before, true after."""
+    root = tree()
+    stack = _stack_for(name)
+    assert apply_patch_stack(root, [_ref(p) for p in stack[:-1]]) is None
+    header = read_header(_ref(name).path)
+    assert header.expects
+    assert [e.describe() for e in header.expects if e.holds(root)] == []
+    assert apply_patch_stack(root, [_ref(name)]) is None
+    assert check_expectations(root, header) == []
+    for rel in touched_files(_ref(name).path):
+        compile((root / rel).read_text(), rel, "exec")
+
+
+def test_pr48425_applies_to_bare_base_and_pr50344_needs_it(tree):
+    """pr-48425 does not depend on the offloading patches (a bisection may pick it alone);
+    pr-50344 fails on a tree without pr-48425 and says so."""
+    root = tree()
+    assert apply_patch_stack(root, [_ref("pr-48425")]) is None
+    root = tree("without")
+    failure = apply_patch_stack(root, [_ref("pr-49146"), _ref("pr-50344")])
+    assert failure is not None and failure.patch == "pr-50344"
+    assert "requires pr-48425" in failure.detail
+
+
+def test_backports_replace_the_max_of_groups_local_hit(tree, vllm_src):
+    """0.26.0's schedule() takes max(per_group_hits) for any connector; after pr-48425 the connector's
+    local hit comes from get_computed_blocks_for_connector, after pr-50344 only for capable connectors."""
+    def schedule_calls(source: str) -> set[str]:
+        func = _function(source, "Scheduler", "schedule")
+        return {ast.unparse(n.func) for n in ast.walk(func) if isinstance(n, ast.Call)}
+
+    before = schedule_calls((vllm_src / CORE_SCHEDULER).read_text())
+    assert "max" in before and "self.kv_cache_manager.coordinator.find_longest_cache_hit_per_group" in before
+    root = tree()
+    assert apply_patch_stack(root, _plan("E").patches[:-1]) is None  # D + pr-48425
+    mid = schedule_calls((root / CORE_SCHEDULER).read_text())
+    assert "self.kv_cache_manager.coordinator.find_longest_cache_hit_per_group" not in mid
+    assert "self.kv_cache_manager.get_computed_blocks_for_connector" in mid
+    assert apply_patch_stack(root, _plan("E").patches[-1:]) is None
+    after = schedule_calls((root / CORE_SCHEDULER).read_text())
+    assert "self._get_local_prefix_cache_hit" in after
+    assert "self.kv_cache_manager.get_computed_blocks_for_connector" not in after
+    # the OffloadingConnector inherits the base class's False: it gets the reconciled hit
+    base = ast.parse((root / CONNECTOR_BASE).read_text())
+    prop = _function(ast.unparse(base), "KVConnectorBase_V1", "supports_divergent_local_hybrid_hits")
+    assert ast.unparse(prop.body[-1]) == "return False"
 
 
 # ------------------------------------------------------------------ failures
@@ -367,3 +464,32 @@ def test_touched_files_rejects_paths_outside_the_tree(tmp_path):
     path.write_text("--- a/../etc/passwd\n+++ b/../etc/passwd\n@@ -1 +1 @@\n-a\n+b\n")
     with pytest.raises(SpecError, match="outside the tree"):
         touched_files(path)
+
+
+def test_derived_from_is_parsed_and_repeatable(tmp_path):
+    path = tmp_path / "backport.patch"
+    path.write_text("# Upstream: u\n# Title: t\n"
+                    "# Derived-From: vllm 0.27.0 vllm/v1/core/kv_cache_manager.py (get_computed_blocks_for_connector)\n"
+                    "# Derived-From: vllm 0.28.0 vllm/v1/core/sched/scheduler.py\n"
+                    '# Expect: vllm/a.py contains "x"\n#\n# why\n'
+                    "--- a/vllm/a.py\n+++ b/vllm/a.py\n@@ -1 +1 @@\n-x\n+y\n")
+    derived = read_header(path).derived_from
+    assert [(d.release, d.file, d.note, d.line) for d in derived] == [
+        ("0.27.0", "vllm/v1/core/kv_cache_manager.py", "get_computed_blocks_for_connector", 3),
+        ("0.28.0", "vllm/v1/core/sched/scheduler.py", "", 4),
+    ]
+    assert derived[0].describe() == "vllm 0.27.0 vllm/v1/core/kv_cache_manager.py (get_computed_blocks_for_connector)"
+
+
+@pytest.mark.parametrize("value, problem", [
+    ("0.27.0 vllm/v1/core/kv_cache_manager.py", "must read `vllm <release> <relative file>"),
+    ("vllm main vllm/v1/core/kv_cache_manager.py", "must read `vllm <release> <relative file>"),
+    ("vllm 0.27.0", "must read `vllm <release> <relative file>"),
+    ("vllm 0.27.0 /etc/passwd (x)", "must be a relative path inside the tree"),
+])
+def test_malformed_derived_from_names_the_line(tmp_path, value: str, problem: str):
+    path = tmp_path / "bad.patch"
+    path.write_text(f"# Upstream: u\n# Title: t\n# Derived-From: {value}\n--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+b\n")
+    with pytest.raises(SpecError, match=r"bad\.patch:3: Derived-From") as info:
+        read_header(path)
+    assert problem in str(info.value)

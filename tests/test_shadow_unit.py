@@ -103,7 +103,7 @@ def test_mamba_align_reads_the_state_at_exactly_the_computed_prefix():
     line = next(l for l in out.getvalue().splitlines() if " violation " in l)
     assert "request r3 group 1 (mamba) block index 1: the state after 8 tokens must be read from a block the " \
            "request does not have (null block)" in line
-    assert "by=mamba:1" in out.getvalue()
+    assert "by=mamba/null-block/hit:1" in out.getvalue() and "class=mamba/null-block/hit " in line
 
 
 def test_spec_decode_rollback_keeps_the_state_readable_at_the_accepted_length():
@@ -126,3 +126,22 @@ def test_spec_decode_rollback_keeps_the_state_readable_at_the_accepted_length():
     line = next(l for l in out.getvalue().splitlines() if " violation " in l)
     assert "request r group 0 (full_attention) block index 2 (GPU block 3): positions 8-8" in line
     assert "1 of 1 positions computed from other tokens" in line
+
+
+def test_each_violation_is_classed_by_group_offload_read_and_region_and_a_served_hole_is_inherited():
+    """The classes the corruption signatures read: r2 resumes at 8 tokens with an offload hit but
+    block index 1 was neither loaded nor computed (a hole); r3 then hits the same block locally
+    (no offload hit): the prefix cache served the hole again, class region "inherited"."""
+    kv, out = shadow(FullAttentionSpec)
+    prefill(kv, "r1", ([1, 2, 3],))
+    kv.loaded_for.add("r2")  # as the worker reports a load job for r2
+    prefill(kv, "r2", ([1, 9, 5],), computed=8)  # block 9 never written: the hole
+    prefill(kv, "r3", ([1, 9, 6],), computed=8)
+    assert kv.by_kind == {"full_attention+offload/missing/hit": 1, "full_attention/missing/inherited": 1}
+    lines = [l for l in out.getvalue().splitlines() if " violation " in l]
+    assert "class=full_attention+offload/missing/hit request r2" in lines[0]
+    assert "class=full_attention/missing/inherited request r3" in lines[1]
+    # a block written again is no hole any more: r4 computes block 9 itself, r5 hits it cleanly
+    prefill(kv, "r4", ([1, 9, 7],), computed=4)
+    prefill(kv, "r5", ([1, 9, 8],), computed=8)
+    assert kv.violations == 2, out.getvalue()

@@ -15,7 +15,7 @@ from kvrepro.spec import load_matrix, parse_matrix
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_default_matrix_is_valid_and_plans_a_to_d():
+def test_default_matrix_is_valid_and_plans_a_to_e():
     loaded = load_matrix(ROOT / "matrix.yaml")
     plans = {p.name: [x.name for x in p.patches] for p in loaded.plans()}
     assert plans == {
@@ -23,7 +23,13 @@ def test_default_matrix_is_valid_and_plans_a_to_d():
         "B": ["pr-49146", "pr-52807"],
         "C": ["pr-49146", "pr-52771"],
         "D": ["pr-49146", "pr-52771", "pr-52807"],
+        "E": ["pr-49146", "pr-52771", "pr-52807", "pr-48425", "pr-50344"],
     }
+    # the decoy of `bisect patches` is declared (and pinned) but in no build
+    assert "decoy-docstring" in loaded.matrix.patches
+    assert all("decoy-docstring" not in stack for stack in loaded.matrix.builds.values())
+    assert loaded.patch_ref("decoy-docstring").sha256 == hashlib.sha256(
+        loaded.patch_ref("decoy-docstring").path.read_bytes()).hexdigest()
     assert loaded.matrix.base == "0.26.0"
     assert loaded.matrix.target == "sim"
     for plan in loaded.plans():

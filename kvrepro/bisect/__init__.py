@@ -11,6 +11,7 @@ records :class:`kvrepro.records.BisectStep` / :class:`kvrepro.records.BisectResu
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,10 @@ from ..builds import gitcommit
 from ..errors import SpecError
 from ..records import BisectResult
 from ..spec import load_matrix
-from .points import Point, PointMatrices, point_label, releases_between
-from .rules import PointRule, PointVerdict, default_max_runs, runs_needed_for_good
+from .points import Point, PointMatrices, point_key, point_label, releases_between
+from .rules import Evidence, PointRule, PointVerdict, default_max_runs, evidence, run_label, runs_needed_for_good
 from .search import bisect_linear, ddmin, next_midpoint
-from .session import Interrupted, Session, is_bisection, load_state, result_from_state
+from .session import BisectionBusy, Interrupted, Session, ensure_idle, is_bisection, load_state, result_from_state
 
 KINDS = ("releases", "commits", "patches")
 
@@ -210,11 +211,31 @@ def _patches(session: Session) -> BisectResult:
                     prefetch=lambda subsets: session.prefetch([point(s) for s in subsets]))
     removal = {}
     for patch in candidates:
-        verdict = removes_crash([c for c in candidates if c != patch], "removal")
-        removal[patch] = {PointVerdict.BAD: "crash comes back", PointVerdict.GOOD: "still no crash",
-                          PointVerdict.SKIP: "undecided (skip)"}[verdict]
-    return session.finish(minimal, detail={"without_each": removal, "base": session.matrices.loaded.matrix.bases[0],
+        subset = [c for c in candidates if c != patch]
+        removal[patch] = _effect(session, point(subset), removes_crash(subset, "removal"))
+    # what each member of the answer removes: the answer without it (ddmin has run these points
+    # to prove the answer 1-minimal, so they come from the record)
+    members = {patch: _effect(session, point([c for c in minimal if c != patch]),
+                              removes_crash([c for c in minimal if c != patch], "member"))
+               for patch in minimal}
+    return session.finish(minimal, detail={"without_each": removal, "member_removes": members,
+                                           "base": session.matrices.loaded.matrix.bases[0],
                                            "common": list(session.matrices.loaded.matrix.common)})
+
+
+def _effect(session: Session, point: Point, verdict: PointVerdict) -> str:
+    """What a point's runs showed, in words: which bad verdicts came back, or that it stayed clean."""
+    tally = session.tally(point)
+    if verdict is PointVerdict.BAD:
+        title = session.state["request"].get("title")
+        bad = [run for run in session.state["points"].get(point_key(point), {}).get("runs", [])
+               if evidence(run, title) is Evidence.BAD]
+        labels = Counter(run_label(r) + ("+CORRUPT" if r.get("kv_check") == "corrupt" and run_label(r) != "CORRUPT"
+                                         and title is None else "") for r in bad)
+        return "bad again: " + ", ".join(f"{n}x {label}" for label, n in sorted(labels.items()))
+    if verdict is PointVerdict.GOOD:
+        return f"still clean ({tally.clean} clean runs, {tally.state})"
+    return f"undecided (skip): {_reason(session, point) or _counts(session, point)}"
 
 
 def probe_point(root: Path, request: dict[str, Any], **session_kw) -> tuple[PointVerdict, BisectResult]:
@@ -244,4 +265,4 @@ def probe_point(root: Path, request: dict[str, Any], **session_kw) -> tuple[Poin
     return verdict, result
 
 
-__all__ = ["Interrupted", "KINDS", "check_request", "is_bisection", "load_state", "probe_point", "result_from_state", "resume", "start"]
+__all__ = ["BisectionBusy", "Interrupted", "ensure_idle", "KINDS", "check_request", "is_bisection", "load_state", "probe_point", "result_from_state", "resume", "start"]

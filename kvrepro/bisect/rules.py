@@ -19,6 +19,14 @@ INTERRUPTED         (dropped)     Ctrl-C: the run is redone on --resume
 A run whose load was stopped by Ctrl-C is dropped whatever its verdict, unless it is bad: a
 crash seen before the stop is real, a shutdown traceback logged by the stop is not.
 
+**Wrong KV is bad whatever ended the run.** The run verdict ranks a crash above corruption, so a
+run in which the shadow KV caught wrong KV (``kv_check: corrupt``) and that then died on an
+unrelated crash is ``CRASH(other)``, and one stopped by Ctrl-C is ``INTERRUPTED``. Without
+``--title`` such a run is **bad**, not a skip: the corruption was observed. (``INFRA`` stays a
+skip: wrong code ran, or the load did not test the engine.) So a good point means no crash and
+no corruption, on a run whose trigger path ran. A run without a shadow KV (``kv_check: off``,
+e.g. a real GPU) cannot show corruption; its clean verdict only speaks for the crash.
+
 With ``--title TEXT`` a crash is bad when its title contains TEXT (any outcome) and a skip
 otherwise, and a CORRUPT run counts as clean ("handled"): the engine lived and the crash named
 by TEXT did not happen (use this to ask which change removed an assertion even where the
@@ -85,6 +93,8 @@ def evidence(run: Mapping[str, Any], title: str | None = None) -> Evidence:
         found = RUN_EVIDENCE["CRASH(target)"] if title.lower() in str(run.get("title", "")).lower() else Evidence.SKIP
     elif title is not None and label == "CORRUPT":
         found = Evidence.HANDLED
+    elif title is None and run.get("kv_check") == "corrupt" and label != "INFRA":
+        found = Evidence.BAD  # wrong KV was read, whatever ended the run (see the module docstring)
     else:
         found = RUN_EVIDENCE.get(label, Evidence.SKIP)
     if found is not Evidence.BAD and run.get("stopped_because") == "interrupted":

@@ -12,13 +12,15 @@ deterministic search and only runs what is missing.
 
 from __future__ import annotations
 
+import fcntl
+import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import results
+from .. import lifetime, results
 from ..deploy import get_target
 from ..deploy.base import Target
 from ..errors import KvreproError, SpecError
@@ -29,10 +31,33 @@ from .rules import (Evidence, PointRule, PointVerdict, Tally, confidence, defaul
                     runs_needed_for_good, skip_reason)
 
 STATE_FILE = "bisect.json"
+LOCK_FILE = "bisect.lock"
 
 
 class Interrupted(KvreproError):
     exit_code = 130
+
+
+class BisectionBusy(KvreproError):
+    """Another kvrepro is running this bisection right now."""
+
+    exit_code = 2
+
+
+def take_lock(folder: Path, state: dict[str, Any]) -> int:
+    """Hold the bisection's lock for as long as this process runs it: an exclusive ``flock`` on
+    ``bisect.lock``. The kernel drops it when the holder exits, however it exits (SIGKILL
+    included), so a dead owner never holds it. Returns the file descriptor (close it to let go)."""
+    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by engines (O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        owner = (results.read_json(folder / STATE_FILE).get("owner") if (folder / STATE_FILE).is_file() else None) or {}
+        who = f"pid {owner['pid']}" if owner.get("pid") else "another kvrepro"
+        raise BisectionBusy(f"{state['bisection_id']} is still running ({who}); wait for it to finish, or stop it "
+                            f"(kill -INT {owner.get('pid') or 'PID'}) and then `--resume {state['bisection_id']}`") from None
+    return fd
 
 
 def new_bisection_id() -> str:
@@ -60,10 +85,19 @@ def load_state(root: Path, bisection_id: str) -> dict[str, Any]:
     return results.read_json(path)
 
 
+def ensure_idle(root: Path, bisection_id: str) -> None:
+    """BisectionBusy if a live kvrepro runs this bisection (before anything is drawn or started;
+    the lock the session takes is what really keeps a second one out)."""
+    state = load_state(root, bisection_id)
+    folder = root / state["bisection_id"]
+    os.close(take_lock(folder, state))
+
+
 def _run_summary(run: RunResult) -> dict[str, Any]:
     """What the point rule reads of a run (the run folder keeps the rest)."""
     return {"verdict": run.verdict.value, "outcome": run.outcome.value, "title": run.title, "rep": run.rep,
             "trigger_count": run.trigger_count, "state_count": run.state_count, "requests": run.requests,
+            "kv_check": run.kv_check, "kv_violations": run.kv_violations,
             "seconds": run.seconds, "run_dir": run.run_dir,
             "stopped_because": run.load.stopped_because if run.load is not None else None}
 
@@ -87,6 +121,9 @@ class Session:
         self._prepare_lock = threading.Lock()
         self._prefetchers: list[threading.Thread] = []
         self._started = time.monotonic()
+        # one process at a time runs a bisection (a second `--resume` refuses while it runs)
+        self._lock_fd: int | None = take_lock(self.folder, state)
+        state["owner"] = lifetime.owner()
 
     # ------------------------------------------------------------------ creating / persisting
     @classmethod
@@ -152,6 +189,9 @@ class Session:
         for target in self._targets.values():
             target.close()
         self._targets.clear()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     # ------------------------------------------------------------------ probing
     def recorded_verdict(self, point: Point) -> PointVerdict | None:
@@ -264,8 +304,11 @@ class Session:
 
 
 def result_from_state(state: dict[str, Any], folder: Path) -> BisectResult:
+    status = state.get("status", "?")
+    if status == "running" and lifetime.owner_alive(state.get("owner")) is False:
+        status = "aborted"  # its kvrepro vanished (SIGKILL): `--resume` continues it
     steps = tuple(BisectStep(**{**s, "probe_runs": tuple(s.get("probe_runs", ()))}) for s in state["steps"])
     return BisectResult(kind=state["kind"], answer=state.get("answer"), reason=state.get("reason", ""),
                         confidence=state.get("confidence"), p_bad=state.get("p_bad"), alpha=state["alpha"],
-                        steps=steps, status=state.get("status", "?"), bisection_id=state["bisection_id"],
+                        steps=steps, status=status, bisection_id=state["bisection_id"],
                         path=str(folder), detail=state.get("detail", {}))

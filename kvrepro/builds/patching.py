@@ -43,7 +43,8 @@ _PATCH_TIMEOUT_S = 120
 _HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 _HEADER_FIELD_RE = re.compile(r"^#\s*([A-Za-z][A-Za-z-]*):\s*(.*?)\s*$")
 _EXPECT_RE = re.compile(r'^(?P<file>\S+)\s+(?P<verb>contains|lacks)\s+(?P<text>".*")$')
-_KNOWN_FIELDS = ("Upstream", "Title", "Base", "Requires", "Expect")
+_DERIVED_RE = re.compile(r"^vllm\s+(?P<release>\d+\.\d+\.\d+\S*)\s+(?P<file>[^\s(]+)(?:\s+\((?P<note>.*)\))?$")
+_KNOWN_FIELDS = ("Upstream", "Title", "Base", "Requires", "Derived-From", "Expect")
 
 
 # --------------------------------------------------------------------------- header
@@ -73,6 +74,20 @@ class Expectation:
 
 
 @dataclass(frozen=True)
+class DerivedFrom:
+    """One ``# Derived-From: vllm <release> <file> (<what>)`` line: the upstream release tree a
+    backport's hunks for ``file`` were taken from (provenance; ``note`` says which parts)."""
+
+    release: str
+    file: str
+    note: str
+    line: int
+
+    def describe(self) -> str:
+        return f"vllm {self.release} {self.file}" + (f" ({self.note})" if self.note else "")
+
+
+@dataclass(frozen=True)
 class PatchHeader:
     """What a patch file says about itself, before its diff starts."""
 
@@ -82,6 +97,7 @@ class PatchHeader:
     expects: tuple[Expectation, ...]
     base: str | None = None
     requires: tuple[str, ...] = field(default=())
+    derived_from: tuple[DerivedFrom, ...] = field(default=())
 
 
 def read_header(patch_path: Path) -> PatchHeader:
@@ -97,6 +113,7 @@ def read_header(patch_path: Path) -> PatchHeader:
     fields: dict[str, str] = {}
     expects: list[Expectation] = []
     requires: list[str] = []
+    derived: list[DerivedFrom] = []
     description: list[str] = []
     in_fields = True
     for number, line in enumerate(lines, start=1):
@@ -128,6 +145,8 @@ def read_header(patch_path: Path) -> PatchHeader:
             raise SpecError(f"{where}: unknown header field {key!r}; allowed: {', '.join(_KNOWN_FIELDS)}")
         if key == "Expect":
             expects.append(_parse_expect(value, where, number))
+        elif key == "Derived-From":
+            derived.append(_parse_derived(value, where, number))
         elif key == "Requires":
             requires.extend(name for name in re.split(r"[,\s]+", value) if name)
         elif key in fields:
@@ -144,7 +163,21 @@ def read_header(patch_path: Path) -> PatchHeader:
         expects=tuple(expects),
         base=fields.get("Base"),
         requires=tuple(requires),
+        derived_from=tuple(derived),
     )
+
+
+def _parse_derived(value: str, where: str, number: int) -> DerivedFrom:
+    match = _DERIVED_RE.match(value)
+    if match is None:
+        raise SpecError(f"{where}: Derived-From must read `vllm <release> <relative file> (<what>)`, "
+                        f"e.g. `vllm 0.27.0 vllm/v1/core/kv_cache_manager.py (get_computed_blocks_for_connector)`; "
+                        f"got {value!r}")
+    file = match.group("file")
+    if not _safe_relative(file):
+        raise SpecError(f"{where}: Derived-From file {file!r} must be a relative path inside the tree")
+    return DerivedFrom(release=match.group("release"), file=file, note=(match.group("note") or "").strip(),
+                       line=number)
 
 
 def _parse_expect(value: str, where: str, number: int) -> Expectation:

@@ -11,8 +11,11 @@ The probe installed in the engine says so on stderr::
 GPU-free engine's shadow KV (kvrepro/engine/shadow.py) reports what it checked the same way::
 
     kvrepro-shadow: installed groups=...
-    kvrepro-shadow: violation step=<S> <words>
-    kvrepro-shadow: counts checks=<N> violations=<M> by=<kind>[+offload]:<n>,...
+    kvrepro-shadow: violation step=<S> class=<class> <words>
+    kvrepro-shadow: counts checks=<N> violations=<M> by=<class>:<n>,...
+
+(a class is ``<group kind>[+offload]/<read>/<region>``; older engines print ``<kind>[+offload]``
+alone and no ``class=``).
 
 The counts line is repeated with running totals, so the last one of each process counts; when
 several processes print (their lines carry different ``(Name pid=N)`` prefixes, or, from vLLM
@@ -38,7 +41,8 @@ _COUNTS = re.compile(r"kvrepro-probe: counts external_hit_calls=(?P<ext>\d+) tri
 _SHADOW_TAG = "kvrepro-shadow:"
 _SHADOW_COUNTS = re.compile(r"kvrepro-shadow: counts checks=(?P<checks>\d+) violations=(?P<violations>\d+)\b"
                             r"(?: by=(?P<by>\S+))?")
-_SHADOW_VIOLATION = re.compile(r"kvrepro-shadow: violation (?P<text>.*\S)")
+_SHADOW_INSTALLED = re.compile(r"kvrepro-shadow: installed groups=(?P<groups>\S*)")
+_SHADOW_VIOLATION = re.compile(r"kvrepro-shadow: violation (?P<step>step=\S+ )?(?:class=(?P<cls>\S+) )?(?P<text>.*\S)")
 _METRIC = re.compile(
     r"^(?P<name>kvrepro_probe_external_hit_calls_total|kvrepro_probe_trigger_calls_total)(?:\{[^}]*\})?\s+(?P<value>\S+)",
     re.MULTILINE,
@@ -53,6 +57,8 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
     last: dict[tuple[str, str], tuple[int, int, int, dict[str, int]]] = {}
     shadow: dict[str, tuple[int, int, dict[str, int]]] = {}  # stream -> (checks, violations, by kind)
     first_violation: str | None = None
+    first_class: str | None = None
+    kv_groups: tuple[str, ...] = ()
     for number, raw in enumerate(io.StringIO(log_text, newline="\n"), start=1):
         if _TAG not in raw and _SHADOW_TAG not in raw:
             continue
@@ -68,9 +74,12 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
             shadow[line.stream] = (int(m["checks"]), int(m["violations"]), _groups(m["by"]))
         elif (m := _SHADOW_VIOLATION.search(line.body)) is not None:
             shadow_seen = True
-            first_violation = first_violation or m["text"]
-        elif "kvrepro-shadow: installed" in line.body:
+            if first_violation is None:
+                first_violation = (m["step"] or "") + m["text"]
+                first_class = m["cls"]
+        elif (m := _SHADOW_INSTALLED.search(line.body)) is not None:
             shadow_seen = True
+            kv_groups = tuple(item.split(":", 1)[-1].split("/", 1)[0] for item in m["groups"].split(",") if item)
     external = sum(v[0] for v in last.values())
     trigger = sum(v[1] for v in last.values())
     state = sum(v[2] for v in last.values())
@@ -90,11 +99,12 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
         violations = max(violations, 1)  # the counts line may be cut off after the violation line
     return Exposure(trigger_calls=trigger, external_hit_calls=external, probe_source_sha256=sha, probe_seen=seen,
                     state_calls=state, state_groups=state_groups, kv_checks=sum(v[0] for v in shadow.values()),
-                    kv_violations=violations, kv_violations_by=violations_by, kv_first_violation=first_violation, shadow_seen=shadow_seen)
+                    kv_violations=violations, kv_violations_by=violations_by, kv_first_violation=first_violation, kv_first_violation_class=first_class,
+                    kv_groups=kv_groups, shadow_seen=shadow_seen)
 
 
 def _groups(text: str | None) -> dict[str, int]:
-    """``full_attention:3,mamba+offload:1`` (or ``-``) -> {kind: count}."""
+    """``full_attention:3,mamba+offload/null-block/hit:1`` (or ``-``) -> {kind or class: count}."""
     out: dict[str, int] = {}
     for item in (text or "").split(","):
         kind, _, n = item.partition(":")

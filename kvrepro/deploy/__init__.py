@@ -34,7 +34,8 @@ def known_targets() -> list[str]:
 def get_target(name: str) -> type[Target]:
     if name not in _TARGETS:
         try:
-            importlib.import_module(f"{__name__}.{name}")
+            module = importlib.import_module(f"{__name__}.{name}")
+            getattr(module, "load", lambda: None)()  # a package may import its heavy parts on demand
         except ModuleNotFoundError as exc:
             if exc.name != f"{__name__}.{name}":
                 raise

@@ -7,7 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..records import BuildArtifact, BuildPlan
-from ..spec import LoadedMatrix
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # kvrepro.spec (pydantic): not needed to import the targets' package
+    from ..spec import LoadedMatrix
 
 
 class EngineHandle(abc.ABC):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import requests
 
-from .. import builds, lifetime, paths, versions
+from .. import builds, lifetime, paths, scratch, versions
 from ..errors import InfraError, KvreproError, describe_os_error
 from ..records import BuildArtifact, BuildPlan
 from ..engine.zygote import ENV_VAR as ZYGOTE_ENV, start_zygote
@@ -180,7 +180,9 @@ class SimTarget(Target):
         with self._zygote_lock:
             zygote = self._zygotes.get(runtime.key)
             if zygote is None:
-                zygote = self._zygotes[runtime.key] = _Zygote(Path(tempfile.mkdtemp(prefix="kvrepro-zygote-")))
+                # under this kvrepro's one temp folder, removed on every exit path (kvrepro/scratch.py)
+                zygote = self._zygotes[runtime.key] = _Zygote(Path(tempfile.mkdtemp(prefix="zygote-",
+                                                                                    dir=scratch.folder())))
                 env = self._base_environment()
                 env["PYTHONPATH"] = runtime.pythonpath(paths.SOURCE_ROOT)
                 self.on_line("starting the engine zygote (imports vLLM's dependencies once)")
@@ -234,6 +236,8 @@ class SimTarget(Target):
         # byte-code cache outside the (shared, hard-linked) overlays, so restarts skip compiling
         env.pop("PYTHONDONTWRITEBYTECODE", None)
         env["PYTHONPYCACHEPREFIX"] = str(paths.home() / "pycache")
+        # vLLM's IPC sockets and other temporary files under kvrepro's temp folder (kvrepro/scratch.py)
+        env.update(scratch.engine_env())
         return env
 
     def environment(self, artifact: BuildArtifact, rep: int, zygote: str | None = None) -> dict[str, str]:

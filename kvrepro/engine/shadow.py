@@ -7,8 +7,18 @@ every offloaded (CPU) block, the *identity* of what it holds and checks, before 
 that each scheduled request's context is really there. A violation is logged on stderr::
 
     kvrepro-shadow: installed groups=0:full_attention/16,1:mamba/16
-    kvrepro-shadow: violation step=<S> <what, in words>
-    kvrepro-shadow: counts checks=<N> violations=<M> by=<kind>[+offload]:<n>,...
+    kvrepro-shadow: violation step=<S> class=<class> <what, in words>
+    kvrepro-shadow: counts checks=<N> violations=<M> by=<class>:<n>,...
+
+A violation's *class* is ``<group kind>[+offload]/<read>/<region>``: the kind of KV group,
+whether the request had an offload hit, what the read found (``no-block``, ``missing``: never
+written, ``stale``: other tokens' KV, ``misplaced``: this request's KV from other positions,
+``foreign``: another group's data, ``null-block``: a Mamba state read from the null block,
+``wrong-state``: a Mamba state after another prefix) and where (``hit``: the request got the
+block with its prefix hit, ``computed``: it computed there itself, ``inherited``: a local hit on
+a block that an earlier request had already been caught reading wrong below its own hit, i.e. a
+hole that the prefix cache then served again). kvrepro's corruption signatures
+(``kvrepro/classify/corruptions/``) name the defect behind a class.
 
 (the counts line every ~2 s while it changes and at exit, like the probe's), and kvrepro's
 classifier turns a violation into the run verdict CORRUPT.
@@ -148,8 +158,12 @@ class ShadowKV:
         self._last_reported: tuple | None = None
         self._last_report_time = 0.0
         self._seen: set[tuple] = set()  # (request, group, block index) already counted
-        # violations by kind of group, "+offload" when the request had loaded blocks (an offload hit)
+        # violations by class (module docstring): kind of group, "+offload" when the request had
+        # loaded blocks (an offload hit), what the read found, where
         self.by_kind: dict[str, int] = {}
+        # GPU blocks (group, block id) some request was caught reading wrong below its prefix hit:
+        # a later local hit on one of them inherits the hole (class region "inherited")
+        self._holes: set[tuple[int, int]] = set()
         # which request a load job is for (the connector worker knows; None: unknown), and the
         # requests that had blocks loaded for them (an offload hit)
         self.load_owner = lambda job_id: None
@@ -176,7 +190,11 @@ class ShadowKV:
         self._last_reported, self._last_report_time = snapshot, time.monotonic()
         self._write(f"counts checks={snapshot[0]} violations={snapshot[1]} by={snapshot[2] or '-'}")
 
-    def _violation(self, key: tuple, text: str) -> None:
+    def _violation(self, key: tuple, text: str, read: str, in_hit: bool, block: int | None = None) -> None:
+        """Count (once per request, group and block index) and describe one wrong read.
+
+        ``read`` is what the read found and ``in_hit`` whether the position came with the
+        request's prefix hit; ``block`` the GPU block read (None or 0: none)."""
         # a broken context stays broken on every later step of that request: count it once
         if key in self._seen:
             return
@@ -185,17 +203,22 @@ class ShadowKV:
         req_id, group_index = key[0], key[1]
         req = self.requests.get(req_id)
         loaded = req_id in self.loaded_for
-        kind = self.groups[group_index].kind + ("+offload" if loaded else "")
-        self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
+        region = "computed"
+        if in_hit:
+            region = "inherited" if block and (group_index, block) in self._holes else "hit"
+            if block:
+                self._holes.add((group_index, block))
+        cls = f"{self.groups[group_index].kind}{'+offload' if loaded else ''}/{read}/{region}"
+        self.by_kind[cls] = self.by_kind.get(cls, 0) + 1
         text += f" (request {'had' if loaded else 'had no'} offload hit)"
         if os.environ.get("KVREPRO_SIM_SHADOW_DEBUG") and req is not None:
             text += f" [hit={req.hit} state_idx={req.state_idx} blocks={req.blocks}]"
         if len(self.records) < MAX_RECORDS:
             self.records.append({"step": self.step, "request": req_id, "group": group_index,
                                  "group_kind": self.groups[group_index].kind, "block_index": key[2],
-                                 "offload": loaded, "kind": kind, "text": text})
+                                 "offload": loaded, "kind": cls.split("/", 1)[0], "class": cls, "text": text})
         if self.violations <= MAX_DESCRIBED:
-            self._write(f"violation step={self.step} {text}")
+            self._write(f"violation step={self.step} class={cls} {text}")
             self.report(force=True)
 
     # -- the runner's request table ----------------------------------------------------------
@@ -301,6 +324,7 @@ class ShadowKV:
                                           writer=req_id, first_position=j * bs,
                                           source=f"computed by request {req_id} at step {self.step}")
                         self.gpu[ids[j]] = content
+                        self._holes.discard((group.index, ids[j]))
                     content.slots[p - j * bs] = hashes[p - computed]
             elif group.kind == "mamba":
                 curr = _cdiv(end, bs) - 1
@@ -311,6 +335,7 @@ class ShadowKV:
                                        for length in lengths)
                     self.gpu[ids[curr]] = Content(group.index, states=states, writer=req_id, state_lengths=lengths,
                                                   source=f"state computed by request {req_id} at step {self.step}")
+                    self._holes.discard((group.index, ids[curr]))
                 req.state_idx = curr
 
     def _origin(self, req_id: str, req: _Request, content: Content | None, position: int) -> str:
@@ -331,7 +356,8 @@ class ShadowKV:
             where = f"request {req_id} group {group.index} ({group.kind}) block index {j}"
             if j >= len(ids) or ids[j] == 0:
                 self._violation((req_id, group.index, j),
-                                f"{where}: positions {lo}-{hi - 1} must be held but the request has no block there")
+                                f"{where}: positions {lo}-{hi - 1} must be held but the request has no block there",
+                                "no-block", lo < req.hit)
                 return
             block = ids[j]
             content = self.gpu.get(block)
@@ -341,31 +367,32 @@ class ShadowKV:
                 held = content.slots[lo - j * bs:hi - j * bs]
             if held == want:
                 continue
+            read, held = self._held(content, group, lo - j * bs, hi - j * bs, want, j * bs, req)
             self._violation((req_id, group.index, j), f"{where} (GPU block {block}): positions {lo}-{hi - 1} expected with this request's "
-                            f"tokens; {self._held(content, group, lo - j * bs, hi - j * bs, want, j * bs, req)}; "
-                            f"{self._origin(req_id, req, content, lo)}")
+                            f"tokens; {held}; {self._origin(req_id, req, content, lo)}",
+                            read, lo < req.hit, block)
             return  # the first wrong block of a request names the problem; the rest follow from it
 
     def _held(self, content: Content | None, group: Group, lo: int, hi: int, want: list, block_start: int,
-              req: _Request) -> str:
-        """What the block holds instead, named by kind: missing (never written), stale (other
-        tokens' KV), misplaced (KV of other positions)."""
+              req: _Request) -> tuple[str, str]:
+        """What the block holds instead: its read class (missing: never written, foreign: another
+        group's data, misplaced: KV of other positions, stale: other tokens' KV) and the words."""
         if content is None or (content.slots is None and content.states is None):
-            return "stale KV: the block was never written (neither computed nor loaded)"
+            return "missing", "stale KV: the block was never written (neither computed nor loaded)"
         if content.group != group.index or content.slots is None:
-            return f"stale KV: the block holds group {content.group}'s data"
+            return "foreign", f"stale KV: the block holds group {content.group}'s data"
         slots = content.slots[lo:hi]
         bad = [i for i, (a, b) in enumerate(zip(slots, want)) if a != b]
         if all(slots[i] is None for i in bad):
-            return f"stale KV: {len(bad)} of {hi - lo} positions were never written"
+            return "missing", f"stale KV: {len(bad)} of {hi - lo} positions were never written"
         held = (f"it holds positions {content.first_position + lo}-{content.first_position + hi - 1} of request "
                 f"{content.writer}")
         own = set(req.hashes)
         if (content.source.startswith("offload load") and content.first_position != block_start
                 and all(h in own for h in slots if h is not None)):
             # loaded into this block, and it is this request's own prefix, from other positions
-            return f"misplaced KV: {held}"
-        return f"stale KV: {held}, {len(bad)} of {hi - lo} positions computed from other tokens"
+            return "misplaced", f"misplaced KV: {held}"
+        return "stale", f"stale KV: {held}, {len(bad)} of {hi - lo} positions computed from other tokens"
 
     def _mamba_read(self, req_id, req, group, computed, scheduled) -> None:
         bs = group.block_size
@@ -379,20 +406,21 @@ class ShadowKV:
             where += f" [computed={computed} scheduled={scheduled} hit={req.hit} state_idx={req.state_idx} blocks={ids[:12]} tokens={len(req.hashes) - 1}]"
         if prev >= len(ids) or ids[prev] == 0:
             self._violation((req_id, group.index, prev), f"{where}: the state after {computed} tokens must be read from a block the request "
-                            "does not have (null block)")
+                            "does not have (null block)", "null-block", computed <= req.hit)
             return
         content = self.gpu.get(ids[prev])
         want = req.hashes[computed]
         if content is None or content.states is None or content.group != group.index or want not in content.states:
             if content is None or (content.slots is None and content.states is None):
-                held = "holds nothing (never written)"
+                read, held = "missing", "holds nothing (never written)"
             elif content.states is None or content.group != group.index:
-                held = f"holds group {content.group}'s data"
+                read, held = "foreign", f"holds group {content.group}'s data"
             else:
                 lengths = "/".join(str(n) for n in content.state_lengths)
-                held = f"holds the state after {lengths} tokens of request {content.writer}"
+                read, held = "wrong-state", f"holds the state after {lengths} tokens of request {content.writer}"
             self._violation((req_id, group.index, prev), f"{where} (GPU block {ids[prev]}): the state after exactly {computed} tokens of this "
-                            f"request expected; {held}; {self._origin(req_id, req, content, computed - 1)}")
+                            f"request expected; {held}; {self._origin(req_id, req, content, computed - 1)}",
+                            read, computed <= req.hit, ids[prev])
             return
         if prev != curr and 0 <= curr < len(ids) and ids[curr] != 0:
             self.gpu[ids[curr]] = content.copy(f"state copied by request {req_id} at step {self.step}")
@@ -433,6 +461,7 @@ class ShadowKV:
                 self.loaded_for.add(owner)
             for group, gpu_block, cpu_key in self._pairs(gpu_spec, cpu_spec):
                 content = self.cpu.get(cpu_key)
+                self._holes.discard((group, gpu_block))
                 origin = (f"offload load (job {job_id}, CPU block {cpu_key[0]}.{cpu_key[1]}"
                           + (f", for request {owner})" if owner is not None else ")"))
                 if content is None:

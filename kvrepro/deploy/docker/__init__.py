@@ -26,9 +26,21 @@ Modules: ``assemble`` (image per build), ``launch`` (which container gets which 
 
 from __future__ import annotations
 
-from .. import register
-from .target import DockerEngineHandle, DockerTarget
+from typing import Any
 
-DockerTarget = register("docker")(DockerTarget)
 
-__all__ = ["DockerEngineHandle", "DockerTarget"]
+def load() -> None:
+    """Import the target (and with it the docker SDK, 0.2 s): ``deploy.get_target("docker")``
+    calls this; commands that only show results (`results list`) never pay for it."""
+    from . import target  # noqa: F401 - registers DockerTarget
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("DockerEngineHandle", "DockerTarget"):
+        from . import target
+
+        return getattr(target, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["DockerEngineHandle", "DockerTarget", "load"]

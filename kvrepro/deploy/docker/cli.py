@@ -19,7 +19,10 @@ from rich.table import Table
 from ... import versions
 
 from ...errors import KvreproError
-from ...spec import Matrix, load_matrix
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pydantic only when a command reads a matrix
+    from ...spec import Matrix
 
 hosts_app = typer.Typer(help="Docker hosts of matrix.yaml.", no_args_is_help=True)
 images_app = typer.Typer(help="Images of the docker target.", no_args_is_help=True)
@@ -41,6 +44,8 @@ def _matrix_or_none(path: Path) -> Matrix | None:
     """The matrix when the file exists; without one the commands act on the local daemon."""
     if not path.exists() and path == Path("matrix.yaml"):
         return None
+    from ...spec import load_matrix
+
     return load_matrix(path).matrix
 
 
@@ -176,22 +181,39 @@ def clean(
     base_images: bool = typer.Option(False, "--base-images", help="also remove the CPU base and its layers"),
     dry_run: bool = typer.Option(False, "--dry-run", help="only list what would be removed"),
     everything: bool = typer.Option(False, "--all", help="also containers of kvrepro runs still in progress"),
+    temp_only: bool = typer.Option(False, "--temp-only", help="only the system temp folder; no Docker host is "
+                                                               "contacted"),
     as_json: bool = JsonOpt,
 ) -> None:
-    """Remove kvrepro's leftover containers (and images, if asked) from every host; containers of
-    runs still in progress are kept (unless --all)."""
-    from .clean import clean as do_clean
+    """Remove what kvrepro left: temp folders of kvrepros that are gone (a SIGKILL; never a live
+    run's, not even with --all), and leftover containers (and images, if asked) on every host;
+    containers of runs still in progress are kept (unless --all)."""
+    from ... import scratch
 
-    try:
-        m = _matrix_or_none(matrix)
-    except KvreproError as exc:
-        _fail(exc)
-    reports = do_clean(m, images=images, base_images=base_images, dry_run=dry_run, everything=everything)
+    temp = scratch.clean(dry_run=dry_run)
+    temp_report = {"host": "local", "temp": temp["temp"], "removed": temp["removed"], "kept_temp": temp["kept"],
+                   "containers": [], "images": [], "kept": [], "errors": temp["errors"]}
+    reports = [temp_report]
+    if not temp_only:
+        from .clean import clean as do_clean
+
+        try:
+            m = _matrix_or_none(matrix)
+        except KvreproError as exc:
+            _fail(exc)
+        reports += do_clean(m, images=images, base_images=base_images, dry_run=dry_run, everything=everything)
     if as_json:
         _emit(reports)
     else:
         verb = "would remove" if dry_run else "removed"
-        for r in reports:
+        out.print(f"[bold]temp folder {temp['temp']}[/]: {verb} {len(temp['removed'])} leftover(s) of kvrepros "
+                  f"that are gone", highlight=False)
+        for item in temp["removed"]:
+            out.print(f"  {item['kind']} {item['path']}", highlight=False)
+        for item in temp["kept"]:
+            owner = item.get("owner") or {}
+            out.print(f"  kept {item['path']}: its kvrepro (pid {owner.get('pid')}) is still running", highlight=False)
+        for r in reports[1:]:
             out.print(f"[bold]{r['host']}[/]: {verb} {len(r['containers'])} container(s), {len(r['images'])} image(s)")
             for c in r["containers"]:
                 out.print(f"  container {c['name']} ({c['status']}, {c['kind']})")
@@ -201,7 +223,8 @@ def clean(
                           "is still running (--all removes it too)")
             for i in r["images"]:
                 out.print(f"  image {', '.join(i['tags']) or i['id'][:19]} ({i['kind']})")
+        for r in reports:
             for e in r["errors"]:
-                out.print(f"  [red]{e}[/]")
+                out.print(f"  [red]{e}[/]", highlight=False)
     if any(r["errors"] for r in reports):
         raise typer.Exit(3)

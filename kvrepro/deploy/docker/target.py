@@ -23,6 +23,7 @@ from ...errors import InfraError, KvreproError, SpecError
 from ...records import BuildArtifact, BuildPlan
 from ...secrets import redact
 from ...spec import HostSpec, LoadedMatrix
+from .. import register
 from ..base import EngineHandle, Target
 from . import labels as L
 from .assemble import assemble
@@ -449,5 +450,7 @@ def _tar_dir(folder: Path, target: str) -> bytes:
         tar.add(folder, arcname=target.lstrip("/"))
     return buf.getvalue()
 
+
+DockerTarget = register("docker")(DockerTarget)
 
 __all__ = ["DockerEngineHandle", "DockerTarget", "UnknownHostError"]

@@ -1,0 +1,1 @@
+"""Known corruption defects, one module each (see :mod:`kvrepro.classify.corruption`)."""

@@ -1,0 +1,143 @@
+"""`results list` from an index, not by reading every run: ``results/.index.json``.
+
+The index holds, per run folder, the row `results list` shows (id, status, target, base, every
+repetition's verdict label) and a *stamp* of what that row was read from: the modification
+time and size of ``run.json``, of the run folder, of each build folder, of each repetition
+folder and of each ``verdict.json``. Listing stats those (no JSON is parsed) and reads again
+only the runs whose stamp changed, so the index stays right however the folder changes:
+
+* a run is added, a repetition finishes (``verdict.json`` is renamed into its folder: the
+  folder's mtime changes), a run finishes or is interrupted (``run.json`` is replaced);
+* a run folder is deleted or renamed by hand (it is no longer listed, its entry is dropped), a
+  file is edited or truncated in place (its own mtime and size change);
+* a run that says ``running`` is shown ``aborted`` once its owner process is gone, checked on
+  every listing (the owner is kept in the index, see kvrepro/lifetime.py).
+
+The index is a cache: a damaged, missing or foreign one is rebuilt, one that cannot be written
+(a read-only results folder) is simply not kept. ``KVREPRO_RESULTS_INDEX=0`` lists by reading
+every run, as before (``benchmarks/results_list.py`` compares both).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from . import lifetime
+
+INDEX_FILE = ".index.json"
+VERSION = 1
+
+
+def enabled() -> bool:
+    return os.environ.get("KVREPRO_RESULTS_INDEX", "1") not in ("0", "false", "no", "off")
+
+
+def _stat(path: str) -> list[int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_mtime_ns, st.st_size]
+
+
+def _dirs(path: str) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as it:
+            return sorted((e for e in it if e.is_dir()), key=lambda e: e.name)
+    except OSError:
+        return []
+
+
+def stamp(run_dir: str) -> list[Any]:
+    """What a run's row depends on, as cheap stats (no file is read)."""
+    parts: list[Any] = [_stat(run_dir), _stat(os.path.join(run_dir, "run.json"))]
+    for build in _dirs(run_dir):
+        parts.append([build.name, _stat(build.path)])
+        for rep in _dirs(build.path):
+            if rep.name.isdigit():
+                parts.append([rep.name, _stat(rep.path), _stat(os.path.join(rep.path, "verdict.json"))])
+    return parts
+
+
+def read_row(root: Path, run_id: str) -> dict[str, Any]:
+    """One run's row, read from its files (what a full scan does for every run)."""
+    from . import results
+
+    try:
+        run = results.load_run(root, run_id)
+    except results.ResultsSchemaError as exc:
+        return {"run_id": None, "status": "unreadable", "error": str(exc)}
+
+    def key(build: results.BuildResults) -> str:  # report.build_key, without importing scipy with report
+        return f"{build.name}@{build.base}" if sum(b.name == build.name for b in run.builds) > 1 else build.name
+
+    return {"run_id": run.run_id, "status": run.status, "target": run.info.target, "base": run.info.base_text,
+            "builds": {key(b): [x.label for x in b.runs] for b in run.builds},
+            "_owner": run.info.owner if run.status in ("running", "aborted") else None}
+
+
+def _load_index(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("runs"), dict):
+        return {}
+    return data["runs"]
+
+
+def _save_index(path: Path, runs: dict[str, Any]) -> None:
+    from .results import write_atomic
+
+    try:
+        write_atomic(path, json.dumps({"version": VERSION, "runs": runs}, separators=(",", ":")))
+    except OSError:  # read-only or full: the index is a cache, the listing is right without it
+        pass
+
+
+def _live(row: dict[str, Any]) -> dict[str, Any]:
+    """The row as shown now: ``running`` or ``aborted`` by whether its owner still runs."""
+    shown = {k: v for k, v in row.items() if not k.startswith("_")}
+    owner = row.get("_owner")
+    if owner and row.get("status") in ("running", "aborted"):
+        shown["status"] = "aborted" if lifetime.owner_alive(owner) is False else "running"
+    return shown
+
+
+def rows(root: Path, use_index: bool | None = None) -> list[dict[str, Any]]:
+    """Every run under ``root`` (folders holding a run.json), oldest first, as `results list` rows."""
+    use_index = enabled() if use_index is None else use_index
+    if not root.is_dir():
+        return []
+    index_path = root / INDEX_FILE
+    cached = _load_index(index_path) if use_index else {}
+    fresh: dict[str, Any] = {}
+    out = []
+    changed = False
+    for entry in _dirs(str(root)):
+        if not os.path.isfile(os.path.join(entry.path, "run.json")):
+            continue
+        if not use_index:
+            out.append(_live(read_row(root, entry.name)))
+            continue
+        now = stamp(entry.path)
+        hit = cached.get(entry.name)
+        if isinstance(hit, dict) and hit.get("stamp") == now and isinstance(hit.get("row"), dict):
+            row = hit["row"]
+        else:
+            row = read_row(root, entry.name)
+            changed = True
+            # read while it changed under us (a repetition finishing right now): not kept as is
+            if stamp(entry.path) != now:
+                now = None
+        fresh[entry.name] = {"stamp": now, "row": row}
+        out.append(_live(row))
+    if use_index and (changed or set(fresh) != set(cached)):
+        _save_index(index_path, fresh)
+    return out
+
+
+__all__ = ["INDEX_FILE", "enabled", "read_row", "rows", "stamp"]
