@@ -957,7 +957,8 @@ def minimize_cmd(
     confirm: bool = typer.Option(True, "--confirm/--no-confirm",
                                  help="replay the result over HTTP on --build and --fixed"),
     violation: Optional[str] = typer.Option(None, "--violation", help="minimize this kind of shadow-KV violation "
-                                            "(e.g. full_attention+offload; default for a CORRUPT run: its first one's)"),
+                                            "(e.g. full_attention+offload) or a defect name of `kvrepro signatures` (e.g. "
+                                            "fa-hole-below-boundary); default for a CORRUPT run: its first one's kind"),
     matrix: Path = MatrixOpt,
     results_root: Path = ResultsOpt,
     as_json: bool = JsonOpt,

@@ -174,14 +174,31 @@ def violation_kind(text: str | None) -> str | None:
 
 def kind_count(violations_by: dict[str, int], kind: str) -> int:
     """Violations of one kind (``full_attention+offload``) in a shadow-KV count by class
-    (``full_attention+offload/foreign/hit``; older runs counted by kind alone)."""
+    (``full_attention+offload/foreign/hit``; older runs counted by kind alone); ``kind`` may also
+    be a defect name (``fa-hole-below-boundary``): the classes attributed to that defect."""
+    if _is_defect(kind):
+        from .classify.corruption import attribute
+
+        return attribute(violations_by or {}).get(kind, 0)
     return sum(n for key, n in (violations_by or {}).items() if key.split("/", 1)[0] == kind)
+
+
+def _is_defect(name: str) -> bool:
+    """Whether ``name`` is a known corruption defect (kvrepro/classify/corruptions/), not a kind."""
+    from .classify.corruption import by_name
+
+    return by_name(name) is not None
 
 
 def corruption_matches(record: dict[str, Any], want: str) -> bool:
     """Whether one shadow-KV violation (an offline ``kv_records`` entry) is the corruption being
-    minimized. Today: the same kind of KV group and offload-hit flag (``full_attention+offload``).
-    The one place to compare a named corruption signature instead, once violations carry one."""
+    minimized: the same kind of KV group and offload-hit flag (``full_attention+offload``), or,
+    when ``want`` names a known defect (``fa-hole-below-boundary``), a class attributed to it."""
+    if _is_defect(want):
+        from .classify.corruption import match_class
+
+        found = match_class(str(record.get("class") or record.get("kind") or ""))
+        return found is not None and found.name == want
     return record.get("kind") == want
 
 
@@ -343,9 +360,13 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
              on_line: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     for name in [build] + ([fixed] if fixed else []):
         resolve_plan(loaded, name)
-    if violation is not None and violation.removesuffix("+offload") not in VIOLATION_GROUP_KINDS:
+    if (violation is not None and violation.removesuffix("+offload") not in VIOLATION_GROUP_KINDS
+            and not _is_defect(violation)):
+        from .classify.corruption import known_corruptions
+
         raise SpecError(f"--violation {violation!r}: a kind of KV group, optionally +offload "
-                        f"(e.g. full_attention+offload, mamba)")
+                        f"(e.g. full_attention+offload, mamba), or a defect name "
+                        f"({', '.join(c.name for c in known_corruptions())})")
     run, trace_path = find_crash(root, run_id, build, rep, violation)
     trace = read_trace(trace_path)
     sig = loaded.matrix.target_signature
@@ -413,10 +434,13 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
     if violation:
         first = next((r for r in again[0].get("kv_records") or () if corruption_matches(r, violation)), {})
         summary.update(violation_at=first.get("request_index"), first_violation=first.get("text"),
+                       violation_kind=first.get("kind"), violation_class=first.get("class"),
                        violations_by=again[0].get("kv_violations_by") or {})
     if emit_pytest is not None:
+        # the emitted test names violations by kind: a defect name is checked through its first one's
         summary.update(_emit_and_check(Path(emit_pytest), minimized, loaded, build, engine, fixed, fixed_engine,
-                                       on_line, violation, summary.get("first_violation")))
+                                       on_line, summary.get("violation_kind") or violation,
+                                       summary.get("first_violation")))
     summary["confirmed"] = []
     confirmed_ok = True
     if confirm:

@@ -167,3 +167,32 @@ def test_e_is_required_under_ci_for_the_clean_side(default_matrix):
     """The clean build of the corruption's reproducer is E (matrix.yaml); without it the
     minimizer can only show the failing side."""
     require("E" in default_matrix.matrix.builds, "matrix.yaml has no build E (the backports of #48425/#50344)")
+
+
+def test_a_defect_name_matches_the_classes_attributed_to_it():
+    """`--violation fa-hole-below-boundary` (kvrepro signatures): a record counts when its class is
+    that defect's, whatever words the kind has."""
+    from kvrepro.minimize import kind_count
+
+    hole = {"kind": "full_attention+offload", "class": "full_attention+offload/foreign/hit"}
+    null = {"kind": "mamba", "class": "mamba/null/hit"}
+    assert corruption_matches(hole, "fa-hole-below-boundary")
+    assert not corruption_matches(null, "fa-hole-below-boundary")
+    assert corruption_matches(hole, "full_attention+offload")  # kinds work as before
+    failure = Failure(SIG, "fa-hole-below-boundary")
+    assert failure.at(_result([{**null, "request_index": 1}, {**hole, "request_index": 3}])) == 3
+    counts = {"full_attention+offload/foreign/hit": 4, "mamba/null/hit": 2}
+    assert kind_count(counts, "fa-hole-below-boundary") == 4 and kind_count(counts, "full_attention+offload") == 4
+
+
+def test_minimize_by_defect_name(default_matrix, corrupt_run):
+    from kvrepro.minimize import minimize
+
+    root, run_id, before, shipped = corrupt_run
+    summary = minimize(default_matrix, root, run_id, "B", violation="fa-hole-below-boundary", confirm=False)
+    assert summary["violation"] == "fa-hole-below-boundary"
+    # the defect's own read (full_attention+offload) or a later request inheriting the hashed hole
+    assert summary["violation_kind"] in ("full_attention+offload", "full_attention")
+    assert corruption_matches({"kind": summary["violation_kind"], "class": summary["violation_class"]},
+                              "fa-hole-below-boundary")
+    assert summary["requests"] <= shipped < before and summary["deterministic"] is True
