@@ -88,19 +88,28 @@ def secret_arg_values(argv: list[str]) -> list[str]:
     for i, arg in enumerate(argv):
         if not is_secret_flag(arg):
             continue
-        if "=" in arg:
-            values.append(arg.split("=", 1)[1])
-            continue
-        for value in argv[i + 1:]:
-            if value.startswith("-") and len(value) > 1 and not _is_number(value):
-                break
-            values.append(value)
-            if not _takes_many(arg):
-                break
+        values += _given(argv, i, many=_takes_many(arg))
     return [v for v in values if v]
 
 
-def _is_number(text: str) -> bool:
+def _given(argv: list[str], i: int, many: bool) -> list[str]:
+    """The value(s) of the option at ``argv[i]``: after ``=``, or the next argument(s) up to the
+    next option (``many``: every one, as argparse's nargs="+")."""
+    arg = argv[i]
+    if "=" in arg:
+        return [arg.split("=", 1)[1]]
+    values = []
+    for value in argv[i + 1:]:
+        if value.startswith("-") and len(value) > 1 and not is_number(value):
+            break
+        values.append(value)
+        if not many:
+            break
+    return values
+
+
+def is_number(text: str) -> bool:
+    """``-1``, ``1e3``: an argument that looks like an option but is a value."""
     try:
         float(text)
         return True
@@ -113,7 +122,7 @@ def redact_args(argv: list[str]) -> list[str]:
     out: list[str] = []
     masking = 0  # values still to mask: 1 after a flag, unbounded after a nargs="+" one
     for arg in argv:
-        is_flag = arg.startswith("-") and len(arg) > 1 and not _is_number(arg)
+        is_flag = arg.startswith("-") and len(arg) > 1 and not is_number(arg)
         if masking and not is_flag:
             out.append("***")
             masking -= 1
@@ -142,13 +151,7 @@ def option_values(argv: list[str], option: str) -> list[str]:
         name = _flag_name(arg)
         if name != want and not (want.startswith(name) and len(name) >= len(want) - 2):
             continue
-        if "=" in arg:
-            values.append(arg.split("=", 1)[1])
-            continue
-        for value in argv[i + 1:]:
-            if value.startswith("-") and len(value) > 1 and not _is_number(value):
-                break
-            values.append(value)
+        values += _given(argv, i, many=True)
     return values
 
 

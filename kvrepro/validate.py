@@ -23,6 +23,7 @@ from pathlib import Path
 
 from . import paths, versions
 from .errors import SpecError
+from .secrets import is_number
 from .spec import LoadedMatrix, _line_for, _line_index
 
 
@@ -105,7 +106,7 @@ def unknown_flags(args: list[str], known: set[str]) -> list[str]:
     """The flags in ``args`` that `vllm serve` does not know (values and numbers are skipped)."""
     unknown = []
     for arg in args:
-        if not arg.startswith("-") or arg == "-" or _is_number(arg):
+        if not arg.startswith("-") or arg == "-" or is_number(arg):
             continue
         flag = arg.split("=", 1)[0]
         # FlexibleArgumentParser takes --max_num_seqs for --max-num-seqs and --x.y=... for JSON args
@@ -113,14 +114,6 @@ def unknown_flags(args: list[str], known: set[str]) -> list[str]:
         if not candidates & known:
             unknown.append(flag)
     return unknown
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
 
 
 def check(loaded: LoadedMatrix, target: str | None = None, engine_flags: bool = True,
