@@ -371,10 +371,15 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
     trace = read_trace(trace_path)
     sig = loaded.matrix.target_signature
     if violation is None and run.label == "CORRUPT":
-        # the defect the run showed most (B: the boundary fix's hole, not the Mamba null-state read
-        # every 0.26.0 build shares); a run whose violations no signature knows: its first one's kind
+        # the defect the build's `expect:` names (B: the boundary fix's hole, not the Mamba null-state
+        # read every 0.26.0 build shares), else the one the run showed most; a run whose violations
+        # no signature knows: its first one's kind
+        from .spec import expected_defects
+
+        expect = loaded.matrix.expect.get(resolve_plan(loaded, build).build_name, "")
+        wanted = [d for alt in expect.split("|") for d in expected_defects(alt) if run.kv_defects.get(d)]
         named = [name for name in run.kv_defects if _is_defect(name)]
-        violation = (max(named, key=lambda name: run.kv_defects[name]) if named
+        violation = (wanted[0] if wanted else max(named, key=lambda name: run.kv_defects[name]) if named
                      else violation_kind(run.kv_first_violation))
         if violation is None:
             raise KvreproError(f"{run.run_dir}: CORRUPT, but its first violation does not say which KV group "

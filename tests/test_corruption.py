@@ -36,7 +36,9 @@ def test_a_class_key_parses_and_prints_back_and_older_keys_still_read():
 def test_each_class_goes_to_its_defect_and_an_unknown_one_stays_unknown():
     assert match_class("full_attention+offload/missing/hit").name == HOLE
     assert match_class("full_attention+offload/stale/hit").name == HOLE
-    assert match_class("full_attention/stale/inherited").name == HOLE  # the hole, served again
+    assert match_class("full_attention+offload/stale/inherited").name == HOLE  # the hole, served again
+    # a hole left by a request without an offload hit, served again: the other defect's
+    assert match_class("full_attention/foreign/inherited").name == "fa-hole-below-mamba-hit"
     assert match_class("mamba/null-block/hit").name == NULL_STATE
     assert match_class("full_attention+offload/foreign/hit").name == HOLE  # another group's data
     assert match_class("full_attention/foreign/hit").name == "fa-hole-below-mamba-hit"  # no offload hit
@@ -44,7 +46,7 @@ def test_each_class_goes_to_its_defect_and_an_unknown_one_stays_unknown():
     assert match_class("full_attention+offload/misplaced/hit") is None
     assert match_class("full_attention/stale/computed") is None
     assert match_class("full_attention+offload") is None  # an older engine's key: no read/region
-    got = attribute({"full_attention+offload/missing/hit": 3, "full_attention/stale/inherited": 2,
+    got = attribute({"full_attention+offload/missing/hit": 3, "full_attention+offload/stale/inherited": 2,
                      "mamba/null-block/hit": 1, "full_attention+offload/misplaced/hit": 4})
     assert got == {HOLE: 5, UNKNOWN: 4, NULL_STATE: 1}
     assert attribute({"full_attention/foreign/hit": 2}) == {"fa-hole-below-mamba-hit": 2}

@@ -142,14 +142,17 @@ def test_minimize_shrinks_a_corrupt_run_to_the_requests_that_read_wrong_kv(defau
     assert summary["ok"] is True, summary
 
 
-def test_minimize_without_violation_takes_the_kind_of_the_run_s_first_one(default_matrix, corrupt_run):
+def test_minimize_without_violation_takes_the_defect_expect_names(default_matrix, corrupt_run):
+    """B's first violation is usually the Mamba null-state read every 0.26.0 build shares; the
+    default is the defect B's `expect:` names, the boundary fix's hole."""
     from kvrepro.minimize import minimize
     from kvrepro import results
 
     root, run_id, _, _ = corrupt_run
-    first = results.load_run(root, run_id).build("B").runs[0].kv_first_violation
+    run = results.load_run(root, run_id).build("B").runs[0]
+    assert default_matrix.matrix.expect["B"] == "CORRUPT(fa-hole-below-boundary)"
     summary = minimize(default_matrix, root, run_id, "B", confirm=False)
-    assert summary["violation"] == violation_kind(first)
+    assert summary["violation"] == "fa-hole-below-boundary" and run.kv_defects.get("fa-hole-below-boundary"), run.kv_defects
     assert summary["deterministic"] is True
 
 

@@ -137,10 +137,12 @@ def test_each_violation_is_classed_by_group_offload_read_and_region_and_a_served
     kv.loaded_for.add("r2")  # as the worker reports a load job for r2
     prefill(kv, "r2", ([1, 9, 5],), computed=8)  # block 9 never written: the hole
     prefill(kv, "r3", ([1, 9, 6],), computed=8)
-    assert kv.by_kind == {"full_attention+offload/missing/hit": 1, "full_attention/missing/inherited": 1}
+    # r3 had no offload hit itself; "+offload" on an inherited read says the hole's maker had one
+    assert kv.by_kind == {"full_attention+offload/missing/hit": 1, "full_attention+offload/missing/inherited": 1}
     lines = [l for l in out.getvalue().splitlines() if " violation " in l]
     assert "class=full_attention+offload/missing/hit request r2" in lines[0]
-    assert "class=full_attention/missing/inherited request r3" in lines[1]
+    assert "class=full_attention+offload/missing/inherited request r3" in lines[1]
+    assert "(request had no offload hit)" in lines[1]
     # a block written again is no hole any more: r4 computes block 9 itself, r5 hits it cleanly
     prefill(kv, "r4", ([1, 9, 7],), computed=4)
     prefill(kv, "r5", ([1, 9, 8],), computed=8)

@@ -17,7 +17,8 @@ written, ``stale``: other tokens' KV, ``misplaced``: this request's KV from othe
 ``wrong-state``: a Mamba state after another prefix) and where (``hit``: the request got the
 block with its prefix hit, ``computed``: it computed there itself, ``inherited``: a local hit on
 a block that an earlier request had already been caught reading wrong below its own hit, i.e. a
-hole that the prefix cache then served again). kvrepro's corruption signatures
+hole that the prefix cache then served again; there ``+offload`` says whether the request that
+left the hole had an offload hit, since that tells which defect made it). kvrepro's corruption signatures
 (``kvrepro/classify/corruptions/``) name the defect behind a class.
 
 (the counts line every ~2 s while it changes and at exit, like the probe's), and kvrepro's
@@ -161,9 +162,10 @@ class ShadowKV:
         # violations by class (module docstring): kind of group, "+offload" when the request had
         # loaded blocks (an offload hit), what the read found, where
         self.by_kind: dict[str, int] = {}
-        # GPU blocks (group, block id) some request was caught reading wrong below its prefix hit:
-        # a later local hit on one of them inherits the hole (class region "inherited")
-        self._holes: set[tuple[int, int]] = set()
+        # GPU blocks (group, block id) some request was caught reading wrong below its prefix hit,
+        # and whether that request had an offload hit: a later local hit on one of them inherits
+        # the hole (class region "inherited", "+offload" as the hole's maker had it)
+        self._holes: dict[tuple[int, int], bool] = {}
         # which request a load job is for (the connector worker knows; None: unknown), and the
         # requests that had blocks loaded for them (an offload hit)
         self.load_owner = lambda job_id: None
@@ -203,12 +205,15 @@ class ShadowKV:
         req_id, group_index = key[0], key[1]
         req = self.requests.get(req_id)
         loaded = req_id in self.loaded_for
-        region = "computed"
-        if in_hit:
-            region = "inherited" if block and (group_index, block) in self._holes else "hit"
+        region, offload = "computed", loaded
+        if in_hit and block and (group_index, block) in self._holes:
+            # a hole served again: the class says how the hole was made (its maker's offload hit)
+            region, offload = "inherited", self._holes[(group_index, block)]
+        elif in_hit:
+            region = "hit"
             if block:
-                self._holes.add((group_index, block))
-        cls = f"{self.groups[group_index].kind}{'+offload' if loaded else ''}/{read}/{region}"
+                self._holes[(group_index, block)] = loaded
+        cls = f"{self.groups[group_index].kind}{'+offload' if offload else ''}/{read}/{region}"
         self.by_kind[cls] = self.by_kind.get(cls, 0) + 1
         text += f" (request {'had' if loaded else 'had no'} offload hit)"
         if os.environ.get("KVREPRO_SIM_SHADOW_DEBUG") and req is not None:
@@ -324,7 +329,7 @@ class ShadowKV:
                                           writer=req_id, first_position=j * bs,
                                           source=f"computed by request {req_id} at step {self.step}")
                         self.gpu[ids[j]] = content
-                        self._holes.discard((group.index, ids[j]))
+                        self._holes.pop((group.index, ids[j]), None)
                     content.slots[p - j * bs] = hashes[p - computed]
             elif group.kind == "mamba":
                 curr = _cdiv(end, bs) - 1
@@ -335,7 +340,7 @@ class ShadowKV:
                                        for length in lengths)
                     self.gpu[ids[curr]] = Content(group.index, states=states, writer=req_id, state_lengths=lengths,
                                                   source=f"state computed by request {req_id} at step {self.step}")
-                    self._holes.discard((group.index, ids[curr]))
+                    self._holes.pop((group.index, ids[curr]), None)
                 req.state_idx = curr
 
     def _origin(self, req_id: str, req: _Request, content: Content | None, position: int) -> str:
@@ -461,7 +466,7 @@ class ShadowKV:
                 self.loaded_for.add(owner)
             for group, gpu_block, cpu_key in self._pairs(gpu_spec, cpu_spec):
                 content = self.cpu.get(cpu_key)
-                self._holes.discard((group, gpu_block))
+                self._holes.pop((group, gpu_block), None)
                 origin = (f"offload load (job {job_id}, CPU block {cpu_key[0]}.{cpu_key[1]}"
                           + (f", for request {owner})" if owner is not None else ")"))
                 if content is None:

@@ -18,8 +18,8 @@ CORRUPTION = CorruptionSignature(
         # the request with the offload hit reads its own hole
         ClassPattern(groups=("full_attention", "sliding_window"), offload=True, reads=("missing", "stale", "foreign"),
                      regions=("hit",)),
-        # a later request hits the hashed hole in the prefix cache
-        ClassPattern(groups=("full_attention", "sliding_window"), reads=("missing", "stale", "foreign"),
+        # a later request hits the hashed hole in the prefix cache (+offload: the hole's maker had one)
+        ClassPattern(groups=("full_attention", "sliding_window"), offload=True, reads=("missing", "stale", "foreign"),
                      regions=("inherited",)),
     ),
     upstream=(

@@ -15,7 +15,7 @@ CORRUPTION = CorruptionSignature(
         "than full attention's. It needs no patch of the matrix: the base alone shows it."
     ),
     classes=(ClassPattern(groups=("full_attention", "sliding_window"), offload=False,
-                          reads=("missing", "stale", "foreign"), regions=("hit",)),),
+                          reads=("missing", "stale", "foreign"), regions=("hit", "inherited")),),
     upstream=(
         "https://github.com/vllm-project/vllm/issues/46453",
         "https://github.com/vllm-project/vllm/pull/48425",
