@@ -127,7 +127,7 @@ def _pin(core: int):
 def _ours_in_child(url: str, concurrency: int, requests: int, stream: bool, core: int, out) -> None:
     os.sched_setaffinity(0, {core})
     from kvrepro.loadgen import run_load
-    from kvrepro.spec import LoadSpec, RunsSpec
+    from kvrepro.spec.matrix import LoadSpec, RunsSpec
 
     load = LoadSpec(profile="partial-prefix", concurrency=concurrency, stream=stream)
     runs = RunsSpec(requests=requests, duration_s=None)
@@ -156,7 +156,7 @@ def measure_ours(url: str, concurrency: int, stream: bool, requests: int, core: 
 def mean_prompt_tokens() -> int:
     """The default profile's mean prompt length: what the other tools are asked to send."""
     from kvrepro.loadgen import get_profile
-    from kvrepro.spec import LoadSpec
+    from kvrepro.spec.matrix import LoadSpec
 
     profile = get_profile("partial-prefix")(LoadSpec(profile="partial-prefix"), 0)
     return round(statistics.mean(len(profile.prompt(i).tokens) for i in range(1000)))
@@ -167,7 +167,7 @@ def vllm_setup() -> tuple[list[str], dict[str, str], str] | str:
     env with build A's overlay, or why not."""
     try:
         from kvrepro.deploy.sim import SimTarget
-        from kvrepro.spec import load_matrix
+        from kvrepro.spec.matrix import load_matrix
 
         loaded = load_matrix(ROOT / "matrix.yaml")
         plan = loaded.plans(["A"])[0]

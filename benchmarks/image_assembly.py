@@ -46,7 +46,7 @@ def _main() -> int:
 
     from kvrepro.deploy.docker import DockerTarget
     from kvrepro.deploy.docker.basecpu import default_tag
-    from kvrepro.spec import LoadedMatrix, load_matrix
+    from kvrepro.spec.matrix import LoadedMatrix, load_matrix
 
     loaded = load_matrix(args.matrix)
     base_image = args.base_image or default_tag(loaded.matrix.base)

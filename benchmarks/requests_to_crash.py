@@ -148,7 +148,7 @@ def run_ours(name: str, load: dict | None, seeds: int, budget: int, workdir: Pat
                            "--results", str(folder / "results"), "--json"], cwd=ROOT, capture_output=True, text=True)
     if proc.returncode not in (0, 1):
         sys.exit(f"{name}: kvrepro matrix run exited {proc.returncode}:\n{proc.stderr[-2000:]}")
-    from kvrepro import results
+    from kvrepro.results import store as results
 
     recorded = results.load_run(folder / "results", "latest").build("A")
     return [Run(seed=r.rep, requests=r.requests if r.label == "CRASH(target)" else None,
@@ -185,7 +185,7 @@ class Engine:
 
     def __init__(self) -> None:
         from kvrepro.deploy.sim import SimTarget
-        from kvrepro.spec import load_matrix
+        from kvrepro.spec.matrix import load_matrix
 
         self.loaded = load_matrix(ROOT / "matrix.yaml")
         self.target = SimTarget(self.loaded)

@@ -33,7 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvrepro import lifetime, results, runindex  # noqa: E402
+from kvrepro import lifetime
+from kvrepro.results import store as results, index as runindex  # noqa: E402
 from kvrepro.records import (RESULTS_SCHEMA, BuildRecord, LoadSummary, Outcome, RunManifest,  # noqa: E402
                              RunResult, Verdict)
 

@@ -21,17 +21,17 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from . import results
+from .results import store as results
 from .errors import BadInputError, KvreproError, SpecError, describe_os_error
 from .records import RunResult, Verdict, to_jsonable
 from .secrets import redact, redact_args
 
-if TYPE_CHECKING:  # kvrepro.spec (pydantic) is imported when a command reads a matrix
-    from .spec import LoadedMatrix
+if TYPE_CHECKING:  # kvrepro.spec.matrix (pydantic) is imported when a command reads a matrix
+    from .spec.matrix import LoadedMatrix
 
 
 class _LazyModule:
-    """A module imported on first use: kvrepro.report pulls in scipy (1.4 s of a 2 s start-up),
+    """A module imported on first use: kvrepro.report.render pulls in scipy (1.4 s of a 2 s start-up),
     which `results list`, `clean` and the like never need."""
 
     def __init__(self, name: str):
@@ -43,7 +43,7 @@ class _LazyModule:
         return getattr(importlib.import_module(self._name), attr)
 
 
-report = _LazyModule("kvrepro.report")
+report = _LazyModule("kvrepro.report.render")
 builds = _LazyModule("kvrepro.builds")
 
 app = typer.Typer(help="Reproduce vLLM engine crashes and prove which fixes cure them.",
@@ -74,14 +74,14 @@ def _emit_json(value: Any) -> None:
 
 
 def _load(path: Path) -> LoadedMatrix:
-    from .spec import load_matrix
+    from .matrix import load_matrix
 
     return load_matrix(path)
 
 
 def _check(loaded: LoadedMatrix, target: Optional[str] = None, engine_flags: bool = True) -> None:
     """Everything checkable without an engine (kvrepro/validate.py); notes go to stderr."""
-    from .validate import check
+    from .matrix.validate import check
 
     with err.status("checking the matrix") as status:
         notes = check(loaded, target, engine_flags=engine_flags, on_line=lambda line: status.update(line[:120]))
@@ -109,7 +109,7 @@ def matrix_validate(matrix: Path = MatrixOpt, as_json: bool = JsonOpt) -> None:
     else:
         out.print(f"[green]valid[/]: {loaded.path} ({len(plans)} builds on vLLM {', '.join(loaded.matrix.bases)})")
         if loaded.matrix.engine.geometry is not None:
-            from .geometry import describe
+            from .spec.geometry import describe
 
             out.print(f"geometry: {describe(loaded.matrix.engine)}; model config {loaded.model_dir()}",
                       highlight=False)
@@ -239,7 +239,7 @@ def _write_outputs(run: "results.MatrixRun", junit_path: Optional[Path], ci: boo
         err.print(f"[red]error:[/] report not written: {escape(redact(str(exc)))}", highlight=False)
         ok = False
     if junit_path is not None:
-        from .junit import write_junit
+        from .report.junit import write_junit
 
         try:
             write_junit(run, junit_path)
@@ -318,7 +318,7 @@ def matrix_run(
     as_json: bool = JsonOpt,
 ) -> None:
     """Build every build, run each under load, classify, record, report, and print the verdict table."""
-    from .runner import MatrixOptions, run_matrix
+    from .matrix.runner import MatrixOptions, run_matrix
 
     if adaptive is not None and reps is not None:
         raise BadInputError(f"--adaptive {adaptive} and --reps {reps}: give one; --adaptive MAX repeats each build "
@@ -389,7 +389,7 @@ def report_cmd(
     run = results.load_run(results_root, run_id)
     md_path, html_path = report.write_report(run)
     if junit is not None:
-        from .junit import write_junit
+        from .report.junit import write_junit
         from .errors import InfraError
 
         try:
@@ -417,7 +417,7 @@ def matrix_show(run_id: str = typer.Argument("latest"), results_root: Path = Res
 @results_app.command("list")
 def results_list(results_root: Path = ResultsOpt, as_json: bool = JsonOpt) -> None:
     """Every recorded run, oldest first (a folder another kvrepro wrote is listed with why it is unreadable)."""
-    from .runindex import rows as indexed_rows
+    from .results.index import rows as indexed_rows
 
     rows = indexed_rows(_results_root(results_root))  # results/.index.json: only changed runs are read
     if as_json:
@@ -489,7 +489,7 @@ def results_compare(before: str = typer.Argument(..., help="the earlier run (id,
                     after: str = typer.Argument(..., help="the later run"),
                     results_root: Path = ResultsOpt, as_json: bool = JsonOpt) -> None:
     """Which verdicts changed between two runs (e.g. the same matrix on two vLLM releases)."""
-    from .compare import compare, comparison_json
+    from .report.compare import compare, comparison_json
 
     c = compare(results.load_run(results_root, before), results.load_run(results_root, after))
     if as_json:
@@ -528,11 +528,11 @@ def classify_cmd(
         what = "is a file, not a folder" if source.exists() else "no such folder"
         raise BadInputError(f"--source {source}: {what}; give the folder that holds the build's vllm/ sources "
                             "(e.g. the overlay `kvrepro setup` prints)")
-    from .spec import default_target_signature
+    from .spec.matrix import default_target_signature
 
     from .classify import read_exposure
     from .classify.corruption import defects_of
-    from .verdict import corruption_title
+    from .classify.verdict import corruption_title
 
     target = _load(matrix).matrix.target_signature if matrix else default_target_signature()
     result = classify_file(log, source, target)
@@ -909,7 +909,7 @@ def load_replay(
     """Send a recorded trace again, one request at a time, and give the verdict and the request it
     crashed at (deterministic on the GPU-free engine). Exit 0 whatever the verdict; 2 bad trace."""
     from .loadgen.trace import read_trace
-    from .runner import MatrixOptions, run_matrix
+    from .matrix.runner import MatrixOptions, run_matrix
 
     loaded = _load(matrix)
     recorded = read_trace(trace)
@@ -965,7 +965,7 @@ def minimize_cmd(
 ) -> None:
     """Shrink a crashing or CORRUPT run's trace (fewer requests, shorter prompts) to the smallest one that
     still crashes --build deterministically, or still reads wrong KV the same way (and leaves --fixed clean)."""
-    from .minimize import minimize
+    from .minimize.shrink import minimize
 
     loaded = _load(matrix)
     with err.status("minimizing") as status:

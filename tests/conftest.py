@@ -23,7 +23,7 @@ def require(condition: bool, why: str) -> None:
 
 @pytest.fixture(scope="session")
 def default_matrix():
-    from kvrepro.spec import load_matrix
+    from kvrepro.spec.matrix import load_matrix
 
     return load_matrix(ROOT / "matrix.yaml")
 

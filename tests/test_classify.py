@@ -16,7 +16,7 @@ import pytest
 from kvrepro.classify import classify_file, classify_log, known_patterns, match_pattern, read_exposure
 from kvrepro.classify.lines import split_line
 from kvrepro.records import Classification, Outcome
-from kvrepro.spec import TargetSignature
+from kvrepro.spec.matrix import TargetSignature
 
 LOGS = Path(__file__).parent / "data" / "logs"
 SCHED = "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
@@ -542,7 +542,7 @@ def test_classify_cli_without_matrix_uses_the_default_target_expression(tmp_path
     got = json.loads(proc.stdout)
     assert got["outcome"] == "other_crash", got
     assert got["signature"]["expression"] == "len(group_blocks) >= num_gpu_blocks"
-    from kvrepro.spec import default_target_signature, load_matrix
+    from kvrepro.spec.matrix import default_target_signature, load_matrix
 
     assert default_target_signature() == load_matrix(root / "matrix.yaml").matrix.target_signature
     assert default_target_signature().expression

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from kvrepro.spec import load_matrix
+from kvrepro.spec.matrix import load_matrix
 
 spec = importlib.util.spec_from_file_location("clean_set_evidence", ROOT / "scripts" / "clean_set_evidence.py")
 evidence = importlib.util.module_from_spec(spec)

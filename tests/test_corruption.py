@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from kvrepro import report, results, stats
+from kvrepro.report import render as report, stats
+from kvrepro.results import store as results
 from kvrepro.classify import read_exposure
 from kvrepro.classify.corruption import (UNKNOWN, ViolationClass, attribute, by_name, defects_of,
                                          known_corruptions, match_class)
 from kvrepro.records import LoadSummary, Outcome, RunResult, Signature, Verdict
-from kvrepro.spec import meets
-from kvrepro.verdict import corruption_title
+from kvrepro.spec.matrix import meets
+from kvrepro.classify.verdict import corruption_title
 
 from test_report import make_run
 

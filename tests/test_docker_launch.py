@@ -19,7 +19,7 @@ import pytest
 
 from kvrepro.deploy.docker.launch import PLACEMENT_FLAGS, plan_launch
 from kvrepro.errors import SpecError
-from kvrepro.spec import DockerSpec, HostSpec, SimSettings, parse_matrix
+from kvrepro.spec.matrix import DockerSpec, HostSpec, SimSettings, parse_matrix
 
 _PARSE = r"""
 import json, sys

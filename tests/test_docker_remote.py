@@ -26,7 +26,7 @@ import pytest
 from kvrepro.deploy.docker import DockerTarget
 from conftest import ROOT
 from kvrepro.deploy.docker import labels as L
-from kvrepro.runner import SilentProgress, run_one
+from kvrepro.matrix.runner import SilentProgress, run_one
 from test_docker_target import cpu_base, docker_host, docker_matrix  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.docker

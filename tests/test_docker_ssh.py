@@ -29,7 +29,7 @@ from conftest import ROOT, require
 from kvrepro.deploy.docker import labels as L
 from kvrepro.deploy.docker.errors import SshError
 from kvrepro.deploy.docker.hosts import connect, is_local, local_daemon_id
-from kvrepro.spec import HostSpec
+from kvrepro.spec.matrix import HostSpec
 from sshd import ThrowawaySshd, find_sshd
 from test_docker_target import cpu_base, docker_host  # noqa: F401 (fixtures)
 
@@ -267,7 +267,7 @@ def test_a_lost_ssh_connection_is_named_with_sshs_reason(tmp_path, sshd, docker_
     """The host's sshd drops the kept connection (its session process is killed, as a reboot or
     a network cut would): the next run is INFRA with ssh's own words, not "daemon stopped"."""
     from kvrepro.deploy.docker import DockerTarget
-    from kvrepro.spec import load_matrix
+    from kvrepro.spec.matrix import load_matrix
 
     hosts = [{"name": "peer", "docker": sshd.url, "ssh_config": sshd.config(), "local": False}]
     loaded = load_matrix(write_matrix(tmp_path / "m", cpu_base, hosts))

@@ -29,8 +29,8 @@ from kvrepro.deploy.docker.basecpu import default_tag
 from kvrepro.deploy.docker.errors import DockerInfraError
 from kvrepro.deploy.docker.hosts import connect, local_host_spec
 from kvrepro.records import BuildArtifact, Outcome, Verdict
-from kvrepro.runner import SilentProgress, run_one
-from kvrepro.spec import load_matrix
+from kvrepro.matrix.runner import SilentProgress, run_one
+from kvrepro.spec.matrix import load_matrix
 
 pytestmark = pytest.mark.docker
 

@@ -13,7 +13,7 @@ from kvrepro.deploy.docker.containers import LogPump, LogSink, parse_ts
 from kvrepro.deploy.docker.errors import DaemonDownError, UnknownHostError
 from kvrepro.deploy.docker.hosts import connect, engine_hosts, reach_address
 from kvrepro.errors import SpecError
-from kvrepro.spec import HostSpec, parse_matrix
+from kvrepro.spec.matrix import HostSpec, parse_matrix
 
 
 def _matrix(text: str, tmp_path: Path):

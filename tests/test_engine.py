@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 def _target(default_matrix, **engine_overrides):
     """A SimTarget on the default matrix, optionally with other engine settings."""
     from kvrepro.deploy.sim import SimTarget
-    from kvrepro.spec import LoadedMatrix
+    from kvrepro.spec.matrix import LoadedMatrix
 
     matrix = default_matrix.matrix
     if engine_overrides:
@@ -155,8 +155,8 @@ def test_a_clean_stop_of_a_healthy_server_is_not_a_crash(default_matrix, overlay
 
 def test_vllm_rejects_a_pool_too_small_and_the_title_says_why(default_matrix, overlays, tmp_path):
     from kvrepro.errors import InfraError
-    from kvrepro.runner import _start_failure_title
-    from kvrepro.spec import SimSettings
+    from kvrepro.matrix.runner import _start_failure_title
+    from kvrepro.spec.matrix import SimSettings
 
     target = _target(default_matrix, max_model_len=4096, sim=SimSettings(num_gpu_blocks=64))
     try:
@@ -188,8 +188,10 @@ def test_an_unknown_flag_is_vllms_own_argument_error(default_matrix, overlays, t
 
 def test_zygote_forks_vllm_serve_and_relays_signals(default_matrix, overlays, runtime_python, tmp_path):
     """The zygote path: the same `vllm serve`, SIGTERM forwarded, the client's death noticed."""
-    from kvrepro.deploy.sim import free_port
-    from kvrepro.engine.zygote import start_zygote
+    from kvrepro.deploy.sim import ZYGOTE_ENV, free_port, start_zygote
+    from kvrepro.engine.zygote import ENV_VAR
+
+    assert ZYGOTE_ENV == ENV_VAR  # the deploy side names the variable the engine side reads
 
     target = _target(default_matrix)
     plan = target.loaded.plans()[0]
@@ -276,6 +278,8 @@ def test_plugin_names_the_platform_only_when_asked():
     assert plugin.platform_for({}) is None
     assert plugin.platform_for({"KVREPRO_SIM": "0"}) is None
     assert plugin.platform_for({"KVREPRO_SIM": "1"}) == "kvrepro.engine.platform.SimCpuPlatform"
-    files = plugin.dist_info_files()
-    entry = next(text for rel, text in files.items() if rel.endswith("entry_points.txt"))
+    from kvrepro.builds.plugin_dist import dist_info_files
+
+    entry = next(text for rel, text in dist_info_files().items() if rel.endswith("entry_points.txt"))
     assert "[vllm.platform_plugins]" in entry and "kvrepro.engine.plugin:register" in entry
+    assert callable(plugin.register)  # the entry point names a function the engine side has

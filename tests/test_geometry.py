@@ -11,9 +11,9 @@ import pytest
 
 from conftest import ROOT
 from kvrepro.errors import SpecError
-from kvrepro.geometry import generated_config, layer_plan, materialize
+from kvrepro.spec.geometry import generated_config, layer_plan, materialize
 from kvrepro.loadgen.capacity import engine_capacity
-from kvrepro.spec import LoadSpec, load_matrix, parse_matrix
+from kvrepro.spec.matrix import LoadSpec, load_matrix, parse_matrix
 from kvrepro.versions import hybrid_kv_groups
 
 TEMPLATE = ROOT / "kvrepro" / "data" / "models" / "qwen3-next-tiny"
@@ -177,7 +177,7 @@ def test_the_engine_builds_the_production_geometry(overlays, tmp_path):
     """`vllm serve` (GPU-free) on examples/production-geometry.yaml with one DP rank: the groups,
     block and offload chunk vLLM built, read from its log."""
     from kvrepro.deploy.sim import SimTarget
-    from kvrepro.spec import LoadedMatrix
+    from kvrepro.spec.matrix import LoadedMatrix
 
     loaded = load_matrix(EXAMPLE)
     m = loaded.matrix
@@ -200,7 +200,7 @@ def test_the_engine_builds_the_production_geometry(overlays, tmp_path):
 
 
 def test_a_run_on_another_geometry_than_asked_is_named():
-    from kvrepro.geometry import built_mismatch
+    from kvrepro.spec.geometry import built_mismatch
 
     engine = load_matrix(EXAMPLE).matrix.engine
     line = ("(EngineCore_DP{r} pid=1) INFO [executor.py:364] kvrepro-sim: geometry kv_cache_groups={g} "

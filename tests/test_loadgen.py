@@ -19,7 +19,7 @@ import pytest
 
 from kvrepro.errors import SpecError
 from kvrepro.loadgen import get_profile, known_profiles, run_load
-from kvrepro.spec import LoadSpec, RunsSpec
+from kvrepro.spec.matrix import LoadSpec, RunsSpec
 
 LOAD = LoadSpec(profile="shared_prefix", concurrency=4, documents=3, document_tokens=60, min_prefix_tokens=1, suffix_tokens=(0, 5),
                 max_tokens=4, vocab_size=500)

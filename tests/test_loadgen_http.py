@@ -17,7 +17,7 @@ import pytest
 
 from kvrepro.loadgen import http, run_load
 from kvrepro.loadgen.runner import new_event_loop
-from kvrepro.spec import LoadSpec, RunsSpec
+from kvrepro.spec.matrix import LoadSpec, RunsSpec
 
 LOAD = LoadSpec(profile="shared_prefix", concurrency=3, documents=2, document_tokens=30, min_prefix_tokens=1,
                 suffix_tokens=(0, 3), max_tokens=2, vocab_size=100)

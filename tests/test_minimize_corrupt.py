@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from kvrepro.errors import SpecError
-from kvrepro.minimize import Failure, corruption_matches, kind_count, resolve_plan, violation_kind
-from kvrepro.spec import TargetSignature
+from kvrepro.minimize.shrink import Failure, corruption_matches, kind_count, resolve_plan, violation_kind
+from kvrepro.spec.matrix import TargetSignature
 
 from conftest import require
 
@@ -106,7 +106,7 @@ def corrupt_run(default_matrix, overlays, tmp_path_factory):
     """A real CORRUPT run of build B: the served engine (`vllm serve`, GPU-free) replaying the
     shipped trace with filler requests in front of it, recorded as every run is."""
     from kvrepro.loadgen.trace import Trace, TraceRequest, read_trace
-    from kvrepro.runner import MatrixOptions, run_matrix
+    from kvrepro.matrix.runner import MatrixOptions, run_matrix
 
     shipped = read_trace(TRACE)
     # requests that change nothing the corruption needs: distinct short prompts
@@ -124,7 +124,7 @@ def corrupt_run(default_matrix, overlays, tmp_path_factory):
 
 
 def test_minimize_shrinks_a_corrupt_run_to_the_requests_that_read_wrong_kv(default_matrix, corrupt_run):
-    from kvrepro.minimize import minimize
+    from kvrepro.minimize.shrink import minimize
 
     root, run_id, before, shipped = corrupt_run
     fixed = "E" if "E" in default_matrix.matrix.builds else None
@@ -145,8 +145,8 @@ def test_minimize_shrinks_a_corrupt_run_to_the_requests_that_read_wrong_kv(defau
 def test_minimize_without_violation_takes_the_defect_expect_names(default_matrix, corrupt_run):
     """B's first violation is usually the Mamba null-state read every 0.26.0 build shares; the
     default is the defect B's `expect:` names, the boundary fix's hole."""
-    from kvrepro.minimize import minimize
-    from kvrepro import results
+    from kvrepro.minimize.shrink import minimize
+    from kvrepro.results import store as results
 
     root, run_id, _, _ = corrupt_run
     run = results.load_run(root, run_id).build("B").runs[0]
@@ -157,7 +157,7 @@ def test_minimize_without_violation_takes_the_defect_expect_names(default_matrix
 
 
 def test_a_kind_the_run_never_had_is_one_line(default_matrix, corrupt_run):
-    from kvrepro.minimize import minimize
+    from kvrepro.minimize.shrink import minimize
 
     root, run_id, _, _ = corrupt_run
     with pytest.raises(SpecError, match=r"no repetition of build B in run .* had a sliding_window\+offload violation"):
@@ -175,7 +175,7 @@ def test_e_is_required_under_ci_for_the_clean_side(default_matrix):
 def test_a_defect_name_matches_the_classes_attributed_to_it():
     """`--violation fa-hole-below-boundary` (kvrepro signatures): a record counts when its class is
     that defect's, whatever words the kind has."""
-    from kvrepro.minimize import kind_count
+    from kvrepro.minimize.shrink import kind_count
 
     hole = {"kind": "full_attention+offload", "class": "full_attention+offload/foreign/hit"}
     null = {"kind": "mamba", "class": "mamba/null/hit"}
@@ -189,7 +189,7 @@ def test_a_defect_name_matches_the_classes_attributed_to_it():
 
 
 def test_minimize_by_defect_name(default_matrix, corrupt_run):
-    from kvrepro.minimize import minimize
+    from kvrepro.minimize.shrink import minimize
 
     root, run_id, before, shipped = corrupt_run
     summary = minimize(default_matrix, root, run_id, "B", violation="fa-hole-below-boundary", confirm=False)

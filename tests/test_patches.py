@@ -22,7 +22,7 @@ from kvrepro.builds.patching import (
 )
 from kvrepro.errors import SetupError, SpecError
 from kvrepro.records import PatchFailure, PatchRef
-from kvrepro.spec import load_matrix
+from kvrepro.spec.matrix import load_matrix
 from kvrepro.versions import SUPPORTED_RELEASES
 
 PROJECT = Path(__file__).resolve().parent.parent

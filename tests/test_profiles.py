@@ -14,7 +14,8 @@ from kvrepro.errors import SpecError
 from kvrepro.loadgen import get_profile, known_profiles
 from kvrepro.loadgen.capacity import engine_capacity
 from kvrepro.loadgen.profiles import EngineCapacity
-from kvrepro.spec import LoadSpec, parse_matrix
+from kvrepro.matrix import parse_matrix
+from kvrepro.spec.matrix import LoadSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 CAPACITY = EngineCapacity(gpu_tokens=1404, block_tokens=16, chunk_tokens=16, max_model_len=1024)

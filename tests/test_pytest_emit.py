@@ -20,7 +20,7 @@ import pytest
 from conftest import require
 
 from kvrepro.loadgen.trace import Trace, TraceRequest, read_trace
-from kvrepro.pytest_emit import _prompts_source, render
+from kvrepro.minimize.pytest_emit import _prompts_source, render
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "tests" / "data" / "traces" / "minimized-A.trace.jsonl"
@@ -113,7 +113,7 @@ def test_the_seed_is_the_repetition_s(default_matrix):
 @pytest.fixture(scope="module")
 def emitted(default_matrix, overlays, tmp_path_factory):
     """The shipped trace emitted and checked the way `kvrepro minimize` does it."""
-    from kvrepro.minimize import OfflineEngine, _emit_and_check
+    from kvrepro.minimize.shrink import OfflineEngine, _emit_and_check
 
     path = tmp_path_factory.mktemp("emit") / "test_offload_repro.py"
     engines = {name: OfflineEngine(default_matrix, name, 0) for name in ("A", "D")}
@@ -258,7 +258,7 @@ def emitted_corruption(default_matrix, overlays, tmp_path_factory):
     """The shipped corrupt trace (4 requests, minimized from a default-matrix B run) emitted and
     checked the way `kvrepro minimize --violation full_attention+offload` does it: on B, and on
     E when matrix.yaml has it."""
-    from kvrepro.minimize import OfflineEngine, _emit_and_check
+    from kvrepro.minimize.shrink import OfflineEngine, _emit_and_check
 
     path = tmp_path_factory.mktemp("emit-corrupt") / "test_offload_corruption.py"
     names = ["B"] + (["E"] if "E" in default_matrix.matrix.builds else [])

@@ -285,7 +285,7 @@ def test_next_docker_run_reaps_containers_of_a_killed_kvrepro(tmp_path, docker_b
     from kvrepro.deploy.docker import labels as L
     from kvrepro.deploy.docker.hosts import local_host_spec
     from kvrepro.deploy.docker.target import DockerTarget
-    from kvrepro.spec import load_matrix
+    from kvrepro.spec.matrix import load_matrix
 
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     live_record = lifetime.owner()
@@ -329,7 +329,7 @@ def test_plan_validate_and_json_never_show_a_token(tmp_path):
 
 def test_results_files_are_redacted_and_0644(tmp_path):
     """Every file results.py writes goes through one redaction and gets the usual mode."""
-    from kvrepro import results
+    from kvrepro.results import store as results
     from kvrepro.secrets import remember
 
     remember([TOKEN])
@@ -373,7 +373,7 @@ def test_infra_is_not_a_difference_from_expect():
     """The rule behind exit 3: INFRA (and INTERRUPTED / INCOMPLETE) never counts as "differs from
     expect:"; a real different verdict does; INFRA meets an `expect: INFRA`."""
     from kvrepro.records import Outcome, RunResult, Verdict
-    from kvrepro.report import meets_expectation
+    from kvrepro.report.render import meets_expectation
 
     def result(verdict, outcome=Outcome.NONE):
         return RunResult(build="A", rep=0, verdict=verdict, outcome=outcome, title="t", trigger_count=0,
@@ -448,7 +448,7 @@ def test_damaged_run_json_and_verdict_json(tmp_path):
     """A truncated run.json fails only `show` of that run (one line naming the file, exit 2). An
     empty or truncated verdict.json degrades that repetition only: `results show`, `report` and
     `results list` show it as DAMAGED, the other repetitions as recorded, exit 0 (README)."""
-    from kvrepro import results
+    from kvrepro.results import store as results
     from kvrepro.records import Outcome, RunResult, Verdict
 
     good = results.create_run(tmp_path, "builds: {A: []}\n", {"build_order": ["A"], "builds": {"A": {"patches": []}}})
@@ -580,7 +580,7 @@ def test_ctrl_c_while_engines_start(tmp_path, overlays):
 # ------------------------------------------------------------------ 7. small things
 
 def test_offload_loads_unknown_when_metrics_unknown():
-    from kvrepro import report
+    from kvrepro.report import render as report
     from kvrepro.records import Outcome, RunResult, Verdict
 
     def result(loads):
@@ -588,13 +588,13 @@ def test_offload_loads_unknown_when_metrics_unknown():
                          trigger_count=1, external_hit_calls=1, requests=3, seconds=1.0, offload_load_jobs=loads)
     assert report.offload_loads_text(result(None)) == "unknown"
     assert report.offload_loads_text(result(0)) == "0"
-    from kvrepro.metrics import parse_prometheus, total_or_none
+    from kvrepro.classify.metrics import parse_prometheus, total_or_none
 
     assert total_or_none(parse_prometheus(""), "kvrepro_offload_load_jobs_total") is None
 
 
 def test_latest_hint_lists_runs_only(tmp_path):
-    from kvrepro import results
+    from kvrepro.results import store as results
 
     (tmp_path / "README.md").write_text("about results\n")
     run = results.create_run(tmp_path, "builds: {A: []}\n", {"build_order": []})
@@ -605,7 +605,8 @@ def test_latest_hint_lists_runs_only(tmp_path):
 
 def test_a_run_whose_process_vanished_is_aborted(tmp_path):
     """run.json says running, its owner process is gone: shown as aborted (a real exited pid)."""
-    from kvrepro import lifetime, results
+    from kvrepro import lifetime
+    from kvrepro.results import store as results
 
     gone = subprocess.Popen(["true"])
     gone.wait()
@@ -925,7 +926,7 @@ def test_bisection_signals_lock_and_resume(tmp_path, overlays):
     assert_clean_end(third)
     state = json.loads((folder / "bisect.json").read_text())
     assert state["status"] == "interrupted"
-    from kvrepro.results import load_run
+    from kvrepro.results.store import load_run
 
     # as read back: the SIGKILLed owner's probe is "aborted", the SIGTERMed one's "interrupted"
     probes = [load_run(folder / "probes", p.parent.name).status for p in sorted(folder.glob("probes/*/run.json"))]
@@ -986,7 +987,8 @@ def test_results_list_index_follows_the_folder(tmp_path):
     """The index (results/.index.json) lists exactly what reading every run lists, after runs are
     added, finish, are interrupted, edited or deleted by hand, and when a running run's owner
     is gone; a damaged index is rebuilt."""
-    from kvrepro import lifetime, results
+    from kvrepro import lifetime
+    from kvrepro.results import store as results
     from kvrepro.records import Outcome, RunResult, Verdict
 
     def listing() -> list:
@@ -1092,7 +1094,7 @@ def test_every_secret_option_of_the_real_parser_is_masked_in_every_spelling(runt
     from kvrepro.builds import pristine_tree
     from kvrepro.builds import prepare_runtime
     from kvrepro.secrets import redact, redact_args, secret_arg_values
-    from kvrepro.validate import serve_flags
+    from kvrepro.matrix.validate import serve_flags
 
     _, tree, _ = pristine_tree("0.26.0")
     runtime = prepare_runtime("0.26.0")
@@ -1182,7 +1184,7 @@ def test_patch_named_like_a_path_is_refused_at_load(tmp_path):
 def test_every_folder_of_a_run_stays_inside_it(tmp_path):
     """results.RunFolder refuses a build folder that resolves outside the run (whatever names
     reach it, e.g. a derived matrix that skipped validation)."""
-    from kvrepro import results
+    from kvrepro.results import store as results
     from kvrepro.errors import BadInputError
 
     with pytest.raises(BadInputError, match="would be outside"):
@@ -1244,7 +1246,7 @@ def test_alias_bomb_refused_fast_with_bounded_memory(tmp_path):
     import tracemalloc
 
     from kvrepro.errors import SpecError
-    from kvrepro.spec import parse_matrix
+    from kvrepro.spec.matrix import parse_matrix
 
     tracemalloc.start()
     started = time.monotonic()
@@ -1305,9 +1307,9 @@ def test_run_materialises_nothing_per_repetition(tmp_path, monkeypatch):
     repetition count costs nothing before the repetitions run (a stop after two ends it)."""
     import threading
 
-    from kvrepro import runner
+    from kvrepro.matrix import runner
     from kvrepro.records import BuildArtifact
-    from kvrepro.spec import load_matrix
+    from kvrepro.spec.matrix import load_matrix
 
     loaded = load_matrix(small_matrix(tmp_path))
     started: list[tuple[str, int]] = []
@@ -1357,7 +1359,7 @@ def test_failed_requests_win_over_the_shadow_kv_only_when_the_load_did_not_test(
     """The order in verdict.decide: more than 5% failed with the engine up is INFRA even with
     shadow-KV violations; a real corruption with a few failures stays CORRUPT."""
     from kvrepro.records import Classification, Exposure, LoadSummary, Outcome, Verdict
-    from kvrepro.verdict import decide, title
+    from kvrepro.classify.verdict import decide, title
 
     none = Classification(Outcome.NONE, "")
     seen = Exposure(trigger_calls=5, state_calls=2, kv_violations=4, kv_first_violation="step=3 ...")
@@ -1418,7 +1420,7 @@ def test_api_key_refused_is_infra_with_a_reason(tmp_path):
 
     from kvrepro.errors import InfraError
     from kvrepro.loadgen.runner import run_load
-    from kvrepro.spec import LoadSpec, RunsSpec
+    from kvrepro.spec.matrix import LoadSpec, RunsSpec
 
     class Refuse(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -1538,7 +1540,7 @@ def test_replay_of_a_trace_whose_only_request_is_truncated(tmp_path):
 
 def _recorded_run(root: Path, verdicts: dict[int, str]):
     """A recorded run of build A with the given repetitions (as `matrix run` writes them)."""
-    from kvrepro import results
+    from kvrepro.results import store as results
     from kvrepro.records import Outcome, RunResult, Verdict
 
     folder = results.create_run(root, "builds: {A: []}\n", {"build_order": ["A"], "builds": {"A": {"patches": []}}})

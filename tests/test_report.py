@@ -13,11 +13,12 @@ import pytest
 import xmlschema
 from markdown_it import MarkdownIt
 
-from kvrepro import junit, pages, report, results
-from kvrepro.compare import compare
+from kvrepro.report import junit, pages, render as report
+from kvrepro.results import store as results
+from kvrepro.report.compare import compare
 from kvrepro.records import (BisectionStep, BuildRecord, HostInfo, LoadSummary, Outcome, RunResult, Signature,
                              Verdict)
-from kvrepro.results import ResultsSchemaError
+from kvrepro.results.store import ResultsSchemaError
 
 ROOT = Path(__file__).resolve().parents[1]
 XSD = ROOT / "tests" / "data" / "junit" / "junit.xsd"

@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from kvrepro import report, results
+from kvrepro.report import render as report
+from kvrepro.results import store as results
 from kvrepro.errors import KvreproError
 from kvrepro.records import Outcome, RunResult, Verdict
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvrepro.errors import SpecError
-from kvrepro.spec import load_matrix, parse_matrix
+from kvrepro.spec.matrix import load_matrix, parse_matrix
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,7 +125,7 @@ def test_bad_base_lists_are_named(tmp_path):
 def test_expect_may_accept_any_of_several_verdicts(tmp_path):
     """Release validation: "the crash is not back" is SURVIVED or UNREACHED, never CRASH/CORRUPT."""
     from kvrepro.records import Outcome, RunResult, Verdict
-    from kvrepro.report import meets_expectation
+    from kvrepro.report.render import meets_expectation
 
     path = tmp_path / "matrix.yaml"
     path.write_text("builds: {release: []}\nexpect: {release: SURVIVED|UNREACHED}\n")

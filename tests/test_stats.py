@@ -5,8 +5,7 @@ import math
 import pytest
 
 from kvrepro.records import Outcome, RunResult, Verdict
-from kvrepro.stats import (Rate, StateRate, decisive, factorials, fisher_one_sided, patch_effects, rate,
-                           state_rate)
+from kvrepro.report.stats import (Rate, StateRate, decisive, factorials, fisher_one_sided, patch_effects, rate, state_rate)
 
 Z = 1.959963984540054  # the 97.5% normal quantile
 
@@ -108,7 +107,7 @@ def test_stopping_rule():
 def test_adaptive_rounds_stop_each_build_by_the_rule():
     """runner._decided applies the stopping rule per build; INFRA builds stop after one run."""
     from kvrepro.records import BuildArtifact, BuildPlan
-    from kvrepro.runner import _decided
+    from kvrepro.matrix.runner import _decided
 
     ok = BuildArtifact(plan=BuildPlan("B", "0.26.0", ()), ref="/overlay", manifest={})
     broken = BuildArtifact(plan=BuildPlan("X", "0.26.0", ()), ref=None, manifest={}, error="hunk #1 failed")

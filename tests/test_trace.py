@@ -20,8 +20,8 @@ from kvrepro.errors import SpecError
 from kvrepro.loadgen import run_load
 from kvrepro.loadgen.runner import _Arrivals, replay_load, tokens_to_text
 from kvrepro.loadgen.trace import TraceRequest, read_trace, write_trace
-from kvrepro.minimize import ddmin, matches
-from kvrepro.spec import LoadSpec, RunsSpec, TargetSignature
+from kvrepro.minimize.shrink import ddmin, matches
+from kvrepro.spec.matrix import LoadSpec, RunsSpec, TargetSignature
 from test_loadgen import StandInEngine, lines
 
 LOAD = LoadSpec(profile="partial-prefix", concurrency=3, max_tokens=4, vocab_size=500)

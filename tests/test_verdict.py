@@ -3,7 +3,7 @@
 import pytest
 
 from kvrepro.records import Classification, Exposure, LoadSummary, Outcome, Verdict
-from kvrepro.verdict import MAX_FAILED_SHARE, decide, title
+from kvrepro.classify.verdict import MAX_FAILED_SHARE, decide, title
 
 NONE = Classification(Outcome.NONE, "")
 

@@ -40,7 +40,7 @@ def test_a_release_without_an_adapter_says_what_to_do():
 def test_unsupported_base_is_an_infra_build_not_a_traceback(tmp_path):
     """The sim target turns an unknown release into a failed build naming it (no download tried)."""
     from kvrepro.deploy.sim import SimTarget
-    from kvrepro.spec import load_matrix
+    from kvrepro.spec.matrix import load_matrix
 
     path = tmp_path / "matrix.yaml"
     path.write_text("base: 0.34.0\nbuilds:\n  plain: []\n")

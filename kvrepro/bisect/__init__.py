@@ -19,7 +19,7 @@ from .. import versions
 from ..builds import gitcommit
 from ..errors import SpecError
 from ..records import BisectResult
-from ..spec import load_matrix
+from ..matrix import load_matrix
 from .points import Point, PointMatrices, point_key, point_label, releases_between
 from .rules import Evidence, PointRule, PointVerdict, default_max_runs, evidence, run_label, runs_needed_for_good
 from .search import bisect_linear, ddmin, next_midpoint

@@ -1,7 +1,7 @@
 """What a bisection point is, and the one-build matrix that probes it.
 
 Every point becomes an ordinary matrix (``loaded.matrix.model_copy(update=...)``) with a single
-build, run by :func:`kvrepro.runner.run_matrix`; the bisection never starts an engine itself, so
+build, run by :func:`kvrepro.matrix.runner.run_matrix`; the bisection never starts an engine itself, so
 whatever the runner and targets can run (any release, any target) it can bisect.
 """
 
@@ -17,7 +17,7 @@ from .. import versions
 from ..builds import gitcommit
 from ..errors import SpecError
 from ..records import BuildPlan, GitCommitSource
-from ..spec import LoadedMatrix
+from ..spec.matrix import LoadedMatrix
 
 Point = dict[str, Any]
 

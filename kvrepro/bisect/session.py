@@ -20,12 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import lifetime, results
+from .. import lifetime
+from ..results import store as results
 from ..deploy import get_target
 from ..deploy.base import Target
 from ..errors import KvreproError, SpecError
 from ..records import BisectResult, BisectStep, RunResult
-from ..runner import MatrixOptions, Progress, SilentProgress, run_matrix
+from ..matrix.runner import MatrixOptions, Progress, SilentProgress, run_matrix
 from .points import Point, PointMatrices, build_name, point_key, point_label
 from .rules import (Evidence, PointRule, PointVerdict, Tally, confidence, default_max_runs, estimate_p_bad, evidence,
                     runs_needed_for_good, skip_reason)

@@ -9,10 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .overlay import build_overlay, pristine_tree
+from ..records import BuildArtifact, BuildPlan
+from .gitcommit import build_commit_overlay
+from .overlay import build_release_overlay, pristine_tree
 from .patching import apply_patch_stack, touched_files
 from .runtime import Runtime, ensure_runtime, is_ready
 from .wheel import fetch_wheel, vllm_requirements
+
+
+def build_overlay(plan: BuildPlan, on_line: Callable[[str], None] | None = None) -> BuildArtifact:
+    """Build (or reuse) the overlay for ``plan``: on a release wheel, or on a git commit when the
+    plan names one (``plan.source``). A patch that does not apply fails this build only (the
+    artifact's ``error`` names the patch, file and hunk)."""
+    if plan.source is not None:
+        return build_commit_overlay(plan, on_line)
+    return build_release_overlay(plan, on_line)
 
 
 def prepare_runtime(base: str, on_line: Callable[[str], None] | None = None) -> Runtime:

@@ -28,7 +28,7 @@ from .. import paths, versions
 from ..errors import KvreproError, SpecError
 from ..records import BuildArtifact, BuildPlan
 from . import patching
-from .overlay import OVERLAY_FORMAT, PROBE_SOURCE, _sha256, finish_overlay, pristine_tree
+from .overlay import OVERLAY_FORMAT, PROBE_SOURCE, file_sha256, finish_overlay, pristine_tree
 
 # generated at release time, never committed: always taken from the wheel
 _GENERATED = ("vllm/_version.py",)
@@ -100,7 +100,7 @@ def overlay_key(plan: BuildPlan, wheel_digest: str) -> str:
         "base": plan.base,
         "wheel_sha256": wheel_digest,
         "patches": [[p.name, p.sha256] for p in plan.patches],
-        "probe_sha256": _sha256(PROBE_SOURCE),
+        "probe_sha256": file_sha256(PROBE_SOURCE),
     }
     return "git-" + hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:16]
 

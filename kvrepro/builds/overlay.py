@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .. import paths
 from ..records import BuildArtifact, BuildPlan
-from ..engine import plugin
+from .plugin_dist import dist_info_files
 from . import patching, wheel as wheels
 
 PROBE_SOURCE = paths.PACKAGE_ROOT / "probe" / "kvrepro_probe.py"
@@ -30,7 +30,7 @@ PROBE_TARGET_CLASS = "OffloadingConnectorScheduler"
 PROBE_TARGET_METHOD = "update_state_after_alloc"
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -39,7 +39,7 @@ def tree_sha256(root: Path) -> str:
     digest = hashlib.sha256()
     for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0")
-        digest.update(_sha256(path).encode())
+        digest.update(file_sha256(path).encode())
     return digest.hexdigest()
 
 
@@ -86,7 +86,7 @@ def overlay_key(plan: BuildPlan, wheel_digest: str) -> str:
         "base": plan.base,
         "wheel_sha256": wheel_digest,
         "patches": [[p.name, p.sha256] for p in plan.patches],
-        "probe_sha256": _sha256(PROBE_SOURCE),
+        "probe_sha256": file_sha256(PROBE_SOURCE),
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -113,7 +113,7 @@ def install_dist_info(wheel: Path, root: Path) -> None:
     ``kvrepro_sim`` dist-info whose entry point is the GPU-free platform plugin.
     """
     wheels.extract_dist_info(wheel, root, ("METADATA", "entry_points.txt", "top_level.txt"))
-    for rel, text in plugin.dist_info_files().items():
+    for rel, text in dist_info_files().items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
 
@@ -131,7 +131,7 @@ def finish_overlay(plan: BuildPlan, tmp: Path, dest: Path, wheel: Path, wheel_di
         "wheel": wheel.name,
         "wheel_sha256": wheel_digest,
         "patches": [{"name": p.name, "upstream": p.upstream, "sha256": p.sha256} for p in plan.patches],
-        "probe_sha256": _sha256(PROBE_SOURCE),
+        "probe_sha256": file_sha256(PROBE_SOURCE),
         # what the probe must log as source_sha256 when this build's code runs
         "probe_target_sha256": probe_target_sha256(tmp),
         "overlay_key": key,
@@ -146,17 +146,13 @@ def finish_overlay(plan: BuildPlan, tmp: Path, dest: Path, wheel: Path, wheel_di
     return BuildArtifact(plan=plan, ref=str(dest), manifest=manifest, source_root=str(dest))
 
 
-def build_overlay(plan: BuildPlan, on_line: Callable[[str], None] | None = None) -> BuildArtifact:
-    """Build (or reuse) the overlay for ``plan``.
+def build_release_overlay(plan: BuildPlan, on_line: Callable[[str], None] | None = None) -> BuildArtifact:
+    """Build (or reuse) the overlay for ``plan`` on a release wheel (``kvrepro.builds.build_overlay``
+    sends plans on a git commit to :mod:`kvrepro.builds.gitcommit` instead).
 
     A patch that does not apply fails this build only: the artifact comes back with ``error``
-    naming the patch, file and hunk, and nothing is left in the cache. A plan whose source is a
-    git commit is built by :mod:`kvrepro.builds.gitcommit`.
+    naming the patch, file and hunk, and nothing is left in the cache.
     """
-    if plan.source is not None:
-        from .gitcommit import build_commit_overlay
-
-        return build_commit_overlay(plan, on_line)
     wheel, pristine, wheel_digest = pristine_tree(plan.base, on_line)
     key = overlay_key(plan, wheel_digest)
     dest = paths.overlays_dir() / key

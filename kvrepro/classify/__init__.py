@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..records import Classification
-from ..spec import TargetSignature
+from ..spec.matrix import TargetSignature
 from .classifier import classify_lines, excerpt, fatal_traceback
 from .engine_counters import read_engine_counters
 from .exposure import read_exposure

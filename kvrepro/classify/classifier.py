@@ -41,7 +41,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..records import Classification, Outcome, Signature
-from ..spec import TargetSignature
+from ..spec.matrix import TargetSignature
 from .lines import split_line
 from .patterns import Pattern, match_pattern
 from .source import canonical, shown_expression, statement_at

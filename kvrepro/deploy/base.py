@@ -9,8 +9,8 @@ from pathlib import Path
 from ..records import BuildArtifact, BuildPlan
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # kvrepro.spec (pydantic): not needed to import the targets' package
-    from ..spec import LoadedMatrix
+if TYPE_CHECKING:  # kvrepro.spec.matrix (pydantic): not needed to import the targets' package
+    from ..spec.matrix import LoadedMatrix
 
 
 class EngineHandle(abc.ABC):

@@ -25,7 +25,6 @@ import requests
 from .. import builds, lifetime, paths, scratch, versions
 from ..errors import InfraError, KvreproError, describe_os_error
 from ..records import BuildArtifact, BuildPlan
-from ..engine.zygote import ENV_VAR as ZYGOTE_ENV, start_zygote
 from ..secrets import redact, scrubbed_environ
 from . import register
 from .base import EngineHandle, Target
@@ -43,6 +42,37 @@ def log_tail(path: Path, lines: int = 15) -> str:
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
+
+
+# the engine side (kvrepro/engine/zygote.py, ENV_VAR) reads this variable; tests/test_engine.py checks they agree
+ZYGOTE_ENV = "KVREPRO_ENGINE_ZYGOTE"
+
+
+def start_zygote(python: str, socket_path: str, env: dict[str, str], log_path: str,
+                 timeout: float = 180.0, cancel: threading.Event | None = None) -> subprocess.Popen:
+    """Start a zygote (for a deploy target) and wait until it accepts connections (or ``cancel``)."""
+    log = open(log_path, "ab")
+    proc = subprocess.Popen([python, "-m", "kvrepro.engine.zygote", "--socket", socket_path], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True,
+                            preexec_fn=lifetime.child_hook())  # kvrepro#8: SIGTERM when kvrepro dies
+    log.close()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cancel is not None and cancel.is_set():  # kvrepro#8: Ctrl-C while it preloads
+            proc.terminate()
+            raise RuntimeError("interrupted while the engine zygote was starting")
+        if proc.poll() is not None:
+            raise RuntimeError(f"the engine zygote exited with code {proc.returncode}; see {log_path}")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(socket_path)
+                return proc
+            except OSError:
+                pass
+        time.sleep(0.1)
+    proc.terminate()
+    raise RuntimeError(f"the engine zygote did not listen on {socket_path} within {timeout:.0f}s; see {log_path}")
 
 
 class RedactingLog:

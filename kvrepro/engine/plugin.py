@@ -11,7 +11,7 @@ EngineCore process, any worker. Two things happen there:
   otherwise nothing, so an image that carries the plugin still runs on its GPUs unchanged.
 
 The entry point is declared by a hand-written ``kvrepro_sim-<version>.dist-info`` that kvrepro
-puts next to each build's ``vllm/`` (see ``dist_info_files``); nothing is pip-installed.
+puts next to each build's ``vllm/`` (``kvrepro.builds.plugin_dist``); nothing is pip-installed.
 """
 
 from __future__ import annotations
@@ -22,9 +22,6 @@ import sys
 from pathlib import Path
 
 ENV_FLAG = "KVREPRO_SIM"
-ENTRY_POINT_GROUP = "vllm.platform_plugins"
-DIST_NAME = "kvrepro_sim"
-DIST_VERSION = "1.0"
 PLATFORM = "kvrepro.engine.platform.SimCpuPlatform"
 
 
@@ -53,14 +50,3 @@ def activate_probe():
 def register() -> str | None:
     activate_probe()
     return platform_for(os.environ)
-
-
-def dist_info_files() -> dict[str, str]:
-    """The files of the ``kvrepro_sim`` dist-info folder (relative path -> text)."""
-    folder = f"{DIST_NAME}-{DIST_VERSION}.dist-info"
-    return {
-        f"{folder}/METADATA": f"Metadata-Version: 2.1\nName: {DIST_NAME}\nVersion: {DIST_VERSION}\n"
-                              "Summary: kvrepro's GPU-free vLLM platform plugin\n",
-        f"{folder}/entry_points.txt": f"[{ENTRY_POINT_GROUP}]\n{DIST_NAME} = kvrepro.engine.plugin:register\n",
-        f"{folder}/top_level.txt": "kvrepro\n",
-    }

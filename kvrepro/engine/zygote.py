@@ -11,7 +11,7 @@ process imports torch again.
 Use (stdlib only on both sides):
 
 * the deploy target starts ``<runtime python> -m kvrepro.engine.zygote --socket PATH`` once
-  (``start_zygote()``) and stops it when done (SIGTERM; it takes its engines down with it);
+  (``kvrepro.deploy.sim.start_zygote``) and stops it when done (SIGTERM; it takes its engines down with it);
 * engine commands stay ``python -m kvrepro.engine <args>``, with env
   ``KVREPRO_ENGINE_ZYGOTE=PATH``: that process then becomes a thin client that hands its argv,
   environment, working directory and stdin/stdout/stderr to the zygote, forwards SIGTERM /
@@ -324,35 +324,6 @@ def delegate(socket_path: str, argv: list[str]) -> int | None:
                 pass
             code = message["exit"]
             return code if code >= 0 else 128 - code
-
-
-def start_zygote(python: str, socket_path: str, env: dict[str, str], log_path: str,
-                 timeout: float = 180.0, cancel: threading.Event | None = None) -> subprocess.Popen:
-    """Start a zygote (for a deploy target) and wait until it accepts connections (or ``cancel``)."""
-    from kvrepro import lifetime
-
-    log = open(log_path, "ab")
-    proc = subprocess.Popen([python, "-m", "kvrepro.engine.zygote", "--socket", socket_path], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True,
-                            preexec_fn=lifetime.child_hook())  # kvrepro#8: SIGTERM when kvrepro dies
-    log.close()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cancel is not None and cancel.is_set():  # kvrepro#8: Ctrl-C while it preloads
-            proc.terminate()
-            raise RuntimeError("interrupted while the engine zygote was starting")
-        if proc.poll() is not None:
-            raise RuntimeError(f"the engine zygote exited with code {proc.returncode}; see {log_path}")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            try:
-                probe.connect(socket_path)
-                return proc
-            except OSError:
-                pass
-        time.sleep(0.1)
-    proc.terminate()
-    raise RuntimeError(f"the engine zygote did not listen on {socket_path} within {timeout:.0f}s; see {log_path}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from ..spec import LoadSpec
+from ..spec.matrix import LoadSpec
 from .profiles import DEFAULT_CAPACITY, EngineCapacity
 
 _GPU_TOKENS_RE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")

@@ -53,7 +53,7 @@ import requests
 
 from ..errors import InfraError
 from ..records import LoadSummary
-from ..spec import LoadSpec, RunsSpec
+from ..spec.matrix import LoadSpec, RunsSpec
 from . import http
 from . import trace as tracefile
 from .profiles import EngineCapacity, Profile, Prompt, get_profile

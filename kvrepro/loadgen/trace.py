@@ -46,7 +46,7 @@ class Trace:
 
     def load_spec(self):
         """The LoadSpec the trace was sent with (for max_tokens, vocab, format, streaming)."""
-        from ..spec import LoadSpec
+        from ..spec.matrix import LoadSpec
 
         return LoadSpec.model_validate(self.header.get("load") or {})
 

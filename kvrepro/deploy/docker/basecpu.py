@@ -36,7 +36,7 @@ import requests
 from docker.types import Mount
 
 from ... import paths
-from ...engine import plugin
+from ...builds.plugin_dist import dist_info_files
 from ...errors import SetupError
 from . import labels as L
 from .hosts import DockerHost, connect, local_host_spec, remove_quietly
@@ -347,7 +347,7 @@ def _vllm_image(host: DockerHost, deps_image, wheel: Path, version: str, on_line
 def _engine_image(host: DockerHost, vllm_image, version: str, on_line: OnLine, rebuild: bool,
                   final_tag: str) -> tuple[Any, str, bool, str]:
     files = engine_files()
-    plugin_dist = {f"plugin/{rel}": text.encode() for rel, text in plugin.dist_info_files().items()}
+    plugin_dist = {f"plugin/{rel}": text.encode() for rel, text in dist_info_files().items()}
     shim = (DATA / "vllm-shim.sh").read_bytes()
     dockerfile_template = (DATA / "engine-layer.Dockerfile").read_text()
     purelib = (vllm_image.labels or {}).get("io.kvrepro.purelib") or "/usr/local/lib/python3.11/dist-packages"

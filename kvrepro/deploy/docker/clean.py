@@ -16,7 +16,7 @@ import docker.errors
 import requests
 
 from ... import lifetime
-from ...spec import Matrix
+from ...spec.matrix import Matrix
 from . import labels as L
 from .errors import DockerInfraError
 from .hosts import all_hosts, connect, remove_quietly

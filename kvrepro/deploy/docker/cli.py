@@ -22,7 +22,7 @@ from ...errors import KvreproError
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pydantic only when a command reads a matrix
-    from ...spec import Matrix
+    from ...spec.matrix import Matrix
 
 hosts_app = typer.Typer(help="Docker hosts of matrix.yaml.", no_args_is_help=True)
 images_app = typer.Typer(help="Images of the docker target.", no_args_is_help=True)
@@ -44,7 +44,7 @@ def _matrix_or_none(path: Path) -> Matrix | None:
     """The matrix when the file exists; without one the commands act on the local daemon."""
     if not path.exists() and path == Path("matrix.yaml"):
         return None
-    from ...spec import load_matrix
+    from ...spec.matrix import load_matrix
 
     return load_matrix(path).matrix
 

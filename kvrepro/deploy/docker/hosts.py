@@ -25,10 +25,10 @@ import docker.errors
 import requests
 
 from ...errors import SpecError
-from ...spec import HostSpec, Matrix
+from ...spec.matrix import HostSpec, Matrix
 from .errors import DaemonDownError, SshError, UnknownHostError
 from .labels import MANAGED_FILTER
-from .ssh import SshConnection
+from .ssh import SshConnection, free_local_port
 
 DEFAULT_SOCKET = "unix:///var/run/docker.sock"
 
@@ -256,12 +256,6 @@ def port_free_locally(port: int) -> bool:
             except OSError:
                 return False
     return True
-
-
-def free_local_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def published_ports(host: DockerHost) -> set[int]:

@@ -27,6 +27,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -34,7 +35,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from ...spec import HostSpec
+from ...spec.matrix import HostSpec
 from .errors import DockerInfraError, SshError, UnknownHostError
 
 DEFAULT_REMOTE_SOCKET = "/var/run/docker.sock"
@@ -50,6 +51,13 @@ except (OSError, AttributeError):
 def _die_with_parent() -> None:
     if _prctl is not None:
         _prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG: a SIGKILLed kvrepro ends its ssh too
+
+
+def free_local_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (another process may take it before we bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class _Spawner:
@@ -234,8 +242,6 @@ class SshConnection:
     def forward(self, remote_port: int, remote_host: str = "127.0.0.1") -> int:
         """Forward a free local port on 127.0.0.1 to ``remote_host:remote_port`` as seen from the
         host; return the local port."""
-        from .hosts import free_local_port  # hosts builds on this module
-
         last = ""
         for _ in range(3):  # another process may take the free port between choosing and binding it
             local = free_local_port()

@@ -22,7 +22,7 @@ from docker.types import DeviceRequest, Mount
 from ...errors import InfraError, KvreproError, SpecError
 from ...records import BuildArtifact, BuildPlan
 from ...secrets import redact
-from ...spec import HostSpec, LoadedMatrix
+from ...spec.matrix import HostSpec, LoadedMatrix
 from .. import register
 from ..base import EngineHandle, Target
 from . import labels as L

@@ -23,9 +23,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ...errors import SpecError
+from ...spec.matrix import FieldError, LoadSpec
 
 
 class ProfileSettings(BaseModel):
@@ -81,7 +82,7 @@ class Profile(ABC):
     # document): with ``load.dp_routing: affinity`` requests with the same value go to one rank
     affinity_field: ClassVar[str | None] = None
 
-    def __init__(self, load: Any, seed: int, capacity: EngineCapacity | None = None):
+    def __init__(self, load: LoadSpec, seed: int, capacity: EngineCapacity | None = None):
         self.load = load
         self.seed = seed
         self.capacity = capacity or DEFAULT_CAPACITY
@@ -109,7 +110,7 @@ class Profile(ABC):
                 "capacity": self.capacity.__dict__}
 
 
-def profile_fields(load: Any) -> dict[str, Any]:
+def profile_fields(load: LoadSpec) -> dict[str, Any]:
     """The ``load:`` fields that belong to the profile (everything LoadSpec does not know)."""
     return dict(getattr(load, "model_extra", None) or {})
 
@@ -137,3 +138,29 @@ def get_profile(name: str) -> type[Profile]:
         known = ", ".join(sorted(profiles)) or "(none installed)"
         raise SpecError(f"load.profile: unknown profile {name!r}; known profiles: {known} "
                         f"(each is a file in kvrepro/loadgen/profiles/)") from None
+
+
+def check_settings(load: LoadSpec) -> None:
+    """The profile's own ``load:`` fields, checked by its ``Settings``; raises the spec's
+    FieldError (file:line and field in the message). kvrepro.matrix hands this to parse_matrix.
+    """
+    try:
+        profile = get_profile(load.profile)
+    except SpecError as exc:
+        raise FieldError("load.profile", str(exc).removeprefix("load.profile: ")) from None
+    try:
+        profile.Settings.model_validate(profile_fields(load))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        if not where:  # a cross-field check: its message starts with the field it is about
+            named = [f for f in profile.Settings.model_fields if str(first["msg"]).removeprefix("Value error, ")
+                     .startswith(f)]
+            where = max(named, key=len) if named else ""
+        if first["type"] == "extra_forbidden":
+            allowed = ", ".join(list(LoadSpec.model_fields) + list(profile.Settings.model_fields))
+            msg = f"unknown field (not a setting of profile {load.profile!r}); allowed here: {allowed}"
+        else:
+            msg = first["msg"].removeprefix("Value error, ")
+        raise FieldError(f"load.{where}" if where else "load.profile",
+                          f"{msg} (profile {load.profile!r})" if first["type"] != "extra_forbidden" else msg) from None

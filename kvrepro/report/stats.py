@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from scipy import stats as _sp
 
-from .records import Outcome, RunResult, Verdict
+from ..records import Outcome, RunResult, Verdict
 
 FAILED = (Verdict.CRASH, Verdict.CORRUPT)  # the bug showed: the engine died or served wrong KV
 PASSED = (Verdict.SURVIVED,)  # the bug's path ran and the engine got through it

@@ -18,13 +18,13 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from .records import RunResult, Verdict
-from .report import meets_expectation
-from .results import BuildResults, MatrixRun, write_atomic
+from ..records import RunResult, Verdict
+from .render import meets_expectation
+from ..results.store import BuildResults, MatrixRun, write_atomic
 
 
 def _evidence(build: BuildResults, r: RunResult) -> str:
-    from .classify import crash_excerpt
+    from ..classify import crash_excerpt
 
     lines = [
         f"verdict: {r.label}" + (f" (expected {build.expect})" if build.expect else ""),

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from scipy import stats as _sp
 
 from . import stats
-from .records import RunResult
-from .results import BuildResults, MatrixRun
+from ..records import RunResult
+from ..results.store import BuildResults, MatrixRun
 
 
 @dataclass(frozen=True)

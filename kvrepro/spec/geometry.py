@@ -27,8 +27,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import paths, versions
-from .errors import SpecError
+from .. import paths, versions
+from ..errors import SpecError
 
 LINEAR, FULL = "linear_attention", "full_attention"
 

@@ -19,7 +19,7 @@ matplotlib.use("Agg")  # no display here, and none needed
 import matplotlib.pyplot as plt  # noqa: E402
 from scipy import stats as _sp  # noqa: E402
 
-from .records import RunResult, Verdict  # noqa: E402
+from ..records import RunResult, Verdict  # noqa: E402
 
 # runs that say nothing about how long the engine lives under load
 _NOT_TIMED = (Verdict.INFRA, Verdict.INTERRUPTED, Verdict.INCOMPLETE, Verdict.DAMAGED)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .classify.corruption import UNKNOWN, title_of
-from .records import Classification, Exposure, LoadSummary, Outcome, Verdict
+from .corruption import UNKNOWN, title_of
+from ..records import Classification, Exposure, LoadSummary, Outcome, Verdict
 
 # share of requests that may fail, with the engine alive, in a run that still counts
 MAX_FAILED_SHARE = 0.05

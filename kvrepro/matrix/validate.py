@@ -21,10 +21,10 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from . import paths, versions
-from .errors import SpecError
-from .secrets import is_number
-from .spec import LoadedMatrix, _line_for, _line_index
+from .. import paths, versions
+from ..errors import SpecError
+from ..secrets import is_number
+from ..spec.matrix import LoadedMatrix, _line_for, _line_index
 
 
 def _where(loaded: LoadedMatrix, dotted: str, lines: dict) -> str:
@@ -35,9 +35,9 @@ def _where(loaded: LoadedMatrix, dotted: str, lines: dict) -> str:
 def serve_flags(base: str, on_line: Callable[[str], None] | None = None) -> set[str] | None:
     """The option strings of vLLM ``base``'s `vllm serve`, or None if the runtime env or the
     wheel are not set up yet (`kvrepro setup` makes them; nothing is downloaded here)."""
-    from .builds import is_ready, vllm_requirements
-    from .builds.overlay import pristine_tree
-    from .builds.wheel import cached_wheel
+    from ..builds import is_ready, vllm_requirements
+    from ..builds.overlay import pristine_tree
+    from ..builds.wheel import cached_wheel
 
     wheel = cached_wheel(base)
     if wheel is None or not is_ready(vllm_requirements(wheel)):
@@ -51,8 +51,8 @@ def serve_flags(base: str, on_line: Callable[[str], None] | None = None) -> set[
         return set(flags)
     except (OSError, ValueError, TypeError, AttributeError):
         pass
-    from .builds import prepare_runtime
-    from .secrets import scrubbed_environ
+    from ..builds import prepare_runtime
+    from ..secrets import scrubbed_environ
 
     runtime = prepare_runtime(base)  # ready (checked above): nothing is installed here
     if on_line:
@@ -73,7 +73,7 @@ def serve_flags(base: str, on_line: Callable[[str], None] | None = None) -> set[
     secret_options = json.loads(secret_marker[-1].removeprefix("KVREPRO-SECRET-OPTIONS ")) if secret_marker else {}
     _register_secret_options(secret_options, flags)
     try:
-        from .results import write_atomic
+        from ..results.store import write_atomic
 
         write_atomic(secrets_cache, json.dumps(secret_options, sort_keys=True) + "\n")
         write_atomic(cache, json.dumps(flags) + "\n")
@@ -85,7 +85,7 @@ def serve_flags(base: str, on_line: Callable[[str], None] | None = None) -> set[
 def _register_secret_options(options: dict, flags: list[str]) -> None:
     """The release's secret options (``--hf-token``, ``--api-key``, ...: destinations naming a
     secret) join the ones kvrepro masks in every spelling (kvrepro/secrets.py)."""
-    from .secrets import register_secret_options
+    from ..secrets import register_secret_options
 
     if not isinstance(options, dict) or not isinstance(flags, list):
         raise TypeError("not a mapping and a list")
@@ -95,7 +95,7 @@ def _register_secret_options(options: dict, flags: list[str]) -> None:
 def secret_options(base: str) -> dict | None:
     """The options of vLLM ``base``'s `vllm serve` whose destination names a secret (option ->
     nargs), read from its own parser; None when the runtime env is not set up."""
-    from .secrets import _secret_options
+    from ..secrets import _secret_options
 
     if serve_flags(base) is None:
         return None
@@ -120,8 +120,8 @@ def check(loaded: LoadedMatrix, target: str | None = None, engine_flags: bool = 
           on_line: Callable[[str], None] | None = None) -> list[str]:
     """Raise SpecError listing every problem (file:line: field: what to do); return notes about
     what could not be checked (e.g. engine flags before `kvrepro setup`)."""
-    from .deploy import known_targets
-    from .loadgen import known_profiles
+    from ..deploy import known_targets
+    from ..loadgen import known_profiles
 
     m = loaded.matrix
     lines = _line_index(loaded.text)
@@ -136,8 +136,8 @@ def check(loaded: LoadedMatrix, target: str | None = None, engine_flags: bool = 
     if m.load.profile not in profiles:
         problems.append(f"{_where(loaded, 'load.profile', lines)}: load.profile: unknown profile {m.load.profile!r}; "
                         f"known profiles: {', '.join(profiles)} (one file each under kvrepro/loadgen/profiles/)")
-    from .classify.corruption import UNKNOWN, known_corruptions
-    from .spec import expected_defects
+    from ..classify.corruption import UNKNOWN, known_corruptions
+    from ..spec.matrix import expected_defects
 
     defects = {c.name for c in known_corruptions()} | {UNKNOWN}
     for build, expect in m.expect.items():
@@ -160,7 +160,7 @@ def check(loaded: LoadedMatrix, target: str | None = None, engine_flags: bool = 
     if m.engine.extra_args:
         # reading the parser also registers its secret options (every spelling gets masked)
         known = {base: serve_flags(base, on_line) for base in m.bases}[m.bases[0]]
-        from .secrets import remember, secret_arg_values
+        from ..secrets import remember, secret_arg_values
 
         remember(secret_arg_values(list(m.engine.extra_args)))
     if engine_flags and m.engine.extra_args:
@@ -170,7 +170,7 @@ def check(loaded: LoadedMatrix, target: str | None = None, engine_flags: bool = 
         else:
             bad = unknown_flags(list(m.engine.extra_args), known)
             if bad:
-                from .secrets import redact
+                from ..secrets import redact
 
                 problems.append(
                     f"{_where(loaded, 'engine.extra_args', lines)}: engine.extra_args: `vllm serve` of vLLM {m.base} "

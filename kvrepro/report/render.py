@@ -24,11 +24,12 @@ from rich.console import Group
 from rich.table import Table as RichTable
 from rich.text import Text
 
-from . import __version__, stats
+from .. import __version__
+from . import stats
 from .pages import Block, Bullets, Cell, Code, Details, Heading, Image, Para, Table, to_html, to_markdown
-from .records import BisectionStep, RunResult, Verdict
-from .spec import meets
-from .results import BuildResults, MatrixRun, write_atomic
+from ..records import BisectionStep, RunResult, Verdict
+from ..spec.matrix import meets
+from ..results.store import BuildResults, MatrixRun, write_atomic
 
 _STYLE = {"CRASH": "bold red", "CORRUPT": "bold red", "SURVIVED": "bold green", "VACUOUS": "yellow",
           "UNREACHED": "yellow", "STALL": "yellow", "INFRA": "magenta", "INTERRUPTED": "dim",
@@ -470,7 +471,7 @@ def _runs_blocks(run: MatrixRun) -> list[Block]:
 
 
 def _crash_blocks(run: MatrixRun) -> list[Block]:
-    from .classify import crash_excerpt
+    from ..classify import crash_excerpt
 
     blocks: list[Block] = []
     for b in run.builds:

@@ -46,18 +46,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import lifetime, results
-from .errors import InfraError, KvreproError, SpecError
-from .loadgen.trace import Trace, TraceRequest, read_trace, write_trace
-from .records import BuildPlan
-from .spec import LoadedMatrix, TargetSignature
+from .. import lifetime
+from ..results import store as results
+from ..errors import InfraError, KvreproError, SpecError
+from ..loadgen.trace import Trace, TraceRequest, read_trace, write_trace
+from ..records import BuildPlan
+from ..spec.matrix import LoadedMatrix, TargetSignature
 
 
 class OfflineEngine:
     """One ``python -m kvrepro.engine.offline -`` process for one build: jobs in, results out."""
 
     def __init__(self, loaded: LoadedMatrix, build: str, rep: int):
-        from .deploy.sim import SimTarget
+        from ..deploy.sim import SimTarget
 
         self.target = SimTarget(loaded)
         plan = resolve_plan(loaded, build)
@@ -177,7 +178,7 @@ def kind_count(violations_by: dict[str, int], kind: str) -> int:
     (``full_attention+offload/foreign/hit``; older runs counted by kind alone); ``kind`` may also
     be a defect name (``fa-hole-below-boundary``): the classes attributed to that defect."""
     if _is_defect(kind):
-        from .classify.corruption import attribute
+        from ..classify.corruption import attribute
 
         return attribute(violations_by or {}).get(kind, 0)
     return sum(n for key, n in (violations_by or {}).items() if key.split("/", 1)[0] == kind)
@@ -185,7 +186,7 @@ def kind_count(violations_by: dict[str, int], kind: str) -> int:
 
 def _is_defect(name: str) -> bool:
     """Whether ``name`` is a known corruption defect (kvrepro/classify/corruptions/), not a kind."""
-    from .classify.corruption import by_name
+    from ..classify.corruption import by_name
 
     return by_name(name) is not None
 
@@ -195,7 +196,7 @@ def corruption_matches(record: dict[str, Any], want: str) -> bool:
     minimized: the same kind of KV group and offload-hit flag (``full_attention+offload``), or,
     when ``want`` names a known defect (``fa-hole-below-boundary``), a class attributed to it."""
     if _is_defect(want):
-        from .classify.corruption import match_class
+        from ..classify.corruption import match_class
 
         found = match_class(str(record.get("class") or record.get("kind") or ""))
         return found is not None and found.name == want
@@ -362,7 +363,7 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
         resolve_plan(loaded, name)
     if (violation is not None and violation.removesuffix("+offload") not in VIOLATION_GROUP_KINDS
             and not _is_defect(violation)):
-        from .classify.corruption import known_corruptions
+        from ..classify.corruption import known_corruptions
 
         raise SpecError(f"--violation {violation!r}: a kind of KV group, optionally +offload "
                         f"(e.g. full_attention+offload, mamba), or a defect name "
@@ -374,7 +375,7 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
         # the defect the build's `expect:` names (B: the boundary fix's hole, not the Mamba null-state
         # read every 0.26.0 build shares), else the one the run showed most; a run whose violations
         # no signature knows: its first one's kind
-        from .spec import expected_defects
+        from ..spec.matrix import expected_defects
 
         expect = loaded.matrix.expect.get(resolve_plan(loaded, build).build_name, "")
         wanted = [d for alt in expect.split("|") for d in expected_defects(alt) if run.kv_defects.get(d)]
@@ -517,7 +518,7 @@ def _confirm(loaded: LoadedMatrix, trace_path: Path, root: Path, builds: list[st
     """Replay the minimized trace over HTTP on each build (the path `kvrepro load replay` takes).
     For a corruption, ok means: the first build CORRUPT with a ``violation``-kind violation, the
     others clean (neither a crash nor CORRUPT). A crash's replay is reported, not judged."""
-    from .runner import MatrixOptions, run_matrix
+    from ..matrix.runner import MatrixOptions, run_matrix
 
     lines = []
     ok = True

@@ -20,24 +20,25 @@ from typing import Any, Protocol
 
 import requests
 
-from . import __version__, results, stats
-from .classify import classify_log, read_engine_counters, read_exposure
-from .classify.corruption import defects_of
-from .classify.lines import split_line
-from .deploy import get_target
-from .deploy.base import EngineHandle, Target
-from .errors import InfraError, KvreproError
-from .loadgen import run_load
-from .loadgen.runner import replay_load
-from .geometry import built_mismatch as geometry_mismatch
-from .loadgen.capacity import engine_capacity
-from .metrics import parse_prometheus, total
-from .records import (BuildArtifact, BuildPlan, BuildRecord, Classification, Exposure, HostInfo, LoadSummary,
-                      Outcome, PatchInfo, RunManifest, RunResult, Verdict)
-from .secrets import redact
-from .spec import LoadedMatrix, expected_labels
-from .verdict import decide, died_without_traceback_title
-from .verdict import title as verdict_title
+from .. import __version__
+from ..results import store as results
+from ..report import stats
+from ..classify import classify_log, read_engine_counters, read_exposure
+from ..classify.corruption import defects_of
+from ..classify.lines import split_line
+from ..deploy import get_target
+from ..deploy.base import EngineHandle, Target
+from ..errors import InfraError, KvreproError
+from ..loadgen import run_load
+from ..loadgen.runner import replay_load
+from ..spec.geometry import built_mismatch as geometry_mismatch
+from ..loadgen.capacity import engine_capacity
+from ..classify.metrics import parse_prometheus, total
+from ..records import (BuildArtifact, BuildPlan, BuildRecord, Classification, Exposure, HostInfo, LoadSummary, Outcome, PatchInfo, RunManifest, RunResult, Verdict)
+from ..secrets import redact
+from ..spec.matrix import LoadedMatrix, expected_labels
+from ..classify.verdict import decide, died_without_traceback_title
+from ..classify.verdict import title as verdict_title
 
 
 # how long a finished run's engine keeps running so its last counts reach the log
@@ -106,7 +107,7 @@ def _engine_args(target: Target) -> list[str] | None:
 
 def engine_api_key(loaded: LoadedMatrix, target_name: str) -> str | None:
     """The key an engine started with --api-key (any spelling) or VLLM_API_KEY wants on /v1/*."""
-    from .secrets import option_values
+    from ..secrets import option_values
 
     keys = option_values(list(loaded.matrix.engine.extra_args), "--api-key")
     if keys:
@@ -273,7 +274,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
 
 
 def _error_line(exc: BaseException) -> str:
-    from .errors import describe_os_error
+    from ..errors import describe_os_error
 
     return redact(describe_os_error(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}")[:500]
 

@@ -47,8 +47,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from .loadgen.trace import Trace
-from .spec import LoadedMatrix
+from ..loadgen.trace import Trace
+from ..spec.matrix import LoadedMatrix
 
 _TEMPLATE = '''"""Regression test: vLLM {base}, {exception} in {function}.
 
@@ -496,7 +496,7 @@ def shadow_source() -> tuple[str, list[str]]:
     """kvrepro/engine/shadow.py as inlined into a corruption test: its code without the module
     docstring and imports, under a header naming the file and its sha256; and its imports
     (stdlib), for the test's import block."""
-    from .engine import shadow
+    from ..engine import shadow
 
     path = Path(shadow.__file__)
     text = path.read_text(encoding="utf-8")
@@ -740,7 +740,7 @@ def run_emitted(path: Path, python: str, pythonpath: str, timeout: float = 600) 
     frame; ``message``: the last exception's message, all its lines; ``output``: stderr's end)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVREPRO_", "VLLM_"))}
     env.update(PYTHONPATH=pythonpath, VLLM_PLUGINS="", VLLM_LOGGING_LEVEL="ERROR", PYTHONDONTWRITEBYTECODE="1")
-    from . import lifetime, scratch
+    from .. import lifetime, scratch
 
     env.update(scratch.engine_env())  # its temporary files go where kvrepro's go (removed on exit)
     proc = subprocess.run([python, str(path)], env=env, cwd=str(path.parent), capture_output=True,

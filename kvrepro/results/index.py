@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from . import lifetime
+from .. import lifetime
 
 INDEX_FILE = ".index.json"
 VERSION = 1
@@ -64,7 +64,7 @@ def stamp(run_dir: str) -> list[Any]:
 
 def read_row(root: Path, run_id: str) -> dict[str, Any]:
     """One run's row, read from its files (what a full scan does for every run)."""
-    from . import results
+    from . import store as results
 
     try:
         run = results.load_run(root, run_id)
@@ -90,7 +90,7 @@ def _load_index(path: Path) -> dict[str, Any]:
 
 
 def _save_index(path: Path, runs: dict[str, Any]) -> None:
-    from .results import write_atomic
+    from .store import write_atomic
 
     try:
         write_atomic(path, json.dumps({"version": VERSION, "runs": runs}, separators=(",", ":")))

@@ -12,18 +12,19 @@ import json
 import os
 import re
 from pathlib import Path
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
-from .errors import SpecError
-from .records import BuildPlan, PatchRef, cell_name
-from .versions import DEFAULT_BASE
+from ..errors import SpecError
+from ..records import BuildPlan, PatchRef, cell_name
+from ..versions import DEFAULT_BASE
 
 EXPECTABLE = ("CRASH(target)", "CRASH(other)", "CORRUPT", "SURVIVED", "UNREACHED", "VACUOUS", "STALL", "INFRA")
-SHIPPED_MODELS = Path(__file__).resolve().parent / "data" / "models"
+SHIPPED_MODELS = Path(__file__).resolve().parent.parent / "data" / "models"
 _VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?([.+-]?[A-Za-z0-9.]+)?$")
 # names of builds, patches and hosts become folder names, container names and CI class names
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -156,10 +157,10 @@ class GeometrySpec(_Strict):
         # vLLM groups each kind of layer in groups of the smaller kind's layer count (see
         # versions.hybrid_kv_groups): the smaller kind always forms exactly one group
         if self.mamba_groups == 0 and self.full_attention_groups != 1:
-            raise _FieldError("engine.geometry.full_attention_groups",
+            raise FieldError("engine.geometry.full_attention_groups",
                               "an attention-only model (mamba_groups: 0) has one KV-cache group; use 1")
         if self.mamba_groups > 1 and self.full_attention_groups > 1:
-            raise _FieldError("engine.geometry.full_attention_groups",
+            raise FieldError("engine.geometry.full_attention_groups",
                               f"{self.full_attention_groups} with mamba_groups {self.mamba_groups}: vLLM groups "
                               "layers in groups of the smaller kind's layer count, so one kind forms exactly one "
                               "group; set mamba_groups or full_attention_groups to 1")
@@ -207,7 +208,7 @@ class EngineSpec(_Strict):
             if not isinstance(value, int) or isinstance(value, bool) or value < (name == "block_size"):
                 continue  # absent, or wrong: GeometrySpec names it (once)
             if name in data and data[name] != value:
-                raise _FieldError(f"engine.geometry.{name}", f"{value!r}, but engine.{name} says {data[name]!r}; "
+                raise FieldError(f"engine.geometry.{name}", f"{value!r}, but engine.{name} says {data[name]!r}; "
                                   f"give it in one place (engine.geometry wins when engine.{name} is left out)")
             data[name] = value
         return data
@@ -217,23 +218,23 @@ class EngineSpec(_Strict):
         g = self.geometry
         if g is None:
             return self
-        from .versions import block_size_problem
+        from ..versions import block_size_problem
 
         problem = block_size_problem(self.block_size, self.mamba_cache_mode, self.max_num_batched_tokens)
         if problem:
             field, msg = problem
-            raise _FieldError("engine.geometry.block_size" if field == "block_size" else f"engine.{field}", msg)
+            raise FieldError("engine.geometry.block_size" if field == "block_size" else f"engine.{field}", msg)
         chunk = self.offload_chunk_tokens
         if chunk % self.block_size:
-            raise _FieldError("engine.geometry.offload_chunk_tokens",
+            raise FieldError("engine.geometry.offload_chunk_tokens",
                               f"{chunk} is not a multiple of the block size {self.block_size}; vLLM's offloading "
                               f"connector moves whole blocks (e.g. {self.block_size * max(1, round(chunk / self.block_size))})")
         if self.num_speculative_tokens > 0 and self.speculative_method != "mtp":
-            raise _FieldError("engine.speculative_method", f"{self.speculative_method!r}: engine.geometry builds "
+            raise FieldError("engine.speculative_method", f"{self.speculative_method!r}: engine.geometry builds "
                               "MTP models only; use mtp, or num_speculative_tokens: 0")
         for i, arg in enumerate(self.extra_args):
             if arg.split("=", 1)[0] in GEOMETRY_FLAGS:
-                raise _FieldError(f"engine.extra_args.{i}", f"{arg.split('=', 1)[0]} is set by engine.geometry; "
+                raise FieldError(f"engine.extra_args.{i}", f"{arg.split('=', 1)[0]} is set by engine.geometry; "
                                   "remove it here and say it there")
         return self
 
@@ -272,7 +273,7 @@ class EngineSpec(_Strict):
                             "num_speculative_tokens": self.num_speculative_tokens}),
             ]
         if self.geometry is not None:
-            from .versions import OFFLOAD_CHUNK_EXTRA_KEY
+            from ..versions import OFFLOAD_CHUNK_EXTRA_KEY
 
             # merged by vLLM with what --kv-offloading-size sets (the connector, cpu_bytes_to_use)
             args += ["--kv-transfer-config",
@@ -316,31 +317,14 @@ class LoadSpec(_Strict):
     seed: int = 0
 
     @model_validator(mode="after")
-    def _profile_settings(self) -> "LoadSpec":
+    def _profile_settings(self, info: ValidationInfo) -> "LoadSpec":
         if self.arrival == "poisson" and self.rate_rps is None:
-            raise _FieldError("load.arrival", "poisson needs rate_rps (mean requests per second) in load:")
-        from .loadgen.profiles import get_profile, profile_fields  # profiles import this module
-
-        try:
-            profile = get_profile(self.profile)
-        except SpecError as exc:
-            raise _FieldError("load.profile", str(exc).removeprefix("load.profile: ")) from None
-        try:
-            profile.Settings.model_validate(profile_fields(self))
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            if not where:  # a cross-field check: its message starts with the field it is about
-                named = [f for f in profile.Settings.model_fields if str(first["msg"]).removeprefix("Value error, ")
-                         .startswith(f)]
-                where = max(named, key=len) if named else ""
-            if first["type"] == "extra_forbidden":
-                allowed = ", ".join(list(LoadSpec.model_fields) + list(profile.Settings.model_fields))
-                msg = f"unknown field (not a setting of profile {self.profile!r}); allowed here: {allowed}"
-            else:
-                msg = first["msg"].removeprefix("Value error, ")
-            raise _FieldError(f"load.{where}" if where else "load.profile",
-                              f"{msg} (profile {self.profile!r})" if first["type"] != "extra_forbidden" else msg) from None
+            raise FieldError("load.arrival", "poisson needs rate_rps (mean requests per second) in load:")
+        # The profile's own fields are checked by the load generator's stage, handed in by whoever
+        # loads the matrix (kvrepro.matrix.load_matrix): spec/ imports no later stage.
+        check = (info.context or {}).get(LOAD_SETTINGS_CHECK)
+        if check is not None:
+            check(self)
         return self
 
 
@@ -460,7 +444,7 @@ class DockerSpec(_Strict):
     @field_validator("env")
     @classmethod
     def _no_secret_values(cls, v: dict[str, str]) -> dict[str, str]:
-        from .secrets import is_secret_name
+        from ..secrets import is_secret_name
 
         for name in v:
             if is_secret_name(name):
@@ -524,9 +508,9 @@ class Matrix(_Strict):
             raise ValueError("name at least one build, e.g. `A: []` for the base alone")
         for name, stack in v.items():
             if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-                raise _FieldError(("builds", name), f"build name {str(name)[:80]!r}: use {NAME_RULE}")
+                raise FieldError(("builds", name), f"build name {str(name)[:80]!r}: use {NAME_RULE}")
             if len(stack) > MAX_STACK:
-                raise _FieldError(("builds", name), f"{len(stack)} patches in one stack; at most {MAX_STACK}")
+                raise FieldError(("builds", name), f"{len(stack)} patches in one stack; at most {MAX_STACK}")
         return v
 
     @field_validator("patches")
@@ -534,7 +518,7 @@ class Matrix(_Strict):
     def _patch_names(cls, v: dict[str, PatchSpec]) -> dict[str, PatchSpec]:
         for name in v:
             if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-                raise _FieldError(("patches", name), f"patch name {str(name)[:80]!r}: use {NAME_RULE} "
+                raise FieldError(("patches", name), f"patch name {str(name)[:80]!r}: use {NAME_RULE} "
                                   "(it names folders and builds)")
         return v
 
@@ -544,10 +528,10 @@ class Matrix(_Strict):
             for i, name in enumerate(names):
                 if name not in self.patches:
                     known = ", ".join(sorted(self.patches)) or "(none declared)"
-                    raise _FieldError(where + (i,), f"unknown patch {name[:80]!r}; declared patches: {known}")
+                    raise FieldError(where + (i,), f"unknown patch {name[:80]!r}; declared patches: {known}")
         for b, stack in self.builds.items():
             if len(self.common) + len(stack) > MAX_STACK:
-                raise _FieldError(("builds", b), f"common: + this build make {len(self.common) + len(stack)} "
+                raise FieldError(("builds", b), f"common: + this build make {len(self.common) + len(stack)} "
                                   f"patches in one stack; at most {MAX_STACK}")
         return self
 
@@ -555,17 +539,17 @@ class Matrix(_Strict):
     def _known_expectations(self) -> "Matrix":
         for name, label in self.expect.items():
             if name not in self.builds:
-                raise _FieldError(f"expect.{name}", f"no build {name!r}; builds: {', '.join(self.builds)}")
+                raise FieldError(f"expect.{name}", f"no build {name!r}; builds: {', '.join(self.builds)}")
             for alternative, raw in zip(expected_labels(label), (p.strip() for p in label.split("|") if p.strip())):
                 if alternative not in EXPECTABLE:
-                    raise _FieldError(f"expect.{name}", f"{alternative!r} is not a verdict; use one of "
+                    raise FieldError(f"expect.{name}", f"{alternative!r} is not a verdict; use one of "
                                       f"{', '.join(EXPECTABLE)}, or several joined by '|' (any of them)")
                 if _NAMED_CORRUPT.match(raw) and not expected_defects(raw):
-                    raise _FieldError(f"expect.{name}", f"{raw!r} names no defect: write CORRUPT, or "
+                    raise FieldError(f"expect.{name}", f"{raw!r} names no defect: write CORRUPT, or "
                                       "CORRUPT(<defect>) with a name from `kvrepro signatures`")
                 for defect in expected_defects(raw):
                     if not _DEFECT_NAME.match(defect):
-                        raise _FieldError(f"expect.{name}", f"{defect!r} is not a defect name (lower-case "
+                        raise FieldError(f"expect.{name}", f"{defect!r} is not a defect name (lower-case "
                                           "letters, digits and '-', as `kvrepro signatures` lists them)")
         return self
 
@@ -578,7 +562,11 @@ class Matrix(_Strict):
         return self.base_image or f"vllm/vllm-openai:v{base}"
 
 
-class _FieldError(ValueError):
+# the validation-context key under which parse_matrix passes the load profile's settings check
+LOAD_SETTINGS_CHECK = "load_settings_check"
+
+
+class FieldError(ValueError):
     """A cross-field error that knows which field (dotted path, or a tuple of keys when a key may
     hold dots) it is about."""
 
@@ -787,8 +775,13 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def parse_matrix(text: str, path: Path) -> LoadedMatrix:
-    """Validate matrix text; raise SpecError naming file:line, field and what is allowed."""
+def parse_matrix(text: str, path: Path, check_load_settings: Callable[[LoadSpec], None] | None = None) -> LoadedMatrix:
+    """Validate matrix text; raise SpecError naming file:line, field and what is allowed.
+
+    ``check_load_settings`` checks the load profile's own fields (``load:`` keys LoadSpec does
+    not know); it raises :class:`FieldError`. kvrepro.matrix passes the load generator's check;
+    without one those fields are kept unchecked (a later stage validates them when it uses them).
+    """
     if len(text) > MAX_MATRIX_BYTES:
         raise SpecError(f"{path}: {len(text):,} characters; a matrix is at most {MAX_MATRIX_BYTES:,} (is this the "
                         "right file?)")
@@ -810,13 +803,14 @@ def parse_matrix(text: str, path: Path) -> LoadedMatrix:
         raise SpecError(f"{path}:1: the top level must be a mapping (base:, patches:, builds:, ...)")
     lines = _line_index(text)
     try:
-        matrix = Matrix.model_validate(data)
+        context = {LOAD_SETTINGS_CHECK: check_load_settings} if check_load_settings else None
+        matrix = Matrix.model_validate(data, context=context)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
             loc = tuple(err["loc"])
             ctx_err = (err.get("ctx") or {}).get("error")
-            if isinstance(ctx_err, _FieldError):
+            if isinstance(ctx_err, FieldError):
                 loc = ctx_err.loc
                 msg = str(ctx_err)
             elif err["type"] == "extra_forbidden":
@@ -832,7 +826,7 @@ def parse_matrix(text: str, path: Path) -> LoadedMatrix:
             problems.append(f"{path}:{line}: {field}: {msg}" if line else f"{path}: {field}: {msg}")
         raise SpecError("invalid matrix:\n  " + "\n  ".join(problems)) from None
     # the values of --hf-token & co. are masked from here on in everything kvrepro writes
-    from .secrets import remember, secret_arg_values
+    from ..secrets import remember, secret_arg_values
 
     remember(secret_arg_values(list(matrix.engine.extra_args)))
     return LoadedMatrix(matrix, path, text)
@@ -857,7 +851,8 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     return model if isinstance(model, type) else None
 
 
-def load_matrix(path: str | Path) -> LoadedMatrix:
+def load_matrix(path: str | Path, check_load_settings: Callable[[LoadSpec], None] | None = None) -> LoadedMatrix:
+    """Read and validate a matrix file (see :func:`parse_matrix`)."""
     path = Path(path)
     if path.is_dir():
         hint = f"; did you mean {path / 'matrix.yaml'}?" if (path / "matrix.yaml").is_file() else ""
@@ -877,11 +872,11 @@ def load_matrix(path: str | Path) -> LoadedMatrix:
         line = raw[: exc.start].count(b"\n") + 1
         raise SpecError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
                         "save the file as UTF-8") from None
-    return parse_matrix(text, path.resolve())
+    return parse_matrix(text, path.resolve(), check_load_settings)
 
 
 # the experiment kvrepro ships; `kvrepro classify LOG` without --matrix judges logs against its target
-DEFAULT_MATRIX = Path(__file__).resolve().parent.parent / "matrix.yaml"
+DEFAULT_MATRIX = Path(__file__).resolve().parent.parent.parent / "matrix.yaml"
 _DEFAULT_EXPRESSION = "num_locally_computed_tokens <= num_locally_computed_gpu_blocks * tokens_per_block"
 
 

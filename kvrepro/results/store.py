@@ -29,11 +29,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from . import __version__, lifetime
-from .errors import BadInputError, KvreproError
-from .records import (RESULTS_SCHEMA, BuildRecord, RecordError, RunBuildEntry, RunInfo, RunManifest, RunResult,
-                      Outcome, Verdict, from_jsonable, to_jsonable)
-from .secrets import redact
+from .. import __version__, lifetime
+from ..errors import BadInputError, KvreproError
+from ..records import (RESULTS_SCHEMA, BuildRecord, RecordError, RunBuildEntry, RunInfo, RunManifest, RunResult, Outcome, Verdict, from_jsonable, to_jsonable)
+from ..secrets import redact
 
 DEFAULT_ROOT = Path("results")
 
@@ -352,8 +351,8 @@ def _attributed(result: RunResult) -> RunResult:
     before a signature was added reads with it), and a CORRUPT title that names them."""
     if not result.kv_violations:
         return result
-    from .classify.corruption import defects_of
-    from .verdict import corruption_title
+    from ..classify.corruption import defects_of
+    from ..classify.verdict import corruption_title
 
     defects = defects_of(result.kv_violations, result.kv_violations_by, result.kv_first_violation_class,
                          result.kv_groups)

@@ -1,0 +1,2 @@
+"""results/: every run kept (store) and the index that lists them fast (index).
+"""
