@@ -1,0 +1,52 @@
+"""The package's folders are the pipeline: no module imports a later stage, no import circle,
+few loose modules (scripts/import_graph.py measures all three from the code's own imports)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def _graph() -> dict:
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "import_graph.py"), "--json"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.stdout, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_no_module_imports_a_later_stage_and_there_is_no_circle():
+    graph = _graph()
+    assert graph["later_stage_imports"] == []
+    assert graph["circles"] == []
+
+
+def test_the_top_level_holds_only_shared_modules_and_the_cli():
+    graph = _graph()
+    assert graph["loose_top_level_modules"] <= 10, graph["loose"]
+    for stage in ("spec", "builds", "deploy", "engine", "loadgen", "classify", "results", "report",
+                  "matrix", "bisect", "minimize"):
+        assert stage in graph["stage_folders"]
+
+
+def test_the_checker_finds_a_later_stage_import_and_a_circle(tmp_path):
+    """The measurement itself can fail: a copy of the package with a planted back-arrow and circle."""
+    import shutil
+
+    copy = tmp_path / "repo"
+    shutil.copytree(ROOT / "kvrepro", copy / "kvrepro", ignore=shutil.ignore_patterns("__pycache__", "data"))
+    shutil.copytree(ROOT / "scripts", copy / "scripts")
+    spec = copy / "kvrepro" / "spec" / "geometry.py"
+    spec.write_text(spec.read_text() + "\n\ndef _planted():\n    from ..report import stats  # noqa\n")
+    errors = copy / "kvrepro" / "errors.py"
+    errors.write_text(errors.read_text() + "\n\ndef _planted():\n    from . import paths  # noqa\n")
+    paths = copy / "kvrepro" / "paths.py"
+    paths.write_text(paths.read_text() + "\n\ndef _planted():\n    from . import errors  # noqa\n")
+    proc = subprocess.run([sys.executable, str(copy / "scripts" / "import_graph.py"), "--json"],
+                          capture_output=True, text=True)
+    graph = json.loads(proc.stdout)
+    assert proc.returncode == 1
+    assert {"importer": "kvrepro.spec.geometry", "imported": "kvrepro.report.stats"} in graph["later_stage_imports"]
+    assert ["kvrepro.errors", "kvrepro.paths"] in graph["circles"]
