@@ -1,0 +1,77 @@
+"""What a person sees in a terminal: the run table folded to the console's width (80 columns
+included), progress lines without source positions, the survival plot's logarithmic request axis."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from kvrepro.records import Verdict
+from kvrepro.report import render
+
+from test_report import DEFAULT, EXPECT, C, S, make_run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _render(run, width: int) -> list[str]:
+    console = Console(width=width, color_system=None, force_terminal=False, record=True)
+    console.print(render.matrix_table(run))
+    return console.export_text().splitlines()
+
+
+def _table_rows(lines: list[str]) -> list[str]:
+    """The table's body lines (rich draws a body row's cells between `│`; the header uses `┃`)."""
+    return [line for line in lines if "│" in line]
+
+
+def _check_one_line_per_build(run, lines: list[str], width: int) -> None:
+    assert all(len(line) <= width for line in lines), [line for line in lines if len(line) > width]
+    rows = _table_rows(lines)
+    assert len(rows) == len(run.builds), "\n".join(lines)  # a wrapped cell would add a line
+    for row, b in zip(rows, run.builds):
+        assert row.strip(" │").split()[0] == b.build_name, row
+    assert "…" not in "\n".join(rows)  # nothing cut either
+
+
+def test_default_matrix_table_fits_80_columns_one_line_per_build(tmp_path):
+    run = make_run(tmp_path, DEFAULT, EXPECT)
+    lines = _render(run, 80)
+    _check_one_line_per_build(run, lines, 80)
+    text = "\n".join(lines)
+    # the patch stacks moved under the table as a legend, whole
+    assert "B = pr-49146 + pr-52807" in text and "D = pr-49146 + pr-52771 + pr-52807" in text
+    assert "3x CRASH(target)" in text and "3/3 (29-100%)" in text and "5/6/7" in text
+
+
+def test_mixed_verdicts_still_fit_80_columns(tmp_path):
+    infra = Verdict.INFRA
+    run = make_run(tmp_path, {"A": [C, infra, C], "B": [S, infra, S], "C": [C, C, C], "D": [S, S, infra]})
+    lines = _render(run, 80)
+    _check_one_line_per_build(run, lines, 80)
+    assert "2x CRASH(target) 1x INFRA" in "\n".join(lines)
+
+
+def test_wide_terminal_shows_the_full_columns(tmp_path):
+    run = make_run(tmp_path, DEFAULT, EXPECT)
+    lines = _render(run, 160)
+    _check_one_line_per_build(run, lines, 160)
+    text = "\n".join(lines)
+    for header in ("patches", "failed (95% CI)", "trigger count", "bug state", "offload loads"):
+        assert header in text
+    assert "pr-49146, pr-52771, pr-52807" in text and "0/3 = 0% (0-71%), <= 63%" in text
+    assert "5 / 6 / 7" in text and "11 / 11 / 11" in text
+    assert "B = pr-49146" not in text  # no legend needed
+
+
+def test_very_narrow_terminal_never_wraps_a_cell(tmp_path):
+    run = make_run(tmp_path, DEFAULT, EXPECT)
+    for width in (40, 60):
+        lines = _render(run, width)
+        assert all(len(line) <= width for line in lines)
+        assert len(_table_rows(lines)) == len(run.builds), "\n".join(lines)
