@@ -60,8 +60,9 @@ app.add_typer(results_app, name="results")
 load_app = typer.Typer(help="Request traces: replay what a run sent.", no_args_is_help=True)
 app.add_typer(load_app, name="load")
 
-out = Console()
-err = Console(stderr=True)
+# log_path=False: a progress line ends in what it says, not in the logger's source position (cli.py:166)
+out = Console(log_path=False)
+err = Console(stderr=True, log_path=False)
 
 MatrixOpt = typer.Option(Path("matrix.yaml"), "--matrix", "-m", help="the experiment file")
 JsonOpt = typer.Option(False, "--json", help="print machine-readable JSON on stdout")

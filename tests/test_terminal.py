@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from kvrepro.records import Verdict
@@ -75,3 +76,39 @@ def test_very_narrow_terminal_never_wraps_a_cell(tmp_path):
         lines = _render(run, width)
         assert all(len(line) <= width for line in lines)
         assert len(_table_rows(lines)) == len(run.builds), "\n".join(lines)
+
+
+# --- progress lines ----------------------------------------------------------------------------
+
+SOURCE_POSITION = re.compile(r"\w+\.py:\d+")
+
+
+def test_progress_lines_carry_no_source_position(capsys):
+    from kvrepro import cli
+
+    progress = cli.RichProgress(1)
+    with progress.progress:
+        progress.stage("build A: pr-49146")
+    bisect = cli.BisectProgress()
+    with bisect.progress:
+        bisect.progress.console.log("point 0.26.0: CRASH")
+    text = capsys.readouterr().err
+    assert "build A: pr-49146" in text and "point 0.26.0" in text
+    assert not SOURCE_POSITION.search(text), text
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_real_matrix_run_in_80_columns_logs_no_source_position(tmp_path, matrix_copy, overlays):
+    """`kvrepro matrix run` (build A, one repetition: dies at the target assertion within a few
+    requests) as a user runs it in an 80-column terminal: its progress lines and its table."""
+    env = dict(os.environ, COLUMNS="80", LINES="40")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvrepro.cli", "matrix", "run", "-m", str(matrix_copy), "-b", "A", "--reps", "1",
+         "--results", str(tmp_path / "results")],
+        cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert "build A rep 0: CRASH(target)" in proc.stderr, proc.stderr[-3000:]
+    assert not SOURCE_POSITION.search(proc.stderr), proc.stderr
+    lines = proc.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), proc.stdout
+    assert len([line for line in lines if "│" in line]) == 1, proc.stdout  # build A's row, on one line
