@@ -112,3 +112,57 @@ def test_a_real_matrix_run_in_80_columns_logs_no_source_position(tmp_path, matri
     lines = proc.stdout.splitlines()
     assert all(len(line) <= 80 for line in lines), proc.stdout
     assert len([line for line in lines if "│" in line]) == 1, proc.stdout  # build A's row, on one line
+
+
+# --- the survival plot -------------------------------------------------------------------------
+
+def _runs(tmp_path, requests_by_verdict):
+    from test_report import _run
+
+    return [_run("A", i, verdict, requests, tmp_path) for i, (verdict, requests) in enumerate(requests_by_verdict)]
+
+
+def test_survival_plot_request_axis_is_logarithmic(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from kvrepro.report import plots
+
+    crashed_early = plots.survival_curve("A", _runs(tmp_path, [(C, 4), (C, 4), (C, 7)]), "requests")
+    survived = plots.survival_curve("B", _runs(tmp_path, [(S, 600), (S, 600), (S, 600)]), "requests")
+    fig = plots.draw_survival({"requests": [crashed_early, survived]})
+    try:
+        ax = fig.axes[0]
+        assert ax.get_xscale() == "log"
+        left, right = ax.get_xlim()
+        assert 0 < left < 1 and right >= 600
+        # the crash at request 4 is a step well inside the panel, not a line at its left edge
+        xs = [x for line in ax.get_lines() for x in line.get_xdata()]
+        assert 4 in xs and all(x > 0 for x in xs)
+        import math
+        assert (math.log(4) - math.log(left)) / (math.log(right) - math.log(left)) > 0.2
+    finally:
+        plt.close(fig)
+
+
+def test_survival_plot_draws_runs_at_0_and_1_requests(tmp_path):
+    import math
+
+    import matplotlib.pyplot as plt
+
+    from kvrepro.report import plots
+
+    at_zero = plots.survival_curve("A", _runs(tmp_path, [(C, 0), (C, 1), (S, 0)]), "requests")
+    at_one = plots.survival_curve("B", _runs(tmp_path, [(C, 1)]), "requests")
+    seconds = plots.survival_curve("A", _runs(tmp_path, [(C, 0), (C, 1)]), "seconds")
+    fig = plots.draw_survival({"requests": [at_zero, at_one], "seconds": [seconds]})
+    try:
+        for ax in fig.axes:
+            assert ax.get_xscale() == "log"
+            left, right = ax.get_xlim()
+            assert 0 < left < right
+            xs = [x for line in ax.get_lines() for x in line.get_xdata()]
+            assert xs and all(x >= left and math.isfinite(x) for x in xs)
+    finally:
+        plt.close(fig)
+    svg, png = plots.survival_figure({"requests": [at_zero, at_one]})
+    assert svg.startswith("<svg") and png[:8] == b"\x89PNG\r\n\x1a\n"
