@@ -50,7 +50,7 @@ from ..spec.matrix import TargetSignature
 from .infra import InfraCause, infra_keywords, match_infra
 from .lines import split_line
 from .patterns import Pattern, match_pattern
-from .source import canonical, shown_expression, statement_at
+from .source import canonical, is_cut, shown_expression, statement_at
 from .tracebacks import FAILED_START_MARKER, FATAL_MARKER, TRACEBACK_START, Frame, Traceback, TracebackScanner
 
 STARTUP_COMPLETE = "Application startup complete."
@@ -228,7 +228,14 @@ def _crash(tb: Traceback, source_root: Path | None, target: TargetSignature, inf
             expression = statement_at(source_root, _vllm_path(frame.path), frame.line,
                                       frame.source[0] if frame.source else None) or ""
         if not expression and frame.source:
-            expression = shown_expression(frame.source)
+            shown = " ".join(line.strip() for line in frame.source if not _is_caret(line))
+            if shown.startswith("assert") and is_cut(shown):
+                # Python 3.10 printed only the first line of a wrapped statement (`assert (`) and
+                # the build's source was not at hand: say so rather than title the crash `(`
+                where = _vllm_path(frame.path) if in_vllm else _display_path(frame.path)
+                expression = f"{shown} ... (statement cut; {where}:{frame.line})"
+            else:
+                expression = shown_expression(frame.source)
     sig = Signature(
         exception=exception,
         function=frame.function if frame else "",
