@@ -555,6 +555,7 @@ def signatures_cmd(as_json: bool = JsonOpt) -> None:
     """List the known crash and corruption signatures (the names `expect:` and reports use)."""
     from .classify import known_patterns
     from .classify.corruption import known_corruptions
+    from .classify.infra import known_infra_causes
 
     crashes = [{"kind": "crash", "name": p.name, "title": p.title if "{" not in p.title else
                 f"{p.exception} in {p.function}" + (f": {p.expressions[0]}" if p.expressions else ""),
@@ -563,14 +564,16 @@ def signatures_cmd(as_json: bool = JsonOpt) -> None:
     corruptions = [{"kind": "corruption", "name": c.name, "title": c.title,
                     "classes": [vars(k) for k in c.classes], "upstream": list(c.upstream),
                     "fixed_by": list(c.fixed_by), "test_log": c.test_log} for c in known_corruptions()]
+    infra = [{"kind": "infra", "name": c.name, "title": f"{c.kind}: <the line>", "line": c.line,
+              "upstream": list(c.upstream), "test_log": c.test_log} for c in known_infra_causes()]
     if as_json:
-        _emit_json(crashes + corruptions)
+        _emit_json(crashes + corruptions + infra)
         return
-    table = Table(title="known signatures (kvrepro/classify/signatures/, kvrepro/classify/corruptions/)",
+    table = Table(title="known signatures (kvrepro/classify/signatures/, corruptions/, infra/)",
                   title_justify="left")
     for column in ("kind", "name", "what"):
         table.add_column(column, overflow="fold")
-    for row in crashes + corruptions:
+    for row in crashes + corruptions + infra:
         table.add_row(row["kind"], row["name"], escape(row["title"]))
     out.print(table)
 
