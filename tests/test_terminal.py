@@ -166,3 +166,19 @@ def test_survival_plot_draws_runs_at_0_and_1_requests(tmp_path):
         plt.close(fig)
     svg, png = plots.survival_figure({"requests": [at_zero, at_one]})
     assert svg.startswith("<svg") and png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_results_list_fits_80_columns_without_cutting_a_verdict(tmp_path):
+    infra = Verdict.INFRA
+    make_run(tmp_path, {"A": [C, infra, C], "B": [S, infra, S], "C": [C, C, C], "D": [S, S, S]})
+    make_run(tmp_path, DEFAULT, EXPECT)
+    env = dict(os.environ, COLUMNS="80")
+    proc = subprocess.run([sys.executable, "-m", "kvrepro.cli", "results", "list", "--results", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), proc.stdout
+    cells = [line.rstrip(" │").rsplit("│", 1)[-1].strip() for line in lines if "│" in line]
+    # each line of the verdicts column is one whole build: `A: 2x CRASH(target) 1x INFRA`
+    assert cells and all(re.fullmatch(r"[A-D]: (\d+x [A-Z()a-z]+ ?)+", c) for c in cells), cells
+    assert "A: 2x CRASH(target) 1x INFRA" in cells

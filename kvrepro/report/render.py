@@ -441,7 +441,7 @@ class MatrixTable:
     def _legend(self, layout: _Layout) -> list[Text]:
         lines: list[Text] = []
         if layout.short_rate:
-            lines.append(Text("failed: failed / counted runs (95% CI)", style="dim"))
+            lines.append(Text("failed: runs that failed / runs counted (95% CI)", style="dim"))
         if not layout.patches_in_table:
             for b in self.run.builds:
                 lines.append(Text(f"{build_key(self.run, b)} = " + (" + ".join(b.patches) or "(base)"), style="dim"))
