@@ -11,7 +11,6 @@ from kvrepro.classify import classify_file, classify_log
 from kvrepro.classify.infra import known_infra_causes, match_infra
 from kvrepro.classify.lines import split_line
 from kvrepro.records import Outcome
-from kvrepro.spec.matrix import TargetSignature
 
 LOGS = Path(__file__).parent / "data" / "logs"
 SITE = "/usr/local/lib/python3.10/site-packages"
