@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -60,8 +61,9 @@ app.add_typer(results_app, name="results")
 load_app = typer.Typer(help="Request traces: replay what a run sent.", no_args_is_help=True)
 app.add_typer(load_app, name="load")
 
-out = Console()
-err = Console(stderr=True)
+# log_path=False: a progress line ends in what it says, not in the logger's source position (cli.py:166)
+out = Console(log_path=False)
+err = Console(stderr=True, log_path=False)
 
 MatrixOpt = typer.Option(Path("matrix.yaml"), "--matrix", "-m", help="the experiment file")
 JsonOpt = typer.Option(False, "--json", help="print machine-readable JSON on stdout")
@@ -424,16 +426,7 @@ def results_list(results_root: Path = ResultsOpt, as_json: bool = JsonOpt) -> No
         _emit_json(rows)
         _say_what_list_omits(results_root, rows)
         return
-    table = Table(title=f"runs under {results_root}/")
-    for col in ("run id", "status", "target", "base", "verdicts"):
-        table.add_column(col)
-    for r in rows:
-        if r["status"] == "unreadable":
-            table.add_row("", "unreadable", "", "", r["error"])
-            continue
-        table.add_row(r["run_id"], r["status"] or "", r["target"] or "", r["base"] or "",
-                      "  ".join(f"{n}: {_compact(v)}" for n, v in r["builds"].items()))
-    out.print(table)
+    out.print(_runs_table(rows, results_root, out.width))
     _say_what_list_omits(results_root, rows)
 
 
@@ -457,6 +450,46 @@ def _compact(labels: list[str]) -> str:
     if not labels:
         return "-"
     return f"{len(labels)}x {labels[0]}" if len(set(labels)) == 1 and len(labels) > 1 else " ".join(labels)
+
+def _runs_table(rows: list[dict[str, Any]], results_root: Path, width: int) -> Table:
+    """`results list`'s table, folded to ``width``: when a run's verdicts do not fit on one line (an
+    80-column terminal), each build gets a line of its own, its verdicts counted; target and base
+    move into the title when every run shares them. No verdict is cut in the middle."""
+    readable = [r for r in rows if r["status"] != "unreadable"]
+    one_line = {r["run_id"]: "  ".join(f"{n}: {_compact(v)}" for n, v in r["builds"].items()) for r in readable}
+    shared = {k: {r[k] for r in readable} for k in ("target", "base")}
+
+    def room(keys: tuple[str, ...]) -> int:  # what the verdicts column has beside the others
+        return width - 4 - 3 * len(keys) - sum(max((len(r[k] or "") for r in readable if k in r), default=0)
+                                               for k in keys) - (2 if len(readable) < len(rows) else 0)
+
+    keys: tuple[str, ...] = ("run_id", "status", "target", "base")
+    narrow = any(len(text) > room(keys) for text in one_line.values())
+    title = f"runs under {results_root}/"
+    if narrow and readable and all(len(v) == 1 for v in shared.values()):
+        keys = ("run_id", "status")
+        title += f" (target {next(iter(shared['target'])) or '-'}, vLLM {next(iter(shared['base'])) or '-'})"
+    table = Table(title=title)
+    for key in keys:
+        table.add_column(key.replace("_", " "))
+    table.add_column("verdicts")
+    for r in rows:
+        if r["status"] == "unreadable":
+            table.add_row("", "unreadable", *([""] * (len(keys) - 2)), r["error"])
+            continue
+        text = one_line[r["run_id"]]
+        if narrow and len(text) > room(keys):
+            text = "\n".join(f"{n}: {_counted(v)}" for n, v in r["builds"].items())
+        table.add_row(*(r[k] or "" for k in keys), text)
+    return table
+
+
+def _counted(labels: list[str]) -> str:
+    """`2x CRASH(target) 1x INFRA`: each verdict once with its count."""
+    if not labels:
+        return "-"
+    return " ".join(f"{n}x {label}" for label, n in Counter(labels).items())
+
 
 
 @results_app.command("show")
@@ -554,6 +587,7 @@ def signatures_cmd(as_json: bool = JsonOpt) -> None:
     """List the known crash and corruption signatures (the names `expect:` and reports use)."""
     from .classify import known_patterns
     from .classify.corruption import known_corruptions
+    from .classify.infra import known_infra_causes
 
     crashes = [{"kind": "crash", "name": p.name, "title": p.title if "{" not in p.title else
                 f"{p.exception} in {p.function}" + (f": {p.expressions[0]}" if p.expressions else ""),
@@ -562,14 +596,16 @@ def signatures_cmd(as_json: bool = JsonOpt) -> None:
     corruptions = [{"kind": "corruption", "name": c.name, "title": c.title,
                     "classes": [vars(k) for k in c.classes], "upstream": list(c.upstream),
                     "fixed_by": list(c.fixed_by), "test_log": c.test_log} for c in known_corruptions()]
+    infra = [{"kind": "infra", "name": c.name, "title": f"{c.kind}: <the line>", "line": c.line,
+              "upstream": list(c.upstream), "test_log": c.test_log} for c in known_infra_causes()]
     if as_json:
-        _emit_json(crashes + corruptions)
+        _emit_json(crashes + corruptions + infra)
         return
-    table = Table(title="known signatures (kvrepro/classify/signatures/, kvrepro/classify/corruptions/)",
+    table = Table(title="known signatures (kvrepro/classify/signatures/, corruptions/, infra/)",
                   title_justify="left")
     for column in ("kind", "name", "what"):
         table.add_column(column, overflow="fold")
-    for row in crashes + corruptions:
+    for row in crashes + corruptions + infra:
         table.add_row(row["kind"], row["name"], escape(row["title"]))
     out.print(table)
 

@@ -10,6 +10,10 @@ Public API:
 * :func:`read_engine_counters` -- the GPU-free engine's own totals (steps, offload jobs).
 * :func:`known_patterns` / :func:`match_pattern` / :class:`Pattern` -- the table of known
   crashes, one module each under ``kvrepro/classify/signatures/``.
+* :func:`~kvrepro.classify.infra.known_infra_causes` -- the table of infrastructure root causes
+  (NCCL timeouts and errors, GPU hardware errors), one module each under
+  ``kvrepro/classify/infra/``: a run whose log shows one before what ended it is INFRA, titled
+  with that line.
 
 Logs of the GPU-free engine, of ``vllm serve`` (multi-process, prefixed lines), of ``docker logs
 -t`` and ``docker compose logs`` are all understood; see :mod:`kvrepro.classify.lines`.

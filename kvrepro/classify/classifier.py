@@ -28,6 +28,11 @@ as well, and an engine that served and then died with no cause in the log is a c
 cause, never "did not start". So do argparse errors (``vllm serve: error: ...``) before that point, and,
 when the server never came up at all, an ERROR logged without a traceback.
 
+Before any of this: a known infrastructure root cause (``kvrepro/classify/infra/``: an NCCL
+collective timeout, an NCCL error, a GPU hardware error) logged before the traceback that ended
+the run, or inside it, makes the run infra, titled with that line. One logged after the engine
+had died of something else is a consequence, and the crash keeps its verdict.
+
 Titles never carry environment values: they are built from code (the statement) and, where the
 code says nothing (import errors, argument errors), from the exception message with anything
 that looks like a credential masked.
@@ -42,9 +47,10 @@ from pathlib import Path
 
 from ..records import Classification, Outcome, Signature
 from ..spec.matrix import TargetSignature
+from .infra import InfraCause, infra_keywords, match_infra
 from .lines import split_line
 from .patterns import Pattern, match_pattern
-from .source import canonical, shown_expression, statement_at
+from .source import canonical, is_cut, shown_expression, statement_at
 from .tracebacks import FAILED_START_MARKER, FATAL_MARKER, TRACEBACK_START, Frame, Traceback, TracebackScanner
 
 STARTUP_COMPLETE = "Application startup complete."
@@ -90,6 +96,7 @@ class _Evidence:
         self.arg_error: tuple[int, str] | None = None
         self.last_error_line: str | None = None  # last ERROR/CRITICAL record before startup
         self.death_line: str | None = None  # first line saying the engine died (no traceback needed)
+        self.infra: tuple[int, InfraCause, str] | None = None  # first infrastructure root-cause line
 
     def add(self, tb: Traceback) -> None:
         if tb.marker == FATAL_MARKER:
@@ -131,12 +138,15 @@ def scan(lines: Iterable[str] | str) -> _Evidence:
     evidence = _Evidence()
     scanner = TracebackScanner(evidence.add)
     raw_iter = io.StringIO(lines, newline="\n") if isinstance(lines, str) else lines
+    keywords = _KEYWORDS + infra_keywords()
     for number, raw in enumerate(raw_iter, start=1):
-        if not scanner.busy and not any(k in raw for k in _KEYWORDS):
+        if not scanner.busy and not any(k in raw for k in keywords):
             continue
         line = split_line(number, raw)
         scanner.feed(line)
         body = line.body
+        if evidence.infra is None and evidence.shutdown_line is None and (cause := match_infra(body)) is not None:
+            evidence.infra = (number, cause, body)
         if evidence.shutdown_line is None and evidence.startup_line is not None and any(
                 m in body for m in SHUTDOWN_MARKERS):
             evidence.shutdown_line = number
@@ -157,37 +167,52 @@ def classify_lines(lines: Iterable[str] | str, source_root: Path | None = None,
                    target: TargetSignature | None = None) -> Classification:
     target = target or TargetSignature()
     ev = scan(lines)
+    cls, tb = _decide(ev, source_root, target)
+    if ev.infra is not None and (cls.outcome is not Outcome.NONE or ev.death_line is not None):
+        number, cause, text = ev.infra
+        # an infrastructure line before (or inside) what ended the run is its root cause; one
+        # logged after the engine had died of something else is that death's consequence
+        if tb is None or number <= tb.last_line:
+            return Classification(Outcome.INFRA, _clip(_scrub(cause.render_title(text))), cls.signature)
+    return cls
+
+
+def _decide(ev: _Evidence, source_root: Path | None,
+            target: TargetSignature) -> tuple[Classification, Traceback | None]:
+    """The classification from the tracebacks and facts alone, and the traceback it rests on."""
 
     def before_startup(tb: Traceback) -> bool:
         return ev.startup_line is None or tb.first_line < ev.startup_line
 
     if ev.fatal is not None:
-        return _crash(ev.best(ev.fatal), source_root, target, infra=False)
+        fatal = ev.best(ev.fatal)
+        return _crash(fatal, source_root, target, infra=False), fatal
     if ev.failed_start is not None:
         failed = ev.best(ev.failed_start)
         if ev.raw is not None and ev.raw.stream == failed.stream and ev.raw.first_line < failed.first_line:
             # the process printed an uncaught exception (a thread's) before it gave up: the cause
-            return _crash(ev.raw, source_root, target, infra=True)
-        return _crash(failed, source_root, target, infra=True)
+            return _crash(ev.raw, source_root, target, infra=True), ev.raw
+        return _crash(failed, source_root, target, infra=True), failed
     if ev.raw is not None:
-        return _crash(ev.raw, source_root, target, infra=before_startup(ev.raw))
+        return _crash(ev.raw, source_root, target, infra=before_startup(ev.raw)), ev.raw
     if ev.logged_error is not None and ev.consequence is not None:
-        return _crash(ev.logged_error, source_root, target, infra=before_startup(ev.logged_error))
+        return _crash(ev.logged_error, source_root, target, infra=before_startup(ev.logged_error)), ev.logged_error
     if ev.consequence is not None:
         cls = _crash(ev.consequence, source_root, target, infra=before_startup(ev.consequence))
         title = f"{cls.signature.exception if cls.signature else 'crash'}: engine died, root cause not in the log"
-        return Classification(cls.outcome, title, cls.signature)
+        return Classification(cls.outcome, title, cls.signature), ev.consequence
     if ev.arg_error is not None:
-        return Classification(Outcome.INFRA, _clip(f"argument error: {_scrub(ev.arg_error[1])}"), None)
+        return Classification(Outcome.INFRA, _clip(f"argument error: {_scrub(ev.arg_error[1])}"), None), None
     if ev.startup_line is not None and ev.death_line is not None:
         return Classification(Outcome.OTHER_CRASH, _clip(
             f"crash of unknown cause: the engine served, then died with no root cause in the log "
-            f"({_scrub(ev.death_line)})"), None)
+            f"({_scrub(ev.death_line)})"), None), None
     if ev.startup_line is None and ev.last_error_line is not None:
         # an error logged without a traceback (the GPU-free engine reports a bad setup this way
         # and exits) and the server never came up
-        return Classification(Outcome.INFRA, _clip(f"engine did not start: {_scrub(ev.last_error_line)}"), None)
-    return Classification(Outcome.NONE, "no crash", None)
+        return Classification(Outcome.INFRA, _clip(f"engine did not start: {_scrub(ev.last_error_line)}"),
+                               None), None
+    return Classification(Outcome.NONE, "no crash", None), None
 
 
 def _crash(tb: Traceback, source_root: Path | None, target: TargetSignature, infra: bool) -> Classification:
@@ -203,7 +228,14 @@ def _crash(tb: Traceback, source_root: Path | None, target: TargetSignature, inf
             expression = statement_at(source_root, _vllm_path(frame.path), frame.line,
                                       frame.source[0] if frame.source else None) or ""
         if not expression and frame.source:
-            expression = shown_expression(frame.source)
+            shown = " ".join(line.strip() for line in frame.source if not _is_caret(line))
+            if shown.startswith("assert") and is_cut(shown):
+                # Python 3.10 printed only the first line of a wrapped statement (`assert (`) and
+                # the build's source was not at hand: say so rather than title the crash `(`
+                where = _vllm_path(frame.path) if in_vllm else _display_path(frame.path)
+                expression = f"{shown} ... (statement cut; {where}:{frame.line})"
+            else:
+                expression = shown_expression(frame.source)
     sig = Signature(
         exception=exception,
         function=frame.function if frame else "",

@@ -161,3 +161,15 @@ def shown_expression(lines: list[str]) -> str:
     if isinstance(node, ast.Assert):
         return ast.get_source_segment(text, node.test) or text.removeprefix("assert ")
     return text
+
+
+def is_cut(text: str) -> bool:
+    """Whether a statement as the traceback printed it is only its first part: more brackets open
+    than closed (Python 3.10 prints ``assert (`` for a wrapped ``assert``)."""
+    depth = 0
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+    return depth > 0

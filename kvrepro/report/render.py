@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.console import Group
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.measure import Measurement
 from rich.table import Table as RichTable
 from rich.text import Text
 
@@ -318,42 +319,163 @@ def _titles(b: BuildResults) -> list[tuple[str, int]]:
     return counted.most_common()
 
 
-def matrix_table(run: MatrixRun) -> Group:
-    info = run.info
-    table = RichTable(title=f"kvrepro matrix {run.run_id}  (vLLM {info.base_text}, target {info.target}, {run.status})",
-                      title_justify="left")
-    multi_base = len({b.base for b in run.builds}) > 1
-    if multi_base:
-        table.add_column("base", no_wrap=True)
-    table.add_column("build", style="bold", no_wrap=True)
-    table.add_column("patches")
-    table.add_column("verdicts", no_wrap=True)
-    table.add_column("failed (95% CI)", no_wrap=True)
-    table.add_column("trigger count", justify="right")
-    table.add_column("bug state", justify="right")
-    table.add_column("offload loads", justify="right")
-    titles: list[Text] = []
-    for b in run.builds:
-        cells = [b.base] if multi_base else []
-        table.add_row(
-            *cells,
-            b.build_name,
-            ", ".join(b.patches) or "-",
-            _verdict_summary(b.runs),
-            rate_text(stats.rate(b.runs)),
-            " / ".join(str(r.trigger_count) for r in b.runs),
-            " / ".join(str(r.state_count) for r in b.runs),
-            " / ".join(_count(r.offload_load_jobs) for r in b.runs),
-        )
-        for title, n in _titles(b):
-            titles.append(Text(f"{build_key(run, b)}: {title}" + (f"  ({n}x)" if n > 1 else "")))
-    lines: list[Any] = [table, *titles]
-    claims = proved(run)
-    if claims:
-        lines.append(Text("What this matrix proved:", style="bold"))
-        lines += [Text(f"  {claim.replace('`', '')}") for claim in claims]
-    lines.append(Text(f"results: {run.path}", style="dim"))
-    return Group(*lines)
+def _grouped_labels(runs: tuple[RunResult, ...]) -> Text:
+    """`2x CRASH(target) 1x INFRA`: each verdict once with its count (the narrow table's verdicts)."""
+    if len({r.label for r in runs}) <= 1:
+        return _verdict_summary(runs)
+    text = Text()
+    firsts: dict[str, RunResult] = {}
+    for r in runs:
+        firsts.setdefault(r.label, r)
+    for i, (label, n) in enumerate(Counter(r.label for r in runs).items()):
+        text.append(" " if i else "")
+        text.append(f"{n}x {label}", style=_STYLE.get(firsts[label].verdict.value, ""))
+    return text
+
+
+def _short_rate_text(r: stats.Rate) -> str:
+    """`3/3 (29-100%)`: the rate's counts and exact 95% CI, for the narrow table."""
+    if not r.trials:
+        return "none counted"
+    low, high = r.clopper_pearson()
+    return f"{r.crashes}/{r.trials} ({100 * low:.0f}-{100 * high:.0f}%)"
+
+
+def _range_text(values: list[int | None]) -> str:
+    """`185-379` (or `199` when all agree): one counter over the repetitions, for the narrow table."""
+    known = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    if not known:
+        return "unknown"
+    low, high = min(known), max(known)
+    text = str(low) if low == high else f"{low}-{high}"
+    return text + ("?" if len(known) < len(values) else "")
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How much of the run table a console width holds (richest first; see :class:`MatrixTable`)."""
+    name: str
+    patches_in_table: bool = True      # else a legend under the table: `B = pr-49146 + pr-52807`
+    grouped_verdicts: bool = False     # `2x CRASH(target) 1x INFRA` instead of each repetition in order
+    short_rate: bool = False           # `3/3 (29-100%)` instead of `3/3 = 100% (29-100%)`
+    counts: str = "each"               # each repetition's / "range" (min-max) / "none" (dropped)
+    edges: bool = True                 # the table's outer border
+
+
+_LAYOUTS = (
+    _Layout("full"),
+    _Layout("legend", patches_in_table=False),
+    _Layout("grouped", patches_in_table=False, grouped_verdicts=True, short_rate=True),
+    _Layout("ranges", patches_in_table=False, grouped_verdicts=True, short_rate=True, counts="range"),
+    _Layout("ranges-no-edge", patches_in_table=False, grouped_verdicts=True, short_rate=True, counts="range",
+            edges=False),
+    _Layout("no-counts", patches_in_table=False, grouped_verdicts=True, short_rate=True, counts="none",
+            edges=False),
+)
+
+
+class MatrixTable:
+    """The run table, folded to the console's width.
+
+    At full width every column shows; when that does not fit (an 80-column terminal), it folds step
+    by step -- the patch stacks move under the table as a legend, the verdicts are counted, the rate
+    keeps its counts and 95% CI, the per-repetition counters become their range, the outer border
+    goes, and last the counters are dropped -- taking the first layout whose widest row fits, so that
+    no cell wraps. The full table is always in ``--json`` and report.md."""
+
+    def __init__(self, run: MatrixRun):
+        self.run = run
+
+    def layout_for(self, console: Console, width: int) -> _Layout:
+        options = console.options.update_width(10_000)  # a measurement is clamped to the width it is given
+        for layout in _LAYOUTS:
+            if Measurement.get(console, options, self._table(layout)).maximum <= width:
+                return layout
+        return _LAYOUTS[-1]
+
+    def _table(self, layout: _Layout) -> RichTable:
+        run = self.run
+        last = layout is _LAYOUTS[-1]
+        table = RichTable(show_edge=layout.edges)
+        multi_base = len({b.base for b in run.builds}) > 1
+        # the leanest layout never wraps a cell: what still does not fit is cut with an ellipsis
+        cut = {"no_wrap": True, "overflow": "ellipsis"} if last else {"no_wrap": True}
+        if multi_base:
+            table.add_column("base", **cut)
+        table.add_column("build", style="bold", **cut)
+        if layout.patches_in_table:
+            table.add_column("patches")
+        table.add_column("verdicts", **cut)
+        table.add_column("failed" if layout.short_rate else "failed (95% CI)", **cut)
+        if layout.counts == "each":
+            wide = layout.patches_in_table
+            table.add_column("trigger count" if wide else "trigger", justify="right", **cut)
+            table.add_column("bug state" if wide else "state", justify="right", **cut)
+            table.add_column("offload loads" if wide else "loads", justify="right", **cut)
+        elif layout.counts == "range":
+            table.add_column("trigger", justify="right", **cut)
+            table.add_column("state", justify="right", **cut)
+            table.add_column("loads", justify="right", **cut)
+        sep = " / " if layout.patches_in_table else "/"
+        for b in run.builds:
+            cells: list[Any] = [b.base] if multi_base else []
+            cells.append(b.build_name)
+            if layout.patches_in_table:
+                cells.append(", ".join(b.patches) or "-")
+            cells.append(_grouped_labels(b.runs) if layout.grouped_verdicts else _verdict_summary(b.runs))
+            rate = stats.rate(b.runs)
+            cells.append(_short_rate_text(rate) if layout.short_rate else rate_text(rate))
+            if layout.counts == "each":
+                cells += [sep.join(str(r.trigger_count) for r in b.runs),
+                          sep.join(str(r.state_count) for r in b.runs),
+                          sep.join(_count(r.offload_load_jobs) for r in b.runs)]
+            elif layout.counts == "range":
+                cells += [_range_text([r.trigger_count for r in b.runs]),
+                          _range_text([r.state_count for r in b.runs]),
+                          _range_text([r.offload_load_jobs for r in b.runs])]
+            table.add_row(*cells)
+        return table
+
+    def _legend(self, layout: _Layout) -> list[Text]:
+        lines: list[Text] = []
+        if layout.short_rate:
+            lines.append(Text("failed: runs that failed / runs counted (95% CI)", style="dim"))
+        if not layout.patches_in_table:
+            for b in self.run.builds:
+                lines.append(Text(f"{build_key(self.run, b)} = " + (" + ".join(b.patches) or "(base)"), style="dim"))
+        if layout.counts == "range":
+            lines.append(Text("trigger / state / loads: lowest-highest over the runs (? = some unknown)", style="dim"))
+        elif layout.counts == "none":
+            lines.append(Text("trigger / state / loads counts: in --json, report.md, a wider terminal", style="dim"))
+        return lines
+
+    def renderables(self, console: Console, width: int) -> list[Any]:
+        layout = self.layout_for(console, width)
+        run = self.run
+        titles: list[Text] = []
+        for b in run.builds:
+            for title, n in _titles(b):
+                titles.append(Text(f"{build_key(run, b)}: {title}" + (f"  ({n}x)" if n > 1 else "")))
+        info = run.info
+        heading = Text(f"kvrepro matrix {run.run_id}  (vLLM {info.base_text}, target {info.target}, {run.status})",
+                       style="italic")
+        lines: list[Any] = [heading, self._table(layout), *self._legend(layout), *titles]
+        claims = proved(run)
+        if claims:
+            lines.append(Text("What this matrix proved:", style="bold"))
+            lines += [Text(f"  {claim.replace('`', '')}") for claim in claims]
+        lines.append(Text(f"results: {run.path}", style="dim"))
+        return lines
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield from self.renderables(console, options.max_width)
+
+
+def matrix_table(run: MatrixRun) -> MatrixTable:
+    """The run table for a terminal; it folds to the console's width when printed (:class:`MatrixTable`)."""
+    return MatrixTable(run)
 
 
 # --- report.md / report.html ------------------------------------------------------------------
