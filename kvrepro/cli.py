@@ -310,7 +310,7 @@ def matrix_run(
     base: Optional[list[str]] = typer.Option(None, "--base",
                                              help="run on this vLLM release instead of matrix.yaml's base (repeatable)"),
     adaptive: Optional[int] = typer.Option(None, "--adaptive", min=1, max=1000, metavar="MAX",
-                                           help="repeat each build until its verdict is decisive (README: "
+                                           help="repeat each build until its verdict is decisive (docs/statistics.md: "
                                                 "stopping rule), at most MAX times"),
     ci: bool = typer.Option(False, "--ci", help="non-interactive: plain lines, no progress bars; appends the "
                                                 "report to $GITHUB_STEP_SUMMARY when set"),

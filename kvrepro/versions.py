@@ -24,7 +24,7 @@ Porting checklist for a new release ``X``:
 6. If its requirements pin something the existing runtime envs do not have, nothing to do: a
    layer is resolved on top of an env (``kvrepro/builds/runtime.py``). Note the torch pin if the
    release needs another CPU torch.
-7. Record the sweep's verdict in the README's release table.
+7. Record the sweep's verdict in the release table of docs/engine.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Run one no-patch build on every supported vLLM release and print the verdict table.
 
 Why: a release without a working GPU-free engine cannot be validated or bisected; this is the
-check behind the README's release table and step 2 of the porting checklist in
+check behind the release table of docs/engine.md and step 2 of the porting checklist in
 ``kvrepro/versions.py``. It writes a throwaway matrix (the default matrix's engine and load, no
 patches, one build, ``base:`` listing the releases) and runs it with ``kvrepro matrix run``
 (the base axis), then prints verdict, trigger count and requests per release, and the disk that

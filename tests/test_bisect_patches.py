@@ -4,7 +4,7 @@ The scripted part is the one boundary that starts engines (``Session._run_batch`
 background build prefetch): every point gets recorded runs from a table written from what the
 default matrix measured on vLLM 0.26.0 (A crashes, the boundary fix alone reads stale KV, the
 backports together are clean). Everything else is the real search, rules, session and record
-(``bisect.json``). The same bisection on real engines is in the README ("Build E").
+(``bisect.json``). The same bisection on real engines is in docs/first-case.md ("Build E").
 """
 
 from __future__ import annotations

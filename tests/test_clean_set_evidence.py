@@ -1,6 +1,6 @@
 """scripts/clean_set_evidence.py derives valid one-build matrices for every (profile, geometry) cell.
 
-No engine runs here (the script's runs are the README's "Build E" table): these tests check that
+No engine runs here (the script's runs are the "Build E" tables of docs/first-case.md): these tests check that
 each derived matrix loads with kvrepro's own validation (profile settings included), keeps the
 build's patch stack and pins, and carries the geometry it names.
 """

@@ -225,7 +225,7 @@ def test_matrix_through_ssh_gets_the_local_sockets_verdicts(tmp_path, sshd, dock
         a, b = on_local["builds"][build]["runs"][0], on_ssh["builds"][build]["runs"][0]
         assert (a["verdict"], a["outcome"]) == (b["verdict"], b["outcome"]), (build, a, b)
     assert on_ssh["builds"]["A"]["runs"][0]["verdict"] == "CRASH"
-    assert on_ssh["builds"]["B"]["runs"][0]["verdict"] == "CORRUPT"  # as on the sim target: the boundary fix leaves stale KV (README, Evidence)
+    assert on_ssh["builds"]["B"]["runs"][0]["verdict"] == "CORRUPT"  # as on the sim target: the boundary fix leaves stale KV (docs/first-case.md)
     # the API was published on the host's loopback only and reached through the ssh connection
     assert bindings and set(bindings.values()) == {"127.0.0.1"}, bindings
     for build in ("A", "B"):

@@ -7,8 +7,8 @@ read-only file systems are real tmpfs mounts inside a private mount namespace (`
 so nothing is mounted on the machine itself); an unreachable Docker host is a real closed TCP
 port; engines are the real GPU-free engine (vLLM 0.26.0's scheduler, fake GPU executor) and,
 for the docker cases, real containers of the CPU base image on the local dockerd. Waits are
-bounded, never asserted as timings (the 10 s figures of the issue are measured by hand, see the
-README's "Bad inputs and faults").
+bounded, never asserted as timings (the 10 s figures of the issue are measured by hand, see
+docs/reliability.md).
 """
 
 from __future__ import annotations

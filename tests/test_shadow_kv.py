@@ -8,7 +8,7 @@ The broken builds are the default base (0.26.0 + pr-49146) with pr-52771 (so tha
 zero the offload hits) plus a fixture patch from tests/data/patches/ that moves or drops the
 destination blocks of offload loads in ``update_state_after_alloc``. They run on an attention-only variant of the default geometry
 (tests/data/models/qwen3-next-attention-only, Mamba cache mode none): vLLM 0.26.0's own handling of
-hybrid hits already reads wrong KV on the hybrid model (see the README's findings), which would
+hybrid hits already reads wrong KV on the hybrid model (see docs/first-case.md), which would
 hide which violation the fixture caused. The shipped base build on the same geometry is the
 control: it must check out clean, or the fixtures would prove nothing.
 """

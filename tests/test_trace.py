@@ -4,7 +4,7 @@ tests/test_pytest_emit.py.
 
 The client runs against ``StandInEngine`` (tests/test_loadgen.py), a stdlib HTTP server on
 127.0.0.1 standing in for the engine's API, and against a small server-sent-events stand-in; the
-real engine is driven by `kvrepro load replay` / `kvrepro minimize` runs (see the README's numbers).
+real engine is driven by `kvrepro load replay` / `kvrepro minimize` runs (see docs/minimize.md).
 """
 
 from __future__ import annotations

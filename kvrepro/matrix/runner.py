@@ -319,7 +319,7 @@ def _wait_for_slots(futures: list) -> None:
 
 
 def _decided(artifact: BuildArtifact, runs: list[RunResult], expect: str | None) -> bool:
-    """Adaptive repetitions: has this build seen enough (stats.decisive, the README's rule)?"""
+    """Adaptive repetitions: has this build seen enough (stats.decisive, the rule of docs/statistics.md)?"""
     if not artifact.ok:
         return bool(runs)  # every repetition of a failed build is the same INFRA
     expected_failure = None

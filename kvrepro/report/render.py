@@ -635,7 +635,7 @@ def _what_ran_blocks(run: MatrixRun) -> list[Block]:
         if b.manifest and b.manifest.engine_args:
             engine_args.setdefault(b.manifest.engine_args, []).append(build_key(run, b))
     host = info.host
-    reps = (f"adaptive repetitions (each build until decisive by the README's stopping rule, at most "
+    reps = (f"adaptive repetitions (each build until decisive by the stopping rule of docs/statistics.md, at most "
             f"{info.repetitions})" if info.adaptive else f"{info.repetitions} repetition(s) per build")
     facts = [
         f"run `{run.run_id}` ({run.status}), target `{info.target}`, {reps}",

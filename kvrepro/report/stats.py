@@ -16,7 +16,7 @@ report says so, so that nobody ships a fix on a 1-of-1 coincidence. What is comp
 * for every 2x2 (a stack, plus patch P, plus patch Q, plus both), each patch's main effect and the
   interaction on the risk-difference scale with adjusted-Wald intervals (Price & Bonett 2004: add
   2/m failures and 4/m runs to each cell of an m-cell contrast, which stays sensible at 0/3 and 3/3);
-* the adaptive-repetition stopping rule (:func:`decisive`) stated in the README.
+* the adaptive-repetition stopping rule (:func:`decisive`) stated in docs/statistics.md.
 
 scipy does the distributions; the code here only says which question each number answers.
 """
@@ -341,7 +341,7 @@ class Decision:
 
 def decisive(r: Rate, expected_failure: bool | None, *, confidence: float = CONFIDENCE,
              max_rate_if_fixed: float = 0.5) -> Decision:
-    """The stopping rule for adaptive repetitions (stated in the README).
+    """The stopping rule for adaptive repetitions (stated in docs/statistics.md).
 
     A build whose expectation is a failure (CRASH/CORRUPT) is decided once it has failed in every
     counted run so far and at least ``min_runs`` of them (3: 3/3 against 0/3 is what reaches

@@ -10,7 +10,7 @@ dimensions stay, because the GPU-free engine never computes with them.
 Block size: with the tiny dimensions a Gated-DeltaNet state (3 KiB) fits in any attention page of
 16 tokens or more, so vLLM keeps the ``--block-size`` it is given (and pads the Mamba page up to
 it) instead of raising it, as it would with production dimensions; the production block size is
-therefore given, not derived (see README, "Geometry").
+therefore given, not derived (see docs/geometry.md).
 
 The generated folder lives under ``$KVREPRO_HOME/models/`` and is named by the hash of its
 contents, so every run of the same geometry serves the same folder.

@@ -3,7 +3,7 @@
 The crash (vLLM 0.26.0, hybrid model with MTP and KV offloading) needs one request whose prefix is
 partly on the GPU (full-attention blocks and a Mamba state up to a boundary) and continues in the
 offload tier past that boundary, where a Mamba state was offloaded too. Measured on the GPU-free
-engine (README: "Load"): a Mamba state is kept only where a prompt's computed part ends on a block
+engine (docs/load.md): a Mamba state is kept only where a prompt's computed part ends on a block
 boundary (without chunked prefill: where the prompt itself ends on one), so both boundaries must be
 the end of an earlier prompt, and the GPU must have lost the blocks between them but not the part
 before. Production traffic does that when a document or an agent transcript is used in full, then

@@ -1,0 +1,183 @@
+"""Cheap checks that the README and docs/ stay short, runnable and sourced (issue 17, item 4).
+
+* The README is at most 220 lines and opens with the two commands a fresh machine runs; the
+  second is the command CI runs (`.ci/run` execs it), the first sets up the same `.venv` as
+  `scripts/test.sh` and runs a command that exists.
+* Every relative link in README.md and docs/*.md points to an existing file, and an anchor into a
+  Markdown file to one of its headings (GitHub's slugs).
+* The measured-table rule. A *table* is a run of lines starting with `|` outside fenced code,
+  whose second line is a separator (`|---|`). A cell is *numeric* when, with `*`, backquotes and
+  spaces stripped, it starts with a digit, optionally after one of `<`, `>`, `~`, `>=`, `<=`, and
+  is not a release number (`0.27.0 release tree` is a name, not a measurement). A
+  column is a *number column* when at least half of its non-empty body cells are numeric. Every
+  table with a number column must have, within the 6 lines before its first line or within the
+  6 lines after its last line (one window, both in it), a line naming a command that regenerates
+  it (`benchmarks/<file>`, `scripts/<file>` or `kvrepro <word>`) and a date (`YYYY-MM-DD`).
+  A table that is reference, not measurement (exit codes, limits, a catalogue of cases), says
+  so with the line `<!-- reference table: not measured -->` within the 2 lines above it.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [README, *DOCS]
+
+WINDOW = 6
+REFERENCE_MARK = "<!-- reference table: not measured -->"
+COMMAND = re.compile(r"(?:benchmarks|scripts)/[\w.-]+|\bkvrepro [a-z]")
+DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+NUMERIC = re.compile(r"^(?:>=|<=|[<>~])?\d")
+RELEASE = re.compile(r"^\d+\.\d+\.\d+")
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def prose_lines(text: str) -> list[tuple[int, str]]:
+    """(index, line) of every line outside fenced code blocks."""
+    out, fenced = [], False
+    for i, line in enumerate(text.splitlines()):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced:
+            out.append((i, line))
+    return out
+
+
+def tables(text: str) -> list[tuple[int, int, list[list[str]]]]:
+    """(first line, last line, body rows as cells) of each Markdown table outside code."""
+    lines = text.splitlines()
+    prose = dict(prose_lines(text))
+    found, i = [], 0
+    while i < len(lines):
+        if i in prose and lines[i].lstrip().startswith("|") and i + 1 in prose \
+                and re.match(r"^\s*\|\s*:?-{3,}", lines[i + 1]):
+            j = i + 2
+            while j < len(lines) and j in prose and lines[j].lstrip().startswith("|"):
+                j += 1
+            body = [split_row(row) for row in lines[i + 2:j]]
+            found.append((i, j - 1, body))
+            i = j
+        else:
+            i += 1
+    return found
+
+
+def split_row(row: str) -> list[str]:
+    cells = re.split(r"(?<!\\)\|", row.strip().strip("|"))
+    return [c.strip() for c in cells]
+
+
+def numeric(cell: str) -> bool:
+    cell = cell.replace("*", "").replace("`", "").replace(" ", "")
+    return bool(NUMERIC.match(cell)) and not RELEASE.match(cell)
+
+
+def has_number_column(body: list[list[str]]) -> bool:
+    width = max((len(r) for r in body), default=0)
+    for col in range(width):
+        cells = [r[col] for r in body if col < len(r) and r[col] not in ("", "-")]
+        if cells and sum(map(numeric, cells)) * 2 >= len(cells):
+            return True
+    return False
+
+
+def slug(heading: str) -> str:
+    text = heading.strip().lstrip("#").strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    return {slug(line) for _, line in prose_lines(path.read_text()) if line.startswith("#")}
+
+
+def test_readme_is_short():
+    n = len(README.read_text().splitlines())
+    assert n <= 220, f"README.md has {n} lines; at most 220 (move detail to docs/)"
+
+
+def readme_commands() -> list[str]:
+    lines = README.read_text().splitlines()
+    assert lines[0].startswith("# "), "README.md starts with its title"
+    start = next(i for i, line in enumerate(lines) if line.strip())  # the title
+    body = [line for line in lines[start + 1:] if line.strip()]
+    assert body[0].startswith("```"), "the README's first lines after the title are the commands"
+    commands = []
+    for line in body[1:]:
+        if line.startswith("```"):
+            break
+        commands.append(re.split(r"\s+#\s", line, maxsplit=1)[0].strip())
+    return commands
+
+
+def test_readme_opens_with_the_two_commands_ci_runs():
+    commands = readme_commands()
+    assert len(commands) == 2, commands
+    setup_and_run, test = commands
+
+    ci = (ROOT / ".ci" / "run").read_text()
+    execs = [line.split("exec", 1)[1].strip() for line in ci.splitlines() if line.strip().startswith("exec ")]
+    assert execs == [test], f".ci/run execs {execs}, the README says {test!r}"
+    script = test.split()[-1]
+    assert test == f"bash {script}" and (ROOT / script).is_file()
+
+    test_sh = (ROOT / "scripts" / "test.sh").read_text()
+    assert setup_and_run == "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/kvrepro matrix run"
+    assert "python3 -m venv .venv" in test_sh and ".venv/bin/pip install" in test_sh
+    assert 'kvrepro = "kvrepro.cli:main"' in (ROOT / "pyproject.toml").read_text()
+    help_ = subprocess.run([sys.executable, "-m", "kvrepro.cli", "matrix", "run", "--help"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert help_.returncode == 0, help_.stderr
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_point_to_files(page: Path):
+    broken = []
+    for _, line in prose_lines(page.read_text()):
+        for target in LINK.findall(re.sub(r"`[^`]*`", "", line)):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                broken.append(f"{target}: no such file")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{target}: no heading #{anchor} in {dest.relative_to(ROOT)}")
+    assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_measured_tables_name_their_command_and_date(page: Path):
+    lines = page.read_text().splitlines()
+    unsourced = []
+    for first, last, body in tables(page.read_text()):
+        if not has_number_column(body):
+            continue
+        if any(REFERENCE_MARK in line for line in lines[max(0, first - 2):first]):
+            continue
+        before = lines[max(0, first - WINDOW):first]
+        after = lines[last + 1:last + 1 + WINDOW]
+        if not any(any(COMMAND.search(l) for l in w) and any(DATE.search(l) for l in w) for w in (before, after)):
+            unsourced.append(f"line {first + 1}: {lines[first][:60]}")
+    assert not unsourced, (f"{page.relative_to(ROOT)}: tables with a number column and no command + "
+                           f"YYYY-MM-DD within {WINDOW} lines: " + "; ".join(unsourced))
+
+
+def test_the_rule_sees_what_it_should():
+    text = "intro\n\n| a | n |\n|---|---|\n| x | 3 |\n| y | 4 |\n"
+    (first, last, body), = tables(text)
+    assert (first, last) == (2, 5) and has_number_column(body)
+    assert not has_number_column([["x", "CRASH"], ["y", "`ok`"]])
+    assert numeric("**3x** UNREACHED") and numeric(">600") and not numeric("pr-48425")
+    assert not numeric("0.27.0 release tree") and numeric("0.53 s")
+    assert slug("## Build E: the backports that make 0.26.0 correct") == "build-e-the-backports-that-make-0260-correct"
+    assert tables("```\n| a |\n|---|\n| 1 |\n```\n") == []
