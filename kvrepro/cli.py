@@ -288,7 +288,7 @@ def _exit_code(run: "results.MatrixRun") -> int:
         err.print("[red]verdicts differ from expect:[/]\n  " + "\n  ".join(str(p) for p in problems))
         return 1
     if any(r.verdict is Verdict.INFRA for r in run.runs()):
-        # INFRA wins over "differs from expect:" (report.meets_expectation): CI must not read a
+        # INFRA wins over "differs from expect:" (report/expectations.py): CI must not read a
         # broken host as "the bug is back"
         err.print("[magenta]infrastructure failed (INFRA above); no verdict differs from expect:[/]")
         return 3

@@ -23,6 +23,7 @@ import requests
 from .. import __version__
 from ..results import store as results
 from ..report import stats
+from ..report.expectations import enough_runs
 from ..classify import classify_log, read_engine_counters, read_exposure
 from ..classify.corruption import defects_of
 from ..classify.lines import split_line
@@ -36,7 +37,7 @@ from ..loadgen.capacity import engine_capacity
 from ..classify.metrics import parse_prometheus, total
 from ..records import (BuildArtifact, BuildPlan, BuildRecord, Classification, Exposure, HostInfo, LoadSummary, Outcome, PatchInfo, RunManifest, RunResult, Verdict)
 from ..secrets import redact
-from ..spec.matrix import LoadedMatrix, expected_labels
+from ..spec.matrix import LoadedMatrix
 from ..classify.verdict import decide, died_without_traceback_title
 from ..classify.verdict import title as verdict_title
 
@@ -322,15 +323,7 @@ def _decided(artifact: BuildArtifact, runs: list[RunResult], expect: str | None)
     """Adaptive repetitions: has this build seen enough (stats.decisive, the README's rule)?"""
     if not artifact.ok:
         return bool(runs)  # every repetition of a failed build is the same INFRA
-    expected_failure = None
-    if expect:
-        labels = expected_labels(expect)
-        expected_failure = all(label.startswith(("CRASH", "CORRUPT")) for label in labels)
-        if not expected_failure and labels != ("SURVIVED",):
-            # VACUOUS/UNREACHED/STALL/INFRA or several expected: three agreeing repetitions, or
-            # the first that disagrees
-            return len(runs) >= 3 or any(r.label not in labels for r in runs)
-    return stats.decisive(stats.rate(runs), expected_failure).decisive
+    return enough_runs(runs, expect)
 
 
 def host_info() -> HostInfo:

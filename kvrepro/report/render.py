@@ -6,7 +6,7 @@
   ``$GITHUB_STEP_SUMMARY``) and ``report.html`` (one self-contained file);
 * :func:`render_bisection` -- the blocks of a bisection's steps (:class:`~kvrepro.records.BisectionStep`),
   for ``kvrepro bisect`` to pass to :func:`write_report`, or :func:`write_bisection_report` alone;
-* :func:`mismatches` -- which repetitions differ from ``expect:`` (exit code 1, JUnit failures).
+* :func:`mismatches` -- which repetitions differ from ``expect:`` (decided in :mod:`.expectations`).
 
 Everything is made from what ``results.load_run`` reads back from disk as typed records, so a
 report of an old or an interrupted run says exactly what was recorded.
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +25,10 @@ from rich.text import Text
 
 from .. import __version__
 from . import stats
+# whether a run meets expect: is decided in report/expectations.py (re-exported for the report's users)
+from .expectations import Mismatch, meets_expectation, mismatches  # noqa: F401
 from .pages import Block, Bullets, Cell, Code, Details, Heading, Image, Para, Table, to_html, to_markdown
 from ..records import BisectionStep, RunResult, Verdict
-from ..spec.matrix import meets
 from ..results.store import BuildResults, MatrixRun, write_atomic
 
 _STYLE = {"CRASH": "bold red", "CORRUPT": "bold red", "SURVIVED": "bold green", "VACUOUS": "yellow",
@@ -45,33 +45,6 @@ SURVIVAL_PNG = "survival.png"
 def verdict_label(run: RunResult) -> str:
     """CRASH(target) / CRASH(other) / CORRUPT / SURVIVED / UNREACHED / VACUOUS / STALL / INFRA / INTERRUPTED."""
     return run.label
-
-
-# --- expectations ----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Mismatch:
-    base: str
-    build: str
-    rep: int
-    expected: str
-    actual: str
-
-    def __str__(self) -> str:
-        return f"build {self.build} rep {self.rep}: {self.actual}, expected {self.expected}"
-
-
-def meets_expectation(run: RunResult, expected: str | None) -> bool:
-    """An INTERRUPTED repetition is neither a pass nor a failure of ``expect:``: it did not finish."""
-    return (not expected or run.verdict in (Verdict.INTERRUPTED, Verdict.INCOMPLETE, Verdict.DAMAGED)
-            or meets(expected, run.label, run.kv_defects)
-            # INFRA says nothing about the code: its own exit code (3), not "differs from expect"
-            or (run.verdict is Verdict.INFRA and expected != "INFRA"))
-
-
-def mismatches(run: MatrixRun) -> list[Mismatch]:
-    return [Mismatch(b.base, b.name, r.rep, b.expect or "", r.label)
-            for b in run.builds for r in b.runs if not meets_expectation(r, b.expect)]
 
 
 # --- numbers ---------------------------------------------------------------------------------

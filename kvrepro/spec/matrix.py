@@ -12,7 +12,7 @@ import json
 import os
 import re
 from pathlib import Path
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Literal
 
 import yaml
@@ -61,20 +61,6 @@ def expected_defects(alternative: str) -> tuple[str, ...]:
     run's); () for any other alternative."""
     m = _NAMED_CORRUPT.match(alternative.strip())
     return tuple(n.strip() for n in m["names"].split(",") if n.strip()) if m else ()
-
-
-def meets(expect: str | None, label: str, defects: Iterable[str] = ()) -> bool:
-    """Whether a repetition's verdict label (and, for CORRUPT, the defects it showed) is one that
-    ``expect:`` accepts. The one place that reads the ``expect:`` syntax; what counts as "not a
-    failure of expect:" (INTERRUPTED, INFRA) is the report's call (report.meets_expectation)."""
-    if not expect:
-        return True
-    shown = set(defects)
-    for alternative in (part.strip() for part in expect.split("|") if part.strip()):
-        wanted = expected_defects(alternative)
-        if _NAMED_CORRUPT.sub("CORRUPT", alternative) == label and shown.issuperset(wanted):
-            return True
-    return False
 
 
 class _Strict(BaseModel):
