@@ -402,37 +402,37 @@ class RunInfo:
         return self.base[0] if self.base else (self.bases[0] if self.bases else "")
 
 
-@dataclass(frozen=True)
-class BisectionStep:
-    """One tested point of a bisection, as `kvrepro bisect` records it and the report shows it.
+class BisectPoint(typing.Protocol):
+    """A point of a bisection (kvrepro.bisect.points: a release, a commit or a patch set)."""
 
-    ``point`` names what was tested (a vLLM release, a commit, a patch-stack prefix);
-    ``verdict`` is the step's call in mozregression's terms ("good", "bad" or "skip");
-    ``confidence`` is how sure that call is (e.g. 1 - the one-sided Fisher p-value against the
-    known-good end, or the Clopper-Pearson bound that makes it decisive), in [0, 1].
-    """
+    kind: str
 
-    point: str
-    crashes: int
-    runs: int  # counted repetitions (CRASH/CORRUPT + SURVIVED)
-    verdict: str
-    confidence: float
-    labels: tuple[str, ...] = ()  # every repetition's verdict label, in order
-    note: str = ""
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def label(self) -> str: ...
+
+    def to_json(self) -> dict[str, str | list[str]]: ...
+
+
+# what a bisection adds about its answer: direction, the last/first points, a commit's subject, per
+# patch what removing it does
+BisectDetail = typing.Union[str, list[str], dict[str, str]]
 
 
 @dataclass(frozen=True)
 class BisectStep:
     """One point of a bisection and what its runs showed (written after every step).
 
-    ``point`` is what was tried: {"kind": "release", "release": ...}, {"kind": "commit", "commit":
-    ...} or {"kind": "patches", "patches": [...]}; ``label`` a short name for it. ``verdict`` is
+    ``point`` is what was tried (a :class:`BisectPoint`: a release, a commit or a set of patches);
+    ``label`` a short name for it. ``verdict`` is
     good / bad / skip (kvrepro.bisect.rules decides it from ``counts``, the run verdict labels
     seen). ``state`` says for a good point whether the bug's state occurred and was handled
     ("handled"), never occurred ("unreached") or both across runs ("mixed").
     """
 
-    point: dict[str, Any]
+    point: BisectPoint
     label: str
     role: str  # "bad end" | "good end" | "midpoint" | "subset" | "complement" | "removal"
     verdict: str
@@ -448,8 +448,8 @@ class BisectStep:
 class BisectResult:
     """What a bisection found: ``answer`` (release, commit or patch list) or None and ``reason``."""
 
-    kind: str  # "releases" | "commits" | "patches"
-    answer: Any
+    kind: str  # "releases" | "commits" | "patches" | "verdict"
+    answer: str | list[str] | None
     reason: str
     confidence: float | None
     p_bad: float | None
@@ -458,7 +458,7 @@ class BisectResult:
     status: str  # "running" | "interrupted" | "complete"
     bisection_id: str = ""
     path: str = ""
-    detail: dict[str, Any] = field(default_factory=dict)
+    detail: dict[str, BisectDetail] = field(default_factory=dict)
 
 
 def to_jsonable(value: Any) -> Any:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrepro.bisect.points import PointMatrices, releases_between
+from kvrepro.bisect.points import CommitPoint, PatchSetPoint, PointMatrices, ReleasePoint, releases_between
 from kvrepro.builds import gitcommit
 from kvrepro.errors import SpecError
 
@@ -54,19 +54,19 @@ def test_commit_history_and_nearest_release(tiny_repo):
 def test_points_become_one_build_matrices(default_matrix, tiny_repo):
     repo, shas = tiny_repo
     matrices = PointMatrices(default_matrix, requests=200, repo=str(repo))
-    release = matrices.matrix_for({"kind": "release", "release": "0.28.0"})
+    release = matrices.matrix_for(ReleasePoint("0.28.0"))
     (plan,) = release.plans()
     assert (plan.name, plan.base, plan.patches, plan.source) == ("0.28.0", "0.28.0", (), None)
     assert release.matrix.runs.requests == 200 and release.matrix.expect == {}
 
-    patches = matrices.matrix_for({"kind": "patches", "patches": ["pr-52807"]})
+    patches = matrices.matrix_for(PatchSetPoint(("pr-52807",)))
     (plan,) = patches.plans()
     assert [p.name for p in plan.patches] == ["pr-49146", "pr-52807"]  # common first
 
-    commit = matrices.matrix_for({"kind": "commit", "commit": shas[1]})
+    commit = matrices.matrix_for(CommitPoint(shas[1]))
     (plan,) = commit.plans()
     assert plan.base == "0.26.0" and plan.source.commit == shas[1] and plan.patches == ()
-    with_build = PointMatrices(default_matrix, build="B").matrix_for({"kind": "release", "release": "0.26.0"})
+    with_build = PointMatrices(default_matrix, build="B").matrix_for(ReleasePoint("0.26.0"))
     assert [p.name for p in with_build.plans()[0].patches] == ["pr-49146", "pr-52807"]
 
 
