@@ -956,23 +956,23 @@ def minimize_cmd(
         summary = minimize(loaded, results_root, run_id, build, fixed=fixed, rep=rep, emit_pytest=emit_pytest,
                            confirm=confirm, violation=violation, on_line=lambda line: status.update(line[:120]))
     if as_json:
-        _emit_json(summary)
+        _emit_json(summary.to_json())
     else:
-        fails = (f"reads wrong KV ({summary['violation']}) on {build} at request {summary['violation_at']}"
-                 if summary.get("violation") else f"crashes {build} at request {summary['crash_at']}")
-        out.print(f"minimized: {summary['requests_before']} -> [bold]{summary['requests']}[/] requests, "
-                  f"{summary['tokens_before']} -> {summary['tokens']} prompt tokens; {fails}"
-                  + (f"; {fixed}: {summary['fixed_result']}" if fixed else ""))
-        if summary.get("first_violation"):
-            out.print(f"first violation: {escape(summary['first_violation'])}")
-        out.print(f"trace: {summary['trace']}")
-        if summary.get("pytest"):
-            out.print(f"pytest: {summary['pytest']} (drives vLLM's scheduler; imports vLLM and torch only)")
-            for name, check in summary.get("pytest_check", {}).items():
-                out.print(f"  with build {name}'s vLLM: {escape(check['result'])}")
-        for line in summary.get("confirmed", []):
+        fails = (f"reads wrong KV ({summary.violation}) on {build} at request {summary.violation_at}"
+                 if summary.violation else f"crashes {build} at request {summary.crash_at}")
+        out.print(f"minimized: {summary.requests_before} -> [bold]{summary.requests}[/] requests, "
+                  f"{summary.tokens_before} -> {summary.tokens} prompt tokens; {fails}"
+                  + (f"; {fixed}: {summary.fixed_result}" if fixed else ""))
+        if summary.first_violation:
+            out.print(f"first violation: {escape(summary.first_violation)}")
+        out.print(f"trace: {summary.trace}")
+        if summary.emitted is not None:
+            out.print(f"pytest: {summary.emitted.pytest} (drives vLLM's scheduler; imports vLLM and torch only)")
+            for name, check in summary.emitted.pytest_check.items():
+                out.print(f"  with build {name}'s vLLM: {escape(check.result)}")
+        for line in summary.confirmed:
             out.print(f"  replay: {line}")
-    if not summary["ok"]:
+    if not summary.ok:
         raise typer.Exit(1)
 
 

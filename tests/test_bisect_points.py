@@ -100,9 +100,9 @@ def test_commit_overlay_is_the_commits_tree_plus_what_only_the_wheel_has(tmp_pat
     overlay = Path(artifact.ref)
     assert "COMMIT_MARK = 1" in (overlay / "vllm" / "envs.py").read_text()
     assert (overlay / "kvrepro_probe.py").is_file()
-    assert artifact.manifest["commit"] == sha and artifact.manifest["source"] == "git commit"
+    assert artifact.manifest.commit == sha and artifact.manifest.source == "git commit"
     if (pristine_vllm / "vllm" / "_version.py").exists():
-        assert "vllm/_version.py" in artifact.manifest["from_wheel"]
+        assert "vllm/_version.py" in artifact.manifest.from_wheel
     again = gitcommit.build_commit_overlay(plan)
     assert again.reused and again.ref == artifact.ref
 

@@ -16,7 +16,7 @@ from markdown_it import MarkdownIt
 from kvrepro.report import junit, pages, render as report
 from kvrepro.results import store as results
 from kvrepro.report.compare import compare
-from kvrepro.records import (BuildRecord, HostInfo, LoadSummary, Outcome, RunResult, Signature,
+from kvrepro.records import (BuildManifest, BuildRecord, HostInfo, LoadSummary, Outcome, RunResult, Signature,
                              Verdict)
 from kvrepro.results.store import ResultsSchemaError
 
@@ -64,8 +64,8 @@ def make_run(root: Path, verdicts: dict[str, list[Verdict]], expect: dict[str, s
     })
     for name in names:
         results.write_json(folder.build_dir(name) / "build.json", BuildRecord(
-            ok=True, ref="/overlays/x", manifest={"wheel": "vllm-0.26.0.whl", "wheel_sha256": "ab" * 32,
-                                                  "probe_sha256": "cd" * 32}))
+            ok=True, ref="/overlays/x", manifest=BuildManifest(wheel="vllm-0.26.0.whl", wheel_sha256="ab" * 32,
+                                                           probe_sha256="cd" * 32)))
         for rep, verdict in enumerate(verdicts[name]):
             run_dir = folder.rep_dir(name, rep)
             results.write_json(run_dir / "manifest.json", {

@@ -242,7 +242,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     classification: Classification = classify_log(log_text, source_root, matrix.target_signature)
     exposure: Exposure = read_exposure(log_text, metrics_text)
     counters = read_engine_counters(log_text)
-    expected_sha = artifact.manifest.get("probe_target_sha256")
+    expected_sha = artifact.manifest.probe_target_sha256
     defects = defects_of(exposure.kv_violations, exposure.kv_violations_by, exposure.kv_first_violation_class,
                          exposure.kv_groups)
     verdict = decide(classification, exposure, load, engine_exit, expected_sha)

@@ -9,6 +9,7 @@ path out of start/stop leaves no container behind.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,7 @@ import requests
 from docker.types import DeviceRequest, Mount
 
 from ...errors import InfraError, KvreproError, SpecError
-from ...records import BuildArtifact, BuildPlan
+from ...records import BuildArtifact, BuildManifest, BuildPlan, HostImage, ImageRef
 from ...secrets import redact
 from ...spec.matrix import HostSpec, LoadedMatrix
 from .. import register
@@ -156,19 +157,20 @@ class DockerTarget(Target):
                 built = [f.result() for f in futures]
         except KvreproError as exc:
             return BuildArtifact(plan=plan, ref=None, error=str(exc),
-                                 manifest={"error_kind": getattr(exc, "kind", "spec")})
+                                 manifest=BuildManifest(error_kind=getattr(exc, "kind", "spec")))
         first = built[0]
         if len({a.tag for a in built}) > 1:
             # Same base image id everywhere gives the same tag; different ids mean the hosts
             # hold different images under one name, and the runs would not be comparable.
             tags = ", ".join(f"{h.name}: {a.tag}" for h, a in zip(hosts, built))
-            return BuildArtifact(plan=plan, ref=None, manifest={"error_kind": "image_build"},
+            return BuildArtifact(plan=plan, ref=None, manifest=BuildManifest(error_kind="image_build"),
                                  error=f"build {plan.name}: hosts hold different {matrix.image_for(plan.base)} images ({tags}); "
                                        "pull the same base on every host")
-        manifest: dict[str, Any] = dict(first.manifest)
-        manifest["image"] = {"tag": first.tag, "id": first.image_id, "labels": first.labels}
-        manifest["hosts"] = {h.name: {"image_id": a.image_id, "reused": a.reused, "seconds": round(a.seconds, 3)}
-                             for h, a in zip(hosts, built)}
+        manifest = dataclasses.replace(
+            BuildManifest.from_json(first.manifest, f"image {first.tag}'s manifest label"),
+            image=ImageRef(tag=first.tag, id=first.image_id, labels=dict(first.labels)),
+            hosts={h.name: HostImage(image_id=a.image_id, reused=a.reused, seconds=round(a.seconds, 3))
+                   for h, a in zip(hosts, built)})
         return BuildArtifact(plan=plan, ref=first.tag, manifest=manifest, reused=all(a.reused for a in built),
                              source_root=str(first.source_root) if first.source_root else None)
 
