@@ -108,7 +108,7 @@ Json = Any  # a value as json.loads returns it
 
 
 @dataclass(frozen=True)
-class PatchRef:
+class ManifestPatch:
     """A patch as a build manifest names it."""
 
     name: str
@@ -166,7 +166,7 @@ class BuildManifest:
     """
 
     base: str | None = None
-    patches: tuple[PatchRef, ...] | None = None
+    patches: tuple[ManifestPatch, ...] | None = None
     # overlays (the sim target)
     wheel: str | None = None
     wheel_sha256: str | None = None

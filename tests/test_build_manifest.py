@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrepro.records import (BuildManifest, BuildRecord, FileChange, HostImage, ImageRef, PatchRef, ProbeRef,
+from kvrepro.records import (BuildManifest, BuildRecord, FileChange, HostImage, ImageRef, ManifestPatch, ProbeRef,
                              RecordError, from_jsonable, to_jsonable)
 
 OVERLAY = {"source": "git commit", "repo": "/r", "commit": "a" * 40, "from_wheel": ["vllm/_version.py"],
@@ -25,7 +25,7 @@ IMAGE = {"format": 2, "key": "k", "tag": "kvrepro/vllm:0.26.0-k", "base": "0.26.
 
 def test_an_overlays_manifest_reads_typed_and_writes_back_the_same():
     m = BuildManifest.from_json(OVERLAY)
-    assert m.patches == (PatchRef("pr-1", "cd" * 32, "https://x/pull/1"),) and m.from_wheel == ("vllm/_version.py",)
+    assert m.patches == (ManifestPatch("pr-1", "cd" * 32, "https://x/pull/1"),) and m.from_wheel == ("vllm/_version.py",)
     assert m.probe_hash == "ef" * 32 and m.commit == "a" * 40
     assert to_jsonable(m) == OVERLAY
 
