@@ -29,6 +29,7 @@ from ..classify.corruption import defects_of
 from ..classify.lines import split_line
 from ..deploy import get_target
 from ..deploy.base import EngineHandle, Target
+from ..deploy.docker.settings import docker_settings
 from ..errors import InfraError, KvreproError
 from ..loadgen import run_load
 from ..loadgen.runner import replay_load
@@ -113,7 +114,7 @@ def engine_api_key(loaded: LoadedMatrix, target_name: str) -> str | None:
     keys = option_values(list(loaded.matrix.engine.extra_args), "--api-key")
     if keys:
         return keys[0]
-    if target_name == "docker" and "VLLM_API_KEY" in loaded.matrix.docker.pass_env:
+    if target_name == "docker" and "VLLM_API_KEY" in docker_settings(loaded.matrix).docker.pass_env:
         return os.environ.get("VLLM_API_KEY") or None
     return None
 
