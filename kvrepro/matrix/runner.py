@@ -22,7 +22,6 @@ import requests
 
 from .. import __version__
 from ..results import store as results
-from ..report import stats
 from ..report.expectations import enough_runs
 from ..classify import classify_log, read_engine_counters, read_exposure
 from ..classify.corruption import defects_of
@@ -321,7 +320,7 @@ def _wait_for_slots(futures: list) -> None:
 
 
 def _decided(artifact: BuildArtifact, runs: list[RunResult], expect: str | None) -> bool:
-    """Adaptive repetitions: has this build seen enough (stats.decisive, the README's rule)?"""
+    """Adaptive repetitions: has this build seen enough (report/expectations.py: enough_runs)?"""
     if not artifact.ok:
         return bool(runs)  # every repetition of a failed build is the same INFRA
     return enough_runs(runs, expect)
