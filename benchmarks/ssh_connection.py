@@ -124,7 +124,8 @@ def _main() -> int:
     from kvrepro.deploy.docker import DockerTarget
     from kvrepro.deploy.docker.basecpu import default_tag
     from kvrepro.deploy.docker.hosts import DockerHost, connect, local_host_spec
-    from kvrepro.spec.matrix import HostSpec, load_matrix
+    from kvrepro.deploy.docker.settings import HostSpec
+    from kvrepro.matrix import load_matrix
     from sshd import ThrowawaySshd
 
     try:

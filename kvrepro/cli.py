@@ -28,6 +28,8 @@ from .records import RunResult, Verdict, to_jsonable
 from .secrets import redact, redact_args
 
 if TYPE_CHECKING:  # kvrepro.spec.matrix (pydantic) is imported when a command reads a matrix
+    from .bisect.state import BisectRequest
+    from .records import BisectResult, BisectStep
     from .spec.matrix import LoadedMatrix
 
 
@@ -290,7 +292,7 @@ def _exit_code(run: "results.MatrixRun") -> int:
         err.print("[red]verdicts differ from expect:[/]\n  " + "\n  ".join(str(p) for p in problems))
         return 1
     if any(r.verdict is Verdict.INFRA for r in run.runs()):
-        # INFRA wins over "differs from expect:" (report.meets_expectation): CI must not read a
+        # INFRA wins over "differs from expect:" (report/expectations.py): CI must not read a
         # broken host as "the bug is back"
         err.print("[magenta]infrastructure failed (INFRA above); no verdict differs from expect:[/]")
         return 3
@@ -499,11 +501,8 @@ def results_show(run_id: str = typer.Argument("latest"), results_root: Path = Re
     from . import bisect
 
     if run_id != "latest" and bisect.is_bisection(results_root, run_id):
-        result = bisect.result_from_state(bisect.load_state(results_root, run_id), results_root / run_id)
-        if as_json:
-            _emit_json(_bisect_json(result))
-        else:
-            _print_bisection(result)
+        _show_bisection(bisect.result_from_state(bisect.load_state(results_root, run_id), results_root / run_id),
+                        as_json)
         return
     run = results.load_run(results_root, run_id)
     if as_json:
@@ -715,38 +714,19 @@ class BisectProgress(RichProgress):
         self.runs = self.progress.add_task("runs", total=None)
         self.active: dict[tuple[str, int], Any] = {}
 
-    def step(self, step: Any) -> None:
-        counts = ", ".join(f"{n}x {label}" for label, n in step.counts.items())
-        state = f" ({step.state})" if step.state else ""
-        self.progress.console.log(f"[bold]{step.role} {step.label}: {step.verdict.upper()}{state}[/]  {counts}"
-                                  + (f"  [dim]{step.reason}[/]" if step.reason else ""))
+    def step(self, step: "BisectStep") -> None:
+        from .report.bisection import step_line
+
+        self.progress.console.log(step_line(step))
 
 
-def _bisect_json(result: Any) -> dict[str, Any]:
-    data = to_jsonable(result)
-    ordered = {"answer": data.pop("answer"), "reason": data.pop("reason") or None, "steps": data.pop("steps")}
-    ordered.update(data)
-    return ordered
+def _show_bisection(result: "BisectResult", as_json: bool) -> None:
+    from .report.bisection import bisection_json, bisection_table
 
-
-def _print_bisection(result: Any) -> None:
-    table = Table(title=f"kvrepro bisect {result.kind} {result.bisection_id} ({result.status})")
-    for col in ("#", "role", "point", "verdict", "runs (verdict counts)", "good needs"):
-        table.add_column(col)
-    for i, s in enumerate(result.steps, 1):
-        verdict = s.verdict.upper() + (f" ({s.state})" if s.state else "")
-        table.add_row(str(i), s.role, s.label, verdict, ", ".join(f"{n}x {k}" for k, n in s.counts.items()),
-                      str(s.runs_needed_for_good or "-"))
-    out.print(table)
-    if result.answer is not None:
-        answer = ", ".join(result.answer) if isinstance(result.answer, list) else result.answer
-        conf = f", confidence {result.confidence:.3f}" if result.confidence is not None else ""
-        out.print(f"[bold]answer: {answer}[/] (p_bad {result.p_bad}, alpha {result.alpha}{conf})")
-        for key, value in result.detail.items():
-            out.print(f"  {key}: {value}")
+    if as_json:
+        _emit_json(bisection_json(result))
     else:
-        out.print(f"[yellow]no answer[/]: {result.reason}")
-    out.print(f"recorded: {result.path}")
+        out.print(bisection_table(result))
 
 
 def _run_bisection(how: Any, as_json: bool) -> None:
@@ -767,10 +747,7 @@ def _run_bisection(how: Any, as_json: bool) -> None:
     except bisect.Interrupted:
         err.print("interrupted; finished runs are kept; continue with `--resume latest`")
         raise typer.Exit(130)
-    if as_json:
-        _emit_json(_bisect_json(result))
-    else:
-        _print_bisection(result)
+    _show_bisection(result, as_json)
     if result.answer is None:
         raise typer.Exit(1)
 
@@ -787,7 +764,7 @@ JobsOpt = typer.Option(None, "--jobs", "-j", min=1, max=256, help="engines at on
 ResumeOpt = typer.Option(None, "--resume", help="continue an interrupted bisection (its id, or `latest`)")
 
 
-def _bisect(kind: str, request: dict[str, Any], resume_id: Optional[str], results_root: Path, as_json: bool) -> None:
+def _bisect(kind: str, request: "BisectRequest", resume_id: Optional[str], results_root: Path, as_json: bool) -> None:
     from . import bisect
 
     # bad input is reported before any progress is drawn
@@ -823,9 +800,11 @@ def bisect_releases(
     """The first vLLM release at which the verdict changes (the crash came in, or went away)."""
     if not resume:
         _need(bad=bad, good=good)
-    _bisect("releases", {"matrix": str(matrix), "bad": bad, "good": good, "build": build, "target": target,
-                         "title": title, "alpha": alpha, "calibrate": calibrate, "max_runs": max_runs,
-                         "requests": requests, "jobs": jobs}, resume, results_root, as_json)
+    from .bisect.state import BisectRequest
+
+    _bisect("releases", BisectRequest(matrix=str(matrix), bad=bad, good=good, build=build, target=target,
+                                      title=title, alpha=alpha, calibrate=calibrate, max_runs=max_runs,
+                                      requests=requests, jobs=jobs), resume, results_root, as_json)
 
 
 @bisect_app.command("commits")
@@ -845,9 +824,11 @@ def bisect_commits(
     """The first commit at which the verdict changes; each commit's vllm/ runs on a release wheel."""
     if not resume:
         _need(repo=repo, bad=bad, good=good)
-    _bisect("commits", {"matrix": str(matrix), "repo": str(repo) if repo else None, "bad": bad, "good": good,
-                        "wheel": wheel, "build": build, "target": target, "title": title, "alpha": alpha,
-                        "calibrate": calibrate, "max_runs": max_runs, "requests": requests, "jobs": jobs},
+    from .bisect.state import BisectRequest
+
+    _bisect("commits", BisectRequest(matrix=str(matrix), repo=str(repo) if repo else None, bad=bad, good=good,
+                                     wheel=wheel, build=build, target=target, title=title, alpha=alpha,
+                                     calibrate=calibrate, max_runs=max_runs, requests=requests, jobs=jobs),
             resume, results_root, as_json)
 
 
@@ -863,9 +844,11 @@ def bisect_patches(
 ) -> None:
     """Delta debugging on the matrix base (+ common): the smallest set of candidate patches that
     removes the crash, and for each patch whether removing it alone brings the crash back."""
-    _bisect("patches", {"matrix": str(matrix), "patches": patch or None, "target": target, "title": title,
-                        "alpha": alpha, "calibrate": calibrate, "max_runs": max_runs, "requests": requests,
-                        "jobs": jobs}, resume, results_root, as_json)
+    from .bisect.state import BisectRequest
+
+    _bisect("patches", BisectRequest(matrix=str(matrix), patches=patch or None, target=target, title=title,
+                                     alpha=alpha, calibrate=calibrate, max_runs=max_runs, requests=requests,
+                                     jobs=jobs), resume, results_root, as_json)
 
 
 GIT_BISECT_EXIT = {"good": 0, "bad": 1, "skip": 125}
@@ -893,11 +876,12 @@ def matrix_verdict(
 ) -> None:
     """Run one point until its verdict is decisive (good / bad / skip) under the bisection rule."""
     from . import bisect
+    from .bisect.state import BisectRequest
 
-    request = {"matrix": str(matrix), "repo": str(repo) if repo else None, "commit": commit, "wheel": wheel,
-               "release": release, "build": build, "p_bad": p_bad, "target": target, "title": title,
-               "alpha": alpha, "calibrate": 1, "max_runs": max_runs, "requests": requests, "jobs": jobs}
-    holder: dict[str, Any] = {}
+    request = BisectRequest(matrix=str(matrix), repo=str(repo) if repo else None, commit=commit, wheel=wheel,
+                            release=release, build=build, p_bad=p_bad, target=target, title=title,
+                            alpha=alpha, calibrate=1, max_runs=max_runs, requests=requests, jobs=jobs)
+    holder: dict[str, str] = {}
     if release is not None and repo is None:
         from .versions import SUPPORTED_RELEASES
 
@@ -1008,23 +992,23 @@ def minimize_cmd(
         summary = minimize(loaded, results_root, run_id, build, fixed=fixed, rep=rep, emit_pytest=emit_pytest,
                            confirm=confirm, violation=violation, on_line=lambda line: status.update(line[:120]))
     if as_json:
-        _emit_json(summary)
+        _emit_json(summary.to_json())
     else:
-        fails = (f"reads wrong KV ({summary['violation']}) on {build} at request {summary['violation_at']}"
-                 if summary.get("violation") else f"crashes {build} at request {summary['crash_at']}")
-        out.print(f"minimized: {summary['requests_before']} -> [bold]{summary['requests']}[/] requests, "
-                  f"{summary['tokens_before']} -> {summary['tokens']} prompt tokens; {fails}"
-                  + (f"; {fixed}: {summary['fixed_result']}" if fixed else ""))
-        if summary.get("first_violation"):
-            out.print(f"first violation: {escape(summary['first_violation'])}")
-        out.print(f"trace: {summary['trace']}")
-        if summary.get("pytest"):
-            out.print(f"pytest: {summary['pytest']} (drives vLLM's scheduler; imports vLLM and torch only)")
-            for name, check in summary.get("pytest_check", {}).items():
-                out.print(f"  with build {name}'s vLLM: {escape(check['result'])}")
-        for line in summary.get("confirmed", []):
+        fails = (f"reads wrong KV ({summary.violation}) on {build} at request {summary.violation_at}"
+                 if summary.violation else f"crashes {build} at request {summary.crash_at}")
+        out.print(f"minimized: {summary.requests_before} -> [bold]{summary.requests}[/] requests, "
+                  f"{summary.tokens_before} -> {summary.tokens} prompt tokens; {fails}"
+                  + (f"; {fixed}: {summary.fixed_result}" if fixed else ""))
+        if summary.first_violation:
+            out.print(f"first violation: {escape(summary.first_violation)}")
+        out.print(f"trace: {summary.trace}")
+        if summary.emitted is not None:
+            out.print(f"pytest: {summary.emitted.pytest} (drives vLLM's scheduler; imports vLLM and torch only)")
+            for name, check in summary.emitted.pytest_check.items():
+                out.print(f"  with build {name}'s vLLM: {escape(check.result)}")
+        for line in summary.confirmed:
             out.print(f"  replay: {line}")
-    if not summary["ok"]:
+    if not summary.ok:
         raise typer.Exit(1)
 
 

@@ -104,6 +104,130 @@ class PatchFailure:
         return f"patch {self.patch}: {self.file}: hunk {self.hunk} does not apply ({self.detail})"
 
 
+Json = Any  # a value as json.loads returns it
+
+
+@dataclass(frozen=True)
+class ManifestPatch:
+    """A patch as a build manifest names it."""
+
+    name: str
+    sha256: str
+    upstream: str | None = None
+
+
+@dataclass(frozen=True)
+class FileChange:
+    """A file a docker build's patches touched: its sha256 before and after (None: added/removed)."""
+
+    before: str | None
+    after: str | None
+
+
+@dataclass(frozen=True)
+class ProbeRef:
+    """Where an image holds the probe, and its sha256."""
+
+    path: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    tag: str
+    id: str
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HostImage:
+    """One docker host's copy of a build's image."""
+
+    image_id: str
+    reused: bool
+    seconds: float
+
+
+def _json_of(value: Any) -> Any:
+    return to_jsonable(value)
+
+
+@dataclass(frozen=True)
+class BuildManifest:
+    """What the target wrote about a build's artifact (``build.json``'s ``manifest``, an overlay's
+    ``manifest.json``, a docker image's manifest label).
+
+    Which fields are set depends on the kind of build: a release overlay (kvrepro.builds.overlay),
+    a git commit's overlay (kvrepro.builds.gitcommit: ``source``, ``repo``, ``commit``,
+    ``from_wheel``), a docker image (kvrepro.deploy.docker.assemble and its target: ``format`` to
+    ``probe``, then ``image`` and ``hosts``), or a failed build (``error_kind``). Keys this kvrepro
+    does not know are kept in ``extra`` (and written back), so manifests already on disk are read
+    whatever wrote them.
+    """
+
+    base: str | None = None
+    patches: tuple[ManifestPatch, ...] | None = None
+    # overlays (the sim target)
+    wheel: str | None = None
+    wheel_sha256: str | None = None
+    probe_sha256: str | None = None
+    probe_target_sha256: str | None = None  # what the probe must log as source_sha256 when this code runs
+    overlay_key: str | None = None
+    overlay_sha256: str | None = None
+    created: str | None = None
+    # a git commit's overlay
+    source: str | None = None
+    repo: str | None = None
+    commit: str | None = None
+    from_wheel: tuple[str, ...] | None = None
+    # docker images
+    format: int | None = None
+    key: str | None = None
+    tag: str | None = None
+    base_image: str | None = None
+    base_image_id: str | None = None
+    base_digest: str | None = None
+    base_digest_source: str | None = None
+    vllm_version_in_base: str | None = None
+    python_in_base: str | None = None
+    site_dir: str | None = None
+    files: dict[str, FileChange] | None = None
+    probe: ProbeRef | None = None
+    image: ImageRef | None = None
+    hosts: dict[str, HostImage] | None = None
+    # a failed build
+    error_kind: str | None = None
+    extra: dict[str, Json] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, value: Json, where: str = "manifest") -> "BuildManifest":
+        """Lenient on purpose: unknown keys go to ``extra``; a known key of the wrong type raises
+        :class:`RecordError` naming it."""
+        if value is None:
+            return cls()
+        if not isinstance(value, dict):
+            raise RecordError(where, f"expected an object, found {type(value).__name__}")
+        hints = _type_hints(cls)
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        kwargs = {k: from_jsonable(hints[k], v, f"{where}.{k}") for k, v in value.items() if k in known}
+        extra = {k: v for k, v in value.items() if k not in known}
+        return cls(**kwargs, extra=extra)
+
+    def to_json(self) -> dict[str, Json]:
+        """The flat JSON object it was read from: only the fields that are set, then ``extra``."""
+        data = {f.name: _json_of(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.name != "extra" and getattr(self, f.name) is not None}
+        data.update(self.extra)
+        return data
+
+    __json__ = to_json
+
+    @property
+    def probe_hash(self) -> str | None:
+        """The probe's sha256: an overlay's ``probe_sha256`` or an image's ``probe.sha256``."""
+        return self.probe_sha256 or (self.probe.sha256 if self.probe is not None else None)
+
+
 @dataclass(frozen=True)
 class BuildArtifact:
     """The result of building one BuildPlan for a target: a runnable engine, or why not.
@@ -116,7 +240,7 @@ class BuildArtifact:
 
     plan: BuildPlan
     ref: str | None
-    manifest: dict[str, Any]
+    manifest: BuildManifest
     error: str | None = None
     reused: bool = False
     # a host folder holding the build's (patched) ``vllm/`` sources, so the classifier can turn a
@@ -297,33 +421,31 @@ class PatchInfo:
 class BuildRecord:
     """results/<run>/<build>/build.json: the build's artifact, or why it failed.
 
-    ``manifest`` is what the target wrote about the artifact (an overlay's or an image's); its
-    keys differ by target, so the properties below are the one place that knows them.
+    ``manifest`` is what the target wrote about the artifact (an overlay's or an image's, a
+    :class:`BuildManifest`); the properties below read what every report needs of it.
     """
 
     ok: bool
     ref: str | None = None
     error: str | None = None
     reused: bool = False
-    manifest: dict[str, Any] = field(default_factory=dict)
+    manifest: BuildManifest = field(default_factory=lambda: BuildManifest())
 
     @property
     def wheel(self) -> str | None:
-        return self.manifest.get("wheel")
+        return self.manifest.wheel
 
     @property
     def wheel_sha256(self) -> str | None:
-        return self.manifest.get("wheel_sha256")
+        return self.manifest.wheel_sha256
 
     @property
     def probe_sha256(self) -> str | None:
-        probe = self.manifest.get("probe")
-        return self.manifest.get("probe_sha256") or (probe.get("sha256") if isinstance(probe, dict) else None)
+        return self.manifest.probe_hash
 
     @property
     def image(self) -> str | None:
-        image = self.manifest.get("image")
-        return image.get("tag") if isinstance(image, dict) else None
+        return self.manifest.image.tag if self.manifest.image is not None else None
 
 
 @dataclass(frozen=True)
@@ -402,37 +524,37 @@ class RunInfo:
         return self.base[0] if self.base else (self.bases[0] if self.bases else "")
 
 
-@dataclass(frozen=True)
-class BisectionStep:
-    """One tested point of a bisection, as `kvrepro bisect` records it and the report shows it.
+class BisectPoint(typing.Protocol):
+    """A point of a bisection (kvrepro.bisect.points: a release, a commit or a patch set)."""
 
-    ``point`` names what was tested (a vLLM release, a commit, a patch-stack prefix);
-    ``verdict`` is the step's call in mozregression's terms ("good", "bad" or "skip");
-    ``confidence`` is how sure that call is (e.g. 1 - the one-sided Fisher p-value against the
-    known-good end, or the Clopper-Pearson bound that makes it decisive), in [0, 1].
-    """
+    kind: str
 
-    point: str
-    crashes: int
-    runs: int  # counted repetitions (CRASH/CORRUPT + SURVIVED)
-    verdict: str
-    confidence: float
-    labels: tuple[str, ...] = ()  # every repetition's verdict label, in order
-    note: str = ""
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def label(self) -> str: ...
+
+    def to_json(self) -> dict[str, str | list[str]]: ...
+
+
+# what a bisection adds about its answer: direction, the last/first points, a commit's subject, per
+# patch what removing it does
+BisectDetail = typing.Union[str, list[str], dict[str, str]]
 
 
 @dataclass(frozen=True)
 class BisectStep:
     """One point of a bisection and what its runs showed (written after every step).
 
-    ``point`` is what was tried: {"kind": "release", "release": ...}, {"kind": "commit", "commit":
-    ...} or {"kind": "patches", "patches": [...]}; ``label`` a short name for it. ``verdict`` is
+    ``point`` is what was tried (a :class:`BisectPoint`: a release, a commit or a set of patches);
+    ``label`` a short name for it. ``verdict`` is
     good / bad / skip (kvrepro.bisect.rules decides it from ``counts``, the run verdict labels
     seen). ``state`` says for a good point whether the bug's state occurred and was handled
     ("handled"), never occurred ("unreached") or both across runs ("mixed").
     """
 
-    point: dict[str, Any]
+    point: BisectPoint
     label: str
     role: str  # "bad end" | "good end" | "midpoint" | "subset" | "complement" | "removal"
     verdict: str
@@ -448,8 +570,8 @@ class BisectStep:
 class BisectResult:
     """What a bisection found: ``answer`` (release, commit or patch list) or None and ``reason``."""
 
-    kind: str  # "releases" | "commits" | "patches"
-    answer: Any
+    kind: str  # "releases" | "commits" | "patches" | "verdict"
+    answer: str | list[str] | None
     reason: str
     confidence: float | None
     p_bad: float | None
@@ -458,11 +580,13 @@ class BisectResult:
     status: str  # "running" | "interrupted" | "complete"
     bisection_id: str = ""
     path: str = ""
-    detail: dict[str, Any] = field(default_factory=dict)
+    detail: dict[str, BisectDetail] = field(default_factory=dict)
 
 
 def to_jsonable(value: Any) -> Any:
     """Turn records (and nested containers of them) into JSON-ready values."""
+    if hasattr(value, "__json__") and not isinstance(value, type):  # a record with its own JSON form
+        return value.__json__()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, enum.Enum):
@@ -515,6 +639,8 @@ def from_jsonable(cls: Any, value: Any, where: str = "") -> Any:
             except RecordError as exc:
                 errors.append(exc.problem)
         raise RecordError(where or "value", "; ".join(errors) or f"unexpected {value!r}")
+    if isinstance(cls, type) and hasattr(cls, "__json__") and hasattr(cls, "from_json"):
+        return cls.from_json(value, where or cls.__name__)
     if dataclasses.is_dataclass(cls):
         if not isinstance(value, dict):
             raise RecordError(where or cls.__name__, f"expected an object, found {type(value).__name__}")

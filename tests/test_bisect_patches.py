@@ -12,7 +12,9 @@ from __future__ import annotations
 import pytest
 
 from kvrepro import bisect
-from kvrepro.bisect.points import point_key
+from kvrepro.bisect.points import PatchSetPoint
+from kvrepro.bisect.rules import RunSummary
+from kvrepro.bisect.state import BisectRequest
 from kvrepro.bisect.session import Session
 
 from conftest import ROOT
@@ -40,13 +42,13 @@ def scripted_engine(monkeypatch):
     asked: list[list[str]] = []
 
     def run_batch(self, point, record, count):
-        asked.append(list(point["patches"]))
-        if "pr-50344" in point["patches"] and "pr-48425" not in point["patches"]:
-            record["build_error"] = "patch pr-50344: vllm/v1/core/sched/scheduler.py: hunk #2 does not apply"
+        asked.append(list(point.patches))
+        if "pr-50344" in point.patches and "pr-48425" not in point.patches:
+            record.build_error = "patch pr-50344: vllm/v1/core/sched/scheduler.py: hunk #2 does not apply"
             return
-        first = len(record["runs"])
+        first = len(record.runs)
         for rep in range(first, first + count):
-            record["runs"].append(scripted(point["patches"]) | {"rep": rep, "requests": 600})
+            record.runs.append(RunSummary(**scripted(list(point.patches)), rep=rep, requests=600))
         self.save()
 
     monkeypatch.setattr(Session, "_run_batch", run_batch)
@@ -55,8 +57,7 @@ def scripted_engine(monkeypatch):
 
 
 def test_names_the_backports_never_the_decoy_and_says_what_each_removes(tmp_path, scripted_engine):
-    request = {"matrix": str(ROOT / "matrix.yaml"), "patches": POOL, "target": None, "title": None,
-               "alpha": 0.05, "calibrate": 3, "max_runs": None, "requests": None, "jobs": None}
+    request = BisectRequest(matrix=str(ROOT / "matrix.yaml"), patches=POOL, alpha=0.05, calibrate=3)
     result = bisect.start("patches", request, tmp_path)
     assert result.answer == ["pr-48425", "pr-50344"], result
     assert "decoy-docstring" not in result.answer
@@ -79,14 +80,13 @@ def test_names_the_backports_never_the_decoy_and_says_what_each_removes(tmp_path
     assert steps["pr-52771 + pr-52807"].verdict == "bad"  # build D: CORRUPT is bad without --title
     print("\n".join(f"{s.role:9} {s.label:55} {s.verdict} {s.counts}" for s in result.steps))
     # no recorded point was run again
-    keys = [point_key({"kind": "patches", "patches": p}) for p in scripted_engine]
+    keys = [PatchSetPoint(tuple(p)).key for p in scripted_engine]
     assert len(keys) == len(set(keys))
 
 
 def test_with_the_title_the_boundary_fix_alone_removes_the_assertion(tmp_path, scripted_engine):
-    request = {"matrix": str(ROOT / "matrix.yaml"), "patches": POOL, "target": None,
-               "title": "AssertionError in update_state_after_alloc", "alpha": 0.05, "calibrate": 3,
-               "max_runs": None, "requests": None, "jobs": None}
+    request = BisectRequest(matrix=str(ROOT / "matrix.yaml"), patches=POOL,
+                            title="AssertionError in update_state_after_alloc", alpha=0.05, calibrate=3)
     result = bisect.start("patches", request, tmp_path)
     # CORRUPT counts as clean for this question; the first half of the pool already has no assertion
     assert result.answer == ["pr-52807"], result

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrepro.bisect.points import PointMatrices, releases_between
+from kvrepro.bisect.points import CommitPoint, PatchSetPoint, PointMatrices, ReleasePoint, releases_between
 from kvrepro.builds import gitcommit
 from kvrepro.errors import SpecError
 
@@ -54,19 +54,19 @@ def test_commit_history_and_nearest_release(tiny_repo):
 def test_points_become_one_build_matrices(default_matrix, tiny_repo):
     repo, shas = tiny_repo
     matrices = PointMatrices(default_matrix, requests=200, repo=str(repo))
-    release = matrices.matrix_for({"kind": "release", "release": "0.28.0"})
+    release = matrices.matrix_for(ReleasePoint("0.28.0"))
     (plan,) = release.plans()
     assert (plan.name, plan.base, plan.patches, plan.source) == ("0.28.0", "0.28.0", (), None)
     assert release.matrix.runs.requests == 200 and release.matrix.expect == {}
 
-    patches = matrices.matrix_for({"kind": "patches", "patches": ["pr-52807"]})
+    patches = matrices.matrix_for(PatchSetPoint(("pr-52807",)))
     (plan,) = patches.plans()
     assert [p.name for p in plan.patches] == ["pr-49146", "pr-52807"]  # common first
 
-    commit = matrices.matrix_for({"kind": "commit", "commit": shas[1]})
+    commit = matrices.matrix_for(CommitPoint(shas[1]))
     (plan,) = commit.plans()
     assert plan.base == "0.26.0" and plan.source.commit == shas[1] and plan.patches == ()
-    with_build = PointMatrices(default_matrix, build="B").matrix_for({"kind": "release", "release": "0.26.0"})
+    with_build = PointMatrices(default_matrix, build="B").matrix_for(ReleasePoint("0.26.0"))
     assert [p.name for p in with_build.plans()[0].patches] == ["pr-49146", "pr-52807"]
 
 
@@ -100,9 +100,9 @@ def test_commit_overlay_is_the_commits_tree_plus_what_only_the_wheel_has(tmp_pat
     overlay = Path(artifact.ref)
     assert "COMMIT_MARK = 1" in (overlay / "vllm" / "envs.py").read_text()
     assert (overlay / "kvrepro_probe.py").is_file()
-    assert artifact.manifest["commit"] == sha and artifact.manifest["source"] == "git commit"
+    assert artifact.manifest.commit == sha and artifact.manifest.source == "git commit"
     if (pristine_vllm / "vllm" / "_version.py").exists():
-        assert "vllm/_version.py" in artifact.manifest["from_wheel"]
+        assert "vllm/_version.py" in artifact.manifest.from_wheel
     again = gitcommit.build_commit_overlay(plan)
     assert again.reused and again.ref == artifact.ref
 

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvrepro.bisect.rules import (Evidence, PointRule, PointVerdict, Tally, confidence, estimate_p_bad, evidence,
+from kvrepro.bisect.rules import (Evidence, PointRule, PointVerdict, RunSummary, Tally, confidence, estimate_p_bad, evidence,
                                   runs_needed_for_good)
 from kvrepro.bisect.search import bisect_linear, ddmin, next_midpoint
 
 G, B, S = PointVerdict.GOOD, PointVerdict.BAD, PointVerdict.SKIP
 
 
-def run(verdict: str, outcome: str = "none", title: str = "") -> dict:
-    return {"verdict": verdict, "outcome": outcome, "title": title}
+def run(verdict: str, outcome: str = "none", title: str = "", **more) -> RunSummary:
+    return RunSummary(verdict=verdict, outcome=outcome, title=title, **more)
 
 
 @pytest.mark.parametrize("record, expected", [
@@ -38,21 +38,21 @@ def test_run_evidence_table(record, expected):
 
 @pytest.mark.parametrize("record, expected", [
     # the shadow KV caught wrong KV, then something unrelated ended the run: corruption was seen
-    (run("CRASH", "other_crash") | {"kv_check": "corrupt"}, Evidence.BAD),
-    (run("INTERRUPTED") | {"kv_check": "corrupt", "stopped_because": "interrupted"}, Evidence.BAD),
-    (run("CRASH", "other_crash") | {"kv_check": "ok"}, Evidence.SKIP),
-    (run("UNREACHED") | {"kv_check": "ok"}, Evidence.UNREACHED),
+    (run("CRASH", "other_crash", kv_check="corrupt"), Evidence.BAD),
+    (run("INTERRUPTED", kv_check="corrupt", stopped_because="interrupted"), Evidence.BAD),
+    (run("CRASH", "other_crash", kv_check="ok"), Evidence.SKIP),
+    (run("UNREACHED", kv_check="ok"), Evidence.UNREACHED),
     # INFRA stays a skip: wrong code ran, or the load did not test the engine
-    (run("INFRA", "infra") | {"kv_check": "corrupt"}, Evidence.SKIP),
+    (run("INFRA", "infra", kv_check="corrupt"), Evidence.SKIP),
 ])
 def test_wrong_kv_is_bad_whatever_ended_the_run(record, expected):
     assert evidence(record) is expected
 
 
 def test_with_a_title_corruption_does_not_decide():
-    crashed = run("CRASH", "other_crash", "AssertionError in _apply_cow: x") | {"kv_check": "corrupt"}
+    crashed = run("CRASH", "other_crash", "AssertionError in _apply_cow: x", kv_check="corrupt")
     assert evidence(crashed, title="update_state_after_alloc") is Evidence.SKIP
-    assert evidence(run("CORRUPT") | {"kv_check": "corrupt"}, title="x") is Evidence.HANDLED
+    assert evidence(run("CORRUPT", kv_check="corrupt"), title="x") is Evidence.HANDLED
 
 
 def test_title_selects_the_crash_and_other_crashes_are_skips():
@@ -91,9 +91,9 @@ def test_interrupted_runs_do_not_count():
     rule = PointRule(runs_for_good=1, max_runs=1)
     assert rule.decide(Tally.of([run("INTERRUPTED")])) is None
     # the shutdown traceback of an engine stopped by Ctrl-C is no crash; a target crash before it is
-    stopped = {**run("CRASH", "other_crash", "EngineDeadError"), "stopped_because": "interrupted"}
+    stopped = run("CRASH", "other_crash", "EngineDeadError", stopped_because="interrupted")
     assert evidence(stopped) is Evidence.DROPPED
-    assert evidence({**run("CRASH", "target"), "stopped_because": "interrupted"}) is Evidence.BAD
+    assert evidence(run("CRASH", "target", stopped_because="interrupted")) is Evidence.BAD
 
 
 def test_good_step_keeps_handled_and_unreached_apart():

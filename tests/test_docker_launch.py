@@ -19,7 +19,8 @@ import pytest
 
 from kvrepro.deploy.docker.launch import PLACEMENT_FLAGS, plan_launch
 from kvrepro.errors import SpecError
-from kvrepro.spec.matrix import DockerSpec, HostSpec, SimSettings, parse_matrix
+from kvrepro.deploy.docker.settings import DockerSpec, HostSpec
+from kvrepro.spec.matrix import SimSettings, parse_matrix
 
 _PARSE = r"""
 import json, sys

@@ -119,7 +119,7 @@ def test_remote_host_over_tcp(tmp_path, docker_host, cpu_base, relay):
     try:
         artifact = target.prepare(plan)
         assert artifact.ok, artifact.error
-        assert artifact.manifest["hosts"]["peer"]["image_id"] == docker_host.client.images.get(artifact.ref).id
+        assert artifact.manifest.hosts["peer"].image_id == docker_host.client.images.get(artifact.ref).id
         watcher.start()
         result = run_one(loaded, target, artifact, tmp_path / "run", 0, SilentProgress(), threading.Event())
     finally:
@@ -159,7 +159,7 @@ def test_two_node_engine_orchestration(tmp_path, docker_host, cpu_base, relay):
     try:
         artifact = target.prepare(plan)
         assert artifact.ok, artifact.error
-        assert set(artifact.manifest["hosts"]) == {"n0", "n1"}  # assembled on every node's host
+        assert set(artifact.manifest.hosts) == {"n0", "n1"}  # assembled on every node's host
         watcher.start()
         result = run_one(loaded, target, artifact, tmp_path / "run", 0, SilentProgress(), threading.Event())
     finally:

@@ -29,7 +29,7 @@ from conftest import ROOT, require
 from kvrepro.deploy.docker import labels as L
 from kvrepro.deploy.docker.errors import SshError
 from kvrepro.deploy.docker.hosts import connect, is_local, local_daemon_id
-from kvrepro.spec.matrix import HostSpec
+from kvrepro.deploy.docker.settings import HostSpec, docker_settings
 from sshd import ThrowawaySshd, find_sshd
 from test_docker_target import cpu_base, docker_host  # noqa: F401 (fixtures)
 
@@ -276,7 +276,7 @@ def test_a_lost_ssh_connection_is_named_with_sshs_reason(tmp_path, sshd, docker_
         [plan] = loaded.plans(["A"])
         artifact = target.prepare(plan)
         assert artifact.ok, artifact.error
-        host = target.host(loaded.matrix.hosts[0])
+        host = target.host(docker_settings(loaded.matrix).hosts[0])
         assert host.tunnel is not None and host.tunnel.alive()
         sessions = [int(p.parent.name) for p in Path("/proc").glob("[0-9]*/stat")
                     if _ppid(p) == sshd.proc.pid]

@@ -28,7 +28,7 @@ from kvrepro.deploy.docker import labels as L
 from kvrepro.deploy.docker.basecpu import default_tag
 from kvrepro.deploy.docker.errors import DockerInfraError
 from kvrepro.deploy.docker.hosts import connect, local_host_spec
-from kvrepro.records import BuildArtifact, Outcome, Verdict
+from kvrepro.records import BuildArtifact, BuildManifest, Outcome, Verdict
 from kvrepro.matrix.runner import SilentProgress, run_one
 from kvrepro.spec.matrix import load_matrix
 
@@ -141,7 +141,7 @@ def test_identical_inputs_reuse_the_image(tmp_path, docker_host, cpu_base):
         second_target.close()
     assert first.ok and second.ok
     assert second.reused and second.ref == first.ref
-    assert second.manifest["image"]["id"] == first.manifest["image"]["id"]
+    assert second.manifest.image.id == first.manifest.image.id
     assert seconds <= 15.0
 
 
@@ -177,7 +177,7 @@ def test_missing_base_image_is_image_missing_and_infra(tmp_path, docker_host, pu
         result = run_one(loaded, target, artifact, tmp_path / "run", 0, SilentProgress(), threading.Event())
     finally:
         target.close()
-    assert not artifact.ok and artifact.manifest["error_kind"] == "image_missing"
+    assert not artifact.ok and artifact.manifest.error_kind == "image_missing"
     assert "kvrepro/no-such-base:v0 is not present" in artifact.error
     assert "kvrepro images base-cpu" in artifact.error
     assert result.verdict is Verdict.INFRA and result.outcome is Outcome.INFRA
@@ -257,7 +257,7 @@ def test_start_failures_are_named_infra_and_leave_nothing(tmp_path, docker_host,
     assert f"HF_TOKEN={secret}" in seen_env  # passed by name from our environment into the container
 
     # an image removed after its build: image missing at start
-    gone = BuildArtifact(plan=plan, ref="kvrepro/vllm:0.26.0-000000000000", manifest={})
+    gone = BuildArtifact(plan=plan, ref="kvrepro/vllm:0.26.0-000000000000", manifest=BuildManifest())
     target = DockerTarget(good)
     try:
         result = run_one(good, target, gone, tmp_path / "gone", 0, SilentProgress(), threading.Event())

@@ -13,7 +13,8 @@ from kvrepro.deploy.docker.containers import LogPump, LogSink, parse_ts
 from kvrepro.deploy.docker.errors import DaemonDownError, UnknownHostError
 from kvrepro.deploy.docker.hosts import connect, engine_hosts, reach_address
 from kvrepro.errors import SpecError
-from kvrepro.spec.matrix import HostSpec, parse_matrix
+from kvrepro.deploy.docker.settings import HostSpec, docker_settings
+from kvrepro.matrix import parse_matrix
 
 
 def _matrix(text: str, tmp_path: Path):
@@ -24,7 +25,7 @@ def _matrix(text: str, tmp_path: Path):
 
 def test_docker_section_defaults_and_errors_name_the_line(tmp_path):
     loaded = _matrix("builds: {A: []}\n", tmp_path)
-    spec = loaded.matrix.docker
+    spec = docker_settings(loaded.matrix).docker
     assert spec.pass_env == ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"] and spec.ipc_host and spec.api_port is None
     with pytest.raises(SpecError) as err:
         _matrix("builds: {A: []}\ndocker:\n  env:\n    HF_TOKEN: hf_abcdefghijklmnopqrstuvwxyz\n", tmp_path)
@@ -47,7 +48,8 @@ def test_engine_hosts_resolution(tmp_path):
     assert [h.name for h in engine_hosts(loaded.matrix)] == ["g0"]  # no nodes: the first host
     loaded = _matrix(text + "docker: {nodes: [g1, g0]}\n", tmp_path)
     assert [h.name for h in engine_hosts(loaded.matrix)] == ["g1", "g0"]
-    assert reach_address(loaded.matrix.hosts[0]) == "10.0.0.1" and reach_address(loaded.matrix.hosts[1]) == "g1"
+    hosts = docker_settings(loaded.matrix).hosts
+    assert reach_address(hosts[0]) == "10.0.0.1" and reach_address(hosts[1]) == "g1"
     loaded = _matrix(text + "docker: {nodes: [g0, g7]}\n", tmp_path)
     with pytest.raises(UnknownHostError, match="'g7'.*defined: g0, g1"):
         engine_hosts(loaded.matrix)

@@ -130,16 +130,16 @@ def test_minimize_shrinks_a_corrupt_run_to_the_requests_that_read_wrong_kv(defau
     fixed = "E" if "E" in default_matrix.matrix.builds else None
     summary = minimize(default_matrix, root, run_id, "B", fixed=fixed, violation="full_attention+offload",
                        confirm=False)
-    assert summary["failure"] == "CORRUPT" and summary["violation"] == "full_attention+offload"
-    assert summary["requests_before"] == before
-    assert summary["requests"] <= shipped < before  # the filler is gone
-    assert summary["deterministic"] is True
-    assert summary["violation_at"] == summary["requests"] - 1  # cut at the violating request
-    assert "(full_attention)" in summary["first_violation"] and "(request had offload hit)" in summary["first_violation"]
-    assert Path(summary["trace"]).name == "minimized.trace.jsonl"
+    assert summary.failure == "CORRUPT" and summary.violation == "full_attention+offload"
+    assert summary.requests_before == before
+    assert summary.requests <= shipped < before  # the filler is gone
+    assert summary.deterministic is True
+    assert summary.violation_at == summary.requests - 1  # cut at the violating request
+    assert "(full_attention)" in summary.first_violation and "(request had offload hit)" in summary.first_violation
+    assert Path(summary.trace).name == "minimized.trace.jsonl"
     if fixed:
-        assert summary["fixed_result"].startswith("clean (no crash, no KV violation"), summary["fixed_result"]
-    assert summary["ok"] is True, summary
+        assert summary.fixed_result.startswith("clean (no crash, no KV violation"), summary.fixed_result
+    assert summary.ok is True, summary
 
 
 def test_minimize_without_violation_takes_the_defect_expect_names(default_matrix, corrupt_run):
@@ -152,8 +152,8 @@ def test_minimize_without_violation_takes_the_defect_expect_names(default_matrix
     run = results.load_run(root, run_id).build("B").runs[0]
     assert default_matrix.matrix.expect["B"] == "CORRUPT(fa-hole-below-boundary)"
     summary = minimize(default_matrix, root, run_id, "B", confirm=False)
-    assert summary["violation"] == "fa-hole-below-boundary" and run.kv_defects.get("fa-hole-below-boundary"), run.kv_defects
-    assert summary["deterministic"] is True
+    assert summary.violation == "fa-hole-below-boundary" and run.kv_defects.get("fa-hole-below-boundary"), run.kv_defects
+    assert summary.deterministic is True
 
 
 def test_a_kind_the_run_never_had_is_one_line(default_matrix, corrupt_run):
@@ -193,9 +193,9 @@ def test_minimize_by_defect_name(default_matrix, corrupt_run):
 
     root, run_id, before, shipped = corrupt_run
     summary = minimize(default_matrix, root, run_id, "B", violation="fa-hole-below-boundary", confirm=False)
-    assert summary["violation"] == "fa-hole-below-boundary"
+    assert summary.violation == "fa-hole-below-boundary"
     # the defect's own read (full_attention+offload) or a later request inheriting the hashed hole
-    assert summary["violation_kind"] in ("full_attention+offload", "full_attention")
-    assert corruption_matches({"kind": summary["violation_kind"], "class": summary["violation_class"]},
+    assert summary.violation_kind in ("full_attention+offload", "full_attention")
+    assert corruption_matches({"kind": summary.violation_kind, "class": summary.violation_class},
                               "fa-hole-below-boundary")
-    assert summary["requests"] <= shipped < before and summary["deterministic"] is True
+    assert summary.requests <= shipped < before and summary.deterministic is True

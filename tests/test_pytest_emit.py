@@ -21,6 +21,7 @@ from conftest import require
 
 from kvrepro.loadgen.trace import Trace, TraceRequest, read_trace
 from kvrepro.minimize.pytest_emit import _prompts_source, render
+from kvrepro.minimize.shrink import PytestCheck
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "tests" / "data" / "traces" / "minimized-A.trace.jsonl"
@@ -128,10 +129,10 @@ def emitted(default_matrix, overlays, tmp_path_factory):
 
 def test_the_emitted_test_fails_on_a_with_the_target_assertion_and_passes_on_d(emitted):
     path, summary, _ = emitted
-    check = summary["pytest_check"]
-    assert check["A"] == {"ok": True, "result": "fails with the target signature", "exit": 1}, check
-    assert check["D"] == {"ok": True, "result": "passes", "exit": 0}, check
-    assert summary["pytest"] == str(path)
+    check = summary.pytest_check
+    assert check["A"] == PytestCheck(ok=True, result="fails with the target signature", exit=1), check
+    assert check["D"] == PytestCheck(ok=True, result="passes", exit=0), check
+    assert summary.pytest == str(path)
 
 
 def test_the_engine_reported_the_geometry_the_test_rebuilds(emitted):
@@ -275,13 +276,13 @@ def emitted_corruption(default_matrix, overlays, tmp_path_factory):
 
 def test_the_corruption_test_fails_on_b_naming_the_stale_block(emitted_corruption):
     _, summary, _ = emitted_corruption
-    check = summary["pytest_check"]["B"]
-    assert check["ok"] is True and check["exit"] == 1, check
-    assert check["result"].startswith("fails with the shadow KV's assertion on a full_attention+offload violation: "
+    check = summary.pytest_check["B"]
+    assert check.ok is True and check.exit == 1, check
+    assert check.result.startswith("fails with the shadow KV's assertion on a full_attention+offload violation: "
                                       "[full_attention+offload] step ")
-    assert check["message"].startswith("a forward read wrong KV: ")
-    line = next(x for x in check["message"].splitlines() if x.startswith("[full_attention+offload] "))
-    assert line in check["result"]
+    assert check.message.startswith("a forward read wrong KV: ")
+    line = next(x for x in check.message.splitlines() if x.startswith("[full_attention+offload] "))
+    assert line in check.result
     # request, group, block index, GPU block, positions, what the block holds
     assert "request req-3 group 2 (full_attention) block index 43 (GPU block " in line
     assert "positions 688-703 expected with this request's tokens; stale KV: " in line
@@ -289,8 +290,8 @@ def test_the_corruption_test_fails_on_b_naming_the_stale_block(emitted_corruptio
 
 def test_the_corruption_test_passes_on_e(emitted_corruption):
     _, summary, _ = emitted_corruption
-    require("E" in summary["pytest_check"], "matrix.yaml has no build E (the backports of #48425/#50344)")
-    assert summary["pytest_check"]["E"] == {"ok": True, "result": "passes", "exit": 0}
+    require("E" in summary.pytest_check, "matrix.yaml has no build E (the backports of #48425/#50344)")
+    assert summary.pytest_check["E"] == PytestCheck(ok=True, result="passes", exit=0)
 
 
 def test_under_pytest_the_corruption_test_fails_on_b_with_the_message(emitted_corruption, tmp_path):

@@ -1308,7 +1308,7 @@ def test_run_materialises_nothing_per_repetition(tmp_path, monkeypatch):
     import threading
 
     from kvrepro.matrix import runner
-    from kvrepro.records import BuildArtifact
+    from kvrepro.records import BuildArtifact, BuildManifest
     from kvrepro.spec.matrix import load_matrix
 
     loaded = load_matrix(small_matrix(tmp_path))
@@ -1326,7 +1326,7 @@ def test_run_materialises_nothing_per_repetition(tmp_path, monkeypatch):
             return 2
 
         def prepare(self, plan):
-            return BuildArtifact(plan=plan, ref=None, manifest={}, error="not built in this test")
+            return BuildArtifact(plan=plan, ref=None, manifest=BuildManifest(), error="not built in this test")
 
         def interrupt(self):
             pass

@@ -16,7 +16,7 @@ from markdown_it import MarkdownIt
 from kvrepro.report import junit, pages, render as report
 from kvrepro.results import store as results
 from kvrepro.report.compare import compare
-from kvrepro.records import (BisectionStep, BuildRecord, HostInfo, LoadSummary, Outcome, RunResult, Signature,
+from kvrepro.records import (BuildManifest, BuildRecord, HostInfo, LoadSummary, Outcome, RunResult, Signature,
                              Verdict)
 from kvrepro.results.store import ResultsSchemaError
 
@@ -64,8 +64,8 @@ def make_run(root: Path, verdicts: dict[str, list[Verdict]], expect: dict[str, s
     })
     for name in names:
         results.write_json(folder.build_dir(name) / "build.json", BuildRecord(
-            ok=True, ref="/overlays/x", manifest={"wheel": "vllm-0.26.0.whl", "wheel_sha256": "ab" * 32,
-                                                  "probe_sha256": "cd" * 32}))
+            ok=True, ref="/overlays/x", manifest=BuildManifest(wheel="vllm-0.26.0.whl", wheel_sha256="ab" * 32,
+                                                           probe_sha256="cd" * 32)))
         for rep, verdict in enumerate(verdicts[name]):
             run_dir = folder.rep_dir(name, rep)
             results.write_json(run_dir / "manifest.json", {
@@ -241,22 +241,46 @@ def test_compare_names_the_builds_whose_verdicts_changed(tmp_path):
     assert json.loads(proc.stdout)["changed"] == ["A"]
 
 
-def test_bisection_steps_render_in_both_formats():
-    steps = [BisectionStep("0.28.0", 3, 3, "bad", 0.95, ("CRASH(target)",) * 3),
-             BisectionStep("0.29.0", 0, 3, "good", 0.95, ("SURVIVED",) * 3, "fix is in")]
-    blocks = report.render_bisection(steps, good="0.30.0", bad="0.26.0", result="first good: 0.29.0")
-    md = pages.to_markdown(blocks)
-    assert "| 2 | `0.29.0` | 0/3 | SURVIVED SURVIVED SURVIVED | good | 95.0% | fix is in |" in md
-    assert '<td class="bad">bad</td>' in pages.to_html("b", blocks)
+def _bisection():
+    from kvrepro.bisect.points import ReleasePoint
+    from kvrepro.records import BisectResult, BisectStep
+
+    steps = (BisectStep(ReleasePoint("0.26.0"), "0.26.0", "bad end", "bad", {"CRASH(target)": 3}, None),
+             BisectStep(ReleasePoint("0.29.0"), "0.29.0", "midpoint", "good", {"SURVIVED": 2}, 2, state="handled"))
+    return BisectResult(kind="releases", answer="0.29.0", reason="", confidence=0.96, p_bad=0.8, alpha=0.05,
+                        steps=steps, status="complete", bisection_id="bisect-x", path="results/bisect-x",
+                        detail={"direction": "fixed", "first_good": "0.29.0"})
+
+
+def test_bisection_steps_render_in_every_format():
+    from rich.console import Console
+
+    from kvrepro.report import bisection
+
+    result = _bisection()
+    md = pages.to_markdown(bisection.bisection_blocks(result))
+    assert "| 2 | midpoint | `0.29.0` | GOOD (handled) | 2x SURVIVED | 2 |" in md, md
+    assert "**answer: 0.29.0 (p_bad 0.8, alpha 0.05, confidence 0.960)**" in md
+    assert '<td class="bad">BAD</td>' in pages.to_html("b", bisection.bisection_blocks(result))
+    console = Console(width=200, record=True)
+    console.print(bisection.bisection_table(result))
+    text = console.export_text()
+    assert "kvrepro bisect releases bisect-x (complete)" in text and "answer: 0.29.0" in text
+    assert "first_good: 0.29.0" in text and "recorded: results/bisect-x" in text
+    data = bisection.bisection_json(result)
+    assert list(data)[:3] == ["answer", "reason", "steps"]
+    assert data["steps"][0]["point"] == {"kind": "release", "release": "0.26.0"}
+    assert "0.26.0: BAD" in bisection.step_line(result.steps[0])
 
 
 def test_bisection_report_alone_and_inside_a_matrix_report(tmp_path):
-    steps = [BisectionStep("0.27.1", 0, 3, "good", 0.95)]
-    md_path, html_path = report.write_bisection_report(tmp_path, "bisect 0.26.0..0.30.0", steps, result="done")
-    assert "| 1 | `0.27.1` | 0/3 | - | good | 95.0% |  |" in md_path.read_text()
+    from kvrepro.report import bisection
+
+    md_path, html_path = bisection.write_bisection_report(_bisection(), tmp_path)
+    assert "| 1 | bad end | `0.26.0` | BAD | 3x CRASH(target) | - |" in md_path.read_text()
     assert "<h2>Bisection</h2>" in html_path.read_text()
     run = make_run(tmp_path / "r", {"A": [C]})
-    md, _ = report.write_report(run, bisection=report.render_bisection(steps))
+    md, _ = report.write_report(run, bisection=bisection.bisection_blocks(_bisection()))
     text = md.read_text()
     assert text.index("## Bisection") < text.index("## Time to crash")
 

@@ -110,7 +110,9 @@ def test_base_may_be_a_list_and_every_build_runs_on_every_release(tmp_path):
                      ("plain@0.30.0", "0.30.0", "plain"), ("other@0.30.0", "0.30.0", "other")]
     # --base overrides; one release keeps the plain build names
     assert [(p.name, p.base) for p in loaded.plans(["plain"], ["0.27.1"])] == [("plain", "0.27.1")]
-    assert loaded.matrix.image_for("0.30.0") == "vllm/vllm-openai:v0.30.0"
+    from kvrepro.deploy.docker.settings import docker_settings
+
+    assert docker_settings(loaded.matrix).image_for("0.30.0") == "vllm/vllm-openai:v0.30.0"
 
 
 def test_bad_base_lists_are_named(tmp_path):

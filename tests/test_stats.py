@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from kvrepro.records import Outcome, RunResult, Verdict
+from kvrepro.records import BuildManifest, Outcome, RunResult, Verdict
 from kvrepro.report.stats import (Rate, StateRate, decisive, factorials, fisher_one_sided, patch_effects, rate, state_rate)
 
 Z = 1.959963984540054  # the 97.5% normal quantile
@@ -109,8 +109,8 @@ def test_adaptive_rounds_stop_each_build_by_the_rule():
     from kvrepro.records import BuildArtifact, BuildPlan
     from kvrepro.matrix.runner import _decided
 
-    ok = BuildArtifact(plan=BuildPlan("B", "0.26.0", ()), ref="/overlay", manifest={})
-    broken = BuildArtifact(plan=BuildPlan("X", "0.26.0", ()), ref=None, manifest={}, error="hunk #1 failed")
+    ok = BuildArtifact(plan=BuildPlan("B", "0.26.0", ()), ref="/overlay", manifest=BuildManifest())
+    broken = BuildArtifact(plan=BuildPlan("X", "0.26.0", ()), ref=None, manifest=BuildManifest(), error="hunk #1 failed")
     assert not _decided(ok, _runs(Verdict.SURVIVED, 4), "SURVIVED")
     assert _decided(ok, _runs(Verdict.SURVIVED, 5), "SURVIVED")
     assert _decided(ok, _runs(Verdict.SURVIVED, 4) + _runs(Verdict.CRASH, 1), "SURVIVED")

@@ -12,39 +12,39 @@ records :class:`kvrepro.records.BisectStep` / :class:`kvrepro.records.BisectResu
 from __future__ import annotations
 
 from collections import Counter
+import dataclasses
 from pathlib import Path
-from typing import Any
 
 from .. import versions
 from ..builds import gitcommit
 from ..errors import SpecError
-from ..records import BisectResult
+from ..records import BisectDetail, BisectResult
 from ..matrix import load_matrix
-from .points import Point, PointMatrices, point_key, point_label, releases_between
-from .rules import Evidence, PointRule, PointVerdict, default_max_runs, evidence, run_label, runs_needed_for_good
+from .points import CommitPoint, PatchSetPoint, Point, PointMatrices, ReleasePoint, releases_between
+from .rules import Evidence, PointRule, PointVerdict, default_max_runs, evidence, runs_needed_for_good
 from .search import bisect_linear, ddmin, next_midpoint
 from .session import BisectionBusy, Interrupted, Session, ensure_idle, is_bisection, load_state, result_from_state
+from .state import BisectRequest, SessionState
 
 KINDS = ("releases", "commits", "patches")
 
 
-def _matrices(request: dict[str, Any]) -> PointMatrices:
-    loaded = load_matrix(request["matrix"])
-    return PointMatrices(loaded, build=request.get("build"), requests=request.get("requests"),
-                         repo=request.get("repo"), wheel=request.get("wheel"))
+def _matrices(request: BisectRequest) -> PointMatrices:
+    loaded = load_matrix(request.matrix)
+    return PointMatrices(loaded, build=request.build, requests=request.requests, repo=request.repo,
+                         wheel=request.wheel)
 
 
-def check_request(kind: str, request: dict[str, Any]) -> tuple[dict[str, Any], PointMatrices]:
+def check_request(kind: str, request: BisectRequest) -> tuple[BisectRequest, PointMatrices]:
     """The request with everything the search depends on pinned (full shas, patch list), and the
     matrices it probes; SpecError naming the argument when something is wrong."""
-    request = dict(request)
-    request["matrix"] = str(Path(request["matrix"]).resolve())
+    request = dataclasses.replace(request, matrix=str(Path(request.matrix).resolve()))
     matrices = _matrices(request)
     _complete_request(kind, request, matrices)
     return request, matrices
 
 
-def start(kind: str, request: dict[str, Any], root: Path, **session_kw) -> BisectResult:
+def start(kind: str, request: BisectRequest, root: Path, **session_kw) -> BisectResult:
     """Start a bisection of ``kind``; ``request`` holds the command's arguments (persisted)."""
     request, matrices = check_request(kind, request)
     session = Session.create(root, kind, request, matrices, **session_kw)
@@ -54,74 +54,69 @@ def start(kind: str, request: dict[str, Any], root: Path, **session_kw) -> Bisec
 def resume(root: Path, bisection_id: str, kind: str | None = None, **session_kw) -> BisectResult:
     """Finish an interrupted bisection: recorded verdicts are replayed, missing runs are run."""
     state = load_state(root, bisection_id)
-    if kind is not None and state["kind"] != kind:
-        raise SpecError(f"--resume {bisection_id}: that is a `bisect {state['kind']}`, not `bisect {kind}`")
-    if state.get("status") == "complete":
-        return result_from_state(state, root / state["bisection_id"])
-    state["status"] = "running"
-    session = Session(root, state, _matrices(state["request"]), **session_kw)
+    if kind is not None and state.kind != kind:
+        raise SpecError(f"--resume {bisection_id}: that is a `bisect {state.kind}`, not `bisect {kind}`")
+    if state.status == "complete":
+        return result_from_state(state, root / state.bisection_id)
+    state.status = "running"
+    session = Session(root, state, _matrices(state.request), **session_kw)
     return _drive(session)
 
 
-def _complete_request(kind: str, request: dict[str, Any], matrices: PointMatrices) -> None:
+def _complete_request(kind: str, request: BisectRequest, matrices: PointMatrices) -> None:
     """Check the arguments and pin everything the search depends on (full shas, patch list)."""
     if kind == "releases":
-        releases_between(request["bad"], request["good"])
+        releases_between(str(request.bad), str(request.good))
     elif kind == "commits":
         _commits_need_sim(request, matrices)
-        repo = str(Path(request["repo"]).resolve())
-        request["repo"] = repo
+        repo = str(Path(str(request.repo)).resolve())
+        request.repo = repo
         matrices.repo = repo
-        request["bad"] = gitcommit.resolve_commit(repo, request["bad"])
-        request["good"] = gitcommit.resolve_commit(repo, request["good"])
-        if request["bad"] == request["good"]:
+        request.bad = gitcommit.resolve_commit(repo, str(request.bad))
+        request.good = gitcommit.resolve_commit(repo, str(request.good))
+        if request.bad == request.good:
             raise SpecError("--bad and --good name the same commit; give two different ones")
     elif kind == "patches":
         m = matrices.loaded.matrix
         declared = list(m.patches)
-        if request.get("patches"):
-            unknown = [p for p in request["patches"] if p not in m.patches]
+        if request.patches:
+            unknown = [p for p in request.patches if p not in m.patches]
             if unknown:
                 raise SpecError(f"--patch {', '.join(unknown)}: not declared under patches: in "
                                 f"{matrices.loaded.path} (declared: {', '.join(declared)})")
-            chosen = set(request["patches"])
+            chosen = set(request.patches)
         else:  # every patch some build uses on top of `common`
             chosen = {p for stack in m.builds.values() for p in stack} - set(m.common)
-        request["patches"] = [p for p in declared if p in chosen and p not in m.common]
-        if not request["patches"]:
+        request.patches = [p for p in declared if p in chosen and p not in m.common]
+        if not request.patches:
             raise SpecError(f"{matrices.loaded.path}: no candidate patches (beyond common:) to bisect; "
                             "name them with --patch")
     else:
         raise SpecError(f"unknown bisection kind {kind!r}; use one of {', '.join(KINDS)}")
 
 
-def _commits_need_sim(request: dict[str, Any], matrices: PointMatrices) -> None:
-    target = request.get("target") or matrices.loaded.matrix.target
+def _commits_need_sim(request: BisectRequest, matrices: PointMatrices) -> None:
+    target = request.target or matrices.loaded.matrix.target
     if target != "sim":
         raise SpecError(f"--target {target}: commits can only be probed on the sim target so far (the docker "
                         "target assembles images from release wheels only); use --target sim")
 
 
 def _drive(session: Session) -> BisectResult:
-    kind = session.state["kind"]
+    kind = session.state.kind
     try:
         if kind == "releases":
-            return _linear(session, [{"kind": "release", "release": r}
-                                     for r in releases_between(session.state["request"]["bad"],
-                                                               session.state["request"]["good"])])
+            return _linear(session, [ReleasePoint(r) for r in releases_between(str(session.request.bad),
+                                                                               str(session.request.good))])
         if kind == "commits":
             return _commits(session)
         return _patches(session)
     except BaseException:
-        if session.state.get("status") != "complete":
+        if session.state.status != "complete":
             session.mark_interrupted()
         raise
     finally:
         session.close()
-
-
-def _point_is(point: Point, value: str) -> bool:
-    return point.get("release") == value or point.get("commit") == value
 
 
 def _check_ends(session: Session, bad: Point, good: Point, also: list[Point]) -> str | None:
@@ -129,22 +124,22 @@ def _check_ends(session: Session, bad: Point, good: Point, also: list[Point]) ->
     session.prefetch([good, *also])
     verdict = session.verdict_of(bad, "bad end", session.end_rule())
     if verdict is PointVerdict.SKIP and _reason(session, bad).startswith("build failed"):
-        return f"the bad end {point_label(bad)} could not be built: {_reason(session, bad)}"
+        return f"the bad end {bad.label} could not be built: {_reason(session, bad)}"
     if verdict is not PointVerdict.BAD:
-        return (f"the bad end {point_label(bad)} did not show the crash in "
+        return (f"the bad end {bad.label} did not show the crash in "
                 f"{session.tally(bad).attempts} runs ({_counts(session, bad)})")
     session.measure_p_bad(bad)
     verdict = session.verdict_of(good, "good end", session.point_rule())
     if verdict is PointVerdict.BAD:
-        return f"the good end {point_label(good)} is bad too ({_counts(session, good)})"
+        return f"the good end {good.label} is bad too ({_counts(session, good)})"
     if verdict is PointVerdict.SKIP:
-        return f"the good end {point_label(good)} could not be decided: {_reason(session, good)}"
+        return f"the good end {good.label} could not be decided: {_reason(session, good)}"
     return None
 
 
 def _reason(session: Session, point: Point) -> str:
     """Why the point's step came out as it did (its step's reason), also on --resume."""
-    return next((s["reason"] for s in reversed(session.steps) if s["point"] == point), "")
+    return next((s.reason for s in reversed(session.steps) if s.point == point), "")
 
 
 def _counts(session: Session, point: Point) -> str:
@@ -154,8 +149,7 @@ def _counts(session: Session, point: Point) -> str:
 
 def _linear(session: Session, points: list[Point]) -> BisectResult:
     """Points are oldest first; the bad end is the first (a fix is sought) or the last (a regression)."""
-    request = session.state["request"]
-    bad_is_older = _point_is(points[0], request["bad"])
+    bad_is_older = points[0].names(str(session.request.bad))
     bad, good = (points[0], points[-1]) if bad_is_older else (points[-1], points[0])
     first_mid = next_midpoint(0, len(points) - 1, set())
     reason = _check_ends(session, bad, good, [points[first_mid]] if first_mid is not None else [])
@@ -167,26 +161,26 @@ def _linear(session: Session, points: list[Point]) -> BisectResult:
                             oracle=lambda i: session.verdict_of(points[i], "midpoint", rule),
                             prefetch=lambda idx: session.prefetch([points[i] for i in idx]))
     changed_to = "good" if bad_is_older else "bad"
-    detail = {"direction": "fixed" if bad_is_older else "introduced",
-              "last_" + ("bad" if bad_is_older else "good"): point_label(points[outcome.last_old]),
-              "first_" + changed_to: point_label(points[outcome.first_new])}
+    detail: dict[str, BisectDetail] = {"direction": "fixed" if bad_is_older else "introduced",
+              "last_" + ("bad" if bad_is_older else "good"): points[outcome.last_old].label,
+              "first_" + changed_to: points[outcome.first_new].label}
     if outcome.decided:
         first = points[outcome.first_new]
-        return session.finish(first.get("release") or first.get("commit"), detail=detail)
-    skipped = ", ".join(point_label(points[i]) for i in outcome.skipped)
-    return session.finish(None, f"the verdict changes between {point_label(points[outcome.last_old])} and "
-                                f"{point_label(points[outcome.first_new])}, but {skipped} could not be "
+        return session.finish(first.answer, detail=detail)
+    skipped = ", ".join(points[i].label for i in outcome.skipped)
+    return session.finish(None, f"the verdict changes between {points[outcome.last_old].label} and "
+                                f"{points[outcome.first_new].label}, but {skipped} could not be "
                                 "decided (skip)", detail=detail)
 
 
 def _commits(session: Session) -> BisectResult:
-    request = session.state["request"]
-    repo, bad, good = request["repo"], request["bad"], request["good"]
+    request = session.request
+    repo, bad, good = str(request.repo), str(request.bad), str(request.good)
     older, newer = (bad, good) if gitcommit.is_ancestor(repo, bad, good) else (good, bad)
     shas = gitcommit.commits_between(repo, older, newer)
-    result = _linear(session, [{"kind": "commit", "commit": sha} for sha in shas])
-    if result.answer:
-        session.state["detail"]["subject"] = gitcommit.short_subject(repo, result.answer)
+    result = _linear(session, [CommitPoint(sha) for sha in shas])
+    if isinstance(result.answer, str):
+        session.state.detail["subject"] = gitcommit.short_subject(repo, result.answer)
         session.save()
         return session.result()
     return result
@@ -195,10 +189,10 @@ def _commits(session: Session) -> BisectResult:
 def _patches(session: Session) -> BisectResult:
     """ddmin over the candidates on the base (matrix base + common): the smallest subset that
     removes the crash, then each candidate removed alone from the full set."""
-    candidates: list[str] = session.state["request"]["patches"]
+    candidates: list[str] = list(session.request.patches or ())
 
     def point(subset: list[str]) -> Point:
-        return {"kind": "patches", "patches": [p for p in candidates if p in subset]}
+        return PatchSetPoint(tuple(p for p in candidates if p in subset))
 
     reason = _check_ends(session, point([]), point(candidates), [point([c]) for c in candidates])
     if reason:
@@ -210,7 +204,7 @@ def _patches(session: Session) -> BisectResult:
 
     minimal = ddmin(candidates, removes_crash,
                     prefetch=lambda subsets: session.prefetch([point(s) for s in subsets]))
-    removal = {}
+    removal: dict[str, str] = {}
     for patch in candidates:
         subset = [c for c in candidates if c != patch]
         removal[patch] = _effect(session, point(subset), removes_crash(subset, "removal"))
@@ -228,10 +222,9 @@ def _effect(session: Session, point: Point, verdict: PointVerdict) -> str:
     """What a point's runs showed, in words: which bad verdicts came back, or that it stayed clean."""
     tally = session.tally(point)
     if verdict is PointVerdict.BAD:
-        title = session.state["request"].get("title")
-        bad = [run for run in session.state["points"].get(point_key(point), {}).get("runs", [])
-               if evidence(run, title) is Evidence.BAD]
-        labels = Counter(run_label(r) + ("+CORRUPT" if r.get("kv_check") == "corrupt" and run_label(r) != "CORRUPT"
+        title = session.request.title
+        bad = [run for run in session.runs_of(point) if evidence(run, title) is Evidence.BAD]
+        labels = Counter(r.label + ("+CORRUPT" if r.kv_check == "corrupt" and r.label != "CORRUPT"
                                          and title is None else "") for r in bad)
         return "bad again: " + ", ".join(f"{n}x {label}" for label, n in sorted(labels.items()))
     if verdict is PointVerdict.GOOD:
@@ -239,27 +232,30 @@ def _effect(session: Session, point: Point, verdict: PointVerdict) -> str:
     return f"undecided (skip): {_reason(session, point) or _counts(session, point)}"
 
 
-def probe_point(root: Path, request: dict[str, Any], **session_kw) -> tuple[PointVerdict, BisectResult]:
+def probe_point(root: Path, request: BisectRequest, **session_kw) -> tuple[PointVerdict, BisectResult]:
     """One point to a decisive verdict (for `git bisect run`): the commit at the checkout's HEAD,
     a release, or the matrix's base. ``p_bad`` is given instead of measured."""
-    request = dict(request, matrix=str(Path(request["matrix"]).resolve()))
+    request = dataclasses.replace(request, matrix=str(Path(request.matrix).resolve()))
     matrices = _matrices(request)
-    if request.get("repo"):
+    point: Point
+    if request.repo:
         _commits_need_sim(request, matrices)
-        request["repo"] = str(Path(request["repo"]).resolve())
-        matrices.repo = request["repo"]
-        point: Point = {"kind": "commit", "commit": gitcommit.resolve_commit(request["repo"], request.get("commit") or "HEAD")}
+        request.repo = str(Path(request.repo).resolve())
+        matrices.repo = request.repo
+        point = CommitPoint(gitcommit.resolve_commit(request.repo, request.commit or "HEAD"))
     else:
-        point = {"kind": "release", "release": request.get("release") or matrices.loaded.matrix.bases[0]}
-        if point["release"] not in versions.SUPPORTED_RELEASES:  # bad input (128), not a skip (125)
-            raise SpecError(f"--release {point['release']}: not a vLLM release kvrepro supports; supported: "
+        release = request.release or matrices.loaded.matrix.bases[0]
+        if release not in versions.SUPPORTED_RELEASES:  # bad input (128), not a skip (125)
+            raise SpecError(f"--release {release}: not a vLLM release kvrepro supports; supported: "
                             f"{', '.join(versions.SUPPORTED_RELEASES)}")
+        point = ReleasePoint(release)
+    p_bad = request.p_bad if request.p_bad is not None else 0.5
     session = Session.create(root, "verdict", request, matrices, **session_kw)
-    session.state["p_bad"] = request["p_bad"]
-    needed = runs_needed_for_good(request["p_bad"], request["alpha"])
+    session.state.p_bad = p_bad
+    needed = runs_needed_for_good(p_bad, request.alpha)
     try:
         verdict = session.verdict_of(point, "point", PointRule(runs_for_good=needed,
-                                                               max_runs=request.get("max_runs") or default_max_runs(needed)))
+                                                               max_runs=request.max_runs or default_max_runs(needed)))
         result = session.finish(verdict.value)
     except BaseException:
         session.mark_interrupted()
@@ -269,4 +265,4 @@ def probe_point(root: Path, request: dict[str, Any], **session_kw) -> tuple[Poin
     return verdict, result
 
 
-__all__ = ["BisectionBusy", "Interrupted", "ensure_idle", "KINDS", "check_request", "is_bisection", "load_state", "probe_point", "result_from_state", "resume", "start"]
+__all__ = ["BisectRequest", "BisectionBusy", "CommitPoint", "PatchSetPoint", "ReleasePoint", "SessionState", "Interrupted", "ensure_idle", "KINDS", "check_request", "is_bisection", "load_state", "probe_point", "result_from_state", "resume", "start"]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+import hashlib
+from dataclasses import dataclass, field
 
 import yaml
 
@@ -19,38 +20,169 @@ from ..errors import SpecError
 from ..records import BuildPlan, GitCommitSource
 from ..spec.matrix import LoadedMatrix
 
-Point = dict[str, Any]
+class Point:
+    """A point of a bisection (mozregression's bisector: one class per kind of point).
+
+    Each kind knows its ``key`` (unique in a bisection's record), its ``label`` (how a person
+    reads it), its ``build_name`` (the probe build's folder name), its ``answer`` (what a
+    bisection that stops at it reports), and how its one-build matrix is made
+    (:meth:`base`, :meth:`stack`, :meth:`source`, used by :class:`PointMatrices`).
+    ``to_json``/:func:`point_from_json` are the form ``bisect.json`` has always held
+    (``{"kind": "release", "release": ...}``).
+    """
+
+    kind: str
+
+    @property
+    def key(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def label(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def build_name(self) -> str:
+        """The probe build's name in its run folder (letters, digits, '_', '.', '-')."""
+        return self.label
+
+    @property
+    def answer(self) -> str | list[str]:
+        raise NotImplementedError
+
+    def names(self, value: str) -> bool:
+        """Whether the user's ``--bad``/``--good`` value names this point."""
+        return False
+
+    def base(self, matrices: "PointMatrices") -> str:
+        raise NotImplementedError
+
+    def stack(self, matrices: "PointMatrices") -> dict[str, object]:
+        """The matrix fields that give the point's one build its patch stack."""
+        return {"common": [], "builds": {self.build_name: matrices.stack()}}
+
+    def source(self, matrices: "PointMatrices") -> GitCommitSource | None:
+        return None
+
+    def to_json(self) -> dict[str, str | list[str]]:
+        raise NotImplementedError
 
 
-def point_key(point: Point) -> str:
-    if point["kind"] == "release":
-        return f"release:{point['release']}"
-    if point["kind"] == "commit":
-        return f"commit:{point['commit']}"
-    return "patches:" + ",".join(point["patches"])
+@dataclass(frozen=True)
+class ReleasePoint(Point):
+    """A vLLM release as shipped (or with the chosen build's patch stack)."""
+
+    kind: str = field(default="release", init=False)
+    release: str
+
+    @property
+    def key(self) -> str:
+        return f"release:{self.release}"
+
+    @property
+    def label(self) -> str:
+        return self.release
+
+    @property
+    def answer(self) -> str:
+        return self.release
+
+    def names(self, value: str) -> bool:
+        return self.release == value
+
+    def base(self, matrices: "PointMatrices") -> str:
+        return self.release
+
+    def to_json(self) -> dict[str, str | list[str]]:
+        return {"kind": self.kind, "release": self.release}
 
 
-def point_label(point: Point) -> str:
-    if point["kind"] == "release":
-        return point["release"]
-    if point["kind"] == "commit":
-        return point["commit"][:12]
-    return " + ".join(point["patches"]) or "(none)"
+@dataclass(frozen=True)
+class CommitPoint(Point):
+    """A commit of a vLLM checkout: its Python tree on the nearest release's wheel."""
+
+    kind: str = field(default="commit", init=False)
+    commit: str
+
+    @property
+    def key(self) -> str:
+        return f"commit:{self.commit}"
+
+    @property
+    def label(self) -> str:
+        return self.commit[:12]
+
+    @property
+    def answer(self) -> str:
+        return self.commit
+
+    def names(self, value: str) -> bool:
+        return self.commit == value
+
+    def base(self, matrices: "PointMatrices") -> str:
+        return matrices.wheel_for(self.commit)
+
+    def source(self, matrices: "PointMatrices") -> GitCommitSource | None:
+        return GitCommitSource(repo=str(matrices.repo), commit=self.commit)
+
+    def to_json(self) -> dict[str, str | list[str]]:
+        return {"kind": self.kind, "commit": self.commit}
 
 
-def build_name(point: Point) -> str:
-    """The probe build's name in its run folder (letters, digits, '_', '.', '-')."""
-    if point["kind"] == "release":
-        return point["release"]
-    if point["kind"] == "commit":
-        return point["commit"][:12]
-    name = "_".join(point["patches"]) or "base"
-    if len(name) > 64:  # a folder name must stay short: the first patch, how many, and a digest of all
-        import hashlib
+@dataclass(frozen=True)
+class PatchSetPoint(Point):
+    """A set of candidate patches on the matrix's (first) base and ``common:``."""
 
-        digest = hashlib.sha256(",".join(point["patches"]).encode()).hexdigest()[:12]
-        name = f"{point['patches'][0][:32]}_and_{len(point['patches']) - 1}_more_{digest}"
-    return name
+    kind: str = field(default="patches", init=False)
+    patches: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "patches", tuple(self.patches))
+
+    @property
+    def key(self) -> str:
+        return "patches:" + ",".join(self.patches)
+
+    @property
+    def label(self) -> str:
+        return " + ".join(self.patches) or "(none)"
+
+    @property
+    def build_name(self) -> str:
+        name = "_".join(self.patches) or "base"
+        if len(name) > 64:  # a folder name must stay short: the first patch, how many, and a digest of all
+            digest = hashlib.sha256(",".join(self.patches).encode()).hexdigest()[:12]
+            name = f"{self.patches[0][:32]}_and_{len(self.patches) - 1}_more_{digest}"
+        return name
+
+    @property
+    def answer(self) -> list[str]:
+        return list(self.patches)
+
+    def base(self, matrices: "PointMatrices") -> str:
+        return matrices.loaded.matrix.bases[0]  # patches are bisected on the matrix's (first) base
+
+    def stack(self, matrices: "PointMatrices") -> dict[str, object]:
+        return {"builds": {self.build_name: list(self.patches)}}  # common: stays
+
+    def to_json(self) -> dict[str, str | list[str]]:
+        return {"kind": self.kind, "patches": list(self.patches)}
+
+
+POINT_KINDS: dict[str, type[Point]] = {"release": ReleasePoint, "commit": CommitPoint, "patches": PatchSetPoint}
+
+
+def point_from_json(value: object) -> Point:
+    """A point as ``bisect.json`` holds it (``{"kind": ..., <kind>: ...}``); SpecError if it is not one."""
+    if isinstance(value, Point):
+        return value
+    if not isinstance(value, dict) or value.get("kind") not in POINT_KINDS:
+        raise SpecError(f"not a bisection point: {value!r}")
+    if value["kind"] == "release":
+        return ReleasePoint(str(value["release"]))
+    if value["kind"] == "commit":
+        return CommitPoint(str(value["commit"]))
+    return PatchSetPoint(tuple(str(p) for p in value["patches"]))
 
 
 def releases_between(a: str, b: str) -> list[str]:
@@ -96,7 +228,8 @@ class PointMatrices:
         self.repo = repo
         self.wheel = wheel
 
-    def _stack(self) -> list[str]:
+    def stack(self) -> list[str]:
+        """The patch stack every release or commit point gets (``--build``'s, common first)."""
         if self.build is None:
             return []
         return list(self.loaded.matrix.common) + list(self.loaded.matrix.builds[self.build])
@@ -106,27 +239,19 @@ class PointMatrices:
         return self.wheel or gitcommit.nearest_release(self.repo, commit)
 
     def base_of(self, point: Point) -> str:
-        if point["kind"] == "release":
-            return point["release"]
-        if point["kind"] == "commit":
-            return self.wheel_for(point["commit"])
-        return self.loaded.matrix.bases[0]  # patches are bisected on the matrix's (first) base
+        return point.base(self)
 
     def matrix_for(self, point: Point) -> LoadedMatrix:
         m = self.loaded.matrix
-        update: dict[str, Any] = {"base": self.base_of(point), "expect": {}}
-        if point["kind"] == "patches":
-            update["builds"] = {build_name(point): list(point["patches"])}
-        else:
-            update["common"] = []
-            update["builds"] = {build_name(point): self._stack()}
+        update: dict[str, object] = {"base": point.base(self), "expect": {}, **point.stack(self)}
         if self.requests is not None:
             update["runs"] = m.runs.model_copy(update={"requests": self.requests})
         matrix = m.model_copy(update=update)
-        text = (f"# probe of {point_label(point)}, derived from {self.loaded.path}\n"
+        text = (f"# probe of {point.label}, derived from {self.loaded.path}\n"
                 + yaml.safe_dump(matrix.model_dump(mode="json"), sort_keys=False))
-        if point["kind"] == "commit":
-            return _CommitMatrix(self.loaded, matrix, text, GitCommitSource(repo=str(self.repo), commit=point["commit"]))
+        source = point.source(self)
+        if source is not None:
+            return _CommitMatrix(self.loaded, matrix, text, source)
         derived = LoadedMatrix(matrix, self.loaded.path, text)
         derived.builds_dir = self.loaded.builds_dir
         derived.own_text = False

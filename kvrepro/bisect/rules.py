@@ -43,12 +43,12 @@ without either is a **skip**.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 
 class Evidence(str, enum.Enum):
@@ -78,26 +78,56 @@ class PointVerdict(str, enum.Enum):
     SKIP = "skip"
 
 
-def run_label(run: Mapping[str, Any]) -> str:
+@dataclass(frozen=True)
+class RunSummary:
+    """What the point rule reads of one run (``bisect.json`` keeps it; the run folder keeps the rest)."""
+
+    verdict: str
+    outcome: str = "none"
+    title: str = ""
+    rep: int | None = None
+    trigger_count: int | None = None
+    state_count: int | None = None
+    requests: int | None = None
+    kv_check: str | None = None
+    kv_violations: int | None = None
+    seconds: float | None = None
+    run_dir: str | None = None
+    stopped_because: str | None = None
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, object]) -> "RunSummary":
+        """As ``bisect.json`` holds it; keys this kvrepro does not know are ignored, missing ones take defaults."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in value.items() if k in known}
+        fields.setdefault("verdict", "?")
+        return cls(**fields)  # type: ignore[arg-type]
+
+    @property
+    def label(self) -> str:
+        """The run's verdict label: CRASH(target) / CRASH(other) / SURVIVED / ..."""
+        if self.verdict == "CRASH":
+            return "CRASH(target)" if self.outcome == "target" else "CRASH(other)"
+        return self.verdict
+
+
+def run_label(run: RunSummary) -> str:
     """A recorded run's verdict label: CRASH(target) / CRASH(other) / SURVIVED / ..."""
-    verdict = str(run.get("verdict", "?"))
-    if verdict == "CRASH":
-        return "CRASH(target)" if run.get("outcome") == "target" else "CRASH(other)"
-    return verdict
+    return run.label
 
 
-def evidence(run: Mapping[str, Any], title: str | None = None) -> Evidence:
+def evidence(run: RunSummary, title: str | None = None) -> Evidence:
     """What one recorded run says about its point (unknown verdicts are skips)."""
-    label = run_label(run)
+    label = run.label
     if title is not None and label.startswith("CRASH"):
-        found = RUN_EVIDENCE["CRASH(target)"] if title.lower() in str(run.get("title", "")).lower() else Evidence.SKIP
+        found = RUN_EVIDENCE["CRASH(target)"] if title.lower() in (run.title or "").lower() else Evidence.SKIP
     elif title is not None and label == "CORRUPT":
         found = Evidence.HANDLED
-    elif title is None and run.get("kv_check") == "corrupt" and label != "INFRA":
+    elif title is None and run.kv_check == "corrupt" and label != "INFRA":
         found = Evidence.BAD  # wrong KV was read, whatever ended the run (see the module docstring)
     else:
         found = RUN_EVIDENCE.get(label, Evidence.SKIP)
-    if found is not Evidence.BAD and run.get("stopped_because") == "interrupted":
+    if found is not Evidence.BAD and run.stopped_because == "interrupted":
         # cut short by Ctrl-C: whatever the engine logged while being stopped proves nothing
         return Evidence.DROPPED
     return found
@@ -133,7 +163,7 @@ class Tally:
     evidence: Counter
 
     @classmethod
-    def of(cls, runs: Iterable[Mapping[str, Any]], title: str | None = None) -> "Tally":
+    def of(cls, runs: Iterable[RunSummary], title: str | None = None) -> "Tally":
         labels: Counter = Counter()
         kinds: Counter = Counter()
         for run in runs:

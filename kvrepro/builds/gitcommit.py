@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .. import paths, versions
 from ..errors import KvreproError, SpecError
-from ..records import BuildArtifact, BuildPlan
+from ..records import BuildArtifact, BuildManifest, BuildPlan
 from . import patching
 from .overlay import OVERLAY_FORMAT, PROBE_SOURCE, file_sha256, finish_overlay, pristine_tree
 
@@ -145,7 +145,8 @@ def build_commit_overlay(plan: BuildPlan, on_line: Callable[[str], None] | None 
         key = overlay_key(plan, wheel_digest)
         dest = paths.overlays_dir() / key
         if (dest / "manifest.json").exists():
-            return BuildArtifact(plan=plan, ref=str(dest), manifest=json.loads((dest / "manifest.json").read_text()),
+            manifest = BuildManifest.from_json(json.loads((dest / "manifest.json").read_text()), str(dest / "manifest.json"))
+            return BuildArtifact(plan=plan, ref=str(dest), manifest=manifest,
                                  reused=True, source_root=str(dest))
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{key}-"))
@@ -154,12 +155,12 @@ def build_commit_overlay(plan: BuildPlan, on_line: Callable[[str], None] | None 
                 on_line(f"build {plan.name}: vllm/ of commit {source.commit[:12]} on the vLLM {plan.base} wheel")
             tracked = _extract_commit(source.repo, source.commit, tmp)
             if not (tmp / "vllm" / "__init__.py").exists():
-                return BuildArtifact(plan=plan, ref=None, manifest={},
+                return BuildArtifact(plan=plan, ref=None, manifest=BuildManifest(),
                                      error=f"commit {source.commit[:12]} of {source.repo} has no vllm/__init__.py")
             added = _add_from_wheel(pristine, tmp, tracked)
             failure = patching.apply_patch_stack(tmp, plan.patches)
             if failure is not None:
-                return BuildArtifact(plan=plan, ref=None, manifest={}, error=str(failure))
+                return BuildArtifact(plan=plan, ref=None, manifest=BuildManifest(), error=str(failure))
             return finish_overlay(plan, tmp, dest, wheel, wheel_digest, key, {
                 "source": "git commit",
                 "repo": source.repo,
@@ -170,4 +171,4 @@ def build_commit_overlay(plan: BuildPlan, on_line: Callable[[str], None] | None 
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     except KvreproError as exc:
-        return BuildArtifact(plan=plan, ref=None, manifest={}, error=str(exc))
+        return BuildArtifact(plan=plan, ref=None, manifest=BuildManifest(), error=str(exc))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import dataclasses
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .. import paths
-from ..records import BuildArtifact, BuildPlan
+from ..records import BuildArtifact, BuildManifest, BuildPlan
 from .plugin_dist import dist_info_files
 from . import patching, wheel as wheels
 
@@ -143,7 +144,7 @@ def finish_overlay(plan: BuildPlan, tmp: Path, dest: Path, wheel: Path, wheel_di
         shutil.rmtree(tmp)
     else:
         os.replace(tmp, dest)
-    return BuildArtifact(plan=plan, ref=str(dest), manifest=manifest, source_root=str(dest))
+    return BuildArtifact(plan=plan, ref=str(dest), manifest=BuildManifest.from_json(manifest), source_root=str(dest))
 
 
 def build_release_overlay(plan: BuildPlan, on_line: Callable[[str], None] | None = None) -> BuildArtifact:
@@ -158,9 +159,9 @@ def build_release_overlay(plan: BuildPlan, on_line: Callable[[str], None] | None
     dest = paths.overlays_dir() / key
     manifest_path = dest / "manifest.json"
     if manifest_path.exists():
-        manifest = json.loads(manifest_path.read_text())
-        if "probe_target_sha256" not in manifest:  # an overlay made before the field existed
-            manifest["probe_target_sha256"] = probe_target_sha256(dest)
+        manifest = BuildManifest.from_json(json.loads(manifest_path.read_text()), str(manifest_path))
+        if manifest.probe_target_sha256 is None:  # an overlay made before the field existed
+            manifest = dataclasses.replace(manifest, probe_target_sha256=probe_target_sha256(dest))
         return BuildArtifact(plan=plan, ref=str(dest), manifest=manifest, reused=True, source_root=str(dest))
 
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -174,7 +175,7 @@ def build_release_overlay(plan: BuildPlan, on_line: Callable[[str], None] | None
             on_line(f"build {plan.name}: applying {len(plan.patches)} patch(es) to vLLM {plan.base}")
         failure = patching.apply_patch_stack(tmp, plan.patches)
         if failure is not None:
-            return BuildArtifact(plan=plan, ref=None, manifest={}, error=str(failure))
+            return BuildArtifact(plan=plan, ref=None, manifest=BuildManifest(), error=str(failure))
         return finish_overlay(plan, tmp, dest, wheel, wheel_digest, key, {})
     finally:
         if tmp.exists():

@@ -24,7 +24,7 @@ import requests
 
 from .. import builds, lifetime, paths, scratch, versions
 from ..errors import InfraError, KvreproError, describe_os_error
-from ..records import BuildArtifact, BuildPlan
+from ..records import BuildArtifact, BuildManifest, BuildPlan
 from ..secrets import redact, scrubbed_environ
 from . import register
 from .base import EngineHandle, Target
@@ -248,9 +248,9 @@ class SimTarget(Target):
             self.runtime(plan.base)
             return builds.build_overlay(plan, self.on_line)
         except (versions.UnsupportedRelease, KvreproError) as exc:
-            return BuildArtifact(plan=plan, ref=None, manifest={}, error=str(exc))
+            return BuildArtifact(plan=plan, ref=None, manifest=BuildManifest(), error=str(exc))
         except OSError as exc:  # a read-only or full cache: this build is INFRA, with what to do
-            return BuildArtifact(plan=plan, ref=None, manifest={},
+            return BuildArtifact(plan=plan, ref=None, manifest=BuildManifest(),
                                  error=f"build {plan.name}: cannot write the build cache: {describe_os_error(exc)}")
 
     def command(self, artifact: BuildArtifact, port: int) -> list[str]:

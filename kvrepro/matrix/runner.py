@@ -22,12 +22,13 @@ import requests
 
 from .. import __version__
 from ..results import store as results
-from ..report import stats
+from ..report.expectations import enough_runs
 from ..classify import classify_log, read_engine_counters, read_exposure
 from ..classify.corruption import defects_of
 from ..classify.lines import split_line
 from ..deploy import get_target
 from ..deploy.base import EngineHandle, Target
+from ..deploy.docker.settings import docker_settings
 from ..errors import InfraError, KvreproError
 from ..loadgen import run_load
 from ..loadgen.runner import replay_load
@@ -36,7 +37,7 @@ from ..loadgen.capacity import engine_capacity
 from ..classify.metrics import parse_prometheus, total
 from ..records import (BuildArtifact, BuildPlan, BuildRecord, Classification, Exposure, HostInfo, LoadSummary, Outcome, PatchInfo, RunManifest, RunResult, Verdict)
 from ..secrets import redact
-from ..spec.matrix import LoadedMatrix, expected_labels
+from ..spec.matrix import LoadedMatrix
 from ..classify.verdict import decide, died_without_traceback_title
 from ..classify.verdict import title as verdict_title
 
@@ -112,7 +113,7 @@ def engine_api_key(loaded: LoadedMatrix, target_name: str) -> str | None:
     keys = option_values(list(loaded.matrix.engine.extra_args), "--api-key")
     if keys:
         return keys[0]
-    if target_name == "docker" and "VLLM_API_KEY" in loaded.matrix.docker.pass_env:
+    if target_name == "docker" and "VLLM_API_KEY" in docker_settings(loaded.matrix).docker.pass_env:
         return os.environ.get("VLLM_API_KEY") or None
     return None
 
@@ -241,7 +242,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     classification: Classification = classify_log(log_text, source_root, matrix.target_signature)
     exposure: Exposure = read_exposure(log_text, metrics_text)
     counters = read_engine_counters(log_text)
-    expected_sha = artifact.manifest.get("probe_target_sha256")
+    expected_sha = artifact.manifest.probe_target_sha256
     defects = defects_of(exposure.kv_violations, exposure.kv_violations_by, exposure.kv_first_violation_class,
                          exposure.kv_groups)
     verdict = decide(classification, exposure, load, engine_exit, expected_sha)
@@ -319,18 +320,10 @@ def _wait_for_slots(futures: list) -> None:
 
 
 def _decided(artifact: BuildArtifact, runs: list[RunResult], expect: str | None) -> bool:
-    """Adaptive repetitions: has this build seen enough (stats.decisive, the rule of docs/statistics.md)?"""
+    """Adaptive repetitions: has this build seen enough (report/expectations.py: enough_runs)?"""
     if not artifact.ok:
         return bool(runs)  # every repetition of a failed build is the same INFRA
-    expected_failure = None
-    if expect:
-        labels = expected_labels(expect)
-        expected_failure = all(label.startswith(("CRASH", "CORRUPT")) for label in labels)
-        if not expected_failure and labels != ("SURVIVED",):
-            # VACUOUS/UNREACHED/STALL/INFRA or several expected: three agreeing repetitions, or
-            # the first that disagrees
-            return len(runs) >= 3 or any(r.label not in labels for r in runs)
-    return stats.decisive(stats.rate(runs), expected_failure).decisive
+    return enough_runs(runs, expect)
 
 
 def host_info() -> HostInfo:

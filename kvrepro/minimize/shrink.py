@@ -42,7 +42,8 @@ import signal
 import subprocess
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -355,10 +356,90 @@ def find_crash(root: Path, run_id: str, build: str, rep: int | None, violation: 
                     f"signature or was CORRUPT (verdicts: {', '.join(r.label for r in runs)})")
 
 
+@dataclass(frozen=True)
+class PytestCheck:
+    """The emitted test run with one build's vLLM: ``ok`` None when it was not run (another release's API)."""
+
+    ok: bool | None
+    result: str
+    exit: int | None
+    message: str | None = None  # the shadow KV's assertion message, when a corruption test failed
+
+    def to_json(self) -> dict[str, object]:
+        data: dict[str, object] = {"ok": self.ok, "result": self.result, "exit": self.exit}
+        if self.message is not None:
+            data["message"] = self.message
+        return data
+
+
+@dataclass(frozen=True)
+class EmittedTest:
+    """The scheduler-level test written by ``--emit-pytest`` and what it did with each build."""
+
+    pytest: str
+    pytest_check: dict[str, PytestCheck]
+
+
+@dataclass
+class MinimizeResult:
+    """What `kvrepro minimize` found (also written to ``minimized.json`` beside the trace).
+
+    ``crash_at`` is the crash's request (None for a corruption, whose request is
+    ``violation_at``); ``fixed_result`` what ``--fixed`` did with the result; ``confirmed`` the
+    replays over HTTP; ``ok`` whether everything held (deterministic, fixed clean, tests, replays).
+    """
+
+    trace: str
+    source: str
+    build: str
+    fixed: str | None
+    requests_before: int
+    requests: int
+    tokens_before: int
+    tokens: int
+    crash_at: int | None
+    deterministic: bool
+    fixed_result: str | None
+    candidates_run: int
+    failure: str
+    violation: str | None
+    violation_at: int | None = None
+    first_violation: str | None = None
+    violation_kind: str | None = None
+    violation_class: str | None = None
+    violations_by: dict[str, int] = field(default_factory=dict)
+    emitted: EmittedTest | None = None
+    confirmed: list[str] = field(default_factory=list)
+    ok: bool = False
+
+    @property
+    def pytest(self) -> str | None:
+        return self.emitted.pytest if self.emitted is not None else None
+
+    @property
+    def pytest_check(self) -> dict[str, PytestCheck]:
+        return self.emitted.pytest_check if self.emitted is not None else {}
+
+    def to_json(self) -> dict[str, object]:
+        """The form ``minimized.json`` and ``--json`` have always had (violation and pytest keys only when set)."""
+        data: dict[str, object] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                                   if f.name not in ("emitted", "violation_at", "first_violation", "violation_kind",
+                                                     "violation_class", "violations_by", "confirmed", "ok")}
+        if self.violation:
+            data.update(violation_at=self.violation_at, first_violation=self.first_violation,
+                        violation_kind=self.violation_kind, violation_class=self.violation_class,
+                        violations_by=dict(self.violations_by))
+        if self.emitted is not None:
+            data.update(pytest=self.emitted.pytest,
+                        pytest_check={name: c.to_json() for name, c in self.emitted.pytest_check.items()})
+        data.update(confirmed=list(self.confirmed), ok=self.ok)
+        return data
+
+
 def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed: str | None = None,
              rep: int | None = None, emit_pytest: Path | None = None, confirm: bool = True,
              violation: str | None = None,
-             on_line: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+             on_line: Callable[[str], None] = lambda _: None) -> MinimizeResult:
     for name in [build] + ([fixed] if fixed else []):
         resolve_plan(loaded, name)
     if (violation is not None and violation.removesuffix("+offload") not in VIOLATION_GROUP_KINDS
@@ -434,39 +515,38 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
                                    "load": {**(trace.header.get("load") or {}), "concurrency": 1}}, items)
     out_path = trace_path.with_name("minimized.trace.jsonl")
     write_trace(out_path, minimized)
-    summary: dict[str, Any] = {
-        "trace": str(out_path), "source": str(trace_path), "build": build, "fixed": fixed,
-        "requests_before": len(original), "requests": len(items),
-        "tokens_before": sum(len(r.tokens) for r in original), "tokens": sum(len(r.tokens) for r in items),
-        "crash_at": None if violation else len(items) - 1, "deterministic": deterministic, "fixed_result": fixed_result,
-        "candidates_run": runs["count"], "failure": failure.label, "violation": violation,
-    }
+    summary = MinimizeResult(
+        trace=str(out_path), source=str(trace_path), build=build, fixed=fixed,
+        requests_before=len(original), requests=len(items),
+        tokens_before=sum(len(r.tokens) for r in original), tokens=sum(len(r.tokens) for r in items),
+        crash_at=None if violation else len(items) - 1, deterministic=deterministic, fixed_result=fixed_result,
+        candidates_run=runs["count"], failure=failure.label, violation=violation,
+    )
     if violation:
+        # the offline engine's answer (its own JSON protocol, kvrepro.engine.offline)
         first = next((r for r in again[0].get("kv_records") or () if corruption_matches(r, violation)), {})
-        summary.update(violation_at=first.get("request_index"), first_violation=first.get("text"),
-                       violation_kind=first.get("kind"), violation_class=first.get("class"),
-                       violations_by=again[0].get("kv_violations_by") or {})
+        summary.violation_at, summary.first_violation = first.get("request_index"), first.get("text")
+        summary.violation_kind, summary.violation_class = first.get("kind"), first.get("class")
+        summary.violations_by = dict(again[0].get("kv_violations_by") or {})
     if emit_pytest is not None:
         # the emitted test names violations by kind: a defect name is checked through its first one's
-        summary.update(_emit_and_check(Path(emit_pytest), minimized, loaded, build, engine, fixed, fixed_engine,
-                                       on_line, summary.get("violation_kind") or violation,
-                                       summary.get("first_violation")))
-    summary["confirmed"] = []
+        summary.emitted = _emit_and_check(Path(emit_pytest), minimized, loaded, build, engine, fixed, fixed_engine,
+                                          on_line, summary.violation_kind or violation, summary.first_violation)
     confirmed_ok = True
     if confirm:
-        summary["confirmed"], confirmed_ok = _confirm(loaded, out_path, root, [build] + ([fixed] if fixed else []),
-                                                      on_line, violation)
+        summary.confirmed, confirmed_ok = _confirm(loaded, out_path, root, [build] + ([fixed] if fixed else []),
+                                                   on_line, violation)
     ok = deterministic and (fixed is None or fixed_clean)
-    ok = ok and all(c["ok"] is not False for c in summary.get("pytest_check", {}).values())
-    summary["ok"] = ok and confirmed_ok and all("error" not in c for c in summary["confirmed"])
-    results.write_json(trace_path.with_name("minimized.json"), summary)
+    ok = ok and all(c.ok is not False for c in summary.pytest_check.values())
+    summary.ok = ok and confirmed_ok and all("error" not in c for c in summary.confirmed)
+    results.write_json(trace_path.with_name("minimized.json"), summary.to_json())
     return summary
 
 
 def _emit_and_check(path: Path, trace: Trace, loaded: LoadedMatrix, build: str, engine: OfflineEngine,
                     fixed: str | None, fixed_engine: OfflineEngine | None,
                     on_line: Callable[[str], None], violation: str | None = None,
-                    first_violation: str | None = None) -> dict[str, Any]:
+                    first_violation: str | None = None) -> EmittedTest:
     """Write the scheduler-level test and run it with each build's vLLM: it must fail on
     ``build`` with the target signature (a corruption: with the shadow KV's assertion naming a
     ``violation`` of that kind) and pass on ``fixed``."""
@@ -478,15 +558,15 @@ def _emit_and_check(path: Path, trace: Trace, loaded: LoadedMatrix, build: str, 
                    f"build {name}: " + ("fails (the bug)" if name == build else "passes (fixed)"))
             for name, e in engines.items()}
     emit(path, trace, loaded, engine.engine_info, runs, violation=violation, first_violation=first_violation)
-    check: dict[str, dict[str, Any]] = {}
+    check: dict[str, PytestCheck] = {}
     base = resolve_plan(loaded, build).base
     for name, e in engines.items():
         other = resolve_plan(loaded, name).base
         if other != base:
             # the test is written against the failing build's vLLM: its KVCacheConfig, Scheduler and
             # connector APIs (0.30 changed KVCacheTensor, for one); the oracle and the replay still judge
-            check[name] = {"ok": None, "exit": None,
-                           "result": f"not run: the test is written for vLLM {base}'s API, build {name} is on {other}"}
+            check[name] = PytestCheck(ok=None, exit=None,
+                                      result=f"not run: the test is written for vLLM {base}'s API, build {name} is on {other}")
             continue
         on_line(f"running the emitted test with build {name}'s vLLM")
         got = run_emitted(path, e.command[0], e.test_pythonpath)
@@ -507,10 +587,9 @@ def _emit_and_check(path: Path, trace: Trace, loaded: LoadedMatrix, build: str, 
         else:
             ok = got["exit"] == 0
             seen = "passes" if ok else f"exit {got['exit']}: {got['tail'][-300:]}"
-        check[name] = {"ok": ok, "result": seen, "exit": got["exit"]}
-        if violation and got["exit"] != 0:
-            check[name]["message"] = got["message"][:4000]
-    return {"pytest": str(path), "pytest_check": check}
+        check[name] = PytestCheck(ok=ok, result=seen, exit=got["exit"],
+                                  message=got["message"][:4000] if violation and got["exit"] != 0 else None)
+    return EmittedTest(pytest=str(path), pytest_check=check)
 
 
 def _confirm(loaded: LoadedMatrix, trace_path: Path, root: Path, builds: list[str],

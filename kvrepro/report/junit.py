@@ -19,7 +19,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from ..records import RunResult, Verdict
-from .render import meets_expectation
+from .expectations import Check, check
 from ..results.store import BuildResults, MatrixRun, write_atomic
 
 
@@ -86,11 +86,11 @@ def junit_xml(run: MatrixRun) -> str:
                 error = ET.SubElement(case, "error", type="DAMAGED", message=_xml_safe(r.title))
                 error.text = _xml_safe(r.title)
                 counts["errors"] += 1
-            elif r.verdict is Verdict.INFRA and build.expect != "INFRA":
+            elif check(r, build.expect) is Check.INFRA:
                 error = ET.SubElement(case, "error", type="INFRA", message=_xml_safe(f"infrastructure: {r.title}"))
                 error.text = _xml_safe(r.infra_error or r.title)
                 counts["errors"] += 1
-            elif not meets_expectation(r, build.expect):
+            elif check(r, build.expect) is Check.DIFFERS:
                 failure = ET.SubElement(case, "failure", type="verdict",
                                         message=f"expected {build.expect}, got {r.label}")
                 failure.text = _xml_safe(f"expected verdict: {build.expect}\nactual verdict: {r.label}\n"

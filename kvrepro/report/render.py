@@ -4,9 +4,8 @@
 * :func:`matrix_json` -- ``--json``;
 * :func:`write_report` -- ``results/<run>/report.md`` (fits a PR comment and
   ``$GITHUB_STEP_SUMMARY``) and ``report.html`` (one self-contained file);
-* :func:`render_bisection` -- the blocks of a bisection's steps (:class:`~kvrepro.records.BisectionStep`),
-  for ``kvrepro bisect`` to pass to :func:`write_report`, or :func:`write_bisection_report` alone;
-* :func:`mismatches` -- which repetitions differ from ``expect:`` (exit code 1, JUnit failures).
+* a bisection's display is :mod:`kvrepro.report.bisection` (its blocks can go into :func:`write_report`);
+* :func:`mismatches` -- which repetitions differ from ``expect:`` (decided in :mod:`.expectations`).
 
 Everything is made from what ``results.load_run`` reads back from disk as typed records, so a
 report of an old or an interrupted run says exactly what was recorded.
@@ -16,7 +15,6 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +25,10 @@ from rich.text import Text
 
 from .. import __version__
 from . import stats
+# whether a run meets expect: is decided in report/expectations.py (re-exported for the report's users)
+from .expectations import Mismatch, meets_expectation, mismatches  # noqa: F401
 from .pages import Block, Bullets, Cell, Code, Details, Heading, Image, Para, Table, to_html, to_markdown
-from ..records import BisectionStep, RunResult, Verdict
-from ..spec.matrix import meets
+from ..records import RunResult, Verdict
 from ..results.store import BuildResults, MatrixRun, write_atomic
 
 _STYLE = {"CRASH": "bold red", "CORRUPT": "bold red", "SURVIVED": "bold green", "VACUOUS": "yellow",
@@ -46,33 +45,6 @@ SURVIVAL_PNG = "survival.png"
 def verdict_label(run: RunResult) -> str:
     """CRASH(target) / CRASH(other) / CORRUPT / SURVIVED / UNREACHED / VACUOUS / STALL / INFRA / INTERRUPTED."""
     return run.label
-
-
-# --- expectations ----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Mismatch:
-    base: str
-    build: str
-    rep: int
-    expected: str
-    actual: str
-
-    def __str__(self) -> str:
-        return f"build {self.build} rep {self.rep}: {self.actual}, expected {self.expected}"
-
-
-def meets_expectation(run: RunResult, expected: str | None) -> bool:
-    """An INTERRUPTED repetition is neither a pass nor a failure of ``expect:``: it did not finish."""
-    return (not expected or run.verdict in (Verdict.INTERRUPTED, Verdict.INCOMPLETE, Verdict.DAMAGED)
-            or meets(expected, run.label, run.kv_defects)
-            # INFRA says nothing about the code: its own exit code (3), not "differs from expect"
-            or (run.verdict is Verdict.INFRA and expected != "INFRA"))
-
-
-def mismatches(run: MatrixRun) -> list[Mismatch]:
-    return [Mismatch(b.base, b.name, r.rep, b.expect or "", r.label)
-            for b in run.builds for r in b.runs if not meets_expectation(r, b.expect)]
 
 
 # --- numbers ---------------------------------------------------------------------------------
@@ -654,28 +626,6 @@ def _what_ran_blocks(run: MatrixRun) -> list[Block]:
     return blocks
 
 
-def render_bisection(steps: list[BisectionStep], *, good: str | None = None, bad: str | None = None,
-                     result: str | None = None) -> list[Block]:
-    """The blocks of a bisection's steps, for ``kvrepro bisect`` to pass to :func:`write_report`
-    (or to render alone with :func:`pages.to_markdown` / :func:`pages.to_html`).
-
-    ``good``/``bad`` name the ends it started from; ``result`` says what it found (e.g. "first bad:
-    0.27.0"). Each step shows its counts, its good/bad/skip call and how confident that call is.
-    """
-    tone = {"good": "good", "bad": "bad", "skip": "warn"}
-    rows = tuple((str(i + 1), Cell(s.point, code=True), f"{s.crashes}/{s.runs}", " ".join(s.labels) or "-",
-                  Cell(s.verdict, tone.get(s.verdict, "")), f"{100 * s.confidence:.1f}%", s.note)
-                 for i, s in enumerate(steps))
-    blocks: list[Block] = [Heading(2, "Bisection")]
-    if good or bad:
-        blocks.append(Para(f"from good `{good or '?'}` to bad `{bad or '?'}`"))
-    blocks.append(Table(("step", "point", "failed", "verdicts", "call", "confidence", "note"), rows,
-                        align="rlrllrl"))
-    if result:
-        blocks.append(Para(f"**{result}**"))
-    return blocks
-
-
 # GitHub refuses comments over 65,536 characters; past this the Markdown leaves out the per-run
 # table and the tracebacks (report.html keeps them)
 MARKDOWN_LIMIT = 60_000
@@ -724,16 +674,6 @@ def write_report(run: MatrixRun, bisection: list[Block] | None = None) -> tuple[
         markdown = to_markdown(document(run, run.path, bisection, details=False))
     write_atomic(md_path, markdown)
     write_atomic(html_path, to_html(f"kvrepro {run.run_id}", blocks))
-    return md_path, html_path
-
-
-def write_bisection_report(out_dir: Path, title: str, steps: list[BisectionStep], *, good: str | None = None,
-                           bad: str | None = None, result: str | None = None) -> tuple[Path, Path]:
-    """report.md and report.html of a bisection alone (when its steps are not one matrix run)."""
-    blocks: list[Block] = [Heading(1, title), *render_bisection(steps, good=good, bad=bad, result=result)]
-    md_path, html_path = out_dir / REPORT_MD, out_dir / REPORT_HTML
-    write_atomic(md_path, to_markdown(blocks))
-    write_atomic(html_path, to_html(title, blocks))
     return md_path, html_path
 
 

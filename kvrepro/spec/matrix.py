@@ -12,7 +12,7 @@ import json
 import os
 import re
 from pathlib import Path
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Literal
 
 import yaml
@@ -61,20 +61,6 @@ def expected_defects(alternative: str) -> tuple[str, ...]:
     run's); () for any other alternative."""
     m = _NAMED_CORRUPT.match(alternative.strip())
     return tuple(n.strip() for n in m["names"].split(",") if n.strip()) if m else ()
-
-
-def meets(expect: str | None, label: str, defects: Iterable[str] = ()) -> bool:
-    """Whether a repetition's verdict label (and, for CORRUPT, the defects it showed) is one that
-    ``expect:`` accepts. The one place that reads the ``expect:`` syntax; what counts as "not a
-    failure of expect:" (INTERRUPTED, INFRA) is the report's call (report.meets_expectation)."""
-    if not expect:
-        return True
-    shown = set(defects)
-    for alternative in (part.strip() for part in expect.split("|") if part.strip()):
-        wanted = expected_defects(alternative)
-        if _NAMED_CORRUPT.sub("CORRUPT", alternative) == label and shown.issuperset(wanted):
-            return True
-    return False
 
 
 class _Strict(BaseModel):
@@ -344,120 +330,17 @@ class RunsSpec(_Strict):
         return self
 
 
-class HostSpec(_Strict):
-    """A Docker host (docker target): where images are assembled and engine containers run."""
+class TargetSettings(BaseModel):
+    """A target's own section of the matrix (``docker:``, each entry of ``hosts:``), kept here as
+    the JSON values it holds: the target that owns it (kvrepro/deploy/<target>/settings.py) gives
+    it its typed form and checks it, with file:line errors, when kvrepro.matrix loads the matrix.
+    spec/ imports no later stage."""
 
-    name: str = Field(description="how docker.nodes and `kvrepro hosts check` refer to this host")
-    docker: str = Field("unix:///var/run/docker.sock", description="unix://, ssh://user@host or tcp://host:port")
-    gpus: int = Field(0, ge=0, description="GPUs an engine container on this host gets (0: the GPU-free engine)")
-    address: str | None = Field(None, description="address other nodes (and the load generator) use to reach this host")
-    tls: bool = False
-    tls_verify: bool = Field(True, description="tcp:// with tls: check the daemon's certificate against the CA")
-    cert_path: str | None = Field(
-        None, description="tcp:// with tls: folder holding ca.pem, cert.pem, key.pem (default: $DOCKER_CERT_PATH)"
-    )
-    ssh_config: str | None = Field(
-        None, description="ssh://: the ssh client config file to use (ssh -F); default: ~/.ssh/config as `ssh` reads it"
-    )
-    api_address: str | None = Field(
-        None, description="publish engine APIs on this IP of the host and call them there; default: the host's "
-                          "loopback, reached through the ssh connection (required for remote tcp:// hosts)"
-    )
-    local: bool | None = Field(
-        None, description="whether this daemon runs on this machine (bind mounts, 127.0.0.1); null: decided by "
-                          "comparing the daemon's ID with the local daemon's, never by the address"
-    )
+    model_config = ConfigDict(extra="allow", frozen=True)
 
-    @field_validator("name")
-    @classmethod
-    def _host_name(cls, v: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", v):
-            raise ValueError("use letters, digits, '_', '.', '-' (it becomes part of container names)")
-        return v
-
-    @field_validator("docker")
-    @classmethod
-    def _docker_url(cls, v: str) -> str:
-        if not re.match(r"^(unix|ssh|tcp|http|https)://", v):
-            raise ValueError("must start with unix://, ssh:// or tcp:// (e.g. unix:///var/run/docker.sock, "
-                             "ssh://user@gpu-node-1, tcp://10.0.0.5:2376)")
-        return v
-
-
-class DockerSpec(_Strict):
-    """How the docker target runs an engine. Secrets are named here, never given: see pass_env."""
-
-    nodes: list[str] = Field(
-        default_factory=list,
-        description="hosts (by name, from hosts:) that together run one engine, head first; "
-                    "empty: the first host, or the local daemon when hosts: is empty",
-    )
-    multi_node: Literal["nnodes", "data-parallel"] = Field(
-        "nnodes",
-        description="with several nodes: `nnodes` (one model across nodes: --nnodes/--node-rank/--master-addr, "
-                    "--headless on the others) or `data-parallel` (--data-parallel-* with --headless on the others)",
-    )
-    rendezvous_port: int = Field(29501, ge=1, le=65535,
-                                 description="--master-port (nnodes) or --data-parallel-rpc-port (data-parallel)")
-    data_parallel_size_local: int | None = Field(
-        None, ge=1, description="data-parallel: engines per node (default: the host's gpus, at least 1)"
-    )
-    api_port: int | None = Field(None, ge=1, le=65535,
-                                 description="host port of the head's API; default: any free port")
-    container_port: int = Field(8000, ge=1, le=65535, description="the API port inside the container (bridge network)")
-    ipc_host: bool = Field(True, description="--ipc=host, as vLLM's docs run it (shared memory for workers)")
-    shm_size: str | None = Field("16g", description="--shm-size when ipc_host is false, e.g. 16g")
-    hf_cache: str | None = Field(
-        "kvrepro-hf-cache",
-        description="mounted at hf_cache_target: a named volume, or an absolute path on the host; null: none",
-    )
-    hf_cache_target: str = "/root/.cache/huggingface"
-    pass_env: list[str] = Field(
-        default_factory=lambda: ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"],
-        description="NAMES of variables copied from your environment into the engine container when set "
-                    "(tokens); their values never reach results, manifests, labels or logs",
-    )
-    env: dict[str, str] = Field(default_factory=dict, description="plain (non-secret) variables for the engine")
-    health_timeout_s: float | None = Field(None, gt=0, description="default: runs.start_timeout_s")
-    stop_timeout_s: float = Field(10.0, ge=0, description="SIGTERM to SIGKILL grace at teardown")
-    log_stall_s: float = Field(
-        20.0, gt=0, description="watchdog: a container log stream silent this long is checked and reopened if hung"
-    )
-    pull: bool = Field(True, description="pull base_image on a host that does not have it")
-    gpu_free: Literal["auto", "yes", "no"] = Field(
-        "auto",
-        description="pass the GPU-free engine's settings (--num-gpu-blocks-override, KVREPRO_SIM_*): "
-                    "auto = when the engine's hosts declare no GPUs",
-    )
-
-    @field_validator("pass_env")
-    @classmethod
-    def _env_names(cls, v: list[str]) -> list[str]:
-        for i, name in enumerate(v):
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-                # Not echoed: an entry like NAME=value would put the secret into the error.
-                shown = name.split("=", 1)[0][:40]
-                raise ValueError(f"entry {i} ({shown!r}...) is not an environment variable NAME; "
-                                 "list names only, never values")
-        return v
-
-    @field_validator("env")
-    @classmethod
-    def _no_secret_values(cls, v: dict[str, str]) -> dict[str, str]:
-        from ..secrets import is_secret_name
-
-        for name in v:
-            if is_secret_name(name):
-                raise ValueError(f"{name} looks like a secret: do not write its value here; "
-                                 f"list the name under docker.pass_env and export it in your shell")
-        return v
-
-    @field_validator("shm_size")
-    @classmethod
-    def _shm(cls, v: str | None) -> str | None:
-        if v is not None and not re.fullmatch(r"\d+[bkmgBKMG]?", v):
-            raise ValueError("a size such as 16g, 512m or 1073741824")
-        return v
+    def raw(self) -> dict[str, Any]:
+        """The section's keys and values, as written."""
+        return dict(self.model_extra or {})
 
 
 class Matrix(_Strict):
@@ -474,8 +357,10 @@ class Matrix(_Strict):
     engine: EngineSpec = Field(default_factory=EngineSpec)
     load: LoadSpec = Field(default_factory=LoadSpec)
     runs: RunsSpec = Field(default_factory=RunsSpec)
-    hosts: list[HostSpec] = Field(default_factory=list, max_length=MAX_HOSTS)
-    docker: DockerSpec = Field(default_factory=DockerSpec)
+    hosts: list[TargetSettings] = Field(default_factory=list, max_length=MAX_HOSTS,
+                                        description="docker target: Docker hosts (kvrepro/deploy/docker/settings.py)")
+    docker: TargetSettings = Field(default_factory=TargetSettings,
+                                   description="docker target: how it runs an engine (kvrepro/deploy/docker/settings.py)")
     expect: dict[str, str] = Field(
         default_factory=dict,
         description="build -> the verdict every repetition must have; `matrix run` exits 1 otherwise",
@@ -553,17 +438,19 @@ class Matrix(_Strict):
                                           "letters, digits and '-', as `kvrepro signatures` lists them)")
         return self
 
-    @property
-    def image(self) -> str:
-        return self.image_for(self.bases[0])
+    @model_validator(mode="after")
+    def _target_settings(self, info: ValidationInfo) -> "Matrix":
+        # The targets' own sections (docker:, hosts:) are checked by the deploy stage, handed in
+        # by whoever loads the matrix (kvrepro.matrix.load_matrix): spec/ imports no later stage.
+        check = (info.context or {}).get(TARGET_SETTINGS_CHECK)
+        if check is not None:
+            check(self)
+        return self
 
-    def image_for(self, base: str) -> str:
-        """docker target: the image builds of ``base`` are assembled on."""
-        return self.base_image or f"vllm/vllm-openai:v{base}"
 
-
-# the validation-context key under which parse_matrix passes the load profile's settings check
+# the validation-context keys under which parse_matrix passes the later stages' settings checks
 LOAD_SETTINGS_CHECK = "load_settings_check"
+TARGET_SETTINGS_CHECK = "target_settings_check"
 
 
 class FieldError(ValueError):
@@ -775,12 +662,15 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def parse_matrix(text: str, path: Path, check_load_settings: Callable[[LoadSpec], None] | None = None) -> LoadedMatrix:
+def parse_matrix(text: str, path: Path, check_load_settings: Callable[[LoadSpec], None] | None = None,
+                 check_target_settings: Callable[["Matrix"], None] | None = None) -> LoadedMatrix:
     """Validate matrix text; raise SpecError naming file:line, field and what is allowed.
 
     ``check_load_settings`` checks the load profile's own fields (``load:`` keys LoadSpec does
-    not know); it raises :class:`FieldError`. kvrepro.matrix passes the load generator's check;
-    without one those fields are kept unchecked (a later stage validates them when it uses them).
+    not know); ``check_target_settings`` the targets' sections (``docker:``, ``hosts:``); both
+    raise :class:`FieldError`. kvrepro.matrix passes the load generator's and the targets'
+    checks; without them those fields are kept unchecked (a later stage validates them when it
+    uses them).
     """
     if len(text) > MAX_MATRIX_BYTES:
         raise SpecError(f"{path}: {len(text):,} characters; a matrix is at most {MAX_MATRIX_BYTES:,} (is this the "
@@ -803,8 +693,9 @@ def parse_matrix(text: str, path: Path, check_load_settings: Callable[[LoadSpec]
         raise SpecError(f"{path}:1: the top level must be a mapping (base:, patches:, builds:, ...)")
     lines = _line_index(text)
     try:
-        context = {LOAD_SETTINGS_CHECK: check_load_settings} if check_load_settings else None
-        matrix = Matrix.model_validate(data, context=context)
+        context = {key: check for key, check in ((LOAD_SETTINGS_CHECK, check_load_settings),
+                                                 (TARGET_SETTINGS_CHECK, check_target_settings)) if check}
+        matrix = Matrix.model_validate(data, context=context or None)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
@@ -851,7 +742,8 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     return model if isinstance(model, type) else None
 
 
-def load_matrix(path: str | Path, check_load_settings: Callable[[LoadSpec], None] | None = None) -> LoadedMatrix:
+def load_matrix(path: str | Path, check_load_settings: Callable[[LoadSpec], None] | None = None,
+                check_target_settings: Callable[["Matrix"], None] | None = None) -> LoadedMatrix:
     """Read and validate a matrix file (see :func:`parse_matrix`)."""
     path = Path(path)
     if path.is_dir():
@@ -872,7 +764,7 @@ def load_matrix(path: str | Path, check_load_settings: Callable[[LoadSpec], None
         line = raw[: exc.start].count(b"\n") + 1
         raise SpecError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
                         "save the file as UTF-8") from None
-    return parse_matrix(text, path.resolve(), check_load_settings)
+    return parse_matrix(text, path.resolve(), check_load_settings, check_target_settings)
 
 
 # the experiment kvrepro ships; `kvrepro classify LOG` without --matrix judges logs against its target

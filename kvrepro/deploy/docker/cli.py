@@ -45,8 +45,9 @@ def _matrix_or_none(path: Path) -> Matrix | None:
     if not path.exists() and path == Path("matrix.yaml"):
         return None
     from ...spec.matrix import load_matrix
+    from .settings import check_settings
 
-    return load_matrix(path).matrix
+    return load_matrix(path, check_target_settings=check_settings).matrix
 
 
 def _fail(exc: KvreproError) -> None:

@@ -25,7 +25,8 @@ import docker.errors
 import requests
 
 from ...errors import SpecError
-from ...spec.matrix import HostSpec, Matrix
+from ...spec.matrix import Matrix
+from .settings import HostSpec, docker_settings
 from .errors import DaemonDownError, SshError, UnknownHostError
 from .labels import MANAGED_FILTER
 from .ssh import SshConnection, free_local_port
@@ -94,24 +95,25 @@ def reach_address(spec: HostSpec, local: bool | None = None) -> str:
 
 def engine_hosts(matrix: Matrix) -> list[HostSpec]:
     """The hosts that together run one engine, head first (docker.nodes, else the first host)."""
-    known = {h.name: h for h in matrix.hosts}
-    if matrix.docker.nodes:
-        missing = [n for n in matrix.docker.nodes if n not in known]
+    settings = docker_settings(matrix)
+    known = {h.name: h for h in settings.hosts}
+    if settings.docker.nodes:
+        missing = [n for n in settings.docker.nodes if n not in known]
         if missing:
             raise UnknownHostError(
                 f"docker.nodes names host(s) {', '.join(map(repr, missing))} that hosts: does not define "
                 f"(defined: {', '.join(known) or 'none'}); add them under hosts: with name and docker URL"
             )
-        return [known[n] for n in matrix.docker.nodes]
-    if matrix.hosts:
-        return [matrix.hosts[0]]
+        return [known[n] for n in settings.docker.nodes]
+    if settings.hosts:
+        return [settings.hosts[0]]
     return [local_host_spec()]
 
 
 def all_hosts(matrix: Matrix | None) -> list[HostSpec]:
     if matrix is None or not matrix.hosts:
         return [local_host_spec()]
-    return list(matrix.hosts)
+    return list(docker_settings(matrix).hosts)
 
 
 def _tls_config(spec: HostSpec) -> docker.tls.TLSConfig | None:
@@ -309,9 +311,10 @@ def check_host(spec: HostSpec, matrix: Matrix | None) -> dict[str, Any]:
         if matrix is not None:
             # The API port (vLLM's 8000 unless docker.api_port says otherwise; one local node
             # publishes on any free port) and the multi-node rendezvous port.
-            ports = [matrix.docker.api_port or 8000, matrix.docker.rendezvous_port]
+            settings = docker_settings(matrix)
+            ports = [settings.docker.api_port or 8000, settings.docker.rendezvous_port]
             report["ports"] = {str(p): port_state(host, p) for p in ports}
-            image = matrix.image
+            image = settings.image_for(matrix.bases[0])
             try:
                 host.client.images.get(image)
                 report["base_image"] = {"ref": image, "present": True}

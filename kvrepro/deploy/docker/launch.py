@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...errors import SpecError
-from ...spec.matrix import DockerSpec, HostSpec
+from .settings import DockerSpec, HostSpec
 
 # Flags this module owns, with the short aliases vLLM 0.26 registers for them. A matrix that
 # sets one in engine.extra_args would fight the launch plan, so it is refused up front.

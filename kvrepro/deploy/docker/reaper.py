@@ -58,7 +58,7 @@ def _source_root() -> str:
 
 
 def _reap(session: str, hosts: list[dict]) -> None:
-    from ...spec.matrix import HostSpec
+    from .settings import HostSpec
     from . import labels as L
     from .hosts import connect, remove_quietly
 

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from ...spec.matrix import HostSpec
+from .settings import HostSpec
 from .errors import DockerInfraError, SshError, UnknownHostError
 
 DEFAULT_REMOTE_SOCKET = "/var/run/docker.sock"

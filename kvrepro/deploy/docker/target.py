@@ -9,6 +9,7 @@ path out of start/stop leaves no container behind.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -20,9 +21,10 @@ import requests
 from docker.types import DeviceRequest, Mount
 
 from ...errors import InfraError, KvreproError, SpecError
-from ...records import BuildArtifact, BuildPlan
+from ...records import BuildArtifact, BuildManifest, BuildPlan, HostImage, ImageRef
 from ...secrets import redact
-from ...spec.matrix import HostSpec, LoadedMatrix
+from ...spec.matrix import LoadedMatrix
+from .settings import DockerSettings, HostSpec, docker_settings
 from .. import register
 from ..base import EngineHandle, Target
 from . import labels as L
@@ -88,10 +90,15 @@ class DockerTarget(Target):
         self._lock = threading.Lock()
         self._interrupted = threading.Event()
         self._reaper: Reaper | None = None
-        names = [h.name for h in loaded.matrix.hosts]
+        names = [h.name for h in docker_settings(loaded.matrix).hosts]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise SpecError(f"{loaded.path}: hosts: name(s) {', '.join(dupes)} used twice; host names must be unique")
+
+    @property
+    def settings(self) -> DockerSettings:
+        """This target's typed settings (hosts:, docker:, base_image:) of the matrix it runs."""
+        return docker_settings(self.loaded.matrix)
 
     # ---------------------------------------------------------------- hosts
 
@@ -113,7 +120,7 @@ class DockerTarget(Target):
     def max_parallel(self) -> int:
         """Engines at once: one per cluster/GPU set (an engine owns its hosts' GPUs and ports);
         on GPU-free hosts a few, like the sim target (one engine keeps about a core busy)."""
-        spec = self.loaded.matrix.docker
+        spec = self.settings.docker
         try:
             nodes = self.node_specs()
             if len(nodes) > 1 or spec.api_port or any(n.gpus for n in nodes):
@@ -140,7 +147,7 @@ class DockerTarget(Target):
         return engine.serve_args(model_arg, include_sim=self.gpu_free(self.node_specs()))
 
     def gpu_free(self, nodes: list[HostSpec]) -> bool:
-        mode = self.loaded.matrix.docker.gpu_free
+        mode = self.settings.docker.gpu_free
         return mode == "yes" or (mode == "auto" and all(n.gpus == 0 for n in nodes))
 
     # ---------------------------------------------------------------- prepare
@@ -151,24 +158,25 @@ class DockerTarget(Target):
             specs = list({s.name: s for s in self.node_specs()}.values())
             hosts = [self.host(s) for s in specs]
             with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
-                futures = [pool.submit(assemble, h, matrix.image_for(plan.base), plan, pull=matrix.docker.pull, on_line=self.on_line)
+                futures = [pool.submit(assemble, h, self.settings.image_for(plan.base), plan, pull=self.settings.docker.pull, on_line=self.on_line)
                            for h in hosts]
                 built = [f.result() for f in futures]
         except KvreproError as exc:
             return BuildArtifact(plan=plan, ref=None, error=str(exc),
-                                 manifest={"error_kind": getattr(exc, "kind", "spec")})
+                                 manifest=BuildManifest(error_kind=getattr(exc, "kind", "spec")))
         first = built[0]
         if len({a.tag for a in built}) > 1:
             # Same base image id everywhere gives the same tag; different ids mean the hosts
             # hold different images under one name, and the runs would not be comparable.
             tags = ", ".join(f"{h.name}: {a.tag}" for h, a in zip(hosts, built))
-            return BuildArtifact(plan=plan, ref=None, manifest={"error_kind": "image_build"},
-                                 error=f"build {plan.name}: hosts hold different {matrix.image_for(plan.base)} images ({tags}); "
+            return BuildArtifact(plan=plan, ref=None, manifest=BuildManifest(error_kind="image_build"),
+                                 error=f"build {plan.name}: hosts hold different {self.settings.image_for(plan.base)} images ({tags}); "
                                        "pull the same base on every host")
-        manifest: dict[str, Any] = dict(first.manifest)
-        manifest["image"] = {"tag": first.tag, "id": first.image_id, "labels": first.labels}
-        manifest["hosts"] = {h.name: {"image_id": a.image_id, "reused": a.reused, "seconds": round(a.seconds, 3)}
-                             for h, a in zip(hosts, built)}
+        manifest = dataclasses.replace(
+            BuildManifest.from_json(first.manifest, f"image {first.tag}'s manifest label"),
+            image=ImageRef(tag=first.tag, id=first.image_id, labels=dict(first.labels)),
+            hosts={h.name: HostImage(image_id=a.image_id, reused=a.reused, seconds=round(a.seconds, 3))
+                   for h, a in zip(hosts, built)})
         return BuildArtifact(plan=plan, ref=first.tag, manifest=manifest, reused=all(a.reused for a in built),
                              source_root=str(first.source_root) if first.source_root else None)
 
@@ -187,7 +195,7 @@ class DockerTarget(Target):
 
     def _env(self, rep: int, gpu_free: bool) -> tuple[dict[str, str], list[str]]:
         """The container environment and the secret values in it (to redact from logs)."""
-        spec = self.loaded.matrix.docker
+        spec = self.settings.docker
         env = {"PYTHONUNBUFFERED": "1", **spec.env}
         secrets: list[str] = []
         for name in spec.pass_env:
@@ -206,7 +214,7 @@ class DockerTarget(Target):
 
     def _mounts(self, host: DockerHost, model_dir: Path | None, model_arg: str) -> tuple[list[Mount], bool]:
         """Mounts for a node, and whether the model folder must be uploaded instead of mounted."""
-        spec = self.loaded.matrix.docker
+        spec = self.settings.docker
         mounts: list[Mount] = []
         if spec.hf_cache:
             source = spec.hf_cache
@@ -246,7 +254,7 @@ class DockerTarget(Target):
 
     def _start(self, artifact: BuildArtifact, run_dir: Path, rep: int) -> EngineHandle:
         matrix = self.loaded.matrix
-        spec = matrix.docker
+        spec = self.settings.docker
         node_specs = self.node_specs()
         hosts = [self.host(s) for s in node_specs]
         head = hosts[0]
@@ -301,7 +309,7 @@ class DockerTarget(Target):
 
     def _create(self, launch: NodeLaunch, host: DockerHost, artifact: BuildArtifact, run_dir: Path, rep: int,
                 model_dir: Path | None, model_arg: str):
-        spec = self.loaded.matrix.docker
+        spec = self.settings.docker
         mounts, upload = self._mounts(host, model_dir, model_arg)
         kwargs: dict[str, Any] = dict(
             image=artifact.ref,
