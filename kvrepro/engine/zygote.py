@@ -33,7 +33,6 @@ import os
 import select
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time

@@ -29,7 +29,7 @@ from ...spec.matrix import Matrix
 from .settings import HostSpec, docker_settings
 from .errors import DaemonDownError, SshError, UnknownHostError
 from .labels import MANAGED_FILTER
-from .ssh import SshConnection, free_local_port
+from .ssh import SshConnection
 
 DEFAULT_SOCKET = "unix:///var/run/docker.sock"
 

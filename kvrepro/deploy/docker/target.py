@@ -34,8 +34,8 @@ from .reaper import Reaper
 from .containers import ContainerEngine
 from .errors import (ContainerError, DaemonDownError, DockerInfraError, ImageMissingError, PortInUseError,
                      SshError, UnknownHostError)
-from .hosts import (DockerHost, connect, engine_hosts, free_local_port, port_free_locally, published_ports,
-                    remove_quietly)
+from .hosts import DockerHost, connect, engine_hosts, port_free_locally, published_ports, remove_quietly
+from .ssh import free_local_port
 from .launch import NodeLaunch, plan_launch
 
 MODEL_MOUNT = "/kvrepro/model"
