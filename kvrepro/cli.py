@@ -47,6 +47,7 @@ class _LazyModule:
 
 
 report = _LazyModule("kvrepro.report.render")
+report_document = _LazyModule("kvrepro.report.document")
 builds = _LazyModule("kvrepro.builds")
 
 app = typer.Typer(help="Reproduce vLLM engine crashes and prove which fixes cure them.",
@@ -230,7 +231,7 @@ def _write_outputs(run: "results.MatrixRun", junit_path: Optional[Path], ci: boo
     False when something was not written (the exit code then says infrastructure, 3, never 0)."""
     ok = True
     try:
-        md_path, html_path = report.write_report(run)
+        md_path, html_path = report_document.write_report(run)
         err.print(f"report: {html_path} (markdown: {md_path.name})", highlight=False)
         if ci:
             summary = report.append_step_summary(md_path.read_text())
@@ -391,7 +392,7 @@ def report_cmd(
     """Write results/<run>/report.md and report.html (self-contained) for a recorded run."""
     _check_junit(junit)
     run = results.load_run(results_root, run_id)
-    md_path, html_path = report.write_report(run)
+    md_path, html_path = report_document.write_report(run)
     if junit is not None:
         from .report.junit import write_junit
         from .errors import InfraError

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvrepro.report import render as report, stats
+from kvrepro.report import document
 from kvrepro.results import store as results
 from kvrepro.classify import read_exposure
 from kvrepro.classify.corruption import (UNKNOWN, ViolationClass, attribute, by_name, defects_of,
@@ -165,7 +166,7 @@ def test_the_report_says_in_words_what_each_patch_proved(tmp_path):
     mtp = next(c for c in claims if c.startswith("`pr-52771`"))
     assert "does not remove the target crash" in mtp
     assert report.mismatches(run) == []  # B's expect names the defect it showed
-    markdown = (report.write_report(run)[0]).read_text()
+    markdown = (document.write_report(run)[0]).read_text()
     assert markdown.index("What this matrix proved") < markdown.index("| base | build |")
     assert "| `pr-52807` | target | A → B | 3/3 | 0/3 | 0.05 | 1 |" in markdown
     data = report.matrix_json(run)

@@ -14,6 +14,7 @@ import xmlschema
 from markdown_it import MarkdownIt
 
 from kvrepro.report import junit, pages, render as report
+from kvrepro.report import document
 from kvrepro.results import store as results
 from kvrepro.report.compare import compare
 from kvrepro.records import (BuildManifest, BuildRecord, HostInfo, LoadSummary, Outcome, RunResult, Signature,
@@ -138,7 +139,7 @@ def test_a_field_of_the_wrong_type_names_the_file_and_field(tmp_path):
 
 def test_report_markdown_has_the_table_stats_and_image_link(tmp_path):
     run = make_run(tmp_path, DEFAULT, EXPECT)
-    md_path, html_path = report.write_report(run)
+    md_path, html_path = document.write_report(run)
     md = md_path.read_text()
     assert "Every verdict as `expect:` says." in md
     assert "| 0.26.0 | A | pr-49146 | CRASH(target) | 3x CRASH(target) ✓ | 3/3 = 100% (29-100%) |" in md
@@ -158,7 +159,7 @@ def test_report_markdown_has_the_table_stats_and_image_link(tmp_path):
 
 def test_report_html_is_self_contained_and_readable_without_script(tmp_path):
     run = make_run(tmp_path, DEFAULT, EXPECT)
-    _, html_path = report.write_report(run)
+    _, html_path = document.write_report(run)
     page = html_path.read_text()
     assert "<script" not in page
     assert not re.search(r'(src|href)="(https?:)?//', page)  # nothing fetched when it is opened
@@ -171,7 +172,7 @@ def test_report_html_is_self_contained_and_readable_without_script(tmp_path):
 
 def test_a_differing_verdict_is_named_in_the_report(tmp_path):
     run = make_run(tmp_path, {"A": [C, C, C], "B": [S, C, S]}, {"A": "CRASH(target)", "B": "SURVIVED"})
-    md = pages.to_markdown(report.document(run))
+    md = pages.to_markdown(document.document(run))
     assert "**1 verdict(s) differ from `expect:`**: build B rep 1: CRASH(target), expected SURVIVED" in md
     assert "SURVIVED CRASH(target) SURVIVED ✗ (expected SURVIVED)" in md
 
@@ -280,7 +281,7 @@ def test_bisection_report_alone_and_inside_a_matrix_report(tmp_path):
     assert "| 1 | bad end | `0.26.0` | BAD | 3x CRASH(target) | - |" in md_path.read_text()
     assert "<h2>Bisection</h2>" in html_path.read_text()
     run = make_run(tmp_path / "r", {"A": [C]})
-    md, _ = report.write_report(run, bisection=bisection.bisection_blocks(_bisection()))
+    md, _ = document.write_report(run, bisection=bisection.bisection_blocks(_bisection()))
     text = md.read_text()
     assert text.index("## Bisection") < text.index("## Time to crash")
 
@@ -299,8 +300,8 @@ def test_markdown_too_long_for_a_pr_comment_leaves_out_the_details(tmp_path, mon
     """The limit (GitHub's comment size) is lowered so that a small run exceeds it: no fake
     beyond that constant; the report code runs as it would on a long run."""
     run = make_run(tmp_path, DEFAULT, EXPECT)
-    monkeypatch.setattr(report, "MARKDOWN_LIMIT", 3000)
-    md_path, html_path = report.write_report(run)
+    monkeypatch.setattr(document, "MARKDOWN_LIMIT", 3000)
+    md_path, html_path = document.write_report(run)
     md = md_path.read_text()
     assert "left out to fit a PR comment" in md and "## Runs" not in md and "| 0.26.0 | A |" in md
     assert "<h2>Runs</h2>" in html_path.read_text()
@@ -328,7 +329,7 @@ def test_a_run_over_two_releases_keeps_cells_apart(tmp_path):
     assert [str(m) for m in report.mismatches(run)] == ["build A@0.30.0 rep 0: SURVIVED, expected CRASH(target)"]
     effects = report.matrix_json(run)["patch_effects"]
     assert {(e["without"], e["with"]) for e in effects} == {("A@0.26.0", "B@0.26.0"), ("A@0.30.0", "B@0.30.0")}
-    md = pages.to_markdown(report.document(run))
+    md = pages.to_markdown(document.document(run))
     assert "# kvrepro " + run.run_id + ": vLLM 0.26.0, 0.30.0" in md
     assert "| 0.30.0 | A | (base) | CRASH(target) | SURVIVED ✗ (expected CRASH(target)) |" in md
     xmlschema.XMLSchema(XSD).validate(junit.junit_xml(run))
@@ -343,3 +344,20 @@ def test_the_junit_schema_refuses_what_ci_readers_would():
     assert not schema.is_valid(good.replace('time="0.5"', 'time="-1"'))
     assert not schema.is_valid(good.replace('<failure message="m">t</failure>', "<failure/><error/>"))
     assert not schema.is_valid(good.replace(' tests="1"', ""))
+
+
+def test_each_report_section_is_one_file_and_they_come_in_order(tmp_path):
+    """A section is found by its file in kvrepro/report/sections/ (adding one is adding a file);
+    the report shows the sections' headings in their ORDER."""
+    from kvrepro.report.sections import known_sections
+
+    folder = ROOT / "kvrepro" / "report" / "sections"
+    files = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    modules = known_sections()
+    assert {m.__name__.rsplit(".", 1)[1] for m in modules} == files
+    assert [m.ORDER for m in modules] == sorted(m.ORDER for m in modules)
+    run = make_run(tmp_path, DEFAULT, EXPECT)
+    md = pages.to_markdown(document.document(run))
+    headings = [line for line in md.splitlines() if line.startswith("## ")]
+    assert headings.index("## Runs") < headings.index("## What ran")
+    assert headings.index("## Crashes") < headings.index("## Runs")

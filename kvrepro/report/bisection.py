@@ -2,7 +2,7 @@
 
 One table of the steps (:func:`step_rows`) feeds the terminal (:func:`bisection_table`, which
 `kvrepro bisect ...` and `kvrepro results show <bisection>` print) and the page model
-(:func:`bisection_blocks`, for :func:`kvrepro.report.render.write_report` or
+(:func:`bisection_blocks`, for :func:`kvrepro.report.document.write_report` or
 :func:`write_bisection_report`); :func:`step_line` is the progress line of one decided step.
 """
 

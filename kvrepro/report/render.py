@@ -2,9 +2,10 @@
 
 * :func:`matrix_table` -- the terminal table (rich);
 * :func:`matrix_json` -- ``--json``;
-* :func:`write_report` -- ``results/<run>/report.md`` (fits a PR comment and
-  ``$GITHUB_STEP_SUMMARY``) and ``report.html`` (one self-contained file);
-* a bisection's display is :mod:`kvrepro.report.bisection` (its blocks can go into :func:`write_report`);
+* the formatting the report's sections share (rates, verdict labels, what the matrix proved);
+  the report itself is :mod:`kvrepro.report.document` (``report.md``, ``report.html``), one
+  section per file in ``kvrepro/report/sections/``;
+* a bisection's display is :mod:`kvrepro.report.bisection` (its blocks can go into the report);
 * :func:`mismatches` -- which repetitions differ from ``expect:`` (decided in :mod:`.expectations`).
 
 Everything is made from what ``results.load_run`` reads back from disk as typed records, so a
@@ -24,18 +25,16 @@ from rich.measure import Measurement
 from rich.table import Table as RichTable
 from rich.text import Text
 
-from .. import __version__
 from . import stats
 # whether a run meets expect: is decided in report/expectations.py (re-exported for the report's users)
 from .expectations import Mismatch, meets_expectation, mismatches  # noqa: F401
-from .pages import Block, Bullets, Cell, Code, Details, Heading, Image, Para, Table, to_html, to_markdown
 from ..records import RunResult, Verdict
-from ..results.store import BuildResults, MatrixRun, write_atomic
+from ..results.store import BuildResults, MatrixRun
 
 _STYLE = {"CRASH": "bold red", "CORRUPT": "bold red", "SURVIVED": "bold green", "VACUOUS": "yellow",
           "UNREACHED": "yellow", "STALL": "yellow", "INFRA": "magenta", "INTERRUPTED": "dim",
           "INCOMPLETE": "dim", "DAMAGED": "bold magenta"}
-_TONE = {"CRASH": "bad", "CORRUPT": "bad", "SURVIVED": "good", "VACUOUS": "warn", "UNREACHED": "warn",
+TONE = {"CRASH": "bad", "CORRUPT": "bad", "SURVIVED": "good", "VACUOUS": "warn", "UNREACHED": "warn",
          "STALL": "warn", "INFRA": "warn", "INTERRUPTED": "muted",
          "DAMAGED": "warn"}
 REPORT_MD = "report.md"
@@ -58,7 +57,7 @@ def build_key(run: MatrixRun, build: BuildResults) -> str:
     return build.name
 
 
-def _effects_by_base(run: MatrixRun, kind: stats.FailureKind = stats.ANY_FAILURE
+def effects_by_base(run: MatrixRun, kind: stats.FailureKind = stats.ANY_FAILURE
                      ) -> tuple[list[stats.PatchEffect], list[stats.Factorial]]:
     """Patch effects compare builds on the same base only: across bases more than a patch differs."""
     effects, factorials = [], []
@@ -85,7 +84,7 @@ def failure_kinds(run: MatrixRun) -> list[stats.FailureKind]:
     return kinds
 
 
-def _ratio(r: stats.Rate) -> str:
+def ratio_text(r: stats.Rate) -> str:
     return f"{r.crashes}/{r.trials}" if r.trials else "-"
 
 
@@ -100,7 +99,7 @@ def proved(run: MatrixRun) -> list[str]:
     kinds = failure_kinds(run)
     by_patch: dict[str, list[stats.PatchEffect]] = {}
     for kind in kinds:
-        for e in _effects_by_base(run, kind)[0]:
+        for e in effects_by_base(run, kind)[0]:
             by_patch.setdefault(e.patch, []).append(e)
     runs_of = {build_key(run, b): b.runs for b in run.builds}
     lines = []
@@ -109,7 +108,7 @@ def proved(run: MatrixRun) -> list[str]:
         named: set[str] = set()
         for kind in kinds:
             mine = [e for e in effects if e.kind.name == kind.name and e.measured]
-            pairs = "; ".join(f"{e.without} {_ratio(e.without_rate)} → {e.with_} {_ratio(e.with_rate)}"
+            pairs = "; ".join(f"{e.without} {ratio_text(e.without_rate)} → {e.with_} {ratio_text(e.with_rate)}"
                               + (f", p = {min(e.p_value, e.p_raised):.2g}" if e.lowered or e.raised else "")
                               for e in mine)
             if any(e.lowered for e in mine):
@@ -129,7 +128,7 @@ def proved(run: MatrixRun) -> list[str]:
         for kind in kinds[1:]:
             failing = [e.with_ for e in effects if e.kind.name == kind.name and e.with_rate.crashes]
             if failing and kind.name not in named:
-                left.append(f"{kind.name} in " + ", ".join(f"{b} {_ratio(stats.rate(runs_of[b], kind))}"
+                left.append(f"{kind.name} in " + ", ".join(f"{b} {ratio_text(stats.rate(runs_of[b], kind))}"
                                                            for b in failing))
         together = " (added together)" if " + " in patch else ""
         sentence = f"`{patch}`{together} " + ("; ".join(clauses) if clauses else "shows no measurable effect")
@@ -145,14 +144,14 @@ def proved(run: MatrixRun) -> list[str]:
     return lines
 
 
-def _count(value: int | None) -> str:
+def count_text(value: int | None) -> str:
     """A counter for a table: "unknown" when it was not known (not the same as 0)."""
     return "unknown" if value is None else str(value)
 
 
 def offload_loads_text(run: RunResult) -> str:
     """A repetition's completed offload load jobs, or "unknown" when they were not read."""
-    return _count(run.offload_load_jobs)
+    return count_text(run.offload_load_jobs)
 
 
 def _pct(x: float | None) -> str:
@@ -177,7 +176,7 @@ def state_rate_text(s: stats.StateRate) -> str:
     return f"{s.per_1000:.1f} ({interval[0]:.1f}-{interval[1]:.1f})"
 
 
-def _summary_labels(runs: tuple[RunResult, ...]) -> str:
+def summary_labels(runs: tuple[RunResult, ...]) -> str:
     labels = [r.label for r in runs]
     if not labels:
         return "(not run)"
@@ -186,7 +185,7 @@ def _summary_labels(runs: tuple[RunResult, ...]) -> str:
     return " ".join(labels)
 
 
-def _state_text(r: RunResult) -> str:
+def state_text(r: RunResult) -> str:
     if not r.state_groups:
         return str(r.state_count)
     return f"{r.state_count} (" + ", ".join(f"{k} {v}" for k, v in sorted(r.state_groups.items())) + ")"
@@ -234,7 +233,7 @@ def matrix_json(run: MatrixRun) -> dict[str, Any]:
     kinds = [stats.ANY_FAILURE, *failure_kinds(run)]
     effects, factorials = [], []
     for kind in kinds:
-        kind_effects, kind_factorials = _effects_by_base(run, kind)
+        kind_effects, kind_factorials = effects_by_base(run, kind)
         effects += kind_effects
         factorials += kind_factorials
     for b in run.builds:
@@ -285,7 +284,7 @@ def _verdict_summary(runs: tuple[RunResult, ...]) -> Text:
     return text
 
 
-def _titles(b: BuildResults) -> list[tuple[str, int]]:
+def crash_titles(b: BuildResults) -> list[tuple[str, int]]:
     if b.build_error:
         return [(b.build_error, len(b.runs))]
     counted = Counter(r.title for r in b.runs if r.verdict is not Verdict.SURVIVED and r.title)
@@ -403,7 +402,7 @@ class MatrixTable:
             if layout.counts == "each":
                 cells += [sep.join(str(r.trigger_count) for r in b.runs),
                           sep.join(str(r.state_count) for r in b.runs),
-                          sep.join(_count(r.offload_load_jobs) for r in b.runs)]
+                          sep.join(count_text(r.offload_load_jobs) for r in b.runs)]
             elif layout.counts == "range":
                 cells += [_range_text([r.trigger_count for r in b.runs]),
                           _range_text([r.state_count for r in b.runs]),
@@ -429,7 +428,7 @@ class MatrixTable:
         run = self.run
         titles: list[Text] = []
         for b in run.builds:
-            for title, n in _titles(b):
+            for title, n in crash_titles(b):
                 titles.append(Text(f"{build_key(run, b)}: {title}" + (f"  ({n}x)" if n > 1 else "")))
         info = run.info
         heading = Text(f"kvrepro matrix {run.run_id}  (vLLM {info.base_text}, target {info.target}, {run.status})",
@@ -452,231 +451,6 @@ def matrix_table(run: MatrixRun) -> MatrixTable:
 
 
 # --- report.md / report.html ------------------------------------------------------------------
-
-def _verdict_cell(b: BuildResults) -> Cell:
-    text = _summary_labels(b.runs)
-    tones = {_TONE.get(r.verdict.value, "") for r in b.runs}
-    tone = tones.pop() if len(tones) == 1 else "warn"
-    if b.expect and b.runs:
-        ok = all(meets_expectation(r, b.expect) for r in b.runs)
-        text += " ✓" if ok else " ✗ (expected " + b.expect + ")"
-        tone = tone if ok else "bad"
-    return Cell(text, tone)
-
-
-def _verdict_blocks(run: MatrixRun) -> list[Block]:
-    rows = []
-    for b in run.builds:
-        r = stats.rate(b.runs)
-        rows.append((
-            b.base, Cell(b.build_name), " → ".join(b.patches) or "(base)", b.expect or "-", _verdict_cell(b),
-            rate_text(r),
-            " / ".join(str(x.trigger_count) for x in b.runs) or "-",
-            " / ".join(str(x.state_count) for x in b.runs) or "-",
-            state_rate_text(stats.state_rate(b.runs)),
-            " / ".join(x.kv_check for x in b.runs) or "-",
-        ))
-    blocks: list[Block] = [Table(
-        ("base", "build", "patch stack", "expect", "verdicts", "failed = rate (95% CI, zero-event bound)",
-         "trigger count", "bug state", "failures / 1,000 states (95% CI)", "KV check"),
-        tuple(rows), align="lllllrrrrl")]
-    for b in run.builds:
-        for title, n in _titles(b):
-            blocks.append(Para(f"**{build_key(run, b)}**: `{title}`" + (f" ({n}x)" if n > 1 else "")))
-    blocks.append(Para(
-        "A run **fails** when it is CRASH or CORRUPT and **passes** when it SURVIVED; VACUOUS, UNREACHED, "
-        "STALL, INFRA and INTERRUPTED prove nothing either way and are not counted. Intervals are exact "
-        "(Clopper-Pearson) 95%; `<= x%` is the one-sided 95% upper bound 1 - 0.05^(1/n) when nothing failed."))
-    return blocks
-
-
-def _effect_blocks(run: MatrixRun) -> list[Block]:
-    kinds = [stats.ANY_FAILURE, *failure_kinds(run)]
-    rows = []
-    factorials: list[stats.Factorial] = []
-    for kind in kinds:
-        effects, kind_factorials = _effects_by_base(run, kind)
-        factorials += kind_factorials
-        for e in effects:
-            rows.append((Cell(e.patch, code=True), kind.name, f"{e.without} → {e.with_}", _ratio(e.without_rate),
-                         _ratio(e.with_rate),
-                         Cell(f"{e.p_value:.3g}" if e.measured else "-", "good" if e.lowered else ""),
-                         Cell(f"{e.p_raised:.3g}" if e.measured else "-", "bad" if e.raised else "")))
-    blocks: list[Block] = []
-    if rows:
-        blocks += [Heading(2, "Patch effects, per kind of failure"), Table(
-            ("patch", "failure", "without → with", "failed without", "failed with", "p (lowered)", "p (raised)"),
-            tuple(rows), align="lllrrrr"),
-            Para("Each kind of failure is counted on its own: `any` is CRASH or CORRUPT against SURVIVED; "
-                 "`target` is the target crash (a run that served its budget did not hit it; another crash "
-                 "ended the run first and is not counted); each corruption defect is a run that showed it "
-                 "against one that served its budget under the shadow-KV check without it (a crash that "
-                 "did not show it is not counted). p: the probability that adding the patch lowered (or "
-                 "raised) that failure rate this much by chance (Fisher's exact test, one-sided); 3/3 "
-                 "against 0/3 is p = 0.05; `-`: a side has no counted run.")]
-    for f in factorials:
-        def row(name: str, c: stats.Contrast) -> tuple[str, str, str]:
-            return (name, f"{100 * c.estimate:+.0f} pts", f"{100 * c.low:+.0f} to {100 * c.high:+.0f} pts")
-        blocks += [Heading(3, f"2x2 ({f.kind.name}): `{f.patch_p}` x `{f.patch_q}` "
-                              f"({f.none}, {f.p}, {f.q}, {f.both})"), Table(
-            ("effect on the failure rate", "estimate", "95% CI (adjusted Wald)"),
-            (row(f"`{f.patch_p}` (average over `{f.patch_q}`)", f.effect_p),
-             row(f"`{f.patch_p}` without `{f.patch_q}` ({f.none} → {f.p})", f.p_alone),
-             row(f"`{f.patch_p}` with `{f.patch_q}` ({f.q} → {f.both})", f.p_with_q),
-             row(f"`{f.patch_q}` (average over `{f.patch_p}`)", f.effect_q),
-             row(f"`{f.patch_q}` without `{f.patch_p}` ({f.none} → {f.q})", f.q_alone),
-             row(f"`{f.patch_q}` with `{f.patch_p}` ({f.p} → {f.both})", f.q_with_p),
-             row("interaction (does one patch change what the other does?)", f.interaction)),
-            align="lrr")]
-    return blocks
-
-
-def _survival_blocks(run: MatrixRun, out_dir: Path | None) -> list[Block]:
-    from .plots import survival_curve, survival_figure
-
-    by_axis: dict[str, list[Any]] = {"requests": [], "seconds": []}
-    for b in run.builds:
-        for axis in by_axis:
-            curve = survival_curve(build_key(run, b), list(b.runs), axis)
-            if curve is not None:
-                by_axis[axis].append(curve)
-    if not by_axis["requests"]:
-        return []
-    svg, png = survival_figure(by_axis)
-    if out_dir is not None:
-        write_atomic(out_dir / SURVIVAL_PNG, png)
-    return [Heading(2, "Time to crash"),
-            Image("time-to-crash curves per build, in requests and in seconds under load", svg, SURVIVAL_PNG),
-            Para("Kaplan-Meier: a crashed run is an event when it died; any other run is censored where its "
-                 "budget ended.")]
-
-
-def _runs_blocks(run: MatrixRun) -> list[Block]:
-    rows = []
-    for b in run.builds:
-        for r in b.runs:
-            rows.append((build_key(run, b), str(r.rep), Cell(r.label, _TONE.get(r.verdict.value, "")),
-                         str(r.requests), f"{r.load_seconds:.1f}", str(r.trigger_count), _state_text(r),
-                         r.kv_check, _count(r.offload_load_jobs), str(r.external_hit_calls)))
-    if not rows:
-        return []
-    return [Heading(2, "Runs"), Table(
-        ("build", "rep", "verdict", "requests", "seconds under load", "trigger count", "bug state (groups)",
-         "KV check", "offload loads", "offload-hit calls"), tuple(rows), align="lrlrrrrlrr")]
-
-
-def _crash_blocks(run: MatrixRun) -> list[Block]:
-    from ..classify import crash_excerpt
-
-    blocks: list[Block] = []
-    for b in run.builds:
-        seen: set[str] = set()
-        for r in b.runs:
-            if r.verdict not in (Verdict.CRASH, Verdict.CORRUPT) or r.title in seen:
-                continue
-            seen.add(r.title)
-            count = sum(x.title == r.title for x in b.runs)
-            lines = crash_excerpt(Path(r.run_dir) / "engine.log") if r.run_dir else []
-            inner: list[Block] = [Code("\n".join(lines))] if lines else [Para("(no traceback in the log)")]
-            if r.run_dir:
-                inner.append(Para(f"log: `{r.run_dir}/engine.log`"))
-            blocks.append(Details(f"{build_key(run, b)} ({count}x): {r.title}", tuple(inner)))
-    return [Heading(2, "Crashes"), *blocks] if blocks else []
-
-
-def _short(sha: str | None) -> str:
-    return f"`{sha[:12]}`" if sha else "-"
-
-
-def _what_ran_blocks(run: MatrixRun) -> list[Block]:
-    info = run.info
-    rows = []
-    engine_args: dict[tuple[str, ...], list[str]] = {}
-    for b in run.builds:
-        record = b.build
-        patches = b.manifest.patches if b.manifest else ()
-        rows.append((
-            build_key(run, b), b.base,
-            record.wheel or record.image or "-" if record else "-",
-            _short(record.wheel_sha256) if record else "-",
-            ", ".join(f"{p.name} `{p.sha256[:12]}`" for p in patches) or "-",
-            _short(record.probe_sha256) if record else "-",
-            ", ".join(sorted({_short(r.probe_source_sha256) for r in b.runs if r.probe_source_sha256})) or "-",
-            Cell(record.error or ("ok" if record.ok else "failed"), "bad" if record.error else "") if record
-            else "-",
-        ))
-        if b.manifest and b.manifest.engine_args:
-            engine_args.setdefault(b.manifest.engine_args, []).append(build_key(run, b))
-    host = info.host
-    reps = (f"adaptive repetitions (each build until decisive by the stopping rule of docs/statistics.md, at most "
-            f"{info.repetitions})" if info.adaptive else f"{info.repetitions} repetition(s) per build")
-    facts = [
-        f"run `{run.run_id}` ({run.status}), target `{info.target}`, {reps}",
-        f"matrix `{info.matrix}` sha256 {_short(info.matrix_sha256)}",
-        f"kvrepro {info.kvrepro_version or '?'} (this report: kvrepro {__version__})",
-    ]
-    if host is not None:
-        facts.append(f"host `{host.hostname}`: {host.platform}, Python {host.python}, {host.cpus} CPUs")
-    blocks: list[Block] = [
-        Heading(2, "What ran"), Bullets(tuple(facts)),
-        Table(("build", "vLLM", "wheel / image", "wheel sha256", "patches (sha256)", "probe sha256",
-               "wrapped function sha256", "build"), tuple(rows)),
-    ]
-    for args, names in engine_args.items():
-        blocks += [Para(f"engine arguments ({', '.join(names)}):"), Code("vllm serve " + " ".join(args))]
-    return blocks
-
-
-# GitHub refuses comments over 65,536 characters; past this the Markdown leaves out the per-run
-# table and the tracebacks (report.html keeps them)
-MARKDOWN_LIMIT = 60_000
-
-
-def document(run: MatrixRun, out_dir: Path | None = None, bisection: list[Block] | None = None,
-             details: bool = True) -> list[Block]:
-    """The whole report as blocks; ``out_dir`` receives the PNG the Markdown links to."""
-    info = run.info
-    problems = mismatches(run)
-    expected = [b for b in run.builds if b.expect]
-    blocks: list[Block] = [Heading(1, f"kvrepro {run.run_id}: vLLM {info.base_text}, target {info.target}, {run.status}")]
-    if problems:
-        blocks.append(Para(f"**{len(problems)} verdict(s) differ from `expect:`**: "
-                           + "; ".join(str(p) for p in problems), tone="bad"))
-    elif expected:
-        blocks.append(Para("**Every verdict as `expect:` says.**", tone="good"))
-    if run.status != "complete":
-        why = f" ({info.error})" if info.error else ""
-        blocks.append(Para(f"The run is **{run.status}**{why}: only the repetitions that finished are shown.",
-                           tone="warn"))
-    claims = proved(run)
-    if claims:
-        blocks += [Heading(2, "What this matrix proved"), Bullets(tuple(claims))]
-    blocks += _verdict_blocks(run)
-    blocks += _effect_blocks(run)
-    if bisection:
-        blocks += bisection
-    blocks += _survival_blocks(run, out_dir)
-    if details:
-        blocks += _crash_blocks(run)
-        blocks += _runs_blocks(run)
-    else:
-        blocks.append(Para(f"(tracebacks and the per-run table are left out to fit a PR comment: see "
-                           f"`{REPORT_HTML}`)"))
-    blocks += _what_ran_blocks(run)
-    return blocks
-
-
-def write_report(run: MatrixRun, bisection: list[Block] | None = None) -> tuple[Path, Path]:
-    """Write report.md (+ survival.png it links to) and report.html into the run's folder."""
-    blocks = document(run, run.path, bisection)
-    md_path, html_path = run.path / REPORT_MD, run.path / REPORT_HTML
-    markdown = to_markdown(blocks)
-    if len(markdown) > MARKDOWN_LIMIT:
-        markdown = to_markdown(document(run, run.path, bisection, details=False))
-    write_atomic(md_path, markdown)
-    write_atomic(html_path, to_html(f"kvrepro {run.run_id}", blocks))
-    return md_path, html_path
-
 
 def append_step_summary(markdown: str) -> Path | None:
     """Append to ``$GITHUB_STEP_SUMMARY`` when GitHub Actions provides it (the job's summary page)."""
