@@ -12,7 +12,7 @@ What the load generator needs, and how it is kept on top of aiohttp:
 * A request is sent at most once, so the engine sees exactly the requests in the trace. aiohttp
   retries a request that failed on a reused keep-alive connection only for idempotent methods
   (GET, PUT, ...; RFC 9112 section 9.3.1); a completion is a POST, never retried by it or by us.
-* Keep-alive with reopening: one pooled connection per concurrency slot (``connections``); a
+* Keep-alive with reopening: as many pooled connections as concurrency slots (``connections``); a
   connection the server closed is not reused, nor one idle longer than :data:`IDLE_REOPEN_S`
   (uvicorn, which vLLM runs, drops idle keep-alive connections after 5 s, possibly under our feet
   as a request goes out); such a connection is replaced before the request is sent.
@@ -81,14 +81,12 @@ class Client:
 
     async def open(self) -> Client:
         if self.keep_alive:
-            connector = aiohttp.TCPConnector(limit=self.connections, keepalive_timeout=IDLE_REOPEN_S,
-                                             use_dns_cache=True, ttl_dns_cache=None)
+            connector = aiohttp.TCPConnector(limit=self.connections, keepalive_timeout=IDLE_REOPEN_S)
         else:
             connector = aiohttp.TCPConnector(limit=self.connections, force_close=True)
         # no cookies, no proxies from the environment (an engine is a loopback port or a tunnel)
         self.session = aiohttp.ClientSession(connector=connector, timeout=self.timeout, headers=self.headers,
-                                             cookie_jar=aiohttp.DummyCookieJar(), trust_env=False,
-                                             auto_decompress=False)
+                                             cookie_jar=aiohttp.DummyCookieJar(), trust_env=False)
         return self
 
     async def __aenter__(self) -> Client:

@@ -29,7 +29,7 @@ the return and nothing the run started is left running (a Ctrl-C raised inside t
 
 Why one event loop: the client must cost the engine's host little and must never be what limits
 the load. All slots run as tasks on one asyncio loop (uvloop's when installed) in the calling
-thread, sharing one aiohttp session with a keep-alive connection per slot
+thread, sharing one aiohttp session with as many keep-alive connections as slots
 (:mod:`kvrepro.loadgen.http`); the calling thread also watches the end conditions and calls
 ``on_progress``. ``benchmarks/client_capacity.py`` compares the client's rate against a null
 server with what the GPU-free engine serves. ``runs.request_timeout_s`` bounds connecting and
