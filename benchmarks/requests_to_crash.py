@@ -15,8 +15,8 @@ first use into its own venv, ~/.cache/kvrepro/tools/guidellm, never into kvrepro
 send the budget, one request at a time like our default profile (`--tool-concurrency` changes it),
 seeded with the run's seed (`--seed`, guidellm `--seed kind=static,value=N`).
 
-How requests are counted: the tool talks to a counting reverse proxy (kvrepro/loadgen/proxy.py) in
-front of the engine. The proxy numbers every generation request
+How requests are counted: the tool talks to a counting reverse proxy (counting_proxy.py, beside
+this script) in front of the engine. The proxy numbers every generation request
 (POST /v1/completions, /v1/chat/completions, /v1/responses) as it passes it on; when one fails
 (5xx, a broken connection, an `error` event in its stream or a stream without [DONE]) and the
 engine's /health then does not answer 200, the engine is dead and the proxy refuses every later
@@ -64,6 +64,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # counting_proxy, beside this script
 
 DEFAULT = "partial-prefix (default)"
 # name -> the load: section (the shipped matrix's engine, builds and patches are kept)
@@ -218,7 +219,7 @@ class Engine:
 def access_log_requests(log_text: str) -> int:
     """Generation requests in the API server's access log (uvicorn: `"POST /v1/completions HTTP/1.1" 200`):
     a cross-check of the proxy's count (a request the engine never answered leaves no line)."""
-    from kvrepro.loadgen.proxy import GENERATION_PATHS
+    from counting_proxy import GENERATION_PATHS
 
     return sum(1 for line in log_text.splitlines()
                if any(f'"POST {path} HTTP/' in line for path in GENERATION_PATHS))
@@ -228,7 +229,7 @@ def run_generic_one(engine: Engine, name: str, tool: str, make_args, seed: int, 
                     guidellm: Path | None, timeout_s: float, concurrency: int = 1) -> Run:
     from kvrepro import lifetime
     from kvrepro.classify import classify_log, read_engine_counters, read_exposure
-    from kvrepro.loadgen.proxy import CountingProxy
+    from counting_proxy import CountingProxy
     from kvrepro.records import Outcome
 
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -8,13 +8,16 @@ the stream. No vLLM needed.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import requests
 
-from kvrepro.loadgen.proxy import CountingProxy, _SseScan
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # benchmark-only code lives there
+from counting_proxy import CountingProxy, _SseScan  # noqa: E402
 
 
 class FakeEngine:

@@ -1,7 +1,9 @@
-"""Tests of kvrepro.loadgen.http (the load generator's HTTP/1.1 client) and of what the asyncio
-client changed in the runner: keep-alive reuse, the three ways a body ends, chunks cut at every
-byte, reopening a connection the server closed, the inactivity timeout, and that a run stopped
-by an exception (Ctrl-C) leaves no connection or thread behind.
+"""Tests of kvrepro.loadgen.http (the load generator's aiohttp client) and of how the runner uses
+it, against real local servers (sockets, ``http.server``), no mocks: a request is sent at most once
+(aiohttp retries only idempotent methods; a completion is a POST), its trace line is on disk before
+it arrives, keep-alive reuse and reopening after the server's idle close, bodies chunked, cut or
+ending with the connection, streamed answers, the inactivity timeout, and that a run stopped by an
+exception (Ctrl-C) leaves no connection or thread behind.
 """
 
 from __future__ import annotations
@@ -23,97 +25,87 @@ LOAD = LoadSpec(profile="shared_prefix", concurrency=3, documents=2, document_to
                 suffix_tokens=(0, 3), max_tokens=2, vocab_size=100)
 
 
-class _Transport:
-    """Stands in for a transport: records writes and whether it was closed."""
-
-    def __init__(self):
-        self.closed = False
-
-    def close(self):
-        self.closed = True
-
-    def is_closing(self):
-        return self.closed
-
-
-def _feed(pieces: list[bytes], eof: bool = False) -> tuple[http.Response | None, BaseException | None, bool]:
-    """(response, error, transport closed) after feeding ``pieces`` (then EOF if ``eof``)."""
-    loop = asyncio.new_event_loop()
+def _run(coro):
+    loop = new_event_loop()
     try:
-        proto = http._Protocol()
-        transport = _Transport()
-        proto.connection_made(transport)  # type: ignore[arg-type]
-        waiter = loop.create_future()
-        proto.waiter = waiter
-        for piece in pieces:
-            proto.data_received(piece)
-        if eof:
-            proto.eof_received()
-        if not waiter.done():
-            return None, None, transport.closed
-        if waiter.exception() is not None:
-            return None, waiter.exception(), transport.closed
-        return waiter.result(), None, transport.closed
+        return loop.run_until_complete(coro)
     finally:
         loop.close()
+
+
+async def _get(url: str, path: str = "/", timeout: float = 5.0) -> http.Response:
+    async with http.Client(url, connections=1, timeout=timeout) as client:
+        return await client.get(path)
+
+
+class _RawServer:
+    """A socket server that answers every connection with ``reply(conn)``: bytes as we choose them,
+    cut where we choose (what a library's parser must put together)."""
+
+    def __init__(self, reply):
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.reply = reply
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)  # the request (small, in one piece on loopback)
+                try:
+                    self.reply(conn)
+                except OSError:
+                    pass
+
+    def close(self):
+        self.sock.close()
 
 
 CHUNKED = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
            b"7\r\ndata: a\r\n" b"10\r\n" + b"x" * 16 + b"\r\n" b"0\r\n\r\n")
 
 
-def test_a_chunked_body_is_the_same_however_the_bytes_are_cut():
-    whole, error, closed = _feed([CHUNKED])
-    assert error is None and whole is not None
-    assert (whole.status, whole.body, closed) == (200, b"data: a" + b"x" * 16, False)  # kept alive
-    for cut in range(1, len(CHUNKED)):
-        response, error, _ = _feed([CHUNKED[:cut], CHUNKED[cut:]])
-        assert error is None and response == whole, cut
-    response, error, _ = _feed([CHUNKED[i:i + 1] for i in range(len(CHUNKED))])
-    assert response == whole
+def _with_raw(reply, path: str = "/", timeout: float = 5.0):
+    server = _RawServer(reply)
+    try:
+        return _run(_get(server.url, path, timeout))
+    finally:
+        server.close()
 
 
-def test_a_chunked_body_without_its_last_chunk_is_not_finished():
-    response, error, _ = _feed([CHUNKED[:-5]])
-    assert (response, error) == (None, None)
-    response, error, _ = _feed([CHUNKED[:-5]], eof=True)
-    assert response is None and isinstance(error, http.HttpError)
+def test_a_chunked_body_cut_into_single_bytes_is_read_whole():
+    def trickle(conn):
+        for i in range(len(CHUNKED)):
+            conn.sendall(CHUNKED[i:i + 1])
+            time.sleep(0.001)
+
+    response = _with_raw(trickle)
+    assert (response.status, response.body) == (200, b"data: a" + b"x" * 16)
 
 
-def test_content_length_body_and_the_bytes_after_it():
-    head = b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 5\r\n\r\n"
-    response, error, closed = _feed([head + b"ab", b"cde"])
-    assert (response.status, response.body, error, closed) == (500, b"abcde", None, False)
-    response, error, _ = _feed([head + b"abc"], eof=True)  # cut short by the server
-    assert response is None and "closed the connection" in str(error)
+def test_a_body_without_length_ends_with_the_connection():
+    response = _with_raw(lambda conn: conn.sendall(b"HTTP/1.0 200 OK\r\n\r\ndata: [DONE]\n\n"))
+    assert (response.status, response.body) == (200, b"data: [DONE]\n\n")
 
 
-def test_a_body_without_length_ends_with_the_connection_and_is_not_reused():
-    response, error, closed = _feed([b"HTTP/1.0 200 OK\r\n\r\n", b"data: [DONE]\n\n"])
-    assert (response, error) == (None, None)  # more may come until the server closes
-    response, error, closed = _feed([b"HTTP/1.0 200 OK\r\n\r\n", b"data: [DONE]\n\n"], eof=True)
-    assert (response.body, error) == (b"data: [DONE]\n\n", None)
-    response, error, closed = _feed([b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok"])
-    assert (response.body, closed) == (b"ok", True)
-
-
-def test_bytes_past_the_response_or_a_bad_length_do_not_pass_unnoticed():
-    response, error, closed = _feed([b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokEXTRA"])
-    assert (response.body, error, closed) == (b"ok", None, True)  # answered, but not reused
-    response, error, closed = _feed([b"HTTP/1.1 200 OK\r\nContent-Length: two\r\n\r\nok"])
-    assert response is None and isinstance(error, http.HttpError) and closed
-
-
-def test_what_is_not_http_is_an_error():
-    response, error, closed = _feed([b"SSH-2.0-OpenSSH_9.6\r\n\r\n"])
-    assert response is None and isinstance(error, http.HttpError) and closed
-
-
-def test_parse_url():
-    assert http.parse_url("http://127.0.0.1:8000") == ("127.0.0.1", 8000, "")
-    assert http.parse_url("http://host:81/prefix/") == ("host", 81, "/prefix")
-    with pytest.raises(ValueError):
-        http.parse_url("https://host:443")
+def test_a_body_cut_short_or_what_is_not_http_is_an_error():
+    with pytest.raises(http.HttpError) as caught:
+        _with_raw(lambda conn: conn.sendall(b"HTTP/1.1 500 Oops\r\nContent-Length: 5\r\n\r\nabc"))
+    assert not caught.value.connect
+    with pytest.raises(http.HttpError) as caught:
+        _with_raw(lambda conn: conn.sendall(CHUNKED[:-5]))  # the last chunk never comes
+    assert not caught.value.connect
+    with pytest.raises(http.HttpError) as caught:
+        _with_raw(lambda conn: conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n\r\n"))
+    assert not caught.value.connect
 
 
 # --------------------------------------------------------------------------- against a server
@@ -121,16 +113,25 @@ def test_parse_url():
 class _Server:
     """An HTTP/1.1 keep-alive server that counts the connections it accepted. ``close_every``:
     it closes the connection after that many responses on it. ``trickle_s``: the body of a
-    request whose path is /trickle comes one byte at a time with that pause in between."""
+    request whose path is /trickle comes one byte at a time with that pause in between.
+    ``idle_close_s``: it closes a keep-alive connection idle that long (as uvicorn does after 5 s).
+    ``drop_every``: the Nth request on a connection is read whole, then the connection is closed
+    without an answer (a server closing a reused connection as the request goes out).
+    ``trace_path``: on each POST, the number of request lines in that trace file is noted."""
 
-    def __init__(self, close_every: int = 0, trickle_s: float = 0.0):
+    def __init__(self, close_every: int = 0, trickle_s: float = 0.0, idle_close_s: float | None = None,
+                 drop_every: int = 0, trace_path=None):
         self.connections = 0
         self.requests = 0
+        self.posts = 0  # POSTs received whole, answered or not
+        self.dropped = 0
+        self.trace_lines: list[int] = []  # request lines in the trace as each POST arrived
         self.ranks: list[str | None] = []  # X-data-parallel-rank of each POST, in arrival order
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            timeout = idle_close_s  # a read that waits this long ends the connection
 
             def log_message(self, *args):
                 pass
@@ -146,11 +147,20 @@ class _Server:
             def do_POST(self):
                 outer.ranks.append(self.headers.get("X-data-parallel-rank"))
                 body = self.rfile.read(int(self.headers["Content-Length"]))
+                outer.posts += 1
+                if trace_path is not None:
+                    outer.trace_lines.append(len(trace_path.read_text().splitlines()) - 1)  # less the header
                 self._answer(body)
 
             def _answer(self, body: bytes = b""):
                 outer.requests += 1
                 self.served += 1
+                if drop_every and self.served % drop_every == 0:
+                    outer.dropped += 1
+                    self.close_connection = True  # no answer: the client sees the connection close
+                    return
+                if b'"stream": true' in body:
+                    return self._stream()
                 if self.path == "/v1/models":
                     data = json.dumps({"data": [{"id": "m"}]}).encode()
                 else:
@@ -168,6 +178,25 @@ class _Server:
                         time.sleep(trickle_s)
                 else:
                     self.wfile.write(data)
+
+            def _stream(self):
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                events = [{"choices": [{"text": "x"}]}, {"choices": [{"text": "y"}]},
+                          {"choices": [], "usage": {"completion_tokens": 2}}]
+                if self.path == "/v1/completions" and outer.posts == 2:  # the engine fails mid-stream
+                    events[1] = {"object": "error", "message": "EngineCore encountered an issue"}
+                for event in events:
+                    self._chunk(b"data: " + json.dumps(event).encode() + b"\n\n")
+                    time.sleep(0.01)
+                self._chunk(b"data: [DONE]\n\n")
+                self.wfile.write(b"0\r\n\r\n")
+
+            def _chunk(self, data: bytes):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
@@ -212,15 +241,7 @@ def test_a_connection_the_server_closes_is_reopened_and_no_request_is_lost(tmp_p
 
 
 def _request(server: _Server, path: str, timeout: float) -> http.Response:
-    async def go():
-        return await http.fetch("127.0.0.1", server.port, http.build_request("GET", "127.0.0.1", server.port, path),
-                                timeout)
-
-    loop = new_event_loop()
-    try:
-        return loop.run_until_complete(go())
-    finally:
-        loop.close()
+    return _run(http.fetch(server.url, path, timeout))
 
 
 def test_the_timeout_is_for_silence_not_for_the_whole_answer():
@@ -241,12 +262,8 @@ def test_refused_connection_is_a_connect_error():
     port = server.port
     server.close()
     with pytest.raises(http.HttpError) as caught:
-        loop = new_event_loop()
-        try:
-            loop.run_until_complete(http.fetch("127.0.0.1", port, b"GET / HTTP/1.1\r\n\r\n", 2.0))
-        finally:
-            loop.close()
-    assert caught.value.connect and "Connection" in str(caught.value)
+        _run(http.fetch(f"http://127.0.0.1:{port}", "/health", 2.0))
+    assert caught.value.connect and "Connect" in str(caught.value)
 
 
 def _open_fds() -> set[str]:
@@ -333,3 +350,107 @@ def test_affinity_routing_sends_each_family_to_one_rank_and_the_replay_does_too(
     run_load(server.url, load, _runs(requests=6), tmp_path / "one.jsonl", seed=0, alive=lambda: True,
              capacity=EngineCapacity(gpu_tokens=400, max_model_len=1024))
     assert server.ranks == [None] * 12
+
+
+# --------------------------------------------------------------------------- at most once, keep-alive
+
+def test_a_post_is_never_retried_when_the_server_closes_a_reused_connection():
+    """The server reads the second request on each connection whole, then closes without an
+    answer. aiohttp sends a GET again on a new connection (RFC 9112 allows it for idempotent
+    methods); a POST it must not: the engine would see a request twice, the trace once."""
+    server = _Server(drop_every=2)
+
+    async def twice(method):
+        async with http.Client(server.url, connections=1, timeout=5) as client:
+            first = await client.request(method, "/v1/completions", b"{}" if method == "POST" else None)
+            try:
+                return first, await client.request(method, "/v1/completions", b"{}" if method == "POST" else None)
+            except http.HttpError as exc:
+                return first, exc
+
+    try:
+        first, second = _run(twice("POST"))
+        assert first.status == 200 and isinstance(second, http.HttpError) and not second.connect
+        assert (server.posts, server.connections) == (2, 1)  # sent once: no second connection, no resend
+        server.requests = server.connections = 0
+        first, second = _run(twice("GET"))
+        assert (first.status, second.status) == (200, 200)
+        assert (server.requests, server.connections) == (3, 2)  # the library's retry, on a new connection
+    finally:
+        server.close()
+
+
+def test_a_run_sends_each_request_once_when_the_server_drops_answers(tmp_path):
+    """Through the runner: a dropped answer is one failed request (the engine is asked, answers
+    /health 200, the run goes on), never a resend; the server saw exactly the requests sent."""
+    server = _Server(drop_every=3)
+    try:
+        load = LOAD.model_copy(update={"concurrency": 1})
+        summary = run_load(server.url, load, _runs(requests=10), tmp_path / "l.jsonl", seed=0, alive=lambda: True)
+        assert summary.stopped_because == "budget"
+        assert server.posts == summary.requests_sent == 10
+        assert summary.requests_failed == server.dropped >= 3
+        records = [json.loads(line) for line in (tmp_path / "l.jsonl").read_text().splitlines()]
+        assert len(records) == 10 and sum(not r["ok"] for r in records) == summary.requests_failed
+    finally:
+        server.close()
+
+
+def test_a_connection_the_server_closed_while_idle_is_reopened(tmp_path):
+    server = _Server(idle_close_s=0.2)
+
+    async def go():
+        async with http.Client(server.url, connections=1, timeout=5) as client:
+            answers = [await client.post("/v1/completions", b"{}")]
+            answers.append(await client.post("/v1/completions", b"{}"))  # reused
+            await asyncio.sleep(0.6)  # the server closes it meanwhile
+            answers.append(await client.post("/v1/completions", b"{}"))
+            return answers
+
+    try:
+        assert [r.status for r in _run(go())] == [200, 200, 200]
+        assert (server.posts, server.connections) == (3, 2)
+    finally:
+        server.close()
+
+
+def test_a_connection_idle_past_idle_reopen_is_not_reused(server, monkeypatch):
+    """The server may drop an idle connection just as a request goes out (uvicorn: after 5 s);
+    one idle longer than IDLE_REOPEN_S is replaced before the request is sent."""
+    monkeypatch.setattr(http, "IDLE_REOPEN_S", 0.2)
+
+    async def go(pause):
+        async with http.Client(server.url, connections=1, timeout=5) as client:
+            await client.post("/v1/completions", b"{}")
+            await asyncio.sleep(pause)
+            await client.post("/v1/completions", b"{}")
+
+    _run(go(0.0))
+    assert server.connections == 1
+    _run(go(0.5))
+    assert (server.connections, server.posts) == (3, 4)
+
+
+def test_the_trace_line_is_on_disk_before_the_request_arrives(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    server = _Server(trace_path=trace)
+    try:
+        load = LOAD.model_copy(update={"concurrency": 1})
+        run_load(server.url, load, _runs(requests=6), tmp_path / "l.jsonl", seed=0, alive=lambda: True,
+                 trace_path=trace)
+        assert server.trace_lines == [1, 2, 3, 4, 5, 6]  # the Nth request found N request lines
+    finally:
+        server.close()
+
+
+def test_streamed_answers_are_read_to_the_end_and_an_engine_error_in_a_stream_counts(tmp_path):
+    server = _Server()
+    try:
+        load = LOAD.model_copy(update={"concurrency": 1, "stream": True})
+        summary = run_load(server.url, load, _runs(requests=3), tmp_path / "l.jsonl", seed=0, alive=lambda: True)
+        records = [json.loads(line) for line in (tmp_path / "l.jsonl").read_text().splitlines()]
+        assert [r["ok"] for r in records] == [True, False, True]
+        assert records[0]["completion_tokens"] == 2 and "error in stream" in records[1]["error"]
+        assert (summary.stopped_because, summary.requests_failed, server.posts) == ("budget", 1, 3)
+    finally:
+        server.close()

@@ -27,10 +27,12 @@ sources wins, since either can miss the last few calls (a log cut short, a scrap
 from __future__ import annotations
 
 import io
+import math
 import re
 
 from ..records import Exposure
 from .lines import split_line
+from .metrics import parse_prometheus, total
 
 _TAG = "kvrepro-probe:"
 _INSTALLED = re.compile(
@@ -43,10 +45,6 @@ _SHADOW_COUNTS = re.compile(r"kvrepro-shadow: counts checks=(?P<checks>\d+) viol
                             r"(?: by=(?P<by>\S+))?")
 _SHADOW_INSTALLED = re.compile(r"kvrepro-shadow: installed groups=(?P<groups>\S*)")
 _SHADOW_VIOLATION = re.compile(r"kvrepro-shadow: violation (?P<step>step=\S+ )?(?:class=(?P<cls>\S+) )?(?P<text>.*\S)")
-_METRIC = re.compile(
-    r"^(?P<name>kvrepro_probe_external_hit_calls_total|kvrepro_probe_trigger_calls_total)(?:\{[^}]*\})?\s+(?P<value>\S+)",
-    re.MULTILINE,
-)
 
 
 def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
@@ -115,10 +113,6 @@ def _groups(text: str | None) -> dict[str, int]:
 
 def _read_metrics(text: str) -> tuple[int, int]:
     """Sum every series of the two counters (labels, if any, split one counter into several)."""
-    totals = {"kvrepro_probe_external_hit_calls_total": 0.0, "kvrepro_probe_trigger_calls_total": 0.0}
-    for m in _METRIC.finditer(text):
-        try:
-            totals[m["name"]] += float(m["value"])
-        except ValueError:
-            continue
-    return int(totals["kvrepro_probe_external_hit_calls_total"]), int(totals["kvrepro_probe_trigger_calls_total"])
+    samples = {k: v for k, v in parse_prometheus(text).items() if math.isfinite(v)}  # NaN is no count
+    return (int(total(samples, "kvrepro_probe_external_hit_calls_total")),
+            int(total(samples, "kvrepro_probe_trigger_calls_total")))

@@ -8,7 +8,7 @@ Public API:
   shapes, one file each under ``kvrepro/loadgen/profiles/`` (``load.profile`` picks one).
 
 Only the HTTP API is used, so the same load drives the GPU-free engine and a real ``vllm serve``;
-:mod:`kvrepro.loadgen.http` is the small asyncio HTTP/1.1 client all requests go through.
+:mod:`kvrepro.loadgen.http` is the aiohttp client all requests go through.
 """
 
 from __future__ import annotations

@@ -29,11 +29,11 @@ the return and nothing the run started is left running (a Ctrl-C raised inside t
 
 Why one event loop: the client must cost the engine's host little and must never be what limits
 the load. All slots run as tasks on one asyncio loop (uvloop's when installed) in the calling
-thread, each with its own keep-alive connection (:mod:`kvrepro.loadgen.http`); the calling
-thread also watches the end conditions and calls ``on_progress``. Threads with ``requests``
-did ~700 req/s on a core against a null server, this several times that (``benchmarks/
-client_capacity.py``). ``runs.request_timeout_s`` bounds connecting and each wait for the next
-byte of an answer, as it did with ``requests``.
+thread, sharing one aiohttp session with as many keep-alive connections as slots
+(:mod:`kvrepro.loadgen.http`); the calling thread also watches the end conditions and calls
+``on_progress``. ``benchmarks/client_capacity.py`` compares the client's rate against a null
+server with what the GPU-free engine serves. ``runs.request_timeout_s`` bounds connecting and
+each wait for the next bytes of an answer, as it did with ``requests``.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ _ALIVE_EVERY_S = 0.25  # alive() may be a docker API call: not on every tick
 _HEALTH_TIMEOUT_S = 2.0
 _MODELS_PATIENCE_S = 5.0
 _ERROR_CHARS = 300
+_JSON = {"Content-Type": "application/json"}
 
 
 def run_load(
@@ -125,14 +126,10 @@ class _Run:
                  stop: threading.Event | None, trace_path: Path | None = None,
                  trace_header: dict[str, Any] | None = None, api_key: str | None = None):
         self.base_url = base_url
-        self.host, self.port, prefix = http.parse_url(base_url)
-        self.completions = http.build_request("POST", self.host, self.port, prefix + "/v1/completions", b"")
-        self.completions_head = self.completions[:self.completions.index(b"Content-Length:")]
+        http.parse_url(base_url)  # plain http:// only: a wrong URL fails here, before the engine is asked
         # an engine started with --api-key answers 401 to /v1/* without it (vLLM's own check)
         self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        if api_key:
-            self.completions_head += f"Authorization: Bearer {api_key}\r\n".encode()
-        self.health = http.build_request("GET", self.host, self.port, prefix + "/health")
+        self.client: http.Client | None = None  # opened on the run's event loop
         self.profile = profile
         self.load = load
         self.runs = runs
@@ -160,7 +157,6 @@ class _Run:
         self.out: Any = None
         self.worker_error: BaseException | None = None  # a bug in a profile or here: re-raised
         self.reported = -1  # the finished count on_progress last heard
-        self.connections: list[http.Connection] = []
 
     # ------------------------------------------------------------------ the calling thread
 
@@ -196,6 +192,8 @@ class _Run:
 
     async def _main(self, model: str, started: float) -> None:
         self.wake = asyncio.Event()
+        self.client = await http.Client(self.base_url, connections=self.load.concurrency,
+                                        timeout=self.runs.request_timeout_s, headers=self.auth).open()
         workers = [asyncio.ensure_future(self._worker(model, slot)) for slot in range(self.load.concurrency)]
         try:
             await self._watch(workers, started)
@@ -204,8 +202,7 @@ class _Run:
             for w in workers:
                 w.cancel()  # requests still in flight are abandoned: nothing of them is recorded
             await asyncio.gather(*workers, return_exceptions=True)
-            for conn in self.connections:
-                conn.close()
+            await self.client.close()
 
     async def _watch(self, workers: list[asyncio.Future[None]], started: float) -> None:
         assert self.wake is not None
@@ -299,8 +296,6 @@ class _Run:
                 self.wake.set()
 
     async def _work(self, model: str, slot: int) -> None:
-        conn = http.Connection(self.host, self.port, self.runs.request_timeout_s)
-        self.connections.append(conn)
         body_head = self._body_head(model)
         while True:
             if self.halted or self.draining or (self.budget is not None and self.next_index >= self.budget):
@@ -319,7 +314,7 @@ class _Run:
             if self.trace is not None:
                 self.trace.request(prompt, slot=slot, sent_s=time.monotonic() - self.started,
                                    in_flight=self.in_flight, tokens_json=tokens_json)
-            record, answered, failed = await self._send(conn, body_head, prompt, tokens_json)
+            record, answered, failed = await self._send(body_head, prompt, tokens_json)
             record["slot"] = slot
             self.in_flight -= 1
             if self.closed:
@@ -350,16 +345,13 @@ class _Run:
             body["stream_options"] = {"include_usage": True}
         return json.dumps(body)[:-1]
 
-    async def _send(self, conn: http.Connection, body_head: str, prompt: Prompt,
+    async def _send(self, body_head: str, prompt: Prompt,
                     tokens_json: str) -> tuple[dict[str, Any], bool, bool]:
         """POST one request: (its JSON line, whether the server answered, whether it failed in a
         way that can mean the engine died)."""
         text = tokens_json if self.load.prompt_format == "tokens" else json.dumps(tokens_to_text(prompt.tokens))
         body = f'{body_head}, "max_tokens": {prompt.max_tokens}, "prompt": {text}}}'.encode()
-        head = self.completions_head
-        if prompt.rank is not None:
-            head += b"X-data-parallel-rank: " + str(prompt.rank).encode() + b"\r\n"
-        request = head + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        headers = _JSON if prompt.rank is None else {**_JSON, "X-data-parallel-rank": str(prompt.rank)}
         record: dict[str, Any] = {
             "index": prompt.index,
             **prompt.fields,
@@ -376,7 +368,8 @@ class _Run:
         completion_tokens: int | None = None
         answered = failed = False
         try:
-            resp = await conn.request(request, self.runs.request_timeout_s)
+            assert self.client is not None
+            resp = await self.client.post("/v1/completions", body, headers)
             answered = True
             status = resp.status
             if status == 200 and self.load.stream:
@@ -423,7 +416,7 @@ class _Run:
         if not self.alive():
             return True
         try:
-            return (await http.fetch(self.host, self.port, self.health, _HEALTH_TIMEOUT_S)).status == 503
+            return (await http.fetch(self.base_url, "/health", _HEALTH_TIMEOUT_S)).status == 503
         except http.HttpTimeout as exc:
             return exc.connect  # no connection at all is unreachable; a slow answer is not death
         except http.HttpError:
@@ -454,6 +447,7 @@ def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
             loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.run_until_complete(asyncio.sleep(0))  # transports' connection_lost callbacks
+        loop.run_until_complete(loop.shutdown_default_executor())  # a resolver's threads, if any ran
     finally:
         loop.close()
 
