@@ -51,6 +51,28 @@ def test_catalogue_loads_and_covers_every_kind():
             assert (ROOT / "tests" / "data" / "logs" / f"suite-{e.name}.log").is_file()
 
 
+def test_each_entry_log_shows_its_signature():
+    """tests/data/logs/suite-<entry>.log is an excerpt of the run that measured the entry: the
+    classifier finds the crash signature in it, the shadow KV's lines attribute to the defect."""
+    from kvrepro.classify import classify_file, read_exposure
+    from kvrepro.classify.corruption import defects_of
+    from kvrepro.classify.patterns import match_pattern
+
+    for e in load().entries:
+        if not e.testable:
+            continue
+        log = ROOT / "tests" / "data" / "logs" / f"suite-{e.name}.log"
+        if e.kind == "crash":
+            sig = classify_file(log).signature
+            assert sig is not None and match_pattern(sig).name == e.signature, e.name
+        elif e.kind == "corruption":
+            x = read_exposure(log.read_text())
+            assert e.signature in defects_of(x.kv_violations, x.kv_violations_by, x.kv_first_violation_class,
+                                             x.kv_groups), e.name
+        else:
+            assert "Running: 0 reqs" in log.read_text() or "Waiting:" in log.read_text(), e.name
+
+
 def _bad(tmp_path: Path, name: str, text: str) -> str:
     folder = tmp_path / "cat"
     folder.mkdir(exist_ok=True)

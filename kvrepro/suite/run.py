@@ -23,6 +23,8 @@ import yaml
 
 from .. import __version__
 from ..errors import BadInputError, KvreproError, SpecError
+from ..deploy import get_target
+from ..deploy.base import Target
 from ..matrix import parse_matrix
 from ..matrix.runner import MatrixOptions, Progress, SilentProgress, run_matrix
 from ..records import cell_name
@@ -148,14 +150,30 @@ def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuil
 
     save()
     slots = max(1, jobs or min(4, os.cpu_count() or 1))
+    shared: dict[str, Target] = {}
+
+    def target_for(loaded: LoadedMatrix) -> Target | None:
+        """sim: one target for every entry, so that its engine zygote (one per release: torch & co.
+        imported once) serves them all; each entry gets a shallow copy that differs only in the
+        matrix it serves (engine arguments, timeouts). Other targets: one per entry (None)."""
+        name = loaded.matrix.target
+        if name != "sim":
+            return None
+        with lock:
+            if name not in shared:
+                shared[name] = get_target(name)(loaded)
+            sibling = copy.copy(shared[name])
+        sibling.loaded = loaded
+        return sibling
 
     def one(entry: Entry) -> None:
         if stop.is_set():
             return
         progress.stage(f"entry {entry.name} ({entry.kind}) on {', '.join(b.key for b in builds)}")
         try:
-            run = run_matrix(matrices[entry.name], MatrixOptions(repetitions=reps, results_root=folder / RUNS_FOLDER,
-                                                                  jobs=1), progress, stop)
+            loaded = matrices[entry.name]
+            run = run_matrix(loaded, MatrixOptions(repetitions=reps, results_root=folder / RUNS_FOLDER, jobs=1),
+                             progress, stop, target=target_for(loaded))
         except KvreproError as exc:
             with lock:
                 record["entries"][entry.name]["error"] = str(exc).strip().splitlines()[0][:300]
@@ -177,6 +195,8 @@ def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuil
         status = "interrupted"
         raise
     finally:
+        for target in shared.values():
+            target.close()
         record["status"] = status
         record["finished"] = time.time()
         save()
