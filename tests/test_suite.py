@@ -161,10 +161,10 @@ TARGET = Signature("AssertionError", "update_state_after_alloc",
 
 def test_rows():
     crash = entry("offload-boundary-assert")
-    hit = _run(Verdict.CRASH, outcome=Outcome.TARGET, signature=TARGET, load=LoadSummary(4, 3, 1, 1.0, "engine_dead", 4))
+    hit = _run(Verdict.CRASH, outcome=Outcome.TARGET, signature=TARGET, load=LoadSummary(4, 3, 1, 1.0, "engine_dead", 3))
     row = judge(crash, "0.26.0", "0.26.0", (), [hit])
     assert (row.state, row.expected, row.matches) == ("PRESENT", "present", True)
-    assert "at request 4" in row.detail
+    assert "rep 0, request 4" in row.detail
     row = judge(crash, "0.30.0", "0.30.0", (), [_run(), _run(rep=1)])
     assert (row.state, row.matches, row.detail) == ("ABSENT", True, "path ran: trigger_count 5/5")
     row = judge(crash, "0.30.0", "0.30.0", (), [_run(), _run(rep=1, trigger_count=0)])

@@ -93,7 +93,9 @@ def judge(entry: Entry, build: str, release: str, patches: tuple[str, ...], runs
             what = "STALL"
         else:
             what = entry.signature
-        at = f" at request {first.load.first_failed_index}" if first.load and first.load.first_failed_index else ""
+        index = first.load.first_failed_index if first.load else None
+        # first_failed_index counts from 0; a corruption is seen before whatever ends the run
+        at = f", request {index + 1}" if index is not None and entry.kind == "crash" else ""
         return row(PRESENT, f"{what} in {len(hits)}/{len(runs)} reps (rep {first.rep}{at})")
     judged = [r for r in runs if r.verdict not in _UNJUDGED]
     if build_error or not judged or len(judged) < len(runs):
