@@ -221,3 +221,24 @@ def test_suite_run_on_0_26_0_and_a_flipped_expectation_fails_exactly_that_case(t
     assert failed == [("kvrepro.suite.offload-boundary-assert", "0.26.0")]
     assert root.get("failures") == "1" and root.get("tests") == "3"
     assert "expected fixed, got PRESENT" in ET.tostring(root, encoding="unicode")
+
+
+def test_the_table_fits_80_columns():
+    from rich.console import Console
+
+    from kvrepro.suite.report import table
+    from kvrepro.suite.run import SuiteBuild, SuiteResult
+
+    crash = entry("offload-boundary-assert")
+    rows = (judge(crash, "0.26.0+pr-49146+pr-52807+pr-48425", "0.26.0", ("pr-49146", "pr-52807", "pr-48425"),
+                  [_run(), _run(rep=1)]),
+            judge(entry("fa-hole-below-mamba-hit"), "0.26.0", "0.26.0", (),
+                  [_run(Verdict.CRASH, outcome=Outcome.TARGET, signature=TARGET, title="AssertionError in "
+                        "update_state_after_alloc: num_locally_computed_tokens <= num_locally_computed_gpu_blocks")]))
+    suite = SuiteResult("suite-x", Path("results/suite-x"), "complete", "defects",
+                        (SuiteBuild("0.26.0", ("pr-49146", "pr-52807", "pr-48425")),), rows, 123.0)
+    console = Console(width=80, record=True, color_system=None)
+    console.print(table(suite))
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    assert "ABSENT" in text and "OTHER" in text and "FAIL" in text
