@@ -242,3 +242,12 @@ def test_the_table_fits_80_columns():
     text = console.export_text()
     assert max(len(line) for line in text.splitlines()) <= 80, text
     assert "ABSENT" in text and "OTHER" in text and "FAIL" in text
+
+
+def test_suite_list_json():
+    proc = kvrepro("suite", "list", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    listed = {e["name"]: e for e in json.loads(proc.stdout)}
+    assert set(listed) == {e.name for e in load().entries}
+    assert listed["cross-group-eviction-assert"]["not_testable"]
+    assert listed["offload-boundary-assert"]["reproduced"][0]["builds"] == {"0.26.0": "PRESENT", "0.30.0": "ABSENT"}

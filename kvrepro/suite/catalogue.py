@@ -168,6 +168,16 @@ class _FieldError(ValueError):
 
 
 @dataclass(frozen=True)
+class Measurement:
+    """A suite run that measured an entry (``reproduced:``)."""
+
+    suite_run: str
+    date: str
+    command: str
+    builds: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Entry:
     """One catalogue entry, validated; ``fragment`` is the matrix.yaml fragment (plain YAML data)."""
 
@@ -184,7 +194,7 @@ class Entry:
     path_at_least: int
     path_means: str
     notes: str
-    reproduced: tuple[Reproduced, ...]
+    reproduced: tuple[Measurement, ...]
     file: Path
     fragment_yaml: str = ""  # the `matrix:` fragment, as YAML text (merged by suite.run)
 
@@ -302,7 +312,9 @@ def load_entry(path: Path, check_fragment: Any = None) -> Entry:
                  not_testable=spec.not_testable, present_in=tuple(spec.present_in), fixed_in=tuple(spec.fixed_in),
                  upstream=tuple(spec.upstream), path_counter=spec.path.counter if spec.path else None,
                  path_at_least=spec.path.at_least if spec.path else 1, path_means=spec.path.means if spec.path else "",
-                 notes=spec.notes, reproduced=tuple(spec.reproduced), file=path, fragment_yaml=fragment_yaml)
+                 notes=spec.notes,
+                 reproduced=tuple(Measurement(r.suite_run, r.date, r.command, dict(r.builds)) for r in spec.reproduced),
+                 file=path, fragment_yaml=fragment_yaml)
 
 
 class FragmentError(ValueError):

@@ -50,7 +50,8 @@ def shows(entry: Entry, run: RunResult) -> bool:
     if entry.kind == "corruption":
         return run.kv_defects.get(entry.signature, 0) > 0
     if entry.kind == "stall":
-        return run.verdict is Verdict.STALL
+        # a run's verdict puts corruption before the stall that ended it: the load says it stalled
+        return run.verdict is Verdict.STALL or (run.load is not None and run.load.stopped_because == "stall")
     if run.verdict is not Verdict.CRASH or run.signature is None:
         return False
     pattern = next((p for p in known_patterns() if p.name == entry.signature), None)

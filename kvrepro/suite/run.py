@@ -85,6 +85,11 @@ def entry_matrix(entry: Entry | EntrySpec, builds: list[SuiteBuild]) -> LoadedMa
     """The matrix that runs ``entry`` on ``builds`` (all on one patch stack)."""
     fragment = entry.fragment if isinstance(entry, Entry) else entry.matrix
     data, path = _default_matrix()
+    fragment = dict(fragment)
+    load = fragment.get("load")
+    if isinstance(load, dict) and load.get("profile", data["load"].get("profile")) != data["load"].get("profile"):
+        # another load profile: the default's profile settings mean nothing to it, so load: is replaced whole
+        data["load"] = {}
     data = _merge(data, fragment)
     stacks = {b.patches for b in builds}
     if len(stacks) != 1:
