@@ -155,6 +155,9 @@ def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuil
 
     save()
     slots = max(1, jobs or min(4, os.cpu_count() or 1))
+    testable = [e for e in entries if e.testable]
+    # fewer entries than slots: the spare slots run an entry's repetitions and bases side by side
+    per_entry = max(1, slots // max(1, min(slots, len(testable))))
     shared: dict[str, Target] = {}
 
     def target_for(loaded: LoadedMatrix) -> Target | None:
@@ -177,7 +180,8 @@ def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuil
         progress.stage(f"entry {entry.name} ({entry.kind}) on {', '.join(b.key for b in builds)}")
         try:
             loaded = matrices[entry.name]
-            run = run_matrix(loaded, MatrixOptions(repetitions=reps, results_root=folder / RUNS_FOLDER, jobs=1),
+            run = run_matrix(loaded, MatrixOptions(repetitions=reps, results_root=folder / RUNS_FOLDER,
+                                                   jobs=per_entry),
                              progress, stop, target=target_for(loaded))
         except KvreproError as exc:
             with lock:
@@ -190,8 +194,8 @@ def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuil
 
     status = "complete"
     try:
-        with ThreadPoolExecutor(max_workers=slots, thread_name_prefix="kvrepro-suite") as pool:
-            for future in [pool.submit(one, e) for e in entries if e.testable]:
+        with ThreadPoolExecutor(max_workers=min(slots, max(1, len(testable))), thread_name_prefix="kvrepro-suite") as pool:
+            for future in [pool.submit(one, e) for e in testable]:
                 future.result()
         if stop.is_set():
             status = "interrupted"
