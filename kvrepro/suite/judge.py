@@ -106,7 +106,8 @@ def judge(entry: Entry, build: str, release: str, patches: tuple[str, ...], runs
     early = [r for r in judged if r.verdict in (Verdict.CRASH, Verdict.STALL)]
     if early:
         r = early[0]
-        return row(OTHER, f"{r.label} in rep {r.rep}: {r.title}"[:160])
+        known = next((p.name for p in known_patterns() if r.signature is not None and p.match(r.signature)), None)
+        return row(OTHER, f"{r.label} in rep {r.rep}: {known or r.title}"[:160])
     counts = [counter(entry, r) for r in judged]
     shown = f"{entry.path_counter} {'/'.join(str(c) for c in counts)}"
     if all(c >= entry.path_at_least for c in counts):

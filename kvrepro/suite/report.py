@@ -15,6 +15,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 
 from ..records import to_jsonable
@@ -53,8 +54,11 @@ def table(suite: SuiteResult) -> Table:
     for row in suite.rows:
         style = _STYLE.get(row.state, "")
         cell = f"[{style}]{row.state}[/]" if style else row.state
-        if row.detail:
-            cell += f"\n[dim]{row.detail}[/]"
+        detail = row.detail
+        if row.state == NOT_TESTABLE and row.entry == last:
+            detail = "(as above)"  # the reason once per entry; --json and JUnit carry it on every row
+        if detail:
+            cell += f"\n[dim]{escape(detail)}[/]"
         t.add_row(row.entry if row.entry != last else "", row.build, cell, row.expected or "-",
                   _mark(row) if row.matches is not False else "[bold red]FAIL[/]")
         last = row.entry
