@@ -219,6 +219,11 @@ def test_suite_run_on_0_26_0_and_a_flipped_expectation_fails_exactly_that_case(t
     junit2 = tmp_path / "flipped.xml"
     proc = kvrepro("suite", "report", suite["path"], "--catalogue", str(flipped), "--junit", str(junit2), "--ci")
     assert proc.returncode == 1, proc.stderr[-3000:]
+    import xmlschema
+
+    schema = xmlschema.XMLSchema(ROOT / "tests" / "data" / "junit" / "junit.xsd")
+    schema.validate(junit.read_text())  # as kvrepro's matrix JUnit: what Jenkins, GitLab and GitHub read
+    schema.validate(junit2.read_text())
     root = ET.parse(junit2).getroot()
     failed = [(c.get("classname"), c.get("name")) for c in root.findall(".//testcase") if c.find("failure") is not None]
     assert failed == [("kvrepro.suite.offload-boundary-assert", "0.26.0")]
