@@ -156,49 +156,23 @@ def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuil
     save()
     slots = max(1, jobs or min(4, os.cpu_count() or 1))
     testable = [e for e in entries if e.testable]
-    engines = threading.BoundedSemaphore(slots)  # engines alive at once, over every entry
+    # fewer entries than slots: the spare slots run an entry's repetitions and bases side by side
+    per_entry = max(1, slots // max(1, min(slots, len(testable))))
     shared: dict[str, Target] = {}
 
-    def limited(target: Target) -> Target:
-        """Every entry's runner may use all slots; an engine takes one from start() until its stop()."""
-        start = target.start
-
-        def start_in_slot(artifact: Any, run_dir: Path, rep: int) -> Any:
-            engines.acquire()
-            try:
-                handle = start(artifact, run_dir, rep)
-            except BaseException:
-                engines.release()
-                raise
-            stop_engine, released = handle.stop, threading.Event()
-
-            def stop_and_release(*args: Any, **kwargs: Any) -> Any:
-                try:
-                    return stop_engine(*args, **kwargs)
-                finally:
-                    if not released.is_set():
-                        released.set()
-                        engines.release()
-
-            handle.stop = stop_and_release  # type: ignore[method-assign]
-            return handle
-
-        target.start = start_in_slot  # type: ignore[method-assign]
-        return target
-
-    def target_for(loaded: LoadedMatrix) -> Target:
+    def target_for(loaded: LoadedMatrix) -> Target | None:
         """sim: one target for every entry, so that its engine zygote (one per release: torch & co.
         imported once) serves them all; each entry gets a shallow copy that differs only in the
-        matrix it serves (engine arguments, timeouts). Other targets: one per entry."""
+        matrix it serves (engine arguments, timeouts). Other targets: one per entry (None)."""
         name = loaded.matrix.target
         if name != "sim":
-            return limited(get_target(name)(loaded))
+            return None
         with lock:
             if name not in shared:
                 shared[name] = get_target(name)(loaded)
             sibling = copy.copy(shared[name])
         sibling.loaded = loaded
-        return limited(sibling)
+        return sibling
 
     def one(entry: Entry) -> None:
         if stop.is_set():
@@ -206,11 +180,9 @@ def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuil
         progress.stage(f"entry {entry.name} ({entry.kind}) on {', '.join(b.key for b in builds)}")
         try:
             loaded = matrices[entry.name]
-            target = target_for(loaded)
-            run = run_matrix(loaded, MatrixOptions(repetitions=reps, results_root=folder / RUNS_FOLDER, jobs=slots),
-                             progress, stop, target=target)
-            if loaded.matrix.target != "sim":
-                target.close()
+            run = run_matrix(loaded, MatrixOptions(repetitions=reps, results_root=folder / RUNS_FOLDER,
+                                                   jobs=per_entry),
+                             progress, stop, target=target_for(loaded))
         except KvreproError as exc:
             with lock:
                 record["entries"][entry.name]["error"] = str(exc).strip().splitlines()[0][:300]
@@ -222,8 +194,7 @@ def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuil
 
     status = "complete"
     try:
-        # every entry's runner at once; the semaphore keeps the engines to `slots`
-        with ThreadPoolExecutor(max_workers=max(1, len(testable)), thread_name_prefix="kvrepro-suite") as pool:
+        with ThreadPoolExecutor(max_workers=min(slots, max(1, len(testable))), thread_name_prefix="kvrepro-suite") as pool:
             for future in [pool.submit(one, e) for e in testable]:
                 future.result()
         if stop.is_set():
