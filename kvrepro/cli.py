@@ -63,6 +63,9 @@ app.add_typer(engine_app, name="engine")
 app.add_typer(results_app, name="results")
 load_app = typer.Typer(help="Request traces: replay what a run sent.", no_args_is_help=True)
 app.add_typer(load_app, name="load")
+suite_app = typer.Typer(help="The known-defect suite: defects/ against releases and patch stacks.",
+                        no_args_is_help=True)
+app.add_typer(suite_app, name="suite")
 
 # log_path=False: a progress line ends in what it says, not in the logger's source position (cli.py:166)
 out = Console(log_path=False)
@@ -1022,6 +1025,127 @@ try:
     app.command("clean")(_docker_cli.clean)
 except ImportError:  # the docker extra is optional for the sim target
     pass
+
+
+# --- known-defect suite (kvrepro/suite, docs/suite.md) ----------------------------------------
+
+CatalogueOpt = typer.Option(None, "--catalogue", help="the folder of defect files (default: the repository's defects/)")
+
+
+def _catalogue(folder: Optional[Path]) -> Any:
+    from .suite.run import load
+
+    return load(folder)
+
+
+@suite_app.command("list")
+def suite_list(catalogue: Optional[Path] = CatalogueOpt, as_json: bool = JsonOpt) -> None:
+    """Every catalogue entry: kind, signature, where present and fixed, the runs that measured it."""
+    cat = _catalogue(catalogue)
+    if as_json:
+        _emit_json([{k: v for k, v in to_jsonable(e).items() if k != "fragment_yaml"} for e in cat.entries])
+        return
+    table = Table(title=f"{cat.folder}: {len(cat.entries)} known defects", title_justify="left")
+    for col, width in (("entry", 26), ("kind", 10), ("present / fixed in", 28), ("measured", 9)):
+        table.add_column(col, overflow="fold", max_width=width)
+    for e in cat.entries:
+        where = ("present: " + ", ".join(e.present_in) if e.present_in else "") + \
+            ("\nfixed: " + ", ".join(e.fixed_in) if e.fixed_in else "")
+        measured = "not testable" if not e.testable else (f"{len(e.reproduced)} run(s)" if e.reproduced else "no")
+        table.add_row(f"{e.name}\n[dim]{escape(e.signature)}[/]", e.kind, where.strip(), measured)
+    out.print(table)
+
+
+def _suite_outputs(suite: Any, as_json: bool, ci: bool, junit: Optional[Path]) -> None:
+    from .suite import report as suite_report
+
+    if as_json:
+        _emit_json(suite_report.as_json(suite))
+    else:
+        (_ci_console() if ci else out).print(suite_report.table(suite))
+        for note in suite.notes:
+            err.print(f"[yellow]note[/]: {escape(note)}", highlight=False)
+        err.print(f"recorded: {suite.path}", highlight=False)
+    if junit is not None:
+        try:
+            suite_report.write_junit(suite, junit)
+            err.print(f"junit: {junit}", highlight=False)
+        except OSError as exc:
+            err.print("[red]error:[/] " + escape(redact(_junit_problem(junit, exc))), highlight=False)
+            raise typer.Exit(3)
+    for row in suite.mismatches:
+        err.print(f"[red]differs from the catalogue[/]: {row.entry} on {row.build}: expected {row.expected}, "
+                  f"got {row.state} ({escape(row.detail)})", highlight=False)
+    code = suite_report.exit_code(suite)
+    if code:
+        raise typer.Exit(code)
+
+
+@suite_app.command("run")
+def suite_run(
+    base: list[str] = typer.Option(..., "--base", help="a vLLM release to run every entry on (repeatable)"),
+    patch: Optional[list[str]] = typer.Option(None, "--patch", help="a patch from matrix.yaml's patches: applied "
+                                              "on every base, in order (repeatable)"),
+    entry: Optional[list[str]] = typer.Option(None, "--entry", "-e", help="only these entries (repeatable)"),
+    reps: Optional[int] = typer.Option(None, "--reps", min=1, max=1000, help="repetitions per entry and build "
+                                       "(default: each entry's runs.repetitions)"),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, max=64, help="engines at once (default: one "
+                                       "per core, at most 4)"),
+    catalogue: Optional[Path] = CatalogueOpt,
+    ci: bool = typer.Option(False, "--ci", help="non-interactive: plain lines, no progress bars"),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="also write JUnit XML here (one testcase per "
+                                         "entry and build)"),
+    results_root: Path = ResultsOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Every catalogue entry on each build: PRESENT, ABSENT (path ran), UNREACHED, OTHER, NOT TESTABLE or
+    INFRA, against what the catalogue expects. Exit codes as `matrix run --ci`."""
+    import time as _time
+
+    from .stopping import name, stop_on_signals
+    from .suite.run import entry_matrix, parse_builds, run_suite
+
+    _check_junit(junit)
+    results_root = _results_root(results_root)
+    cat = _catalogue(catalogue)
+    chosen = cat.select(entry)
+    builds_ = parse_builds(base, list(patch or []))
+    testable = [e for e in chosen if e.testable]
+    total = sum(len(builds_) * (reps or entry_matrix(e, builds_).matrix.runs.repetitions) for e in testable)
+    command = "kvrepro suite run " + " ".join(
+        [f"--base {b}" for b in base] + [f"--patch {p}" for p in patch or []] + [f"--entry {e}" for e in entry or []]
+        + ([f"--reps {reps}"] if reps else []))
+    stop = threading.Event()
+
+    def on_first(signum: int) -> None:
+        err.print(f"[yellow]{name(signum)}: stopping; engines are being stopped and finished runs recorded[/]")
+
+    started = _time.monotonic()
+    with stop_on_signals(stop, on_first):
+        if ci:
+            suite = run_suite(cat, chosen, builds_, results_root, reps, jobs, PlainProgress(total), stop, command)
+        else:
+            progress = RichProgress(total)
+            with progress.progress:
+                suite = run_suite(cat, chosen, builds_, results_root, reps, jobs, progress, stop, command)
+    err.print(f"wall time: {_time.monotonic() - started:.0f} s", highlight=False)
+    _suite_outputs(suite, as_json, ci, junit)
+
+
+@suite_app.command("report")
+def suite_report_cmd(
+    suite_dir: Path = typer.Argument(Path("latest"), help="a suite run folder (results/suite-...) or `latest`"),
+    catalogue: Optional[Path] = CatalogueOpt,
+    ci: bool = typer.Option(False, "--ci", help="plain, wide output"),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="write JUnit XML here"),
+    results_root: Path = ResultsOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Judge a recorded suite run again (against --catalogue, e.g. an edited copy); no engine runs."""
+    from .suite.run import load_suite
+
+    _check_junit(junit)
+    _suite_outputs(load_suite(suite_dir, _catalogue(catalogue), results_root), as_json, ci, junit)
 
 
 def main() -> None:

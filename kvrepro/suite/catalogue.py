@@ -1,0 +1,335 @@
+"""defects/: the catalogue of known defects, one YAML file per defect, validated.
+
+An entry says what a defect is (kind, signature), how to reach it (a matrix.yaml fragment merged
+over the default matrix), where it is expected present and where fixed (releases and patch
+stacks), what "the path ran" means for it (a counter every run records) and which run measured
+it. Errors name ``file:line``, the field and what is allowed, as matrix.yaml's do.
+
+Build keys: ``0.26.0`` (a release as shipped) or ``0.26.0+pr-52807+pr-48425`` (a release with
+patches from builds/ applied in that order). :func:`expected_state` says what an entry expects
+of one build; docs/suite.md has the rules.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ..errors import SpecError
+from ..spec.matrix import _line_for, _line_index, _StrictLoader
+
+# the repository's catalogue (next to builds/ and matrix.yaml)
+DEFAULT_CATALOGUE = Path(__file__).resolve().parent.parent.parent / "defects"
+MAX_ENTRY_BYTES = 64 * 1024
+
+# RunResult fields an entry may name as its "path ran" counter, and what each counts
+COUNTERS: dict[str, str] = {
+    "trigger_count": "update_state_after_alloc calls with a local hit and an offload hit (probe)",
+    "state_count": "trigger calls with a fresh unhashed block below the local boundary (probe)",
+    "external_hit_calls": "update_state_after_alloc calls with an offload hit (probe)",
+    "kv_checks": "request contexts the shadow KV checked",
+    "prefix_cache_hits": "prefix-cache hit tokens (vllm:prefix_cache_hits_total)",
+    "external_prefix_cache_hits": "offload-tier hit tokens (vllm:external_prefix_cache_hits_total)",
+    "offload_load_jobs": "offload load jobs the GPU-free engine ran",
+    "offload_store_jobs": "offload store jobs the GPU-free engine ran",
+    "engine_steps": "engine steps",
+    "requests": "requests sent",
+}
+# only these parts of a matrix describe how a defect is reached; builds and expectations are the suite's
+FRAGMENT_KEYS = ("engine", "load", "runs", "target_signature")
+_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+_RELEASE = re.compile(r"^\d+\.\d+\.\d+$")
+_PATCH = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def parse_build_key(key: str) -> tuple[str, tuple[str, ...]]:
+    """``0.26.0+pr-52807+pr-48425`` -> ("0.26.0", ("pr-52807", "pr-48425")); ValueError if malformed."""
+    parts = key.strip().split("+")
+    release, patches = parts[0], tuple(parts[1:])
+    if not _RELEASE.match(release):
+        raise ValueError(f"{key!r}: must start with a release such as 0.26.0 (then +patch+patch...)")
+    for patch in patches:
+        if not _PATCH.match(patch):
+            raise ValueError(f"{key!r}: {patch!r} is not a patch name from builds/ (e.g. pr-52807)")
+    return release, patches
+
+
+def build_key(release: str, patches: tuple[str, ...] | list[str] = ()) -> str:
+    return "+".join((release, *patches))
+
+
+def _version(release: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in release.split("."))
+
+
+class PathSpec(_Strict):
+    counter: str = Field(description="a RunResult counter (see COUNTERS)")
+    at_least: int = Field(1, ge=1, description="every repetition must reach this count for ABSENT")
+    means: str = Field("", description="what the counter shows for this defect, in one line")
+
+    @field_validator("counter")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in COUNTERS:
+            raise ValueError(f"{v!r} is not a counter runs record; use one of {', '.join(COUNTERS)}")
+        return v
+
+
+class Reproduced(_Strict):
+    suite_run: str = Field(description="the suite run folder (results/suite-...) that measured it")
+    date: str
+    command: str
+    builds: dict[str, str] = Field(default_factory=dict, description="build key -> the row it got (PRESENT, ABSENT)")
+
+
+class EntrySpec(_Strict):
+    name: str
+    kind: Literal["crash", "corruption", "stall"]
+    title: str
+    signature: str = Field(description="crash: a signature name (`kvrepro signatures`); corruption: a defect "
+                                       "name (`kvrepro signatures`); stall: `stall`")
+    testable: bool = True
+    not_testable: str | None = Field(None, description="why the suite cannot test it here (testable: false)")
+    matrix: dict[str, Any] = Field(default_factory=dict, description="merged over the default matrix.yaml")
+    present_in: list[str] = Field(default_factory=list)
+    fixed_in: list[str] = Field(default_factory=list)
+    upstream: list[str] = Field(default_factory=list)
+    path: PathSpec | None = None
+    notes: str = ""
+    reproduced: list[Reproduced] = Field(default_factory=list)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError("lower-case letters, digits and '-', at most 63 (it names the file and the build)")
+        return v
+
+    @field_validator("present_in", "fixed_in")
+    @classmethod
+    def _keys(cls, v: list[str]) -> list[str]:
+        for key in v:
+            parse_build_key(key)
+        return v
+
+    @field_validator("matrix")
+    @classmethod
+    def _fragment(cls, v: dict[str, Any]) -> dict[str, Any]:
+        for key in v:
+            if key not in FRAGMENT_KEYS:
+                raise ValueError(f"{key!r}: a defect says how it is reached with {', '.join(FRAGMENT_KEYS)}; "
+                                 "the suite chooses builds and expectations")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "EntrySpec":
+        from ..classify.corruption import known_corruptions
+        from ..classify.patterns import known_patterns
+
+        if not self.testable:
+            pass  # its signature may be one kvrepro does not know yet (nothing is matched against it)
+        elif self.kind == "crash":
+            names = sorted(p.name for p in known_patterns())
+            if self.signature not in names:
+                raise _FieldError("signature", f"{self.signature!r} is not a crash signature; known: {', '.join(names)}")
+        elif self.kind == "corruption":
+            names = sorted(c.name for c in known_corruptions())
+            if self.signature not in names:
+                raise _FieldError("signature", f"{self.signature!r} is not a corruption defect; known: "
+                                  f"{', '.join(names)}")
+        elif self.kind == "stall" and self.signature != "stall":
+            raise _FieldError("signature", "a stall entry's signature is `stall`")
+        if not self.testable and not (self.not_testable or "").strip():
+            raise _FieldError("not_testable", "testable: false needs the reason here")
+        if self.testable and self.not_testable:
+            raise _FieldError("not_testable", "given on a testable entry; set testable: false or remove it")
+        if self.testable and self.path is None:
+            raise _FieldError("path", "a testable entry needs path: {counter: ..., at_least: 1}: what shows its "
+                              "path ran when the defect does not show")
+        both = set(self.present_in) & set(self.fixed_in)
+        if both:
+            raise _FieldError("fixed_in", f"{', '.join(sorted(both))} also in present_in")
+        return self
+
+
+class _FieldError(ValueError):
+    def __init__(self, path: str, message: str):
+        super().__init__(message)
+        self.path = path
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A suite run that measured an entry (``reproduced:``)."""
+
+    suite_run: str
+    date: str
+    command: str
+    builds: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One catalogue entry, validated; ``fragment`` is the matrix.yaml fragment (plain YAML data)."""
+
+    name: str
+    kind: str
+    title: str
+    signature: str
+    testable: bool
+    not_testable: str | None
+    present_in: tuple[str, ...]
+    fixed_in: tuple[str, ...]
+    upstream: tuple[str, ...]
+    path_counter: str | None
+    path_at_least: int
+    path_means: str
+    notes: str
+    reproduced: tuple[Measurement, ...]
+    file: Path
+    fragment_yaml: str = ""  # the `matrix:` fragment, as YAML text (merged by suite.run)
+
+    @property
+    def fragment(self) -> dict[str, Any]:
+        return yaml.safe_load(self.fragment_yaml) or {} if self.fragment_yaml else {}
+
+
+@dataclass(frozen=True)
+class Catalogue:
+    folder: Path
+    entries: tuple[Entry, ...] = field(default_factory=tuple)
+
+    def select(self, names: list[str] | None) -> list[Entry]:
+        if not names:
+            return list(self.entries)
+        known = {e.name: e for e in self.entries}
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise SpecError(f"--entry {', '.join(unknown)}: not in {self.folder}; known: {', '.join(known)}")
+        return [known[n] for n in names]
+
+
+def expected_state(entry: Entry, release: str, patches: tuple[str, ...] = ()) -> str | None:
+    """What ``entry`` expects of a build: "present", "fixed" or None (no claim).
+
+    A key with patches (``0.26.0+pr-52807``) matches a build on that release whose stack holds all
+    of them; the key with the most patches wins. A release in ``present_in`` matches that release
+    with any stack; a release in ``fixed_in`` means fixed from that release on (any stack). Rank:
+    patch keys (by patch count) over an exact release over a "from this release on"; at equal rank
+    fixed wins.
+    """
+    best: tuple[int, int, str] | None = None  # (rank, fixed wins ties, state)
+    for state, keys in (("present", entry.present_in), ("fixed", entry.fixed_in)):
+        for key in keys:
+            rel, need = parse_build_key(key)
+            if need:
+                if rel != release or not set(need) <= set(patches):
+                    continue
+                rank = 2 + len(need)
+            elif rel == release:
+                rank = 1
+            elif state == "fixed" and _version(release) >= _version(rel):
+                rank = 0
+            else:
+                continue
+            candidate = (rank, state == "fixed", state)
+            if best is None or candidate[:2] > best[:2]:
+                best = candidate
+    return best[2] if best else None
+
+
+def _read(path: Path) -> tuple[str, Any]:
+    try:
+        if path.stat().st_size > MAX_ENTRY_BYTES:
+            raise SpecError(f"{path}:1: {path.stat().st_size:,} bytes; an entry is at most {MAX_ENTRY_BYTES:,}")
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{path}:1: not UTF-8 text ({exc.reason}); save it as UTF-8") from None
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (spec's SafeLoader subclass)
+    except yaml.YAMLError as exc:
+        line = getattr(exc, "line", None)
+        mark = getattr(exc, "problem_mark", None)
+        line = line or (mark.line + 1 if mark else 1)
+        raise SpecError(f"{path}:{line}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
+    return text, data
+
+
+def _where(path: Path, text: str, loc: tuple[Any, ...]) -> str:
+    try:
+        line = _line_for(_line_index(text), loc)
+    except yaml.YAMLError:
+        line = None
+    return f"{path}:{line or 1}"
+
+
+def load_entry(path: Path, check_fragment: Any = None) -> Entry:
+    """One file; SpecError ``file:line: field: problem`` for a bad one.
+
+    ``check_fragment(entry_spec) -> None`` may raise SpecError("field.path: problem") for a
+    fragment that does not make a valid matrix (suite.run passes one)."""
+    text, data = _read(path)
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}:1: an entry is a mapping (name:, kind:, title:, signature:, ...)")
+    try:
+        spec = EntrySpec.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = tuple(err["loc"])
+        ctx = (err.get("ctx") or {}).get("error")
+        if isinstance(ctx, _FieldError):
+            loc, msg = (ctx.path,), str(ctx)
+        elif err["type"] == "extra_forbidden":
+            msg = f"unknown field; allowed: {', '.join(EntrySpec.model_fields)}" if len(loc) == 1 else "unknown field"
+        elif err["type"] == "missing":
+            msg = "missing (required)"
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+        field_name = ".".join(str(p) for p in loc) or "(top level)"
+        raise SpecError(f"{_where(path, text, loc)}: {field_name}: {msg}") from None
+    if spec.name != path.stem:
+        raise SpecError(f"{_where(path, text, ('name',))}: name: {spec.name!r}, but the file is {path.name}; "
+                        f"name the file {spec.name}.yaml")
+    if check_fragment is not None and spec.testable:
+        try:
+            check_fragment(spec)
+        except FragmentError as exc:
+            loc = ("matrix",) + tuple(exc.field.split("."))
+            raise SpecError(f"{_where(path, text, loc)}: matrix.{exc.field}: {exc}") from None
+    fragment_yaml = yaml.safe_dump(spec.matrix, sort_keys=False) if spec.matrix else ""
+    return Entry(name=spec.name, kind=spec.kind, title=spec.title, signature=spec.signature, testable=spec.testable,
+                 not_testable=spec.not_testable, present_in=tuple(spec.present_in), fixed_in=tuple(spec.fixed_in),
+                 upstream=tuple(spec.upstream), path_counter=spec.path.counter if spec.path else None,
+                 path_at_least=spec.path.at_least if spec.path else 1, path_means=spec.path.means if spec.path else "",
+                 notes=spec.notes,
+                 reproduced=tuple(Measurement(r.suite_run, r.date, r.command, dict(r.builds)) for r in spec.reproduced),
+                 file=path, fragment_yaml=fragment_yaml)
+
+
+class FragmentError(ValueError):
+    """A matrix fragment that does not validate: ``field`` is its dotted path inside ``matrix:``."""
+
+    def __init__(self, field_path: str, message: str):
+        super().__init__(message)
+        self.field = field_path
+
+
+def load_catalogue(folder: Path = DEFAULT_CATALOGUE, check_fragment: Any = None) -> Catalogue:
+    """Every ``*.yaml`` in ``folder``, sorted by name; the first bad file raises SpecError."""
+    if not folder.is_dir():
+        raise SpecError(f"--catalogue {folder}: not a folder of defect files (defects/*.yaml)")
+    files = sorted(folder.glob("*.yaml"))
+    if not files:
+        raise SpecError(f"--catalogue {folder}: no *.yaml entries in it")
+    return Catalogue(folder=folder, entries=tuple(load_entry(f, check_fragment) for f in files))

@@ -1,0 +1,115 @@
+"""One row per catalogue entry and build: what its repetitions show, against what it expects.
+
+Rows (docs/suite.md):
+
+* PRESENT: a repetition showed the entry's signature (crash signature, corruption defect, STALL);
+* ABSENT: none did, and the entry's path counter reached ``at_least`` in every repetition;
+* UNREACHED: none did, and the path counter stayed below it in some repetition (proves nothing);
+* OTHER: none did, and some repetition ended early on another failure (it may hide this one);
+* NOT TESTABLE: the entry says why the suite cannot test it here (no runs);
+* INFRA: no repetition could be judged (build, engine start or load failed; or interrupted).
+
+``expected`` is what the catalogue says of the build ("present", "fixed" or None); a row
+matches when PRESENT is expected present or ABSENT expected fixed. INFRA and rows without an
+expectation are never a mismatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..classify.patterns import known_patterns
+from ..records import RunResult, Verdict
+from .catalogue import Entry, expected_state
+
+PRESENT, ABSENT, UNREACHED, OTHER, NOT_TESTABLE, INFRA = (
+    "PRESENT", "ABSENT", "UNREACHED", "OTHER", "NOT TESTABLE", "INFRA")
+_UNJUDGED = (Verdict.INFRA, Verdict.INTERRUPTED, Verdict.INCOMPLETE, Verdict.DAMAGED)
+
+
+@dataclass(frozen=True)
+class Row:
+    entry: str
+    kind: str
+    build: str  # build key: 0.26.0 or 0.26.0+pr-52807
+    state: str
+    detail: str  # the signature shown, the path counter per repetition, the other failure, the reason
+    expected: str | None  # "present" | "fixed" | None
+    matches: bool | None  # None: nothing to compare (no expectation, INFRA, NOT TESTABLE)
+    reps: int = 0
+    seconds: float = 0.0
+    run_dirs: tuple[str, ...] = ()
+
+    @property
+    def failed(self) -> bool:
+        return self.matches is False
+
+
+def shows(entry: Entry, run: RunResult) -> bool:
+    """Whether one repetition shows the entry's own signature."""
+    if entry.kind == "corruption":
+        return run.kv_defects.get(entry.signature, 0) > 0
+    if entry.kind == "stall":
+        # a run's verdict puts corruption before the stall that ended it: the load says it stalled
+        return run.verdict is Verdict.STALL or (run.load is not None and run.load.stopped_because == "stall")
+    if run.verdict is not Verdict.CRASH or run.signature is None:
+        return False
+    pattern = next((p for p in known_patterns() if p.name == entry.signature), None)
+    return pattern is not None and pattern.match(run.signature) is not None
+
+
+def counter(entry: Entry, run: RunResult) -> int:
+    value = getattr(run, entry.path_counter or "", None)
+    return int(value) if isinstance(value, int) else 0
+
+
+def _compare(state: str, expected: str | None) -> bool | None:
+    if expected is None or state in (INFRA, NOT_TESTABLE):
+        return None
+    return state == (PRESENT if expected == "present" else ABSENT)
+
+
+def not_testable_row(entry: Entry, build: str, release: str, patches: tuple[str, ...]) -> Row:
+    return Row(entry=entry.name, kind=entry.kind, build=build, state=NOT_TESTABLE,
+               detail=entry.not_testable or "", expected=expected_state(entry, release, patches), matches=None)
+
+
+def judge(entry: Entry, build: str, release: str, patches: tuple[str, ...], runs: list[RunResult],
+          build_error: str | None = None) -> Row:
+    """The row of ``entry`` on one build from its recorded repetitions."""
+    expected = expected_state(entry, release, patches)
+    seconds = round(sum(r.seconds for r in runs), 1)
+    dirs = tuple(r.run_dir for r in runs if r.run_dir)
+
+    def row(state: str, detail: str) -> Row:
+        return Row(entry=entry.name, kind=entry.kind, build=build, state=state, detail=detail, expected=expected,
+                   matches=_compare(state, expected), reps=len(runs), seconds=seconds, run_dirs=dirs)
+
+    hits = [r for r in runs if shows(entry, r)]
+    if hits:
+        first = hits[0]
+        if entry.kind == "corruption":
+            what = f"{entry.signature} x{first.kv_defects.get(entry.signature, 0)}"
+        elif entry.kind == "stall":
+            what = "STALL"
+        else:
+            what = entry.signature
+        index = first.load.first_failed_index if first.load else None
+        # first_failed_index counts from 0; a corruption is seen before whatever ends the run
+        at = f", request {index + 1}" if index is not None and entry.kind == "crash" else ""
+        return row(PRESENT, f"{what} in {len(hits)}/{len(runs)} reps (rep {first.rep}{at})")
+    judged = [r for r in runs if r.verdict not in _UNJUDGED]
+    if build_error or not judged or len(judged) < len(runs):
+        bad = next((r for r in runs if r.verdict in _UNJUDGED), None)
+        why = build_error or (bad.title if bad else "no repetition finished")
+        return row(INFRA, why.strip().splitlines()[0][:160] if why.strip() else "no repetition finished")
+    early = [r for r in judged if r.verdict in (Verdict.CRASH, Verdict.STALL)]
+    if early:
+        r = early[0]
+        known = next((p.name for p in known_patterns() if r.signature is not None and p.match(r.signature)), None)
+        return row(OTHER, f"{r.label} in rep {r.rep}: {known or r.title}"[:160])
+    counts = [counter(entry, r) for r in judged]
+    shown = f"{entry.path_counter} {'/'.join(str(c) for c in counts)}"
+    if all(c >= entry.path_at_least for c in counts):
+        return row(ABSENT, f"path ran: {shown}")
+    return row(UNREACHED, f"path below {entry.path_at_least}: {shown}")

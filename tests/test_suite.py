@@ -1,0 +1,261 @@
+"""The known-defect suite: defects/ loads (file:line errors), each entry's expectation per build,
+rows judged from runs, and one real `kvrepro suite run` on 0.26.0 re-judged with one expectation
+flipped (exactly that JUnit test case fails)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from kvrepro.errors import SpecError
+from kvrepro.records import LoadSummary, Outcome, RunResult, Signature, Verdict
+from kvrepro.suite.catalogue import expected_state
+from kvrepro.suite.judge import judge
+from kvrepro.suite.run import load
+
+ROOT = Path(__file__).resolve().parents[1]
+CATALOGUE = ROOT / "defects"
+
+
+def kvrepro(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvrepro.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+
+
+def entry(name: str, folder: Path = CATALOGUE):
+    return next(e for e in load(folder).entries if e.name == name)
+
+
+# --- the catalogue ------------------------------------------------------------------------------
+
+def test_catalogue_loads_and_covers_every_kind():
+    cat = load()
+    names = [e.name for e in cat.entries]
+    assert names == sorted(names) and len(names) >= 6
+    assert {e.kind for e in cat.entries if e.testable} == {"crash", "corruption", "stall"}
+    for e in cat.entries:
+        assert e.file.name == f"{e.name}.yaml"
+        assert e.testable or e.not_testable, e.name
+    # every testable entry records the runs that measured it, and each names its test log
+    logs = (ROOT / "tests" / "data" / "logs" / "README.md").read_text()
+    for e in cat.entries:
+        if e.testable:
+            assert e.reproduced, f"{e.name}: no reproduced: run recorded"
+            assert f"suite-{e.name}.log" in logs, e.name
+            assert (ROOT / "tests" / "data" / "logs" / f"suite-{e.name}.log").is_file()
+
+
+def test_each_entry_log_shows_its_signature():
+    """tests/data/logs/suite-<entry>.log is an excerpt of the run that measured the entry: the
+    classifier finds the crash signature in it, the shadow KV's lines attribute to the defect."""
+    from kvrepro.classify import classify_file, read_exposure
+    from kvrepro.classify.corruption import defects_of
+    from kvrepro.classify.patterns import match_pattern
+
+    for e in load().entries:
+        if not e.testable:
+            continue
+        log = ROOT / "tests" / "data" / "logs" / f"suite-{e.name}.log"
+        if e.kind == "crash":
+            sig = classify_file(log).signature
+            assert sig is not None and match_pattern(sig).name == e.signature, e.name
+        elif e.kind == "corruption":
+            x = read_exposure(log.read_text())
+            assert e.signature in defects_of(x.kv_violations, x.kv_violations_by, x.kv_first_violation_class,
+                                             x.kv_groups), e.name
+        else:
+            last = log.read_text().splitlines()[-1]
+            assert "Running: 0 reqs" in last and "Avg prompt throughput: 0.0" in last, e.name
+
+
+def _bad(tmp_path: Path, name: str, text: str) -> str:
+    folder = tmp_path / "cat"
+    folder.mkdir(exist_ok=True)
+    (folder / f"{name}.yaml").write_text(text)
+    with pytest.raises(SpecError) as info:
+        load(folder)
+    return str(info.value)
+
+
+GOOD = """name: x
+kind: crash
+title: t
+signature: offload_update_state_after_alloc
+matrix:
+  runs: {requests: 10}
+present_in: ["0.26.0"]
+path: {counter: trigger_count}
+"""
+
+
+@pytest.mark.parametrize("change, line, field, words", [
+    (("kind: crash", "kind: hang"), 2, "kind", "'crash', 'corruption' or 'stall'"),
+    (("signature: offload_update_state_after_alloc", "signature: nope"), 4, "signature", "not a crash signature"),
+    (("path: {counter: trigger_count}", "path: {counter: bogus}"), 8, "path.counter", "not a counter"),
+    (("present_in: [\"0.26.0\"]", "present_in: [\"0.26\"]"), 7, "present_in", "must start with a release"),
+    (("title: t", "title: t\ncolour: red"), 4, "colour", "unknown field"),
+    (("  runs: {requests: 10}", "  runs: {requests: 0}"), 6, "matrix.runs.requests", "greater than or equal to 1"),
+    (("  runs: {requests: 10}", "  builds: {A: []}"), 5, "matrix", "the suite chooses builds"),
+    (("name: x", "name: y"), 1, "name", "name the file y.yaml"),
+    (("path: {counter: trigger_count}", ""), 1, "path", "a testable entry needs path"),
+])
+def test_a_bad_entry_is_one_line_naming_file_line_and_field(tmp_path, change, line, field, words):
+    message = _bad(tmp_path, "x", GOOD.replace(*change))
+    assert "\n" not in message
+    assert message.startswith(f"{tmp_path / 'cat' / 'x.yaml'}:{line}: {field}: "), message
+    assert words in message, message
+
+
+def test_not_testable_needs_its_reason(tmp_path):
+    message = _bad(tmp_path, "x", GOOD + "testable: false\n")
+    assert message.startswith(f"{tmp_path / 'cat' / 'x.yaml'}:") and "not_testable: testable: false needs" in message
+
+
+def test_the_shipped_good_template_loads(tmp_path):
+    (tmp_path / "x.yaml").write_text(GOOD)
+    (only,) = load(tmp_path).entries
+    assert only.fragment == {"runs": {"requests": 10}}
+
+
+# --- expectations per build -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, release, patches, expected", [
+    ("offload-boundary-assert", "0.25.1", (), "present"),
+    ("offload-boundary-assert", "0.26.0", (), "present"),
+    ("offload-boundary-assert", "0.26.0", ("pr-49146",), "present"),  # an unrelated patch changes nothing
+    ("offload-boundary-assert", "0.26.0", ("pr-49146", "pr-52807"), "fixed"),
+    ("offload-boundary-assert", "0.27.0", (), "fixed"),
+    ("offload-boundary-assert", "0.30.0", (), "fixed"),  # "fixed in 0.27.0" holds for every later release
+    ("offload-boundary-assert", "0.24.0", (), None),  # before anything the entry knows: no claim
+    ("fa-hole-below-boundary", "0.26.0", (), None),  # code absent without pr-52807
+    ("fa-hole-below-boundary", "0.26.0", ("pr-49146", "pr-52807"), "present"),
+    ("fa-hole-below-boundary", "0.26.0", ("pr-49146", "pr-52807", "pr-48425"), "fixed"),  # more patches win
+    ("fa-hole-below-boundary", "0.30.0", (), "fixed"),
+    ("mamba-null-state", "0.26.0", ("pr-49146", "pr-52807"), "present"),
+    ("mamba-null-state", "0.26.0", ("pr-48425",), "fixed"),
+    ("skipped-waiting-deadlock", "0.30.0", (), "present"),
+    ("skipped-waiting-deadlock", "0.26.0", (), None),  # masked by the target crash: no claim
+    ("skipped-waiting-deadlock", "0.31.0", (), "fixed"),
+])
+def test_expected_state_per_build(name, release, patches, expected):
+    assert expected_state(entry(name), release, patches) == expected
+
+
+# --- rows from runs -------------------------------------------------------------------------------
+
+def _run(verdict=Verdict.SURVIVED, rep=0, **kw) -> RunResult:
+    fields = dict(build="x", rep=rep, verdict=verdict, outcome=Outcome.NONE, title="t", trigger_count=5,
+                  external_hit_calls=5, requests=200, seconds=1.0, prefix_cache_hits=100,
+                  load=LoadSummary(200, 200, 0, 1.0, "budget"))
+    fields.update(kw)
+    return RunResult(**fields)
+
+
+TARGET = Signature("AssertionError", "update_state_after_alloc",
+                   "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py", 815,
+                   "num_locally_computed_tokens <= num_locally_computed_gpu_blocks * tokens_per_block")
+
+
+def test_rows():
+    crash = entry("offload-boundary-assert")
+    hit = _run(Verdict.CRASH, outcome=Outcome.TARGET, signature=TARGET, load=LoadSummary(4, 3, 1, 1.0, "engine_dead", 3))
+    row = judge(crash, "0.26.0", "0.26.0", (), [hit])
+    assert (row.state, row.expected, row.matches) == ("PRESENT", "present", True)
+    assert "rep 0, request 4" in row.detail
+    row = judge(crash, "0.30.0", "0.30.0", (), [_run(), _run(rep=1)])
+    assert (row.state, row.matches, row.detail) == ("ABSENT", True, "path ran: trigger_count 5/5")
+    row = judge(crash, "0.30.0", "0.30.0", (), [_run(), _run(rep=1, trigger_count=0)])
+    assert (row.state, row.matches) == ("UNREACHED", False)  # the path must run in every repetition
+    row = judge(crash, "0.26.0", "0.26.0", (), [_run(Verdict.INFRA, title="engine did not start")])
+    assert (row.state, row.matches) == ("INFRA", None)
+    null = entry("mamba-null-state")
+    row = judge(null, "0.26.0", "0.26.0", (), [hit])  # crashed, but the corruption came first
+    assert row.state == "ABSENT" or row.state == "OTHER"
+    row = judge(null, "0.26.0", "0.26.0", (), [_run(Verdict.CRASH, kv_defects={"mamba-null-state": 2})])
+    assert (row.state, row.matches) == ("PRESENT", True)
+    row = judge(null, "0.26.0", "0.26.0", (), [_run(Verdict.CRASH, outcome=Outcome.TARGET, signature=TARGET)])
+    assert row.state == "OTHER" and row.matches is False  # another failure ended the run: not evidence
+    stall = entry("skipped-waiting-deadlock")
+    row = judge(stall, "0.31.0", "0.31.0", (), [_run(Verdict.CORRUPT, kv_defects={"mamba-null-state": 1})])
+    assert (row.state, row.expected, row.matches) == ("ABSENT", "fixed", True)  # the budget ran
+
+
+# --- a real suite run, re-judged ------------------------------------------------------------------
+
+def test_suite_run_on_0_26_0_and_a_flipped_expectation_fails_exactly_that_case(tmp_path, runtime_python):
+    """One quick entry on vLLM 0.26.0 (the target crash within a few requests), two entries that are
+    not testable; then the recorded run judged against a catalogue copy that says 0.26.0 is fixed."""
+    junit = tmp_path / "suite.xml"
+    proc = kvrepro("suite", "run", "--base", "0.26.0", "--entry", "offload-boundary-assert",
+                   "--entry", "cross-group-eviction-assert", "--entry", "mtp-async-load-deadlock", "--reps", "1",
+                   "--results", str(tmp_path / "results"), "--junit", str(junit), "--json", "--ci")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    suite = json.loads(proc.stdout)
+    rows = {r["entry"]: r for r in suite["rows"]}
+    assert rows["offload-boundary-assert"]["state"] == "PRESENT", rows
+    assert rows["offload-boundary-assert"]["expected"] == "present" and rows["offload-boundary-assert"]["matches"]
+    assert "offload_update_state_after_alloc" in rows["offload-boundary-assert"]["detail"]
+    assert rows["cross-group-eviction-assert"]["state"] == "NOT TESTABLE"
+    cases = ET.parse(junit).getroot().findall(".//testcase")
+    assert len(cases) == 3
+    assert not ET.parse(junit).getroot().findall(".//failure")
+    assert len(ET.parse(junit).getroot().findall(".//skipped")) == 2
+    run_dir = Path(rows["offload-boundary-assert"]["run_dirs"][0])
+    assert (run_dir / "engine.log").is_file() and (run_dir / "verdict.json").is_file()
+
+    flipped = tmp_path / "defects"
+    shutil.copytree(CATALOGUE, flipped)
+    path = flipped / "offload-boundary-assert.yaml"
+    text = path.read_text()
+    assert 'present_in: ["0.25.1", "0.26.0"]' in text
+    path.write_text(text.replace('present_in: ["0.25.1", "0.26.0"]', 'present_in: ["0.25.1"]')
+                    .replace('fixed_in: ["0.27.0",', 'fixed_in: ["0.26.0", "0.27.0",'))
+    junit2 = tmp_path / "flipped.xml"
+    proc = kvrepro("suite", "report", suite["path"], "--catalogue", str(flipped), "--junit", str(junit2), "--ci")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    import xmlschema
+
+    schema = xmlschema.XMLSchema(ROOT / "tests" / "data" / "junit" / "junit.xsd")
+    schema.validate(junit.read_text())  # as kvrepro's matrix JUnit: what Jenkins, GitLab and GitHub read
+    schema.validate(junit2.read_text())
+    root = ET.parse(junit2).getroot()
+    failed = [(c.get("classname"), c.get("name")) for c in root.findall(".//testcase") if c.find("failure") is not None]
+    assert failed == [("kvrepro.suite.offload-boundary-assert", "0.26.0")]
+    assert root.get("failures") == "1" and root.get("tests") == "3"
+    assert "expected fixed, got PRESENT" in ET.tostring(root, encoding="unicode")
+
+
+def test_the_table_fits_80_columns():
+    from rich.console import Console
+
+    from kvrepro.suite.report import table
+    from kvrepro.suite.run import SuiteBuild, SuiteResult
+
+    crash = entry("offload-boundary-assert")
+    rows = (judge(crash, "0.26.0+pr-49146+pr-52807+pr-48425", "0.26.0", ("pr-49146", "pr-52807", "pr-48425"),
+                  [_run(), _run(rep=1)]),
+            judge(entry("fa-hole-below-mamba-hit"), "0.26.0", "0.26.0", (),
+                  [_run(Verdict.CRASH, outcome=Outcome.TARGET, signature=TARGET, title="AssertionError in "
+                        "update_state_after_alloc: num_locally_computed_tokens <= num_locally_computed_gpu_blocks")]))
+    suite = SuiteResult("suite-x", Path("results/suite-x"), "complete", "defects",
+                        (SuiteBuild("0.26.0", ("pr-49146", "pr-52807", "pr-48425")),), rows, 123.0)
+    console = Console(width=80, record=True, color_system=None)
+    console.print(table(suite))
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    assert "ABSENT" in text and "OTHER" in text and "FAIL" in text
+
+
+def test_suite_list_json():
+    proc = kvrepro("suite", "list", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    listed = {e["name"]: e for e in json.loads(proc.stdout)}
+    assert set(listed) == {e.name for e in load().entries}
+    assert listed["cross-group-eviction-assert"]["not_testable"]
+    assert listed["offload-boundary-assert"]["reproduced"][0]["builds"] == {"0.26.0": "PRESENT", "0.30.0": "ABSENT"}
