@@ -35,7 +35,7 @@ from ..loadgen.runner import replay_load
 from ..spec.geometry import built_mismatch as geometry_mismatch
 from ..loadgen.capacity import engine_capacity
 from ..classify.metrics import parse_prometheus, total
-from ..records import (BuildArtifact, BuildPlan, BuildRecord, Classification, Exposure, HostInfo, LoadSummary, Outcome, PatchInfo, RunManifest, RunResult, Verdict)
+from ..records import (BuildArtifact, BuildPlan, BuildRecord, Classification, Exposure, HostInfo, LoadSummary, Outcome, PatchInfo, RunBuildEntry, RunInfo, RunManifest, RunResult, Verdict)
 from ..secrets import redact
 from ..spec.matrix import LoadedMatrix
 from ..classify.verdict import decide, died_without_traceback_title
@@ -348,21 +348,23 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
     plans = loaded.plans(options.builds, options.bases)
     reps = options.repetitions or matrix.runs.repetitions
     bases = list(dict.fromkeys(p.base for p in plans))
-    folder = results.create_run(options.results_root, loaded.text, {
-        "matrix": str(loaded.path),
-        "matrix_sha256": loaded.sha256,
-        "target": target_name,
-        "base": bases[0] if len(bases) == 1 else bases,
-        "bases": bases,
-        "repetitions": options.adaptive_max or reps,
-        "adaptive": bool(options.adaptive_max),
-        "build_order": [p.name for p in plans],
-        "builds": {p.name: {"patches": [x.name for x in p.patches], "base": p.base, "build": p.build_name}
-                   for p in plans},
-        "expect": {name: label for name, label in matrix.expect.items() if name in {p.build_name for p in plans}},
-        "kvrepro_version": __version__,
-        "host": host_info(),
-    })
+    build_names = {p.build_name for p in plans}
+    folder = results.create_run(options.results_root, loaded.text, RunInfo(
+        run_id="", status="running",  # create_run gives both
+        matrix=str(loaded.path),
+        matrix_sha256=loaded.sha256,
+        target=target_name,
+        base=bases[0] if len(bases) == 1 else tuple(bases),
+        bases=tuple(bases),
+        repetitions=options.adaptive_max or reps,
+        adaptive=bool(options.adaptive_max),
+        build_order=tuple(p.name for p in plans),
+        builds={p.name: RunBuildEntry(patches=tuple(x.name for x in p.patches), base=p.base, build=p.build_name)
+                for p in plans},
+        expect={name: label for name, label in matrix.expect.items() if name in build_names},
+        kvrepro_version=__version__,
+        host=host_info(),
+    ))
     owns_target = target is None
     if target is None:
         target = target_cls(loaded)
