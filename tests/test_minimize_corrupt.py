@@ -112,7 +112,7 @@ def corrupt_run(default_matrix, overlays, tmp_path_factory):
     # requests that change nothing the corruption needs: distinct short prompts
     filler = [TraceRequest(index=0, tokens=tuple(range(900 - 20 * k, 917 - 20 * k)), max_tokens=2) for k in range(4)]
     requests = filler[:2] + list(shipped.requests[:1]) + filler[2:] + list(shipped.requests[1:])
-    trace = Trace(TRACE, {**shipped.header, "rep": 0},
+    trace = Trace(TRACE, shipped.header.updated(rep=0),
                   [TraceRequest(**{**r.__dict__, "index": i}) for i, r in enumerate(requests)])
     root = tmp_path_factory.mktemp("results")
     options = MatrixOptions(target="sim", builds=["B"], repetitions=1, results_root=root, jobs=1, replay=trace)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import require
 
-from kvrepro.loadgen.trace import Trace, TraceRequest, read_trace
+from kvrepro.loadgen.trace import Trace, TraceHeader, TraceRequest, read_trace
 from kvrepro.minimize.pytest_emit import _prompts_source, render
 from kvrepro.minimize.shrink import PytestCheck
 
@@ -102,7 +102,7 @@ def test_prompts_are_written_as_slices_of_earlier_prompts_and_read_back_exactly(
 
 
 def test_the_seed_is_the_repetition_s(default_matrix):
-    trace = Trace(TRACE, {"rep": 2}, [TraceRequest(index=0, tokens=(5, 6, 7), max_tokens=3)])
+    trace = Trace(TRACE, TraceHeader(rep=2), [TraceRequest(index=0, tokens=(5, 6, 7), max_tokens=3)])
     text = _text(default_matrix, trace)
     assert f"SEED = {default_matrix.matrix.engine.sim.seed + 2}" in text
     assert "REQUESTS = [(3, P[0])]" in text

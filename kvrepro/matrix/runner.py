@@ -32,6 +32,7 @@ from ..deploy.docker.settings import docker_settings
 from ..errors import InfraError, KvreproError
 from ..loadgen import run_load
 from ..loadgen.runner import replay_load
+from ..loadgen.trace import TraceHeader
 from ..spec.geometry import built_mismatch as geometry_mismatch
 from ..loadgen.capacity import engine_capacity
 from ..classify.metrics import parse_prometheus, total
@@ -201,8 +202,9 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     api_key = engine_api_key(loaded, target.name)
     try:
         log_so_far = handle.log_path.read_text(errors="replace") if handle.log_path.exists() else ""
-        header = {"build": plan.name, "rep": rep, "sim_seed": matrix.engine.sim.seed + rep,
-                  "engine_args": _engine_args(target)}
+        engine_args = _engine_args(target)
+        header = TraceHeader().updated(build=plan.name, rep=rep, sim_seed=matrix.engine.sim.seed + rep,
+                                       engine_args=tuple(engine_args) if engine_args is not None else None)
         if replay is not None:
             load = replay_load(handle.base_url, replay, matrix.runs, run_dir / "load.jsonl", alive=handle.alive,
                                on_progress=lambda done, failed: progress.requests_done(plan.name, rep, done, failed),
@@ -436,7 +438,7 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
                 pool.shutdown(wait=True, cancel_futures=True)
 
         if options.replay is not None:  # the trace's repetition number: the same engine seed
-            run_all((a, int(options.replay.header.get("rep", 0))) for a in artifacts)
+            run_all((a, options.replay.header.rep or 0) for a in artifacts)
         elif options.adaptive_max:
             # one more repetition of every undecided build per round, until each is decisive
             for rep in range(options.adaptive_max):

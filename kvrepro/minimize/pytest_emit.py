@@ -671,7 +671,7 @@ def render(trace: Trace, loaded: LoadedMatrix, engine: dict[str, Any], name: str
     sig = matrix.target_signature
     model_config = json.loads((Path(loaded.model_dir()) / "config.json").read_text())
     model_config = {k: v for k, v in model_config.items() if not k.startswith("_")}
-    rep = int(trace.header.get("rep", 0))
+    rep = trace.header.rep or 0
     spec = engine.get("speculative")
     transfer = engine.get("kv_transfer") or {}
     prompts = [list(r.tokens) for r in trace.requests]
@@ -697,7 +697,7 @@ def render(trace: Trace, loaded: LoadedMatrix, engine: dict[str, Any], name: str
         mamba_cache_mode=engine.get("mamba_cache_mode"),
         num_spec=spec["num_speculative_tokens"] if spec else 0,
         requests=len(trace.requests), tokens=sum(len(p) for p in prompts),
-        source=trace.header.get("minimized_from", trace.path),
+        source=trace.header.minimized_from or trace.path,
         acceptance=repr(matrix.engine.sim.draft_acceptance_rate),
         name=name,
         run_lines="\n".join(f"    # {label}\n    VLLM_PLUGINS= PYTHONPATH={pythonpath} {python} {name}"

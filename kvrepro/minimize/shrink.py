@@ -467,7 +467,7 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
             raise KvreproError(f"{run.run_dir}: CORRUPT, but its first violation does not say which KV group "
                                f"({run.kv_first_violation!r}); name one with --violation KIND")
     failure = Failure(sig, violation)
-    rep_number = int(trace.header.get("rep", run.rep))
+    rep_number = trace.header.rep if trace.header.rep is not None else run.rep
     on_line(f"starting the offline engine for build {build}")
     engine = OfflineEngine(loaded, build, rep_number)
     fixed_engine = None
@@ -511,8 +511,8 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
         if fixed_engine is not None:
             fixed_engine.close()
 
-    minimized = Trace(trace_path, {**trace.header, "minimized_from": str(trace_path),
-                                   "load": {**(trace.header.get("load") or {}), "concurrency": 1}}, items)
+    minimized = Trace(trace_path, trace.header.updated(minimized_from=str(trace_path),
+                                                       load={**(trace.header.load or {}), "concurrency": 1}), items)
     out_path = trace_path.with_name("minimized.trace.jsonl")
     write_trace(out_path, minimized)
     summary = MinimizeResult(
