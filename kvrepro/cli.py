@@ -30,6 +30,7 @@ from .secrets import redact, redact_args
 if TYPE_CHECKING:  # kvrepro.spec.matrix (pydantic) is imported when a command reads a matrix
     from .bisect.state import BisectRequest
     from .records import BisectResult, BisectStep
+    from .results.index import RunRow
     from .spec.matrix import LoadedMatrix
 
 
@@ -436,10 +437,10 @@ def results_list(results_root: Path = ResultsOpt, as_json: bool = JsonOpt) -> No
     _say_what_list_omits(results_root, rows)
 
 
-def _say_what_list_omits(root: Path, rows: list[dict[str, Any]]) -> None:
+def _say_what_list_omits(root: Path, rows: list[RunRow]) -> None:
     """results list shows runs; what else is there is said on stderr (so --json stays a list)."""
     bisections, others = results.other_folders(root)
-    unreadable = sum(1 for r in rows if r["status"] == "unreadable")
+    unreadable = sum(1 for r in rows if r.unreadable)
     notes = []
     if unreadable:
         notes.append(f"{unreadable} run(s) listed as unreadable (`kvrepro results show RUN` says why)")
@@ -457,16 +458,16 @@ def _compact(labels: list[str]) -> str:
         return "-"
     return f"{len(labels)}x {labels[0]}" if len(set(labels)) == 1 and len(labels) > 1 else " ".join(labels)
 
-def _runs_table(rows: list[dict[str, Any]], results_root: Path, width: int) -> Table:
+def _runs_table(rows: list[RunRow], results_root: Path, width: int) -> Table:
     """`results list`'s table, folded to ``width``: when a run's verdicts do not fit on one line (an
     80-column terminal), each build gets a line of its own, its verdicts counted; target and base
     move into the title when every run shares them. No verdict is cut in the middle."""
-    readable = [r for r in rows if r["status"] != "unreadable"]
-    one_line = {r["run_id"]: "  ".join(f"{n}: {_compact(v)}" for n, v in r["builds"].items()) for r in readable}
-    shared = {k: {r[k] for r in readable} for k in ("target", "base")}
+    readable = [r for r in rows if not r.unreadable]
+    one_line = {r.run_id: "  ".join(f"{n}: {_compact(v)}" for n, v in r.builds.items()) for r in readable}
+    shared = {k: {getattr(r, k) for r in readable} for k in ("target", "base")}
 
     def room(keys: tuple[str, ...]) -> int:  # what the verdicts column has beside the others
-        return width - 4 - 3 * len(keys) - sum(max((len(r[k] or "") for r in readable if k in r), default=0)
+        return width - 4 - 3 * len(keys) - sum(max((len(getattr(r, k) or "") for r in readable), default=0)
                                                for k in keys) - (2 if len(readable) < len(rows) else 0)
 
     keys: tuple[str, ...] = ("run_id", "status", "target", "base")
@@ -480,13 +481,13 @@ def _runs_table(rows: list[dict[str, Any]], results_root: Path, width: int) -> T
         table.add_column(key.replace("_", " "))
     table.add_column("verdicts")
     for r in rows:
-        if r["status"] == "unreadable":
-            table.add_row("", "unreadable", *([""] * (len(keys) - 2)), r["error"])
+        if r.unreadable:
+            table.add_row("", "unreadable", *([""] * (len(keys) - 2)), r.error)
             continue
-        text = one_line[r["run_id"]]
+        text = one_line[r.run_id]
         if narrow and len(text) > room(keys):
-            text = "\n".join(f"{n}: {_counted(v)}" for n, v in r["builds"].items())
-        table.add_row(*(r[k] or "" for k in keys), text)
+            text = "\n".join(f"{n}: {_counted(v)}" for n, v in r.builds.items())
+        table.add_row(*(getattr(r, k) or "" for k in keys), text)
     return table
 
 

@@ -461,8 +461,12 @@ class RunManifest:
     engine_args: tuple[str, ...] | None = None
     sim_seed: int | None = None
     load_seed: int | None = None
-    load: dict[str, Any] = field(default_factory=dict)
-    runs: dict[str, Any] = field(default_factory=dict)
+    # The matrix's ``load:`` and ``runs:`` as recorded (LoadSpec / RunsSpec .model_dump()): kept as
+    # the raw JSON mapping on purpose. records is the base layer and may not import spec (pydantic)
+    # and a manifest must read back whatever a kvrepro of another version recorded there; the
+    # report only shows them, and a replay re-validates the trace's own copy (Trace.load_spec).
+    load: dict[str, Json] = field(default_factory=dict)
+    runs: dict[str, Json] = field(default_factory=dict)
     kvrepro_version: str = ""
     replay_of: str | None = None  # the trace a `kvrepro load replay` sent instead of the matrix's load
 

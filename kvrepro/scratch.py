@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
 from . import lifetime
 
@@ -182,7 +182,28 @@ def _bound_under(path: Path, bound: set[str]) -> bool:
     return any(p.startswith(prefix) for p in bound)
 
 
-def leftovers(temp: Path | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+@dataclass(frozen=True)
+class TempItem:
+    """One thing in the temp folder that kvrepro (or the vLLM it ran) left: its path, what it is
+    (``run temp folder``, ``zygote folder (older kvrepro)``, ``vLLM IPC socket``) and, for a run's
+    folder, the owner record of the kvrepro that made it (kvrepro/lifetime.py)."""
+
+    path: str
+    kind: str
+    owner: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class TempClean:
+    """What :func:`clean` did in ``temp`` (`kvrepro clean`'s temp-folder part)."""
+
+    temp: str
+    removed: tuple[TempItem, ...] = ()
+    kept: tuple[TempItem, ...] = ()
+    errors: tuple[str, ...] = ()
+
+
+def leftovers(temp: Path | None = None) -> tuple[list[TempItem], list[TempItem]]:
     """What `kvrepro clean` would remove from the temp folder, and what it keeps (live owners).
 
     Removed: our folders whose owner is gone (no live process holds a socket in them either);
@@ -191,8 +212,8 @@ def leftovers(temp: Path | None = None) -> tuple[list[dict[str, Any]], list[dict
     """
     temp = temp or system_temp()
     bound = _listening_unix_paths()
-    to_remove: list[dict[str, Any]] = []
-    to_keep: list[dict[str, Any]] = []
+    to_remove: list[TempItem] = []
+    to_keep: list[TempItem] = []
     try:
         entries = sorted(temp.iterdir())
     except OSError:
@@ -206,33 +227,33 @@ def leftovers(temp: Path | None = None) -> tuple[list[dict[str, Any]], list[dict
                     gone = lifetime.owner_alive(owner) is False
                 else:  # being made this very moment, or its record was lost: idle a while, no socket bound
                     gone = time.time() - entry.stat().st_mtime > 60 and not _bound_under(entry, bound)
-                item = {"path": str(entry), "kind": "run temp folder", "owner": owner}
+                item = TempItem(path=str(entry), kind="run temp folder", owner=owner)
                 (to_remove if gone else to_keep).append(item)
             elif LEGACY_ZYGOTE.match(name) and entry.is_dir() and not entry.is_symlink():
-                item = {"path": str(entry), "kind": "zygote folder (older kvrepro)", "owner": None}
+                item = TempItem(path=str(entry), kind="zygote folder (older kvrepro)")
                 gone = time.time() - entry.stat().st_mtime > 60 and not _bound_under(entry, bound)
                 (to_remove if gone else to_keep).append(item)
             elif UUID.match(name) and entry.is_socket():
-                item = {"path": str(entry), "kind": "vLLM IPC socket", "owner": None}
+                item = TempItem(path=str(entry), kind="vLLM IPC socket")
                 (to_keep if str(entry) in bound else to_remove).append(item)
         except OSError:
             continue
     return to_remove, to_keep
 
 
-def clean(dry_run: bool = False, temp: Path | None = None) -> dict[str, Any]:
-    """Remove what :func:`leftovers` finds; ``{"temp", "removed", "kept", "errors"}``."""
+def clean(dry_run: bool = False, temp: Path | None = None) -> TempClean:
+    """Remove what :func:`leftovers` finds."""
     temp = temp or system_temp()
     removed, kept = leftovers(temp)
     errors = []
     mine = str(_folder) if _folder is not None else None
     done = []
     for item in removed:
-        if item["path"] == mine:
+        if item.path == mine:
             continue
         if not dry_run:
             try:
-                path = Path(item["path"])
+                path = Path(item.path)
                 if path.is_dir():
                     shutil.rmtree(path)
                 else:
@@ -240,10 +261,10 @@ def clean(dry_run: bool = False, temp: Path | None = None) -> dict[str, Any]:
             except FileNotFoundError:
                 pass
             except OSError as exc:
-                errors.append(f"{item['path']}: {exc.strerror or exc}")
+                errors.append(f"{item.path}: {exc.strerror or exc}")
                 continue
         done.append(item)
-    return {"temp": str(temp), "removed": done, "kept": kept, "errors": errors}
+    return TempClean(temp=str(temp), removed=tuple(done), kept=tuple(kept), errors=tuple(errors))
 
 
-__all__ = ["clean", "current", "engine_env", "engine_tmp", "folder", "leftovers", "remove", "system_temp"]
+__all__ = ["TempClean", "TempItem", "clean", "current", "engine_env", "engine_tmp", "folder", "leftovers", "remove", "system_temp"]

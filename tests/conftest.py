@@ -64,3 +64,10 @@ def matrix_copy(tmp_path) -> Path:
     shutil.copy(ROOT / "matrix.yaml", tmp_path / "matrix.yaml")
     shutil.copytree(ROOT / "builds", tmp_path / "builds")
     return tmp_path / "matrix.yaml"
+
+
+def planned_run(**fields):
+    """A run as the runner plans it (kvrepro.results.store.create_run's ``info``), from JSON-like fields."""
+    from kvrepro.records import RunInfo, from_jsonable, to_jsonable
+
+    return from_jsonable(RunInfo, {"run_id": "", "status": "running", **to_jsonable(fields)})

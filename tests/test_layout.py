@@ -50,3 +50,23 @@ def test_the_checker_finds_a_later_stage_import_and_a_circle(tmp_path):
     assert proc.returncode == 1
     assert {"importer": "kvrepro.spec.geometry", "imported": "kvrepro.report.stats"} in graph["later_stage_imports"]
     assert ["kvrepro.errors", "kvrepro.paths"] in graph["circles"]
+
+
+def test_each_target_checks_its_own_settings(monkeypatch):
+    """kvrepro.deploy.check_settings applies every target module's optional check_settings: a new
+    target with matrix settings is still one file (kvrepro.matrix names no target)."""
+    import sys
+    import types
+
+    import kvrepro.deploy as deploy
+
+    seen = []
+    fake = types.ModuleType("kvrepro.deploy.fake")
+    fake.check_settings = seen.append
+    monkeypatch.setitem(sys.modules, "kvrepro.deploy.fake", fake)
+    monkeypatch.setattr(deploy, "known_targets", lambda: ["sim", "fake"])
+    deploy.check_settings("the matrix")
+    assert seen == ["the matrix"]
+    from pathlib import Path
+
+    assert "deploy.docker" not in (Path(deploy.__file__).parent.parent / "matrix" / "__init__.py").read_text()

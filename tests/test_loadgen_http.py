@@ -302,10 +302,10 @@ def test_the_encoded_ids_give_the_same_trace_line_and_the_same_hash_as_before(se
 
     from kvrepro.loadgen import get_profile
     from kvrepro.loadgen.profiles import Prompt
-    from kvrepro.loadgen.trace import open_writer
+    from kvrepro.loadgen.trace import TraceHeader, open_writer
 
     prompt = Prompt(index=7, tokens=(5, 0, 123, 99999), max_tokens=3)
-    writer = open_writer(tmp_path / "t.jsonl", {})
+    writer = open_writer(tmp_path / "t.jsonl", TraceHeader())
     writer.request(prompt, slot=1, sent_s=0.5, in_flight=2)
     writer.request(prompt, slot=1, sent_s=0.5, in_flight=2, tokens_json="[5,0,123,99999]")
     writer.close()
@@ -325,13 +325,13 @@ def test_affinity_routing_sends_each_family_to_one_rank_and_the_replay_does_too(
     it (the default, and with one rank) no header goes out: vLLM's balancer chooses."""
     from kvrepro.loadgen.runner import replay_load
     from kvrepro.loadgen.profiles import EngineCapacity
-    from kvrepro.loadgen.trace import read_trace
+    from kvrepro.loadgen.trace import TraceHeader, read_trace
 
     cap = EngineCapacity(gpu_tokens=400, block_tokens=16, chunk_tokens=16, max_model_len=1024, data_parallel_size=4)
     load = LoadSpec(concurrency=1, max_tokens=2, vocab_size=100, dp_routing="affinity")
     out = tmp_path / "l.jsonl"
     run_load(server.url, load, _runs(requests=24), out, seed=0, alive=lambda: True, capacity=cap,
-             trace_path=tmp_path / "trace.jsonl", trace_header={"build": "A"})
+             trace_path=tmp_path / "trace.jsonl", trace_header=TraceHeader(build="A"))
     records = [json.loads(line) for line in out.read_text().splitlines()]
     sent = [int(r) for r in server.ranks]
     assert len(sent) == 24 and set(sent) == {0, 1, 2, 3}

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvrepro.errors import SpecError
-from kvrepro.minimize.shrink import Failure, corruption_matches, kind_count, resolve_plan, violation_kind
+from kvrepro.minimize.shrink import Failure, OfflineResult, corruption_matches, kind_count, resolve_plan, violation_kind
 from kvrepro.spec.matrix import TargetSignature
 
 from conftest import require
@@ -46,13 +46,13 @@ def _record(i: int, kind: str) -> dict:
     return {"request_index": i, "kind": kind, "text": f"request req-{i} ..."}
 
 
-def _result(records, crashed=False, crash_at=None, violations=None, checks=100) -> dict:
-    return {"crashed": crashed, "crash_at": crash_at, "exception": "AssertionError" if crashed else None,
+def _result(records, crashed=False, crash_at=None, violations=None, checks=100) -> OfflineResult:
+    return OfflineResult.from_json({"crashed": crashed, "crash_at": crash_at, "exception": "AssertionError" if crashed else None,
             "function": "update_state_after_alloc" if crashed else None,
             "file": "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py" if crashed else None,
             "statement": None, "trigger_calls": 3, "kv_checks": checks,
             "kv_violations": len(records) if violations is None else violations,
-            "kv_violations_by": {}, "kv_records": records}
+            "kv_violations_by": {}, "kv_records": records})
 
 
 def test_a_corruption_still_fails_at_its_first_violation_of_the_same_kind():
@@ -112,7 +112,7 @@ def corrupt_run(default_matrix, overlays, tmp_path_factory):
     # requests that change nothing the corruption needs: distinct short prompts
     filler = [TraceRequest(index=0, tokens=tuple(range(900 - 20 * k, 917 - 20 * k)), max_tokens=2) for k in range(4)]
     requests = filler[:2] + list(shipped.requests[:1]) + filler[2:] + list(shipped.requests[1:])
-    trace = Trace(TRACE, {**shipped.header, "rep": 0},
+    trace = Trace(TRACE, shipped.header.updated(rep=0),
                   [TraceRequest(**{**r.__dict__, "index": i}) for i, r in enumerate(requests)])
     root = tmp_path_factory.mktemp("results")
     options = MatrixOptions(target="sim", builds=["B"], repetitions=1, results_root=root, jobs=1, replay=trace)

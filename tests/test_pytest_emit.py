@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from conftest import require
 
-from kvrepro.loadgen.trace import Trace, TraceRequest, read_trace
+from kvrepro.loadgen.trace import Trace, TraceHeader, TraceRequest, read_trace
+from kvrepro.minimize.pytest_emit import EngineInfo
 from kvrepro.minimize.pytest_emit import _prompts_source, render
 from kvrepro.minimize.shrink import PytestCheck
 
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "tests" / "data" / "traces" / "minimized-A.trace.jsonl"
 
 # what kvrepro.engine.offline.describe() reports for the default matrix on vLLM 0.26.0
-ENGINE = {
+ENGINE_JSON = {
     "vllm": "0.26.0", "max_model_len": 1024, "dtype": "bfloat16", "vocab_size": 1024, "block_size": 16,
     "mamba_cache_mode": "align", "enable_prefix_caching": True, "prefix_caching_hash_algo": "sha256",
     "num_gpu_blocks": 96, "max_num_seqs": 4, "max_num_batched_tokens": 2048, "enable_chunked_prefill": True,
@@ -48,6 +49,7 @@ ENGINE = {
     "spec_imports": ["torch", "vllm.v1.attention.backends.registry.MambaAttentionBackendEnum",
                      "vllm.v1.kv_cache_interface.FullAttentionSpec", "vllm.v1.kv_cache_interface.MambaSpec"],
 }
+ENGINE = EngineInfo.from_json(ENGINE_JSON)
 
 
 def _text(default_matrix, trace: Trace) -> str:
@@ -102,7 +104,7 @@ def test_prompts_are_written_as_slices_of_earlier_prompts_and_read_back_exactly(
 
 
 def test_the_seed_is_the_repetition_s(default_matrix):
-    trace = Trace(TRACE, {"rep": 2}, [TraceRequest(index=0, tokens=(5, 6, 7), max_tokens=3)])
+    trace = Trace(TRACE, TraceHeader(rep=2), [TraceRequest(index=0, tokens=(5, 6, 7), max_tokens=3)])
     text = _text(default_matrix, trace)
     assert f"SEED = {default_matrix.matrix.engine.sim.seed + 2}" in text
     assert "REQUESTS = [(3, P[0])]" in text

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, require
+from conftest import ROOT, planned_run, require
 from kvrepro.deploy.docker.hosts import remove_quietly
 
 TOKEN = "hf_kvreproTestTokenDoNotLeak0123456789"
@@ -333,7 +333,7 @@ def test_results_files_are_redacted_and_0644(tmp_path):
     from kvrepro.secrets import remember
 
     remember([TOKEN])
-    folder = results.create_run(tmp_path, f"engine:\n  extra_args: [--hf-token, {TOKEN}]\n", {"build_order": []})
+    folder = results.create_run(tmp_path, f"engine:\n  extra_args: [--hf-token, {TOKEN}]\n", planned_run(build_order=[]))
     results.write_json(folder.rep_dir("A", 0) / "manifest.json", {"engine_args": ["--api-key", "s3cr3t-value"]})
     for path in folder.path.rglob("*"):
         if path.is_file():
@@ -451,15 +451,15 @@ def test_damaged_run_json_and_verdict_json(tmp_path):
     from kvrepro.results import store as results
     from kvrepro.records import Outcome, RunResult, Verdict
 
-    good = results.create_run(tmp_path, "builds: {A: []}\n", {"build_order": ["A"], "builds": {"A": {"patches": []}}})
+    good = results.create_run(tmp_path, "builds: {A: []}\n", planned_run(**{"build_order": ["A"], "builds": {"A": {"patches": []}}}))
     good.rep_dir("A", 0)
     good.update(status="complete")
     time.sleep(1.1)  # run ids are per second
-    broken = results.create_run(tmp_path, "builds: {A: []}\n", {"build_order": ["A"]})
+    broken = results.create_run(tmp_path, "builds: {A: []}\n", planned_run(**{"build_order": ["A"]}))
     text = (broken.path / "run.json").read_text()
     (broken.path / "run.json").write_text(text[: len(text) // 2])
     time.sleep(1.1)
-    damaged = results.create_run(tmp_path, "builds: {A: []}\n", {"build_order": ["A"], "builds": {"A": {"patches": []}}})
+    damaged = results.create_run(tmp_path, "builds: {A: []}\n", planned_run(**{"build_order": ["A"], "builds": {"A": {"patches": []}}}))
     for rep in range(3):
         results.write_json(damaged.rep_dir("A", rep) / "verdict.json", RunResult(
             build="A", rep=rep, verdict=Verdict.CRASH, outcome=Outcome.TARGET, title="boom", trigger_count=1,
@@ -597,7 +597,7 @@ def test_latest_hint_lists_runs_only(tmp_path):
     from kvrepro.results import store as results
 
     (tmp_path / "README.md").write_text("about results\n")
-    run = results.create_run(tmp_path, "builds: {A: []}\n", {"build_order": []})
+    run = results.create_run(tmp_path, "builds: {A: []}\n", planned_run(**{"build_order": []}))
     proc = kvrepro("results", "show", "nope", "--results", str(tmp_path))
     flat = one_clear_line(proc, 2, f"latest: {run.run_id}")
     assert "README.md" not in flat
@@ -610,7 +610,7 @@ def test_a_run_whose_process_vanished_is_aborted(tmp_path):
 
     gone = subprocess.Popen(["true"])
     gone.wait()
-    folder = results.create_run(tmp_path, "builds: {A: []}\n", {"build_order": ["A"]})
+    folder = results.create_run(tmp_path, "builds: {A: []}\n", planned_run(**{"build_order": ["A"]}))
     folder.update(owner={"pid": str(gone.pid), "host": lifetime.hostname(), "start": "1"})
     assert results.load_run(tmp_path, folder.run_id).status == "aborted"
     folder.update(owner=lifetime.owner())  # this process: still running
@@ -1008,7 +1008,7 @@ def test_results_list_index_follows_the_folder(tmp_path):
             external_hit_calls=1, requests=4, seconds=1.0))
 
     info = {"build_order": ["A"], "builds": {"A": {"patches": []}}}
-    one = results.create_run(tmp_path, "builds: {A: []}\n", info)
+    one = results.create_run(tmp_path, "builds: {A: []}\n", planned_run(**info))
     assert [r["status"] for r in listing()] == ["running"]
     verdict(one, 0)
     assert listing()[0]["builds"] == {"A": ["SURVIVED"]}
@@ -1017,7 +1017,7 @@ def test_results_list_index_follows_the_folder(tmp_path):
     assert listing()[0] == {"run_id": one.run_id, "status": "complete", "target": "", "base": "",
                             "builds": {"A": ["SURVIVED", "CORRUPT"]}}
     time.sleep(1.1)
-    two = results.create_run(tmp_path, "builds: {A: []}\n", info)
+    two = results.create_run(tmp_path, "builds: {A: []}\n", planned_run(**info))
     (two.rep_dir("A", 0) / "engine.log").write_text("started\n")
     two.update(status="interrupted")
     assert [(r["run_id"], r["status"], r["builds"]) for r in listing()][1] == (two.run_id, "interrupted",
@@ -1025,7 +1025,7 @@ def test_results_list_index_follows_the_folder(tmp_path):
     gone = subprocess.Popen(["true"])
     gone.wait()
     time.sleep(1.1)
-    three = results.create_run(tmp_path, "builds: {A: []}\n", info)
+    three = results.create_run(tmp_path, "builds: {A: []}\n", planned_run(**info))
     assert listing()[2]["status"] == "running"
     three.update(owner={"pid": str(gone.pid), "host": lifetime.hostname(), "start": "1"})
     assert listing()[2]["status"] == "aborted"
@@ -1188,9 +1188,9 @@ def test_every_folder_of_a_run_stays_inside_it(tmp_path):
     from kvrepro.errors import BadInputError
 
     with pytest.raises(BadInputError, match="would be outside"):
-        results.create_run(tmp_path / "r", "builds: {}\n", {"build_order": ["../../x"]})
+        results.create_run(tmp_path / "r", "builds: {}\n", planned_run(**{"build_order": ["../../x"]}))
     assert not (tmp_path / "x").exists() and not (tmp_path / "r").exists()  # refused before anything is made
-    folder = results.create_run(tmp_path / "r", "builds: {}\n", {"build_order": ["A"]})
+    folder = results.create_run(tmp_path / "r", "builds: {}\n", planned_run(**{"build_order": ["A"]}))
     with pytest.raises(BadInputError):
         folder.rep_dir("../../../y", 0)
     assert not (tmp_path / "y").exists()
@@ -1543,7 +1543,7 @@ def _recorded_run(root: Path, verdicts: dict[int, str]):
     from kvrepro.results import store as results
     from kvrepro.records import Outcome, RunResult, Verdict
 
-    folder = results.create_run(root, "builds: {A: []}\n", {"build_order": ["A"], "builds": {"A": {"patches": []}}})
+    folder = results.create_run(root, "builds: {A: []}\n", planned_run(**{"build_order": ["A"], "builds": {"A": {"patches": []}}}))
     for rep, label in verdicts.items():
         verdict = Verdict.CRASH if label.startswith("CRASH") else Verdict(label)
         outcome = Outcome.TARGET if label == "CRASH(target)" else Outcome.NONE

@@ -20,6 +20,7 @@ from kvrepro.report.compare import compare
 from kvrepro.records import (BuildManifest, BuildRecord, HostInfo, LoadSummary, Outcome, RunResult, Signature,
                              Verdict)
 from kvrepro.results.store import ResultsSchemaError
+from conftest import planned_run
 
 ROOT = Path(__file__).resolve().parents[1]
 XSD = ROOT / "tests" / "data" / "junit" / "junit.xsd"
@@ -57,12 +58,12 @@ def make_run(root: Path, verdicts: dict[str, list[Verdict]], expect: dict[str, s
     stacks = {"A": ["pr-49146"], "B": ["pr-49146", "pr-52807"], "C": ["pr-49146", "pr-52771"],
               "D": ["pr-49146", "pr-52771", "pr-52807"]}
     names = list(verdicts)
-    folder = results.create_run(root, "base: x\n", {
+    folder = results.create_run(root, "base: x\n", planned_run(**{
         "target": "sim", "base": base, "repetitions": 3, "build_order": names,
         "builds": {n: {"patches": stacks[n], "base": base} for n in names},
         "expect": expect or {}, "kvrepro_version": "0.1.0",
         "host": HostInfo("box", "Linux", "3.11", 2),
-    })
+    }))
     for name in names:
         results.write_json(folder.build_dir(name) / "build.json", BuildRecord(
             ok=True, ref="/overlays/x", manifest=BuildManifest(wheel="vllm-0.26.0.whl", wheel_sha256="ab" * 32,
@@ -311,11 +312,11 @@ def test_a_run_over_two_releases_keeps_cells_apart(tmp_path):
     """The base axis: cells A@0.26.0 and A@0.30.0; expect: names the matrix build A."""
     cells = {"A@0.26.0": ("A", "0.26.0", [], C), "B@0.26.0": ("B", "0.26.0", ["fix"], S),
              "A@0.30.0": ("A", "0.30.0", [], S), "B@0.30.0": ("B", "0.30.0", ["fix"], S)}
-    folder = results.create_run(tmp_path, "", {
+    folder = results.create_run(tmp_path, "", planned_run(**{
         "target": "sim", "base": ["0.26.0", "0.30.0"], "bases": ["0.26.0", "0.30.0"], "repetitions": 1,
         "build_order": list(cells), "expect": {"A": "CRASH(target)"},
         "builds": {cell: {"patches": stack, "base": base, "build": build}
-                   for cell, (build, base, stack, _) in cells.items()}})
+                   for cell, (build, base, stack, _) in cells.items()}}))
     for cell, (build, base, _, verdict) in cells.items():
         run_dir = folder.rep_dir(cell, 0)
         results.write_json(run_dir / "verdict.json", RunResult(

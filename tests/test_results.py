@@ -11,6 +11,7 @@ from kvrepro.report import render as report
 from kvrepro.results import store as results
 from kvrepro.errors import KvreproError
 from kvrepro.records import Outcome, RunResult, Verdict
+from conftest import planned_run
 
 
 def _result(build, rep, verdict=Verdict.CRASH, outcome=Outcome.TARGET):
@@ -36,8 +37,8 @@ def test_write_atomic_keeps_old_file_when_writing_fails(tmp_path):
 
 
 def test_run_reads_back_from_disk_including_an_interrupted_one(tmp_path):
-    folder = results.create_run(tmp_path, "base: x\n", {"build_order": ["A", "B"], "target": "sim",
-                                                        "builds": {"A": {"patches": ["p1"]}, "B": {"patches": []}}})
+    folder = results.create_run(tmp_path, "base: x\n", planned_run(**{"build_order": ["A", "B"], "target": "sim",
+                                                        "builds": {"A": {"patches": ["p1"]}, "B": {"patches": []}}}))
     results.write_json(folder.rep_dir("A", 0) / "verdict.json", _result("A", 0))
     results.write_json(folder.rep_dir("A", 1) / "verdict.json", _result("A", 1, Verdict.SURVIVED, Outcome.NONE))
     folder.rep_dir("A", 2)  # started, never finished: no verdict
@@ -55,7 +56,7 @@ def test_run_reads_back_from_disk_including_an_interrupted_one(tmp_path):
 def test_unknown_run_is_a_clear_error(tmp_path):
     with pytest.raises(KvreproError, match="no runs under"):
         results.load_run(tmp_path, "latest")
-    results.create_run(tmp_path, "", {"build_order": []})
+    results.create_run(tmp_path, "", planned_run(**{"build_order": []}))
     with pytest.raises(KvreproError, match="no run 'nope'"):
         results.load_run(tmp_path, "nope")
 

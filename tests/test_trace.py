@@ -19,7 +19,7 @@ import pytest
 from kvrepro.errors import SpecError
 from kvrepro.loadgen import run_load
 from kvrepro.loadgen.runner import _Arrivals, replay_load, tokens_to_text
-from kvrepro.loadgen.trace import TraceRequest, read_trace, write_trace
+from kvrepro.loadgen.trace import TraceHeader, TraceRequest, read_trace, write_trace
 from kvrepro.minimize.shrink import ddmin, matches
 from kvrepro.spec.matrix import LoadSpec, RunsSpec, TargetSignature
 from test_loadgen import StandInEngine, lines
@@ -41,10 +41,10 @@ def runs(**kw) -> RunsSpec:
 def test_every_request_is_in_the_trace_in_the_order_sent(engine, tmp_path):
     trace_path = tmp_path / "trace.jsonl"
     summary = run_load(engine.url, LOAD, runs(), tmp_path / "load.jsonl", seed=1, alive=engine.alive,
-                       trace_path=trace_path, trace_header={"build": "A", "rep": 0})
+                       trace_path=trace_path, trace_header=TraceHeader(build="A", rep=0))
     assert summary.stopped_because == "budget"
     trace = read_trace(trace_path)
-    assert trace.header["build"] == "A" and trace.header["profile"] == "partial-prefix" and trace.header["seed"] == 1
+    assert trace.header.build == "A" and trace.header.profile == "partial-prefix" and trace.header.seed == 1
     assert len(trace.requests) == 20
     # every request sent is in the trace (with three in flight, two may reach the server in
     # either order; sequential runs keep the order exactly: see the replay test)
@@ -80,7 +80,7 @@ def test_replay_sends_the_trace_one_at_a_time_in_order(engine, tmp_path):
         assert all(b["max_tokens"] == 4 for b in replayed.bodies)
         assert {r["slot"] for r in lines(tmp_path / "replay.jsonl")} == {0}  # one slot: sequential
         again = read_trace(tmp_path / "replay.trace.jsonl")
-        assert again.header["replay_of"] == str(tmp_path / "trace.jsonl")
+        assert again.header.replay_of == str(tmp_path / "trace.jsonl")
         assert [r.in_flight for r in again.requests] == [1] * 12
     finally:
         replayed.close()
@@ -98,7 +98,7 @@ def test_replay_stops_at_the_request_that_fails(engine, tmp_path):
 def _trace(tmp_path: Path, requests):
     from kvrepro.loadgen.trace import Trace
 
-    return Trace(tmp_path / "t.jsonl", {"load": LOAD.model_dump(), "seed": 0, "rep": 0}, requests)
+    return Trace(tmp_path / "t.jsonl", TraceHeader(load=LOAD.model_dump(), seed=0, rep=0), requests)
 
 
 def test_a_file_that_is_not_a_trace_is_bad_input(tmp_path):

@@ -2,15 +2,22 @@
 
 A target is one module in this package (``sim.py``, ``docker.py``, ...) that defines a class
 implementing :class:`kvrepro.deploy.base.Target` and registers it with :func:`register`.
-Adding a target is adding a file; nothing else changes.
+A target with its own matrix settings (``docker:``, ``hosts:``) also defines
+``check_settings(matrix)`` at module level, raising the spec's FieldError; :func:`check_settings`
+applies every target's. Adding a target is adding a file; nothing else changes.
 """
 
 from __future__ import annotations
 
 import importlib
 
+from typing import TYPE_CHECKING
+
 from ..errors import SpecError
 from .base import EngineHandle, Target
+
+if TYPE_CHECKING:
+    from ..spec.matrix import Matrix
 
 _TARGETS: dict[str, type[Target]] = {}
 
@@ -44,4 +51,14 @@ def get_target(name: str) -> type[Target]:
     return _TARGETS[name]
 
 
-__all__ = ["EngineHandle", "Target", "get_target", "known_targets", "register"]
+def check_settings(matrix: "Matrix") -> None:
+    """Every target's own settings in ``matrix`` checked by that target (a target module's optional
+    ``check_settings``), whichever target the matrix runs on: a section is right or wrong on its
+    own. kvrepro.matrix hands this to the spec's parser as its target-settings check."""
+    for name in known_targets():
+        check = getattr(importlib.import_module(f"{__name__}.{name}"), "check_settings", None)
+        if check is not None:
+            check(matrix)
+
+
+__all__ = ["EngineHandle", "Target", "check_settings", "get_target", "known_targets", "register"]

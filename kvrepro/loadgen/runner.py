@@ -78,7 +78,7 @@ def run_load(
     stop: threading.Event | None = None,
     capacity: EngineCapacity | None = None,
     trace_path: Path | None = None,
-    trace_header: dict[str, Any] | None = None,
+    trace_header: tracefile.TraceHeader | None = None,
     api_key: str | None = None,
 ) -> LoadSummary:
     """Send the load of one run and say why it ended.
@@ -90,7 +90,8 @@ def run_load(
     the engine's KV capacity that profiles size their eviction pressure from.
     """
     profile = get_profile(load.profile)(load, seed, capacity)
-    header = {**(trace_header or {}), **profile.describe(), "load": load.model_dump(), "seed": seed}
+    header = (trace_header or tracefile.TraceHeader()).merged({**profile.describe(), "load": load.model_dump(),
+                                                               "seed": seed})
     return _Run(base_url.rstrip("/"), profile, load, runs, Path(out_path), alive, on_progress, stop,
                 trace_path, header, api_key).run()
 
@@ -115,7 +116,7 @@ def replay_load(
     if runs.requests is not None:
         budget = min(budget, runs.requests)
     runs = runs.model_copy(update={"requests": budget, "duration_s": None})
-    header = {**trace.header, "replay_of": str(trace.path), "requests_in_trace": len(trace.requests)}
+    header = trace.header.updated(replay_of=str(trace.path), requests_in_trace=len(trace.requests))
     return _Run(base_url.rstrip("/"), profile, load, runs, Path(out_path), alive, on_progress, stop,
                 trace_path, header, api_key).run()
 
@@ -124,7 +125,7 @@ class _Run:
     def __init__(self, base_url: str, profile: Profile, load: LoadSpec, runs: RunsSpec, out_path: Path,
                  alive: Callable[[], bool], on_progress: Callable[[int, int], None] | None,
                  stop: threading.Event | None, trace_path: Path | None = None,
-                 trace_header: dict[str, Any] | None = None, api_key: str | None = None):
+                 trace_header: tracefile.TraceHeader | None = None, api_key: str | None = None):
         self.base_url = base_url
         http.parse_url(base_url)  # plain http:// only: a wrong URL fails here, before the engine is asked
         # an engine started with --api-key answers 401 to /v1/* without it (vLLM's own check)
@@ -134,7 +135,7 @@ class _Run:
         self.load = load
         self.runs = runs
         self.trace_path = trace_path
-        self.trace_header = trace_header or {}
+        self.trace_header = trace_header or tracefile.TraceHeader()
         self.trace: Any = None
         self.first_failed: int | None = None
         self.started = time.monotonic()
@@ -168,10 +169,10 @@ class _Run:
         self.out_path.parent.mkdir(parents=True, exist_ok=True)
         self.out = open(self.out_path, "a", encoding="utf-8")
         if self.trace_path is not None:
-            self.trace = tracefile.open_writer(self.trace_path, {
-                **self.trace_header, "model": model, "concurrency": self.load.concurrency,
-                "arrival": self.load.arrival, "rate_rps": self.load.rate_rps, "stream": self.load.stream,
-                "prompt_format": self.load.prompt_format, "started_at": round(time.time(), 6)})
+            self.trace = tracefile.open_writer(self.trace_path, self.trace_header.updated(
+                model=model, concurrency=self.load.concurrency, arrival=self.load.arrival,
+                rate_rps=self.load.rate_rps, stream=self.load.stream, prompt_format=self.load.prompt_format,
+                started_at=round(time.time(), 6)))
         self.started = time.monotonic()
         loop = new_event_loop()
         try:

@@ -15,13 +15,15 @@ cut down (:mod:`kvrepro.minimize`) and turned into a test that drives vLLM's sch
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import SpecError
+from ..records import Json, RecordError, _type_hints, from_jsonable, to_jsonable
 from .profiles import Profile, Prompt
 
 FORMAT_VERSION = 1
@@ -38,33 +40,97 @@ class TraceRequest:
     rank: int | None = None  # the data-parallel rank it was sent to (None: vLLM's balancer chose)
 
 
+@dataclass(frozen=True)
+class TraceHeader:
+    """A trace's first line (after ``"trace": 1``): who sent it and how, as far as each part knows.
+
+    The matrix runner gives the run (``build`` to ``engine_args``), the load generator the profile
+    (``profile`` to ``load``: the matrix's ``load:`` as recorded, read back by
+    :meth:`Trace.load_spec`) and how requests went out (``model`` to ``started_at``); a replay adds
+    ``replay_of``, a minimized trace ``minimized_from``. Keys this kvrepro does not know are kept
+    in ``extra`` and written back, so every trace on disk reads whatever wrote it."""
+
+    build: str | None = None
+    rep: int | None = None
+    sim_seed: int | None = None
+    engine_args: tuple[str, ...] | None = None
+    profile: str | None = None
+    seed: int | None = None
+    settings: dict[str, Json] | None = None  # the profile's own settings (loadgen/profiles), as recorded
+    capacity: dict[str, Json] | None = None  # the EngineCapacity the profile was sized for
+    load: dict[str, Json] | None = None  # the LoadSpec as recorded (Trace.load_spec reads it)
+    replay_of: str | None = None
+    requests_in_trace: int | None = None
+    minimized_from: str | None = None
+    model: str | None = None
+    concurrency: int | None = None
+    arrival: str | None = None
+    rate_rps: float | None = None
+    stream: bool | None = None
+    prompt_format: str | None = None
+    started_at: float | None = None
+    extra: dict[str, Json] = field(default_factory=dict)
+    nulls: frozenset[str] = frozenset()  # known fields recorded as null (written back as null)
+
+    @classmethod
+    def from_json(cls, value: Json, where: str = "header") -> "TraceHeader":
+        """Lenient like BuildManifest: unknown keys go to ``extra``; a known key of the wrong type
+        raises RecordError naming it. ``trace`` (the format number) is not kept."""
+        if not isinstance(value, dict):
+            raise RecordError(where, f"expected an object, found {type(value).__name__}")
+        hints = _type_hints(cls)
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra", "nulls"}
+        kwargs = {k: from_jsonable(hints[k], v, f"{where}.{k}") for k, v in value.items() if k in known}
+        return cls(**kwargs, extra={k: v for k, v in value.items() if k not in known and k != "trace"},
+                   nulls=frozenset(k for k, v in value.items() if k in known and v is None))
+
+    def to_json(self) -> dict[str, Json]:
+        """The header's JSON object: the fields that are set (or recorded as null), then ``extra``
+        (without ``trace``)."""
+        data = {f.name: to_jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.name not in ("extra", "nulls") and (getattr(self, f.name) is not None or f.name in self.nulls)}
+        data.update(self.extra)
+        return data
+
+    __json__ = to_json
+
+    def updated(self, **fields: Any) -> "TraceHeader":
+        """``dataclasses.replace`` that records a field given as None as null (the file says so)."""
+        nulls = (self.nulls - fields.keys()) | {k for k, v in fields.items() if v is None}
+        return dataclasses.replace(self, **fields, nulls=frozenset(nulls))
+
+    def merged(self, values: dict[str, Any]) -> "TraceHeader":
+        """This header with ``values`` (JSON-ready, such as a profile's describe()) laid over it."""
+        return TraceHeader.from_json({**self.to_json(), **to_jsonable(values)})
+
+
 @dataclass
 class Trace:
     path: Path
-    header: dict[str, Any]
+    header: TraceHeader
     requests: list[TraceRequest]
 
     def load_spec(self):
         """The LoadSpec the trace was sent with (for max_tokens, vocab, format, streaming)."""
         from ..spec.matrix import LoadSpec
 
-        return LoadSpec.model_validate(self.header.get("load") or {})
+        return LoadSpec.model_validate(self.header.load or {})
 
     def with_requests(self, requests: list[TraceRequest]) -> "Trace":
-        return Trace(self.path, dict(self.header), list(requests))
+        return Trace(self.path, self.header, list(requests))
 
 
 class TraceWriter:
     """Appends request lines and flushes each one: a crash of the engine or of kvrepro loses none."""
 
-    def __init__(self, path: Path, header: dict[str, Any]):
+    def __init__(self, path: Path, header: TraceHeader):
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "w", encoding="utf-8")
         self._lock = threading.Lock()
         from ..secrets import redact_value
 
         # the header carries the engine's arguments: one redaction for every file (issue 8)
-        self._write(redact_value({"trace": FORMAT_VERSION, **header}))
+        self._write(redact_value({"trace": FORMAT_VERSION, **header.to_json()}))
 
     def _write(self, obj: dict[str, Any]) -> None:
         with self._lock:
@@ -94,13 +160,13 @@ class TraceWriter:
             self._file.close()
 
 
-def open_writer(path: Path, header: dict[str, Any]) -> TraceWriter:
+def open_writer(path: Path, header: TraceHeader) -> TraceWriter:
     return TraceWriter(Path(path), header)
 
 
 def write_trace(path: Path, trace: Trace) -> None:
     """Write a whole trace (a minimized one, say) in the same format."""
-    writer = TraceWriter(Path(path), {k: v for k, v in trace.header.items() if k != "trace"})
+    writer = TraceWriter(Path(path), trace.header)
     for i, r in enumerate(trace.requests):
         writer.request(Prompt(index=i, tokens=r.tokens, max_tokens=r.max_tokens), slot=r.slot,
                        sent_s=r.sent_s, in_flight=r.in_flight)
@@ -116,7 +182,7 @@ def read_trace(path: str | Path) -> Trace:
         raise SpecError(f"{path}: no such trace; every run writes results/<run>/<build>/<rep>/trace.jsonl") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(f"{path}: cannot read the trace: {exc}") from None
-    header: dict[str, Any] | None = None
+    header: TraceHeader | None = None
     requests: list[TraceRequest] = []
     truncated: int | None = None
     for number, line in enumerate(lines, 1):
@@ -133,7 +199,10 @@ def read_trace(path: str | Path) -> Trace:
             if not isinstance(obj, dict) or obj.get("trace") != FORMAT_VERSION:
                 raise SpecError(f"{path}:{number}: not a kvrepro trace (the first line must be its header, "
                                 f'"trace": {FORMAT_VERSION})')
-            header = obj
+            try:
+                header = TraceHeader.from_json(obj, f"{path}:{number}")
+            except RecordError as exc:
+                raise SpecError(f"{exc} (in the trace's header)") from None
             continue
         try:
             tokens = tuple(int(t) for t in obj["tokens"])
@@ -161,7 +230,7 @@ class ReplayProfile(Profile):
     def __init__(self, trace: Trace, load):
         self.trace = trace
         self.load = load
-        self.seed = int(trace.header.get("seed", 0))
+        self.seed = trace.header.seed or 0
         self.capacity = None
         self.settings = None
 

@@ -32,10 +32,11 @@ from ..deploy.docker.settings import docker_settings
 from ..errors import InfraError, KvreproError
 from ..loadgen import run_load
 from ..loadgen.runner import replay_load
+from ..loadgen.trace import TraceHeader
 from ..spec.geometry import built_mismatch as geometry_mismatch
 from ..loadgen.capacity import engine_capacity
 from ..classify.metrics import parse_prometheus, total
-from ..records import (BuildArtifact, BuildPlan, BuildRecord, Classification, Exposure, HostInfo, LoadSummary, Outcome, PatchInfo, RunManifest, RunResult, Verdict)
+from ..records import (BuildArtifact, BuildPlan, BuildRecord, Classification, Exposure, HostInfo, LoadSummary, Outcome, PatchInfo, RunBuildEntry, RunInfo, RunManifest, RunResult, Verdict)
 from ..secrets import redact
 from ..spec.matrix import LoadedMatrix
 from ..classify.verdict import decide, died_without_traceback_title
@@ -201,8 +202,9 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     api_key = engine_api_key(loaded, target.name)
     try:
         log_so_far = handle.log_path.read_text(errors="replace") if handle.log_path.exists() else ""
-        header = {"build": plan.name, "rep": rep, "sim_seed": matrix.engine.sim.seed + rep,
-                  "engine_args": _engine_args(target)}
+        engine_args = _engine_args(target)
+        header = TraceHeader().updated(build=plan.name, rep=rep, sim_seed=matrix.engine.sim.seed + rep,
+                                       engine_args=tuple(engine_args) if engine_args is not None else None)
         if replay is not None:
             load = replay_load(handle.base_url, replay, matrix.runs, run_dir / "load.jsonl", alive=handle.alive,
                                on_progress=lambda done, failed: progress.requests_done(plan.name, rep, done, failed),
@@ -348,21 +350,23 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
     plans = loaded.plans(options.builds, options.bases)
     reps = options.repetitions or matrix.runs.repetitions
     bases = list(dict.fromkeys(p.base for p in plans))
-    folder = results.create_run(options.results_root, loaded.text, {
-        "matrix": str(loaded.path),
-        "matrix_sha256": loaded.sha256,
-        "target": target_name,
-        "base": bases[0] if len(bases) == 1 else bases,
-        "bases": bases,
-        "repetitions": options.adaptive_max or reps,
-        "adaptive": bool(options.adaptive_max),
-        "build_order": [p.name for p in plans],
-        "builds": {p.name: {"patches": [x.name for x in p.patches], "base": p.base, "build": p.build_name}
-                   for p in plans},
-        "expect": {name: label for name, label in matrix.expect.items() if name in {p.build_name for p in plans}},
-        "kvrepro_version": __version__,
-        "host": host_info(),
-    })
+    build_names = {p.build_name for p in plans}
+    folder = results.create_run(options.results_root, loaded.text, RunInfo(
+        run_id="", status="running",  # create_run gives both
+        matrix=str(loaded.path),
+        matrix_sha256=loaded.sha256,
+        target=target_name,
+        base=bases[0] if len(bases) == 1 else tuple(bases),
+        bases=tuple(bases),
+        repetitions=options.adaptive_max or reps,
+        adaptive=bool(options.adaptive_max),
+        build_order=tuple(p.name for p in plans),
+        builds={p.name: RunBuildEntry(patches=tuple(x.name for x in p.patches), base=p.base, build=p.build_name)
+                for p in plans},
+        expect={name: label for name, label in matrix.expect.items() if name in build_names},
+        kvrepro_version=__version__,
+        host=host_info(),
+    ))
     owns_target = target is None
     if target is None:
         target = target_cls(loaded)
@@ -434,7 +438,7 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
                 pool.shutdown(wait=True, cancel_futures=True)
 
         if options.replay is not None:  # the trace's repetition number: the same engine seed
-            run_all((a, int(options.replay.header.get("rep", 0))) for a in artifacts)
+            run_all((a, options.replay.header.rep or 0) for a in artifacts)
         elif options.adaptive_max:
             # one more repetition of every undecided build per round, until each is decisive
             for rep in range(options.adaptive_max):

@@ -44,6 +44,8 @@ import pprint
 import re
 import signal
 import subprocess
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -660,7 +662,70 @@ def _merge_imports(ours: str, more: list[str]) -> str:
                      + [f"from {m} import {', '.join(sorted(froms[m]))}" for m in sorted(froms)])
 
 
-def render(trace: Trace, loaded: LoadedMatrix, engine: dict[str, Any], name: str,
+@dataclass(frozen=True)
+class SpeculativeInfo:
+    method: str | None
+    num_speculative_tokens: int
+
+
+@dataclass(frozen=True)
+class KvTransferInfo:
+    kv_connector: str | None = None
+    kv_role: str | None = None
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class KvGroupInfo:
+    layer_names: tuple[str, ...]
+    spec: str  # the KV-cache spec as Python source
+
+
+@dataclass(frozen=True)
+class KvTensorInfo:
+    size: int
+    shared_by: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the offline engine built for a build (:func:`kvrepro.engine.offline.describe`: its
+    settings and KV-cache groups), parsed once from its ``ready`` line (:meth:`from_json`)."""
+
+    max_model_len: int
+    block_size: int
+    num_gpu_blocks: int
+    enable_prefix_caching: bool
+    prefix_caching_hash_algo: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    long_prefill_token_threshold: int
+    async_scheduling: bool
+    disable_hybrid_kv_cache_manager: bool
+    scheduler_block_size: int
+    hash_block_size: int
+    kv_cache_groups: tuple[KvGroupInfo, ...]
+    kv_cache_tensors: tuple[KvTensorInfo, ...]
+    spec_imports: tuple[str, ...]
+    vllm: str | None = None
+    dtype: str = "auto"
+    vocab_size: int | None = None
+    mamba_cache_mode: str | None = None
+    speculative: SpeculativeInfo | None = None
+    kv_transfer: KvTransferInfo | None = None
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> "EngineInfo":
+        """Strict on the fields it has (RecordError names a wrong one), lenient on keys another
+        version of the offline engine adds."""
+        from ..records import from_jsonable
+
+        names = {f.name for f in dataclasses.fields(cls)}
+        return from_jsonable(cls, {k: v for k, v in value.items() if k in names}, "engine")
+
+
+def render(trace: Trace, loaded: LoadedMatrix, engine: EngineInfo, name: str,
            runs: dict[str, tuple[str, str, str]], violation: str | None = None,
            first_violation: str | None = None) -> str:
     """The test file's text. ``engine``: :func:`kvrepro.engine.offline.describe` of the build;
@@ -671,9 +736,9 @@ def render(trace: Trace, loaded: LoadedMatrix, engine: dict[str, Any], name: str
     sig = matrix.target_signature
     model_config = json.loads((Path(loaded.model_dir()) / "config.json").read_text())
     model_config = {k: v for k, v in model_config.items() if not k.startswith("_")}
-    rep = int(trace.header.get("rep", 0))
-    spec = engine.get("speculative")
-    transfer = engine.get("kv_transfer") or {}
+    rep = trace.header.rep or 0
+    spec = engine.speculative
+    transfer = engine.kv_transfer or KvTransferInfo()
     prompts = [list(r.tokens) for r in trace.requests]
     extra: dict[str, Any] = {}
     if violation:
@@ -692,52 +757,66 @@ def render(trace: Trace, loaded: LoadedMatrix, engine: dict[str, Any], name: str
     return _template(violation).format(**extra,
         base=matrix.base, exception=sig.exception, function=_qualified(sig.function, sig.file),
         expression_line=(f"The assertion: `{sig.expression}`.\n\n" if sig.expression else ""),
-        token_word="token" if spec and spec["num_speculative_tokens"] == 1 else "tokens",
-        vllm=engine.get("vllm", matrix.base), imports=_imports_source(engine["spec_imports"]),
-        mamba_cache_mode=engine.get("mamba_cache_mode"),
-        num_spec=spec["num_speculative_tokens"] if spec else 0,
+        token_word="token" if spec and spec.num_speculative_tokens == 1 else "tokens",
+        vllm=engine.vllm or matrix.base, imports=_imports_source(list(engine.spec_imports)),
+        mamba_cache_mode=engine.mamba_cache_mode,
+        num_spec=spec.num_speculative_tokens if spec else 0,
         requests=len(trace.requests), tokens=sum(len(p) for p in prompts),
-        source=trace.header.get("minimized_from", trace.path),
+        source=trace.header.minimized_from or trace.path,
         acceptance=repr(matrix.engine.sim.draft_acceptance_rate),
         name=name,
         run_lines="\n".join(f"    # {label}\n    VLLM_PLUGINS= PYTHONPATH={pythonpath} {python} {name}"
                             for python, pythonpath, label in runs.values()),
         layers=_layers_summary(model_config),
         model_config=pprint.pformat(model_config, width=100, sort_dicts=False, compact=True),
-        max_model_len=engine["max_model_len"], block_size=engine["block_size"],
-        num_gpu_blocks=engine["num_gpu_blocks"], seed=matrix.engine.sim.seed + rep,
-        groups="\n".join(f"    ({g['layer_names']!r},\n     {_wrap_call(g['spec'], 5)})," for g in engine["kv_cache_groups"]),
-        tensors="\n".join(f"    ({t['size']}, {t['shared_by']!r})," for t in engine["kv_cache_tensors"]),
+        max_model_len=engine.max_model_len, block_size=engine.block_size,
+        num_gpu_blocks=engine.num_gpu_blocks, seed=matrix.engine.sim.seed + rep,
+        groups="\n".join(f"    ({list(g.layer_names)!r},\n     {_wrap_call(g.spec, 5)})," for g in engine.kv_cache_groups),
+        tensors="\n".join(f"    ({t.size}, {list(t.shared_by)!r})," for t in engine.kv_cache_tensors),
         prompts="\n".join(_prompts_source(prompts)),
         request_list=", ".join(f"({r.max_tokens}, P[{i}])" for i, r in enumerate(trace.requests)),
-        dtype=engine.get("dtype", "auto"),
-        enable_prefix_caching=engine["enable_prefix_caching"], hash_algo=engine["prefix_caching_hash_algo"],
-        mamba_cache_kw=(f", mamba_cache_mode={engine['mamba_cache_mode']!r}" if engine.get("mamba_cache_mode") else ""),
-        max_num_seqs=engine["max_num_seqs"], max_num_batched_tokens=engine["max_num_batched_tokens"],
-        enable_chunked_prefill=engine["enable_chunked_prefill"],
-        long_prefill_token_threshold=engine["long_prefill_token_threshold"],
-        async_scheduling=engine["async_scheduling"], disable_hybrid=engine["disable_hybrid_kv_cache_manager"],
+        dtype=engine.dtype,
+        enable_prefix_caching=engine.enable_prefix_caching, hash_algo=engine.prefix_caching_hash_algo,
+        mamba_cache_kw=(f", mamba_cache_mode={engine.mamba_cache_mode!r}" if engine.mamba_cache_mode else ""),
+        max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
+        enable_chunked_prefill=engine.enable_chunked_prefill,
+        long_prefill_token_threshold=engine.long_prefill_token_threshold,
+        async_scheduling=engine.async_scheduling, disable_hybrid=engine.disable_hybrid_kv_cache_manager,
         speculative_config=("None" if not spec else
-                            f"SpeculativeConfig(method={spec['method']!r}, num_speculative_tokens="
-                            f"{spec['num_speculative_tokens']}, target_model_config=model_config,\n"
+                            f"SpeculativeConfig(method={spec.method!r}, num_speculative_tokens="
+                            f"{spec.num_speculative_tokens}, target_model_config=model_config,\n"
                             f"                                        target_parallel_config=parallel_config)"),
-        kv_connector=transfer.get("kv_connector"), kv_role=transfer.get("kv_role"),
-        kv_extra=transfer.get("kv_connector_extra_config") or {},
-        scheduler_block_size=engine["scheduler_block_size"], hash_block_size=engine["hash_block_size"],
+        kv_connector=transfer.kv_connector, kv_role=transfer.kv_role,
+        kv_extra=dict(transfer.kv_connector_extra_config),
+        scheduler_block_size=engine.scheduler_block_size, hash_block_size=engine.hash_block_size,
     )
 
 
-def emit(path: Path, trace: Trace, loaded: LoadedMatrix, engine: dict[str, Any],
+def emit(path: Path, trace: Trace, loaded: LoadedMatrix, engine: EngineInfo,
          runs: dict[str, tuple[str, str, str]], violation: str | None = None,
          first_violation: str | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render(trace, loaded, engine, path.name, runs, violation, first_violation))
 
 
-def run_emitted(path: Path, python: str, pythonpath: str, timeout: float = 600) -> dict[str, Any]:
-    """Run the emitted file as a script with a build's vLLM: {"exit", "exception", "function",
-    "statement", "tail", "message", "output"} (the failing frame is read from the traceback's last
-    frame; ``message``: the last exception's message, all its lines; ``output``: stderr's end)."""
+@dataclass(frozen=True)
+class EmittedRun:
+    """One run of an emitted test with a build's vLLM: its exit status, the failing frame read from
+    the traceback's last frame (``exception`` to ``statement``), ``tail`` (the output's last lines),
+    ``message`` (the last exception's message, all its lines) and ``output`` (stderr's end)."""
+
+    exit: int
+    exception: str | None
+    file: str | None
+    function: str | None
+    statement: str | None
+    tail: str
+    message: str
+    output: str
+
+
+def run_emitted(path: Path, python: str, pythonpath: str, timeout: float = 600) -> EmittedRun:
+    """Run the emitted file as a script with a build's vLLM (see :class:`EmittedRun`)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVREPRO_", "VLLM_"))}
     env.update(PYTHONPATH=pythonpath, VLLM_PLUGINS="", VLLM_LOGGING_LEVEL="ERROR", PYTHONDONTWRITEBYTECODE="1")
     from .. import lifetime, scratch
@@ -749,13 +828,12 @@ def run_emitted(path: Path, python: str, pythonpath: str, timeout: float = 600) 
     text = proc.stderr
     frames = re.findall(r'File "([^"]+)", line \d+, in (\w+)\n\s+(.*)', text)
     last = re.findall(r"^(\w+(?:Error|Exception)|AssertionError)\b.*$", text, flags=re.M)
-    result: dict[str, Any] = {"exit": proc.returncode, "exception": last[-1] if last else None,
-                              "file": frames[-1][0] if frames else None,
-                              "function": frames[-1][1] if frames else None,
-                              "statement": frames[-1][2].strip() if frames else None,
-                              "tail": "\n".join((proc.stdout + text).strip().splitlines()[-6:]),
-                              "message": _last_exception_message(text), "output": text[-20000:]}
-    return result
+    return EmittedRun(exit=proc.returncode, exception=last[-1] if last else None,
+                      file=frames[-1][0] if frames else None,
+                      function=frames[-1][1] if frames else None,
+                      statement=frames[-1][2].strip() if frames else None,
+                      tail="\n".join((proc.stdout + text).strip().splitlines()[-6:]),
+                      message=_last_exception_message(text), output=text[-20000:])
 
 
 def _last_exception_message(text: str) -> str:

@@ -55,6 +55,41 @@ from ..records import BuildPlan
 from ..spec.matrix import LoadedMatrix, TargetSignature
 
 
+@dataclass(frozen=True)
+class OfflineResult:
+    """One job's answer from the offline engine (kvrepro/engine/offline.py ``run_job``), parsed once
+    where its JSON line comes in (:meth:`from_json`).
+
+    ``kv_records``: the shadow KV's violation records (kvrepro/engine/shadow.py) as it wrote them,
+    each with ``request_index`` added: ``kind``, ``class``, ``text``, ... (read by
+    :func:`corruption_matches`). ``kv_checks`` None: the shadow KV did not run."""
+
+    crashed: bool = False
+    crash_at: int | None = None
+    requests_done: int = 0
+    exception: str | None = None
+    function: str | None = None
+    file: str | None = None
+    statement: str | None = None
+    message: str | None = None
+    trigger_calls: int = 0
+    external_hit_calls: int = 0
+    kv_checks: int | None = None
+    kv_violations: int = 0
+    kv_violations_by: dict[str, int] = field(default_factory=dict)
+    kv_records: tuple[dict[str, Any], ...] = ()
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> "OfflineResult":
+        names = {f.name for f in dataclasses.fields(cls)}
+        known = {k: v for k, v in value.items() if k in names and v is not None}
+        if "kv_records" in known:
+            known["kv_records"] = tuple(known["kv_records"])
+        if "kv_violations_by" in known:
+            known["kv_violations_by"] = dict(known["kv_violations_by"])
+        return cls(**known)
+
+
 class OfflineEngine:
     """One ``python -m kvrepro.engine.offline -`` process for one build: jobs in, results out."""
 
@@ -92,9 +127,11 @@ class OfflineEngine:
             raise InfraError(f"the offline engine for build {build} did not start (run "
                              f"`{' '.join(self.command[:4])} ...` by hand to see why)")
         # the settings and KV-cache groups vLLM built (kvrepro.engine.offline.describe)
-        self.engine_info: dict[str, Any] = json.loads(first).get("engine") or {}
+        from .pytest_emit import EngineInfo
 
-    def run(self, job: list[TraceRequest]) -> dict[str, Any]:
+        self.engine_info = EngineInfo.from_json(json.loads(first).get("engine") or {})
+
+    def run(self, job: list[TraceRequest]) -> OfflineResult:
         line = json.dumps([{"tokens": list(r.tokens), "max_tokens": r.max_tokens} for r in job])
         with self._lock:
             self._busy = True
@@ -104,7 +141,7 @@ class OfflineEngine:
             self._busy = False
         if not answer:
             raise InfraError("the offline engine process died")
-        return json.loads(answer)
+        return OfflineResult.from_json(json.loads(answer))
 
     def close(self) -> None:
         if self.proc.poll() is None and self._busy:
@@ -127,17 +164,17 @@ class OfflineEngine:
         self.target.close()
 
 
-def matches(result: dict[str, Any], sig: TargetSignature) -> bool:
+def matches(result: OfflineResult, sig: TargetSignature) -> bool:
     """Whether an offline result is the target crash (exception, function, file, statement)."""
-    if not result.get("crashed"):
+    if not result.crashed:
         return False
-    if result.get("exception") != sig.exception or result.get("function") != sig.function:
+    if result.exception != sig.exception or result.function != sig.function:
         return False
-    if sig.file and not str(result.get("file") or "").endswith(sig.file):
+    if sig.file and not str(result.file or "").endswith(sig.file):
         return False
     if sig.expression:
         squash = lambda t: "".join(str(t or "").split())  # noqa: E731
-        if squash(sig.expression) not in squash(result.get("statement")):
+        if squash(sig.expression) not in squash(result.statement):
             return False
     return True
 
@@ -216,40 +253,40 @@ class Failure:
     def label(self) -> str:
         return "CORRUPT" if self.violation else "CRASH(target)"
 
-    def at(self, result: dict[str, Any]) -> int | None:
+    def at(self, result: OfflineResult) -> int | None:
         """The index of the request at which ``result`` fails this way (None: it does not). A
         corruption counts only before any crash: the candidate is then cut before the crash."""
         if not self.violation:
-            return result["crash_at"] if matches(result, self.sig) else None
-        for record in result.get("kv_records") or ():
+            return result.crash_at if matches(result, self.sig) else None
+        for record in result.kv_records:
             at = record.get("request_index")
             if at is None or not corruption_matches(record, self.violation):
                 continue
-            if result.get("crashed") and result.get("crash_at") is not None and at >= result["crash_at"]:
+            if result.crashed and result.crash_at is not None and at >= result.crash_at:
                 return None
             return at
         return None
 
-    def clean(self, result: dict[str, Any]) -> bool:
+    def clean(self, result: OfflineResult) -> bool:
         """What a fixed build must show: no crash; for a corruption, no violation of any kind
         either (and the shadow KV did check)."""
         if not self.violation:
-            return not result.get("crashed")
-        return not result.get("crashed") and not result.get("kv_violations") and bool(result.get("kv_checks"))
+            return not result.crashed
+        return not result.crashed and not result.kv_violations and bool(result.kv_checks)
 
-    def describe(self, result: dict[str, Any]) -> str:
+    def describe(self, result: OfflineResult) -> str:
         """One build's offline result, in words."""
         if matches(result, self.sig):
             return "CRASH(target)"
-        if result.get("crashed"):
-            return f"CRASH({result.get('exception')} in {result.get('function')})"
-        if result.get("kv_violations"):
-            by = ", ".join(f"{k} {n}" for k, n in sorted((result.get("kv_violations_by") or {}).items()))
-            return f"CORRUPT ({result['kv_violations']} violations: {by}; {result['trigger_calls']} trigger calls)"
+        if result.crashed:
+            return f"CRASH({result.exception} in {result.function})"
+        if result.kv_violations:
+            by = ", ".join(f"{k} {n}" for k, n in sorted(result.kv_violations_by.items()))
+            return f"CORRUPT ({result.kv_violations} violations: {by}; {result.trigger_calls} trigger calls)"
         if self.violation:
-            return (f"clean (no crash, no KV violation in {result.get('kv_checks') or 0} checked contexts; "
-                    f"{result['trigger_calls']} trigger calls)")
-        return f"no crash ({result['trigger_calls']} trigger calls)"
+            return (f"clean (no crash, no KV violation in {result.kv_checks or 0} checked contexts; "
+                    f"{result.trigger_calls} trigger calls)")
+        return f"no crash ({result.trigger_calls} trigger calls)"
 
 
 def ddmin(items: list[TraceRequest], crashes: Callable[[list[TraceRequest]], list[TraceRequest] | None],
@@ -467,7 +504,7 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
             raise KvreproError(f"{run.run_dir}: CORRUPT, but its first violation does not say which KV group "
                                f"({run.kv_first_violation!r}); name one with --violation KIND")
     failure = Failure(sig, violation)
-    rep_number = int(trace.header.get("rep", run.rep))
+    rep_number = trace.header.rep if trace.header.rep is not None else run.rep
     on_line(f"starting the offline engine for build {build}")
     engine = OfflineEngine(loaded, build, rep_number)
     fixed_engine = None
@@ -511,8 +548,8 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
         if fixed_engine is not None:
             fixed_engine.close()
 
-    minimized = Trace(trace_path, {**trace.header, "minimized_from": str(trace_path),
-                                   "load": {**(trace.header.get("load") or {}), "concurrency": 1}}, items)
+    minimized = Trace(trace_path, trace.header.updated(minimized_from=str(trace_path),
+                                                       load={**(trace.header.load or {}), "concurrency": 1}), items)
     out_path = trace_path.with_name("minimized.trace.jsonl")
     write_trace(out_path, minimized)
     summary = MinimizeResult(
@@ -524,10 +561,10 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
     )
     if violation:
         # the offline engine's answer (its own JSON protocol, kvrepro.engine.offline)
-        first = next((r for r in again[0].get("kv_records") or () if corruption_matches(r, violation)), {})
+        first = next((r for r in again[0].kv_records if corruption_matches(r, violation)), {})
         summary.violation_at, summary.first_violation = first.get("request_index"), first.get("text")
         summary.violation_kind, summary.violation_class = first.get("kind"), first.get("class")
-        summary.violations_by = dict(again[0].get("kv_violations_by") or {})
+        summary.violations_by = dict(again[0].kv_violations_by)
     if emit_pytest is not None:
         # the emitted test names violations by kind: a defect name is checked through its first one's
         summary.emitted = _emit_and_check(Path(emit_pytest), minimized, loaded, build, engine, fixed, fixed_engine,
@@ -571,24 +608,24 @@ def _emit_and_check(path: Path, trace: Trace, loaded: LoadedMatrix, build: str, 
         on_line(f"running the emitted test with build {name}'s vLLM")
         got = run_emitted(path, e.command[0], e.test_pythonpath)
         if violation:
-            target = (got["exit"] != 0 and got["exception"] == "AssertionError"
-                      and corruption_marker(violation) in got["output"])
+            target = (got.exit != 0 and got.exception == "AssertionError"
+                      and corruption_marker(violation) in got.output)
             expected = f"the shadow KV's assertion on a {violation} violation"
         else:
-            target = (got["exit"] != 0 and got["exception"] == sig.exception and got["function"] == sig.function
-                      and (not sig.file or str(got["file"] or "").endswith(sig.file)))
+            target = (got.exit != 0 and got.exception == sig.exception and got.function == sig.function
+                      and (not sig.file or str(got.file or "").endswith(sig.file)))
             expected = "the target signature"
         if name == build:
             ok, seen = target, (f"fails with {expected}" if target else
-                                f"exit {got['exit']}, not {expected}: {got['tail'][-300:]}")
+                                f"exit {got.exit}, not {expected}: {got.tail[-300:]}")
             if target and violation:  # the assertion's line for this kind: the stale block, in words
                 marker = corruption_marker(violation)
-                seen += ": " + next((x for x in got["message"].splitlines() if x.startswith(marker)), "")
+                seen += ": " + next((x for x in got.message.splitlines() if x.startswith(marker)), "")
         else:
-            ok = got["exit"] == 0
-            seen = "passes" if ok else f"exit {got['exit']}: {got['tail'][-300:]}"
-        check[name] = PytestCheck(ok=ok, result=seen, exit=got["exit"],
-                                  message=got["message"][:4000] if violation and got["exit"] != 0 else None)
+            ok = got.exit == 0
+            seen = "passes" if ok else f"exit {got.exit}: {got.tail[-300:]}"
+        check[name] = PytestCheck(ok=ok, result=seen, exit=got.exit,
+                                  message=got.message[:4000] if violation and got.exit != 0 else None)
     return EmittedTest(pytest=str(path), pytest_check=check)
 
 

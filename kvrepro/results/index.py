@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,21 +63,64 @@ def stamp(run_dir: str) -> list[Any]:
     return parts
 
 
-def read_row(root: Path, run_id: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class RunRow:
+    """One line of `results list`: a readable run (``run_id`` to ``builds``: each cell's verdict
+    labels) or an unreadable folder (``status`` "unreadable", ``error`` says why).
+
+    :meth:`to_json` is `results list --json`'s object; :meth:`to_cache` / :meth:`from_cache` the
+    index's copy, which also keeps the run's ``owner`` (to tell ``running`` from ``aborted``)."""
+
+    run_id: str | None
+    status: str
+    target: str = ""
+    base: str = ""
+    builds: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    error: str | None = None
+    owner: dict[str, str] | None = None
+
+    @property
+    def unreadable(self) -> bool:
+        return self.status == "unreadable"
+
+    def to_json(self) -> dict[str, Any]:
+        if self.unreadable:
+            return {"run_id": self.run_id, "status": self.status, "error": self.error}
+        return {"run_id": self.run_id, "status": self.status, "target": self.target, "base": self.base,
+                "builds": {k: list(v) for k, v in self.builds.items()}}
+
+    __json__ = to_json
+
+    def to_cache(self) -> dict[str, Any]:
+        return {**self.to_json(), "_owner": self.owner}
+
+    @classmethod
+    def from_cache(cls, row: dict[str, Any]) -> "RunRow | None":
+        """The index's row, or None if it is not one (a foreign or damaged index: read again)."""
+        try:
+            builds = row.get("builds") or {}
+            return cls(run_id=row.get("run_id"), status=str(row["status"]), target=row.get("target") or "",
+                       base=row.get("base") or "", error=row.get("error"), owner=row.get("_owner"),
+                       builds={str(k): tuple(str(x) for x in v) for k, v in builds.items()})
+        except (KeyError, TypeError, AttributeError, ValueError):
+            return None
+
+
+def read_row(root: Path, run_id: str) -> RunRow:
     """One run's row, read from its files (what a full scan does for every run)."""
     from . import store as results
 
     try:
         run = results.load_run(root, run_id)
     except results.ResultsSchemaError as exc:
-        return {"run_id": None, "status": "unreadable", "error": str(exc)}
+        return RunRow(run_id=None, status="unreadable", error=str(exc))
 
     def key(build: results.BuildResults) -> str:  # report.build_key, without importing scipy with report
         return f"{build.name}@{build.base}" if sum(b.name == build.name for b in run.builds) > 1 else build.name
 
-    return {"run_id": run.run_id, "status": run.status, "target": run.info.target, "base": run.info.base_text,
-            "builds": {key(b): [x.label for x in b.runs] for b in run.builds},
-            "_owner": run.info.owner if run.status in ("running", "aborted") else None}
+    return RunRow(run_id=run.run_id, status=run.status, target=run.info.target, base=run.info.base_text,
+                  builds={key(b): tuple(x.label for x in b.runs) for b in run.builds},
+                  owner=run.info.owner if run.status in ("running", "aborted") else None)
 
 
 def _load_index(path: Path) -> dict[str, Any]:
@@ -98,16 +142,14 @@ def _save_index(path: Path, runs: dict[str, Any]) -> None:
         pass
 
 
-def _live(row: dict[str, Any]) -> dict[str, Any]:
+def _live(row: RunRow) -> RunRow:
     """The row as shown now: ``running`` or ``aborted`` by whether its owner still runs."""
-    shown = {k: v for k, v in row.items() if not k.startswith("_")}
-    owner = row.get("_owner")
-    if owner and row.get("status") in ("running", "aborted"):
-        shown["status"] = "aborted" if lifetime.owner_alive(owner) is False else "running"
-    return shown
+    if row.owner and row.status in ("running", "aborted"):
+        return replace(row, status="aborted" if lifetime.owner_alive(row.owner) is False else "running")
+    return row
 
 
-def rows(root: Path, use_index: bool | None = None) -> list[dict[str, Any]]:
+def rows(root: Path, use_index: bool | None = None) -> list[RunRow]:
     """Every run under ``root`` (folders holding a run.json), oldest first, as `results list` rows."""
     use_index = enabled() if use_index is None else use_index
     if not root.is_dir():
@@ -125,19 +167,20 @@ def rows(root: Path, use_index: bool | None = None) -> list[dict[str, Any]]:
             continue
         now = stamp(entry.path)
         hit = cached.get(entry.name)
+        row = None
         if isinstance(hit, dict) and hit.get("stamp") == now and isinstance(hit.get("row"), dict):
-            row = hit["row"]
-        else:
+            row = RunRow.from_cache(hit["row"])
+        if row is None:
             row = read_row(root, entry.name)
             changed = True
             # read while it changed under us (a repetition finishing right now): not kept as is
             if stamp(entry.path) != now:
                 now = None
-        fresh[entry.name] = {"stamp": now, "row": row}
+        fresh[entry.name] = {"stamp": now, "row": row.to_cache()}
         out.append(_live(row))
     if use_index and (changed or set(fresh) != set(cached)):
         _save_index(index_path, fresh)
     return out
 
 
-__all__ = ["INDEX_FILE", "enabled", "read_row", "rows", "stamp"]
+__all__ = ["INDEX_FILE", "RunRow", "enabled", "read_row", "rows", "stamp"]

@@ -131,16 +131,20 @@ class RunFolder:
         write_json(info_path, info)
 
 
-def create_run(root: Path, matrix_text: str, info: dict[str, Any]) -> RunFolder:
+def create_run(root: Path, matrix_text: str, info: RunInfo) -> RunFolder:
+    """A new run folder with its matrix.yaml and run.json: ``info`` as planned (its ``run_id``,
+    ``status``, ``started`` and ``owner`` are this run's, set here)."""
     folder = RunFolder(root=root, run_id=new_run_id())
-    for name in info.get("build_order") or []:
+    for name in info.build_order:
         folder.build_dir(name)  # every build's folder lies inside the run's (checked before anything is made)
     folder.path.mkdir(parents=True, exist_ok=False)
     try:
         write_atomic(folder.path / "matrix.yaml", matrix_text)
         # who runs it: once that process is gone while this still says "running", it was aborted
+        planned = {k: v for k, v in to_jsonable(info).items()
+                   if v is not None and k not in ("schema", "run_id", "status", "started", "owner")}
         folder.update(schema=RESULTS_SCHEMA, run_id=folder.run_id, status="running", started=time.time(),
-                      owner=lifetime.owner(), **info)
+                      owner=lifetime.owner(), **planned)
     except OSError:  # a full disk: leave no half-made run folder behind
         import shutil
 

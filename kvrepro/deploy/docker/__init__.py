@@ -35,6 +35,14 @@ def load() -> None:
     from . import target  # noqa: F401 - registers DockerTarget
 
 
+def check_settings(matrix: Any) -> None:
+    """``hosts:``, ``docker:`` and ``base_image:`` checked by their types (kvrepro.deploy.check_settings
+    applies it); the SDK is not imported for it."""
+    from .settings import check_settings as check
+
+    check(matrix)
+
+
 def __getattr__(name: str) -> Any:
     if name in ("DockerEngineHandle", "DockerTarget"):
         from . import target
@@ -43,4 +51,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["DockerEngineHandle", "DockerTarget", "load"]
+__all__ = ["DockerEngineHandle", "DockerTarget", "check_settings", "load"]

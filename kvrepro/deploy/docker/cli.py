@@ -37,7 +37,9 @@ JsonOpt = typer.Option(False, "--json", help="print machine-readable JSON on std
 def _emit(value: Any) -> None:
     from ...secrets import redact
 
-    sys.stdout.write(redact(json.dumps(value, indent=2, default=str)) + "\n")
+    from ...records import to_jsonable
+
+    sys.stdout.write(redact(json.dumps(to_jsonable(value), indent=2, default=str)) + "\n")
 
 
 def _matrix_or_none(path: Path) -> Matrix | None:
@@ -73,24 +75,22 @@ def hosts_check(matrix: Path = MatrixOpt, as_json: bool = JsonOpt) -> None:
             table.add_column(col)
         notes: list[str] = []
         for r in reports:
-            if not r.get("ok"):
-                table.add_row(r["name"], r["docker"], f"[red]{r.get('error_kind', 'down')}[/]",
-                              str(r["gpus_declared"]), "", "")
-                notes.append(f"[red]{r['name']}[/]: {r.get('error', '')}")
+            if not r.ok:
+                table.add_row(r.name, r.docker, f"[red]{r.error_kind or 'down'}[/]", str(r.gpus_declared), "", "")
+                notes.append(f"[red]{r.name}[/]: {r.error or ''}")
                 continue
-            gpus = str(r["gpus_declared"])
-            if r["gpus_declared"]:
-                gpus += " ([green]nvidia runtime[/])" if r.get("nvidia_runtime") else " ([red]no nvidia runtime[/])"
-            ports = ", ".join(f"{p}: {s}" for p, s in (r.get("ports") or {}).items())
-            base = r.get("base_image") or {}
-            base_text = (("[green]present[/]" if base.get("present") else "[yellow]absent[/]") if base else "")
-            table.add_row(r["name"], r["docker"], f"[green]up[/] {r.get('server_version', '')}", gpus, ports,
-                          base_text)
-            notes += [f"[yellow]{r['name']}[/]: {w}" for w in r.get("warnings", [])]
+            gpus = str(r.gpus_declared)
+            if r.gpus_declared:
+                gpus += " ([green]nvidia runtime[/])" if r.nvidia_runtime else " ([red]no nvidia runtime[/])"
+            ports = ", ".join(f"{p}: {s}" for p, s in (r.ports or {}).items())
+            base = r.base_image
+            base_text = (("[green]present[/]" if base.present else "[yellow]absent[/]") if base is not None else "")
+            table.add_row(r.name, r.docker, f"[green]up[/] {r.server_version or ''}", gpus, ports, base_text)
+            notes += [f"[yellow]{r.name}[/]: {w}" for w in r.warnings or ()]
         out.print(table)
         for note in notes:
             out.print(note, highlight=False)
-    if any(not r.get("ok") for r in reports):
+    if any(not r.ok for r in reports):
         raise typer.Exit(3)
 
 
@@ -192,8 +192,8 @@ def clean(
     from ... import scratch
 
     temp = scratch.clean(dry_run=dry_run)
-    temp_report = {"host": "local", "temp": temp["temp"], "removed": temp["removed"], "kept_temp": temp["kept"],
-                   "containers": [], "images": [], "kept": [], "errors": temp["errors"]}
+    temp_report = {"host": "local", "temp": temp.temp, "removed": temp.removed, "kept_temp": temp.kept,
+                   "containers": [], "images": [], "kept": [], "errors": list(temp.errors)}
     reports = [temp_report]
     if not temp_only:
         from .clean import clean as do_clean
@@ -207,13 +207,13 @@ def clean(
         _emit(reports)
     else:
         verb = "would remove" if dry_run else "removed"
-        out.print(f"[bold]temp folder {temp['temp']}[/]: {verb} {len(temp['removed'])} leftover(s) of kvrepros "
+        out.print(f"[bold]temp folder {temp.temp}[/]: {verb} {len(temp.removed)} leftover(s) of kvrepros "
                   f"that are gone", highlight=False)
-        for item in temp["removed"]:
-            out.print(f"  {item['kind']} {item['path']}", highlight=False)
-        for item in temp["kept"]:
-            owner = item.get("owner") or {}
-            out.print(f"  kept {item['path']}: its kvrepro (pid {owner.get('pid')}) is still running", highlight=False)
+        for item in temp.removed:
+            out.print(f"  {item.kind} {item.path}", highlight=False)
+        for item in temp.kept:
+            owner = item.owner or {}
+            out.print(f"  kept {item.path}: its kvrepro (pid {owner.get('pid')}) is still running", highlight=False)
         for r in reports[1:]:
             out.print(f"[bold]{r['host']}[/]: {verb} {len(r['containers'])} container(s), {len(r['images'])} image(s)")
             for c in r["containers"]:

@@ -15,7 +15,7 @@ import functools
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -280,21 +280,87 @@ def port_state(host: DockerHost, port: int) -> str:
     return "unknown"
 
 
-def check_host(spec: HostSpec, matrix: Matrix | None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class BaseImageCheck:
+    ref: str
+    present: bool
+
+
+@dataclass(frozen=True)
+class HostCheck:
+    """What `kvrepro hosts check` reports for one host (its ``--json`` object: :meth:`to_json`).
+
+    Set in stages: always the host as declared; once connected, how (``local`` to ``via``); once
+    the daemon answered, what it has (``server_version`` to ``warnings``); with a matrix, its ports
+    and base image. ``ok`` False: ``error`` and ``error_kind`` say why."""
+
+    name: str
+    docker: str
+    gpus_declared: int
+    ok: bool = False
+    error: str | None = None
+    error_kind: str | None = None
+    connected: bool = False
+    local: bool | None = None
+    address: str | None = None
+    daemon_id: str | None = None
+    via: str | None = None
+    answered: bool = False
+    server_version: str | None = None
+    api_version: str | None = None
+    cpus: int | None = None
+    memory_gib: float | None = None
+    runtimes: tuple[str, ...] = ()
+    nvidia_runtime: bool = False
+    gpus_usable: bool | None = None
+    kvrepro_containers: int = 0
+    ports: dict[str, str] | None = None
+    base_image: BaseImageCheck | None = None
+    gpus_visible: int | None = None
+    gpus_checked: bool = False
+    warnings: tuple[str, ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"name": self.name, "docker": self.docker, "gpus_declared": self.gpus_declared}
+        if self.connected:
+            data.update(local=self.local, address=self.address, daemon_id=self.daemon_id, via=self.via)
+        if self.answered:
+            data.update(server_version=self.server_version, api_version=self.api_version, cpus=self.cpus,
+                        memory_gib=self.memory_gib, runtimes=list(self.runtimes),
+                        nvidia_runtime=self.nvidia_runtime, gpus_usable=self.gpus_usable,
+                        kvrepro_containers=self.kvrepro_containers)
+            if self.ports is not None:
+                data["ports"] = dict(self.ports)
+            if self.base_image is not None:
+                data["base_image"] = {"ref": self.base_image.ref, "present": self.base_image.present}
+            if self.gpus_checked:
+                data["gpus_visible"] = self.gpus_visible
+        if self.warnings is not None:
+            data["warnings"] = list(self.warnings)
+        data["ok"] = self.ok
+        if not self.ok:
+            data.update(error=self.error, error_kind=self.error_kind)
+        return data
+
+    __json__ = to_json
+
+
+def check_host(spec: HostSpec, matrix: Matrix | None) -> HostCheck:
     """What `kvrepro hosts check` reports for one host; never raises for a bad host."""
-    report: dict[str, Any] = {"name": spec.name, "docker": spec.docker, "gpus_declared": spec.gpus}
+    report = HostCheck(name=spec.name, docker=spec.docker, gpus_declared=spec.gpus)
     try:
         host = connect(spec, timeout=20)
     except (DaemonDownError, UnknownHostError) as exc:
-        report.update(ok=False, error=str(exc), error_kind=exc.kind)
-        return report
-    report.update(local=host.local, address=host.address, daemon_id=host.info.get("ID"),
-                  via="ssh (one kept connection)" if host.tunnel else urlparse(spec.docker).scheme)
+        return replace(report, ok=False, error=str(exc), error_kind=exc.kind)
+    report = replace(report, connected=True, local=host.local, address=host.address, daemon_id=host.info.get("ID"),
+                     via="ssh (one kept connection)" if host.tunnel else urlparse(spec.docker).scheme)
     try:
-        info = host.info
-        runtimes = sorted((info.get("Runtimes") or {}).keys())
-        report.update(
+        info = host.info  # the docker SDK's answer: a dict by the daemon's API
+        runtimes = tuple(sorted((info.get("Runtimes") or {}).keys()))
+        report = replace(
+            report,
             ok=True,
+            answered=True,
             server_version=host.client.version().get("Version"),
             api_version=host.client.api.api_version,
             cpus=info.get("NCPU"),
@@ -305,7 +371,7 @@ def check_host(spec: HostSpec, matrix: Matrix | None) -> dict[str, Any]:
             kvrepro_containers=len(host.client.containers.list(all=True, filters=MANAGED_FILTER, ignore_removed=True)),
         )
         warnings = []
-        if spec.gpus and not report["nvidia_runtime"]:
+        if spec.gpus and not report.nvidia_runtime:
             warnings.append(f"declares gpus: {spec.gpus} but the daemon has no `nvidia` runtime "
                             "(install nvidia-container-toolkit)")
         if matrix is not None:
@@ -313,22 +379,23 @@ def check_host(spec: HostSpec, matrix: Matrix | None) -> dict[str, Any]:
             # publishes on any free port) and the multi-node rendezvous port.
             settings = docker_settings(matrix)
             ports = [settings.docker.api_port or 8000, settings.docker.rendezvous_port]
-            report["ports"] = {str(p): port_state(host, p) for p in ports}
+            report = replace(report, ports={str(p): port_state(host, p) for p in ports})
             image = settings.image_for(matrix.bases[0])
             try:
                 host.client.images.get(image)
-                report["base_image"] = {"ref": image, "present": True}
+                report = replace(report, base_image=BaseImageCheck(ref=image, present=True))
             except docker.errors.ImageNotFound:
-                report["base_image"] = {"ref": image, "present": False}
+                report = replace(report, base_image=BaseImageCheck(ref=image, present=False))
                 warnings.append(f"base image {image} is not on this host (`docker pull {image}`, or "
                                 "`kvrepro images base-cpu` for the CPU base)")
-            if report["nvidia_runtime"] and report["base_image"]["present"]:
-                report["gpus_visible"] = count_gpus(host, image)
-                if report["gpus_visible"] is not None and report["gpus_visible"] < spec.gpus:
-                    warnings.append(f"declares gpus: {spec.gpus} but a container sees {report['gpus_visible']}")
-        report["warnings"] = warnings
+            if report.nvidia_runtime and report.base_image is not None and report.base_image.present:
+                visible = count_gpus(host, image)
+                report = replace(report, gpus_checked=True, gpus_visible=visible)
+                if visible is not None and visible < spec.gpus:
+                    warnings.append(f"declares gpus: {spec.gpus} but a container sees {visible}")
+        report = replace(report, warnings=tuple(warnings))
     except (docker.errors.DockerException, requests.RequestException) as exc:
-        report.update(ok=False, error=f"host {spec.name}: {_short(exc)}", error_kind="daemon_down")
+        report = replace(report, ok=False, error=f"host {spec.name}: {_short(exc)}", error_kind="daemon_down")
     finally:
         host.close()
     return report
