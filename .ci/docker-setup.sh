@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 KVREPRO="${KVREPRO:-.venv/bin/kvrepro}"
-BASE_VERSION="${KVREPRO_BASE_VERSION:-$(.venv/bin/python -c 'from kvrepro.spec import load_matrix; print(load_matrix("matrix.yaml").matrix.base)')}"
+BASE_VERSION="${KVREPRO_BASE_VERSION:-$(.venv/bin/python -c 'from kvrepro.matrix import load_matrix; print(load_matrix("matrix.yaml").matrix.base)')}"
 DOCKERD_LOG="${DOCKERD_LOG:-/tmp/kvrepro-dockerd.log}"
 
 missing=()
