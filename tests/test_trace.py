@@ -234,10 +234,12 @@ SIG = TargetSignature(exception="AssertionError", function="update_state_after_a
 
 
 def test_signature_matching_reads_the_whole_statement():
+    from kvrepro.minimize.shrink import OfflineResult
+
     crash = {"crashed": True, "exception": "AssertionError", "function": "update_state_after_alloc",
              "file": "/x/overlay/vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py",
              "statement": "assert ( num_locally_computed_tokens <= num_locally_computed_gpu_blocks * tokens_per_block )"}
-    assert matches(crash, SIG)
-    assert not matches({**crash, "statement": "assert len(offload_keys) == len(offload_block_ids)"}, SIG)
-    assert not matches({**crash, "function": "_build_store_jobs"}, SIG)
-    assert not matches({**crash, "crashed": False}, SIG)
+    assert matches(OfflineResult.from_json(crash), SIG)
+    assert not matches(OfflineResult.from_json({**crash, "statement": "assert len(offload_keys) == len(offload_block_ids)"}), SIG)
+    assert not matches(OfflineResult.from_json({**crash, "function": "_build_store_jobs"}), SIG)
+    assert not matches(OfflineResult.from_json({**crash, "crashed": False}), SIG)
