@@ -15,8 +15,6 @@ corruption still makes the run CORRUPT, under a title that says it is not a know
 from __future__ import annotations
 
 import functools
-import importlib
-import pkgutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -105,16 +103,9 @@ def known_corruptions() -> tuple[CorruptionSignature, ...]:
     """Every signature under kvrepro/classify/corruptions/, by name."""
     from . import corruptions
 
-    found: dict[str, CorruptionSignature] = {}
-    for info in pkgutil.iter_modules(corruptions.__path__):
-        module = importlib.import_module(f"{corruptions.__name__}.{info.name}")
-        signature = getattr(module, "CORRUPTION", None)
-        if not isinstance(signature, CorruptionSignature):
-            raise TypeError(f"{module.__file__}: a corruption module must define CORRUPTION = CorruptionSignature(...)")
-        if signature.name in found or signature.name == UNKNOWN:
-            raise ValueError(f"{module.__file__}: corruption name {signature.name!r} is already used")
-        found[signature.name] = signature
-    return tuple(found[name] for name in sorted(found))
+    from .tables import table_entries
+
+    return table_entries(corruptions, "CORRUPTION", CorruptionSignature, "corruption", reserved=(UNKNOWN,))
 
 
 def by_name(name: str) -> CorruptionSignature | None:

@@ -13,8 +13,6 @@ results. Crashes no pattern knows get a generic title from the classifier.
 from __future__ import annotations
 
 import functools
-import importlib
-import pkgutil
 import re
 from dataclasses import dataclass, field
 
@@ -90,16 +88,9 @@ def known_patterns() -> tuple[Pattern, ...]:
     """Every pattern under kvrepro/classify/signatures/, by name."""
     from . import signatures
 
-    found: dict[str, Pattern] = {}
-    for info in pkgutil.iter_modules(signatures.__path__):
-        module = importlib.import_module(f"{signatures.__name__}.{info.name}")
-        pattern = getattr(module, "PATTERN", None)
-        if not isinstance(pattern, Pattern):
-            raise TypeError(f"{module.__file__}: a signature module must define PATTERN = Pattern(...)")
-        if pattern.name in found:
-            raise ValueError(f"{module.__file__}: pattern name {pattern.name!r} is already used")
-        found[pattern.name] = pattern
-    return tuple(found[name] for name in sorted(found))
+    from .tables import table_entries
+
+    return table_entries(signatures, "PATTERN", Pattern, "signature")
 
 
 _RANK = {"full": 0, "fragment": 1, "any": 2}

@@ -26,8 +26,6 @@ died of something else is that death's consequence.
 from __future__ import annotations
 
 import functools
-import importlib
-import pkgutil
 import re
 from dataclasses import dataclass, field
 
@@ -80,16 +78,11 @@ def strip_prefix(text: str) -> str:
 @functools.lru_cache(maxsize=1)
 def known_infra_causes() -> tuple[InfraCause, ...]:
     """Every cause under kvrepro/classify/infra/, by name."""
-    found: dict[str, InfraCause] = {}
-    for info in pkgutil.iter_modules(__path__):
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        cause = getattr(module, "CAUSE", None)
-        if not isinstance(cause, InfraCause):
-            raise TypeError(f"{module.__file__}: an infra module must define CAUSE = InfraCause(...)")
-        if cause.name in found:
-            raise ValueError(f"{module.__file__}: infra cause name {cause.name!r} is already used")
-        found[cause.name] = cause
-    return tuple(found[name] for name in sorted(found))
+    import sys
+
+    from ..tables import table_entries
+
+    return table_entries(sys.modules[__name__], "CAUSE", InfraCause, "infra")
 
 
 @functools.lru_cache(maxsize=1)
