@@ -64,6 +64,14 @@ _HEALTH_TIMEOUT_S = 2.0
 _MODELS_PATIENCE_S = 5.0
 _ERROR_CHARS = 300
 _JSON = {"Content-Type": "application/json"}
+# Every request names itself to the engine (vLLM takes X-Request-Id as the base of its request id:
+# `cmpl-kvrepro-<index>-0-<hex>`), so what the engine logs about a request -- a shadow-KV violation,
+# a traceback -- points back to its line in load.jsonl (kvrepro.classify.exposure reads it).
+REQUEST_ID_PREFIX = "kvrepro-"
+
+
+def request_id(index: int) -> str:
+    return f"{REQUEST_ID_PREFIX}{index}"
 
 
 def run_load(
@@ -352,7 +360,9 @@ class _Run:
         way that can mean the engine died)."""
         text = tokens_json if self.load.prompt_format == "tokens" else json.dumps(tokens_to_text(prompt.tokens))
         body = f'{body_head}, "max_tokens": {prompt.max_tokens}, "prompt": {text}}}'.encode()
-        headers = _JSON if prompt.rank is None else {**_JSON, "X-data-parallel-rank": str(prompt.rank)}
+        headers = {**_JSON, "X-Request-Id": request_id(prompt.index)}
+        if prompt.rank is not None:
+            headers["X-data-parallel-rank"] = str(prompt.rank)
         record: dict[str, Any] = {
             "index": prompt.index,
             **prompt.fields,
