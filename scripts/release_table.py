@@ -31,10 +31,14 @@ def render(suite: dict, wall: float | None) -> str:
     releases = suite["builds"]
     rows: dict[str, dict[str, dict]] = {}
     untestable: dict[str, str] = {}
+    refused: dict[str, str] = {}  # entry -> why some release refused its engine (cells "n/t")
+    tested = {r["entry"] for r in suite["rows"] if r["state"] != "NOT TESTABLE"}
     for r in suite["rows"]:
-        if r["state"] == "NOT TESTABLE":
+        if r["state"] == "NOT TESTABLE" and r["entry"] not in tested:
             untestable[r["entry"]] = r["detail"]
             continue
+        if r["state"] == "NOT TESTABLE":
+            refused.setdefault(r["entry"], r["detail"])
         rows.setdefault(r["entry"], {})[r["build"]] = r
     out = [f"Suite run `{suite['suite_id']}` ({suite['status']}); "
            + (f"wall time {wall:.0f} s; " if wall else "")
@@ -50,6 +54,8 @@ def render(suite: dict, wall: float | None) -> str:
             mark = "!" if r["failed"] else ("" if r["matches"] else (" -" if r["expected"] is None else ""))
             shown.append(SHORT.get(r["state"], r["state"]) + mark)
         out.append(f"| `{entry}` | " + " | ".join(shown) + " |")
+    for entry, why in refused.items():
+        out += ["", f"`n/t` for `{entry}`: {why}."]
     if untestable:
         out += ["", "Not testable here: " + "; ".join(f"`{e}` ({why})" for e, why in untestable.items())]
     return "\n".join(out) + "\n"

@@ -7,7 +7,8 @@ Rows (docs/suite.md):
 * UNREACHED: none did, and the path counter stayed below it in some repetition, or fewer
   repetitions ran than the entry's ``absent_after`` (proves nothing);
 * OTHER: none did, and some repetition ended early on another failure (it may hide this one);
-* NOT TESTABLE: the entry says why the suite cannot test it here (no runs);
+* NOT TESTABLE: the entry says why the suite cannot test it here (no runs), or this release's
+  ``vllm serve`` refused the entry's engine arguments (its configuration does not exist there);
 * INFRA: no repetition could be judged (build, engine start or load failed; or interrupted).
 
 ``expected`` is what the catalogue says of the build ("present", "fixed" or None); a row
@@ -26,6 +27,8 @@ from .catalogue import Entry, counter_value, expected_state
 
 PRESENT, ABSENT, UNREACHED, OTHER, NOT_TESTABLE, INFRA = (
     "PRESENT", "ABSENT", "UNREACHED", "OTHER", "NOT TESTABLE", "INFRA")
+# how the engine-start classifier titles a vllm serve that rejected its arguments (exit code 2)
+_ARGUMENT_ERROR = "argument error:"
 _UNJUDGED = (Verdict.INFRA, Verdict.INTERRUPTED, Verdict.INCOMPLETE, Verdict.DAMAGED)
 
 
@@ -104,6 +107,12 @@ def judge(entry: Entry, build: str, release: str, patches: tuple[str, ...], runs
         at = f", request {number}" if number is not None else ""
         return row(PRESENT, f"{what} in {len(hits)}/{len(runs)} reps (rep {first.rep}{at})")
     judged = [r for r in runs if r.verdict not in _UNJUDGED]
+    refused = [r for r in runs if r.verdict is Verdict.INFRA and _ARGUMENT_ERROR in (r.title or "")]
+    if runs and len(refused) == len(runs):
+        # the entry's engine does not exist on this release (e.g. --mamba-cache-mode all, gone in
+        # 0.32.0): nothing to test here, which is not an infrastructure failure
+        why = (refused[0].title or "").split(_ARGUMENT_ERROR, 1)[1].strip()
+        return row(NOT_TESTABLE, f"this release's vllm serve refuses the entry's engine: {why}"[:160])
     if build_error or not judged or len(judged) < len(runs):
         bad = next((r for r in runs if r.verdict in _UNJUDGED), None)
         why = build_error or (bad.title if bad else "no repetition finished")
