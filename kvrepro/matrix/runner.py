@@ -401,7 +401,10 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
             if stop.is_set():
                 return
             run_dir = folder.rep_dir(artifact.plan.name, rep)
-            result = run_one(loaded, target, artifact, run_dir, rep, progress, stop, options.replay)
+            if target.runs_remotely:  # a cluster runs the whole run on a node and sends its files back
+                result = target.run_remotely(run_one, loaded, artifact, run_dir, rep, progress, stop, options.replay)
+            else:
+                result = run_one(loaded, target, artifact, run_dir, rep, progress, stop, options.replay)
             results.write_json(run_dir / "verdict.json", result)
             recorded[artifact.plan.name].append(result)
             progress.run_finished(result)
