@@ -1,0 +1,232 @@
+"""The `ray` target on a real multi-node Ray cluster on this machine (issue 19).
+
+Real parts: Ray (one raylet per node, started with `ray start`, each node on its own loopback
+address 127.0.0.11-13), vLLM's own `vllm serve` of each build with the GPU-free plugin (only the
+model executor and the offload data movement are faked, as everywhere in kvrepro), real signals,
+real processes. Faked: nothing of Ray; the nodes advertise no GPUs (``--num-cpus 1`` each: one
+GPU-free engine per node at a time). The matrix is the default one shrunk to builds A and E,
+one repetition and a small request budget (2 cores on this machine).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, require
+
+try:
+    import ray  # noqa: F401
+
+    HAVE_RAY = True
+except ImportError:
+    HAVE_RAY = False
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+
+def _kvrepro(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvrepro.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def _matrix(folder: Path, target: str, address: str, requests: int = 60, reps: int = 1) -> Path:
+    """The default matrix, builds A and E only, on ``target``."""
+    data = yaml.safe_load((ROOT / "matrix.yaml").read_text())
+    data["builds"] = {k: v for k, v in data["builds"].items() if k in ("A", "E")}
+    data["expect"] = {k: v for k, v in data["expect"].items() if k in ("A", "E")}
+    data["runs"].update(requests=requests, repetitions=reps, start_timeout_s=400)
+    data["target"] = target
+    data["ray"] = {"address": address}
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / "builds").exists():
+        (folder / "builds").symlink_to(ROOT / "builds")
+    path = folder / f"matrix-{target}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, overlays):
+    """Three raylets on 127.0.0.11-13, one logical CPU each; torn down (every process of it killed
+    by pid, none by name) and checked to have left nothing."""
+    require(HAVE_RAY, "ray is not installed (pip install 'kvrepro[ray]')")
+    from kvrepro.deploy.ray.localcluster import LocalCluster
+
+    cache = tmp_path_factory.mktemp("ray-node-cache")
+    os.environ["KVREPRO_RAY_NODE_CACHE"] = str(cache)  # inherited by the raylets and their workers
+    c = LocalCluster(nodes=3, cpus_per_node=1).start()
+    try:
+        yield c
+    finally:
+        os.environ.pop("KVREPRO_RAY_NODE_CACHE", None)
+        left = c.stop()
+        assert not left, f"processes of the test cluster still alive: {left}"
+        assert not c.processes()
+
+
+def _node_addresses(address: str) -> list[str]:
+    code = ("import json, ray; ray.init(address=%r, _node_ip_address=%r, log_to_driver=False, logging_level='ERROR');"
+            "print(json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))"
+            % (address, address.rpartition(":")[0]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _engines_below(pids: set[int]) -> set[int]:
+    from kvrepro.deploy.ray.localcluster import _cmdline, descendants
+
+    return {p for p in descendants(pids) if any("kvrepro.engine" in a for a in _cmdline(p))}
+
+
+def test_without_ray_the_target_says_how_to_install_it(tmp_path):
+    """Missing extra, simulated: the child python gets a meta-path finder that refuses `ray`
+    (as an environment without the extra would), then runs kvrepro's CLI."""
+    matrix = _matrix(tmp_path, "ray", "127.0.0.1:1")
+    code = ("import sys\n"
+            "class NoRay:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'ray' or name.startswith('ray.'):\n"
+            "            raise ModuleNotFoundError(\"No module named 'ray'\", name='ray')\n"
+            "sys.meta_path.insert(0, NoRay())\n"
+            "from kvrepro.cli import main\n"
+            "sys.argv = ['kvrepro'] + sys.argv[1:]\n"
+            "main()\n")
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code, "matrix", "run", "-m", str(matrix), "--results",
+                           str(tmp_path / "r"), "--ci"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 3, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "pip install 'kvrepro[ray]'" in lines[0], proc.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_an_unreachable_cluster_is_a_named_infra_at_once(tmp_path):
+    require(HAVE_RAY, "ray is not installed (pip install 'kvrepro[ray]')")
+    matrix = _matrix(tmp_path, "ray", "127.0.0.1:1")  # nothing listens on port 1
+    started = time.monotonic()
+    proc = _kvrepro("matrix", "run", "-m", str(matrix), "--results", str(tmp_path / "r"), "--ci", cwd=tmp_path,
+                    timeout=120)
+    took = time.monotonic() - started
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert "INFRA: ray cluster unreachable at 127.0.0.1:1 (Connection refused" in proc.stderr, proc.stderr
+    assert took < 30, took  # not Ray's own minute of retries
+
+
+def test_matrix_on_ray_gives_the_sim_verdicts_spread_over_loopback_nodes(tmp_path, cluster):
+    addresses = _node_addresses(cluster.address)
+    assert len(addresses) == 3
+    assert all(ipaddress.ip_address(a) in ipaddress.ip_network("127.0.0.0/8") for a in addresses), addresses
+
+    verdicts = {}
+    runs = {}
+    for target in ("sim", "ray"):
+        matrix = _matrix(tmp_path, target, cluster.address)
+        proc = _kvrepro("matrix", "run", "-m", str(matrix), "--results", str(tmp_path / target), "--json", "--ci",
+                        cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        run = json.loads(proc.stdout)
+        runs[target] = run
+        verdicts[target] = {b: [(r["verdict"], r["outcome"], sorted(r["kv_defects"])) for r in info["runs"]]
+                            for b, info in run["builds"].items()}
+    assert verdicts["ray"] == verdicts["sim"], verdicts
+
+    nodes = set()
+    for b, info in runs["ray"]["builds"].items():
+        for r in info["runs"]:
+            run_dir = Path(r["run_dir"])
+            assert run_dir.is_relative_to(tmp_path / "ray"), run_dir  # the driver's folder, not the node's
+            for name in ("engine.log", "load.jsonl", "trace.jsonl", "metrics.txt", "manifest.json", "verdict.json"):
+                assert (run_dir / name).is_file(), (b, name)
+            verdict = json.loads((run_dir / "verdict.json").read_text())
+            manifest = json.loads((run_dir / "manifest.json").read_text())
+            assert verdict["node"] == manifest["node"] and manifest["target"] == "ray"
+            assert ipaddress.ip_address(verdict["node"]["address"]).is_loopback
+            nodes.add(verdict["node"]["node_id"])
+    assert len(nodes) > 1, "both runs ran on one node"  # one CPU per node: two runs cannot share one
+    report = (Path(runs["ray"]["path"]) / "report.md").read_text()
+    assert "| node |" in report and "127.0.0.1" in report
+    # each build was unpacked on its node from its bundle (content-addressed), not rebuilt
+    cache = Path(os.environ["KVREPRO_RAY_NODE_CACHE"])
+    unpacked = list(cache.glob("*/overlays/*/.kvrepro-complete"))
+    assert len(unpacked) >= 2 and all(len(p.parent.name) == 32 for p in unpacked)
+
+
+def test_ctrl_c_and_sigterm_cancel_every_task_and_leave_no_engine(tmp_path, cluster):
+    raylets = {p for p in (cluster.raylet_pid(ip) for ip in cluster.addresses) if p}
+    assert len(raylets) == 3
+    matrix = _matrix(tmp_path, "ray", cluster.address, requests=600)
+    proc = subprocess.Popen([sys.executable, "-m", "kvrepro.cli", "matrix", "run", "-m", str(matrix), "--results",
+                             str(tmp_path / "r"), "--ci"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not _engines_below(raylets):
+            time.sleep(0.5)
+        seen = _engines_below(raylets)
+        assert seen, "no engine started on any node"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    time.sleep(3)
+    assert not _engines_below(raylets), "an engine survived the cancel"
+    assert not [p for p in seen if Path(f"/proc/{p}").exists()]
+    run = json.loads(next((tmp_path / "r").glob("*/run.json")).read_text())
+    assert run["status"] == "interrupted"
+
+
+def test_killing_a_nodes_raylet_mid_matrix_loses_no_run(tmp_path, cluster):
+    """SIGKILL of one worker node's raylet while an engine runs there: that run is INFRA, sent
+    again to another node; every run ends finished, and nothing the killed node ran is left."""
+    victim = cluster.addresses[1]
+    matrix = _matrix(tmp_path, "ray", cluster.address, requests=300, reps=2)
+    killed: dict[str, object] = {}
+
+    def kill_when_busy() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            raylet = cluster.raylet_pid(victim)
+            if raylet and _engines_below({raylet}):
+                time.sleep(2)  # the engine is under load by now
+                from kvrepro.deploy.ray.localcluster import descendants
+
+                killed["below"] = descendants({raylet}) - {raylet}
+                os.kill(raylet, signal.SIGKILL)
+                return
+            time.sleep(0.5)
+
+    killer = threading.Thread(target=kill_when_busy, daemon=True)
+    killer.start()
+    proc = _kvrepro("matrix", "run", "-m", str(matrix), "--results", str(tmp_path / "r"), "--json", "--ci",
+                    cwd=tmp_path)
+    killer.join(timeout=5)
+    assert "below" in killed, "the victim node never ran an engine"
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(proc.stdout)
+    results = [r for info in run["builds"].values() for r in info["runs"]]
+    assert len(results) == 4 and all(r["verdict"] != "INFRA" for r in results), results
+    retried = [r for r in results if r["retried_after"]]
+    assert retried and all(victim in r["retried_after"][0] and r["node"]["address"] != victim for r in retried)
+    for r in results:
+        assert (Path(r["run_dir"]) / "engine.log").is_file() and (Path(r["run_dir"]) / "verdict.json").is_file()
+    time.sleep(3)
+    left = [p for p in killed["below"] if Path(f"/proc/{p}").exists()]  # type: ignore[union-attr]
+    assert not left, f"processes of the killed node still alive: {left}"
