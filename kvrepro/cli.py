@@ -125,7 +125,7 @@ def matrix_validate(matrix: Path = MatrixOpt, as_json: bool = JsonOpt) -> None:
 
 
 @matrix_app.command("plan")
-def matrix_plan(matrix: Path = MatrixOpt, target: Optional[str] = typer.Option(None, help="sim or docker"),
+def matrix_plan(matrix: Path = MatrixOpt, target: Optional[str] = typer.Option(None, help="sim, docker or ray"),
                 as_json: bool = JsonOpt) -> None:
     """What would be built and run, without building or running anything."""
     loaded = _load(matrix)
@@ -307,7 +307,7 @@ def _exit_code(run: "results.MatrixRun") -> int:
 @matrix_app.command("run")
 def matrix_run(
     matrix: Path = MatrixOpt,
-    target: Optional[str] = typer.Option(None, help="override matrix.yaml's target (sim, docker)"),
+    target: Optional[str] = typer.Option(None, help="override matrix.yaml's target (sim, docker, ray)"),
     build: Optional[list[str]] = typer.Option(None, "--build", "-b", help="only these builds (repeatable)"),
     reps: Optional[int] = typer.Option(None, "--reps", min=1, max=1000, help="override runs.repetitions (at most 1000)"),
     base_image: Optional[str] = typer.Option(None, "--base-image",
@@ -764,7 +764,7 @@ MaxRunsOpt = typer.Option(None, "--max-runs", min=1, max=1000, help="runs after 
                                                            "(default: 3 x the runs a good verdict needs + 6)")
 RequestsOpt = typer.Option(None, "--requests", min=1, max=1_000_000, help="override runs.requests for every probe")
 TitleOpt = typer.Option(None, "--title", help="bisect this crash (title text) instead of target_signature")
-TargetOpt = typer.Option(None, "--target", help="override matrix.yaml's target (sim, docker)")
+TargetOpt = typer.Option(None, "--target", help="override matrix.yaml's target (sim, docker, ray)")
 JobsOpt = typer.Option(None, "--jobs", "-j", min=1, max=256, help="engines at once")
 ResumeOpt = typer.Option(None, "--resume", help="continue an interrupted bisection (its id, or `latest`)")
 
@@ -927,7 +927,7 @@ def load_replay(
     trace: Path = typer.Argument(..., help="a trace.jsonl (results/<run>/<build>/<rep>/trace.jsonl)"),
     build: str = typer.Option(..., "--build", "-b", help="the build to replay it against"),
     matrix: Path = MatrixOpt,
-    target: Optional[str] = typer.Option(None, help="override matrix.yaml's target (sim, docker)"),
+    target: Optional[str] = typer.Option(None, help="override matrix.yaml's target (sim, docker, ray)"),
     results_root: Path = ResultsOpt,
     as_json: bool = JsonOpt,
 ) -> None:
