@@ -1093,6 +1093,8 @@ def suite_run(
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, max=64, help="engines at once (default: one "
                                        "per core, at most 4)"),
     catalogue: Optional[Path] = CatalogueOpt,
+    target: Optional[str] = typer.Option(None, "--target", help="run every case on this target (sim, ray; "
+                                                                "default: sim)"),
     ci: bool = typer.Option(False, "--ci", help="non-interactive: plain lines, no progress bars"),
     junit: Optional[Path] = typer.Option(None, "--junit", help="also write JUnit XML here (one testcase per "
                                          "entry and build)"),
@@ -1115,7 +1117,7 @@ def suite_run(
     total = sum(len(builds_) * (reps or entry_matrix(e, builds_).matrix.runs.repetitions) for e in testable)
     command = "kvrepro suite run " + " ".join(
         [f"--base {b}" for b in base] + [f"--patch {p}" for p in patch or []] + [f"--entry {e}" for e in entry or []]
-        + ([f"--reps {reps}"] if reps else []))
+        + ([f"--reps {reps}"] if reps else []) + ([f"--target {target}"] if target else []))
     stop = threading.Event()
 
     def on_first(signum: int) -> None:
@@ -1124,11 +1126,13 @@ def suite_run(
     started = _time.monotonic()
     with stop_on_signals(stop, on_first):
         if ci:
-            suite = run_suite(cat, chosen, builds_, results_root, reps, jobs, PlainProgress(total), stop, command)
+            suite = run_suite(cat, chosen, builds_, results_root, reps, jobs, PlainProgress(total), stop, command,
+                              target=target)
         else:
             progress = RichProgress(total)
             with progress.progress:
-                suite = run_suite(cat, chosen, builds_, results_root, reps, jobs, progress, stop, command)
+                suite = run_suite(cat, chosen, builds_, results_root, reps, jobs, progress, stop, command,
+                                  target=target)
     err.print(f"wall time: {_time.monotonic() - started:.0f} s", highlight=False)
     _suite_outputs(suite, as_json, ci, junit)
 

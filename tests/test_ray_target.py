@@ -230,3 +230,34 @@ def test_killing_a_nodes_raylet_mid_matrix_loses_no_run(tmp_path, cluster):
     time.sleep(3)
     left = [p for p in killed["below"] if Path(f"/proc/{p}").exists()]  # type: ignore[union-attr]
     assert not left, f"processes of the killed node still alive: {left}"
+
+
+def test_a_build_bundle_is_content_addressed_and_unpacks_to_the_same_overlay(tmp_path, monkeypatch, overlays):
+    """No Ray needed: build E's overlay packed (only what is not the pristine tree), unpacked on a
+    "node" with its own cache, is file for file the overlay; the pristine tree is not written
+    through its hard links; a second unpack reuses it; damaged bytes are refused."""
+    import hashlib
+
+    from kvrepro.builds import pristine_tree
+    from kvrepro.deploy.ray.bundle import pack, unpack, unpacked
+    from kvrepro.errors import InfraError
+
+    monkeypatch.setenv("KVREPRO_RAY_NODE_CACHE", str(tmp_path / "nodes"))
+    overlay = overlays["E"]
+    _, pristine, _ = pristine_tree("0.26.0")
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (pristine / "vllm" / "v1" / "core").rglob("*.py")}
+    ref, data = pack(overlay, "0.26.0")
+    assert ref == pack(overlay, "0.26.0")[0]  # deterministic: same build, same sha256
+    assert ref.size < 2_000_000  # the patched files, not the 157 MB tree
+    with pytest.raises(InfraError, match="damaged"):
+        unpack(ref, data[:-1] + b"x", "node-a")
+    assert unpacked(ref, "node-a") is None
+    dest = unpack(ref, data, "node-a")
+    assert unpacked(ref, "node-a") == dest and unpack(ref, data, "node-a") == dest
+    assert unpacked(ref, "node-b") is None  # every node unpacks its own
+    ours = {p.relative_to(overlay).as_posix(): p for p in overlay.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    theirs = {p.relative_to(dest).as_posix(): p for p in dest.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+              and p.name != ".kvrepro-complete"}
+    assert set(ours) == set(theirs)
+    assert all(ours[k].read_bytes() == theirs[k].read_bytes() for k in ours)
+    assert before == {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in before}

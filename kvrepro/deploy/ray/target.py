@@ -208,7 +208,10 @@ class RayTarget(Target):
                 finally:
                     with self._lock:
                         self._inflight.pop(key, None)
-                return self._store(files, run_dir, lost)
+                stored = self._store(files, run_dir, lost)
+                self._forget(key)
+                progress.stage(self.board.line())  # per node, also in --ci's plain lines
+                return stored
             return self._result(artifact, rep, run_dir, Verdict.INFRA,
                                 f"node lost {len(lost)} times (ray.max_retries {self.spec.max_retries})", started, lost)
         finally:
