@@ -44,6 +44,26 @@ class EngineHandle(abc.ABC):
         self.stop()
 
 
+class SilentProgress:
+    """A run's progress reported nowhere (the runner's Progress protocol, kvrepro.matrix.runner);
+    here so that a target running whole runs elsewhere can report through a subclass of it."""
+
+    def stage(self, text: str) -> None:
+        pass
+
+    def detail(self, text: str) -> None:
+        pass
+
+    def run_started(self, build: str, rep: int, budget: int | None) -> None:
+        pass
+
+    def requests_done(self, build: str, rep: int, done: int, failed: int) -> None:
+        pass
+
+    def run_finished(self, result: RunResult) -> None:
+        pass
+
+
 class RunFunction(Protocol):
     """The runner's function for one whole run (``kvrepro.matrix.runner.run_one``): a module-level
     function, so a target that runs whole runs elsewhere can send it by reference."""

@@ -21,7 +21,7 @@ from typing import Any
 
 from ... import scratch
 from ...records import BuildArtifact, NodeInfo, RunResult
-from ..base import RunFunction
+from ..base import RunFunction, SilentProgress
 from .bundle import BundleRef, unpack, unpacked
 
 
@@ -56,29 +56,17 @@ def this_node() -> NodeInfo:
     return NodeInfo(node_id=ray.get_runtime_context().get_node_id(), address=ray.util.get_node_ip_address())
 
 
-class _NodeProgress:
+class _NodeProgress(SilentProgress):
     """run_one's progress on a node, forwarded to the driver's actor (requests at most once a second)."""
 
     def __init__(self, sink: Any, key: str):
         self.sink, self.key, self._last = sink, key, 0.0
-
-    def stage(self, text: str) -> None:
-        pass
-
-    def detail(self, text: str) -> None:
-        pass
-
-    def run_started(self, build: str, rep: int, budget: int | None) -> None:
-        pass
 
     def requests_done(self, build: str, rep: int, done: int, failed: int) -> None:
         now = time.monotonic()
         if self.sink is not None and now - self._last >= 1.0:
             self._last = now
             self.sink.requests.remote(self.key, done, failed)
-
-    def run_finished(self, result: RunResult) -> None:
-        pass
 
 
 # one `sim` target per worker process: its engine zygote (torch & co. imported once) serves every
