@@ -170,20 +170,22 @@ def test_ctrl_c_and_sigterm_cancel_every_task_and_leave_no_engine(tmp_path, clus
     raylets = {p for p in (cluster.raylet_pid(ip) for ip in cluster.addresses) if p}
     assert len(raylets) == 3
     matrix = _matrix(tmp_path, "ray", cluster.address, requests=600)
-    proc = subprocess.Popen([sys.executable, "-m", "kvrepro.cli", "matrix", "run", "-m", str(matrix), "--results",
-                             str(tmp_path / "r"), "--ci"], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "kvrepro.cli", "matrix", "run", "-m", str(matrix), "--results",
+                                 str(tmp_path / "r"), "--ci"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not _engines_below(raylets):
+        while time.monotonic() < deadline and not _engines_below(raylets) and proc.poll() is None:
             time.sleep(0.5)
         seen = _engines_below(raylets)
-        assert seen, "no engine started on any node"
+        assert seen, f"no engine started on any node; kvrepro: {proc.poll()}, {log.read_text()[-3000:]}"
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
+    err = log.read_text()
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err
     time.sleep(3)
@@ -261,3 +263,23 @@ def test_a_build_bundle_is_content_addressed_and_unpacks_to_the_same_overlay(tmp
     assert set(ours) == set(theirs)
     assert all(ours[k].read_bytes() == theirs[k].read_bytes() for k in ours)
     assert before == {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in before}
+
+
+def test_ray_settings_are_checked_with_file_line_and_field(tmp_path):
+    """`ray:` belongs to the ray target (deploy/ray/settings.py) and is checked without Ray installed."""
+    from kvrepro.errors import SpecError
+    from kvrepro.matrix import load_matrix
+
+    for bad, message in [({"address": "nohost"}, "ray.address: 'nohost': give host:port"),
+                         ({"max_retries": -1}, "ray.max_retries: Input should be greater than or equal to 0"),
+                         ({"bogus": 1}, "ray.bogus: unknown field; allowed here: address")]:
+        data = yaml.safe_load(_matrix(tmp_path, "ray", "127.0.0.1:1").read_text())
+        data["ray"] = bad
+        path = tmp_path / "bad.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        with pytest.raises(SpecError) as info:
+            load_matrix(path)
+        assert message in str(info.value) and "bad.yaml:" in str(info.value), str(info.value)
+    from kvrepro.deploy.ray.settings import DEFAULT_MAX_RETRIES, ray_settings
+
+    assert ray_settings(load_matrix(_matrix(tmp_path, "ray", "127.0.0.1:1")).matrix).max_retries == DEFAULT_MAX_RETRIES == 2

@@ -20,6 +20,12 @@ INSTALL_HINT = "target ray needs Ray: pip install 'kvrepro[ray]' (or pip install
 
 def load() -> None:
     """Import Ray and register the target (kvrepro.deploy.get_target calls this); one line if Ray is missing."""
+    import os
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # read when Ray is imported: without it Ray's driver installs absl's fatal-signal handler over
+    # kvrepro's, and SIGTERM dumps a stack and aborts (exit -6) instead of stopping in order (130)
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     try:
         import ray  # noqa: F401
     except ImportError:

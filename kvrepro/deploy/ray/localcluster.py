@@ -80,6 +80,13 @@ class LocalCluster:
 
     def start(self) -> "LocalCluster":
         self.temp_dir = tempfile.mkdtemp(prefix="kvr-ray-", dir="/tmp")  # short: raylet socket paths
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()  # a node that did not come up: nothing of this cluster stays
+            raise
+
+    def _start(self) -> "LocalCluster":
         self.port = _free_port(HEAD_IP)
         common = ["--num-cpus", str(self.cpus_per_node), "--disable-usage-stats"]
         if self.gpus:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -116,7 +117,6 @@ class RayTarget(Target):
                 raise InfraError(f"INFRA: ray cluster unreachable at {address} ({why} within "
                                  f"{self.spec.connect_timeout_s:.0f}s); start it (`ray start --head`) or fix "
                                  "ray.address / RAY_ADDRESS")
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         if ray.is_initialized():
             return
         kwargs: dict[str, Any] = dict(address=address, namespace="kvrepro", log_to_driver=False,
@@ -131,10 +131,17 @@ class RayTarget(Target):
             import kvrepro
 
             kwargs["runtime_env"] = {"py_modules": [str(Path(kvrepro.__file__).parent)]}
+        # ray.init puts its own SIGTERM handler (sys.exit) in place of kvrepro's (stop in order, 130)
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
             ray.init(**kwargs)
         except (ConnectionError, RuntimeError, TimeoutError, ValueError) as exc:
             raise InfraError(f"INFRA: ray cluster at {address}: {redact(str(exc)).splitlines()[0][:300]}") from None
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                for sig, handler in handlers.items():
+                    if handler is not None:
+                        signal.signal(sig, handler)
 
     def nodes(self) -> list[NodeInfo]:
         """The cluster's alive nodes."""
