@@ -74,7 +74,9 @@ class LocalCluster:
         return f"{HEAD_IP}:{self.port}"
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+        # Ray starts workers at nice 15 (worker_niceness) and the engines inherit it: on a machine
+        # shared with other work that would slow ray's runs against sim's; 0 keeps them even
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_worker_niceness="0")
         env.pop("RAY_ADDRESS", None)
         return env
 

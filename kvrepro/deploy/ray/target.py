@@ -47,6 +47,23 @@ def reachable(address: str, timeout: float) -> str | None:
         return exc.strerror or str(exc) or type(exc).__name__
 
 
+def _ray_messages_to_stderr() -> None:
+    """Ray's driver prints the cluster's error messages ("(raylet) A worker died ...", a node lost)
+    on stdout (ray._private.worker.listen_error_messages); kvrepro's stdout is `--json`'s. They go
+    to stderr instead. (Ray's internal function: if it is not there, nothing is changed.)"""
+    from ray._private import worker
+
+    original = getattr(worker, "print_to_stdstream", None)
+    if original is None or getattr(original, "_kvrepro", False):
+        return
+
+    def to_stderr(data, ignore_prefix: bool):
+        return original(dict(data, is_err=True), ignore_prefix)
+
+    to_stderr._kvrepro = True  # type: ignore[attr-defined]
+    worker.print_to_stdstream = to_stderr
+
+
 class _Sink:
     """The driver's progress actor: nodes say when a run started (and where) and how far it got."""
 
@@ -131,6 +148,7 @@ class RayTarget(Target):
             import kvrepro
 
             kwargs["runtime_env"] = {"py_modules": [str(Path(kvrepro.__file__).parent)]}
+        _ray_messages_to_stderr()
         # ray.init puts its own SIGTERM handler (sys.exit) in place of kvrepro's (stop in order, 130)
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
