@@ -153,7 +153,7 @@ class RayTarget(Target):
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
             ray.init(**kwargs)
-        except (ConnectionError, RuntimeError, TimeoutError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - Ray raises many kinds here (RpcError, AuthenticationError, ...)
             raise InfraError(f"INFRA: ray cluster at {address}: {redact(str(exc)).splitlines()[0][:300]}") from None
         finally:
             if threading.current_thread() is threading.main_thread():
@@ -213,13 +213,14 @@ class RayTarget(Target):
                     return self._result(artifact, rep, run_dir, Verdict.INTERRUPTED,
                                         "interrupted: its Ray task was cancelled", started, lost)
                 except NODE_LOST as exc:
-                    node = self.board.where.get(key)
+                    with self.board.lock:
+                        node = self.board.where.get(key)
                     where = f"node {node.label}" if node else "its node"
                     lost.append(f"attempt {attempt + 1}: {where} lost: {type(exc).__name__}: "
                                 f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}")
                     if node is not None:
                         avoid.add(node.node_id)
-                    self._forget(key)
+                    self._forget(key, finished=False)
                     progress.stage(f"build {artifact.plan.name} rep {rep}: INFRA ({lost[-1]}); "
                                    + ("sent again" if attempt < self.spec.max_retries else "no retries left"))
                     continue
@@ -291,11 +292,11 @@ class RayTarget(Target):
                          run_dir=str(run_dir), base=artifact.plan.base, retried_after=tuple(lost))
 
     # ------------------------------------------------------------------ progress
-    def _forget(self, key: str) -> None:
+    def _forget(self, key: str, finished: bool = True) -> None:
         with self.board.lock:
             self.board.queued.discard(key)
             node = self.board.where.pop(key, None)
-            if node is not None and key in self._keys:
+            if node is not None and finished and key in self._keys:
                 self.board.finished[node.address] += 1
         self._publish()
 
