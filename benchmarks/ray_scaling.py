@@ -46,7 +46,8 @@ def matrix(folder: Path, target: str, address: str, builds: list[str], reps: int
     if requests:
         data["runs"]["requests"] = requests
     data["target"] = target
-    data["ray"] = {"address": address}
+    if address:
+        data["ray"] = {"address": address}
     if not (folder / "builds").exists():
         (folder / "builds").symlink_to(ROOT / "builds")
     path = folder / f"matrix-{target}.yaml"

@@ -109,7 +109,8 @@ class LocalCluster:
 
     def processes(self) -> set[int]:
         """Every process of this cluster (raylets, GCS, workers and what they started)."""
-        roots = {pid for pid in _all_pids() if self.temp_dir and any(self.temp_dir in a for a in _cmdline(pid))}
+        roots = {pid for pid in _all_pids() if self.temp_dir and pid != os.getpid()
+                 and any(self.temp_dir in a for a in _cmdline(pid))}
         return descendants(roots)
 
     def raylet_pid(self, ip: str) -> int | None:
