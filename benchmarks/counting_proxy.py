@@ -2,7 +2,9 @@
 
 Put in front of an engine (``CountingProxy(engine_url).start()``) and point a load tool that
 kvrepro does not control (``vllm bench serve``, guidellm) at ``proxy.url``. Every request is
-passed through unchanged (streamed responses are relayed chunk by chunk as they arrive); the
+passed through unchanged but for its ``X-Request-Id`` header, which the proxy sets to
+kvrepro's own naming (``kvrepro-<number - 1>``, as kvrepro's load names its requests; vLLM builds
+its request id from it, so the engine log's lines about a request carry its number) (streamed responses are relayed chunk by chunk as they arrive); the
 proxy counts *generation* requests (``POST`` to ``/v1/completions``, ``/v1/chat/completions``
 or ``/v1/responses``) in the order they arrive, numbers each before it is sent on, and records
 how it ended.
@@ -29,6 +31,9 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvrepro.loadgen import request_id  # noqa: E402
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -217,8 +222,13 @@ class CountingProxy:
                         self._reply(503, {"error": {"message": "the engine died (kvrepro counting proxy)",
                                                     "type": "EngineDead", "code": 503}})
                         return
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in _HOP_BY_HOP and k.lower() != "x-request-id"}
                 headers["Content-Length"] = str(len(body))
+                if record is not None:
+                    # the engine names the request by it in its log, as for kvrepro's own load (a
+                    # shadow-KV violation then says which request it was: record.index, from 1)
+                    headers["X-Request-Id"] = request_id(record.index - 1)
                 conn = proxy._connection(_UPSTREAM_TIMEOUT_S)
 
                 def settle(status: int | None, error: str | None) -> None:

@@ -130,12 +130,25 @@ class Run:
     engine_log_requests: int | None = None  # generic loads: generation requests in the engine's access log
     title: str | None = None
     run_dir: str | None = None
+    signature: str | None = None  # the crash signature's name when it died on a known one
+    # shadow KV: violation class -> first request (1-based) it was described for; the engine's group kinds
+    kv_first_request_by_class: dict | None = None
+    kv_groups: list | None = None
 
 
 # --- our loads: kvrepro matrix run ---------------------------------------------------------------
 
-def run_ours(name: str, load: dict | None, seeds: int, budget: int, workdir: Path) -> list[Run]:
-    matrix = yaml.safe_load((ROOT / "matrix.yaml").read_text())
+def _signature_name(signature) -> str | None:
+    from kvrepro.classify.patterns import match_pattern
+
+    pattern = match_pattern(signature) if signature is not None else None
+    return pattern.name if pattern is not None else None
+
+
+def run_ours(name: str, load: dict | None, seeds: int, budget: int, workdir: Path,
+             matrix: dict | None = None) -> list[Run]:
+    """``matrix``: the experiment as YAML data (default: the shipped matrix.yaml); build A runs."""
+    matrix = dict(matrix) if matrix is not None else yaml.safe_load((ROOT / "matrix.yaml").read_text())
     if load is not None:
         matrix["load"] = {**load, "seed": 0}
     matrix["runs"] = {**matrix.get("runs", {}), "requests": budget, "duration_s": None, "repetitions": seeds}
@@ -155,7 +168,9 @@ def run_ours(name: str, load: dict | None, seeds: int, budget: int, workdir: Pat
     return [Run(seed=r.rep, requests=r.requests if r.label == "CRASH(target)" else None,
                 label=r.label if r.label.startswith(("CRASH", "INFRA")) else "SURVIVED", sent=r.requests,
                 trigger_count=r.trigger_count, state_count=r.state_count, external_hit_calls=r.external_hit_calls,
-                offload_load_jobs=r.offload_load_jobs, title=r.title, run_dir=r.run_dir)
+                offload_load_jobs=r.offload_load_jobs, title=r.title, run_dir=r.run_dir,
+                signature=_signature_name(r.signature), kv_first_request_by_class=dict(r.kv_first_request_by_class),
+                kv_groups=list(r.kv_groups))
             for r in sorted(recorded.runs, key=lambda r: r.rep)]
 
 
@@ -184,11 +199,11 @@ def ensure_guidellm(log) -> Path:
 class Engine:
     """Build A of the shipped matrix on the sim target, as `kvrepro matrix run` starts it."""
 
-    def __init__(self) -> None:
+    def __init__(self, matrix_path: Path = ROOT / "matrix.yaml") -> None:
         from kvrepro.deploy.sim import SimTarget
-        from kvrepro.spec.matrix import load_matrix
+        from kvrepro.matrix import load_matrix
 
-        self.loaded = load_matrix(ROOT / "matrix.yaml")
+        self.loaded = load_matrix(matrix_path)
         self.target = SimTarget(self.loaded)
         plan = self.loaded.plans(["A"])[0]
         self.artifact = self.target.prepare(plan)
@@ -278,7 +293,10 @@ def run_generic_one(engine: Engine, name: str, tool: str, make_args, seed: int, 
     counters = read_engine_counters(log_text)
     evidence = dict(trigger_count=exposure.trigger_calls, state_count=exposure.state_calls,
                     external_hit_calls=exposure.external_hit_calls, offload_load_jobs=counters.offload_load_jobs,
-                    engine_log_requests=access_log_requests(log_text), run_dir=str(run_dir))
+                    engine_log_requests=access_log_requests(log_text), run_dir=str(run_dir),
+                    signature=_signature_name(classification.signature),
+                    kv_first_request_by_class=dict(exposure.kv_first_request_by_class),
+                    kv_groups=list(exposure.kv_groups))
     tail = "\n".join((run_dir / "tool.log").read_text(errors="replace").splitlines()[-15:])
     if counts.dead or ended == "engine process exited":
         if classification.outcome is Outcome.TARGET:

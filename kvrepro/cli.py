@@ -1162,6 +1162,15 @@ def main() -> None:
     except KvreproError as exc:
         err.print("[red]error:[/] " + escape(redact(str(exc))), highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
+    except ModuleNotFoundError as exc:
+        # an environment installed before this checkout needed the package (aiohttp, prometheus_client
+        # came with later versions): one line saying how to bring it up to date, not a traceback
+        if not exc.name or exc.name.split(".")[0] == "kvrepro":
+            raise
+        err.print(f"[red]error:[/] the Python package {exc.name.split('.')[0]!r} is missing from this environment "
+                  f"({sys.prefix}); it was probably set up for an older kvrepro: run "
+                  f"`{sys.executable} -m pip install -e .` in the checkout", highlight=False, soft_wrap=True)
+        sys.exit(3)
     except OSError as exc:  # a full or read-only disk, a folder where a file should be: one line
         err.print("[red]error:[/] " + escape(redact(describe_os_error(exc))), highlight=False, soft_wrap=True)
         sys.exit(3)

@@ -303,6 +303,13 @@ class Exposure:
     kv_first_violation_class: str | None = None
     kv_groups: tuple[str, ...] = ()  # kinds of the engine's KV groups, from the shadow KV's installed line
     shadow_seen: bool = False
+    # paths the shadow KV saw run: requests resumed from a prefix hit per group kind ("+offload" when
+    # blocks were loaded for them), and blocks stored to the offload tier per group kind
+    kv_hit_reads: dict[str, int] = field(default_factory=dict)
+    kv_stored: dict[str, int] = field(default_factory=dict)
+    # violation class -> the first request (1-based, as load.jsonl's index + 1) a described violation
+    # of it was about; only requests the load named (X-Request-Id kvrepro-<index>)
+    kv_first_request_by_class: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_check(self) -> str:
@@ -392,6 +399,12 @@ class RunResult:
     # violations per known corruption defect (kvrepro.classify.corruption; "unknown" for a class
     # no signature knows), attributed when the run was classified
     kv_defects: dict[str, int] = field(default_factory=dict)
+    # paths that ran (Exposure): requests resumed from a hit per group kind[+offload], blocks stored per kind
+    kv_hit_reads: dict[str, int] = field(default_factory=dict)
+    kv_stored: dict[str, int] = field(default_factory=dict)
+    # violation class -> the first request (1-based) a described violation of it was about (Exposure);
+    # kvrepro.classify.corruption.first_request names the defect's
+    kv_first_request_by_class: dict[str, int] = field(default_factory=dict)
     # what the probe had to log as the wrapped method's hash (the build manifest's); None: unknown
     probe_expected_sha256: str | None = None
     load: LoadSummary | None = None

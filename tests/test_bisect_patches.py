@@ -1,10 +1,14 @@
 """`bisect patches` over a pool with a decoy, with the engine runs scripted.
 
-The scripted part is the one boundary that starts engines (``Session._run_batch``, and the
-background build prefetch): every point gets recorded runs from a table written from what the
-default matrix measured on vLLM 0.26.0 (A crashes, the boundary fix alone reads stale KV, the
-backports together are clean). Everything else is the real search, rules, session and record
-(``bisect.json``). The same bisection on real engines is in docs/first-case.md ("Build E").
+What is faked, and why: the one boundary that starts engines (``Session._run_batch``, and the
+background build prefetch) answers every point from a table written from what the default matrix
+measured on vLLM 0.26.0 (A crashes, the boundary fix alone reads stale KV, the backports together
+are clean). This machine has the engine, but the table also holds an outcome no real build gives
+on demand (pr-48425 alone: wrong KV, then a death of something else), which is the case the
+search's rules must get right; and a real 5-patch search is tens of engine runs. The search, the
+rules, the session and its record (``bisect.json``) are real. Real engines run the same kind of
+search in tests/test_bisect_e2e.py (`bisect patches` names the boundary fix on the default matrix;
+`bisect commits` on a real git history), and the 5-patch search is in docs/first-case.md ("Build E").
 """
 
 from __future__ import annotations

@@ -58,6 +58,30 @@ def test_each_class_goes_to_its_defect_and_an_unknown_one_stays_unknown():
     assert attribute({"full_attention+offload/missing/hit": 1}, groups=("mamba", "full_attention")) == {HOLE: 1}
 
 
+def test_a_violation_names_the_request_the_load_sent_so_its_defect_has_a_first_request():
+    """kvrepro's load sends X-Request-Id kvrepro-<index>; vLLM makes it cmpl-kvrepro-<index>-0-<hex>,
+    which the shadow KV's violation line repeats: request numbers count from 1, per class and per defect."""
+    from kvrepro.classify.corruption import first_request
+
+    log = "\n".join([
+        "(EngineCore pid=1) kvrepro-shadow: installed groups=0:mamba/16,1:full_attention/16",
+        "(EngineCore pid=1) kvrepro-shadow: violation step=9 class=full_attention/foreign/hit request "
+        "cmpl-kvrepro-6-0-969e6c0c group 1 (full_attention) block index 45 (GPU block 52): stale KV",
+        "(EngineCore pid=1) kvrepro-shadow: violation step=12 class=mamba/null-block/hit request "
+        "cmpl-kvrepro-9-0-1a2b3c4d group 0 (mamba) block index 3: null block",
+        "(EngineCore pid=1) kvrepro-shadow: violation step=14 class=full_attention/foreign/hit request "
+        "cmpl-kvrepro-3-0-5e6f7a8b group 1 (full_attention) block index 2 (GPU block 7): stale KV",
+        "(EngineCore pid=1) kvrepro-shadow: violation step=15 class=mamba/null-block/hit request "
+        "cmpl-0a1b2c-0-5e6f7a8b group 0 (mamba) block index 2: a request some other client named",
+        "(EngineCore pid=1) kvrepro-shadow: counts checks=20 violations=4 by=full_attention/foreign/hit:2,"
+        "mamba/null-block/hit:2", ""])
+    x = read_exposure(log)
+    assert x.kv_first_request_by_class == {"full_attention/foreign/hit": 4, "mamba/null-block/hit": 10}
+    assert first_request("fa-hole-below-mamba-hit", x.kv_first_request_by_class, x.kv_groups) == 4
+    assert first_request(NULL_STATE, x.kv_first_request_by_class, x.kv_groups) == 10
+    assert first_request(HOLE, x.kv_first_request_by_class, x.kv_groups) is None
+
+
 def test_a_cut_off_counts_line_takes_the_first_violations_class():
     assert defects_of(2, {}, "mamba/null-block/hit") == {NULL_STATE: 2}
     assert defects_of(1, {}, None) == {UNKNOWN: 1}

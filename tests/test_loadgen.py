@@ -38,6 +38,7 @@ class StandInEngine:
         self.lock = threading.Lock()
         self.prompts: dict[int, list[int]] = {}  # arrival order -> prompt
         self.bodies: list[dict] = []
+        self.request_ids: list[str | None] = []  # each POST's X-Request-Id, in arrival order
         self.dead = False  # EngineCore died: 500 on completions, 503 on /health, process gone
         self.die_after: int | None = None
         self.fail_numbers: set[int] = set()  # these arrivals get a 500 while the engine lives
@@ -71,6 +72,7 @@ class StandInEngine:
                 with engine.lock:
                     number = len(engine.bodies)
                     engine.bodies.append(body)
+                    engine.request_ids.append(self.headers.get("X-Request-Id"))
                     if engine.die_after is not None and number >= engine.die_after:
                         engine.dead = True
                     dead, hang = engine.dead, engine.hang
@@ -187,6 +189,10 @@ def test_budget_is_honoured_and_every_request_is_a_json_line(engine, tmp_path):
     profile = get_profile("shared_prefix")(LOAD, seed=3)
     assert sorted(map(tuple, (b["prompt"] for b in engine.bodies))) == sorted(profile.prompt(i).tokens for i in range(20))
     assert progress[-1] == (20, 20)
+    # each request names itself (X-Request-Id kvrepro-<index>): the engine log's lines about it say which
+    by_prompt = {tuple(b["prompt"]): rid for b, rid in zip(engine.bodies, engine.request_ids)}
+    assert {by_prompt[profile.prompt(i).tokens] for i in range(20)} == {f"kvrepro-{i}" for i in range(20)}
+    assert all(by_prompt[profile.prompt(i).tokens] == f"kvrepro-{i}" for i in range(20))
 
 
 def test_same_seed_same_requests(engine, tmp_path):

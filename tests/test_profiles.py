@@ -46,23 +46,36 @@ def test_prompts_are_a_function_of_seed_and_index(profile):
     assert all(p.tokens and len(p.tokens) + p.max_tokens <= 1024 for p in a)
 
 
-def test_revisit_uses_every_family_deep_then_shallow_then_again():
-    """The default schedule: deep(i), shallow(i-1), again(i-1); the crash needs exactly this order."""
-    ps = prompts("partial-prefix", 300)
-    assert [p.fields["phase"] for p in ps[:7]] == ["deep", "deep", "shallow", "again", "deep", "shallow", "again"]
+def test_revisit_uses_every_family_deep_pass_pass_then_shallow_then_again():
+    """The default schedule: deep(i), pass(i) x 2, shallow(i-1), again(i-1); the crash needs this order.
+
+    The pass uses ask about the body's last two chunks (up to L - chunk and up to L, each + a new
+    question of at least two chunks): each one's local hit ends at a state `again` needs, and it
+    computes past it, so the state is offloaded whatever a release stores (docs/defect-family.md 4)."""
+    ps = prompts("partial-prefix", 500)
+    assert [p.fields["phase"] for p in ps[:11]] == ["deep", "pass", "pass", "deep", "pass", "pass", "shallow",
+                                                   "again", "deep", "pass", "pass"]
     by_family: dict[int, list] = {}
     for p in ps:
         by_family.setdefault(p.fields["family"], []).append(p)
-    complete = [uses for uses in by_family.values() if len(uses) == 3]
+    complete = [uses for uses in by_family.values() if len(uses) == 5]
     assert len(complete) >= 95
-    for deep, shallow, again in complete:
-        assert [deep.fields["phase"], shallow.fields["phase"], again.fields["phase"]] == ["deep", "shallow", "again"]
+    for deep, near, end, shallow, again in complete:
+        assert [u.fields["phase"] for u in (deep, near, end, shallow, again)] == \
+            ["deep", "pass", "pass", "shallow", "again"]
         body = deep.tokens
         assert len(body) % 16 == 0 and len(shallow.tokens) % 16 == 0  # both end on a KV block boundary
         assert shallow.tokens == body[:len(shallow.tokens)] and len(shallow.tokens) < len(body)
         assert again.tokens[:len(body)] == body and len(again.tokens) > len(body)  # + a fresh suffix
-    assert len({len(s.tokens) // 16 for _, s, _ in complete}) >= 15  # shallow depths at many blocks
+        for use, depth in ((near, len(body) - 16), (end, len(body))):
+            assert use.fields["reused_tokens"] == depth and use.tokens[:depth] == body[:depth]
+            assert use.tokens[depth:depth + 32] != body[depth:depth + 32]  # a new question, not the body
+            assert 2 * 16 + 1 <= use.fields["suffix_tokens"] <= 2 * 16 + 8
+            assert len(use.tokens) + use.max_tokens <= 1024  # the question fits the engine
+    assert len({len(s.tokens) // 16 for _, _, _, s, _ in complete}) >= 15  # shallow depths at many blocks
     assert {"documents", "agent_transcripts"} <= {p.fields["kind"] for p in ps}
+    without = prompts("partial-prefix", 7, pass_through=False)
+    assert [p.fields["phase"] for p in without] == ["deep", "deep", "shallow", "again", "deep", "shallow", "again"]
 
 
 def test_revisit_sizes_bodies_from_the_gpu_cache_and_the_engine_limit():
@@ -77,7 +90,8 @@ def test_revisit_sizes_bodies_from_the_gpu_cache_and_the_engine_limit():
     assert max(lengths(1000, family_share=0.3)) < min(small)
     offload = EngineCapacity(gpu_tokens=8000, offload_tokens=2000, block_tokens=16, max_model_len=1 << 16)
     in_offload = get_profile("partial-prefix")(LoadSpec(), 0, offload)
-    assert max(len(q.tokens) for q in map(in_offload.prompt, range(30))) <= 0.8 * 2000 / 2 * 1.15 + 8
+    bodies = [q.fields["reused_tokens"] for q in map(in_offload.prompt, range(30)) if q.fields["phase"] == "deep"]
+    assert max(bodies) <= 0.8 * 2000 / 2 * 1.15
     capped = get_profile("partial-prefix")(LoadSpec(max_tokens=8), 0, CAPACITY)  # max_model_len 1024
     assert all(len(capped.prompt(i).tokens) + 8 <= 1024 for i in range(200))
 

@@ -1598,3 +1598,17 @@ def test_results_list_says_what_it_omits(tmp_path):
         assert "1 bisection(s) not listed: bisect-20260101-000000-abcd" in flat, flat
         assert "1 folder(s) that are not runs (no run.json): half-made" in flat, flat
     assert len(json.loads(proc.stdout)) == 1
+
+
+def test_a_package_missing_from_an_older_environment_is_one_line_not_a_traceback():
+    """An environment set up for an older kvrepro lacks a package a later version imports on first use
+    (prometheus_client here, made unimportable in the child the way a missing package is: None in
+    sys.modules). The command says which package and how to bring the environment up to date; exit 3."""
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys; sys.modules['prometheus_client'] = None\n"
+            "sys.argv = ['kvrepro', 'classify', 'tests/data/logs/suite-offload-boundary-assert.log']\n"
+            "from kvrepro.cli import main; main()")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert "'prometheus_client' is missing" in proc.stderr and "pip install -e ." in proc.stderr

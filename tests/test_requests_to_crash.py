@@ -48,3 +48,34 @@ def test_access_log_count_takes_generation_posts_only():
         '(APIServer pid=1) INFO:     127.0.0.1:1 - "POST /v1/chat/completions HTTP/1.1" 500 Internal Server Error',
     ])
     assert rtc.access_log_requests(log) == 2
+
+
+def _sweep():
+    path = _PATH.parent / "release_sweep.py"
+    spec = importlib.util.spec_from_file_location("release_sweep", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_release_sweep_reads_each_entrys_failure_from_the_run_and_runs_releases_as_released():
+    """benchmarks/release_sweep.py: a crash entry's failure is the request the engine died on when it
+    died on that entry's signature; a corruption entry's is the first request a violation of its
+    defect named; a release runs with no patch; entries that differ only in seeds share runs."""
+    from kvrepro.suite.catalogue import load_catalogue
+
+    sweep = _sweep()
+    cat = {e.name: e for e in load_catalogue().entries}
+    crash, null = cat["offload-boundary-assert"], cat["mamba-null-state"]
+    died = rtc.Run(seed=0, requests=8, label="CRASH(target)", sent=8, signature=crash.signature,
+                   kv_first_request_by_class={"mamba/null-block/hit": 5}, kv_groups=["mamba", "full_attention"])
+    assert sweep.failure_at(crash, died) == 8 and sweep.failure_at(null, died) == 5
+    other = rtc.Run(seed=1, requests=None, label="CRASH(other)", sent=30, signature="kv_cache_truncate_computed_blocks")
+    assert sweep.failure_at(crash, other) is None and sweep.failure_at(null, other) is None
+    assert sweep.median([8, 9, None], 600) == (9, False) and sweep.median([8, None, None], 600) == (600, True)
+    matrix = sweep.release_matrix("0.25.1", {"mamba_cache_mode": "all"})
+    assert (matrix["base"], matrix["common"], matrix["builds"], matrix["expect"]) == ("0.25.1", [], {"A": []}, {})
+    assert matrix["engine"]["mamba_cache_mode"] == "all" and matrix["engine"]["speculative_method"] == "mtp"
+    keys = {sweep._engine_key(cat[n]) for n in ("offload-boundary-assert", "mamba-null-state", "fa-hole-below-mamba-hit")}
+    assert len(keys) == 1  # fa-hole-below-mamba-hit's fragment differs in seeds only
+    assert sweep._engine_key(cat["offload-boundary-assert-all-mode"]) not in keys

@@ -44,7 +44,7 @@ def broken_runs(tmp_path_factory, overlays) -> dict:
     spec["builds"] = {"base": ["pr-52771"], "shifted": ["pr-52771", "shifted"], "skipped": ["pr-52771", "skipped"]}
     spec["expect"] = {"shifted": "CORRUPT", "skipped": "CORRUPT"}
     spec["engine"].update(model=str(ATTENTION_ONLY), mamba_cache_mode="none")
-    spec["runs"].update(requests=120, repetitions=1)
+    spec["runs"].update(requests=120, repetitions=1, start_timeout_s=400)  # three engines start at once
     (folder / "matrix.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     proc = subprocess.run([sys.executable, "-m", "kvrepro.cli", "matrix", "run", "-m", str(folder / "matrix.yaml"),
                            "--json", "--results", str(folder / "results")],

@@ -147,3 +147,40 @@ def test_each_violation_is_classed_by_group_offload_read_and_region_and_a_served
     prefill(kv, "r4", ([1, 9, 7],), computed=4)
     prefill(kv, "r5", ([1, 9, 8],), computed=8)
     assert kv.violations == 2, out.getvalue()
+
+
+def test_the_paths_that_ran_are_counted_whatever_was_found_there():
+    """``hits``: each request resumed from a prefix hit counts once per group kind (and under
+    "<kind>+offload" too when blocks were loaded for it), correct read or not; ``stored``: blocks stored per group kind, a
+    Mamba block only when it held a state. A suite entry calls a build clean only when these ran."""
+    from kvrepro.classify.exposure import read_exposure
+
+    kv, out = shadow(FullAttentionSpec, MambaSpec)
+    step(kv, new=[("r1", PROMPT, ([1, 2, 3], [0, 21, 22]), 0)])
+    kv.forward("r1", 0, 8, [])
+    assert kv.hit_reads == {}  # no hit: nothing resumed
+    # r2 resumes from an 8-token local hit (checks out), in two forwards: counted once per kind
+    step(kv, new=[("r2", PROMPT[:8] + [1, 2, 3, 4, 5], ([1, 2, 4, 5], [0, 21, 23, 24]), 8)])
+    kv.forward("r2", 8, 2, [])
+    kv.forward("r2", 10, 3, [])
+    # r3 resumes too but finds a null Mamba block (a violation): its path ran all the same
+    step(kv, new=[("r3", PROMPT[:8] + [3], ([1, 2, 5], [0, 0, 25]), 8)])
+    kv.forward("r3", 8, 1, [])
+    assert kv.hit_reads == {"full_attention": 2, "mamba": 2} and kv.violations == 1
+    # a store of two attention blocks and two Mamba blocks, one of them holding no state
+    kv.store(0, NS(block_ids=[1, 2, 21, 0], group_sizes=[2, 2], block_indices=[0, 0]), NS(block_ids=[40, 41, 42, 43]))
+    assert kv.stored == {"full_attention": 2, "mamba": 1}
+    # a request with blocks loaded for it counts as +offload
+    kv.load_owner = lambda job: "r4"
+    kv.load(1, NS(block_ids=[42]), NS(block_ids=[26], group_sizes=[0, 1], block_indices=[0, 1]))
+    step(kv, new=[("r4", PROMPT[:8] + [9], ([1, 2, 6], [0, 26, 27]), 8)])
+    kv.forward("r4", 8, 1, [])
+    assert kv.hit_reads == {"full_attention": 3, "mamba": 3, "full_attention+offload": 1, "mamba+offload": 1}
+    kv.report(force=True)
+    last = [line for line in out.getvalue().splitlines() if " counts " in line][-1]
+    assert last.endswith("hits=full_attention:3,full_attention+offload:1,mamba:3,mamba+offload:1 "
+                         "stored=full_attention:2,mamba:1")
+    exposure = read_exposure(last + "\n")
+    assert exposure.kv_hit_reads == {"full_attention": 3, "mamba": 3, "full_attention+offload": 1, "mamba+offload": 1}
+    assert exposure.kv_stored == {"full_attention": 2, "mamba": 1}
+    assert read_exposure("kvrepro-shadow: counts checks=1 violations=0 by=-\n").kv_hit_reads == {}  # older engines

@@ -104,6 +104,10 @@ path: {counter: trigger_count}
     (("  runs: {requests: 10}", "  builds: {A: []}"), 5, "matrix", "the suite chooses builds"),
     (("name: x", "name: y"), 1, "name", "name the file y.yaml"),
     (("path: {counter: trigger_count}", ""), 1, "path", "a testable entry needs path"),
+    (("path: {counter: trigger_count}", "path: {counter: kv_hit_reads.mamba+cpu}"), 8, "path.counter", "not a counter"),
+    (("runs: {requests: 10}\npresent_in: [\"0.26.0\"]\npath: {counter: trigger_count}",
+      "runs: {requests: 10, repetitions: 2}\npresent_in: [\"0.26.0\"]\npath: {counter: trigger_count, absent_after: 3}"),
+     8, "path.absent_after", "raise runs.repetitions"),
 ])
 def test_a_bad_entry_is_one_line_naming_file_line_and_field(tmp_path, change, line, field, words):
     message = _bad(tmp_path, "x", GOOD.replace(*change))
@@ -182,8 +186,18 @@ def test_rows():
     row = judge(null, "0.26.0", "0.26.0", (), [_run(Verdict.CRASH, outcome=Outcome.TARGET, signature=TARGET)])
     assert row.state == "OTHER" and row.matches is False  # another failure ended the run: not evidence
     stall = entry("skipped-waiting-deadlock")
-    row = judge(stall, "0.31.0", "0.31.0", (), [_run(Verdict.CORRUPT, kv_defects={"mamba-null-state": 1})])
-    assert (row.state, row.expected, row.matches) == ("ABSENT", "fixed", True)  # the budget ran
+    four = [_run(Verdict.CORRUPT, rep=i, kv_defects={"mamba-null-state": 1}) for i in range(4)]
+    row = judge(stall, "0.31.0", "0.31.0", (), four)
+    assert (row.state, row.expected, row.matches) == ("ABSENT", "fixed", True)  # the budget ran, 4 times
+    row = judge(stall, "0.31.0", "0.31.0", (), four[:1])
+    # one clean run of a defect that shows in some runs only says little: absent_after 4
+    assert (row.state, row.matches) == ("UNREACHED", False) and "1 of the 4 repetitions" in row.detail
+    # a corruption entry's path is the shadow KV's count of requests resumed from a hit, per group kind
+    clean = _run(Verdict.SURVIVED, kv_hit_reads={"mamba": 3, "mamba+offload": 3})
+    assert judge(null, "0.30.0", "0.30.0", (), [clean]).detail == "path ran: kv_hit_reads.mamba 3"
+    blind = _run(Verdict.SURVIVED, kv_checks=9, kv_stored={"full_attention": 40})
+    row = judge(null, "0.30.0", "0.30.0", (), [blind])
+    assert row.state == "UNREACHED" and row.detail.endswith("kv_hit_reads.mamba 0; stored full_attention:40")
 
 
 # --- a real suite run, re-judged ------------------------------------------------------------------

@@ -153,3 +153,13 @@ def defects_of(violations: int, violations_by_class: Mapping[str, int], first_cl
     if not by_class:
         by_class = {first_class or "?": violations}
     return attribute(by_class, groups)
+
+
+def first_request(defect: str, first_by_class: Mapping[str, int], groups: Iterable[str] = ()) -> int | None:
+    """The first request (1-based) in which ``defect`` was seen, from a run's first request per
+    violation class (``RunResult.kv_first_request_by_class``); None when no described violation of
+    it named a request (the shadow KV describes the first few violations only)."""
+    groups = tuple(groups)
+    numbers = [n for cls, n in first_by_class.items()
+               if (sig := match_class(cls, groups)) is not None and sig.name == defect]
+    return min(numbers) if numbers else None

@@ -12,7 +12,7 @@ GPU-free engine's shadow KV (kvrepro/engine/shadow.py) reports what it checked t
 
     kvrepro-shadow: installed groups=...
     kvrepro-shadow: violation step=<S> class=<class> <words>
-    kvrepro-shadow: counts checks=<N> violations=<M> by=<class>:<n>,...
+    kvrepro-shadow: counts checks=<N> violations=<M> by=<class>:<n>,... hits=<kind>:<n>,... stored=<kind>:<n>,...
 
 (a class is ``<group kind>[+offload]/<read>/<region>``; older engines print ``<kind>[+offload]``
 alone and no ``class=``).
@@ -30,6 +30,7 @@ import io
 import math
 import re
 
+from ..loadgen import REQUEST_ID_PREFIX
 from ..records import Exposure
 from .lines import split_line
 from .metrics import parse_prometheus, total
@@ -42,8 +43,10 @@ _COUNTS = re.compile(r"kvrepro-probe: counts external_hit_calls=(?P<ext>\d+) tri
                      r"(?: state_calls=(?P<state>\d+) state_groups=(?P<groups>\S+))?(?: pid=(?P<pid>\d+))?")
 _SHADOW_TAG = "kvrepro-shadow:"
 _SHADOW_COUNTS = re.compile(r"kvrepro-shadow: counts checks=(?P<checks>\d+) violations=(?P<violations>\d+)\b"
-                            r"(?: by=(?P<by>\S+))?")
+                            r"(?: by=(?P<by>\S+))?(?: hits=(?P<hits>\S+))?(?: stored=(?P<stored>\S+))?")
 _SHADOW_INSTALLED = re.compile(r"kvrepro-shadow: installed groups=(?P<groups>\S*)")
+# the request a described violation is about, when the load named it (kvrepro.loadgen.request_id)
+_VIOLATION_REQUEST = re.compile(r"\brequest (?:chat)?cmpl-" + re.escape(REQUEST_ID_PREFIX) + r"(?P<index>\d+)-")
 _SHADOW_VIOLATION = re.compile(r"kvrepro-shadow: violation (?P<step>step=\S+ )?(?:class=(?P<cls>\S+) )?(?P<text>.*\S)")
 
 
@@ -53,9 +56,11 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
     seen = shadow_seen = False
     # (stream, pid) -> last probe counts (external_hit_calls, trigger_calls, state_calls, state_groups)
     last: dict[tuple[str, str], tuple[int, int, int, dict[str, int]]] = {}
-    shadow: dict[str, tuple[int, int, dict[str, int]]] = {}  # stream -> (checks, violations, by kind)
+    # stream -> (checks, violations, by class, hit reads by kind, stored blocks by kind)
+    shadow: dict[str, tuple[int, int, dict[str, int], dict[str, int], dict[str, int]]] = {}
     first_violation: str | None = None
     first_class: str | None = None
+    first_request: dict[str, int] = {}  # violation class -> the first request (1-based) it was described for
     kv_groups: tuple[str, ...] = ()
     for number, raw in enumerate(io.StringIO(log_text, newline="\n"), start=1):
         if _TAG not in raw and _SHADOW_TAG not in raw:
@@ -69,12 +74,17 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
                                                  _groups(m["groups"]))
         elif (m := _SHADOW_COUNTS.search(line.body)) is not None:
             shadow_seen = True
-            shadow[line.stream] = (int(m["checks"]), int(m["violations"]), _groups(m["by"]))
+            shadow[line.stream] = (int(m["checks"]), int(m["violations"]), _groups(m["by"]), _groups(m["hits"]),
+                                   _groups(m["stored"]))
         elif (m := _SHADOW_VIOLATION.search(line.body)) is not None:
             shadow_seen = True
             if first_violation is None:
                 first_violation = (m["step"] or "") + m["text"]
                 first_class = m["cls"]
+            named = _VIOLATION_REQUEST.search(m["text"])
+            if named is not None and m["cls"]:  # request numbers count from 1, as `request N` elsewhere
+                number = int(named["index"]) + 1
+                first_request[m["cls"]] = min(first_request.get(m["cls"], number), number)
         elif (m := _SHADOW_INSTALLED.search(line.body)) is not None:
             shadow_seen = True
             kv_groups = tuple(item.split(":", 1)[-1].split("/", 1)[0] for item in m["groups"].split(",") if item)
@@ -89,16 +99,23 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
         m_ext, m_trig = _read_metrics(metrics_text)
         external, trigger = max(external, m_ext), max(trigger, m_trig)
     violations = sum(v[1] for v in shadow.values())
-    violations_by: dict[str, int] = {}
-    for v in shadow.values():
-        for kind, n in v[2].items():
-            violations_by[kind] = violations_by.get(kind, 0) + n
+    violations_by, hit_reads, stored = (_added_up(v[i] for v in shadow.values()) for i in (2, 3, 4))
     if first_violation is not None:
         violations = max(violations, 1)  # the counts line may be cut off after the violation line
     return Exposure(trigger_calls=trigger, external_hit_calls=external, probe_source_sha256=sha, probe_seen=seen,
                     state_calls=state, state_groups=state_groups, kv_checks=sum(v[0] for v in shadow.values()),
                     kv_violations=violations, kv_violations_by=violations_by, kv_first_violation=first_violation, kv_first_violation_class=first_class,
-                    kv_groups=kv_groups, shadow_seen=shadow_seen)
+                    kv_groups=kv_groups, shadow_seen=shadow_seen, kv_hit_reads=hit_reads, kv_stored=stored,
+                    kv_first_request_by_class=first_request)
+
+
+def _added_up(counts) -> dict[str, int]:
+    """Several processes' {key: count}, added up per key."""
+    out: dict[str, int] = {}
+    for one in counts:
+        for key, n in one.items():
+            out[key] = out.get(key, 0) + n
+    return out
 
 
 def _groups(text: str | None) -> dict[str, int]:

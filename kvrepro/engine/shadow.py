@@ -8,7 +8,14 @@ that each scheduled request's context is really there. A violation is logged on 
 
     kvrepro-shadow: installed groups=0:full_attention/16,1:mamba/16
     kvrepro-shadow: violation step=<S> class=<class> <what, in words>
-    kvrepro-shadow: counts checks=<N> violations=<M> by=<class>:<n>,...
+    kvrepro-shadow: counts checks=<N> violations=<M> by=<class>:<n>,... hits=<kind>:<n>,... stored=<kind>:<n>,...
+
+``hits`` and ``stored`` say which paths ran, whatever was found there (what a known-defect entry
+needs before it may call a build clean): ``hits`` counts requests that resumed from a prefix hit,
+per group kind (each request once per group: its first forward read KV or a Mamba state that came
+with the hit), and under ``<kind>+offload`` those of them that had blocks loaded for them; ``stored`` counts GPU blocks copied
+to the offload tier per group kind, a Mamba block only when it held a state (a load that never
+gets a Mamba state offloaded cannot reach an offload hit on a hybrid model).
 
 A violation's *class* is ``<group kind>[+offload]/<read>/<region>``: the kind of KV group,
 whether the request had an offload hit, what the read found (``no-block``, ``missing``: never
@@ -172,6 +179,11 @@ class ShadowKV:
         self.loaded_for: set[str] = set()
         # every violation as data (the first MAX_RECORDS): what a minimizer or a test compares
         self.records: list[dict] = []
+        # paths that ran (module docstring): requests resumed from a hit per group kind[+offload],
+        # and blocks stored to the offload tier per group kind
+        self.hit_reads: dict[str, int] = {}
+        self.stored: dict[str, int] = {}
+        self._hit_counted: set[str] = set()
         self._write("installed groups=" + ",".join(f"{g.index}:{g.kind}/{g.block_size}" for g in self.groups))
         atexit.register(self.report, True)
 
@@ -186,11 +198,15 @@ class ShadowKV:
             pass
 
     def report(self, force: bool = False) -> None:
-        snapshot = (self.checks, self.violations, ",".join(f"{k}:{n}" for k, n in sorted(self.by_kind.items())))
+        def listed(counts: dict[str, int]) -> str:
+            return ",".join(f"{k}:{n}" for k, n in sorted(counts.items())) or "-"
+
+        snapshot = (self.checks, self.violations, listed(self.by_kind), listed(self.hit_reads), listed(self.stored))
         if not force and (snapshot == self._last_reported or time.monotonic() - self._last_report_time < REPORT_INTERVAL_S):
             return
         self._last_reported, self._last_report_time = snapshot, time.monotonic()
-        self._write(f"counts checks={snapshot[0]} violations={snapshot[1]} by={snapshot[2] or '-'}")
+        self._write(f"counts checks={snapshot[0]} violations={snapshot[1]} by={snapshot[2]} hits={snapshot[3]} "
+                    f"stored={snapshot[4]}")
 
     def _violation(self, key: tuple, text: str, read: str, in_hit: bool, block: int | None = None) -> None:
         """Count (once per request, group and block index) and describe one wrong read.
@@ -235,6 +251,7 @@ class ShadowKV:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             self.loaded_for.discard(req_id)
+            self._hit_counted.discard(req_id)
         if so.finished_req_ids and self._seen:
             self._seen = {key for key in self._seen if key[0] not in so.finished_req_ids}
         for req_id in getattr(so, "preempted_req_ids", None) or ():
@@ -291,6 +308,13 @@ class ShadowKV:
             return
         with self._lock:
             self.checks += 1
+            if req.hit > 0 and computed > 0 and req_id not in self._hit_counted:
+                # its first forward after the hit: it reads what came with the hit, in every group
+                self._hit_counted.add(req_id)
+                loaded = req_id in self.loaded_for
+                for kind in {g.kind for g in self.groups}:
+                    for key in (kind, kind + "+offload") if loaded else (kind,):
+                        self.hit_reads[key] = self.hit_reads.get(key, 0) + 1
             for group in self.groups:
                 if group.kind in ("full_attention", "sliding_window"):
                     self._check_attention(req_id, req, group, computed)
@@ -452,6 +476,9 @@ class ShadowKV:
         with self._lock:
             for group, gpu_block, cpu_key in self._pairs(gpu_spec, cpu_spec):
                 content = self.gpu.get(gpu_block)
+                kind = self.groups[group].kind if group < len(self.groups) else "?"
+                if kind != "mamba" or (content is not None and content.states is not None):
+                    self.stored[kind] = self.stored.get(kind, 0) + 1
                 self.cpu[cpu_key] = (content.copy(f"{content.source}, stored to offload (job {job_id})")
                                      if content is not None else None)
 

@@ -22,8 +22,10 @@ runs that way.
 Every request is written to the trace (``trace_path``, see :mod:`kvrepro.loadgen.trace`) the
 moment it is sent: what was sent, in order, when, from which slot, with how many in flight.
 Every finished request is one JSON line appended to ``out_path`` and flushed at once, so a run
-that kills the engine (or kvrepro) leaves every line that was finished. Requests still in flight
-when the run ends for death, stall or interruption are abandoned and not recorded: their tasks
+that kills the engine (or kvrepro) leaves every line that was finished. When the engine process is
+gone, requests in flight get up to a second to fail (so the one that killed it is recorded with
+its index in ``first_failed_index``). Requests still in flight when the run ends for death, stall
+or interruption are abandoned and not recorded: their tasks
 are cancelled and their connections closed before the call returns, so nothing is written after
 the return and nothing the run started is left running (a Ctrl-C raised inside the run too).
 
@@ -60,10 +62,19 @@ from .profiles import EngineCapacity, Profile, Prompt, get_profile
 
 _TICK_S = 0.05  # how often the run checks its end conditions
 _ALIVE_EVERY_S = 0.25  # alive() may be a docker API call: not on every tick
+_DEATH_GRACE_S = 1.0  # after the process is gone, how long requests in flight may take to fail
 _HEALTH_TIMEOUT_S = 2.0
 _MODELS_PATIENCE_S = 5.0
 _ERROR_CHARS = 300
 _JSON = {"Content-Type": "application/json"}
+# Every request names itself to the engine (vLLM takes X-Request-Id as the base of its request id:
+# `cmpl-kvrepro-<index>-0-<hex>`), so what the engine logs about a request -- a shadow-KV violation,
+# a traceback -- points back to its line in load.jsonl (kvrepro.classify.exposure reads it).
+REQUEST_ID_PREFIX = "kvrepro-"
+
+
+def request_id(index: int) -> str:
+    return f"{REQUEST_ID_PREFIX}{index}"
 
 
 def run_load(
@@ -208,6 +219,7 @@ class _Run:
     async def _watch(self, workers: list[asyncio.Future[None]], started: float) -> None:
         assert self.wake is not None
         next_alive_check = 0.0
+        dead_since: float | None = None
         while True:
             try:
                 await asyncio.wait_for(self.wake.wait(), _TICK_S)
@@ -228,8 +240,16 @@ class _Run:
                 # alive() blocks this loop for as long as it takes (a docker API call: a few ms,
                 # four times a second); requests in flight just wait that long for their answer
                 if not self.alive():
-                    self._end("engine_dead")
-                    return
+                    # the requests in flight are answered (a 500, a closed connection) within
+                    # moments of the death: wait that long, so the one that killed the engine is
+                    # recorded as failed, then abandon what is left
+                    self.halted = True
+                    if dead_since is None:
+                        dead_since = now
+                    if self.in_flight == 0 or now - dead_since >= _DEATH_GRACE_S:
+                        self._end("engine_dead")
+                        return
+                    next_alive_check = now
             if self.in_flight > 0 and now - self.last_answer > self.runs.stall_timeout_s:
                 self._end("stall")
                 return
@@ -352,7 +372,9 @@ class _Run:
         way that can mean the engine died)."""
         text = tokens_json if self.load.prompt_format == "tokens" else json.dumps(tokens_to_text(prompt.tokens))
         body = f'{body_head}, "max_tokens": {prompt.max_tokens}, "prompt": {text}}}'.encode()
-        headers = _JSON if prompt.rank is None else {**_JSON, "X-data-parallel-rank": str(prompt.rank)}
+        headers = {**_JSON, "X-Request-Id": request_id(prompt.index)}
+        if prompt.rank is not None:
+            headers["X-data-parallel-rank"] = str(prompt.rank)
         record: dict[str, Any] = {
             "index": prompt.index,
             **prompt.fields,

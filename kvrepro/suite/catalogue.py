@@ -40,6 +40,23 @@ COUNTERS: dict[str, str] = {
     "engine_steps": "engine steps",
     "requests": "requests sent",
 }
+# RunResult per-kind counters an entry names as ``<field>.<key>`` (kv_hit_reads.mamba): the key is
+# a KV-group kind (full_attention, mamba, sliding_window), "+offload" for requests with blocks loaded
+KEYED_COUNTERS: dict[str, str] = {
+    "kv_hit_reads": "requests resumed from a prefix hit that read the hit's KV or Mamba state, per group kind "
+                    "(<kind>+offload: those of them with blocks loaded) (shadow KV)",
+    "kv_stored": "blocks stored to the offload tier per group kind; a Mamba block only when it held a state (shadow KV)",
+}
+_KEY = re.compile(r"^[a-z_]+(\+offload)?$")
+
+
+def counter_value(run: object, name: str) -> int:
+    """The value of counter ``name`` (COUNTERS, or ``field.key`` of KEYED_COUNTERS) in a RunResult."""
+    field_name, _, key = name.partition(".")
+    value = getattr(run, field_name, None)
+    if key:
+        value = value.get(key, 0) if isinstance(value, dict) else 0
+    return int(value) if isinstance(value, int) else 0
 # only these parts of a matrix describe how a defect is reached; builds and expectations are the suite's
 FRAGMENT_KEYS = ("engine", "load", "runs", "target_signature")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -74,13 +91,20 @@ def _version(release: str) -> tuple[int, ...]:
 class PathSpec(_Strict):
     counter: str = Field(description="a RunResult counter (see COUNTERS)")
     at_least: int = Field(1, ge=1, description="every repetition must reach this count for ABSENT")
+    absent_after: int = Field(1, ge=1, le=100, description="repetitions a build needs before it can be ABSENT: a "
+                              "timing-dependent defect (a stall) that shows in some runs only needs several; "
+                              "`suite run --reps` never runs it fewer times")
     means: str = Field("", description="what the counter shows for this defect, in one line")
 
     @field_validator("counter")
     @classmethod
     def _known(cls, v: str) -> str:
+        field_name, dot, key = v.partition(".")
+        if dot and field_name in KEYED_COUNTERS and _KEY.match(key):
+            return v
         if v not in COUNTERS:
-            raise ValueError(f"{v!r} is not a counter runs record; use one of {', '.join(COUNTERS)}")
+            keyed = ", ".join(f"{k}.<group kind>[+offload]" for k in KEYED_COUNTERS)
+            raise ValueError(f"{v!r} is not a counter runs record; use one of {', '.join(COUNTERS)}, {keyed}")
         return v
 
 
@@ -155,6 +179,10 @@ class EntrySpec(_Strict):
         if self.testable and self.path is None:
             raise _FieldError("path", "a testable entry needs path: {counter: ..., at_least: 1}: what shows its "
                               "path ran when the defect does not show")
+        reps = (self.matrix.get("runs") or {}).get("repetitions") if isinstance(self.matrix.get("runs"), dict) else None
+        if self.path is not None and isinstance(reps, int) and reps < self.path.absent_after:
+            raise _FieldError("path.absent_after", f"{self.path.absent_after} repetitions needed for ABSENT, but "
+                              f"matrix.runs.repetitions runs {reps}: raise runs.repetitions")
         both = set(self.present_in) & set(self.fixed_in)
         if both:
             raise _FieldError("fixed_in", f"{', '.join(sorted(both))} also in present_in")
@@ -193,6 +221,7 @@ class Entry:
     path_counter: str | None
     path_at_least: int
     path_means: str
+    absent_after: int
     notes: str
     reproduced: tuple[Measurement, ...]
     file: Path
@@ -289,7 +318,7 @@ def load_entry(path: Path, check_fragment: Any = None) -> Entry:
         loc = tuple(err["loc"])
         ctx = (err.get("ctx") or {}).get("error")
         if isinstance(ctx, _FieldError):
-            loc, msg = (ctx.path,), str(ctx)
+            loc, msg = tuple(ctx.path.split(".")), str(ctx)
         elif err["type"] == "extra_forbidden":
             msg = f"unknown field; allowed: {', '.join(EntrySpec.model_fields)}" if len(loc) == 1 else "unknown field"
         elif err["type"] == "missing":
@@ -312,6 +341,7 @@ def load_entry(path: Path, check_fragment: Any = None) -> Entry:
                  not_testable=spec.not_testable, present_in=tuple(spec.present_in), fixed_in=tuple(spec.fixed_in),
                  upstream=tuple(spec.upstream), path_counter=spec.path.counter if spec.path else None,
                  path_at_least=spec.path.at_least if spec.path else 1, path_means=spec.path.means if spec.path else "",
+                 absent_after=spec.path.absent_after if spec.path else 1,
                  notes=spec.notes,
                  reproduced=tuple(Measurement(r.suite_run, r.date, r.command, dict(r.builds)) for r in spec.reproduced),
                  file=path, fragment_yaml=fragment_yaml)
@@ -329,7 +359,7 @@ def load_catalogue(folder: Path = DEFAULT_CATALOGUE, check_fragment: Any = None)
     """Every ``*.yaml`` in ``folder``, sorted by name; the first bad file raises SpecError."""
     if not folder.is_dir():
         raise SpecError(f"--catalogue {folder}: not a folder of defect files (defects/*.yaml)")
-    files = sorted(folder.glob("*.yaml"))
+    files = sorted(folder.glob("*.yaml"), key=lambda f: f.stem)  # by entry name
     if not files:
         raise SpecError(f"--catalogue {folder}: no *.yaml entries in it")
     return Catalogue(folder=folder, entries=tuple(load_entry(f, check_fragment) for f in files))

@@ -4,7 +4,8 @@ Rows (docs/suite.md):
 
 * PRESENT: a repetition showed the entry's signature (crash signature, corruption defect, STALL);
 * ABSENT: none did, and the entry's path counter reached ``at_least`` in every repetition;
-* UNREACHED: none did, and the path counter stayed below it in some repetition (proves nothing);
+* UNREACHED: none did, and the path counter stayed below it in some repetition, or fewer
+  repetitions ran than the entry's ``absent_after`` (proves nothing);
 * OTHER: none did, and some repetition ended early on another failure (it may hide this one);
 * NOT TESTABLE: the entry says why the suite cannot test it here (no runs);
 * INFRA: no repetition could be judged (build, engine start or load failed; or interrupted).
@@ -18,9 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..classify.corruption import first_request
 from ..classify.patterns import known_patterns
 from ..records import RunResult, Verdict
-from .catalogue import Entry, expected_state
+from .catalogue import Entry, counter_value, expected_state
 
 PRESENT, ABSENT, UNREACHED, OTHER, NOT_TESTABLE, INFRA = (
     "PRESENT", "ABSENT", "UNREACHED", "OTHER", "NOT TESTABLE", "INFRA")
@@ -59,8 +61,7 @@ def shows(entry: Entry, run: RunResult) -> bool:
 
 
 def counter(entry: Entry, run: RunResult) -> int:
-    value = getattr(run, entry.path_counter or "", None)
-    return int(value) if isinstance(value, int) else 0
+    return counter_value(run, entry.path_counter or "")
 
 
 def _compare(state: str, expected: str | None) -> bool | None:
@@ -95,8 +96,12 @@ def judge(entry: Entry, build: str, release: str, patches: tuple[str, ...], runs
         else:
             what = entry.signature
         index = first.load.first_failed_index if first.load else None
-        # first_failed_index counts from 0; a corruption is seen before whatever ends the run
-        at = f", request {index + 1}" if index is not None and entry.kind == "crash" else ""
+        # first_failed_index counts from 0; a corruption is seen before whatever ends the run: its
+        # first request comes from the shadow KV's described violations
+        number = (index + 1 if index is not None else None) if entry.kind == "crash" else \
+            first_request(entry.signature, first.kv_first_request_by_class, first.kv_groups) \
+            if entry.kind == "corruption" else None
+        at = f", request {number}" if number is not None else ""
         return row(PRESENT, f"{what} in {len(hits)}/{len(runs)} reps (rep {first.rep}{at})")
     judged = [r for r in runs if r.verdict not in _UNJUDGED]
     if build_error or not judged or len(judged) < len(runs):
@@ -110,6 +115,11 @@ def judge(entry: Entry, build: str, release: str, patches: tuple[str, ...], runs
         return row(OTHER, f"{r.label} in rep {r.rep}: {known or r.title}"[:160])
     counts = [counter(entry, r) for r in judged]
     shown = f"{entry.path_counter} {'/'.join(str(c) for c in counts)}"
+    if len(judged) < entry.absent_after:  # a defect that shows in some runs only: one clean run says little
+        return row(UNREACHED, f"{len(judged)} of the {entry.absent_after} repetitions absent needs; {shown}")
     if all(c >= entry.path_at_least for c in counts):
         return row(ABSENT, f"path ran: {shown}")
-    return row(UNREACHED, f"path below {entry.path_at_least}: {shown}")
+    # where the load went blind: what the offload tier received, per group kind (shadow KV)
+    stored = judged[0].kv_stored
+    tier = f"; stored {','.join(f'{k}:{n}' for k, n in sorted(stored.items())) or 'nothing'}" if judged[0].kv_checks else ""
+    return row(UNREACHED, f"path below {entry.path_at_least}: {shown}{tier}"[:160])

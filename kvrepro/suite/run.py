@@ -146,7 +146,8 @@ def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuil
         "suite_id": suite_id, "status": "running", "started": started, "catalogue": str(catalogue.folder),
         "command": command, "kvrepro_version": __version__,
         "builds": [{"release": b.release, "patches": list(b.patches)} for b in builds],
-        "entries": {e.name: {"testable": e.testable, "run": None, "reps": reps} for e in entries},
+        "entries": {e.name: {"testable": e.testable, "run": None,
+                             "reps": max(reps, e.absent_after) if reps else None} for e in entries},
     }
     lock = threading.Lock()
 
@@ -181,7 +182,10 @@ def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuil
         progress.stage(f"entry {entry.name} ({entry.kind}) on {', '.join(b.key for b in builds)}")
         try:
             loaded = matrices[entry.name]
-            run = run_matrix(loaded, MatrixOptions(target=target, repetitions=reps, results_root=folder / RUNS_FOLDER,
+            # never fewer repetitions than the entry needs before it may call a build clean
+            entry_reps = max(reps, entry.absent_after) if reps else None
+            run = run_matrix(loaded, MatrixOptions(target=target, repetitions=entry_reps,
+                                                   results_root=folder / RUNS_FOLDER,
                                                    jobs=per_entry),
                              progress, stop, target=target_for(loaded))
         except KvreproError as exc:

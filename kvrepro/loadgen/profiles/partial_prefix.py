@@ -21,8 +21,20 @@ Two schedules (``schedule``):
   the next family's deep use evicts the oldest cached blocks: vLLM frees a request's blocks last
   first, so a family loses its tail before its head and keeps it in the offload tier. The shallow
   use then leaves a Mamba state where the cached part ends, and ``again`` finds the rest offloaded.
-  Measured (shipped matrix, build A, 10 seeds): the first target crash at request 4 or 7 for any
-  share from 0.55 to 0.65, at 7-10 from 0.33 to 0.45 (``lag: 1``).
+  Measured before pass-through (shipped matrix, build A, 10 seeds): the first target crash at
+  request 4 or 7 for any share from 0.55 to 0.65, at 7-10 from 0.33 to 0.45 (``lag: 1``).
+
+  **Pass-through** (``pass_through``, default on): right after its deep use, each family is asked
+  about its last two chunks -- ``pass`` uses: the body up to ``L - chunk`` and up to ``L``, each
+  followed by a new question of two chunks. Why: ``again`` needs the states at the end of the body
+  in the offload tier, and *which* chunks a release offloads is release policy that keeps changing
+  (vLLM 0.25.1 never stores the last chunk of a step in an MTP/eagle group, nor anything at finish;
+  0.26.0 stores prefill's last chunk). What every release stores is a chunk that lies inside a
+  request's computed range, and a ``pass`` use hits the state at its depth locally and computes two
+  chunks past it in the same step. Two adjacent depths because a connector that widens a group's
+  window (eagle groups, 0.25.1-0.29.0) needs two consecutive states for one hit. Without it the
+  revisit load made 0 trigger calls on 0.25.1 in 2 x 600 requests; with it both 0.25.1 and 0.26.0
+  crash at the first ``again`` (request 8; docs/defect-family.md section 4, docs/load.md).
 * ``random``: a fixed set of families (their bodies together ``pressure`` times the GPU cache,
   capped to fit the offload tier), each use a family at random reused to a drawn depth (the
   previous default; agent transcripts grow with every use).
@@ -88,6 +100,9 @@ class PartialPrefixSettings(ProfileSettings):
     lag: int = Field(1, ge=1, description="revisit: families between a family's deep use and its again "
                      "(times the DP ranks with dp_routing: affinity)")
     transcript_step_tokens: tuple[int, int] = Field((16, 64), description="revisit: an agent's new step")
+    pass_through: bool = Field(True, description="revisit: after a family's deep use, ask about its last two "
+                               "chunks (body up to each + a new question), so the states that `again` needs "
+                               "are inside a computed range whatever a release offloads (module docstring)")
     # random
     document_tokens: tuple[int, int] = Field((720, 880), description="random: document body length range")
     system_prompt_tokens: tuple[int, int] = Field((160, 320), description="system prompt length range")
@@ -143,6 +158,8 @@ class PartialPrefix(Profile):
         self.weights = [s.mix[k] for k in self.kinds]
         # a prompt must fit the engine (body + suffix + output <= max_model_len)
         most_suffix = max(s.suffix_tokens[1], s.transcript_step_tokens[1] if "agent_transcripts" in self.kinds else 0)
+        if s.schedule == "revisit" and s.pass_through:  # a pass use's question follows the whole body
+            most_suffix = max(most_suffix, 2 * self.chunk + s.suffix_tokens[1])
         self.longest = max(2 * self.chunk, (cap.max_model_len or 1 << 30) - most_suffix - load.max_tokens - 1)
         self._lock = threading.Lock()
         self._uses: list[_Use] = []
@@ -203,8 +220,20 @@ class PartialPrefix(Profile):
             self.families.append(fam)
         return self.families[i]
 
+    def _pass_through_uses(self, i: int, fam: _Family):
+        """``pass`` uses of family ``i``: its body up to ``L - chunk`` and up to ``L``, each followed by
+        a new question of two chunks (plus the suffix draw), so each request hits the state at its
+        depth locally and computes past it in the same step (module docstring, "pass-through")."""
+        length, chunk = len(fam.body), self.chunk
+        if length < 2 * chunk:
+            return
+        lo, hi = self.settings.suffix_tokens
+        question = (2 * chunk + lo, 2 * chunk + hi)
+        for depth in (length - chunk, length):  # self.longest leaves room for the question
+            yield _Use(i, "pass", depth, 0, question)
+
     def _revisit_schedule(self):
-        """deep(i), shallow(i-lag), again(i-lag) for i = 0, 1, 2, ... (the uses that exist)."""
+        """deep(i), [pass(i) x 2], shallow(i-lag), again(i-lag) for i = 0, 1, 2, ... (the uses that exist)."""
         lag = self.settings.lag
         if getattr(self.load, "dp_routing", "engine") == "affinity":
             # family i goes to rank i % ranks: the next deep use on its rank is `ranks` families on
@@ -214,6 +243,8 @@ class PartialPrefix(Profile):
         while True:
             fam = self._revisit_family(i)
             yield _Use(i, "deep", len(fam.body), 0)
+            if self.settings.pass_through:
+                yield from self._pass_through_uses(i, fam)
             if i >= lag:
                 prev = self._revisit_family(i - lag)
                 yield _Use(i - lag, "shallow", prev.shallow, 0)
