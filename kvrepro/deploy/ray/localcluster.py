@@ -10,6 +10,7 @@ cluster (those naming its temp folder, and their descendants), never by name.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -133,6 +134,8 @@ class LocalCluster:
         while left and time.monotonic() < deadline:
             left = {p for p in left if Path(f"/proc/{p}").exists() and "Z" not in _state(p)}
             time.sleep(0.2)
+        if not left and self.temp_dir:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)  # the session's logs and sockets
         return left
 
     def __enter__(self) -> "LocalCluster":
