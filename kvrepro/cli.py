@@ -125,7 +125,7 @@ def matrix_validate(matrix: Path = MatrixOpt, as_json: bool = JsonOpt) -> None:
 
 
 @matrix_app.command("plan")
-def matrix_plan(matrix: Path = MatrixOpt, target: Optional[str] = typer.Option(None, help="sim or docker"),
+def matrix_plan(matrix: Path = MatrixOpt, target: Optional[str] = typer.Option(None, help="sim, docker or ray"),
                 as_json: bool = JsonOpt) -> None:
     """What would be built and run, without building or running anything."""
     loaded = _load(matrix)
@@ -307,7 +307,7 @@ def _exit_code(run: "results.MatrixRun") -> int:
 @matrix_app.command("run")
 def matrix_run(
     matrix: Path = MatrixOpt,
-    target: Optional[str] = typer.Option(None, help="override matrix.yaml's target (sim, docker)"),
+    target: Optional[str] = typer.Option(None, help="override matrix.yaml's target (sim, docker, ray)"),
     build: Optional[list[str]] = typer.Option(None, "--build", "-b", help="only these builds (repeatable)"),
     reps: Optional[int] = typer.Option(None, "--reps", min=1, max=1000, help="override runs.repetitions (at most 1000)"),
     base_image: Optional[str] = typer.Option(None, "--base-image",
@@ -764,7 +764,7 @@ MaxRunsOpt = typer.Option(None, "--max-runs", min=1, max=1000, help="runs after 
                                                            "(default: 3 x the runs a good verdict needs + 6)")
 RequestsOpt = typer.Option(None, "--requests", min=1, max=1_000_000, help="override runs.requests for every probe")
 TitleOpt = typer.Option(None, "--title", help="bisect this crash (title text) instead of target_signature")
-TargetOpt = typer.Option(None, "--target", help="override matrix.yaml's target (sim, docker)")
+TargetOpt = typer.Option(None, "--target", help="override matrix.yaml's target (sim, docker, ray)")
 JobsOpt = typer.Option(None, "--jobs", "-j", min=1, max=256, help="engines at once")
 ResumeOpt = typer.Option(None, "--resume", help="continue an interrupted bisection (its id, or `latest`)")
 
@@ -927,7 +927,7 @@ def load_replay(
     trace: Path = typer.Argument(..., help="a trace.jsonl (results/<run>/<build>/<rep>/trace.jsonl)"),
     build: str = typer.Option(..., "--build", "-b", help="the build to replay it against"),
     matrix: Path = MatrixOpt,
-    target: Optional[str] = typer.Option(None, help="override matrix.yaml's target (sim, docker)"),
+    target: Optional[str] = typer.Option(None, help="override matrix.yaml's target (sim, docker, ray)"),
     results_root: Path = ResultsOpt,
     as_json: bool = JsonOpt,
 ) -> None:
@@ -1093,6 +1093,8 @@ def suite_run(
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, max=64, help="engines at once (default: one "
                                        "per core, at most 4)"),
     catalogue: Optional[Path] = CatalogueOpt,
+    target: Optional[str] = typer.Option(None, "--target", help="run every case on this target (sim, ray; "
+                                                                "default: sim)"),
     ci: bool = typer.Option(False, "--ci", help="non-interactive: plain lines, no progress bars"),
     junit: Optional[Path] = typer.Option(None, "--junit", help="also write JUnit XML here (one testcase per "
                                          "entry and build)"),
@@ -1115,7 +1117,7 @@ def suite_run(
     total = sum(len(builds_) * (reps or entry_matrix(e, builds_).matrix.runs.repetitions) for e in testable)
     command = "kvrepro suite run " + " ".join(
         [f"--base {b}" for b in base] + [f"--patch {p}" for p in patch or []] + [f"--entry {e}" for e in entry or []]
-        + ([f"--reps {reps}"] if reps else []))
+        + ([f"--reps {reps}"] if reps else []) + ([f"--target {target}"] if target else []))
     stop = threading.Event()
 
     def on_first(signum: int) -> None:
@@ -1124,11 +1126,13 @@ def suite_run(
     started = _time.monotonic()
     with stop_on_signals(stop, on_first):
         if ci:
-            suite = run_suite(cat, chosen, builds_, results_root, reps, jobs, PlainProgress(total), stop, command)
+            suite = run_suite(cat, chosen, builds_, results_root, reps, jobs, PlainProgress(total), stop, command,
+                              target=target)
         else:
             progress = RichProgress(total)
             with progress.progress:
-                suite = run_suite(cat, chosen, builds_, results_root, reps, jobs, progress, stop, command)
+                suite = run_suite(cat, chosen, builds_, results_root, reps, jobs, progress, stop, command,
+                                  target=target)
     err.print(f"wall time: {_time.monotonic() - started:.0f} s", highlight=False)
     _suite_outputs(suite, as_json, ci, junit)
 

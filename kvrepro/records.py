@@ -347,6 +347,18 @@ RESULTS_SCHEMA = 2
 
 
 @dataclass(frozen=True)
+class NodeInfo:
+    """The cluster node a run's engine ran on (`ray` target): Ray's node id and the node's address."""
+
+    node_id: str
+    address: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.address} ({self.node_id[:8]})"
+
+
+@dataclass(frozen=True)
 class RunResult:
     """The verdict of one repetition of one build, as written to verdict.json and read back.
 
@@ -406,6 +418,10 @@ class RunResult:
     engine_start_s: float | None = None  # from launch until the engine answered /health
     external_prefix_cache_hits: int = 0
     prefix_cache_hits: int = 0
+    # `ray` target: the node the engine ran on, and why earlier attempts of this run were
+    # INFRA (a node lost mid-run; the run was retried elsewhere and this record is the retry's)
+    node: NodeInfo | None = None
+    retried_after: tuple[str, ...] = ()
     schema: int = RESULTS_SCHEMA
 
     @property
@@ -482,6 +498,7 @@ class RunManifest:
     runs: dict[str, Json] = field(default_factory=dict)
     kvrepro_version: str = ""
     replay_of: str | None = None  # the trace a `kvrepro load replay` sent instead of the matrix's load
+    node: NodeInfo | None = None  # `ray` target: the node the run was sent to
 
 
 @dataclass(frozen=True)

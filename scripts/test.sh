@@ -14,7 +14,7 @@ if ((${#missing[@]})); then
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+.venv/bin/pip install -q --disable-pip-version-check -e '.[test,ray]'   # ray: tests/test_ray_target.py
 .venv/bin/kvrepro setup
 
 if [ -f .ci/docker-setup.sh ]; then

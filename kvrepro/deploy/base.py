@@ -6,8 +6,10 @@ import abc
 from collections.abc import Callable
 from pathlib import Path
 
-from ..records import BuildArtifact, BuildPlan
-from typing import TYPE_CHECKING
+import threading
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..records import BuildArtifact, BuildPlan, RunResult
 
 if TYPE_CHECKING:  # kvrepro.spec.matrix (pydantic): not needed to import the targets' package
     from ..spec.matrix import LoadedMatrix
@@ -42,6 +44,34 @@ class EngineHandle(abc.ABC):
         self.stop()
 
 
+class SilentProgress:
+    """A run's progress reported nowhere (the runner's Progress protocol, kvrepro.matrix.runner);
+    here so that a target running whole runs elsewhere can report through a subclass of it."""
+
+    def stage(self, text: str) -> None:
+        pass
+
+    def detail(self, text: str) -> None:
+        pass
+
+    def run_started(self, build: str, rep: int, budget: int | None) -> None:
+        pass
+
+    def requests_done(self, build: str, rep: int, done: int, failed: int) -> None:
+        pass
+
+    def run_finished(self, result: RunResult) -> None:
+        pass
+
+
+class RunFunction(Protocol):
+    """The runner's function for one whole run (``kvrepro.matrix.runner.run_one``): a module-level
+    function, so a target that runs whole runs elsewhere can send it by reference."""
+
+    def __call__(self, loaded: Any, target: "Target", artifact: BuildArtifact, run_dir: Path, rep: int,
+                 progress: Any, stop: threading.Event, replay: Any = None) -> RunResult: ...
+
+
 class Target(abc.ABC):
     """Where builds run. ``prepare`` once per build, ``start`` once per repetition.
 
@@ -53,6 +83,9 @@ class Target(abc.ABC):
     """
 
     name: str = "?"
+    #: True for a target that executes whole runs elsewhere (a cluster: `ray`): the runner then
+    #: calls :meth:`run_remotely` instead of starting engines itself through :meth:`start`
+    runs_remotely: bool = False
 
     def __init__(self, loaded: LoadedMatrix):
         self.loaded = loaded
@@ -71,6 +104,13 @@ class Target(abc.ABC):
         """The `vllm serve` arguments this target runs builds with (recorded in every run's manifest)."""
         engine = self.loaded.matrix.engine
         return engine.serve_args(engine.model, include_sim=True)
+
+    def run_remotely(self, run: RunFunction, loaded: LoadedMatrix, artifact: BuildArtifact, run_dir: Path,
+                     rep: int, progress: Any, stop: threading.Event, replay: Any = None) -> RunResult:
+        """One whole run executed elsewhere: ``run`` (the runner's own) with a target local to where
+        it runs. Blocks until the run ended; writes the run's files into ``run_dir`` except
+        ``verdict.json`` (the runner writes it last) and returns the result, run_dir being ``run_dir``."""
+        raise NotImplementedError(f"target {self.name} starts engines itself (runs_remotely is False)")
 
     def interrupt(self) -> None:
         """Ctrl-C: make engines that are still starting give up now rather than at their timeout."""

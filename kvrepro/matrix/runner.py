@@ -27,7 +27,7 @@ from ..classify import classify_log, read_engine_counters, read_exposure
 from ..classify.corruption import defects_of
 from ..classify.lines import split_line
 from ..deploy import get_target
-from ..deploy.base import EngineHandle, Target
+from ..deploy.base import EngineHandle, SilentProgress, Target
 from ..deploy.docker.settings import docker_settings
 from ..errors import InfraError, KvreproError
 from ..loadgen import run_load
@@ -54,23 +54,6 @@ class Progress(Protocol):
     def run_started(self, build: str, rep: int, budget: int | None) -> None: ...
     def requests_done(self, build: str, rep: int, done: int, failed: int) -> None: ...
     def run_finished(self, result: RunResult) -> None: ...
-
-
-class SilentProgress:
-    def stage(self, text: str) -> None:
-        pass
-
-    def detail(self, text: str) -> None:
-        pass
-
-    def run_started(self, build: str, rep: int, budget: int | None) -> None:
-        pass
-
-    def requests_done(self, build: str, rep: int, done: int, failed: int) -> None:
-        pass
-
-    def run_finished(self, result: RunResult) -> None:
-        pass
 
 
 @dataclass
@@ -402,7 +385,10 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
             if stop.is_set():
                 return
             run_dir = folder.rep_dir(artifact.plan.name, rep)
-            result = run_one(loaded, target, artifact, run_dir, rep, progress, stop, options.replay)
+            if target.runs_remotely:  # a cluster runs the whole run on a node and sends its files back
+                result = target.run_remotely(run_one, loaded, artifact, run_dir, rep, progress, stop, options.replay)
+            else:
+                result = run_one(loaded, target, artifact, run_dir, rep, progress, stop, options.replay)
             results.write_json(run_dir / "verdict.json", result)
             recorded[artifact.plan.name].append(result)
             progress.run_finished(result)

@@ -361,6 +361,8 @@ class Matrix(_Strict):
                                         description="docker target: Docker hosts (kvrepro/deploy/docker/settings.py)")
     docker: TargetSettings = Field(default_factory=TargetSettings,
                                    description="docker target: how it runs an engine (kvrepro/deploy/docker/settings.py)")
+    ray: TargetSettings = Field(default_factory=TargetSettings,
+                                description="ray target: the cluster and what a run reserves (kvrepro/deploy/ray/settings.py)")
     expect: dict[str, str] = Field(
         default_factory=dict,
         description="build -> the verdict every repetition must have; `matrix run` exits 1 otherwise",

@@ -132,8 +132,9 @@ def new_suite_id() -> str:
 
 def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuild], root: Path,
               reps: int | None = None, jobs: int | None = None, progress: Progress | None = None,
-              stop: threading.Event | None = None, command: str = "") -> SuiteResult:
-    """Run ``entries`` on ``builds``; record as it goes; return the judged rows."""
+              stop: threading.Event | None = None, command: str = "", target: str | None = None) -> SuiteResult:
+    """Run ``entries`` on ``builds``; record as it goes; return the judged rows. ``target``: run every
+    case there (e.g. ``ray``: each case's runs are Ray tasks) instead of the matrix's target."""
     progress = progress or SilentProgress()
     stop = stop or threading.Event()
     matrices = {e.name: entry_matrix(e, builds) for e in entries if e.testable}  # bad input before anything runs
@@ -165,7 +166,7 @@ def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuil
         """sim: one target for every entry, so that its engine zygote (one per release: torch & co.
         imported once) serves them all; each entry gets a shallow copy that differs only in the
         matrix it serves (engine arguments, timeouts). Other targets: one per entry (None)."""
-        name = loaded.matrix.target
+        name = target or loaded.matrix.target
         if name != "sim":
             return None
         with lock:
@@ -183,7 +184,8 @@ def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuil
             loaded = matrices[entry.name]
             # never fewer repetitions than the entry needs before it may call a build clean
             entry_reps = max(reps, entry.absent_after) if reps else None
-            run = run_matrix(loaded, MatrixOptions(repetitions=entry_reps, results_root=folder / RUNS_FOLDER,
+            run = run_matrix(loaded, MatrixOptions(target=target, repetitions=entry_reps,
+                                                   results_root=folder / RUNS_FOLDER,
                                                    jobs=per_entry),
                              progress, stop, target=target_for(loaded))
         except KvreproError as exc:

@@ -12,18 +12,29 @@ ORDER = 70
 DETAILS = True
 
 
+def _node_text(r) -> str:
+    """`ray` target: the node the run ran on, and the nodes lost before (the run was sent again)."""
+    text = r.node.label if r.node is not None else "-"
+    if r.retried_after:
+        text += f" (after {len(r.retried_after)} lost: {'; '.join(r.retried_after)})"
+    return text
+
+
 def _runs_blocks(run: MatrixRun) -> list[Block]:
     rows = []
+    on_nodes = any(r.node is not None or r.retried_after for b in run.builds for r in b.runs)
     for b in run.builds:
         for r in b.runs:
-            rows.append((build_key(run, b), str(r.rep), Cell(r.label, TONE.get(r.verdict.value, "")),
-                         str(r.requests), f"{r.load_seconds:.1f}", str(r.trigger_count), state_text(r),
-                         r.kv_check, count_text(r.offload_load_jobs), str(r.external_hit_calls)))
+            row = (build_key(run, b), str(r.rep), Cell(r.label, TONE.get(r.verdict.value, "")),
+                   str(r.requests), f"{r.load_seconds:.1f}", str(r.trigger_count), state_text(r),
+                   r.kv_check, count_text(r.offload_load_jobs), str(r.external_hit_calls))
+            rows.append(row + ((_node_text(r),) if on_nodes else ()))
     if not rows:
         return []
     return [Heading(2, "Runs"), Table(
         ("build", "rep", "verdict", "requests", "seconds under load", "trigger count", "bug state (groups)",
-         "KV check", "offload loads", "offload-hit calls"), tuple(rows), align="lrlrrrrlrr")]
+         "KV check", "offload loads", "offload-hit calls") + (("node",) if on_nodes else ()), tuple(rows),
+        align="lrlrrrrlrr" + ("l" if on_nodes else ""))]
 
 
 def blocks(run: MatrixRun, context: SectionContext) -> list[Block]:

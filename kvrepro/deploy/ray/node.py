@@ -1,0 +1,117 @@
+"""What runs on a node: one Ray task per run (the driver side is target.py).
+
+The task reports that it started (and on which node) to the driver's progress actor, makes the
+build's overlay from its content-addressed bundle (once per node, bundle.py), runs the runner's
+own run function (sent by reference: ``kvrepro.matrix.runner.run_one``) with a node-local `sim`
+target into a node-local scratch folder, and returns every file of the run with the result.
+The engine is a child of this worker (its own session, a parent-death signal: kvrepro.lifetime),
+so a worker that is cancelled, killed or loses its raylet takes its engine with it.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ... import scratch
+from ...records import BuildArtifact, NodeInfo, RunResult
+from ..base import RunFunction, SilentProgress
+from .bundle import BundleRef, unpack, unpacked
+
+
+@dataclass(frozen=True)
+class NodeRun:
+    """One run as sent to a node. ``bundle_data`` holds the bundle's object-store reference inside
+    a list, so Ray does not fetch the bytes unless the node lacks the build."""
+
+    key: str
+    loaded: Any  # the LoadedMatrix (spec/ is an earlier stage, but a record here stays import-light)
+    artifact: BuildArtifact
+    rep: int
+    bundle: BundleRef | None
+    bundle_data: list = field(default_factory=list)
+    sink: Any = None  # the driver's progress actor, or None
+    replay: Any = None
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """What comes back from a node: the run's files (path relative to the run folder, bytes), the
+    node, the result (the run folder inside it is the node's; the driver puts its own)."""
+
+    node: NodeInfo
+    result: RunResult
+    files: tuple[tuple[str, bytes], ...]
+
+
+def this_node() -> NodeInfo:
+    import ray
+
+    return NodeInfo(node_id=ray.get_runtime_context().get_node_id(), address=ray.util.get_node_ip_address())
+
+
+class _NodeProgress(SilentProgress):
+    """run_one's progress on a node, forwarded to the driver's actor (requests at most once a second)."""
+
+    def __init__(self, sink: Any, key: str):
+        self.sink, self.key, self._last = sink, key, 0.0
+
+    def requests_done(self, build: str, rep: int, done: int, failed: int) -> None:
+        now = time.monotonic()
+        if self.sink is not None and now - self._last >= 1.0:
+            self._last = now
+            self.sink.requests.remote(self.key, done, failed)
+
+
+# one `sim` target per worker process: its engine zygote (torch & co. imported once) serves every
+# run this worker executes; each run gets a shallow copy holding that run's matrix
+_LOCAL: dict[str, Any] = {}
+_LOCAL_LOCK = threading.Lock()
+
+
+def _local_target(loaded: Any) -> Any:
+    from .. import get_target
+
+    with _LOCAL_LOCK:
+        if "sim" not in _LOCAL:
+            _LOCAL["sim"] = get_target("sim")(loaded)
+        sibling = copy.copy(_LOCAL["sim"])
+    sibling.loaded = loaded
+    sibling.name = "ray"  # the manifest says which target ran it
+    return sibling
+
+
+def local_artifact(job: NodeRun, node: NodeInfo) -> BuildArtifact:
+    """The build on this node: its overlay made from the bundle, once (a failed build stays as it is)."""
+    if not job.artifact.ok or job.bundle is None:
+        return job.artifact
+    path = unpacked(job.bundle, node.node_id)
+    if path is None:
+        import ray
+
+        path = unpack(job.bundle, ray.get(job.bundle_data[0]), node.node_id)
+    return replace(job.artifact, ref=str(path), source_root=str(path))
+
+
+def run_task(job: NodeRun, run: RunFunction) -> RunFiles:
+    """The Ray task: one run on this node, its files returned."""
+    node = this_node()
+    if job.sink is not None:
+        job.sink.started.remote(job.key, node)
+    artifact = local_artifact(job, node)
+    target = _local_target(job.loaded)
+    run_dir = Path(tempfile.mkdtemp(prefix="ray-run-", dir=scratch.folder()))
+    try:
+        result = run(job.loaded, target, artifact, run_dir, job.rep, _NodeProgress(job.sink, job.key),
+                     threading.Event(), job.replay)
+        files = tuple((p.relative_to(run_dir).as_posix(), p.read_bytes())
+                      for p in sorted(run_dir.rglob("*")) if p.is_file())
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return RunFiles(node=node, result=result, files=files)

@@ -1,0 +1,361 @@
+"""The `ray` target, driver side: connect, ship builds once, run every run as a Ray task, retry
+runs whose node was lost, cancel everything on Ctrl-C, show runs per node.
+
+Imported only through :func:`kvrepro.deploy.ray.load` (it imports Ray).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import ray
+import ray.exceptions as rex
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ...errors import BadInputError, InfraError
+from ...records import BuildArtifact, BuildPlan, NodeInfo, Outcome, RunManifest, RunResult, Verdict, from_jsonable, to_jsonable
+from ...secrets import redact
+from .. import get_target, register
+from ..base import EngineHandle, RunFunction, Target
+from .bundle import BundleRef, pack
+from .node import NodeRun, RunFiles, run_task
+from .settings import RaySpec, cluster_address, ray_settings
+
+# a task failed because its node or worker went away (not because of the run): INFRA, sent again
+NODE_LOST = (rex.NodeDiedError, rex.WorkerCrashedError, rex.LocalRayletDiedError, rex.ObjectLostError,
+             rex.OwnerDiedError, rex.ObjectFetchTimedOutError, rex.RaySystemError, rex.ActorDiedError)
+
+
+def reachable(address: str, timeout: float) -> str | None:
+    """None if ``address`` (host:port, ray://host:port) accepts a TCP connection within ``timeout``,
+    else why not: a cluster that is not there is named at once instead of after Ray's own retries."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc) or type(exc).__name__
+
+
+def _ray_messages_to_stderr() -> None:
+    """Ray's driver prints the cluster's error messages ("(raylet) A worker died ...", a node lost)
+    on stdout (ray._private.worker.listen_error_messages); kvrepro's stdout is `--json`'s. They go
+    to stderr instead. (Ray's internal function: if it is not there, nothing is changed.)"""
+    from ray._private import worker
+
+    original = getattr(worker, "print_to_stdstream", None)
+    if original is None or getattr(original, "_kvrepro", False):
+        return
+
+    def to_stderr(data, ignore_prefix: bool):
+        return original(dict(data, is_err=True), ignore_prefix)
+
+    to_stderr._kvrepro = True  # type: ignore[attr-defined]
+    worker.print_to_stdstream = to_stderr
+
+
+class _Sink:
+    """The driver's progress actor: nodes say when a run started (and where) and how far it got."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def started(self, key: str, node: NodeInfo) -> None:
+        self.events.append(("started", key, node))
+
+    def requests(self, key: str, done: int, failed: int) -> None:
+        self.events.append(("requests", key, done, failed))
+
+    def drain(self) -> list[tuple]:
+        out, self.events = self.events, []
+        return out
+
+
+class _Board:
+    """Runs queued (sent, not started on a node yet), running and finished per node."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.queued: set[str] = set()
+        self.where: dict[str, NodeInfo] = {}
+        self.finished: Counter[str] = Counter()
+
+    def line(self) -> str:
+        with self.lock:
+            running = Counter(n.address for n in self.where.values())
+            nodes = sorted(set(running) | set(self.finished))
+            parts = [f"{a}: {running[a]} running, {self.finished[a]} finished" for a in nodes]
+            return f"ray: {len(self.queued)} queued" + ("; " + "; ".join(parts) if parts else "")
+
+
+@register("ray")
+class RayTarget(Target):
+    """Runs each run as a Ray task that reserves ``ray.cpus_per_run`` (and ``ray.gpus_per_run``)."""
+
+    runs_remotely = True
+
+    def __init__(self, loaded):
+        super().__init__(loaded)
+        self.spec: RaySpec = ray_settings(loaded.matrix)
+        self.address = cluster_address(self.spec)
+        if self.address is None:
+            raise BadInputError("target ray: no cluster address; set ray.address in matrix.yaml or RAY_ADDRESS "
+                                "(host:port of the head's GCS, ray://host:10001, or auto)")
+        self._connect()
+        self._local = get_target("sim")(loaded)  # builds overlays on the driver; never starts an engine
+        self._bundles: dict[str, tuple[BundleRef, Any]] = {}
+        self._inflight: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._interrupted = threading.Event()
+        self.board = _Board()
+        self._keys: dict[str, tuple[str, int]] = {}
+        self._progress: dict[str, Any] = {}
+        self._sink = ray.remote(num_cpus=0)(_Sink).remote()
+        self._closed = threading.Event()
+        self._poller = threading.Thread(target=self._poll, daemon=True, name="kvrepro-ray-progress")
+        self._poller.start()
+
+    # ------------------------------------------------------------------ the cluster
+    def _connect(self) -> None:
+        address = self.address or "auto"
+        if address != "auto":
+            why = reachable(address, self.spec.connect_timeout_s)
+            if why is not None:
+                raise InfraError(f"INFRA: ray cluster unreachable at {address} ({why} within "
+                                 f"{self.spec.connect_timeout_s:.0f}s); start it (`ray start --head`) or fix "
+                                 "ray.address / RAY_ADDRESS")
+        if ray.is_initialized():
+            return
+        kwargs: dict[str, Any] = dict(address=address, namespace="kvrepro", log_to_driver=False,
+                                      logging_level="ERROR")
+        host = address.removeprefix("ray://").rpartition(":")[0]
+        try:
+            if not address.startswith("ray://") and ipaddress.ip_address(host).is_loopback:
+                kwargs["_node_ip_address"] = host  # a cluster on this machine's loopback: the driver is on it
+        except ValueError:
+            pass
+        if self.spec.ship_code:
+            import kvrepro
+
+            kwargs["runtime_env"] = {"py_modules": [str(Path(kvrepro.__file__).parent)]}
+        _ray_messages_to_stderr()
+        # ray.init puts its own SIGTERM handler (sys.exit) in place of kvrepro's (stop in order, 130)
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        try:
+            ray.init(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - Ray raises many kinds here (RpcError, AuthenticationError, ...)
+            raise InfraError(f"INFRA: ray cluster at {address}: {redact(str(exc)).splitlines()[0][:300]}") from None
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                for sig, handler in handlers.items():
+                    if handler is not None:
+                        signal.signal(sig, handler)
+
+    def nodes(self) -> list[NodeInfo]:
+        """The cluster's alive nodes."""
+        return [NodeInfo(node_id=n["NodeID"], address=n["NodeManagerAddress"]) for n in ray.nodes() if n["Alive"]]
+
+    def max_parallel(self) -> int:
+        """Twice what the cluster can run at once (Ray queues the rest): the queue stays visible."""
+        cpus = ray.cluster_resources().get("CPU", 1.0)
+        return max(1, min(256, 2 * int(cpus // self.spec.cpus_per_run)))
+
+    # ------------------------------------------------------------------ builds
+    def prepare(self, plan: BuildPlan) -> BuildArtifact:
+        """Build on the driver (as `sim` does), then put the bundle in the object store once."""
+        self._local.on_line = self.on_line
+        artifact = self._local.prepare(plan)
+        if artifact.ok and artifact.ref not in self._bundles:
+            ref, data = pack(Path(str(artifact.ref)), plan.base)
+            self._bundles[str(artifact.ref)] = (ref, ray.put(data))
+            self.on_line(f"build {plan.name}: bundle {ref.sha256[:12]} ({ref.size / 1e6:.1f} MB) in the object store")
+        return artifact
+
+    def start(self, artifact: BuildArtifact, run_dir: Path, rep: int) -> EngineHandle:
+        raise InfraError("target ray runs whole runs on its nodes (run_remotely); it starts no local engine")
+
+    # ------------------------------------------------------------------ runs
+    def run_remotely(self, run: RunFunction, loaded: Any, artifact: BuildArtifact, run_dir: Path, rep: int,
+                     progress: Any, stop: threading.Event, replay: Any = None) -> RunResult:
+        key = f"{artifact.plan.name}/{rep}/{time.monotonic_ns()}"
+        bundle = self._bundles.get(str(artifact.ref))
+        lost: list[str] = []
+        avoid: set[str] = set()
+        started = time.monotonic()
+        with self._lock:
+            self._keys[key] = (artifact.plan.name, rep)
+            self._progress[key] = progress
+        try:
+            for attempt in range(self.spec.max_retries + 1):
+                if stop.is_set() or self._interrupted.is_set():
+                    return self._result(artifact, rep, run_dir, Verdict.INTERRUPTED, "interrupted before it started",
+                                        started, lost)
+                job = NodeRun(key=key, loaded=loaded, artifact=artifact, rep=rep,
+                              bundle=bundle[0] if bundle else None, bundle_data=[bundle[1]] if bundle else [],
+                              sink=self._sink, replay=replay)
+                ref = self._submit(job, run, avoid)
+                with self.board.lock:
+                    self.board.queued.add(key)
+                self._publish()
+                try:
+                    files: RunFiles = self._wait(ref)
+                except rex.TaskCancelledError:
+                    return self._result(artifact, rep, run_dir, Verdict.INTERRUPTED,
+                                        "interrupted: its Ray task was cancelled", started, lost)
+                except NODE_LOST as exc:
+                    with self.board.lock:
+                        node = self.board.where.get(key)
+                    where = f"node {node.label}" if node else "its node"
+                    lost.append(f"attempt {attempt + 1}: {where} lost: {type(exc).__name__}: "
+                                f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}")
+                    if node is not None:
+                        avoid.add(node.node_id)
+                    self._forget(key, finished=False)
+                    progress.stage(f"build {artifact.plan.name} rep {rep}: INFRA ({lost[-1]}); "
+                                   + ("sent again" if attempt < self.spec.max_retries else "no retries left"))
+                    continue
+                except rex.RayTaskError as exc:
+                    cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+                    if isinstance(cause, KeyboardInterrupt):
+                        return self._result(artifact, rep, run_dir, Verdict.INTERRUPTED,
+                                            "interrupted: its Ray task was cancelled", started, lost)
+                    return self._result(artifact, rep, run_dir, Verdict.INFRA,
+                                        f"ray task failed: {type(cause).__name__}: {cause}", started, lost)
+                finally:
+                    with self._lock:
+                        self._inflight.pop(key, None)
+                stored = self._store(files, run_dir, lost)
+                self._forget(key)
+                progress.stage(self.board.line())  # per node, also in --ci's plain lines
+                return stored
+            return self._result(artifact, rep, run_dir, Verdict.INFRA,
+                                f"node lost {len(lost)} times (ray.max_retries {self.spec.max_retries})", started, lost)
+        finally:
+            self._forget(key)
+            with self._lock:
+                self._keys.pop(key, None)
+                self._progress.pop(key, None)
+
+    def _submit(self, job: NodeRun, run: RunFunction, avoid: set[str]) -> Any:
+        options: dict[str, Any] = dict(num_cpus=self.spec.cpus_per_run, num_gpus=self.spec.gpus_per_run,
+                                       max_retries=0, retry_exceptions=False)
+        if avoid:  # a retry: to another alive node when there is one (soft: any node if that one is busy)
+            others = [n for n in self.nodes() if n.node_id not in avoid]
+            if others:
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(others[0].node_id, soft=True)
+        ref = ray.remote(run_task).options(**options).remote(job, run)
+        with self._lock:
+            self._inflight[job.key] = ref
+        if self._interrupted.is_set():
+            ray.cancel(ref, force=False)
+        return ref
+
+    def _wait(self, ref: Any) -> RunFiles:
+        while True:
+            ready, _ = ray.wait([ref], timeout=0.5)
+            if ready:
+                return ray.get(ref)
+
+    def _store(self, files: RunFiles, run_dir: Path, lost: list[str]) -> RunResult:
+        """The run's files into its folder (manifest.json with the node), the result with the driver's folder."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for rel, data in files.files:
+            dest = (run_dir / rel).resolve()
+            if not dest.is_relative_to(run_dir.resolve()) or rel == "verdict.json":
+                continue  # verdict.json is the runner's, written last
+            if rel == "manifest.json":
+                manifest = replace(from_jsonable(RunManifest, json.loads(data)), node=files.node)
+                data = (json.dumps(to_jsonable(manifest), indent=2) + "\n").encode()
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.with_name(dest.name + ".tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, dest)
+        return replace(files.result, run_dir=str(run_dir), node=files.node, retried_after=tuple(lost))
+
+    def _result(self, artifact: BuildArtifact, rep: int, run_dir: Path, verdict: Verdict, title: str,
+                started: float, lost: list[str]) -> RunResult:
+        return RunResult(build=artifact.plan.name, rep=rep, verdict=verdict,
+                         outcome=Outcome.INFRA if verdict is Verdict.INFRA else Outcome.NONE, title=title[:500],
+                         trigger_count=0, external_hit_calls=0, requests=0,
+                         seconds=round(time.monotonic() - started, 3),
+                         infra_error=redact("\n".join([title, *lost])) if verdict is Verdict.INFRA else None,
+                         run_dir=str(run_dir), base=artifact.plan.base, retried_after=tuple(lost))
+
+    # ------------------------------------------------------------------ progress
+    def _forget(self, key: str, finished: bool = True) -> None:
+        with self.board.lock:
+            self.board.queued.discard(key)
+            node = self.board.where.pop(key, None)
+            if node is not None and finished and key in self._keys:
+                self.board.finished[node.address] += 1
+        self._publish()
+
+    def _publish(self) -> None:
+        self.on_line(self.board.line())
+
+    def _poll(self) -> None:
+        while not self._closed.wait(1.0):
+            try:
+                events = ray.get(self._sink.drain.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - progress is best effort; runs are judged by their results
+                continue
+            for event in events:
+                key = event[1]
+                with self._lock:
+                    progress = self._progress.get(key)
+                    build_rep = self._keys.get(key)
+                if progress is None or build_rep is None:
+                    continue
+                if event[0] == "started":
+                    with self.board.lock:
+                        self.board.queued.discard(key)
+                        self.board.where[key] = event[2]
+                    progress.run_started(build_rep[0], build_rep[1], self.loaded.matrix.runs.requests)
+                    self._publish()
+                else:
+                    progress.requests_done(build_rep[0], build_rep[1], event[2], event[3])
+
+    # ------------------------------------------------------------------ stopping
+    def interrupt(self) -> None:
+        """Ctrl-C / SIGTERM: cancel every run's task (queued ones never start); a running task gets
+        a KeyboardInterrupt and stops its engine; after ray.cancel_grace_s its worker is killed."""
+        self._interrupted.set()
+        with self._lock:
+            refs = list(self._inflight.values())
+        for ref in refs:
+            ray.cancel(ref, force=False)
+
+        def force() -> None:
+            deadline = time.monotonic() + self.spec.cancel_grace_s
+            while time.monotonic() < deadline:
+                with self._lock:
+                    if not self._inflight:
+                        return
+                time.sleep(0.2)
+            with self._lock:
+                left = list(self._inflight.values())
+            for ref in left:
+                try:
+                    ray.cancel(ref, force=True)
+                except Exception:  # noqa: BLE001
+                    pass
+
+        threading.Thread(target=force, daemon=True, name="kvrepro-ray-cancel").start()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._local.close()
+        try:
+            ray.kill(self._sink)
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,289 @@
+"""The `ray` target on a real multi-node Ray cluster on this machine (issue 19).
+
+Real parts: Ray (one raylet per node, started with `ray start`, each node on its own loopback
+address 127.0.0.11-13), vLLM's own `vllm serve` of each build with the GPU-free plugin (only the
+model executor and the offload data movement are faked, as everywhere in kvrepro), real signals,
+real processes. Faked: nothing of Ray; the nodes advertise no GPUs (``--num-cpus 1`` each: one
+GPU-free engine per node at a time). The matrix is the default one shrunk to builds A and E,
+one repetition and a small request budget (2 cores on this machine).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, require
+
+try:
+    import ray  # noqa: F401
+
+    HAVE_RAY = True
+except ImportError:
+    HAVE_RAY = False
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+
+def _kvrepro(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvrepro.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def _matrix(folder: Path, target: str, address: str, requests: int = 60, reps: int = 1,
+            builds: tuple[str, ...] = ("A", "E")) -> Path:
+    """The default matrix, builds A and E only (or ``builds``), on ``target``."""
+    data = yaml.safe_load((ROOT / "matrix.yaml").read_text())
+    data["builds"] = {k: v for k, v in data["builds"].items() if k in builds}
+    data["expect"] = {k: v for k, v in data["expect"].items() if k in builds}
+    data["runs"].update(requests=requests, repetitions=reps, start_timeout_s=400)
+    data["target"] = target
+    data["ray"] = {"address": address}
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / "builds").exists():
+        (folder / "builds").symlink_to(ROOT / "builds")
+    path = folder / f"matrix-{target}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, overlays):
+    """Three raylets on 127.0.0.11-13, one logical CPU each; torn down (every process of it killed
+    by pid, none by name) and checked to have left nothing."""
+    require(HAVE_RAY, "ray is not installed (pip install 'kvrepro[ray]')")
+    from kvrepro.deploy.ray.localcluster import LocalCluster
+
+    cache = tmp_path_factory.mktemp("ray-node-cache")
+    os.environ["KVREPRO_RAY_NODE_CACHE"] = str(cache)  # inherited by the raylets and their workers
+    c = LocalCluster(nodes=3, cpus_per_node=1).start()
+    try:
+        yield c
+    finally:
+        os.environ.pop("KVREPRO_RAY_NODE_CACHE", None)
+        left = c.stop()
+        assert not left, f"processes of the test cluster still alive: {left}"
+        assert not c.processes()
+
+
+def _node_addresses(address: str) -> list[str]:
+    code = ("import json, ray; ray.init(address=%r, _node_ip_address=%r, log_to_driver=False, logging_level='ERROR');"
+            "print(json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))"
+            % (address, address.rpartition(":")[0]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _engines_below(pids: set[int]) -> set[int]:
+    from kvrepro.deploy.ray.localcluster import _cmdline, descendants
+
+    return {p for p in descendants(pids) if any("kvrepro.engine" in a for a in _cmdline(p))}
+
+
+def test_without_ray_the_target_says_how_to_install_it(tmp_path):
+    """Missing extra, simulated: the child python gets a meta-path finder that refuses `ray`
+    (as an environment without the extra would), then runs kvrepro's CLI."""
+    matrix = _matrix(tmp_path, "ray", "127.0.0.1:1")
+    code = ("import sys\n"
+            "class NoRay:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'ray' or name.startswith('ray.'):\n"
+            "            raise ModuleNotFoundError(\"No module named 'ray'\", name='ray')\n"
+            "sys.meta_path.insert(0, NoRay())\n"
+            "from kvrepro.cli import main\n"
+            "sys.argv = ['kvrepro'] + sys.argv[1:]\n"
+            "main()\n")
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code, "matrix", "run", "-m", str(matrix), "--results",
+                           str(tmp_path / "r"), "--ci"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 3, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "pip install 'kvrepro[ray]'" in lines[0], proc.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_an_unreachable_cluster_is_a_named_infra_at_once(tmp_path):
+    require(HAVE_RAY, "ray is not installed (pip install 'kvrepro[ray]')")
+    matrix = _matrix(tmp_path, "ray", "127.0.0.1:1")  # nothing listens on port 1
+    started = time.monotonic()
+    proc = _kvrepro("matrix", "run", "-m", str(matrix), "--results", str(tmp_path / "r"), "--ci", cwd=tmp_path,
+                    timeout=120)
+    took = time.monotonic() - started
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert "INFRA: ray cluster unreachable at 127.0.0.1:1 (Connection refused" in proc.stderr, proc.stderr
+    assert took < 30, took  # not Ray's own minute of retries
+
+
+def test_matrix_on_ray_gives_the_sim_verdicts_spread_over_loopback_nodes(tmp_path, cluster):
+    addresses = _node_addresses(cluster.address)
+    assert len(addresses) == 3
+    assert all(ipaddress.ip_address(a) in ipaddress.ip_network("127.0.0.0/8") for a in addresses), addresses
+
+    verdicts = {}
+    runs = {}
+    for target in ("sim", "ray"):
+        matrix = _matrix(tmp_path, target, cluster.address)
+        proc = _kvrepro("matrix", "run", "-m", str(matrix), "--results", str(tmp_path / target), "--json", "--ci",
+                        cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        run = json.loads(proc.stdout)
+        runs[target] = run
+        verdicts[target] = {b: [(r["verdict"], r["outcome"], sorted(r["kv_defects"])) for r in info["runs"]]
+                            for b, info in run["builds"].items()}
+    assert verdicts["ray"] == verdicts["sim"], verdicts
+
+    nodes = set()
+    for b, info in runs["ray"]["builds"].items():
+        for r in info["runs"]:
+            run_dir = Path(r["run_dir"])
+            assert run_dir.is_relative_to(tmp_path / "ray"), run_dir  # the driver's folder, not the node's
+            for name in ("engine.log", "load.jsonl", "trace.jsonl", "metrics.txt", "manifest.json", "verdict.json"):
+                assert (run_dir / name).is_file(), (b, name)
+            verdict = json.loads((run_dir / "verdict.json").read_text())
+            manifest = json.loads((run_dir / "manifest.json").read_text())
+            assert verdict["node"] == manifest["node"] and manifest["target"] == "ray"
+            assert ipaddress.ip_address(verdict["node"]["address"]).is_loopback
+            nodes.add(verdict["node"]["node_id"])
+    assert len(nodes) > 1, "both runs ran on one node"  # one CPU per node: two runs cannot share one
+    report = (Path(runs["ray"]["path"]) / "report.md").read_text()
+    assert "| node |" in report and "127.0.0.1" in report
+    # each build was unpacked on its node from its bundle (content-addressed), not rebuilt
+    cache = Path(os.environ["KVREPRO_RAY_NODE_CACHE"])
+    unpacked = list(cache.glob("*/overlays/*/.kvrepro-complete"))
+    assert len(unpacked) >= 2 and all(len(p.parent.name) == 32 for p in unpacked)
+
+
+def test_ctrl_c_and_sigterm_cancel_every_task_and_leave_no_engine(tmp_path, cluster):
+    raylets = {p for p in (cluster.raylet_pid(ip) for ip in cluster.addresses) if p}
+    assert len(raylets) == 3
+    matrix = _matrix(tmp_path, "ray", cluster.address, requests=600)
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "kvrepro.cli", "matrix", "run", "-m", str(matrix), "--results",
+                                 str(tmp_path / "r"), "--ci"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not _engines_below(raylets) and proc.poll() is None:
+            time.sleep(0.5)
+        seen = _engines_below(raylets)
+        assert seen, f"no engine started on any node; kvrepro: {proc.poll()}, {log.read_text()[-3000:]}"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = log.read_text()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    time.sleep(3)
+    assert not _engines_below(raylets), "an engine survived the cancel"
+    assert not [p for p in seen if Path(f"/proc/{p}").exists()]
+    run = json.loads(next((tmp_path / "r").glob("*/run.json")).read_text())
+    assert run["status"] == "interrupted"
+
+
+def test_killing_a_nodes_raylet_mid_matrix_loses_no_run(tmp_path, cluster):
+    """SIGKILL of a worker node's raylet while an engine runs there: that run is INFRA, sent
+    again to another node; every run ends finished, and nothing the killed node ran is left.
+    (Build E twice: both runs serve their whole budget, so the kill always lands mid-run.)"""
+    matrix = _matrix(tmp_path, "ray", cluster.address, requests=300, reps=2, builds=("E",))
+    killed: dict[str, object] = {}
+
+    def kill_when_busy() -> None:
+        from kvrepro.deploy.ray.localcluster import descendants
+
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            for ip in cluster.addresses[1:]:  # a worker node, never the head (the driver is on it)
+                raylet = cluster.raylet_pid(ip)
+                if raylet and _engines_below({raylet}):
+                    time.sleep(2)  # the engine is under load by now
+                    killed.update(ip=ip, below=descendants({raylet}) - {raylet})
+                    os.kill(raylet, signal.SIGKILL)
+                    return
+            time.sleep(0.5)
+
+    killer = threading.Thread(target=kill_when_busy, daemon=True)
+    killer.start()
+    proc = _kvrepro("matrix", "run", "-m", str(matrix), "--results", str(tmp_path / "r"), "--json", "--ci",
+                    cwd=tmp_path)
+    killer.join(timeout=5)
+    assert "below" in killed, "no worker node ran an engine"
+    victim = killed["ip"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(proc.stdout)  # Ray's "node died" messages went to stderr: stdout is --json's alone
+    results = [r for info in run["builds"].values() for r in info["runs"]]
+    assert len(results) == 2 and all(r["verdict"] == "UNREACHED" for r in results), results
+    retried = [r for r in results if r["retried_after"]]
+    assert len(retried) == 1, results
+    assert f"node {victim} " in retried[0]["retried_after"][0] and retried[0]["node"]["address"] != victim, retried
+    for r in results:
+        assert (Path(r["run_dir"]) / "engine.log").is_file() and (Path(r["run_dir"]) / "verdict.json").is_file()
+    time.sleep(3)
+    left = [p for p in killed["below"] if Path(f"/proc/{p}").exists()]  # type: ignore[union-attr]
+    assert not left, f"processes of the killed node still alive: {left}"
+
+
+def test_a_build_bundle_is_content_addressed_and_unpacks_to_the_same_overlay(tmp_path, monkeypatch, overlays):
+    """No Ray needed: build E's overlay packed (only what is not the pristine tree), unpacked on a
+    "node" with its own cache, is file for file the overlay; the pristine tree is not written
+    through its hard links; a second unpack reuses it; damaged bytes are refused."""
+    import hashlib
+
+    from kvrepro.builds import pristine_tree
+    from kvrepro.deploy.ray.bundle import pack, unpack, unpacked
+    from kvrepro.errors import InfraError
+
+    monkeypatch.setenv("KVREPRO_RAY_NODE_CACHE", str(tmp_path / "nodes"))
+    overlay = overlays["E"]
+    _, pristine, _ = pristine_tree("0.26.0")
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (pristine / "vllm" / "v1" / "core").rglob("*.py")}
+    ref, data = pack(overlay, "0.26.0")
+    assert ref == pack(overlay, "0.26.0")[0]  # deterministic: same build, same sha256
+    assert ref.size < 2_000_000  # the patched files, not the 157 MB tree
+    with pytest.raises(InfraError, match="damaged"):
+        unpack(ref, data[:-1] + b"x", "node-a")
+    assert unpacked(ref, "node-a") is None
+    dest = unpack(ref, data, "node-a")
+    assert unpacked(ref, "node-a") == dest and unpack(ref, data, "node-a") == dest
+    assert unpacked(ref, "node-b") is None  # every node unpacks its own
+    ours = {p.relative_to(overlay).as_posix(): p for p in overlay.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    theirs = {p.relative_to(dest).as_posix(): p for p in dest.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+              and p.name != ".kvrepro-complete"}
+    assert set(ours) == set(theirs)
+    assert all(ours[k].read_bytes() == theirs[k].read_bytes() for k in ours)
+    assert before == {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in before}
+
+
+def test_ray_settings_are_checked_with_file_line_and_field(tmp_path):
+    """`ray:` belongs to the ray target (deploy/ray/settings.py) and is checked without Ray installed."""
+    from kvrepro.errors import SpecError
+    from kvrepro.matrix import load_matrix
+
+    for bad, message in [({"address": "nohost"}, "ray.address: 'nohost': give host:port"),
+                         ({"max_retries": -1}, "ray.max_retries: Input should be greater than or equal to 0"),
+                         ({"bogus": 1}, "ray.bogus: unknown field; allowed here: address")]:
+        data = yaml.safe_load(_matrix(tmp_path, "ray", "127.0.0.1:1").read_text())
+        data["ray"] = bad
+        path = tmp_path / "bad.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        with pytest.raises(SpecError) as info:
+            load_matrix(path)
+        assert message in str(info.value) and "bad.yaml:" in str(info.value), str(info.value)
+    from kvrepro.deploy.ray.settings import DEFAULT_MAX_RETRIES, ray_settings
+
+    assert ray_settings(load_matrix(_matrix(tmp_path, "ray", "127.0.0.1:1")).matrix).max_retries == DEFAULT_MAX_RETRIES == 2
