@@ -511,7 +511,7 @@ def test_duplicate_build_key_names_both_lines(tmp_path):
 
 @pytest.mark.parametrize("change, needle", [
     ({"load": {"profile": "no_such_profile"}}, "load.profile: unknown profile 'no_such_profile'; known profiles:"),
-    ({"target": "nonsense"}, "target: unknown target 'nonsense'; known targets: docker, sim"),
+    ({"target": "nonsense"}, "target: unknown target 'nonsense'; known targets: docker, ray, sim"),
     ({"engine": {"model": "no-such-model"}}, "engine.model: 'no-such-model' is neither a directory"),
 ], ids=["profile", "target", "model"])
 def test_validate_catches_what_used_to_fail_late(tmp_path, change, needle):
@@ -529,7 +529,7 @@ def test_validate_catches_what_used_to_fail_late(tmp_path, change, needle):
 
 def test_plan_with_an_unknown_target():
     one_clear_line(kvrepro("matrix", "plan", "--target", "nonsense"), 2,
-                   "--target: unknown target 'nonsense'; known targets: docker, sim")
+                   "--target: unknown target 'nonsense'; known targets: docker, ray, sim")
 
 
 def test_engine_flag_checked_against_vllm_serve(tmp_path, runtime_python):
