@@ -1318,6 +1318,7 @@ def test_run_materialises_nothing_per_repetition(tmp_path, monkeypatch):
     class FakeTarget:
         name = "sim"
         on_line = None
+        runs_remotely = False  # the Target contract's: this one starts its engines itself
 
         def __init__(self, loaded):
             pass
