@@ -31,7 +31,6 @@ import argparse
 import copy
 import json
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -80,12 +79,7 @@ def failure_at(entry: Entry, run: rtc.Run) -> int | None:
     return first_request(entry.signature, run.kv_first_request_by_class or {}, run.kv_groups or ())
 
 
-def median(values: list[int | None], budget: int) -> tuple[float, bool]:
-    """Median with runs that showed nothing counted as the budget; True when it rests on one of those."""
-    ranked = sorted(values, key=lambda v: (v is None, v or 0))
-    n = len(ranked)
-    censored = any(v is None for v in ranked[(n - 1) // 2: n // 2 + 1])
-    return statistics.median([v if v is not None else budget for v in values]), censored
+median = rtc.censored_median  # runs that showed nothing count as the budget; True: a lower bound
 
 
 def main() -> int:

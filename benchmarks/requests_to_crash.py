@@ -338,16 +338,22 @@ def run_generic(engine: Engine, name: str, seeds: int, budget: int, workdir: Pat
 
 # --- the table -----------------------------------------------------------------------------------
 
+def censored_median(values: list[int | None], budget: int) -> tuple[float, bool]:
+    """Median of requests-to-failure with None (nothing within the budget) counted as the budget,
+    and whether it rests on such a run (then it is only a lower bound)."""
+    ranked = sorted(values, key=lambda v: (v is None, v or 0))
+    n = len(ranked)
+    censored = any(v is None for v in ranked[(n - 1) // 2: n // 2 + 1])
+    return statistics.median([v if v is not None else budget for v in values]), censored
+
+
 def median_of(runs: list[Run], budget: int) -> float:
-    return statistics.median([r.requests if r.requests is not None else budget for r in runs])
+    return censored_median([r.requests for r in runs], budget)[0]
 
 
 def median_censored(runs: list[Run]) -> bool:
     """Does the median rest on a run that did not crash (so it is only a lower bound)?"""
-    ranked = sorted(runs, key=lambda r: (r.requests is None, r.requests or 0))
-    n = len(ranked)
-    middle = ranked[(n - 1) // 2: n // 2 + 1]
-    return any(r.requests is None for r in middle)
+    return censored_median([r.requests for r in runs], 0)[1]
 
 
 def cell(run: Run) -> str:

@@ -44,6 +44,12 @@ class Outcome(str, enum.Enum):
     NONE = "none"  # no fatal error in the log
 
 
+
+# How kvrepro's load names each request to the engine (X-Request-Id ``kvrepro-<index>``; vLLM makes
+# it ``cmpl-kvrepro-<index>-0-<hex>``): the load sends it, the classifier reads it back from what the
+# engine logs about a request. Here, not in loadgen, so that reading a log does not import the client.
+REQUEST_ID_PREFIX = "kvrepro-"
+
 @dataclass(frozen=True)
 class PatchRef:
     """One patch file of the stack, as matrix.yaml declares it."""

@@ -30,8 +30,7 @@ import io
 import math
 import re
 
-from ..loadgen import REQUEST_ID_PREFIX
-from ..records import Exposure
+from ..records import REQUEST_ID_PREFIX, Exposure
 from .lines import split_line
 from .metrics import parse_prometheus, total
 

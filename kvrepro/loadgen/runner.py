@@ -54,7 +54,7 @@ from typing import Any
 import requests
 
 from ..errors import InfraError
-from ..records import LoadSummary
+from ..records import REQUEST_ID_PREFIX, LoadSummary
 from ..spec.matrix import LoadSpec, RunsSpec
 from . import http
 from . import trace as tracefile
@@ -67,10 +67,9 @@ _HEALTH_TIMEOUT_S = 2.0
 _MODELS_PATIENCE_S = 5.0
 _ERROR_CHARS = 300
 _JSON = {"Content-Type": "application/json"}
-# Every request names itself to the engine (vLLM takes X-Request-Id as the base of its request id:
-# `cmpl-kvrepro-<index>-0-<hex>`), so what the engine logs about a request -- a shadow-KV violation,
-# a traceback -- points back to its line in load.jsonl (kvrepro.classify.exposure reads it).
-REQUEST_ID_PREFIX = "kvrepro-"
+# Every request names itself to the engine (vLLM takes X-Request-Id as the base of its request id),
+# so what the engine logs about a request -- a shadow-KV violation, a traceback -- points back to its
+# line in load.jsonl (kvrepro.classify.exposure reads it).
 
 
 def request_id(index: int) -> str:
