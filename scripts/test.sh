@@ -21,4 +21,4 @@ if [ -f .ci/docker-setup.sh ]; then
   bash .ci/docker-setup.sh
 fi
 
-.venv/bin/python -m pytest -v -rfEs --durations=25 tests "$@"
+.venv/bin/python -m pytest -v -rfEs --durations=60 tests "$@"

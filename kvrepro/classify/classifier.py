@@ -130,6 +130,12 @@ class _Evidence:
         return self.followup.get(id(tb), tb)
 
 
+# The title of an engine whose `vllm serve` refused its arguments (argparse, exit code 2): the
+# suite reads a release that lacks an entry's engine option (NOT TESTABLE) from it, wherever the
+# runner's wording puts it in a run's title ("engine exited with code 2 ...: argument error: ...").
+ARGUMENT_ERROR_TITLE = "argument error: "
+
+
 def _reports_death(tb: Traceback) -> bool:
     return any(seg.short_exception in DEATH_REPORTS for seg in tb.segments)
 
@@ -202,7 +208,7 @@ def _decide(ev: _Evidence, source_root: Path | None,
         title = f"{cls.signature.exception if cls.signature else 'crash'}: engine died, root cause not in the log"
         return Classification(cls.outcome, title, cls.signature), ev.consequence
     if ev.arg_error is not None:
-        return Classification(Outcome.INFRA, _clip(f"argument error: {_scrub(ev.arg_error[1])}"), None), None
+        return Classification(Outcome.INFRA, _clip(f"{ARGUMENT_ERROR_TITLE}{_scrub(ev.arg_error[1])}"), None), None
     if ev.startup_line is not None and ev.death_line is not None:
         return Classification(Outcome.OTHER_CRASH, _clip(
             f"crash of unknown cause: the engine served, then died with no root cause in the log "
