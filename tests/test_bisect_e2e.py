@@ -138,11 +138,13 @@ def test_bisect_commits_interrupted_and_resumed_finds_the_fix_as_git_bisect_run_
     shown = kvrepro("results", "show", result["bisection_id"], "--results", str(results), "--json")
     assert json.loads(shown.stdout)["answer"] == shas["fix"]
 
-    # the same search by git itself, with kvrepro as the `git bisect run` script
+    # the same search by git itself, with kvrepro as the `git bisect run` script; --p-bad 0.96: A
+    # crashes in every run of this load (request 8, docs/benchmarks.md), so one clean run of a
+    # point says "fixed" at alpha 0.05 ((1 - 0.96)^1 < 0.05) instead of two at 0.8
     git(repo, "bisect", "start", "--term-old=broken", "--term-new=fixed", shas["later"], shas["0.26.0"])
     try:
         script = [sys.executable, "-m", "kvrepro.cli", "matrix", "verdict", "--git-bisect", "--find-fix",
-                  "--repo", ".", "--matrix", str(ROOT / "matrix.yaml"), "--requests", "300", "--p-bad", "0.8", *ASSERTION,
+                  "--repo", ".", "--matrix", str(ROOT / "matrix.yaml"), "--requests", "300", "--p-bad", "0.96", *ASSERTION,
                   "--results", str(tmp_path / "git-bisect")]
         run = subprocess.run(["git", "-C", str(repo), "bisect", "run", *script], capture_output=True, text=True,
                              timeout=1800)
