@@ -20,6 +20,7 @@ import pytest
 import requests
 
 from conftest import ROOT, require
+from kvrepro import paths
 
 MODEL_DIR = ROOT / "kvrepro" / "data" / "models" / "qwen3-next-tiny"
 
@@ -59,7 +60,7 @@ def served_d(default_matrix, overlays, tmp_path_factory):
 def test_the_unmodified_openai_client_works(served_d):
     import openai
 
-    _, handle, _ = served_d
+    artifact, handle, target = served_d
     client = openai.OpenAI(base_url=handle.base_url + "/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["qwen3-next-tiny"]
     text = client.completions.create(model="qwen3-next-tiny", prompt="the quick brown fox", max_tokens=5)
@@ -84,6 +85,26 @@ def test_the_unmodified_openai_client_works(served_d):
     assert "Platform plugin kvrepro_sim is activated" in log
     assert "(EngineCore" in log and "Sim executor: no GPU" in log  # the EngineCore process runs the sim
     assert "kvrepro-probe: installed function=OffloadingConnectorScheduler.update_state_after_alloc" in log
+    # vLLM's model-info cache is the base release's own folder (kvrepro.deploy.sim.vllm_cache_root),
+    # filled by this engine or an earlier one of 0.26.0, never shared with other releases
+    assert target.environment(artifact, 0)["VLLM_CACHE_ROOT"] == str(paths.home() / "vllm-cache" / "0.26.0")
+    cached = json.loads((paths.home() / "vllm-cache" / "0.26.0" / "modelinfos" /
+                         "vllm-model_executor-models-qwen3_next-Qwen3NextForCausalLM.json").read_text())
+    assert cached["hash"] and cached["modelinfo"]
+
+
+def test_each_base_release_has_its_own_vllm_cache_and_patch_stacks_share_it():
+    """A release switch must not invalidate another release's model-info entries (vLLM inspects a
+    model class again, in a subprocess, when the cached module hash differs)."""
+    from kvrepro.deploy.sim import vllm_cache_root
+    from kvrepro.records import BuildPlan, GitCommitSource, PatchRef
+
+    patch = PatchRef(name="pr-52807", path=Path("builds/pr-52807.patch"), upstream="", sha256="0" * 64)
+    a, b = BuildPlan("A", "0.26.0", ()), BuildPlan("B", "0.26.0", (patch,))
+    commit = BuildPlan("c", "0.26.0", (), source=GitCommitSource(repo="/r", commit="ab" * 20))
+    other = BuildPlan("A@0.30.0", "0.30.0", ())
+    assert vllm_cache_root(a) == vllm_cache_root(b) == vllm_cache_root(commit) == paths.home() / "vllm-cache" / "0.26.0"
+    assert vllm_cache_root(other) == paths.home() / "vllm-cache" / "0.30.0"
 
 
 def test_vllm_bench_serve_from_the_builds_own_vllm_completes(served_d, runtime_python):
