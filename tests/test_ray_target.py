@@ -41,14 +41,15 @@ def _kvrepro(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: 
 
 
 def _matrix(folder: Path, target: str, address: str, requests: int = 60, reps: int = 1,
-            builds: tuple[str, ...] = ("A", "E")) -> Path:
-    """The default matrix, builds A and E only (or ``builds``), on ``target``."""
+            builds: tuple[str, ...] = ("A", "E"), **ray_settings: object) -> Path:
+    """The default matrix, builds A and E only (or ``builds``), on ``target`` (more ``ray:`` settings
+    as keywords)."""
     data = yaml.safe_load((ROOT / "matrix.yaml").read_text())
     data["builds"] = {k: v for k, v in data["builds"].items() if k in builds}
     data["expect"] = {k: v for k, v in data["expect"].items() if k in builds}
     data["runs"].update(requests=requests, repetitions=reps, start_timeout_s=400)
     data["target"] = target
-    data["ray"] = {"address": address}
+    data["ray"] = {"address": address, **ray_settings}
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / "builds").exists():
         (folder / "builds").symlink_to(ROOT / "builds")
@@ -84,6 +85,33 @@ def _node_addresses(address: str) -> list[str]:
                           env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _placement_groups(address: str) -> list[dict]:
+    """Every placement group the cluster knows (removed ones too: state REMOVED), from a driver of its own."""
+    code = ("import json, ray; ray.init(address=%r, _node_ip_address=%r, log_to_driver=False, logging_level='ERROR');"
+            "from ray.util import placement_group_table;"
+            "print(json.dumps([{'name': g['name'], 'state': g['state'], 'strategy': g['strategy']}"
+            " for g in placement_group_table().values()]))" % (address, address.rpartition(":")[0]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _engine_window(run_dir: Path) -> tuple[float, float]:
+    """(when the run's engine logged its first line, when its last request ended), epoch seconds.
+    vLLM's log lines carry local time to the second (``INFO 12-01 18:47:33 ...``), cut down to
+    the second: the start is never later than the engine's."""
+    import datetime
+
+    stamp = next(line.split()[1:3] for line in (run_dir / "engine.log").read_text().splitlines()
+                 if len(line.split()) > 2 and line.split()[0] in ("INFO", "WARNING", "DEBUG", "ERROR"))
+    year = datetime.datetime.now().year
+    start = datetime.datetime.strptime(f"{year}-{stamp[0]} {stamp[1]}", "%Y-%m-%d %H:%M:%S").timestamp()
+    requests = [json.loads(line) for line in (run_dir / "load.jsonl").read_text().splitlines() if line.strip()]
+    end = max(r["started_at"] + (r["latency_s"] or 0) for r in requests)
+    return start, end
 
 
 def _engines_below(pids: set[int]) -> set[int]:
@@ -287,3 +315,48 @@ def test_ray_settings_are_checked_with_file_line_and_field(tmp_path):
     from kvrepro.deploy.ray.settings import DEFAULT_MAX_RETRIES, ray_settings
 
     assert ray_settings(load_matrix(_matrix(tmp_path, "ray", "127.0.0.1:1")).matrix).max_retries == DEFAULT_MAX_RETRIES == 2
+
+
+def test_a_two_node_engine_holds_a_placement_group_per_run_one_at_a_time(tmp_path, cluster):
+    """ray.nodes_per_engine 2 on three nodes of one CPU each: each run holds a STRICT_SPREAD
+    placement group of two one-CPU bundles, so only one such engine fits at a time and the other
+    run waits (queued) for a group. Both runs give build A's verdict (the one `expect:` names and
+    sim gives, test above), each record names both nodes of its group (the engine's first), at
+    most one engine ran at any moment, and every group is removed afterwards."""
+    raylets = {p for p in (cluster.raylet_pid(ip) for ip in cluster.addresses) if p}
+    matrix = _matrix(tmp_path, "ray", cluster.address, requests=60, reps=2, builds=("A",), nodes_per_engine=2)
+    proc = _kvrepro("matrix", "run", "-m", str(matrix), "--results", str(tmp_path / "r"), "--json", "--ci",
+                    cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]  # 0: every verdict is the one expect: names
+    assert "ray: 1 queued" in proc.stderr  # the second run waiting for its group
+    results = [r for info in json.loads(proc.stdout)["builds"].values() for r in info["runs"]]
+    assert [r["label"] for r in results] == ["CRASH(target)", "CRASH(target)"], results
+    for r in results:
+        held = r["placement_nodes"]
+        assert len(held) == 2 and held[0] == r["node"] and held[0]["node_id"] != held[1]["node_id"], r
+        manifest = json.loads((Path(r["run_dir"]) / "manifest.json").read_text())
+        assert manifest["placement_nodes"] == held and manifest["node"] == r["node"]
+    report = (next((tmp_path / "r").glob("*/report.md"))).read_text()
+    assert all(f"{r['node']['address']} ({r['node']['node_id'][:8]}) + {r['placement_nodes'][1]['address']}" in report
+               for r in results), report
+    first, second = sorted(_engine_window(Path(r["run_dir"])) for r in results)
+    assert first[1] <= second[0], (first, second)  # the second engine started after the first one's last request
+    groups = [g for g in _placement_groups(cluster.address) if g["name"].startswith("kvrepro-")]
+    assert len(groups) >= 2 and all(g["strategy"] == "STRICT_SPREAD" for g in groups), groups
+    assert all(g["state"] == "REMOVED" for g in groups), groups
+    time.sleep(1)
+    assert not _engines_below(raylets)
+
+
+def test_an_engine_wider_than_the_cluster_is_one_line_at_once(tmp_path, cluster):
+    """ray.nodes_per_engine 4 on three nodes can never be placed: one line naming the field, exit 2,
+    before anything is built or queued (not a run waiting in Ray's queue forever)."""
+    matrix = _matrix(tmp_path, "ray", cluster.address, builds=("A",), nodes_per_engine=4)
+    started = time.monotonic()
+    proc = _kvrepro("matrix", "run", "-m", str(matrix), "--results", str(tmp_path / "r"), "--ci", cwd=tmp_path,
+                    timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "ray.nodes_per_engine 4: the cluster at" in lines[0], proc.stderr
+    assert "3 alive node(s) with 1 CPU" in lines[0] and "Traceback" not in proc.stderr
+    assert time.monotonic() - started < 60

@@ -26,6 +26,29 @@ from .bundle import BundleRef, unpack, unpacked
 
 
 @dataclass(frozen=True)
+class Placement:
+    """A multi-node run's placement group (``ray.nodes_per_engine`` > 1), as its task gets it.
+
+    The task runs in bundle 0; the other bundles are held on their nodes for the engine's other
+    workers. The engine gets the group in its environment (:meth:`engine_env`): a launcher of a
+    real multi-node vLLM engine looks the group up by name (``ray.util.get_placement_group``) and
+    hands it to vLLM's Ray executor with these bundle indices. The GPU-free engine is one process
+    and does not use them: for it the other bundles are only held (docs/ray.md).
+    """
+
+    group_id: str                # Ray's placement group id (hex)
+    name: str                    # its name in the "kvrepro" namespace
+    bundles: tuple[int, ...]     # the bundle indices of the engine, 0 first
+    nodes: tuple[NodeInfo, ...]  # the node of each bundle, same order
+
+    def engine_env(self) -> dict[str, str]:
+        return {"KVREPRO_RAY_PLACEMENT_GROUP": self.group_id,
+                "KVREPRO_RAY_PLACEMENT_GROUP_NAME": self.name,
+                "KVREPRO_RAY_PLACEMENT_BUNDLES": ",".join(str(b) for b in self.bundles),
+                "KVREPRO_RAY_PLACEMENT_NODES": ",".join(n.address for n in self.nodes)}
+
+
+@dataclass(frozen=True)
 class NodeRun:
     """One run as sent to a node. ``bundle_data`` holds the bundle's object-store reference inside
     a list, so Ray does not fetch the bytes unless the node lacks the build."""
@@ -38,6 +61,7 @@ class NodeRun:
     bundle_data: list = field(default_factory=list)
     sink: Any = None  # the driver's progress actor, or None
     replay: Any = None
+    placement: Placement | None = None  # a multi-node engine's placement group, else None
 
 
 @dataclass(frozen=True)
@@ -106,6 +130,8 @@ def run_task(job: NodeRun, run: RunFunction) -> RunFiles:
         job.sink.started.remote(job.key, node)
     artifact = local_artifact(job, node)
     target = _local_target(job.loaded)
+    if job.placement is not None:
+        target.engine_env = job.placement.engine_env()  # this run's copy only
     run_dir = Path(tempfile.mkdtemp(prefix="ray-run-", dir=scratch.folder()))
     try:
         result = run(job.loaded, target, artifact, run_dir, job.rep, _NodeProgress(job.sink, job.key),
