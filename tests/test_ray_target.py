@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, require
+from test_docker_target import cpu_base, docker_host  # noqa: F401 (fixtures: the local dockerd, the CPU base)
 
 try:
     import ray  # noqa: F401
@@ -360,3 +361,54 @@ def test_an_engine_wider_than_the_cluster_is_one_line_at_once(tmp_path, cluster)
     assert len(lines) == 1 and "ray.nodes_per_engine 4: the cluster at" in lines[0], proc.stderr
     assert "3 alive node(s) with 1 CPU" in lines[0] and "Traceback" not in proc.stderr
     assert time.monotonic() - started < 60
+
+
+def test_engine_docker_runs_the_builds_image_in_each_nodes_daemon(tmp_path, cluster, docker_host, cpu_base):
+    """ray.engine docker: each node makes sure the build's image (content-addressed tag) is in its
+    own daemon and runs the engine there as a container, with the docker target's own code. Here
+    all three nodes share this machine's one dockerd (so they share its images and its lock).
+    Build A gets the decoy patch (a docstring reworded: no behaviour changes) with a header line
+    unique to this test, so its image's tag is new: the two runs (on two nodes at once when both
+    are free) must make it exactly once between them, the other run reusing it. Both give build
+    A's verdict (the one sim gives, test above) and no container of theirs is left. The test
+    removes the image it made (no other image is touched)."""
+    import hashlib
+    import uuid
+
+    from kvrepro.deploy.docker import labels as L
+
+    folder = tmp_path / "m"
+    (folder / "builds").mkdir(parents=True)
+    for path in (ROOT / "builds").iterdir():
+        (folder / "builds" / path.name).symlink_to(path)
+    patch = f"# Test token: {uuid.uuid4().hex} (a new image tag for this test only)\n".encode() \
+        + (ROOT / "builds" / "decoy-docstring.patch").read_bytes()
+    (folder / "builds" / "decoy-once.patch").write_bytes(patch)
+    matrix = _matrix(folder, "ray", cluster.address, requests=60, reps=2, builds=("A",), engine="docker")
+    data = yaml.safe_load(matrix.read_text())
+    data["base_image"] = cpu_base
+    data["patches"]["decoy-once"] = dict(data["patches"]["decoy-docstring"], file="decoy-once.patch",
+                                         sha256=hashlib.sha256(patch).hexdigest())
+    data["builds"]["A"] = ["decoy-once"]
+    matrix.write_text(yaml.safe_dump(data, sort_keys=False))
+    tags: set[str] = set()
+    try:
+        proc = _kvrepro("matrix", "run", "-m", str(matrix), "--results", str(tmp_path / "r"), "--json", "--ci",
+                        cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results = [r for info in json.loads(proc.stdout)["builds"].values() for r in info["runs"]]
+        assert [r["label"] for r in results] == ["CRASH(target)", "CRASH(target)"], results
+        artifacts = [json.loads((Path(r["run_dir"]) / "manifest.json").read_text())["artifact"] for r in results]
+        tags = {a["ref"] for a in artifacts}
+        assert len(tags) == 1 and next(iter(tags)).startswith("kvrepro/vllm:0.26.0-"), artifacts
+        assert sorted(a["reused"] for a in artifacts) == [False, True], artifacts  # made once, then reused
+        for r in results:  # the container's own log came back with the run
+            assert (Path(r["run_dir"]) / "docker.log").is_file(), r["run_dir"]
+        time.sleep(2)
+        left = [c.name for c in docker_host.client.containers.list(all=True, filters=L.MANAGED_FILTER,
+                                                                    ignore_removed=True)
+                if "/ray-run-" in c.labels.get(L.LABEL_RUN, "")]
+        assert not left, left
+    finally:
+        for tag in tags:
+            docker_host.client.images.remove(tag)

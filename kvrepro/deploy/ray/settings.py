@@ -4,6 +4,7 @@ target owns ``docker:`` and ``hosts:`` in ``deploy/docker/settings.py``)."""
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -30,6 +31,10 @@ class RaySpec(BaseModel):
                                   description="nodes one engine spans; above 1 each run holds a placement group "
                                               "of that many bundles (cpus_per_run/gpus_per_run each), one per "
                                               "node (STRICT_SPREAD), and its task runs in bundle 0")
+    engine: Literal["sim", "docker"] = Field(
+        "sim", description="how a node starts the engine: sim (vLLM's `vllm serve` with the GPU-free plugin in "
+                           "the node's runtime env) or docker (the build's patched image in the node's own "
+                           "Docker daemon, made there once; base_image: and docker: apply, hosts: must be empty)")
     max_retries: int = Field(DEFAULT_MAX_RETRIES, ge=0, le=10,
                              description="a run whose node or worker was lost is INFRA and sent again, "
                                          "to another node when one is alive, at most this often")

@@ -8,6 +8,7 @@ Imported only through :func:`kvrepro.deploy.ray.load` (it imports Ray).
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import os
@@ -31,7 +32,7 @@ from ...secrets import redact
 from .. import get_target, register
 from ..base import EngineHandle, RunFunction, Target
 from .bundle import BundleRef, pack
-from .node import NodeRun, Placement, RunFiles, run_task
+from .node import NodeRun, PatchBytes, Placement, RunFiles, run_task
 from .settings import RaySpec, cluster_address, ray_settings
 
 # a task failed because its node or worker went away (not because of the run): INFRA, sent again
@@ -115,10 +116,13 @@ class RayTarget(Target):
         if self.address is None:
             raise BadInputError("target ray: no cluster address; set ray.address in matrix.yaml or RAY_ADDRESS "
                                 "(host:port of the head's GCS, ray://host:10001, or auto)")
+        if self.spec.engine == "docker":
+            self._check_docker_settings()
         self._connect()
         self._fitting = self._check_fits()
         self._local = get_target("sim")(loaded)  # builds overlays on the driver; never starts an engine
         self._bundles: dict[str, tuple[BundleRef, Any]] = {}
+        self._patch_files: dict[str, tuple[PatchBytes, ...]] = {}  # engine docker: build -> its patches
         self._inflight: dict[str, Any] = {}
         self._groups: dict[str, PlacementGroup] = {}  # run key -> the placement group it holds
         self._lock = threading.Lock()
@@ -171,6 +175,16 @@ class RayTarget(Target):
         """The cluster's alive nodes."""
         return [NodeInfo(node_id=n["NodeID"], address=n["NodeManagerAddress"]) for n in ray.nodes() if n["Alive"]]
 
+    def _check_docker_settings(self) -> None:
+        """``ray.engine: docker`` runs each engine in its node's own daemon: a ``hosts:`` list (or
+        ``docker.nodes``) would name other daemons, which the nodes do not use; one line, not a surprise."""
+        from ..docker.settings import docker_settings
+
+        settings = docker_settings(self.loaded.matrix)
+        if settings.hosts or settings.docker.nodes:
+            raise BadInputError("ray.engine docker: every node runs its engine in its own Docker daemon; remove hosts: "
+                                "and docker.nodes from matrix.yaml (they are the docker target's)")
+
     def _per_run(self) -> dict[str, float]:
         """What a run reserves on each of its nodes (one bundle of its placement group)."""
         return {"CPU": self.spec.cpus_per_run, **({"GPU": self.spec.gpus_per_run} if self.spec.gpus_per_run else {})}
@@ -206,7 +220,11 @@ class RayTarget(Target):
         """Build on the driver (as `sim` does), then put the bundle in the object store once."""
         self._local.on_line = self.on_line
         artifact = self._local.prepare(plan)
-        if artifact.ok and artifact.ref not in self._bundles:
+        if artifact.ok and self.spec.engine == "docker":
+            # the node makes the image from the base image and these (node.node_image); no overlay travels
+            self._patch_files[plan.name] = tuple(PatchBytes(sha256=hashlib.sha256(data).hexdigest(), data=data)
+                                                 for data in (p.path.read_bytes() for p in plan.patches))
+        elif artifact.ok and artifact.ref not in self._bundles:
             ref, data = pack(Path(str(artifact.ref)), plan.base)
             self._bundles[str(artifact.ref)] = (ref, ray.put(data))
             self.on_line(f"build {plan.name}: bundle {ref.sha256[:12]} ({ref.size / 1e6:.1f} MB) in the object store")
@@ -243,7 +261,8 @@ class RayTarget(Target):
                                                 "interrupted while waiting for its placement group", started, lost)
                     job = NodeRun(key=key, loaded=loaded, artifact=artifact, rep=rep,
                                   bundle=bundle[0] if bundle else None, bundle_data=[bundle[1]] if bundle else [],
-                                  sink=self._sink, replay=replay, placement=placement)
+                                  sink=self._sink, replay=replay, placement=placement, engine=self.spec.engine,
+                                  patches=self._patch_files.get(artifact.plan.name, ()))
                     ref = self._submit(job, run, avoid)
                     try:
                         files: RunFiles = self._wait(ref)
