@@ -6,6 +6,10 @@ own run function (sent by reference: ``kvrepro.matrix.runner.run_one``) with a n
 target into a node-local scratch folder, and returns every file of the run with the result.
 The engine is a child of this worker (its own session, a parent-death signal: kvrepro.lifetime),
 so a worker that is cancelled, killed or loses its raylet takes its engine with it.
+
+With ``ray.engine: docker`` the node-local target is the `docker` target on the node's own
+daemon instead: the build's image is found or made there (:func:`node_image`) and the engine is
+a container, removed by the run's end, or by the docker target's reaper if the worker dies.
 """
 
 from __future__ import annotations

@@ -217,7 +217,9 @@ class RayTarget(Target):
 
     # ------------------------------------------------------------------ builds
     def prepare(self, plan: BuildPlan) -> BuildArtifact:
-        """Build on the driver (as `sim` does), then put the bundle in the object store once."""
+        """Build on the driver (as `sim` does: the patches are checked to apply once, here), then
+        for ``ray.engine: sim`` put the overlay's bundle in the object store once; for ``docker``
+        keep the patch files, which every run carries so that its node can make the image."""
         self._local.on_line = self.on_line
         artifact = self._local.prepare(plan)
         if artifact.ok and self.spec.engine == "docker":
