@@ -329,7 +329,7 @@ def test_a_two_node_engine_holds_a_placement_group_per_run_one_at_a_time(tmp_pat
     proc = _kvrepro("matrix", "run", "-m", str(matrix), "--results", str(tmp_path / "r"), "--json", "--ci",
                     cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]  # 0: every verdict is the one expect: names
-    assert "ray: 1 queued" in proc.stderr  # the second run waiting for its group
+    assert "queued for a placement group of 2 nodes" in proc.stderr  # one run waited for the other's nodes
     results = [r for info in json.loads(proc.stdout)["builds"].values() for r in info["runs"]]
     assert [r["label"] for r in results] == ["CRASH(target)", "CRASH(target)"], results
     for r in results:
@@ -412,3 +412,47 @@ def test_engine_docker_runs_the_builds_image_in_each_nodes_daemon(tmp_path, clus
     finally:
         for tag in tags:
             docker_host.client.images.remove(tag)
+
+
+def test_sigterm_removes_every_placement_group_and_container(tmp_path, cluster, docker_host, cpu_base):
+    """SIGTERM to kvrepro while one 2-node engine runs in a container (ray.engine docker) and the
+    second run waits for its placement group: exit 130, both groups removed (the waiting one and
+    the running one's), no container of the runs left, no engine process on any node."""
+    from kvrepro.deploy.docker import labels as L
+
+    def containers(running_only: bool = False) -> list:
+        return [c for c in docker_host.client.containers.list(all=True, filters=L.MANAGED_FILTER, ignore_removed=True)
+                if "/ray-run-" in c.labels.get(L.LABEL_RUN, "") and (c.status == "running" or not running_only)]
+
+    raylets = {p for p in (cluster.raylet_pid(ip) for ip in cluster.addresses) if p}
+    matrix = _matrix(tmp_path, "ray", cluster.address, requests=600, reps=2, builds=("E",), nodes_per_engine=2,
+                     engine="docker")
+    data = yaml.safe_load(matrix.read_text())
+    data["base_image"] = cpu_base
+    matrix.write_text(yaml.safe_dump(data, sort_keys=False))
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "kvrepro.cli", "matrix", "run", "-m", str(matrix), "--results",
+                                 str(tmp_path / "r"), "--ci"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not containers(running_only=True) and proc.poll() is None:
+            time.sleep(0.5)
+        assert containers(running_only=True), f"no engine container started; {log.read_text()[-3000:]}"
+        waiting = time.monotonic() + 30
+        while "queued for a placement group of 2 nodes" not in log.read_text() and time.monotonic() < waiting:
+            time.sleep(0.5)
+        assert "queued for a placement group of 2 nodes" in log.read_text()  # the second run waits for its group
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = log.read_text()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    time.sleep(3)
+    assert not containers(), [c.name for c in containers()]
+    assert not _engines_below(raylets)
+    ours = [g for g in _placement_groups(cluster.address) if g["name"].startswith(f"kvrepro-{proc.pid}-")]
+    assert len(ours) == 2 and all(g["state"] == "REMOVED" for g in ours), ours

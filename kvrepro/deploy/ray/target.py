@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import ray
 import ray.exceptions as rex
@@ -257,7 +257,9 @@ class RayTarget(Target):
                 try:  # whatever happens in this attempt, its placement group (if any) is removed after it
                     placement: Placement | None = None
                     if self.spec.nodes_per_engine > 1:
-                        placement = self._reserve(key, stop)
+                        placement = self._reserve(key, stop, lambda: progress.stage(
+                            f"build {artifact.plan.name} rep {rep}: queued for a placement group of "
+                            f"{self.spec.nodes_per_engine} nodes ({self.board.line()})"))
                         if placement is None:
                             return self._result(artifact, rep, run_dir, Verdict.INTERRUPTED,
                                                 "interrupted while waiting for its placement group", started, lost)
@@ -308,10 +310,11 @@ class RayTarget(Target):
                 self._keys.pop(key, None)
                 self._progress.pop(key, None)
 
-    def _reserve(self, key: str, stop: threading.Event) -> Placement | None:
+    def _reserve(self, key: str, stop: threading.Event, waiting: Callable[[], None]) -> Placement | None:
         """A placement group for one multi-node engine: ``nodes_per_engine`` bundles of the run's
         share, one per node (STRICT_SPREAD), held until :meth:`_release`. Waits (the run shows as
-        queued) until Ray placed it; None if the run was interrupted meanwhile. The group belongs to
+        queued, and ``waiting`` is called once if it is not placed at once: --ci's plain lines show
+        no progress line) until Ray placed it; None if the run was interrupted meanwhile. The group belongs to
         this driver's job: if kvrepro itself is killed, Ray removes it with the job."""
         count = self.spec.nodes_per_engine
         name = f"kvrepro-{os.getpid()}-{key.replace('/', '-')}"
@@ -319,6 +322,7 @@ class RayTarget(Target):
         with self._lock:
             self._groups[key] = group
         ready = group.ready()
+        said = False
         while True:
             if stop.is_set() or self._interrupted.is_set():
                 return None
@@ -326,6 +330,9 @@ class RayTarget(Target):
             if done:
                 ray.get(done[0])
                 break
+            if not said:
+                said = True
+                waiting()
         bundle_nodes = placement_group_table(group)["bundles_to_node_id"]
         known = {n.node_id: n for n in self.nodes()}
         nodes = tuple(known.get(bundle_nodes[i], NodeInfo(node_id=bundle_nodes[i], address="?")) for i in range(count))
