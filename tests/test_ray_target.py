@@ -225,48 +225,6 @@ def test_ctrl_c_and_sigterm_cancel_every_task_and_leave_no_engine(tmp_path, clus
     assert run["status"] == "interrupted"
 
 
-def test_killing_a_nodes_raylet_mid_matrix_loses_no_run(tmp_path, cluster):
-    """SIGKILL of a worker node's raylet while an engine runs there: that run is INFRA, sent
-    again to another node; every run ends finished, and nothing the killed node ran is left.
-    (Build E twice: both runs serve their whole budget, so the kill always lands mid-run.)"""
-    matrix = _matrix(tmp_path, "ray", cluster.address, requests=300, reps=2, builds=("E",))
-    killed: dict[str, object] = {}
-
-    def kill_when_busy() -> None:
-        from kvrepro.deploy.ray.localcluster import descendants
-
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            for ip in cluster.addresses[1:]:  # a worker node, never the head (the driver is on it)
-                raylet = cluster.raylet_pid(ip)
-                if raylet and _engines_below({raylet}):
-                    time.sleep(2)  # the engine is under load by now
-                    killed.update(ip=ip, below=descendants({raylet}) - {raylet})
-                    os.kill(raylet, signal.SIGKILL)
-                    return
-            time.sleep(0.5)
-
-    killer = threading.Thread(target=kill_when_busy, daemon=True)
-    killer.start()
-    proc = _kvrepro("matrix", "run", "-m", str(matrix), "--results", str(tmp_path / "r"), "--json", "--ci",
-                    cwd=tmp_path)
-    killer.join(timeout=5)
-    assert "below" in killed, "no worker node ran an engine"
-    victim = killed["ip"]
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = json.loads(proc.stdout)  # Ray's "node died" messages went to stderr: stdout is --json's alone
-    results = [r for info in run["builds"].values() for r in info["runs"]]
-    assert len(results) == 2 and all(r["verdict"] == "UNREACHED" for r in results), results
-    retried = [r for r in results if r["retried_after"]]
-    assert len(retried) == 1, results
-    assert f"node {victim} " in retried[0]["retried_after"][0] and retried[0]["node"]["address"] != victim, retried
-    for r in results:
-        assert (Path(r["run_dir"]) / "engine.log").is_file() and (Path(r["run_dir"]) / "verdict.json").is_file()
-    time.sleep(3)
-    left = [p for p in killed["below"] if Path(f"/proc/{p}").exists()]  # type: ignore[union-attr]
-    assert not left, f"processes of the killed node still alive: {left}"
-
-
 def test_a_build_bundle_is_content_addressed_and_unpacks_to_the_same_overlay(tmp_path, monkeypatch, overlays):
     """No Ray needed: build E's overlay packed (only what is not the pristine tree), unpacked on a
     "node" with its own cache, is file for file the overlay; the pristine tree is not written
@@ -305,7 +263,9 @@ def test_ray_settings_are_checked_with_file_line_and_field(tmp_path):
 
     for bad, message in [({"address": "nohost"}, "ray.address: 'nohost': give host:port"),
                          ({"max_retries": -1}, "ray.max_retries: Input should be greater than or equal to 0"),
-                         ({"bogus": 1}, "ray.bogus: unknown field; allowed here: address")]:
+                         ({"bogus": 1}, "ray.bogus: unknown field; allowed here: address"),
+                         ({"nodes_per_engine": 0}, "ray.nodes_per_engine: Input should be greater than or equal to 1"),
+                         ({"engine": "k8s"}, "ray.engine: Input should be 'sim' or 'docker'")]:
         data = yaml.safe_load(_matrix(tmp_path, "ray", "127.0.0.1:1").read_text())
         data["ray"] = bad
         path = tmp_path / "bad.yaml"
@@ -316,6 +276,21 @@ def test_ray_settings_are_checked_with_file_line_and_field(tmp_path):
     from kvrepro.deploy.ray.settings import DEFAULT_MAX_RETRIES, ray_settings
 
     assert ray_settings(load_matrix(_matrix(tmp_path, "ray", "127.0.0.1:1")).matrix).max_retries == DEFAULT_MAX_RETRIES == 2
+
+
+def test_engine_docker_with_docker_hosts_is_one_line(tmp_path):
+    """ray.engine docker uses each node's own daemon: a hosts: list (the docker target's) is refused
+    in one line, exit 2, before any cluster is asked (the address here answers nothing)."""
+    require(HAVE_RAY, "ray is not installed (pip install 'kvrepro[ray]')")
+    matrix = _matrix(tmp_path, "ray", "127.0.0.1:1", engine="docker")
+    data = yaml.safe_load(matrix.read_text())
+    data["hosts"] = [{"name": "gpu-0", "docker": "tcp://10.0.0.5:2375"}]
+    matrix.write_text(yaml.safe_dump(data, sort_keys=False))
+    proc = _kvrepro("matrix", "run", "-m", str(matrix), "--results", str(tmp_path / "r"), "--ci", cwd=tmp_path,
+                    timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert "ray.engine docker: every node runs its engine in its own Docker daemon; remove hosts:" in lines[0]
 
 
 def test_a_two_node_engine_holds_a_placement_group_per_run_one_at_a_time(tmp_path, cluster):
@@ -456,3 +431,46 @@ def test_sigterm_removes_every_placement_group_and_container(tmp_path, cluster, 
     assert not _engines_below(raylets)
     ours = [g for g in _placement_groups(cluster.address) if g["name"].startswith(f"kvrepro-{proc.pid}-")]
     assert len(ours) == 2 and all(g["state"] == "REMOVED" for g in ours), ours
+
+
+def test_killing_a_nodes_raylet_mid_matrix_loses_no_run(tmp_path, cluster):
+    """SIGKILL of a worker node's raylet while an engine runs there: that run is INFRA, sent
+    again to another node; every run ends finished, and nothing the killed node ran is left.
+    (Build E twice: both runs serve their whole budget, so the kill always lands mid-run.) Last in
+    this file: the module's cluster has one node fewer afterwards."""
+    matrix = _matrix(tmp_path, "ray", cluster.address, requests=300, reps=2, builds=("E",))
+    killed: dict[str, object] = {}
+
+    def kill_when_busy() -> None:
+        from kvrepro.deploy.ray.localcluster import descendants
+
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            for ip in cluster.addresses[1:]:  # a worker node, never the head (the driver is on it)
+                raylet = cluster.raylet_pid(ip)
+                if raylet and _engines_below({raylet}):
+                    time.sleep(2)  # the engine is under load by now
+                    killed.update(ip=ip, below=descendants({raylet}) - {raylet})
+                    os.kill(raylet, signal.SIGKILL)
+                    return
+            time.sleep(0.5)
+
+    killer = threading.Thread(target=kill_when_busy, daemon=True)
+    killer.start()
+    proc = _kvrepro("matrix", "run", "-m", str(matrix), "--results", str(tmp_path / "r"), "--json", "--ci",
+                    cwd=tmp_path)
+    killer.join(timeout=5)
+    assert "below" in killed, "no worker node ran an engine"
+    victim = killed["ip"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(proc.stdout)  # Ray's "node died" messages went to stderr: stdout is --json's alone
+    results = [r for info in run["builds"].values() for r in info["runs"]]
+    assert len(results) == 2 and all(r["verdict"] == "UNREACHED" for r in results), results
+    retried = [r for r in results if r["retried_after"]]
+    assert len(retried) == 1, results
+    assert f"node {victim} " in retried[0]["retried_after"][0] and retried[0]["node"]["address"] != victim, retried
+    for r in results:
+        assert (Path(r["run_dir"]) / "engine.log").is_file() and (Path(r["run_dir"]) / "verdict.json").is_file()
+    time.sleep(3)
+    left = [p for p in killed["below"] if Path(f"/proc/{p}").exists()]  # type: ignore[union-attr]
+    assert not left, f"processes of the killed node still alive: {left}"
