@@ -390,9 +390,10 @@ def test_engine_docker_runs_the_builds_image_in_each_nodes_daemon(tmp_path, clus
 
 
 def test_sigterm_removes_every_placement_group_and_container(tmp_path, cluster, docker_host, cpu_base):
-    """SIGTERM to kvrepro while one 2-node engine runs in a container (ray.engine docker) and the
-    second run waits for its placement group: exit 130, both groups removed (the waiting one and
-    the running one's), no container of the runs left, no engine process on any node."""
+    """SIGTERM to kvrepro while one 2-node engine runs in a container (ray.engine docker; the
+    container's environment names its placement group and both nodes) and the second run waits
+    for its group: exit 130, both groups removed (the waiting one and the running one's), no
+    container of the runs left, no engine process on any node."""
     from kvrepro.deploy.docker import labels as L
 
     def containers(running_only: bool = False) -> list:
@@ -413,7 +414,12 @@ def test_sigterm_removes_every_placement_group_and_container(tmp_path, cluster, 
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not containers(running_only=True) and proc.poll() is None:
             time.sleep(0.5)
-        assert containers(running_only=True), f"no engine container started; {log.read_text()[-3000:]}"
+        running = containers(running_only=True)
+        assert running, f"no engine container started; {log.read_text()[-3000:]}"
+        env = dict(e.split("=", 1) for e in running[0].attrs["Config"]["Env"])  # the group, named to the engine
+        assert env["KVREPRO_RAY_PLACEMENT_GROUP_NAME"].startswith(f"kvrepro-{proc.pid}-E-"), env
+        assert env["KVREPRO_RAY_PLACEMENT_BUNDLES"] == "0,1" and len(env["KVREPRO_RAY_PLACEMENT_GROUP"]) > 16
+        assert len(set(env["KVREPRO_RAY_PLACEMENT_NODES"].split(","))) == 2, env
         waiting = time.monotonic() + 30
         while "queued for a placement group of 2 nodes" not in log.read_text() and time.monotonic() < waiting:
             time.sleep(0.5)
