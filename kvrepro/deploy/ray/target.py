@@ -102,6 +102,10 @@ class _Board:
             return f"ray: {len(self.queued)} queued" + ("; " + "; ".join(parts) if parts else "")
 
 
+class _Unplaceable(Exception):
+    """A run's placement group can no longer be placed (nodes were lost since the start): INFRA."""
+
+
 @register("ray")
 class RayTarget(Target):
     """Runs each run as a Ray task that reserves ``ray.cpus_per_run`` (and ``ray.gpus_per_run``) on
@@ -189,22 +193,27 @@ class RayTarget(Target):
         """What a run reserves on each of its nodes (one bundle of its placement group)."""
         return {"CPU": self.spec.cpus_per_run, **({"GPU": self.spec.gpus_per_run} if self.spec.gpus_per_run else {})}
 
-    def _check_fits(self) -> dict[str, float]:
-        """The alive nodes that can hold a run's share (node id -> how many shares), checked up front:
-        a run the cluster can never place would otherwise wait in Ray's queue forever, silently.
-        (An autoscaling cluster that would add such nodes later is not waited for.)"""
+    def _fitting_nodes(self) -> tuple[dict[str, float], int]:
+        """(the alive nodes that can hold a run's share: node id -> how many shares, how many nodes are alive)."""
         need = self._per_run()
         alive = [n for n in ray.nodes() if n["Alive"]]
         fitting = {n["NodeID"]: min(n["Resources"].get(k, 0.0) / v for k, v in need.items())
                    for n in alive if all(n["Resources"].get(k, 0.0) >= v for k, v in need.items())}
-        what = " and ".join(f"{v:g} {k}" for k, v in need.items())
+        return fitting, len(alive)
+
+    def _check_fits(self) -> dict[str, float]:
+        """The alive nodes that can hold a run's share (node id -> how many shares), checked up front:
+        a run the cluster can never place would otherwise wait in Ray's queue forever, silently.
+        (An autoscaling cluster that would add such nodes later is not waited for.)"""
+        fitting, alive = self._fitting_nodes()
+        what = " and ".join(f"{v:g} {k}" for k, v in self._per_run().items())
         wanted = self.spec.nodes_per_engine
         if not fitting:
-            raise BadInputError(f"ray.cpus_per_run/gpus_per_run: none of the {len(alive)} alive nodes of the cluster "
+            raise BadInputError(f"ray.cpus_per_run/gpus_per_run: none of the {alive} alive nodes of the cluster "
                                 f"at {self.address} has {what}; a run could never start")
         if len(fitting) < wanted:
             raise BadInputError(f"ray.nodes_per_engine {wanted}: the cluster at {self.address} has {len(fitting)} "
-                                f"alive node(s) with {what} (of {len(alive)}); an engine could never be placed")
+                                f"alive node(s) with {what} (of {alive}); an engine could never be placed")
         return fitting
 
     def max_parallel(self) -> int:
@@ -257,9 +266,12 @@ class RayTarget(Target):
                 try:  # whatever happens in this attempt, its placement group (if any) is removed after it
                     placement: Placement | None = None
                     if self.spec.nodes_per_engine > 1:
-                        placement = self._reserve(key, stop, lambda: progress.stage(
-                            f"build {artifact.plan.name} rep {rep}: queued for a placement group of "
-                            f"{self.spec.nodes_per_engine} nodes ({self.board.line()})"))
+                        try:
+                            placement = self._reserve(key, stop, lambda: progress.stage(
+                                f"build {artifact.plan.name} rep {rep}: queued for a placement group of "
+                                f"{self.spec.nodes_per_engine} nodes ({self.board.line()})"))
+                        except _Unplaceable as exc:
+                            return self._result(artifact, rep, run_dir, Verdict.INFRA, str(exc), started, lost)
                         if placement is None:
                             return self._result(artifact, rep, run_dir, Verdict.INTERRUPTED,
                                                 "interrupted while waiting for its placement group", started, lost)
@@ -323,6 +335,7 @@ class RayTarget(Target):
             self._groups[key] = group
         ready = group.ready()
         said = False
+        next_check = time.monotonic() + 5
         while True:
             if stop.is_set() or self._interrupted.is_set():
                 return None
@@ -333,6 +346,12 @@ class RayTarget(Target):
             if not said:
                 said = True
                 waiting()
+            if time.monotonic() >= next_check:  # nodes lost since the start: never placeable now?
+                next_check = time.monotonic() + 5
+                fitting, alive = self._fitting_nodes()
+                if len(fitting) < count:
+                    raise _Unplaceable(f"INFRA: a placement group of {count} nodes can no longer be placed: "
+                                       f"{len(fitting)} alive node(s) can hold a run's share (of {alive})")
         bundle_nodes = placement_group_table(group)["bundles_to_node_id"]
         known = {n.node_id: n for n in self.nodes()}
         nodes = tuple(known.get(bundle_nodes[i], NodeInfo(node_id=bundle_nodes[i], address="?")) for i in range(count))
