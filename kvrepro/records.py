@@ -428,6 +428,9 @@ class RunResult:
     # INFRA (a node lost mid-run; the run was retried elsewhere and this record is the retry's)
     node: NodeInfo | None = None
     retried_after: tuple[str, ...] = ()
+    # `ray` target, ray.nodes_per_engine > 1: every node of the run's placement group, bundle
+    # order (bundle 0 first: the node the engine's task ran on, the same as ``node``)
+    placement_nodes: tuple[NodeInfo, ...] = ()
     schema: int = RESULTS_SCHEMA
 
     @property
@@ -505,6 +508,7 @@ class RunManifest:
     kvrepro_version: str = ""
     replay_of: str | None = None  # the trace a `kvrepro load replay` sent instead of the matrix's load
     node: NodeInfo | None = None  # `ray` target: the node the run was sent to
+    placement_nodes: tuple[NodeInfo, ...] = ()  # `ray` target: its placement group's nodes, bundle order
 
 
 @dataclass(frozen=True)

@@ -201,6 +201,10 @@ class _Zygote:
 class SimTarget(Target):
     """Runs each build's overlay in the shared runtime env (no GPU, no container)."""
 
+    # added to every engine's environment: the `ray` target's node side names the run's placement
+    # group here (its per-run copy of this target sets it; the shared zygote stays as it is)
+    engine_env: dict[str, str] = {}
+
     def __init__(self, loaded):
         super().__init__(loaded)
         self._runtimes: dict[str, builds.Runtime] = {}
@@ -303,6 +307,7 @@ class SimTarget(Target):
             KVREPRO_SIM_STEP_DELAY_MS=repr(sim.step_delay_ms),
             VLLM_CACHE_ROOT=str(vllm_cache_root(artifact.plan)),
         )
+        env.update(self.engine_env)
         return env
 
     def start(self, artifact: BuildArtifact, run_dir: Path, rep: int) -> EngineHandle:

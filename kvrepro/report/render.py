@@ -205,6 +205,7 @@ def _run_json(r: RunResult) -> dict[str, Any]:
         # `ray` target: where it ran, and the attempts lost with their node before it
         "node": {"node_id": r.node.node_id, "address": r.node.address} if r.node is not None else None,
         "retried_after": list(r.retried_after),
+        "placement_nodes": [{"node_id": n.node_id, "address": n.address} for n in r.placement_nodes],
     }
 
 

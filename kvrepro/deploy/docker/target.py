@@ -83,6 +83,10 @@ class DockerEngineHandle(EngineHandle):
 class DockerTarget(Target):
     """Runs builds as images on the Docker hosts of matrix.yaml (or the local daemon)."""
 
+    # added to every engine container's environment: the `ray` target's node side names the run's
+    # placement group here (its per-run copy of this target sets it)
+    engine_env: dict[str, str] = {}
+
     def __init__(self, loaded: LoadedMatrix):
         super().__init__(loaded)
         self._hosts: dict[str, DockerHost] = {}
@@ -153,7 +157,6 @@ class DockerTarget(Target):
     # ---------------------------------------------------------------- prepare
 
     def prepare(self, plan: BuildPlan) -> BuildArtifact:
-        matrix = self.loaded.matrix
         try:
             specs = list({s.name: s for s in self.node_specs()}.values())
             hosts = [self.host(s) for s in specs]
@@ -210,6 +213,7 @@ class DockerTarget(Target):
             sim = self.loaded.matrix.engine.sim
             env.update(KVREPRO_SIM_ACCEPTANCE_RATE=repr(sim.draft_acceptance_rate),
                        KVREPRO_SIM_SEED=str(sim.seed + rep), KVREPRO_SIM_STEP_DELAY_MS=repr(sim.step_delay_ms))
+        env.update(self.engine_env)
         return env, secrets
 
     def _mounts(self, host: DockerHost, model_dir: Path | None, model_arg: str) -> tuple[list[Mount], bool]:

@@ -5,9 +5,11 @@ the ``ray`` extra still starts and checks ``ray:`` settings. See docs/ray.md.
 
 * ``settings.py``: ``ray:`` typed and checked;
 * ``bundle.py``: a build's overlay packed once, content-addressed (sha256), and unpacked once per node;
-* ``node.py``: what runs on a node (the Ray task): the build unpacked, a node-local `sim` target,
+* ``node.py``: what runs on a node (the Ray task): the build unpacked, a node-local `sim` target
+  (or, ``ray.engine: docker``, the `docker` target on the node's daemon with the build's image),
   the runner's own run function, the run's files sent back;
-* ``target.py``: the driver side (connects, ships builds, submits, retries, cancels, progress).
+* ``target.py``: the driver side (connects, checks the cluster can place a run, ships builds,
+  holds a placement group per multi-node engine, submits, retries, cancels, progress).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ target owns ``docker:`` and ``hosts:`` in ``deploy/docker/settings.py``)."""
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -22,9 +23,18 @@ class RaySpec(BaseModel):
     address: str | None = Field(
         None, description="the cluster: host:port of its GCS (`ray start --head --port`), ray://host:10001 "
                           "(Ray Client, e.g. a KubeRay head service) or auto; default: $RAY_ADDRESS")
-    cpus_per_run: float = Field(1.0, gt=0, le=256, description="logical CPUs a run reserves on its node "
-                                                               "(the GPU-free engine: one)")
-    gpus_per_run: float = Field(0.0, ge=0, le=64, description="GPUs a run reserves on its node (0: the GPU-free engine)")
+    cpus_per_run: float = Field(1.0, gt=0, le=256, description="logical CPUs a run reserves on each of its "
+                                                               "nodes (the GPU-free engine: one)")
+    gpus_per_run: float = Field(0.0, ge=0, le=64, description="GPUs a run reserves on each of its nodes "
+                                                             "(0: the GPU-free engine)")
+    nodes_per_engine: int = Field(1, ge=1, le=64,
+                                  description="nodes one engine spans; above 1 each run holds a placement group "
+                                              "of that many bundles (cpus_per_run/gpus_per_run each), one per "
+                                              "node (STRICT_SPREAD), and its task runs in bundle 0")
+    engine: Literal["sim", "docker"] = Field(
+        "sim", description="how a node starts the engine: sim (vLLM's `vllm serve` with the GPU-free plugin in "
+                           "the node's runtime env) or docker (the build's patched image in the node's own "
+                           "Docker daemon, made there once; base_image: and docker: apply, hosts: must be empty)")
     max_retries: int = Field(DEFAULT_MAX_RETRIES, ge=0, le=10,
                              description="a run whose node or worker was lost is INFRA and sent again, "
                                          "to another node when one is alive, at most this often")

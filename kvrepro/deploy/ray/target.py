@@ -1,11 +1,14 @@
 """The `ray` target, driver side: connect, ship builds once, run every run as a Ray task, retry
-runs whose node was lost, cancel everything on Ctrl-C, show runs per node.
+runs whose node was lost, cancel everything on Ctrl-C, show runs per node. A multi-node engine
+(``ray.nodes_per_engine`` > 1) first holds a placement group, one bundle per node, for the
+whole run; the group is removed whichever way the run ends.
 
 Imported only through :func:`kvrepro.deploy.ray.load` (it imports Ray).
 """
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import os
@@ -16,11 +19,12 @@ import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import ray
 import ray.exceptions as rex
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from ...errors import BadInputError, InfraError
 from ...records import BuildArtifact, BuildPlan, NodeInfo, Outcome, RunManifest, RunResult, Verdict, from_jsonable, to_jsonable
@@ -28,7 +32,7 @@ from ...secrets import redact
 from .. import get_target, register
 from ..base import EngineHandle, RunFunction, Target
 from .bundle import BundleRef, pack
-from .node import NodeRun, RunFiles, run_task
+from .node import NodeRun, PatchBytes, Placement, RunFiles, run_task
 from .settings import RaySpec, cluster_address, ray_settings
 
 # a task failed because its node or worker went away (not because of the run): INFRA, sent again
@@ -98,9 +102,14 @@ class _Board:
             return f"ray: {len(self.queued)} queued" + ("; " + "; ".join(parts) if parts else "")
 
 
+class _Unplaceable(Exception):
+    """A run's placement group can no longer be placed (nodes were lost since the start): INFRA."""
+
+
 @register("ray")
 class RayTarget(Target):
-    """Runs each run as a Ray task that reserves ``ray.cpus_per_run`` (and ``ray.gpus_per_run``)."""
+    """Runs each run as a Ray task that reserves ``ray.cpus_per_run`` (and ``ray.gpus_per_run``) on
+    each of its ``ray.nodes_per_engine`` nodes."""
 
     runs_remotely = True
 
@@ -111,10 +120,15 @@ class RayTarget(Target):
         if self.address is None:
             raise BadInputError("target ray: no cluster address; set ray.address in matrix.yaml or RAY_ADDRESS "
                                 "(host:port of the head's GCS, ray://host:10001, or auto)")
+        if self.spec.engine == "docker":
+            self._check_docker_settings()
         self._connect()
+        self._fitting = self._check_fits()
         self._local = get_target("sim")(loaded)  # builds overlays on the driver; never starts an engine
         self._bundles: dict[str, tuple[BundleRef, Any]] = {}
+        self._patch_files: dict[str, tuple[PatchBytes, ...]] = {}  # engine docker: build -> its patches
         self._inflight: dict[str, Any] = {}
+        self._groups: dict[str, PlacementGroup] = {}  # run key -> the placement group it holds
         self._lock = threading.Lock()
         self._interrupted = threading.Event()
         self.board = _Board()
@@ -165,17 +179,63 @@ class RayTarget(Target):
         """The cluster's alive nodes."""
         return [NodeInfo(node_id=n["NodeID"], address=n["NodeManagerAddress"]) for n in ray.nodes() if n["Alive"]]
 
+    def _check_docker_settings(self) -> None:
+        """``ray.engine: docker`` runs each engine in its node's own daemon: a ``hosts:`` list (or
+        ``docker.nodes``) would name other daemons, which the nodes do not use; one line, not a surprise."""
+        from ..docker.settings import docker_settings
+
+        settings = docker_settings(self.loaded.matrix)
+        if settings.hosts or settings.docker.nodes:
+            raise BadInputError("ray.engine docker: every node runs its engine in its own Docker daemon; remove hosts: "
+                                "and docker.nodes from matrix.yaml (they are the docker target's)")
+
+    def _per_run(self) -> dict[str, float]:
+        """What a run reserves on each of its nodes (one bundle of its placement group)."""
+        return {"CPU": self.spec.cpus_per_run, **({"GPU": self.spec.gpus_per_run} if self.spec.gpus_per_run else {})}
+
+    def _fitting_nodes(self) -> tuple[dict[str, float], int]:
+        """(the alive nodes that can hold a run's share: node id -> how many shares, how many nodes are alive)."""
+        need = self._per_run()
+        alive = [n for n in ray.nodes() if n["Alive"]]
+        fitting = {n["NodeID"]: min(n["Resources"].get(k, 0.0) / v for k, v in need.items())
+                   for n in alive if all(n["Resources"].get(k, 0.0) >= v for k, v in need.items())}
+        return fitting, len(alive)
+
+    def _check_fits(self) -> dict[str, float]:
+        """The alive nodes that can hold a run's share (node id -> how many shares), checked up front:
+        a run the cluster can never place would otherwise wait in Ray's queue forever, silently.
+        (An autoscaling cluster that would add such nodes later is not waited for.)"""
+        fitting, alive = self._fitting_nodes()
+        what = " and ".join(f"{v:g} {k}" for k, v in self._per_run().items())
+        wanted = self.spec.nodes_per_engine
+        if not fitting:
+            raise BadInputError(f"ray.cpus_per_run/gpus_per_run: none of the {alive} alive nodes of the cluster "
+                                f"at {self.address} has {what}; a run could never start")
+        if len(fitting) < wanted:
+            raise BadInputError(f"ray.nodes_per_engine {wanted}: the cluster at {self.address} has {len(fitting)} "
+                                f"alive node(s) with {what} (of {alive}); an engine could never be placed")
+        return fitting
+
     def max_parallel(self) -> int:
         """Twice what the cluster can run at once (Ray queues the rest): the queue stays visible."""
-        cpus = ray.cluster_resources().get("CPU", 1.0)
-        return max(1, min(256, 2 * int(cpus // self.spec.cpus_per_run)))
+        if self.spec.nodes_per_engine == 1:
+            cpus = ray.cluster_resources().get("CPU", 1.0)
+            return max(1, min(256, 2 * int(cpus // self.spec.cpus_per_run)))
+        shares = sum(int(n) for n in self._fitting.values())  # (roughly: one engine spans distinct nodes)
+        return max(1, min(256, 2 * (shares // self.spec.nodes_per_engine)))
 
     # ------------------------------------------------------------------ builds
     def prepare(self, plan: BuildPlan) -> BuildArtifact:
-        """Build on the driver (as `sim` does), then put the bundle in the object store once."""
+        """Build on the driver (as `sim` does: the patches are checked to apply once, here), then
+        for ``ray.engine: sim`` put the overlay's bundle in the object store once; for ``docker``
+        keep the patch files, which every run carries so that its node can make the image."""
         self._local.on_line = self.on_line
         artifact = self._local.prepare(plan)
-        if artifact.ok and artifact.ref not in self._bundles:
+        if artifact.ok and self.spec.engine == "docker":
+            # the node makes the image from the base image and these (node.node_image); no overlay travels
+            self._patch_files[plan.name] = tuple(PatchBytes(sha256=hashlib.sha256(data).hexdigest(), data=data)
+                                                 for data in (p.path.read_bytes() for p in plan.patches))
+        elif artifact.ok and artifact.ref not in self._bundles:
             ref, data = pack(Path(str(artifact.ref)), plan.base)
             self._bundles[str(artifact.ref)] = (ref, ray.put(data))
             self.on_line(f"build {plan.name}: bundle {ref.sha256[:12]} ({ref.size / 1e6:.1f} MB) in the object store")
@@ -200,56 +260,122 @@ class RayTarget(Target):
                 if stop.is_set() or self._interrupted.is_set():
                     return self._result(artifact, rep, run_dir, Verdict.INTERRUPTED, "interrupted before it started",
                                         started, lost)
-                job = NodeRun(key=key, loaded=loaded, artifact=artifact, rep=rep,
-                              bundle=bundle[0] if bundle else None, bundle_data=[bundle[1]] if bundle else [],
-                              sink=self._sink, replay=replay)
-                ref = self._submit(job, run, avoid)
                 with self.board.lock:
                     self.board.queued.add(key)
                 self._publish()
-                try:
-                    files: RunFiles = self._wait(ref)
-                except rex.TaskCancelledError:
-                    return self._result(artifact, rep, run_dir, Verdict.INTERRUPTED,
-                                        "interrupted: its Ray task was cancelled", started, lost)
-                except NODE_LOST as exc:
-                    with self.board.lock:
-                        node = self.board.where.get(key)
-                    where = f"node {node.label}" if node else "its node"
-                    lost.append(f"attempt {attempt + 1}: {where} lost: {type(exc).__name__}: "
-                                f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}")
-                    if node is not None:
-                        avoid.add(node.node_id)
-                    self._forget(key, finished=False)
-                    progress.stage(f"build {artifact.plan.name} rep {rep}: INFRA ({lost[-1]}); "
-                                   + ("sent again" if attempt < self.spec.max_retries else "no retries left"))
-                    continue
-                except rex.RayTaskError as exc:
-                    cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-                    if isinstance(cause, KeyboardInterrupt):
+                try:  # whatever happens in this attempt, its placement group (if any) is removed after it
+                    placement: Placement | None = None
+                    if self.spec.nodes_per_engine > 1:
+                        try:
+                            placement = self._reserve(key, stop, lambda: progress.stage(
+                                f"build {artifact.plan.name} rep {rep}: queued for a placement group of "
+                                f"{self.spec.nodes_per_engine} nodes ({self.board.line()})"))
+                        except _Unplaceable as exc:
+                            return self._result(artifact, rep, run_dir, Verdict.INFRA, str(exc), started, lost)
+                        if placement is None:
+                            return self._result(artifact, rep, run_dir, Verdict.INTERRUPTED,
+                                                "interrupted while waiting for its placement group", started, lost)
+                    job = NodeRun(key=key, loaded=loaded, artifact=artifact, rep=rep,
+                                  bundle=bundle[0] if bundle else None, bundle_data=[bundle[1]] if bundle else [],
+                                  sink=self._sink, replay=replay, placement=placement, engine=self.spec.engine,
+                                  patches=self._patch_files.get(artifact.plan.name, ()))
+                    ref = self._submit(job, run, avoid)
+                    try:
+                        files: RunFiles = self._wait(ref)
+                    except rex.TaskCancelledError:
                         return self._result(artifact, rep, run_dir, Verdict.INTERRUPTED,
                                             "interrupted: its Ray task was cancelled", started, lost)
-                    return self._result(artifact, rep, run_dir, Verdict.INFRA,
-                                        f"ray task failed: {type(cause).__name__}: {cause}", started, lost)
+                    except NODE_LOST as exc:
+                        with self.board.lock:
+                            node = self.board.where.get(key)
+                        where = f"node {node.label}" if node else "its node"
+                        lost.append(f"attempt {attempt + 1}: {where} lost: {type(exc).__name__}: "
+                                    f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}")
+                        if node is not None:
+                            avoid.add(node.node_id)
+                        self._forget(key, finished=False)
+                        progress.stage(f"build {artifact.plan.name} rep {rep}: INFRA ({lost[-1]}); "
+                                       + ("sent again" if attempt < self.spec.max_retries else "no retries left"))
+                        continue
+                    except rex.RayTaskError as exc:
+                        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+                        if isinstance(cause, KeyboardInterrupt):
+                            return self._result(artifact, rep, run_dir, Verdict.INTERRUPTED,
+                                                "interrupted: its Ray task was cancelled", started, lost)
+                        return self._result(artifact, rep, run_dir, Verdict.INFRA,
+                                            f"ray task failed: {type(cause).__name__}: {cause}", started, lost)
+                    finally:
+                        with self._lock:
+                            self._inflight.pop(key, None)
+                    stored = self._store(files, run_dir, lost, placement)
+                    self._forget(key)
+                    progress.stage(self.board.line())  # per node, also in --ci's plain lines
+                    return stored
                 finally:
-                    with self._lock:
-                        self._inflight.pop(key, None)
-                stored = self._store(files, run_dir, lost)
-                self._forget(key)
-                progress.stage(self.board.line())  # per node, also in --ci's plain lines
-                return stored
+                    self._release(key)
             return self._result(artifact, rep, run_dir, Verdict.INFRA,
                                 f"node lost {len(lost)} times (ray.max_retries {self.spec.max_retries})", started, lost)
         finally:
+            self._release(key)
             self._forget(key)
             with self._lock:
                 self._keys.pop(key, None)
                 self._progress.pop(key, None)
 
+    def _reserve(self, key: str, stop: threading.Event, waiting: Callable[[], None]) -> Placement | None:
+        """A placement group for one multi-node engine: ``nodes_per_engine`` bundles of the run's
+        share, one per node (STRICT_SPREAD), held until :meth:`_release`. Waits (the run shows as
+        queued, and ``waiting`` is called once if it is not placed at once: --ci's plain lines show
+        no progress line) until Ray placed it; None if the run was interrupted meanwhile. The group belongs to
+        this driver's job: if kvrepro itself is killed, Ray removes it with the job."""
+        count = self.spec.nodes_per_engine
+        name = f"kvrepro-{os.getpid()}-{key.replace('/', '-')}"
+        group = placement_group([self._per_run() for _ in range(count)], strategy="STRICT_SPREAD", name=name)
+        with self._lock:
+            self._groups[key] = group
+        ready = group.ready()
+        said = False
+        next_check = time.monotonic() + 5
+        while True:
+            if stop.is_set() or self._interrupted.is_set():
+                return None
+            done, _ = ray.wait([ready], timeout=0.5)
+            if done:
+                ray.get(done[0])
+                break
+            if not said:
+                said = True
+                waiting()
+            if time.monotonic() >= next_check:  # nodes lost since the start: never placeable now?
+                next_check = time.monotonic() + 5
+                fitting, alive = self._fitting_nodes()
+                if len(fitting) < count:
+                    raise _Unplaceable(f"INFRA: a placement group of {count} nodes can no longer be placed: "
+                                       f"{len(fitting)} alive node(s) can hold a run's share (of {alive})")
+        bundle_nodes = placement_group_table(group)["bundles_to_node_id"]
+        known = {n.node_id: n for n in self.nodes()}
+        nodes = tuple(known.get(bundle_nodes[i], NodeInfo(node_id=bundle_nodes[i], address="?")) for i in range(count))
+        return Placement(group_id=group.id.hex(), name=name, bundles=tuple(range(count)), nodes=nodes)
+
+    def _release(self, key: str) -> None:
+        """Remove the run's placement group (if it holds one); safe to call again."""
+        with self._lock:
+            group = self._groups.pop(key, None)
+        if group is not None:
+            try:
+                remove_placement_group(group)
+            except Exception:  # noqa: BLE001 - a cluster gone: its groups went with it
+                pass
+
     def _submit(self, job: NodeRun, run: RunFunction, avoid: set[str]) -> Any:
         options: dict[str, Any] = dict(num_cpus=self.spec.cpus_per_run, num_gpus=self.spec.gpus_per_run,
                                        max_retries=0, retry_exceptions=False)
-        if avoid:  # a retry: to another alive node when there is one (soft: any node if that one is busy)
+        with self._lock:
+            group = self._groups.get(job.key)
+        if group is not None:  # a multi-node engine: in bundle 0 of its group (a lost node: a new group)
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=0, placement_group_capture_child_tasks=False)
+        elif avoid:  # a retry: to another alive node when there is one (soft: any node if that one is busy)
             others = [n for n in self.nodes() if n.node_id not in avoid]
             if others:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(others[0].node_id, soft=True)
@@ -266,7 +392,7 @@ class RayTarget(Target):
             if ready:
                 return ray.get(ref)
 
-    def _store(self, files: RunFiles, run_dir: Path, lost: list[str]) -> RunResult:
+    def _store(self, files: RunFiles, run_dir: Path, lost: list[str], placement: Placement | None) -> RunResult:
         """The run's files into its folder (manifest.json with the node), the result with the driver's folder."""
         run_dir.mkdir(parents=True, exist_ok=True)
         for rel, data in files.files:
@@ -274,13 +400,15 @@ class RayTarget(Target):
             if not dest.is_relative_to(run_dir.resolve()) or rel == "verdict.json":
                 continue  # verdict.json is the runner's, written last
             if rel == "manifest.json":
-                manifest = replace(from_jsonable(RunManifest, json.loads(data)), node=files.node)
+                manifest = replace(from_jsonable(RunManifest, json.loads(data)), node=files.node,
+                                   placement_nodes=placement.nodes if placement else ())
                 data = (json.dumps(to_jsonable(manifest), indent=2) + "\n").encode()
             dest.parent.mkdir(parents=True, exist_ok=True)
             tmp = dest.with_name(dest.name + ".tmp")
             tmp.write_bytes(data)
             os.replace(tmp, dest)
-        return replace(files.result, run_dir=str(run_dir), node=files.node, retried_after=tuple(lost))
+        return replace(files.result, run_dir=str(run_dir), node=files.node, retried_after=tuple(lost),
+                       placement_nodes=placement.nodes if placement else ())
 
     def _result(self, artifact: BuildArtifact, rep: int, run_dir: Path, verdict: Verdict, title: str,
                 started: float, lost: list[str]) -> RunResult:
@@ -349,11 +477,19 @@ class RayTarget(Target):
                     ray.cancel(ref, force=True)
                 except Exception:  # noqa: BLE001
                     pass
+            with self._lock:
+                keys = list(self._groups)
+            for key in keys:  # what the killed tasks held
+                self._release(key)
 
         threading.Thread(target=force, daemon=True, name="kvrepro-ray-cancel").start()
 
     def close(self) -> None:
         self._closed.set()
+        with self._lock:
+            keys = list(self._groups)
+        for key in keys:  # normally none left: every run removes its own
+            self._release(key)
         self._local.close()
         try:
             ray.kill(self._sink)

@@ -15,6 +15,9 @@ DETAILS = True
 def _node_text(r) -> str:
     """`ray` target: the node the run ran on, and the nodes lost before (the run was sent again)."""
     text = r.node.label if r.node is not None else "-"
+    others = [n.label for n in r.placement_nodes if r.node is None or n.node_id != r.node.node_id]
+    if others:  # a multi-node engine's placement group: the nodes it held besides the engine's own
+        text += f" + {', '.join(others)}"
     if r.retried_after:
         text += f" (after {len(r.retried_after)} lost: {'; '.join(r.retried_after)})"
     return text
