@@ -293,37 +293,6 @@ def test_engine_docker_with_docker_hosts_is_one_line(tmp_path):
     assert "ray.engine docker: every node runs its engine in its own Docker daemon; remove hosts:" in lines[0]
 
 
-def test_a_two_node_engine_holds_a_placement_group_per_run_one_at_a_time(tmp_path, cluster):
-    """ray.nodes_per_engine 2 on three nodes of one CPU each: each run holds a STRICT_SPREAD
-    placement group of two one-CPU bundles, so only one such engine fits at a time and the other
-    run waits (queued) for a group. Both runs give build A's verdict (the one `expect:` names and
-    sim gives, test above), each record names both nodes of its group (the engine's first), at
-    most one engine ran at any moment, and every group is removed afterwards."""
-    raylets = {p for p in (cluster.raylet_pid(ip) for ip in cluster.addresses) if p}
-    matrix = _matrix(tmp_path, "ray", cluster.address, requests=60, reps=2, builds=("A",), nodes_per_engine=2)
-    proc = _kvrepro("matrix", "run", "-m", str(matrix), "--results", str(tmp_path / "r"), "--json", "--ci",
-                    cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]  # 0: every verdict is the one expect: names
-    assert "queued for a placement group of 2 nodes" in proc.stderr  # one run waited for the other's nodes
-    results = [r for info in json.loads(proc.stdout)["builds"].values() for r in info["runs"]]
-    assert [r["label"] for r in results] == ["CRASH(target)", "CRASH(target)"], results
-    for r in results:
-        held = r["placement_nodes"]
-        assert len(held) == 2 and held[0] == r["node"] and held[0]["node_id"] != held[1]["node_id"], r
-        manifest = json.loads((Path(r["run_dir"]) / "manifest.json").read_text())
-        assert manifest["placement_nodes"] == held and manifest["node"] == r["node"]
-    report = (next((tmp_path / "r").glob("*/report.md"))).read_text()
-    assert all(f"{r['node']['address']} ({r['node']['node_id'][:8]}) + {r['placement_nodes'][1]['address']}" in report
-               for r in results), report
-    first, second = sorted(_engine_window(Path(r["run_dir"])) for r in results)
-    assert first[1] <= second[0], (first, second)  # the second engine started after the first one's last request
-    groups = [g for g in _placement_groups(cluster.address) if g["name"].startswith("kvrepro-")]
-    assert len(groups) >= 2 and all(g["strategy"] == "STRICT_SPREAD" for g in groups), groups
-    assert all(g["state"] == "REMOVED" for g in groups), groups
-    time.sleep(1)
-    assert not _engines_below(raylets)
-
-
 def test_an_engine_wider_than_the_cluster_is_one_line_at_once(tmp_path, cluster):
     """ray.nodes_per_engine 4 on three nodes can never be placed: one line naming the field, exit 2,
     before anything is built or queued (not a run waiting in Ray's queue forever)."""
@@ -338,15 +307,21 @@ def test_an_engine_wider_than_the_cluster_is_one_line_at_once(tmp_path, cluster)
     assert time.monotonic() - started < 60
 
 
-def test_engine_docker_runs_the_builds_image_in_each_nodes_daemon(tmp_path, cluster, docker_host, cpu_base):
-    """ray.engine docker: each node makes sure the build's image (content-addressed tag) is in its
-    own daemon and runs the engine there as a container, with the docker target's own code. Here
-    all three nodes share this machine's one dockerd (so they share its images and its lock).
-    Build A gets the decoy patch (a docstring reworded: no behaviour changes) with a header line
-    unique to this test, so its image's tag is new: the two runs (on two nodes at once when both
-    are free) must make it exactly once between them, the other run reusing it. Both give build
-    A's verdict (the one sim gives, test above) and no container of theirs is left. The test
-    removes the image it made (no other image is touched)."""
+def test_a_two_node_docker_engine_holds_a_placement_group_and_its_image_is_made_once(
+        tmp_path, cluster, docker_host, cpu_base):
+    """ray.engine docker with ray.nodes_per_engine 2, on three nodes of one CPU each.
+
+    Placement: each run holds a STRICT_SPREAD placement group of two one-CPU bundles, so only one
+    such engine fits at a time and the other run waits (queued) for a group; each record names
+    both nodes of its group (the engine's first), the engines did not overlap, and every group is
+    removed afterwards. Image: each node makes sure the build's image (content-addressed tag) is in
+    its own daemon and runs the engine there as a container, with the docker target's own code.
+    Here all three nodes share this machine's one dockerd (so they share its images and its
+    lock). Build A gets the decoy patch (a docstring reworded: no behaviour changes) with a header
+    line unique to this test, so its image's tag is new: the first run makes it, the second reuses
+    it. Both give build A's verdict (the one sim gives, test above) and no container of theirs is
+    left. The test removes the image it made (no other image is touched). (One test for both: each
+    engine start here costs 30-80 s of the CI's time.)"""
     import hashlib
     import uuid
 
@@ -359,7 +334,9 @@ def test_engine_docker_runs_the_builds_image_in_each_nodes_daemon(tmp_path, clus
     patch = f"# Test token: {uuid.uuid4().hex} (a new image tag for this test only)\n".encode() \
         + (ROOT / "builds" / "decoy-docstring.patch").read_bytes()
     (folder / "builds" / "decoy-once.patch").write_bytes(patch)
-    matrix = _matrix(folder, "ray", cluster.address, requests=60, reps=2, builds=("A",), engine="docker")
+    raylets = {p for p in (cluster.raylet_pid(ip) for ip in cluster.addresses) if p}
+    matrix = _matrix(folder, "ray", cluster.address, requests=60, reps=2, builds=("A",), engine="docker",
+                     nodes_per_engine=2)
     data = yaml.safe_load(matrix.read_text())
     data["base_image"] = cpu_base
     data["patches"]["decoy-once"] = dict(data["patches"]["decoy-docstring"], file="decoy-once.patch",
@@ -377,6 +354,20 @@ def test_engine_docker_runs_the_builds_image_in_each_nodes_daemon(tmp_path, clus
         tags = {a["ref"] for a in artifacts}
         assert len(tags) == 1 and next(iter(tags)).startswith("kvrepro/vllm:0.26.0-"), artifacts
         assert sorted(a["reused"] for a in artifacts) == [False, True], artifacts  # made once, then reused
+        assert "queued for a placement group of 2 nodes" in proc.stderr  # one run waited for the other's nodes
+        for r in results:
+            held = r["placement_nodes"]
+            assert len(held) == 2 and held[0] == r["node"] and held[0]["node_id"] != held[1]["node_id"], r
+            manifest = json.loads((Path(r["run_dir"]) / "manifest.json").read_text())
+            assert manifest["placement_nodes"] == held and manifest["node"] == r["node"]
+        report = (next((tmp_path / "r").glob("*/report.md"))).read_text()
+        assert all(f"{r['node']['address']} ({r['node']['node_id'][:8]}) + {r['placement_nodes'][1]['address']}"
+                   in report for r in results), report
+        first, second = sorted(_engine_window(Path(r["run_dir"])) for r in results)
+        assert first[1] <= second[0], (first, second)  # the second engine started after the first one's last request
+        groups = [g for g in _placement_groups(cluster.address) if g["name"].startswith("kvrepro-")]
+        assert len(groups) >= 2 and all(g["strategy"] == "STRICT_SPREAD" for g in groups), groups
+        assert all(g["state"] == "REMOVED" for g in groups), groups
         for r in results:  # the container's own log came back with the run
             assert (Path(r["run_dir"]) / "docker.log").is_file(), r["run_dir"]
         time.sleep(2)
@@ -384,6 +375,7 @@ def test_engine_docker_runs_the_builds_image_in_each_nodes_daemon(tmp_path, clus
                                                                     ignore_removed=True)
                 if "/ray-run-" in c.labels.get(L.LABEL_RUN, "")]
         assert not left, left
+        assert not _engines_below(raylets)
     finally:
         for tag in tags:
             docker_host.client.images.remove(tag)
