@@ -4,6 +4,8 @@ flipped (exactly that JUnit test case fails)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import shutil
 import subprocess
@@ -191,9 +193,15 @@ def test_rows():
     row = judge(null, "0.26.0", "0.26.0", (), [_run(Verdict.CRASH, outcome=Outcome.TARGET, signature=TARGET)])
     assert row.state == "OTHER" and row.matches is False  # another failure ended the run: not evidence
     stall = entry("skipped-waiting-deadlock")
-    four = [_run(Verdict.CORRUPT, rep=i, kv_defects={"mamba-null-state": 1}) for i in range(4)]
+    four = [_run(Verdict.CORRUPT, rep=i, kv_defects={"mamba-null-state": 1}, loads_behind_deferred=80 + i)
+            for i in range(4)]
     row = judge(stall, "0.31.0", "0.31.0", (), four)
     assert (row.state, row.expected, row.matches) == ("ABSENT", "fixed", True)  # the budget ran, 4 times
+    assert row.detail == "path ran: loads_behind_deferred 80/81/82/83"
+    # offload hits alone are not the stall's path: no load was admitted behind a deferred lookup once
+    blind = [dataclasses.replace(run, loads_behind_deferred=0 if run.rep == 2 else 5) for run in four]
+    row = judge(stall, "0.31.0", "0.31.0", (), blind)
+    assert (row.state, row.matches) == ("UNREACHED", False)
     row = judge(stall, "0.31.0", "0.31.0", (), four[:1])
     # one clean run of a defect that shows in some runs only says little: absent_after 4
     assert (row.state, row.matches) == ("UNREACHED", False) and "1 of the 4 repetitions" in row.detail
