@@ -76,8 +76,8 @@ def test_each_entry_log_shows_its_signature():
             assert "Running: 0 reqs" in last and "Avg prompt throughput: 0.0" in last, e.name
             # the probe's counts before the stall show the entry's path (a counter the probe prints)
             x = read_exposure(log.read_text())
-            if e.path.counter in ("deferred_lookups", "loads_behind_deferred"):
-                assert getattr(x, e.path.counter) >= e.path.at_least, e.name
+            if e.path_counter in ("deferred_lookups", "loads_behind_deferred"):
+                assert getattr(x, e.path_counter) >= e.path_at_least, e.name
 
 
 def _bad(tmp_path: Path, name: str, text: str) -> str:
