@@ -316,6 +316,11 @@ class Exposure:
     # violation class -> the first request (1-based, as load.jsonl's index + 1) a described violation
     # of it was about; only requests the load named (X-Request-Id kvrepro-<index>)
     kv_first_request_by_class: dict[str, int] = field(default_factory=dict)
+    # the waiting-queue stall's path (vllm#57841; the probe's module docstring): offload lookups that
+    # returned None (the request parked without blocks), and offload loads admitted after another
+    # request's lookup was deferred in the same scheduling pass (a load queued behind a block-less request)
+    deferred_lookups: int = 0
+    loads_behind_deferred: int = 0
 
     @property
     def kv_check(self) -> str:
@@ -424,6 +429,9 @@ class RunResult:
     engine_start_s: float | None = None  # from launch until the engine answered /health
     external_prefix_cache_hits: int = 0
     prefix_cache_hits: int = 0
+    # the waiting-queue stall's path (Exposure): deferred offload lookups, loads admitted behind one
+    deferred_lookups: int = 0
+    loads_behind_deferred: int = 0
     # `ray` target: the node the engine ran on, and why earlier attempts of this run were
     # INFRA (a node lost mid-run; the run was retried elsewhere and this record is the retry's)
     node: NodeInfo | None = None

@@ -514,6 +514,25 @@ def test_exposure_reads_the_bugs_state_and_the_shadow_kv():
     # an older probe's line (no state fields) still reads, as no state evidence
     old = read_exposure(f"{INSTALLED}\nkvrepro-probe: counts external_hit_calls=2 trigger_calls=1\n")
     assert (old.trigger_calls, old.state_calls, old.state_groups, old.kv_check) == (1, 0, {}, "off")
+    assert (exp.deferred_lookups, exp.loads_behind_deferred, old.deferred_lookups) == (0, 0, 0)
+
+
+def test_exposure_reads_the_waiting_queue_stall_counts_per_process():
+    """deferred_lookups / loads_behind_deferred: the last line of each process, added up; a line
+    without them (an older probe) reads as zero."""
+    log = "\n".join([
+        INSTALLED,
+        "kvrepro-probe: counts external_hit_calls=3 trigger_calls=1 state_calls=0 state_groups=- "
+        "deferred_lookups=4 loads_behind_deferred=1 pid=12",
+        "kvrepro-probe: counts external_hit_calls=9 trigger_calls=4 state_calls=3 state_groups=mamba:1 "
+        "deferred_lookups=10 loads_behind_deferred=3 pid=12",
+        "kvrepro-probe: counts external_hit_calls=1 trigger_calls=0 state_calls=0 state_groups=- "
+        "deferred_lookups=2 loads_behind_deferred=2 pid=13",
+        "kvrepro-probe: counts external_hit_calls=0 trigger_calls=0 state_calls=0 state_groups=- pid=14",
+    ])
+    exp = read_exposure(log)
+    assert (exp.external_hit_calls, exp.state_calls, exp.state_groups) == (10, 3, {"mamba": 1})
+    assert (exp.deferred_lookups, exp.loads_behind_deferred) == (12, 5)
 
 
 # --------------------------------------------------------------------------- honest verdicts

@@ -282,14 +282,50 @@ def test_zygote_forks_vllm_serve_and_relays_signals(default_matrix, overlays, ru
 def test_sim_knobs_come_from_env_and_bad_values_are_named():
     from kvrepro.engine.config import EngineSetupError, SimKnobs
 
-    assert SimKnobs.from_env({}) == SimKnobs(acceptance_rate=0.7, seed=0, step_delay_ms=0.0)
+    assert SimKnobs.from_env({}) == SimKnobs(acceptance_rate=0.7, seed=0, step_delay_ms=0.0, load_steps=1)
     knobs = SimKnobs.from_env({"KVREPRO_SIM_ACCEPTANCE_RATE": "0.25", "KVREPRO_SIM_SEED": "7",
-                               "KVREPRO_SIM_STEP_DELAY_MS": "1.5"})
-    assert knobs == SimKnobs(acceptance_rate=0.25, seed=7, step_delay_ms=1.5)
+                               "KVREPRO_SIM_STEP_DELAY_MS": "1.5", "KVREPRO_SIM_LOAD_STEPS": "32"})
+    assert knobs == SimKnobs(acceptance_rate=0.25, seed=7, step_delay_ms=1.5, load_steps=32)
+    with pytest.raises(EngineSetupError, match="KVREPRO_SIM_LOAD_STEPS='0': must be >= 1"):
+        SimKnobs.from_env({"KVREPRO_SIM_LOAD_STEPS": "0"})
     with pytest.raises(EngineSetupError, match="KVREPRO_SIM_ACCEPTANCE_RATE='1.5': must be between 0.0 and 1.0"):
         SimKnobs.from_env({"KVREPRO_SIM_ACCEPTANCE_RATE": "1.5"})
     with pytest.raises(EngineSetupError, match="KVREPRO_SIM_SEED='x': not a int"):
         SimKnobs.from_env({"KVREPRO_SIM_SEED": "x"})
+
+
+TRANSFERS = """
+import json
+from kvrepro.engine.executor import SimTransferWorker
+
+def steps(load_steps, n=4, flush=()):
+    worker = SimTransferWorker(None, load_steps=load_steps)
+    worker.submit_load(1, None, None)
+    worker.submit_store(2, None, None)
+    worker.wait(flush)
+    seen = [sorted(r.job_id for r in worker.get_finished())]  # in the step that submitted them
+    for _ in range(n):
+        worker.begin_step()
+        seen.append(sorted(r.job_id for r in worker.get_finished()))
+    return seen, worker.completed
+
+print("RESULTS " + json.dumps([steps(1), steps(3), steps(3, flush=[1])]))
+"""
+
+
+def test_sim_transfers_finish_loads_after_load_steps_and_stores_after_one(runtime_python, overlays):
+    """engine.sim.load_steps: a load is reported that many steps after it was submitted, a store
+    one step after; a flush (wait) finishes the named jobs at once. Default 1: both next step."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.pathsep.join([str(overlays["A"]), str(ROOT)])
+    proc = subprocess.run([str(runtime_python), "-c", TRANSFERS], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULTS "))
+    default, slow, flushed = json.loads(line[len("RESULTS "):])
+    assert default == [[[], [1, 2], [], [], []], {"load": 1, "store": 1}]
+    assert slow == [[[], [2], [], [1], []], {"load": 1, "store": 1}]
+    assert flushed == [[[1], [2], [], [], []], {"load": 1, "store": 1}]
 
 
 def test_plugin_names_the_platform_only_when_asked():

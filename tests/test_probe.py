@@ -108,7 +108,7 @@ def test_counts_external_hits_and_triggers_and_keeps_behaviour(vllm_tree, tmp_pa
     # (0,0) and (32,0): no offload hit -> nothing counted; (0,16): hit without local prefix;
     # (32,16) and (16,48): hit with a local prefix -> trigger.
     # (blocks=None: no group layout to read, so the bug's state is never counted)
-    none = {"state_calls": 0, "state_groups": {}}
+    none = {"state_calls": 0, "state_groups": {}, "deferred_lookups": 0, "loads_behind_deferred": 0}
     assert counts == [
         {"external_hit_calls": 0, "trigger_calls": 0, **none},
         {"external_hit_calls": 0, "trigger_calls": 0, **none},
@@ -128,7 +128,7 @@ def test_counts_external_hits_and_triggers_and_keeps_behaviour(vllm_tree, tmp_pa
     assert "kvrepro-probe: counts external_hit_calls=3 trigger_calls=2" in proc.stderr
     # ... and at exit.
     assert re.fullmatch(r"kvrepro-probe: counts external_hit_calls=3 trigger_calls=2 state_calls=0 state_groups=- "
-                        r"pid=\d+", proc.stderr.rstrip().splitlines()[-1])
+                        r"deferred_lookups=0 loads_behind_deferred=0 pid=\d+", proc.stderr.rstrip().splitlines()[-1])
 
 
 # The bug's state: real KVCacheBlock / KVCacheBlocks from vLLM; the connector config is a stand-in
@@ -188,6 +188,58 @@ def test_counts_the_bugs_state_and_its_group_kind(vllm_tree, tmp_path):
     ]
     assert ("kvrepro-probe: counts external_hit_calls=4 trigger_calls=4 state_calls=2 "
             "state_groups=full_attention:2,mamba:1") in proc.stderr
+
+
+# The waiting-queue stall's path (vllm#57841): the real get_num_new_matched_tokens answers None
+# ("ask again later") at once for a request whose own transfers are in flight, before it reads
+# anything else of the stand-in; without them it goes on and raises on the stand-in (not deferred).
+DEFERRAL_CALLS = """
+import json, types
+import kvrepro_probe
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler as mod
+cls = mod.OffloadingConnectorScheduler
+
+def status(jobs):
+    return types.SimpleNamespace(group_states=[], transfer_jobs=set(jobs), num_locally_computed_tokens=0)
+
+self_ = types.SimpleNamespace(_req_status={"a": status([7]), "b": status([]), "c": status([])})
+req = {name: types.SimpleNamespace(request_id=name) for name in "abc"}
+log = []
+
+def call(what, fn, *args):
+    try:
+        out = repr(fn(*args))
+    except Exception as exc:
+        out = type(exc).__name__
+    log.append([what, out, {k: v for k, v in kvrepro_probe.counts().items()
+                            if k in ("deferred_lookups", "loads_behind_deferred", "external_hit_calls")}])
+
+call("lookup a", cls.get_num_new_matched_tokens, self_, req["a"], 0)        # deferred
+call("lookup b", cls.get_num_new_matched_tokens, self_, req["b"], 0)        # not deferred (raises)
+call("load b", cls.update_state_after_alloc, self_, req["b"], None, 16)     # behind a
+call("load a", cls.update_state_after_alloc, self_, req["a"], None, 16)     # a itself: not behind
+call("pass end", cls.build_connector_meta, self_, None)
+call("load c", cls.update_state_after_alloc, self_, req["c"], None, 16)     # next pass: nothing deferred
+print("RESULTS " + json.dumps(log))
+"""
+
+
+def test_counts_deferred_lookups_and_loads_admitted_behind_them(vllm_tree, tmp_path):
+    python, tree = vllm_tree
+    proc = run_py(python, DEFERRAL_CALLS, [probe_dir(tmp_path), tree])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = parse_results(proc.stdout)
+    assert [(what, out) for what, out, _ in log][:2] == [("lookup a", "(None, False)"), ("lookup b", "AttributeError")]
+    assert [(what, c["deferred_lookups"], c["loads_behind_deferred"], c["external_hit_calls"])
+            for what, _, c in log] == [
+        ("lookup a", 1, 0, 0),
+        ("lookup b", 1, 0, 0),   # the lookup raised: not a deferral
+        ("load b", 1, 1, 1),     # admitted in the pass in which a was deferred
+        ("load a", 1, 1, 2),     # the deferred request itself does not queue behind itself
+        ("pass end", 1, 1, 2),
+        ("load c", 1, 1, 3),     # a new pass: no deferral in it yet
+    ]
+    assert re.search(r"deferred_lookups=1 loads_behind_deferred=1 pid=\d+$", proc.stderr.rstrip())
 
 
 def test_installed_line_names_file_and_source_hash(vllm_tree, tmp_path):

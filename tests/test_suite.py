@@ -4,6 +4,8 @@ flipped (exactly that JUnit test case fails)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import shutil
 import subprocess
@@ -72,6 +74,10 @@ def test_each_entry_log_shows_its_signature():
         else:
             last = log.read_text().splitlines()[-1]
             assert "Running: 0 reqs" in last and "Avg prompt throughput: 0.0" in last, e.name
+            # the probe's counts before the stall show the entry's path (a counter the probe prints)
+            x = read_exposure(log.read_text())
+            if e.path_counter in ("deferred_lookups", "loads_behind_deferred"):
+                assert getattr(x, e.path_counter) >= e.path_at_least, e.name
 
 
 def _bad(tmp_path: Path, name: str, text: str) -> str:
@@ -191,9 +197,15 @@ def test_rows():
     row = judge(null, "0.26.0", "0.26.0", (), [_run(Verdict.CRASH, outcome=Outcome.TARGET, signature=TARGET)])
     assert row.state == "OTHER" and row.matches is False  # another failure ended the run: not evidence
     stall = entry("skipped-waiting-deadlock")
-    four = [_run(Verdict.CORRUPT, rep=i, kv_defects={"mamba-null-state": 1}) for i in range(4)]
+    four = [_run(Verdict.CORRUPT, rep=i, kv_defects={"mamba-null-state": 1}, loads_behind_deferred=80 + i)
+            for i in range(4)]
     row = judge(stall, "0.31.0", "0.31.0", (), four)
     assert (row.state, row.expected, row.matches) == ("ABSENT", "fixed", True)  # the budget ran, 4 times
+    assert row.detail == "path ran: loads_behind_deferred 80/81/82/83"
+    # offload hits alone are not the stall's path: no load was admitted behind a deferred lookup once
+    blind = [dataclasses.replace(run, loads_behind_deferred=0 if run.rep == 2 else 5) for run in four]
+    row = judge(stall, "0.31.0", "0.31.0", (), blind)
+    assert (row.state, row.matches) == ("UNREACHED", False)
     row = judge(stall, "0.31.0", "0.31.0", (), four[:1])
     # one clean run of a defect that shows in some runs only says little: absent_after 4
     assert (row.state, row.matches) == ("UNREACHED", False) and "1 of the 4 repetitions" in row.detail

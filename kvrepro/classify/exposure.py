@@ -5,9 +5,10 @@ A SURVIVED verdict is only worth something if the crash's precondition happened 
 The probe installed in the engine says so on stderr::
 
     kvrepro-probe: installed function=OffloadingConnectorScheduler.update_state_after_alloc file=<path> source_sha256=<64 hex>
-    kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M> state_calls=<K> state_groups=<kind>:<n>,... pid=<P>
+    kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M> state_calls=<K> state_groups=<kind>:<n>,... deferred_lookups=<D> loads_behind_deferred=<L> pid=<P>
 
-(older probes end the counts line after ``trigger_calls``: no state evidence, read as zero). The
+(older probes end the counts line after ``trigger_calls``, or after ``state_groups``: what they do
+not print is read as zero). The
 GPU-free engine's shadow KV (kvrepro/engine/shadow.py) reports what it checked the same way::
 
     kvrepro-shadow: installed groups=...
@@ -39,7 +40,9 @@ _INSTALLED = re.compile(
     r"kvrepro-probe: installed function=(?P<function>\S+) file=(?P<file>.*?) source_sha256=(?P<sha>[0-9a-f]{64})\b"
 )
 _COUNTS = re.compile(r"kvrepro-probe: counts external_hit_calls=(?P<ext>\d+) trigger_calls=(?P<trig>\d+)\b"
-                     r"(?: state_calls=(?P<state>\d+) state_groups=(?P<groups>\S+))?(?: pid=(?P<pid>\d+))?")
+                     r"(?: state_calls=(?P<state>\d+) state_groups=(?P<groups>\S+))?"
+                     r"(?: deferred_lookups=(?P<deferred>\d+) loads_behind_deferred=(?P<behind>\d+))?"
+                     r"(?: pid=(?P<pid>\d+))?")
 _SHADOW_TAG = "kvrepro-shadow:"
 _SHADOW_COUNTS = re.compile(r"kvrepro-shadow: counts checks=(?P<checks>\d+) violations=(?P<violations>\d+)\b"
                             r"(?: by=(?P<by>\S+))?(?: hits=(?P<hits>\S+))?(?: stored=(?P<stored>\S+))?")
@@ -53,8 +56,9 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
     """Exposure evidence from an engine log and, optionally, a ``/metrics`` scrape."""
     sha: str | None = None
     seen = shadow_seen = False
-    # (stream, pid) -> last probe counts (external_hit_calls, trigger_calls, state_calls, state_groups)
-    last: dict[tuple[str, str], tuple[int, int, int, dict[str, int]]] = {}
+    # (stream, pid) -> last probe counts (external_hit_calls, trigger_calls, state_calls, state_groups,
+    # deferred_lookups, loads_behind_deferred)
+    last: dict[tuple[str, str], tuple[int, int, int, dict[str, int], int, int]] = {}
     # stream -> (checks, violations, by class, hit reads by kind, stored blocks by kind)
     shadow: dict[str, tuple[int, int, dict[str, int], dict[str, int], dict[str, int]]] = {}
     first_violation: str | None = None
@@ -70,7 +74,8 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
             sha = m["sha"]
         elif (m := _COUNTS.search(line.body)) is not None:
             last[(line.stream, m["pid"] or "")] = (int(m["ext"]), int(m["trig"]), int(m["state"] or 0),
-                                                 _groups(m["groups"]))
+                                                 _groups(m["groups"]), int(m["deferred"] or 0),
+                                                 int(m["behind"] or 0))
         elif (m := _SHADOW_COUNTS.search(line.body)) is not None:
             shadow_seen = True
             shadow[line.stream] = (int(m["checks"]), int(m["violations"]), _groups(m["by"]), _groups(m["hits"]),
@@ -105,7 +110,9 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
                     state_calls=state, state_groups=state_groups, kv_checks=sum(v[0] for v in shadow.values()),
                     kv_violations=violations, kv_violations_by=violations_by, kv_first_violation=first_violation, kv_first_violation_class=first_class,
                     kv_groups=kv_groups, shadow_seen=shadow_seen, kv_hit_reads=hit_reads, kv_stored=stored,
-                    kv_first_request_by_class=first_request)
+                    kv_first_request_by_class=first_request,
+                    deferred_lookups=sum(v[4] for v in last.values()),
+                    loads_behind_deferred=sum(v[5] for v in last.values()))
 
 
 def _added_up(counts) -> dict[str, int]:

@@ -305,6 +305,7 @@ class SimTarget(Target):
             KVREPRO_SIM_ACCEPTANCE_RATE=repr(sim.draft_acceptance_rate),
             KVREPRO_SIM_SEED=str(sim.seed + rep),
             KVREPRO_SIM_STEP_DELAY_MS=repr(sim.step_delay_ms),
+            KVREPRO_SIM_LOAD_STEPS=str(sim.load_steps),
             VLLM_CACHE_ROOT=str(vllm_cache_root(artifact.plan)),
         )
         env.update(self.engine_env)

@@ -7,7 +7,7 @@ bookkeeping and the ``OffloadingConnector`` on both sides, vLLM's logging and li
 ``KVREPRO_SIM=1`` kvrepro's platform plugin (``plugin``, entry point group
 ``vllm.platform_plugins``) names ``platform.SimCpuPlatform``, which selects
 ``executor.SimExecutor``: the model (which tokens come out, whether a draft token is accepted)
-and the offload worker's data movement (every job completes one step later) are faked, because
+and the offload worker's data movement (a job completes one step later; a load `engine.sim.load_steps`) are faked, because
 this machine has no GPU. ``config`` holds the fake model's knobs (``KVREPRO_SIM_*``).
 
 Geometry notes for matrix authors. vLLM itself refuses to start when one request of

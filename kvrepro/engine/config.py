@@ -23,6 +23,7 @@ class SimKnobs:
     acceptance_rate: float = 0.7
     seed: int = 0
     step_delay_ms: float = 0.0
+    load_steps: int = 1  # an offload load job is reported finished this many engine steps after it was submitted
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "SimKnobs":
@@ -45,4 +46,5 @@ class SimKnobs:
             acceptance_rate=number("KVREPRO_SIM_ACCEPTANCE_RATE", 0.7, float, 0.0, 1.0),
             seed=number("KVREPRO_SIM_SEED", 0, int, 0),
             step_delay_ms=number("KVREPRO_SIM_STEP_DELAY_MS", 0.0, float, 0.0),
+            load_steps=number("KVREPRO_SIM_LOAD_STEPS", 1, int, 1),
         )

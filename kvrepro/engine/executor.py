@@ -18,9 +18,11 @@ Faked, because this machine has no GPU:
   rolls back rejected drafts itself. After sampling, one draft per speculative slot is
   proposed through ``take_draft_token_ids`` (the synchronous-scheduling path).
 * **The offload data movement** (``SimTransferWorker``, vLLM's ``OffloadingWorker``
-  interface): no bytes move; every load or store job the connector submits is reported
-  finished by the next step's ``get_finished()`` (``wait()`` on a flush finishes the named
-  jobs at once). The real connector worker turns those reports into ``finished_recving`` and
+  interface): no bytes move; every store job the connector submits is reported finished by
+  the next step's ``get_finished()``, every load job ``KVREPRO_SIM_LOAD_STEPS`` steps after it
+  was submitted (default 1: the next step; more stands for a slow tier or a large load and
+  keeps a load in flight across that many scheduler steps). ``wait()`` on a flush finishes the
+  named jobs at once. The real connector worker turns those reports into ``finished_recving`` and
   ``completed_jobs`` for the scheduler, as it would for CUDA copies.
 * **KV-cache specs**: built per layer the way the model's layers would report them
   (``FullAttentionSpec`` for full attention, including the MTP draft layer; ``MambaSpec`` with
@@ -70,42 +72,48 @@ def _answer(call, arg, non_block: bool):
     return future if non_block else future.result()
 
 class SimTransferWorker(OffloadingWorker):
-    """vLLM's OffloadingWorker interface without data movement: a job finishes one step later."""
+    """vLLM's OffloadingWorker interface without data movement: a store finishes one step later,
+    a load ``load_steps`` steps later (``engine.sim.load_steps``, default 1)."""
 
-    def __init__(self, shadow: "shadow_kv.ShadowKV | None" = None) -> None:
+    def __init__(self, shadow: "shadow_kv.ShadowKV | None" = None, load_steps: int = 1) -> None:
         self.shadow = shadow  # shadow KV: copies block contents as the real transfers would
+        self.load_steps = max(1, int(load_steps))
         self._lock = threading.Lock()
-        self._submitted: dict[int, str] = {}  # job id -> "load" | "store", this step
+        self._submitted: dict[int, list] = {}  # job id -> ["load" | "store", steps still to go]
         self._done: dict[int, str] = {}  # finished, not yet reported
         self.completed = {"load": 0, "store": 0}
 
     def begin_step(self) -> None:
-        """Called at the start of each model step: last step's jobs are now complete."""
+        """Called at the start of each model step: one more step has passed for every job in
+        flight; those whose steps are used up are now complete."""
         with self._lock:
-            self._done.update(self._submitted)
-            self._submitted = {}
+            for job_id, job in list(self._submitted.items()):
+                job[1] -= 1
+                if job[1] <= 0:
+                    self._done[job_id] = job[0]
+                    del self._submitted[job_id]
 
     def submit_store(self, job_id, src_spec, dst_spec) -> bool:
         if self.shadow is not None:  # shadow KV (kvrepro/engine/shadow.py)
             self.shadow.store(job_id, src_spec, dst_spec)
         with self._lock:
-            self._submitted[job_id] = "store"
+            self._submitted[job_id] = ["store", 1]
         return True
 
     def submit_load(self, job_id, src_spec, dst_spec) -> bool:
         if self.shadow is not None:  # shadow KV (kvrepro/engine/shadow.py)
             self.shadow.load(job_id, src_spec, dst_spec)
         with self._lock:
-            self._submitted[job_id] = "load"
+            self._submitted[job_id] = ["load", self.load_steps]
         return True
 
     def wait(self, job_ids) -> None:
         # A flush blocks until the named transfers are done; here they are done at once.
         with self._lock:
             for job_id in job_ids:
-                kind = self._submitted.pop(job_id, None)
-                if kind is not None:
-                    self._done[job_id] = kind
+                job = self._submitted.pop(job_id, None)
+                if job is not None:
+                    self._done[job_id] = job[0]
 
     def get_finished(self) -> list[TransferResult]:
         with self._lock:
@@ -265,8 +273,8 @@ class SimExecutor(Executor):
         self._specs = self._build_kv_cache_specs()
         logger.info(
             "Sim executor: no GPU; fake model (draft acceptance rate %.2f, seed %d, step delay "
-            "%.1f ms) and fake offload data movement (jobs finish one step later).",
-            self.knobs.acceptance_rate, self.knobs.seed, self.knobs.step_delay_ms,
+            "%.1f ms) and fake offload data movement (stores finish one step later, loads %d).",
+            self.knobs.acceptance_rate, self.knobs.seed, self.knobs.step_delay_ms, self.knobs.load_steps,
         )
 
     # -- what a worker would report ------------------------------------------------------
@@ -395,7 +403,7 @@ class SimExecutor(Executor):
         transfers = None
         worker_side = getattr(connector, "connector_worker", None)
         if worker_side is not None and hasattr(worker_side, "worker"):
-            transfers = SimTransferWorker(self.shadow)
+            transfers = SimTransferWorker(self.shadow, self.knobs.load_steps)
             spec = getattr(worker_side, "spec", None)
             if getattr(spec, "blocks_per_chunk", None):
                 self._chunk_blocks = int(spec.blocks_per_chunk)  # what the connector really uses

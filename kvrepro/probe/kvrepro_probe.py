@@ -17,6 +17,20 @@ kv_connector/v1/offloading/scheduler.py); the probe wraps it and counts
   ``state_groups`` counts, per kind of group (``full_attention``, ``mamba``, ``sliding_window``,
   ...; from the group's KV-cache spec kind), the calls in which a group of that kind held it.
 
+It also wraps the same class's ``get_num_new_matched_tokens`` and ``build_connector_meta`` (the
+scheduler calls the latter once at the end of every scheduling pass) and counts, for the
+waiting-queue stall of vllm#57841:
+
+* ``deferred_lookups``: lookups that returned ``None`` ("ask again later": a chunk the request
+  needs is being loaded for another request, or its own transfers are in flight); the scheduler
+  then parks the request, holding no blocks, in its skipped-waiting queue;
+* ``loads_behind_deferred``: offload loads admitted (``update_state_after_alloc`` with
+  ``num_external_tokens > 0``) in a scheduling pass after another request's lookup was deferred
+  earlier in the same pass. The scheduler walks its waiting queues in order and re-queues what it
+  skipped in that order, so such a load holds blocks *behind* a block-less deferred request: the
+  ordering the stall needs (whether it stalls then depends on whether the deferred request fits
+  once it can go).
+
 Counting happens BEFORE the original runs, so the call that crashes is counted. The wrapper
 returns what the original returns and re-raises what it raises.
 
@@ -36,7 +50,7 @@ never import vLLM pay for one string comparison per import and print nothing.
 Output, on stderr, flushed, one line each (kvrepro's classifier parses these exact formats)::
 
   kvrepro-probe: installed function=OffloadingConnectorScheduler.update_state_after_alloc file=<path> source_sha256=<hex>
-  kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M> state_calls=<K> state_groups=<kind>:<n>,... pid=<P>
+  kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M> state_calls=<K> state_groups=<kind>:<n>,... deferred_lookups=<D> loads_behind_deferred=<L> pid=<P>
 
 (``pid`` because vLLM >= 0.33 no longer prefixes what a child process writes to stderr with
 its ``(EngineCore pid=N)`` tag: the API server's zero counts must not hide the EngineCore's.)
@@ -62,7 +76,11 @@ TARGET_METHOD = "update_state_after_alloc"
 REPORT_INTERVAL_S = 2.0
 
 _lock = threading.Lock()
-_counts = {"external_hit_calls": 0, "trigger_calls": 0, "state_calls": 0}
+_counts = {"external_hit_calls": 0, "trigger_calls": 0, "state_calls": 0, "deferred_lookups": 0,
+           "loads_behind_deferred": 0}
+_deferred_this_pass: set = set()  # requests whose lookup returned None in the current scheduling pass
+LOOKUP_METHOD = "get_num_new_matched_tokens"
+PASS_END_METHOD = "build_connector_meta"
 _state_groups: dict = {}  # kind of KV-cache group -> calls in which it held the bug's state
 _state = {
     "installed": False,
@@ -103,12 +121,14 @@ def report(force: bool = False) -> None:
         return
     with _lock:
         groups = ",".join(f"{kind}:{n}" for kind, n in sorted(_state_groups.items()))
-        snapshot = (_counts["external_hit_calls"], _counts["trigger_calls"], _counts["state_calls"], groups)
+        snapshot = (_counts["external_hit_calls"], _counts["trigger_calls"], _counts["state_calls"], groups,
+                    _counts["deferred_lookups"], _counts["loads_behind_deferred"])
         if not force and snapshot == _state["last_reported"]:
             return
         _state["last_reported"] = snapshot
     _write(f"kvrepro-probe: counts external_hit_calls={snapshot[0]} trigger_calls={snapshot[1]} "
-           f"state_calls={snapshot[2]} state_groups={snapshot[3] or '-'} pid={os.getpid()}")
+           f"state_calls={snapshot[2]} state_groups={snapshot[3] or '-'} deferred_lookups={snapshot[4]} "
+           f"loads_behind_deferred={snapshot[5]} pid={os.getpid()}")
 
 
 def _reporter_loop() -> None:
@@ -133,6 +153,7 @@ def _after_fork_in_child() -> None:
             for name in _counts:
                 _counts[name] = 0
             _state_groups.clear()
+            _deferred_this_pass.clear()
             _state["last_reported"] = None
         _start_reporter()
 
@@ -195,8 +216,11 @@ def _wrap(cls) -> None:
                         kinds = _state_kinds(scheduler, bound.arguments["blocks"], local)
                     except Exception:
                         kinds = []  # unknown layout: the trigger still counts
+                request_id = getattr(bound.arguments["request"], "request_id", None)
                 with _lock:
                     _counts["external_hit_calls"] += 1
+                    if _deferred_this_pass - {request_id}:
+                        _counts["loads_behind_deferred"] += 1
                     if local > 0:
                         _counts["trigger_calls"] += 1
                     if kinds:
@@ -218,6 +242,7 @@ def _wrap(cls) -> None:
     except (OSError, TypeError):
         digest = "0" * 64  # no source on disk (zipped install): still counted
     setattr(cls, TARGET_METHOD, update_state_after_alloc)
+    _wrap_queue_methods(cls)
     module = sys.modules.get(cls.__module__)
     path = getattr(module, "__file__", None) or "?"
     _state.update(installed=True, source_sha256=digest, file=path)
@@ -227,6 +252,39 @@ def _wrap(cls) -> None:
     )
     _start_reporter()
     atexit.register(report, True)
+
+
+def _wrap_queue_methods(cls) -> None:
+    """Count deferred lookups and loads admitted behind them (module docstring). A release
+    without one of the two methods only loses these two counts."""
+    lookup = cls.__dict__.get(LOOKUP_METHOD)
+    if lookup is not None and not getattr(lookup, "__kvrepro_probe__", False):
+
+        @functools.wraps(lookup)
+        def get_num_new_matched_tokens(self, request, *args, **kwargs):
+            result = lookup(self, request, *args, **kwargs)
+            try:
+                if isinstance(result, tuple) and result and result[0] is None:
+                    with _lock:
+                        _counts["deferred_lookups"] += 1
+                        _deferred_this_pass.add(getattr(request, "request_id", None))
+            except Exception:
+                pass
+            return result
+
+        get_num_new_matched_tokens.__kvrepro_probe__ = True
+        setattr(cls, LOOKUP_METHOD, get_num_new_matched_tokens)
+    pass_end = cls.__dict__.get(PASS_END_METHOD)
+    if pass_end is not None and not getattr(pass_end, "__kvrepro_probe__", False):
+
+        @functools.wraps(pass_end)
+        def build_connector_meta(*args, **kwargs):
+            with _lock:
+                _deferred_this_pass.clear()
+            return pass_end(*args, **kwargs)
+
+        build_connector_meta.__kvrepro_probe__ = True
+        setattr(cls, PASS_END_METHOD, build_connector_meta)
 
 
 def _wrap_module(module) -> None:

@@ -114,6 +114,9 @@ class SimSettings(_Strict):
     draft_acceptance_rate: float = Field(0.7, ge=0.0, le=1.0)
     seed: int = 0
     step_delay_ms: float = Field(0.0, ge=0.0, description="sleep per engine step, to mimic GPU time")
+    load_steps: int = Field(1, ge=1, description="engine steps an offload load job takes: it is reported "
+                            "finished by the worker's get_finished() this many steps after it was submitted "
+                            "(stores always take one step)")
 
 
 class GeometrySpec(_Strict):

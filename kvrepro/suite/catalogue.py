@@ -38,6 +38,9 @@ COUNTERS: dict[str, str] = {
     "offload_load_jobs": "offload load jobs the GPU-free engine ran",
     "offload_store_jobs": "offload store jobs the GPU-free engine ran",
     "engine_steps": "engine steps",
+    "deferred_lookups": "offload lookups that returned None: the request parked without blocks (probe)",
+    "loads_behind_deferred": "offload loads admitted in a scheduling pass after another request's lookup was "
+                             "deferred in it: a load holding blocks behind a block-less request (probe)",
     "requests": "requests sent",
 }
 # RunResult per-kind counters an entry names as ``<field>.<key>`` (kv_hit_reads.mamba): the key is
