@@ -121,6 +121,27 @@ def _engines_below(pids: set[int]) -> set[int]:
     return {p for p in descendants(pids) if any("kvrepro.engine" in a for a in _cmdline(p))}
 
 
+def _started(matrix: Path, tmp_path: Path, log: Path) -> subprocess.Popen:
+    """`kvrepro matrix run --ci` in the background, its stderr in ``log``."""
+    with log.open("w") as stderr:
+        return subprocess.Popen([sys.executable, "-m", "kvrepro.cli", "matrix", "run", "-m", str(matrix), "--results",
+                                 str(tmp_path / "r"), "--ci"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr)
+
+
+def _terminated(proc: subprocess.Popen, log: Path) -> None:
+    """SIGTERM to kvrepro: it exits 130 within 120 s and prints no traceback (killed if it hangs)."""
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = log.read_text()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    time.sleep(3)
+
+
 def test_without_ray_the_target_says_how_to_install_it(tmp_path):
     """Missing extra, simulated: the child python gets a meta-path finder that refuses `ray`
     (as an environment without the extra would), then runs kvrepro's CLI."""
@@ -201,24 +222,17 @@ def test_ctrl_c_and_sigterm_cancel_every_task_and_leave_no_engine(tmp_path, clus
     assert len(raylets) == 3
     matrix = _matrix(tmp_path, "ray", cluster.address, requests=600)
     log = tmp_path / "stderr.txt"
-    with log.open("w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "kvrepro.cli", "matrix", "run", "-m", str(matrix), "--results",
-                                 str(tmp_path / "r"), "--ci"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr)
+    proc = _started(matrix, tmp_path, log)
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not _engines_below(raylets) and proc.poll() is None:
             time.sleep(0.5)
         seen = _engines_below(raylets)
         assert seen, f"no engine started on any node; kvrepro: {proc.poll()}, {log.read_text()[-3000:]}"
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    err = log.read_text()
-    assert proc.returncode == 130, err[-3000:]
-    assert "Traceback" not in err
-    time.sleep(3)
+    except BaseException:
+        proc.kill()
+        raise
+    _terminated(proc, log)
     assert not _engines_below(raylets), "an engine survived the cancel"
     assert not [p for p in seen if Path(f"/proc/{p}").exists()]
     run = json.loads(next((tmp_path / "r").glob("*/run.json")).read_text())
@@ -399,9 +413,7 @@ def test_sigterm_removes_every_placement_group_and_container(tmp_path, cluster, 
     data["base_image"] = cpu_base
     matrix.write_text(yaml.safe_dump(data, sort_keys=False))
     log = tmp_path / "stderr.txt"
-    with log.open("w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "kvrepro.cli", "matrix", "run", "-m", str(matrix), "--results",
-                                 str(tmp_path / "r"), "--ci"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr)
+    proc = _started(matrix, tmp_path, log)
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not containers(running_only=True) and proc.poll() is None:
@@ -416,15 +428,10 @@ def test_sigterm_removes_every_placement_group_and_container(tmp_path, cluster, 
         while "queued for a placement group of 2 nodes" not in log.read_text() and time.monotonic() < waiting:
             time.sleep(0.5)
         assert "queued for a placement group of 2 nodes" in log.read_text()  # the second run waits for its group
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    err = log.read_text()
-    assert proc.returncode == 130, err[-3000:]
-    assert "Traceback" not in err
-    time.sleep(3)
+    except BaseException:
+        proc.kill()
+        raise
+    _terminated(proc, log)
     assert not containers(), [c.name for c in containers()]
     assert not _engines_below(raylets)
     ours = [g for g in _placement_groups(cluster.address) if g["name"].startswith(f"kvrepro-{proc.pid}-")]
