@@ -17,7 +17,7 @@ from kvrepro.results import store as results
 from kvrepro.classify import read_exposure
 from kvrepro.classify.corruption import (UNKNOWN, ViolationClass, attribute, by_name, defects_of,
                                          known_corruptions, match_class)
-from kvrepro.records import LoadSummary, Outcome, RunResult, Signature, Verdict
+from kvrepro.records import Outcome, RunResult, Signature, Verdict
 from kvrepro.report.expectations import meets
 from kvrepro.classify.verdict import corruption_title
 

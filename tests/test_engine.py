@@ -12,14 +12,13 @@ import json
 import os
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import requests
 
-from conftest import ROOT, require
+from conftest import ROOT
 from kvrepro import paths
 
 MODEL_DIR = ROOT / "kvrepro" / "data" / "models" / "qwen3-next-tiny"

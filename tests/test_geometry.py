@@ -13,7 +13,7 @@ from conftest import ROOT
 from kvrepro.errors import SpecError
 from kvrepro.spec.geometry import generated_config, layer_plan, materialize
 from kvrepro.loadgen.capacity import engine_capacity
-from kvrepro.spec.matrix import LoadSpec, load_matrix, parse_matrix
+from kvrepro.spec.matrix import LoadSpec, load_matrix
 from kvrepro.versions import hybrid_kv_groups
 
 TEMPLATE = ROOT / "kvrepro" / "data" / "models" / "qwen3-next-tiny"

@@ -15,13 +15,11 @@ import json
 import os
 import re
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from conftest import require
 
 pytestmark = pytest.mark.vllm
 
