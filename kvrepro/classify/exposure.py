@@ -30,6 +30,7 @@ from __future__ import annotations
 import io
 import math
 import re
+from typing import NamedTuple
 
 from ..records import REQUEST_ID_PREFIX, Exposure
 from .lines import split_line
@@ -52,15 +53,33 @@ _VIOLATION_REQUEST = re.compile(r"\brequest (?:chat)?cmpl-" + re.escape(REQUEST_
 _SHADOW_VIOLATION = re.compile(r"kvrepro-shadow: violation (?P<step>step=\S+ )?(?:class=(?P<cls>\S+) )?(?P<text>.*\S)")
 
 
+class _ProbeCounts(NamedTuple):
+    """One process's last probe counts line (what an older probe does not print is zero)."""
+
+    external_hit_calls: int
+    trigger_calls: int
+    state_calls: int
+    state_groups: dict[str, int]
+    deferred_lookups: int
+    loads_behind_deferred: int
+
+
+class _ShadowCounts(NamedTuple):
+    """One stream's last shadow-KV counts line."""
+
+    checks: int
+    violations: int
+    violations_by: dict[str, int]
+    hit_reads: dict[str, int]
+    stored: dict[str, int]
+
+
 def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
     """Exposure evidence from an engine log and, optionally, a ``/metrics`` scrape."""
     sha: str | None = None
     seen = shadow_seen = False
-    # (stream, pid) -> last probe counts (external_hit_calls, trigger_calls, state_calls, state_groups,
-    # deferred_lookups, loads_behind_deferred)
-    last: dict[tuple[str, str], tuple[int, int, int, dict[str, int], int, int]] = {}
-    # stream -> (checks, violations, by class, hit reads by kind, stored blocks by kind)
-    shadow: dict[str, tuple[int, int, dict[str, int], dict[str, int], dict[str, int]]] = {}
+    last: dict[tuple[str, str], _ProbeCounts] = {}  # (stream, pid) -> that process's last counts
+    shadow: dict[str, _ShadowCounts] = {}  # stream -> its last counts
     first_violation: str | None = None
     first_class: str | None = None
     first_request: dict[str, int] = {}  # violation class -> the first request (1-based) it was described for
@@ -73,13 +92,15 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
             seen = True
             sha = m["sha"]
         elif (m := _COUNTS.search(line.body)) is not None:
-            last[(line.stream, m["pid"] or "")] = (int(m["ext"]), int(m["trig"]), int(m["state"] or 0),
-                                                 _groups(m["groups"]), int(m["deferred"] or 0),
-                                                 int(m["behind"] or 0))
+            last[(line.stream, m["pid"] or "")] = _ProbeCounts(
+                external_hit_calls=int(m["ext"]), trigger_calls=int(m["trig"]), state_calls=int(m["state"] or 0),
+                state_groups=_groups(m["groups"]), deferred_lookups=int(m["deferred"] or 0),
+                loads_behind_deferred=int(m["behind"] or 0))
         elif (m := _SHADOW_COUNTS.search(line.body)) is not None:
             shadow_seen = True
-            shadow[line.stream] = (int(m["checks"]), int(m["violations"]), _groups(m["by"]), _groups(m["hits"]),
-                                   _groups(m["stored"]))
+            shadow[line.stream] = _ShadowCounts(checks=int(m["checks"]), violations=int(m["violations"]),
+                                                violations_by=_groups(m["by"]), hit_reads=_groups(m["hits"]),
+                                                stored=_groups(m["stored"]))
         elif (m := _SHADOW_VIOLATION.search(line.body)) is not None:
             shadow_seen = True
             if first_violation is None:
@@ -92,27 +113,27 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
         elif (m := _SHADOW_INSTALLED.search(line.body)) is not None:
             shadow_seen = True
             kv_groups = tuple(item.split(":", 1)[-1].split("/", 1)[0] for item in m["groups"].split(",") if item)
-    external = sum(v[0] for v in last.values())
-    trigger = sum(v[1] for v in last.values())
-    state = sum(v[2] for v in last.values())
-    state_groups: dict[str, int] = {}
-    for v in last.values():
-        for kind, n in v[3].items():
-            state_groups[kind] = state_groups.get(kind, 0) + n
+    probes = list(last.values())
+    external = sum(p.external_hit_calls for p in probes)
+    trigger = sum(p.trigger_calls for p in probes)
+    state_groups = _added_up(p.state_groups for p in probes)
     if metrics_text:
         m_ext, m_trig = _read_metrics(metrics_text)
         external, trigger = max(external, m_ext), max(trigger, m_trig)
-    violations = sum(v[1] for v in shadow.values())
-    violations_by, hit_reads, stored = (_added_up(v[i] for v in shadow.values()) for i in (2, 3, 4))
+    shadows = list(shadow.values())
+    violations = sum(s.violations for s in shadows)
     if first_violation is not None:
         violations = max(violations, 1)  # the counts line may be cut off after the violation line
     return Exposure(trigger_calls=trigger, external_hit_calls=external, probe_source_sha256=sha, probe_seen=seen,
-                    state_calls=state, state_groups=state_groups, kv_checks=sum(v[0] for v in shadow.values()),
-                    kv_violations=violations, kv_violations_by=violations_by, kv_first_violation=first_violation, kv_first_violation_class=first_class,
-                    kv_groups=kv_groups, shadow_seen=shadow_seen, kv_hit_reads=hit_reads, kv_stored=stored,
-                    kv_first_request_by_class=first_request,
-                    deferred_lookups=sum(v[4] for v in last.values()),
-                    loads_behind_deferred=sum(v[5] for v in last.values()))
+                    state_calls=sum(p.state_calls for p in probes), state_groups=state_groups,
+                    kv_checks=sum(s.checks for s in shadows), kv_violations=violations,
+                    kv_violations_by=_added_up(s.violations_by for s in shadows),
+                    kv_first_violation=first_violation, kv_first_violation_class=first_class,
+                    kv_groups=kv_groups, shadow_seen=shadow_seen,
+                    kv_hit_reads=_added_up(s.hit_reads for s in shadows),
+                    kv_stored=_added_up(s.stored for s in shadows), kv_first_request_by_class=first_request,
+                    deferred_lookups=sum(p.deferred_lookups for p in probes),
+                    loads_behind_deferred=sum(p.loads_behind_deferred for p in probes))
 
 
 def _added_up(counts) -> dict[str, int]:
