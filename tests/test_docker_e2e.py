@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import docker.errors
 import pytest
 import yaml
 
@@ -62,6 +63,11 @@ def test_docker_verdicts_match_sim_for_a_and_d(tmp_path, docker_host, cpu_base, 
     secret = "hf_" + "e2e" * 10
     env = dict(os.environ, HF_TOKEN=secret)
     common = ["matrix", "run", "-m", str(matrix), "--build", "A", "--build", "D", "--reps", "1", "--json"]
+    cache_volume = "kvrepro-vllm-cache-0.26.0"  # docker.vllm_cache's default, for the image's release
+    try:
+        docker_host.client.volumes.get(cache_volume).remove()  # so that this run is what fills it
+    except docker.errors.NotFound:
+        pass
     docker_proc = kvrepro(*common, "--target", "docker", "--results", str(tmp_path / "docker"), env=env)
     assert docker_proc.returncode == 0, docker_proc.stderr[-3000:]
     on_docker = json.loads(docker_proc.stdout)
@@ -79,6 +85,15 @@ def test_docker_verdicts_match_sim_for_a_and_d(tmp_path, docker_host, cpu_base, 
     d = on_docker["builds"]["D"]["runs"][0]
     assert (d["verdict"], d["kv_check"]) in {("SURVIVED", "off"), ("CORRUPT", "corrupt")}, d
     assert managed_containers(docker_host) == []
+
+    # vLLM's model-info cache outlived the containers in the release's volume, for the next engine
+    volume = docker_host.client.volumes.get(cache_volume)
+    assert volume.attrs["Labels"] == {L.LABEL_VOLUME: "vllm-cache"}
+    listing = docker_host.client.containers.run(cpu_base, entrypoint=["ls", "/cache/modelinfos"], remove=True,
+                                                volumes={cache_volume: {"bind": "/cache", "mode": "ro"}})
+    cached = listing.decode().split()
+    assert any(name.endswith("Qwen3NextForCausalLM.json") for name in cached), cached
+    assert any(name.endswith("Qwen3NextMTP.json") for name in cached), cached
 
     # the probe in the container hashed exactly the method the host patched for that build
     for build in ("A", "D"):

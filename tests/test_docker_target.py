@@ -296,6 +296,9 @@ def test_clean_removes_labelled_leftovers_only(tmp_path, docker_host, cpu_base):
                                                     labels={L.LABEL_MANAGED: "1", L.LABEL_KIND: "engine"},
                                                     name=f"kvrepro-leftover-{os.getpid()}")
     mine = docker_host.client.containers.create(cpu_base, entrypoint=["sleep", "600"], name=f"not-kvrepro-{os.getpid()}")
+    cache = docker_host.client.volumes.create(f"kvrepro-vllm-cache-test-{os.getpid()}",
+                                              labels={L.LABEL_VOLUME: "vllm-cache"})
+    other_volume = docker_host.client.volumes.create(f"not-kvrepro-{os.getpid()}")
     leftover.start()
     try:
         proc = subprocess.run([sys.executable, "-m", "kvrepro.cli", "clean", "--json", "-m", str(tmp_path / "none.yaml")],
@@ -309,7 +312,18 @@ def test_clean_removes_labelled_leftovers_only(tmp_path, docker_host, cpu_base):
         assert leftover.name in [c["name"] for c in report["containers"]]
         names = [c.name for c in docker_host.client.containers.list(all=True)]
         assert leftover.name not in names and mine.name in names
+        assert "volumes" not in report  # the caches go with the images only
+        # --images takes the per-release vLLM cache volumes too, and no other volume (dry run here:
+        # the assembled images stay for the other tests)
+        proc = subprocess.run([sys.executable, "-m", "kvrepro.cli", "clean", "--images", "--dry-run", "--json"],
+                              capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        report = json.loads(proc.stdout)[1]
+        assert cache.name in report["volumes"] and other_volume.name not in report["volumes"]
+        assert {v.name for v in docker_host.client.volumes.list()} >= {cache.name, other_volume.name}
     finally:
+        cache.remove(force=True)
+        other_volume.remove(force=True)
         mine.remove(force=True)
         try:
             leftover.remove(force=True)

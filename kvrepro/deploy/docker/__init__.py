@@ -3,7 +3,8 @@
     kvrepro images base-cpu                   # once, for laptops/CI: a GPU-free vllm-openai look-alike
     kvrepro hosts check                       # each host: daemon, GPUs, ports, base image
     kvrepro matrix run --target docker        # builds A-D as images, each run as containers
-    kvrepro clean [--images]                  # leftovers (only what carries kvrepro's labels)
+    kvrepro clean [--images]                  # leftovers (only what carries kvrepro's labels; --images:
+                                              # the assembled images and the vLLM cache volumes)
 
 matrix.yaml, for a cluster (values shown are the defaults unless marked as an example)::
 
@@ -16,6 +17,7 @@ matrix.yaml, for a cluster (values shown are the defaults unless marked as an ex
       multi_node: nnodes                      # or data-parallel
       pass_env: [HF_TOKEN, HUGGING_FACE_HUB_TOKEN]   # names only; values come from your shell
       hf_cache: kvrepro-hf-cache              # volume name or absolute host path
+      vllm_cache: kvrepro-vllm-cache          # one volume per release (<name>-<release>) as VLLM_CACHE_ROOT
       health_timeout_s: null                  # null: runs.start_timeout_s
 
 Modules: ``assemble`` (image per build), ``launch`` (which container gets which flags),

@@ -95,6 +95,20 @@ def clean(matrix: Matrix | None = None, images: bool = False, base_images: bool 
                             pass
                         except docker.errors.APIError as exc:
                             report["errors"].append(f"image {image.tags or image.id}: {exc.explanation or exc}")
+            if kinds:  # the per-release vLLM cache volumes go with the images they served
+                report["volumes"], report["kept_volumes"] = [], []
+                for volume in host.client.volumes.list(filters={"label": L.LABEL_VOLUME}):
+                    try:
+                        if not dry_run:
+                            volume.remove()
+                        report["volumes"].append(volume.name)
+                    except docker.errors.NotFound:
+                        pass
+                    except docker.errors.APIError as exc:
+                        if exc.status_code == 409:  # mounted by a live run's engine: kept, as its container
+                            report["kept_volumes"].append(volume.name)
+                        else:
+                            report["errors"].append(f"volume {volume.name}: {exc.explanation or exc}")
         except (docker.errors.DockerException, requests.RequestException) as exc:
             report["errors"].append(f"host {spec.name}: {getattr(exc, 'explanation', None) or exc}")
         finally:

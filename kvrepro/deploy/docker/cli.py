@@ -178,7 +178,8 @@ def images_list(matrix: Path = MatrixOpt, as_json: bool = JsonOpt) -> None:
 
 def clean(
     matrix: Path = MatrixOpt,
-    images: bool = typer.Option(False, "--images", help="also remove the images kvrepro assembled (kvrepro/vllm:*)"),
+    images: bool = typer.Option(False, "--images", help="also remove the images kvrepro assembled (kvrepro/vllm:*) "
+                                                         "and the vLLM cache volumes of their engines"),
     base_images: bool = typer.Option(False, "--base-images", help="also remove the CPU base and its layers"),
     dry_run: bool = typer.Option(False, "--dry-run", help="only list what would be removed"),
     everything: bool = typer.Option(False, "--all", help="also containers of kvrepro runs still in progress"),
@@ -224,6 +225,10 @@ def clean(
                           "is still running (--all removes it too)")
             for i in r["images"]:
                 out.print(f"  image {', '.join(i['tags']) or i['id'][:19]} ({i['kind']})")
+            for name in r.get("volumes", []):
+                out.print(f"  volume {name} (vLLM cache)")
+            for name in r.get("kept_volumes", []):
+                out.print(f"  kept volume {name}: a running engine uses it")
         for r in reports:
             for e in r["errors"]:
                 out.print(f"  [red]{e}[/]", highlight=False)

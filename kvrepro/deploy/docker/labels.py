@@ -14,6 +14,7 @@ from ... import lifetime
 LABEL_MANAGED = "io.kvrepro.managed"          # "1" on every container kvrepro creates
 LABEL_KIND = "io.kvrepro.kind"                # container: engine | probe | layer-step
 LABEL_IMAGE = "io.kvrepro.image"              # image: assembled | base-cpu | base-vllm | base-deps | base-os
+LABEL_VOLUME = "io.kvrepro.volume"            # volume: vllm-cache
 LABEL_SESSION = "io.kvrepro.session"          # one kvrepro process: what Target.close() removes
 LABEL_RUN = "io.kvrepro.run"
 LABEL_BUILD = "io.kvrepro.build"

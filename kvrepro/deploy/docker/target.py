@@ -28,7 +28,7 @@ from .settings import DockerSettings, HostSpec, docker_settings
 from .. import register
 from ..base import EngineHandle, Target
 from . import labels as L
-from .assemble import assemble
+from .assemble import assemble, safe_tag_part
 from .clean import reap_orphans
 from .reaper import Reaper
 from .containers import ContainerEngine
@@ -39,6 +39,7 @@ from .ssh import free_local_port
 from .launch import NodeLaunch, plan_launch
 
 MODEL_MOUNT = "/kvrepro/model"
+VLLM_CACHE_MOUNT = "/kvrepro/vllm-cache"  # VLLM_CACHE_ROOT in the container, on the per-release volume
 # A local model folder is copied into containers on remote hosts; beyond this it is surely
 # weights, which belong on the host (or in the HF cache), not in a per-run upload.
 MAX_MODEL_UPLOAD = 256 * 2**20
@@ -217,10 +218,28 @@ class DockerTarget(Target):
         env.update(self.engine_env)
         return env, secrets
 
-    def _mounts(self, host: DockerHost, model_dir: Path | None, model_arg: str) -> tuple[list[Mount], bool]:
+    def vllm_cache_volume(self, plan: BuildPlan) -> str | None:
+        """The volume holding vLLM's cache for engines of this base release (None: switched off).
+
+        vLLM keeps ``$VLLM_CACHE_ROOT/modelinfos/<model class>.json``, keyed by the hash of the
+        model's module file; a fresh container has none and inspects the causal LM and the MTP
+        draft again, each in a subprocess importing torch and vLLM. One volume per release (as
+        the sim target's folder per release, ``kvrepro.deploy.sim.vllm_cache_root``) keeps the
+        entries of one release from evicting another's; vLLM writes them atomically, so engines
+        running side by side can share it.
+        """
+        name = self.settings.docker.vllm_cache
+        return f"{name}-{safe_tag_part(plan.base)}" if name else None
+
+    def _mounts(self, host: DockerHost, model_dir: Path | None, model_arg: str,
+                plan: BuildPlan) -> tuple[list[Mount], bool]:
         """Mounts for a node, and whether the model folder must be uploaded instead of mounted."""
         spec = self.settings.docker
         mounts: list[Mount] = []
+        if (volume := self.vllm_cache_volume(plan)) is not None:
+            # created on the node's own daemon on first use, labelled so that `docker clean --images` finds it
+            mounts.append(Mount(VLLM_CACHE_MOUNT, volume, type="volume",
+                                labels={L.LABEL_VOLUME: "vllm-cache"}))
         if spec.hf_cache:
             source = spec.hf_cache
             if source.startswith("~"):
@@ -275,6 +294,8 @@ class DockerTarget(Target):
         gpu_free = self.gpu_free(node_specs)
         serve_args = matrix.engine.serve_args(model_arg, include_sim=gpu_free)
         env, secrets = self._env(rep, gpu_free)
+        if self.vllm_cache_volume(artifact.plan) is not None:
+            env.setdefault("VLLM_CACHE_ROOT", VLLM_CACHE_MOUNT)  # docker.env may point it elsewhere
         multi = len(hosts) > 1
         bind_ip = head.api_bind_ip()  # loopback (reached over ssh) or an explicit address, never 0.0.0.0
         api_port = spec.api_port
@@ -315,7 +336,7 @@ class DockerTarget(Target):
     def _create(self, launch: NodeLaunch, host: DockerHost, artifact: BuildArtifact, run_dir: Path, rep: int,
                 model_dir: Path | None, model_arg: str):
         spec = self.settings.docker
-        mounts, upload = self._mounts(host, model_dir, model_arg)
+        mounts, upload = self._mounts(host, model_dir, model_arg, artifact.plan)
         kwargs: dict[str, Any] = dict(
             image=artifact.ref,
             entrypoint=["vllm", "serve"],
