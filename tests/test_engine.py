@@ -299,6 +299,16 @@ def test_sim_knobs_come_from_env_and_bad_values_are_named():
         SimKnobs.from_env({"KVREPRO_SIM_SEED": "x"})
 
 
+def test_every_matrix_sim_knob_reaches_the_engine_under_the_name_it_reads():
+    """The targets pass SimSettings.engine_env; the engine reads SimKnobs.from_env: one name each."""
+    from kvrepro.engine.config import SimKnobs
+    from kvrepro.spec.matrix import SimSettings
+
+    settings = SimSettings(draft_acceptance_rate=0.25, seed=7, step_delay_ms=1.5, load_steps=32)
+    assert SimKnobs.from_env(settings.engine_env(rep=2)) == SimKnobs(acceptance_rate=0.25, seed=9,
+                                                                      step_delay_ms=1.5, load_steps=32)
+
+
 TRANSFERS = """
 import json
 from kvrepro.engine.executor import SimTransferWorker

@@ -288,7 +288,6 @@ class SimTarget(Target):
         return env
 
     def environment(self, artifact: BuildArtifact, rep: int, zygote: str | None = None) -> dict[str, str]:
-        sim = self.loaded.matrix.engine.sim
         env = self._base_environment()
         if zygote:
             env[ZYGOTE_ENV] = zygote
@@ -302,12 +301,9 @@ class SimTarget(Target):
             VLLM_WORKER_MULTIPROC_METHOD="fork",
             VLLM_NO_USAGE_STATS="1",
             DO_NOT_TRACK="1",
-            KVREPRO_SIM_ACCEPTANCE_RATE=repr(sim.draft_acceptance_rate),
-            KVREPRO_SIM_SEED=str(sim.seed + rep),
-            KVREPRO_SIM_STEP_DELAY_MS=repr(sim.step_delay_ms),
-            KVREPRO_SIM_LOAD_STEPS=str(sim.load_steps),
             VLLM_CACHE_ROOT=str(vllm_cache_root(artifact.plan)),
         )
+        env.update(self.loaded.matrix.engine.sim.engine_env(rep))
         env.update(self.engine_env)
         return env
 

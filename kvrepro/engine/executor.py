@@ -71,6 +71,14 @@ def _answer(call, arg, non_block: bool):
         future.set_exception(exc)
     return future if non_block else future.result()
 
+@dataclass(slots=True)
+class _InFlight:
+    """A transfer job the connector submitted and no ``get_finished()`` has reported yet."""
+
+    kind: str  # "load" | "store"
+    steps_left: int
+
+
 class SimTransferWorker(OffloadingWorker):
     """vLLM's OffloadingWorker interface without data movement: a store finishes one step later,
     a load ``load_steps`` steps later (``engine.sim.load_steps``, default 1)."""
@@ -79,7 +87,7 @@ class SimTransferWorker(OffloadingWorker):
         self.shadow = shadow  # shadow KV: copies block contents as the real transfers would
         self.load_steps = max(1, int(load_steps))
         self._lock = threading.Lock()
-        self._submitted: dict[int, list] = {}  # job id -> ["load" | "store", steps still to go]
+        self._submitted: dict[int, _InFlight] = {}
         self._done: dict[int, str] = {}  # finished, not yet reported
         self.completed = {"load": 0, "store": 0}
 
@@ -88,23 +96,23 @@ class SimTransferWorker(OffloadingWorker):
         flight; those whose steps are used up are now complete."""
         with self._lock:
             for job_id, job in list(self._submitted.items()):
-                job[1] -= 1
-                if job[1] <= 0:
-                    self._done[job_id] = job[0]
+                job.steps_left -= 1
+                if job.steps_left <= 0:
+                    self._done[job_id] = job.kind
                     del self._submitted[job_id]
 
     def submit_store(self, job_id, src_spec, dst_spec) -> bool:
         if self.shadow is not None:  # shadow KV (kvrepro/engine/shadow.py)
             self.shadow.store(job_id, src_spec, dst_spec)
         with self._lock:
-            self._submitted[job_id] = ["store", 1]
+            self._submitted[job_id] = _InFlight("store", 1)
         return True
 
     def submit_load(self, job_id, src_spec, dst_spec) -> bool:
         if self.shadow is not None:  # shadow KV (kvrepro/engine/shadow.py)
             self.shadow.load(job_id, src_spec, dst_spec)
         with self._lock:
-            self._submitted[job_id] = ["load", self.load_steps]
+            self._submitted[job_id] = _InFlight("load", self.load_steps)
         return True
 
     def wait(self, job_ids) -> None:
@@ -113,7 +121,7 @@ class SimTransferWorker(OffloadingWorker):
             for job_id in job_ids:
                 job = self._submitted.pop(job_id, None)
                 if job is not None:
-                    self._done[job_id] = job[0]
+                    self._done[job_id] = job.kind
 
     def get_finished(self) -> list[TransferResult]:
         with self._lock:

@@ -118,6 +118,15 @@ class SimSettings(_Strict):
                             "finished by the worker's get_finished() this many steps after it was submitted "
                             "(stores always take one step)")
 
+    def engine_env(self, rep: int) -> dict[str, str]:
+        """The engine's environment for these knobs in repetition ``rep`` (each repetition its own
+        seed); every target that runs the GPU-free engine passes exactly this, and
+        ``kvrepro.engine.config.SimKnobs.from_env`` reads it back."""
+        return {"KVREPRO_SIM_ACCEPTANCE_RATE": repr(self.draft_acceptance_rate),
+                "KVREPRO_SIM_SEED": str(self.seed + rep),
+                "KVREPRO_SIM_STEP_DELAY_MS": repr(self.step_delay_ms),
+                "KVREPRO_SIM_LOAD_STEPS": str(self.load_steps)}
+
 
 class GeometrySpec(_Strict):
     """The KV geometry of the engine, as production had it (``engine.geometry``).

@@ -211,10 +211,7 @@ class DockerTarget(Target):
 
         remember(secrets)  # masked in every file kvrepro writes, whatever the variable's name or length
         if gpu_free:
-            sim = self.loaded.matrix.engine.sim
-            env.update(KVREPRO_SIM_ACCEPTANCE_RATE=repr(sim.draft_acceptance_rate),
-                       KVREPRO_SIM_SEED=str(sim.seed + rep), KVREPRO_SIM_STEP_DELAY_MS=repr(sim.step_delay_ms),
-                       KVREPRO_SIM_LOAD_STEPS=str(sim.load_steps))
+            env.update(self.loaded.matrix.engine.sim.engine_env(rep))
         env.update(self.engine_env)
         return env, secrets
 
