@@ -1153,6 +1153,74 @@ def suite_report_cmd(
     _suite_outputs(load_suite(suite_dir, _catalogue(catalogue), results_root), as_json, ci, junit)
 
 
+@app.command("triage")
+def triage_cmd(
+    log: Path = typer.Argument(..., help="a vLLM server log (plain or .gz; DP-prefixed, docker timestamps, ANSI ok)"),
+    emit: Optional[Path] = typer.Option(None, "--emit", help="write a matrix.yaml reproducing the configuration "
+                                        "(and its patches under builds/) into this new folder"),
+    run: bool = typer.Option(False, "--run", help="run that matrix (--emit's folder, else one under --results) "
+                                                  "and say what it proved"),
+    release: Optional[str] = typer.Option(None, "--release", help="the vLLM release, when the log's banner is cut off"),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, max=64, help="--run: engines at once"),
+    catalogue: Optional[Path] = CatalogueOpt,
+    results_root: Path = ResultsOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Read a production log: the deployed configuration, the crash or stall, the known defects it
+    matches (best first, with why and why not), their fixes and backports; --emit / --run reproduce it."""
+    from .stopping import name, stop_on_signals
+    from .triage import triage_file
+    from .triage import render as triage_render
+
+    cat = _catalogue(catalogue)
+    found = triage_file(log, cat, release)
+    if as_json:
+        _emit_json(triage_render.as_json(found))
+    else:
+        for line in triage_render.plain(found):
+            out.print(escape(line), highlight=False, soft_wrap=True)
+    if emit is None and not run:
+        return
+    if not found.matches:
+        err.print("nothing to reproduce: the failure matches no catalogue entry")
+        raise typer.Exit(1)
+    from .triage.emit import build_matrix, write_matrix
+    from .triage.run import proofs, run_emitted, what_it_proved
+
+    entry = next(e for e in cat.entries if e.name == found.best.entry)
+    data, notes = build_matrix(found, entry, list(cat.entries), _target_of(found))
+    folder = emit or (_results_root(results_root) / f"triage-{results.new_run_id()}")
+    path = write_matrix(folder, data, found, entry, notes)
+    err.print(f"wrote {path}", highlight=False)
+    if not run:
+        return
+    stop = threading.Event()
+    with stop_on_signals(stop, lambda signum: err.print(f"[yellow]{name(signum)}: stopping[/]")):
+        progress = RichProgress(len(data["builds"]))
+        with progress.progress:
+            matrix_result = run_emitted(path, _results_root(results_root), progress, stop, jobs)
+    items = proofs(matrix_result)
+    if as_json:
+        _emit_json({"run": matrix_result.run_id, "proofs": items})
+    else:
+        out.print(report.matrix_table(matrix_result))
+        for line in what_it_proved(items):
+            out.print(escape(line), highlight=False, soft_wrap=True)
+    if not all(p.as_expected for p in items):
+        raise typer.Exit(1)
+
+
+def _target_of(found: Any) -> Optional[dict[str, str]]:
+    """The emitted matrix's target_signature: the matched crash's, as its signature pattern names it."""
+    from .classify import known_patterns
+
+    if found.failure.kind != "crash" or not found.failure.pattern:
+        return None
+    pattern = next(p for p in known_patterns() if p.name == found.failure.pattern)
+    return {"exception": pattern.exception, "function": pattern.function, "file": pattern.file,
+            **({"expression": pattern.expressions[0]} if pattern.expressions else {})}
+
+
 def main() -> None:
     from . import scratch, stopping
 

@@ -206,3 +206,39 @@ def require(version: str) -> Release:
 
 def newest() -> str:
     return SUPPORTED_RELEASES[-1]
+
+
+# -- triage: a production log's release -----------------------------------------------------------
+# `kvrepro triage` reads logs of releases kvrepro cannot run, too: one within this many minor
+# versions of the supported range is reproduced on the nearest supported release (with a warning);
+# one further away (another engine generation, a typo) is refused.
+TRIAGE_NEAREST_MINORS = 3
+_VERSION_HEAD = r"(\d+)\.(\d+)\.(\d+)"
+
+
+def version_tuple(version: str) -> tuple[int, int, int] | None:
+    """``0.26.0`` / ``0.26.0rc1`` / ``0.26.1.dev12+g1234`` -> (0, 26, 0); None if it is not a version."""
+    import re
+
+    m = re.match(_VERSION_HEAD, version.strip().lstrip("v"))
+    return (int(m[1]), int(m[2]), int(m[3])) if m else None
+
+
+def nearest_supported(version: str) -> str | None:
+    """The supported release to reproduce a log of ``version`` on: itself when supported, else the
+    closest one (same major, at most TRIAGE_NEAREST_MINORS minors outside the range), else None."""
+    got = version_tuple(version)
+    if got is None:
+        return None
+    exact = f"{got[0]}.{got[1]}.{got[2]}"
+    if exact in SUPPORTED_RELEASES:
+        return exact
+    tuples = {r: version_tuple(r) for r in SUPPORTED_RELEASES}
+    oldest, newest = tuples[SUPPORTED_RELEASES[0]], tuples[SUPPORTED_RELEASES[-1]]
+    assert oldest is not None and newest is not None
+    if got[0] != oldest[0] or not oldest[1] - TRIAGE_NEAREST_MINORS <= got[1] <= newest[1] + TRIAGE_NEAREST_MINORS:
+        return None
+    same_minor = [r for r, t in tuples.items() if t is not None and t[:2] == got[:2] and t <= got]
+    if same_minor:
+        return same_minor[-1]  # a patch release we lack: the newest supported one of its series below it
+    return min(SUPPORTED_RELEASES, key=lambda r: (abs(tuples[r][1] - got[1]), tuples[r]))  # type: ignore[index]

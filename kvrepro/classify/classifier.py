@@ -171,6 +171,13 @@ def scan(lines: Iterable[str] | str) -> _Evidence:
 
 def classify_lines(lines: Iterable[str] | str, source_root: Path | None = None,
                    target: TargetSignature | None = None) -> Classification:
+    return classify_with_traceback(lines, source_root, target)[0]
+
+
+def classify_with_traceback(lines: Iterable[str] | str, source_root: Path | None = None,
+                            target: TargetSignature | None = None) -> tuple[Classification, Traceback | None]:
+    """:func:`classify_lines` and the traceback it rests on (None when none), in one pass: a caller
+    streaming a gigabyte log (``kvrepro triage``) needs both, and cannot read the log twice."""
     target = target or TargetSignature()
     ev = scan(lines)
     cls, tb = _decide(ev, source_root, target)
@@ -179,8 +186,8 @@ def classify_lines(lines: Iterable[str] | str, source_root: Path | None = None,
         # an infrastructure line before (or inside) what ended the run is its root cause; one
         # logged after the engine had died of something else is that death's consequence
         if tb is None or number <= tb.last_line:
-            return Classification(Outcome.INFRA, _clip(_scrub(cause.render_title(text))), cls.signature)
-    return cls
+            return Classification(Outcome.INFRA, _clip(_scrub(cause.render_title(text))), cls.signature), tb
+    return cls, tb
 
 
 def _decide(ev: _Evidence, source_root: Path | None,

@@ -118,6 +118,46 @@ class Reproduced(_Strict):
     builds: dict[str, str] = Field(default_factory=dict, description="build key -> the row it got (PRESENT, ABSENT)")
 
 
+# what `kvrepro triage` compares an entry's `triage.requires` with: facets of the deployed configuration
+# read from a log (kvrepro/triage/deployed.py, DeployedConfig.facets), each with the values it can take
+TRIAGE_FACETS: dict[str, tuple[str, ...]] = {
+    "connector": ("offloading", "lmcache", "nixl", "other", "none"),
+    "mamba_cache_mode": ("align", "all", "none"),
+    "speculative": ("mtp", "eagle", "eagle3", "ngram", "suffix", "other", "none"),
+    "prefix_caching": ("on", "off"),
+    "scheduling_policy": ("fcfs", "priority"),
+}
+
+
+class TriageSpec(_Strict):
+    requires: dict[str, list[str]] = Field(default_factory=dict, description="facet -> the values the defect needs "
+                                           "(see TRIAGE_FACETS); a log with another value is a near miss")
+    evidence: list[str] = Field(default_factory=list, description="regexes a log's failure lines (the stall's "
+                                "stats line, the crash's exception line) show when it is this defect; each "
+                                "found ranks the entry higher")
+
+    @field_validator("requires")
+    @classmethod
+    def _facets(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+        for facet, values in v.items():
+            if facet not in TRIAGE_FACETS:
+                raise ValueError(f"{facet!r} is not a facet; use {', '.join(TRIAGE_FACETS)}")
+            bad = [x for x in values if x not in TRIAGE_FACETS[facet]]
+            if bad or not values:
+                raise ValueError(f"{facet}: {bad or '[]'}; allowed: {', '.join(TRIAGE_FACETS[facet])}")
+        return v
+
+    @field_validator("evidence")
+    @classmethod
+    def _regexes(cls, v: list[str]) -> list[str]:
+        for pattern in v:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"{pattern!r} is not a regex: {exc}") from None
+        return v
+
+
 class EntrySpec(_Strict):
     name: str
     kind: Literal["crash", "corruption", "stall"]
@@ -133,6 +173,8 @@ class EntrySpec(_Strict):
     path: PathSpec | None = None
     notes: str = ""
     reproduced: list[Reproduced] = Field(default_factory=list)
+    triage: TriageSpec | None = Field(None, description="what `kvrepro triage` needs beyond the signature and "
+                                      "releases: configuration requirements and log evidence")
 
     @field_validator("name")
     @classmethod
@@ -229,6 +271,9 @@ class Entry:
     reproduced: tuple[Measurement, ...]
     file: Path
     fragment_yaml: str = ""  # the `matrix:` fragment, as YAML text (merged by suite.run)
+    # `triage:` (kvrepro triage): facet -> values the defect needs, and regexes of its log evidence
+    triage_requires: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    triage_evidence: tuple[str, ...] = ()
 
     @property
     def fragment(self) -> dict[str, Any]:
@@ -347,7 +392,9 @@ def load_entry(path: Path, check_fragment: Any = None) -> Entry:
                  absent_after=spec.path.absent_after if spec.path else 1,
                  notes=spec.notes,
                  reproduced=tuple(Measurement(r.suite_run, r.date, r.command, dict(r.builds)) for r in spec.reproduced),
-                 file=path, fragment_yaml=fragment_yaml)
+                 file=path, fragment_yaml=fragment_yaml,
+                 triage_requires=tuple((k, tuple(v)) for k, v in (spec.triage.requires if spec.triage else {}).items()),
+                 triage_evidence=tuple(spec.triage.evidence if spec.triage else ()))
 
 
 class FragmentError(ValueError):
