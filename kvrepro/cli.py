@@ -1174,14 +1174,16 @@ def triage_cmd(
 
     cat = _catalogue(catalogue)
     found = triage_file(log, cat, release)
-    if as_json:
+    if as_json and not run:
         _emit_json(triage_render.as_json(found))
-    else:
+    elif not as_json:
         for line in triage_render.plain(found):
             out.print(escape(line), highlight=False, soft_wrap=True)
     if emit is None and not run:
         return
     if not found.matches:
+        if as_json:
+            _emit_json(triage_render.as_json(found))
         err.print("nothing to reproduce: the failure matches no catalogue entry")
         raise typer.Exit(1)
     from .triage.emit import build_matrix, write_matrix
@@ -1200,8 +1202,8 @@ def triage_cmd(
         with progress.progress:
             matrix_result = run_emitted(path, _results_root(results_root), progress, stop, jobs)
     items = proofs(matrix_result)
-    if as_json:
-        _emit_json({"run": matrix_result.run_id, "proofs": items})
+    if as_json:  # one document: the triage and what the run proved
+        _emit_json({**triage_render.as_json(found), "run": matrix_result.run_id, "proofs": items})
     else:
         out.print(report.matrix_table(matrix_result))
         for line in what_it_proved(items):

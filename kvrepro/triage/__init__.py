@@ -43,11 +43,16 @@ def triage_file(path: Path, catalogue: Catalogue, release: str | None = None) ->
     numbers = array("q")  # the file's line number of each line classify sees (it numbers them 1, 2, ...)
 
     def tapped() -> Iterator[str]:
+        stats_lines = 0
         for number, raw in read_selected(path, stats):
-            numbers.append(number)
             line = split_line(number, raw)
             reader.feed(number, line)
-            stalls.feed(number, raw, line)
+            if "throughput:" in line.body:
+                stalls.feed(number, raw, line)
+                stats_lines += 1
+                if stats_lines > 1:
+                    continue  # classify needs the first (the server was up); the rest are the stall's
+            numbers.append(number)
             yield raw
 
     cls, tb = classify_with_traceback(tapped())
@@ -110,7 +115,7 @@ def _failure(path: Path, cls: Classification, tb: Traceback | None, stall: Stall
     if cls.outcome is Outcome.INFRA:
         return Failure(kind="infra", title=cls.title, outcome=cls.outcome.value, signature=cls.signature)
     if stall is not None:
-        title = (f"stall: engine {stall.engine} ran nothing with {stall.waiting} request(s) waiting"
+        title = (f"engine {stall.engine} ran nothing with {stall.waiting} request(s) waiting"
                  f"{f' ({stall.deferred} deferred)' if stall.deferred else ''} for {stall.seconds:.0f} s")
         return Failure(kind="stall", title=title, line=stall.line, stall=stall)
     return Failure(kind="none", title="no crash and no stall in the log")

@@ -57,14 +57,12 @@ class StallReader:
         self.last_time: float | None = None
 
     def feed(self, number: int, raw: str, line: LogLine) -> None:
-        if (t := timestamp(raw)) is not None:
-            self.last_time = t
+        """One stats line (the caller passes those with ``throughput:``)."""
         body = line.body
-        if "throughput:" not in body:
-            return
         m = _STATS.search(body)
         if m is None:
             return
+        t = timestamp(raw)
         engine = m["engine"] or "000"
         idle = float(m["prompt"]) == 0 and float(m["gen"]) == 0
         if idle and int(m["running"]) == 0 and int(m["waiting"]) > 0:

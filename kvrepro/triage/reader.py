@@ -1,18 +1,28 @@
 """Stream a log of any size and hand on only the lines triage reads.
 
 A production log is gigabytes of access lines and stats; triage needs its version banner, the
-args line, a few info lines, the periodic stats and the tracebacks. Reading it line by line in
-Python costs about a microsecond a line (10 s per GB on this machine, before any regex), so the
-log is read in blocks of a few MB and searched for keywords with ``bytes.find`` (memchr speed);
-only the lines holding one -- plus a window of lines after each traceback start, whose frames
-carry no keyword -- are decoded and yielded, in order, with their line numbers. Memory holds one
-block at a time. gzip is read through the stdlib's streaming decompressor.
+args line, a few info lines, the periodic stats and the tracebacks: the lines holding a keyword,
+plus a window of lines after each traceback start (its frames carry no keyword). They are yielded
+in order with their line numbers; nothing else is decoded, and memory holds no more than a block.
+
+Two ways, the same lines (tests/test_triage.py checks they agree):
+
+* a plain file is searched by GNU grep (``grep -F``: one pass for every keyword at once, two
+  processes side by side). Measured on a 100 MB log while the machine was loaded (load average
+  11-20): 0.3 s, against 8 s for the Python search below; that is what makes 1 GB in 10 s possible.
+* gzip input (or no GNU grep) is read in blocks of 8 MB through the stdlib's streaming
+  decompressor and searched with ``bytes.find``, keyword by keyword.
 """
 
 from __future__ import annotations
 
+import functools
 import gzip
+import heapq
 import io
+import os
+import shutil
+import subprocess
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -65,10 +75,102 @@ def _open(path: Path) -> BinaryIO:
     return fh
 
 
-def read_selected(path: Path, stats: ReadStats) -> Iterator[tuple[int, str]]:
+def read_selected(path: Path, stats: ReadStats, use_grep: bool = True) -> Iterator[tuple[int, str]]:
     """(line number, raw line with its newline) for every line triage reads, in file order.
 
     Raises BadInputError for a binary file (a NUL byte in its first 64 KB) or a damaged gzip."""
+    grep = _gnu_grep() if use_grep else None
+    if grep is not None and path.is_file():
+        with open(path, "rb") as fh:
+            head = fh.read(65536)
+        if head[:2] != _GZIP_MAGIC:
+            if b"\x00" in head:
+                raise BadInputError(f"{path}: a binary file (NUL bytes in its first 64 KB), not a log; give "
+                                    "the server's text log (`docker logs`, the pod's log, plain or .gz)")
+            yield from _grep_selected(grep, path, stats)
+            return
+    yield from _python_selected(path, stats)
+
+
+@functools.lru_cache(maxsize=1)
+def _gnu_grep() -> str | None:
+    grep = shutil.which("grep")
+    if grep is None:
+        return None
+    try:
+        version = subprocess.run([grep, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return grep if "GNU grep" in version else None
+
+
+def _grep_selected(grep: str, path: Path, stats: ReadStats) -> Iterator[tuple[int, str]]:
+    keywords = LINE_KEYWORDS + tuple(k.encode() for k in infra_keywords())
+    env = dict(os.environ, LC_ALL="C")
+    base = [grep, "-a", "-n", "-F", "--no-group-separator"]
+
+    def patterns(words: tuple[bytes, ...]) -> list[str]:
+        return [a for w in words for a in ("-e", w.decode())]
+
+    commands = [
+        [*base, *patterns(keywords), "--", str(path)],
+        [*base, "-A", str(TRACEBACK_WINDOW), *patterns(WINDOW_KEYWORDS), "--", str(path)],
+        [*base, "-m", "1", *patterns(FIRST_ONLY_KEYWORDS), "--", str(path)],
+    ]
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, bufsize=1 << 20)
+             for c in commands]
+    try:
+        streams = [_numbered(p.stdout) for p in procs]  # type: ignore[arg-type]
+        last = 0
+        for number, raw in heapq.merge(*streams, key=lambda item: item[0]):
+            if number == last:
+                continue  # a line two searches found
+            last = number
+            stats.selected += 1
+            yield number, raw[:MAX_LINE].decode("utf-8", errors="replace")
+        for p in procs:
+            if p.wait() > 1:  # 1: nothing found
+                raise BadInputError(f"{path}: cannot be read (grep exited with {p.returncode}); check the file")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
+    stats.bytes_read = path.stat().st_size
+    stats.lines, stats.last_line = _count_lines(path)
+
+
+def _numbered(stream: BinaryIO) -> Iterator[tuple[int, bytes]]:
+    """grep -n's ``N:line`` (a match) and ``N-line`` (a line of -A's window) as (N, line)."""
+    for raw in stream:
+        i = 0
+        while i < len(raw) and 48 <= raw[i] <= 57:
+            i += 1
+        if i == 0 or i >= len(raw):
+            continue
+        yield int(raw[:i]), raw[i + 1:]
+
+
+def _count_lines(path: Path) -> tuple[int, str]:
+    """(newlines, plus one for a last line without one; the last line) at memchr speed."""
+    count = 0
+    last_byte = b"\n"
+    with open(path, "rb", buffering=0) as fh:
+        while chunk := fh.read(BLOCK):
+            count += chunk.count(b"\n")
+            last_byte = chunk[-1:]
+        size = fh.tell()
+        fh.seek(max(0, size - 4096))
+        tail = fh.read()
+    if last_byte != b"\n":
+        count += 1
+    last = tail.rstrip(b"\n").rsplit(b"\n", 1)[-1]
+    return count, last.decode("utf-8", errors="replace")
+
+
+def _python_selected(path: Path, stats: ReadStats) -> Iterator[tuple[int, str]]:
     keywords = LINE_KEYWORDS + tuple(k.encode() for k in infra_keywords())
     first_only = list(FIRST_ONLY_KEYWORDS)
     window_left = 0

@@ -49,7 +49,7 @@ def _match_lines(m: Match, rank: int | None) -> list[str]:
 
 
 def plain(t: Triage) -> list[str]:
-    lines = [f"log: {t.log} ({t.lines:,} lines, {t.bytes_read / 1e6:,.1f} MB)"]
+    lines = _wrap(f"{t.log} ({t.lines:,} lines, {t.bytes_read / 1e6:,.1f} MB)", "  ", "log: ")
     lines += _config_lines(t)
     f = t.failure
     lines += _wrap(f.title, "  ", f"failure: {f.kind}: " if f.kind != "none" else "failure: ")
@@ -63,9 +63,9 @@ def plain(t: Triage) -> list[str]:
             for i, m in enumerate(t.matches, 1):
                 lines += _match_lines(m, i)
         else:
-            lines += _wrap("no catalogue entry fits: this failure is not a known defect"
-                           + (" (no crash signature knows it)" if f.kind == "crash" and not f.pattern else ""),
-                           "  ", "unknown: ")
+            why = (" (no crash signature knows it)" if f.kind == "crash" and not f.pattern else
+                   f" (its crash signature {f.pattern} is in no entry)" if f.kind == "crash" else "")
+            lines += _wrap("no catalogue entry fits: this failure is not a known defect" + why, "  ", "unknown: ")
         if t.near_misses:
             lines.append("near misses:")
             for m in t.near_misses:
