@@ -12,13 +12,11 @@ import gzip
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
 from conftest import ROOT, require
-from kvrepro.errors import BadInputError
 from kvrepro.suite.run import load as load_catalogue
 from kvrepro.triage import reader, triage_file
 from kvrepro.triage.deployed import parse_repr

@@ -45,13 +45,14 @@ def triage_file(path: Path, catalogue: Catalogue, release: str | None = None) ->
     def tapped() -> Iterator[str]:
         stats_lines = 0
         for number, raw in read_selected(path, stats):
-            line = split_line(number, raw)
-            reader.feed(number, line)
-            if "throughput:" in line.body:
-                stalls.feed(number, raw, line)
+            if "throughput:" in raw:
+                # a stats line (most of what is selected in a long log): the stall reader's alone,
+                # but for the first, which tells classify the server was up
+                stalls.feed(number, raw)
                 stats_lines += 1
                 if stats_lines > 1:
-                    continue  # classify needs the first (the server was up); the rest are the stall's
+                    continue
+            reader.feed(number, split_line(number, raw))
             numbers.append(number)
             yield raw
 

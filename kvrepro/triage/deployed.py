@@ -20,7 +20,6 @@ Secret-looking values (``hf_token``, ``api_key``, a connector's ``...key``) are 
 from __future__ import annotations
 
 import ast
-import dataclasses
 import re
 from typing import Any
 
@@ -214,6 +213,3 @@ def mask_secrets(value: Any, key: str = "") -> Any:
         return MASK
     return value
 
-
-def with_release(config: DeployedConfig, release: str) -> DeployedConfig:
-    return dataclasses.replace(config, release=release)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..classify.lines import LogLine
 from .records import Stall
 
 STALL_MIN_S = 120.0
@@ -56,19 +55,17 @@ class StallReader:
         self._stalled: dict[str, _EngineState] = {}
         self.last_time: float | None = None
 
-    def feed(self, number: int, raw: str, line: LogLine) -> None:
-        """One stats line (the caller passes those with ``throughput:``)."""
-        body = line.body
-        m = _STATS.search(body)
+    def feed(self, number: int, raw: str) -> None:
+        """One raw stats line (the caller passes those with ``throughput:``); the regex finds the
+        stats wherever the line's prefixes (container timestamp, process, logger header) end."""
+        m = _STATS.search(raw)
         if m is None:
             return
-        t = timestamp(raw)
         engine = m["engine"] or "000"
-        idle = float(m["prompt"]) == 0 and float(m["gen"]) == 0
-        if idle and int(m["running"]) == 0 and int(m["waiting"]) > 0:
+        if m["running"] == "0" and m["waiting"] != "0" and float(m["prompt"]) == 0 and float(m["gen"]) == 0:
             if engine not in self._stalled:
-                self._stalled[engine] = _EngineState(t, number, int(m["waiting"]), int(m["deferred"] or 0),
-                                                     body.strip())
+                self._stalled[engine] = _EngineState(timestamp(raw), number, int(m["waiting"]),
+                                                     int(m["deferred"] or 0), raw[m.start():].strip())
         else:
             self._stalled.pop(engine, None)
 

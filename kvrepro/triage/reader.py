@@ -19,8 +19,8 @@ from __future__ import annotations
 import functools
 import gzip
 import heapq
-import io
 import os
+import re
 import shutil
 import subprocess
 import zlib
@@ -105,29 +105,42 @@ def _gnu_grep() -> str | None:
 
 
 def _grep_selected(grep: str, path: Path, stats: ReadStats) -> Iterator[tuple[int, str]]:
-    keywords = LINE_KEYWORDS + tuple(k.encode() for k in infra_keywords())
+    """One grep pass over the file for every keyword (``-b``: with each line's byte offset); a
+    traceback's window is then read from the file itself at that offset, so the gigabytes are
+    scanned once. A second grep stops at the first answered request (``-m 1``)."""
+    keywords = LINE_KEYWORDS + WINDOW_KEYWORDS + tuple(k.encode() for k in infra_keywords())
     env = dict(os.environ, LC_ALL="C")
-    base = [grep, "-a", "-n", "-F", "--no-group-separator"]
+    base = [grep, "-a", "-n", "-b", "-F"]
 
     def patterns(words: tuple[bytes, ...]) -> list[str]:
         return [a for w in words for a in ("-e", w.decode())]
 
-    commands = [
-        [*base, *patterns(keywords), "--", str(path)],
-        [*base, "-A", str(TRACEBACK_WINDOW), *patterns(WINDOW_KEYWORDS), "--", str(path)],
-        [*base, "-m", "1", *patterns(FIRST_ONLY_KEYWORDS), "--", str(path)],
-    ]
+    commands = [[*base, *patterns(keywords), "--", str(path)],
+                [*base, "-m", "1", *patterns(FIRST_ONLY_KEYWORDS), "--", str(path)]]
     procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, bufsize=1 << 20)
              for c in commands]
     try:
-        streams = [_numbered(p.stdout) for p in procs]  # type: ignore[arg-type]
-        last = 0
-        for number, raw in heapq.merge(*streams, key=lambda item: item[0]):
-            if number == last:
-                continue  # a line two searches found
-            last = number
-            stats.selected += 1
-            yield number, raw[:MAX_LINE].decode("utf-8", errors="replace")
+        with open(path, "rb") as fh:
+            streams = [_numbered(p.stdout) for p in procs]  # type: ignore[arg-type]
+            next_line = 1  # lines below this one were handed on already (a window read them)
+            for number, offset, raw in heapq.merge(*streams, key=lambda item: item[0]):
+                if number < next_line:
+                    continue
+                stats.selected += 1
+                yield number, raw[:MAX_LINE].decode("utf-8", errors="replace")
+                next_line = number + 1
+                if any(k in raw for k in WINDOW_KEYWORDS):
+                    fh.seek(offset + len(raw))
+                    window_end = number + TRACEBACK_WINDOW
+                    while next_line <= window_end:
+                        line = fh.readline(MAX_LINE)
+                        if not line:
+                            break
+                        stats.selected += 1
+                        yield next_line, line.decode("utf-8", errors="replace")
+                        if any(k in line for k in WINDOW_KEYWORDS):
+                            window_end = next_line + TRACEBACK_WINDOW
+                        next_line += 1
         for p in procs:
             if p.wait() > 1:  # 1: nothing found
                 raise BadInputError(f"{path}: cannot be read (grep exited with {p.returncode}); check the file")
@@ -142,15 +155,16 @@ def _grep_selected(grep: str, path: Path, stats: ReadStats) -> Iterator[tuple[in
     stats.lines, stats.last_line = _count_lines(path)
 
 
-def _numbered(stream: BinaryIO) -> Iterator[tuple[int, bytes]]:
-    """grep -n's ``N:line`` (a match) and ``N-line`` (a line of -A's window) as (N, line)."""
+_GREP_PREFIX = re.compile(rb"(\d+):(\d+):")
+
+
+def _numbered(stream: BinaryIO) -> Iterator[tuple[int, int, bytes]]:
+    """grep -n -b's ``N:OFFSET:line`` as (N, OFFSET, line)."""
+    match = _GREP_PREFIX.match
     for raw in stream:
-        i = 0
-        while i < len(raw) and 48 <= raw[i] <= 57:
-            i += 1
-        if i == 0 or i >= len(raw):
-            continue
-        yield int(raw[:i]), raw[i + 1:]
+        m = match(raw)
+        if m is not None:
+            yield int(m[1]), int(m[2]), raw[m.end():]
 
 
 def _count_lines(path: Path) -> tuple[int, str]:
@@ -269,8 +283,3 @@ def _select(body: bytes, stats: ReadStats, keywords: tuple[bytes, ...], first_on
     stats.last_line = body[last_start:last_start + 4096].decode("utf-8", errors="replace")
     return left_over
 
-
-def read_text_lines(text: str) -> Iterator[tuple[int, str]]:
-    """Every line of a text (tests, small logs), numbered, as :func:`read_selected` yields them."""
-    for number, line in enumerate(io.StringIO(text, newline="\n"), start=1):
-        yield number, line
