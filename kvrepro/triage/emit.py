@@ -50,6 +50,9 @@ def build_matrix(triage: Triage, entry: Entry, entries: list[Entry], pattern_tar
     """The matrix (plain YAML data) and the notes to print with it."""
     assert triage.base is not None
     notes: list[str] = []
+    if not entry.testable:
+        notes.append(f"defects/ marks {entry.name} not testable here ({entry.not_testable}); this matrix has the "
+                     "log's configuration but may not reach it")
     data = yaml.safe_load(DEFAULT_MATRIX.read_text())
     fragment = entry.fragment
     if isinstance(fragment.get("load"), dict) and fragment["load"].get("profile", data["load"]["profile"]) \

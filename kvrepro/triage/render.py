@@ -72,7 +72,8 @@ def plain(t: Triage) -> list[str]:
                 lines += _match_lines(m, None)
     if t.matches and t.base:
         clean = " + ".join(t.minimal_clean_set) if t.minimal_clean_set else \
-            ("nothing to add" if t.minimal_clean_set == () else "none in the catalogue")
+            ("empty (no defect present here has a backport)" if t.minimal_clean_set == () else
+             "none in the catalogue")
         lines += _wrap(f"on {t.base}: {clean}", "  ", "minimal clean set ")
         if t.still_present:
             lines += _wrap(", ".join(t.still_present) + " (no backport in the catalogue; upgrade)", "  ",
