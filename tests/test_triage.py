@@ -209,8 +209,9 @@ def test_run_reproduces_the_seed_crash_and_the_clean_set_is_clean(tmp_path, runt
 
 
 def test_grep_and_the_python_reader_select_the_same_lines(tmp_path, monkeypatch):
-    """Plain files go through GNU grep, gzip through Python: the same lines, numbers and counts
-    (small Python blocks, so windows cross block boundaries)."""
+    """Plain files through one grep pass and windows read at grep's offsets, gzip through three greps
+    fed the decompressed stream, and the Python block reader: the same lines, numbers and counts
+    (small blocks, so windows cross block boundaries)."""
     lines = SEED.read_text().splitlines(keepends=True)
     filler = [f"(APIServer pid=1) INFO:     10.0.0.{i % 250}:4000 - \"GET /health HTTP/1.1\" 200 OK\n"
               for i in range(5000)]
@@ -225,3 +226,8 @@ def test_grep_and_the_python_reader_select_the_same_lines(tmp_path, monkeypatch)
     assert (by_grep.lines, by_grep.last_line, by_grep.bytes_read) == (by_python.lines, by_python.last_line,
                                                                       by_python.bytes_read)
     assert by_grep.lines == len(lines) + 5000 + 1
+    gz = tmp_path / "mixed.log.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    by_gz = reader.ReadStats()
+    assert list(reader.read_selected(gz, by_gz)) == python_lines
+    assert (by_gz.lines, by_gz.last_line) == (by_python.lines, by_python.last_line)
