@@ -506,3 +506,51 @@ def test_results_survive_fifos_zero_links_and_huge_records(tmp_path):
     assert next(r for r in rows if r.get("run_id") == good.name)["builds"] == {"A": ["DAMAGED"]}
     show = kvrepro("results", "show", good.name, "--results", str(tmp_path))
     assert show.returncode == 0 and "Traceback" not in show.stderr, show.stderr[-2000:]
+
+
+def _descendants(pid: int) -> set[int]:
+    from kvrepro.deploy.ray.localcluster import descendants
+
+    return descendants({pid}) - {pid}
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_second_signal_in_a_suites_last_steps_leaves_it_interrupted(tmp_path, runtime_python):
+    """Case 3: a real `kvrepro suite run` (one entry, a real engine), Ctrl-C once its engine has
+    started, SIGTERM a second later while it stops: exit 130, every process it started gone, and
+    suite.json says `interrupted` with a `finished` time (it said `running` forever when the
+    targets were closed before the status was saved)."""
+    results = tmp_path / "results"
+    log = tmp_path / "stderr.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "kvrepro.cli", "suite", "run", "--base", "0.26.0", "--entry",
+                                 "offload-boundary-assert", "--reps", "1", "--results", str(results), "--ci"],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    started: set[int] = set()
+    try:
+        deadline = time.monotonic() + 600
+        while not list(results.glob("suite-*/runs/*/*/0/engine.log")) and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.2)
+        time.sleep(2)
+        started = _descendants(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert code == 130, log.read_text()[-3000:]
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+    record = json.loads(next(results.glob("suite-*/suite.json")).read_text())
+    assert record["status"] == "interrupted" and record["finished"], record
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() for pid in started) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = [pid for pid in started if Path(f"/proc/{pid}").exists()]
+    assert not left, left
+    report = kvrepro("suite", "report", "latest", "--results", str(results), "--json")
+    assert report.returncode != 130 and json.loads(report.stdout)["status"] == "interrupted"

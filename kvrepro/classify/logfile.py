@@ -37,7 +37,8 @@ class NotTextLog(BadInputError):
 
 
 def _why_not_text(head: bytes) -> str | None:
-    if head.startswith((b"\xff\xfe", b"\xfe\xff")) or head[:200].count(b"\x00") > len(head[:200]) // 4:
+    # by its NULs, not its BOM: a UTF-8 log may begin with the bytes ff fe (noise before the first line)
+    if head[:200].count(b"\x00") > len(head[:200]) // 4:
         return "UTF-16 or UTF-32 text"
     if b"\x00" in head:
         return "binary data (NUL bytes)"
