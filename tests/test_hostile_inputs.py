@@ -451,6 +451,27 @@ def test_a_differs_line_quotes_no_token():
     assert row.failed and TOKEN not in row.detail and "***" in row.detail
 
 
+def test_results_show_never_prints_a_recorded_token(tmp_path):
+    """Case 10, the class: every record is redacted as it is read back (results.store.read_json), so
+    a verdict.json copied from elsewhere or edited by hand (not written by kvrepro's redacting
+    writer) with `--hf-token hf_...` in its title prints masked in `results show`."""
+    from kvrepro.records import Outcome, RunResult, Verdict, to_jsonable
+
+    run = _run_folder(tmp_path)
+    rep = run / "A" / "0"
+    rep.mkdir(parents=True)
+    title = f"CRASH: RuntimeError: vllm serve --hf-token {TOKEN} failed"
+    (rep / "verdict.json").write_text(json.dumps(to_jsonable(RunResult(
+        build="A", rep=0, verdict=Verdict.CRASH, outcome=Outcome.OTHER_CRASH, title=title, trigger_count=0,
+        external_hit_calls=0, requests=1, seconds=1.0))))
+    assert TOKEN in (rep / "verdict.json").read_text()
+    for args in ((), ("--json",)):
+        proc = kvrepro("results", "show", run.name, "--results", str(tmp_path), *args,
+                       env=dict(os.environ, COLUMNS="300"))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert TOKEN not in proc.stdout + proc.stderr and "--hf-token ***" in proc.stdout, proc.stdout
+
+
 # ------------------------------------------------------------------ smaller: usage errors, results list
 
 def test_a_usage_error_is_one_line():

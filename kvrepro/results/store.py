@@ -96,8 +96,12 @@ MAX_RECORD_BYTES = 16 * 1024 * 1024
 def read_json(path: Path) -> Any:
     """A JSON file kvrepro wrote; numbers that no writer produces (1e999999, NaN) mean damage.
     Read bounded, never blocking, never through a link (kvrepro/untrusted.py): OSError if not a
-    regular file of at most MAX_RECORD_BYTES, ValueError if not JSON (or nested too deeply)."""
-    text = untrusted.read_bytes(path, MAX_RECORD_BYTES).decode("utf-8")
+    regular file of at most MAX_RECORD_BYTES, ValueError if not JSON (or nested too deeply).
+    Secrets are masked (secrets.redact) before parsing: the one place every recorded record is read."""
+    # redacted as it is read, as everything is as it is written: a record copied from elsewhere or
+    # edited by hand may carry a token (an engine's command line in an error), and whatever prints
+    # a recorded title or error (`results show`, `suite report`'s table) then prints it masked
+    text = redact(untrusted.read_bytes(path, MAX_RECORD_BYTES).decode("utf-8"))
     try:
         return json.loads(text, parse_float=_finite, parse_constant=_no_constant)
     except RecursionError:
