@@ -487,7 +487,10 @@ def _runs_table(rows: list[RunRow], results_root: Path, width: int) -> Table:
         text = one_line[r.run_id]
         if narrow and len(text) > room(keys):
             text = "\n".join(f"{n}: {_counted(v)}" for n, v in r.builds.items())
-        table.add_row(*(getattr(r, k) or "" for k in keys), text)
+        cells = [getattr(r, k) or "" for k in keys]
+        if r.recorded_id:  # a copied run folder: its folder name, and the run it is a copy of
+            cells[0] = f"{cells[0]}\n(run.json: {r.recorded_id})"
+        table.add_row(*cells, text)
     return table
 
 
@@ -559,8 +562,15 @@ def classify_cmd(
     if log.is_dir():
         raise BadInputError(f"{log}: is a folder; give an engine log file, e.g. {log / 'engine.log'} "
                             "(results/<run>/<build>/<rep>/engine.log)")
-    if not log.is_file():
+    if not log.exists():
         raise BadInputError(f"{log}: no such file; give an engine log (engine.log, `docker logs` output)")
+    from .untrusted import open_regular
+
+    try:  # a FIFO, /dev/zero: one line, never a hang (kvrepro/untrusted.py)
+        os.close(open_regular(log, follow=True))
+    except OSError as exc:
+        raise BadInputError(f"{log}: {exc.strerror or exc}; give an engine log file (engine.log, `docker logs` "
+                            "output, or a .gz of one)") from None
     if source is not None and not source.is_dir():
         what = "is a file, not a folder" if source.exists() else "no such folder"
         raise BadInputError(f"--source {source}: {what}; give the folder that holds the build's vllm/ sources "
@@ -573,7 +583,10 @@ def classify_cmd(
 
     target = _load(matrix).matrix.target_signature if matrix else default_target_signature()
     result = classify_file(log, source, target)
-    exposure = read_exposure(log.read_text(errors="replace"))
+    from .classify.logfile import open_log
+
+    with open_log(log) as fh:
+        exposure = read_exposure(fh.read())
     defects = defects_of(exposure.kv_violations, exposure.kv_violations_by, exposure.kv_first_violation_class,
                          exposure.kv_groups)
     if as_json:
@@ -1057,7 +1070,7 @@ def suite_list(catalogue: Optional[Path] = CatalogueOpt, as_json: bool = JsonOpt
     out.print(table)
 
 
-def _suite_outputs(suite: Any, as_json: bool, ci: bool, junit: Optional[Path]) -> None:
+def _suite_outputs(suite: Any, as_json: bool, ci: bool, junit: Optional[Path], reporting: bool = False) -> None:
     from .suite import report as suite_report
 
     if as_json:
@@ -1077,7 +1090,7 @@ def _suite_outputs(suite: Any, as_json: bool, ci: bool, junit: Optional[Path]) -
     for row in suite.mismatches:
         err.print(f"[red]differs from the catalogue[/]: {row.entry} on {row.build}: expected {row.expected}, "
                   f"got {row.state} ({escape(row.detail)})", highlight=False)
-    code = suite_report.exit_code(suite)
+    code = suite_report.exit_code(suite, reporting)
     if code:
         raise typer.Exit(code)
 
@@ -1106,15 +1119,15 @@ def suite_run(
     import time as _time
 
     from .stopping import name, stop_on_signals
-    from .suite.run import entry_matrix, parse_builds, run_suite
+    from .suite.run import check_entries, parse_builds, run_suite
 
     _check_junit(junit)
     results_root = _results_root(results_root)
     cat = _catalogue(catalogue)
     chosen = cat.select(entry)
     builds_ = parse_builds(base, list(patch or []))
-    testable = [e for e in chosen if e.testable]
-    total = sum(len(builds_) * (reps or entry_matrix(e, builds_).matrix.runs.repetitions) for e in testable)
+    matrices = check_entries(chosen, builds_, target)  # before the progress bar: bad input is one line
+    total = sum(len(builds_) * (reps or m.matrix.runs.repetitions) for m in matrices.values())
     command = "kvrepro suite run " + " ".join(
         [f"--base {b}" for b in base] + [f"--patch {p}" for p in patch or []] + [f"--entry {e}" for e in entry or []]
         + ([f"--reps {reps}"] if reps else []) + ([f"--target {target}"] if target else []))
@@ -1150,7 +1163,29 @@ def suite_report_cmd(
     from .suite.run import load_suite
 
     _check_junit(junit)
-    _suite_outputs(load_suite(suite_dir, _catalogue(catalogue), results_root), as_json, ci, junit)
+    _suite_outputs(load_suite(suite_dir, _catalogue(catalogue), results_root), as_json, ci, junit, reporting=True)
+
+
+try:  # the click Typer parses with: its own copy (typer >= 0.2x), else click itself
+    from typer._click.exceptions import ClickException as _ClickException
+except ImportError:  # pragma: no cover - older typer
+    from click.exceptions import ClickException as _ClickException
+_CLICK_ERRORS = (_ClickException,)
+
+
+def _usage_error(exc: Any) -> None:
+    """A usage error (``--reps 0``, an unknown option) as one line and exit 2, as kvrepro's own
+    bad-input errors are, instead of Typer's five-line box; `--help` still shows the usage."""
+    if type(exc).__name__ == "NoArgsIsHelpError":  # `kvrepro matrix`: the group's help, as before
+        if exc.format_message():
+            sys.stderr.write(exc.format_message() + "\n")
+        sys.exit(exc.exit_code)
+    ctx = getattr(exc, "ctx", None)
+    where = f"{ctx.command_path}: " if ctx is not None else ""
+    hint = f" (`{ctx.command_path} --help` shows the options)" if ctx is not None else ""
+    err.print("[red]error:[/] " + escape(redact(f"{where}{exc.format_message()}{hint}")), highlight=False,
+              soft_wrap=True)
+    sys.exit(exc.exit_code)
 
 
 @app.command("triage")
@@ -1228,7 +1263,10 @@ def main() -> None:
 
     stopping.install_default()  # SIGINT, SIGTERM, SIGHUP: one line, exit 130 (kvrepro/stopping.py)
     try:
-        app()
+        code = app(standalone_mode=False)  # usage errors come here, to be one line (_usage_error)
+        sys.exit(code if isinstance(code, int) else 0)
+    except _CLICK_ERRORS as exc:
+        _usage_error(exc)
     except KvreproError as exc:
         err.print("[red]error:[/] " + escape(redact(str(exc))), highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from dataclasses import dataclass
 
-from . import lifetime
+from . import lifetime, untrusted
 
 PREFIX = "kvrepro-"
 OWNER_FILE = "owner.json"
@@ -169,12 +169,28 @@ def _listening_unix_paths() -> set[str]:
     return paths
 
 
+OWNER_LIMIT = 4096  # an owner record is ~60 bytes
+
+
+class _BadOwner(Exception):
+    """An owner record that is there but is not one (a FIFO, a link, a list for a pid): the folder
+    is kept and the line says why; the temp folder is world-writable, so it may be anyone's."""
+
+
 def _owner_of(path: Path) -> dict[str, str] | None:
+    """The folder's owner record; None if it has none; _BadOwner if it is not one. Read through
+    kvrepro/untrusted.py: never blocks on a FIFO, never follows a link, never reads more than 4 KiB."""
     try:
-        data = json.loads((path / OWNER_FILE).read_text())
-    except (OSError, ValueError):
+        data = json.loads(untrusted.read_text(path / OWNER_FILE, OWNER_LIMIT))
+    except FileNotFoundError:
         return None
-    return data if isinstance(data, dict) else None
+    except OSError as exc:
+        raise _BadOwner(f"{OWNER_FILE}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise _BadOwner(f"{OWNER_FILE}: not an owner record ({str(exc)[:80]})") from None
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in ("pid", "host", "start")):
+        raise _BadOwner(f"{OWNER_FILE}: not an owner record (pid, host and start as strings)")
+    return data
 
 
 def _bound_under(path: Path, bound: set[str]) -> bool:
@@ -191,6 +207,7 @@ class TempItem:
     path: str
     kind: str
     owner: dict[str, str] | None = None
+    note: str | None = None  # why it is kept when it is not a live run's (an owner record that is not one)
 
 
 @dataclass(frozen=True)
@@ -222,7 +239,12 @@ def leftovers(temp: Path | None = None) -> tuple[list[TempItem], list[TempItem]]
         name = entry.name
         try:
             if OURS.match(name) and entry.is_dir() and not entry.is_symlink():
-                owner = _owner_of(entry)
+                try:
+                    owner = _owner_of(entry)
+                except _BadOwner as exc:
+                    to_keep.append(TempItem(path=str(entry), kind="run temp folder", note=f"{exc}; not ours to judge, "
+                                            "left alone"))
+                    continue
                 if owner is not None:
                     gone = lifetime.owner_alive(owner) is False
                 else:  # being made this very moment, or its record was lost: idle a while, no socket bound

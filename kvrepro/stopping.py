@@ -87,6 +87,20 @@ def ignore() -> None:
 
 
 @contextmanager
+def deferred() -> Iterator[None]:
+    """Stop signals wait (blocked, not lost) while a record's final status is written: a second
+    Ctrl-C must not cut a status save short. Delivered, and handled as usual, on leaving."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread runs Python's signal handlers
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+@contextmanager
 def stop_on_signals(stop: threading.Event, on_first: Callable[[int], None] | None = None) -> Iterator[None]:
     """The first signal sets ``stop`` (and calls ``on_first(signum)``); the next raises
     :class:`Interrupted`. The handlers in place before are restored on leaving."""
@@ -108,5 +122,5 @@ def stop_on_signals(stop: threading.Event, on_first: Callable[[int], None] | Non
             signal.signal(sig, old)
 
 
-__all__ = ["EXIT_CODE", "Interrupted", "SIGNALS", "ignore", "install_default", "last_signal", "name",
+__all__ = ["EXIT_CODE", "Interrupted", "SIGNALS", "deferred", "ignore", "install_default", "last_signal", "name",
            "quiet_until_ready", "stop_on_signals"]

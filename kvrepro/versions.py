@@ -204,6 +204,15 @@ def require(version: str) -> Release:
     return entry
 
 
+def unsupported(version: str) -> str | None:
+    """Why ``version`` cannot be a base (None if it can): one message for matrix.yaml's ``base:``,
+    ``--base``, the catalogue's present_in / fixed_in, so that 9.9.9 is bad input before anything
+    is recorded, never a build that fails later."""
+    if version in SUPPORTED_RELEASES:
+        return None
+    return f"{str(version)[:40]!r} is not a vLLM release kvrepro supports; supported: {', '.join(SUPPORTED_RELEASES)}"
+
+
 def newest() -> str:
     return SUPPORTED_RELEASES[-1]
 

@@ -1036,7 +1036,7 @@ def test_results_list_index_follows_the_folder(tmp_path):
     assert [r["run_id"] for r in listing()] == [one.run_id, three.run_id]
     (tmp_path / ".index.json").write_text("{not json")
     assert [r["run_id"] for r in listing()] == [one.run_id, three.run_id]
-    assert json.loads((tmp_path / ".index.json").read_text())["version"] == 1
+    assert json.loads((tmp_path / ".index.json").read_text())["version"] == 2
 
 
 @pytest.mark.slow

@@ -37,15 +37,26 @@ def test_a_release_without_an_adapter_says_what_to_do():
     assert "0.33.0" in message and "porting checklist" in message
 
 
-def test_unsupported_base_is_an_infra_build_not_a_traceback(tmp_path):
-    """The sim target turns an unknown release into a failed build naming it (no download tried)."""
+def test_unsupported_base_is_bad_input_and_an_infra_build_not_a_traceback(tmp_path):
+    """An unknown release in `base:` is bad input when the matrix is read (issue 30: before anything
+    is recorded); a plan that reaches the sim target all the same is a failed build naming it (no
+    download tried)."""
+    import dataclasses
+
     from kvrepro.deploy.sim import SimTarget
+    from kvrepro.errors import SpecError
     from kvrepro.spec.matrix import load_matrix
 
     path = tmp_path / "matrix.yaml"
     path.write_text("base: 0.34.0\nbuilds:\n  plain: []\n")
+    with pytest.raises(SpecError, match=r"matrix.yaml:1: base: '0.34.0' is not a vLLM release kvrepro supports"):
+        load_matrix(path)
+    path.write_text("base: 0.26.0\nbuilds:\n  plain: []\n")
     loaded = load_matrix(path)
-    artifact = SimTarget(loaded).prepare(loaded.plans()[0])
+    with pytest.raises(SpecError, match="--base '0.34.0' is not a vLLM release kvrepro supports"):
+        loaded.plans(bases=["0.34.0"])
+    plan = dataclasses.replace(loaded.plans()[0], base="0.34.0")
+    artifact = SimTarget(loaded).prepare(plan)
     assert not artifact.ok and "vLLM 0.34.0 has no GPU-free engine adapter" in artifact.error
 
 

@@ -28,6 +28,7 @@ from ..spec.matrix import TargetSignature
 from .classifier import classify_lines, excerpt, fatal_traceback
 from .engine_counters import read_engine_counters
 from .exposure import read_exposure
+from .logfile import GZIP_ERRORS, NotTextLog, open_log
 from .patterns import Pattern, known_patterns, match_pattern
 
 __all__ = [
@@ -57,19 +58,24 @@ def classify_file(path: str | Path, source_root: Path | None = None,
                   target: TargetSignature | None = None) -> Classification:
     """Classify a log file, streaming it (logs of long runs reach hundreds of MB).
 
-    Bytes that are not UTF-8 (a line cut mid-character, binary noise) are replaced rather than
-    failing the classification.
+    A gzip file is read decompressed; a file that is not a text log at all (UTF-16, binary) is
+    :class:`~kvrepro.classify.logfile.NotTextLog`; a few bytes that are not UTF-8 (a line cut
+    mid-character) are replaced rather than failing the classification (kvrepro/classify/logfile.py).
     """
-    with open(path, encoding="utf-8", errors="replace", newline="\n") as fh:
-        return classify_lines(fh, source_root, target)
+    with open_log(path, require_text=True) as fh:
+        try:
+            return classify_lines(fh, source_root, target)
+        except GZIP_ERRORS as exc:
+            raise NotTextLog(f"{path}: not a text log (a damaged gzip file: {exc}); give the engine's log "
+                             "as text or .gz") from None
 
 
 def crash_excerpt(path: str | Path, max_frames: int = 3) -> list[str]:
     """The relevant lines of the traceback that killed the engine in a log file (innermost frames,
     their code, the exception line), for a report; empty when the log holds none."""
     try:
-        with open(path, encoding="utf-8", errors="replace", newline="\n") as fh:
+        with open_log(path) as fh:  # never blocks on a FIFO left in a results folder
             tb = fatal_traceback(fh)
-    except OSError:
+    except (OSError, *GZIP_ERRORS):
         return []
     return excerpt(tb, max_frames) if tb is not None else []

@@ -61,4 +61,15 @@ def check_settings(matrix: "Matrix") -> None:
             check(matrix)
 
 
-__all__ = ["EngineHandle", "Target", "check_settings", "get_target", "known_targets", "register"]
+def check_environment(target: str, matrix: "Matrix") -> None:
+    """What ``target`` takes from the environment (ray: $RAY_ADDRESS), checked before anything is
+    recorded: the target module's optional ``check_environment`` raises SpecError (exit 2)."""
+    if target not in known_targets():
+        return
+    check = getattr(importlib.import_module(f"{__name__}.{target}"), "check_environment", None)
+    if check is not None:
+        check(matrix)
+
+
+__all__ = ["EngineHandle", "Target", "check_environment", "check_settings", "get_target", "known_targets",
+           "register"]

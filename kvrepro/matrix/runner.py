@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import requests
 
-from .. import __version__
+from .. import __version__, stopping
 from ..results import store as results
 from ..report.expectations import enough_runs
 from ..classify import classify_log, read_engine_counters, read_exposure
@@ -446,8 +446,9 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
         # Ctrl-C is an interruption; anything else (a full disk, a read-only results folder) is a
         # failure, said as such: "interrupted" would send the reader looking for who pressed Ctrl-C
         interrupted = isinstance(exc, KeyboardInterrupt)
-        _mark_ended(folder, "interrupted" if interrupted else "failed",
-                    None if interrupted else _error_line(exc))
+        with stopping.deferred():  # a further Ctrl-C waits until the status is written (suite.run does the same)
+            _mark_ended(folder, "interrupted" if interrupted else "failed",
+                        None if interrupted else _error_line(exc))
         raise
     finally:
         finished.set()

@@ -132,6 +132,13 @@ def check(loaded: LoadedMatrix, target: str | None = None, engine_flags: bool = 
     if target_name not in targets:
         where = "--target" if target else f"{_where(loaded, 'target', lines)}: target"
         problems.append(f"{where}: unknown target {target_name!r}; known targets: {', '.join(targets)}")
+    else:
+        from ..deploy import check_environment
+
+        try:  # what the target takes from the environment ($RAY_ADDRESS), as bad input before a run folder
+            check_environment(target_name, m)
+        except SpecError as exc:
+            problems.append(str(exc))
     profiles = sorted(known_profiles())
     if m.load.profile not in profiles:
         problems.append(f"{_where(loaded, 'load.profile', lines)}: load.profile: unknown profile {m.load.profile!r}; "

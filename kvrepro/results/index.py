@@ -29,7 +29,7 @@ from typing import Any
 from .. import lifetime
 
 INDEX_FILE = ".index.json"
-VERSION = 1
+VERSION = 2  # 2: rows keyed by folder name (recorded_run_id for copies)
 
 
 def enabled() -> bool:
@@ -78,6 +78,9 @@ class RunRow:
     builds: dict[str, tuple[str, ...]] = field(default_factory=dict)
     error: str | None = None
     owner: dict[str, str] | None = None
+    # run.json's run id when it is not the folder's name (a copied run folder): ``run_id`` is the
+    # folder, the name `results show` takes, so two copies are two rows that say which is which
+    recorded_id: str | None = None
 
     @property
     def unreadable(self) -> bool:
@@ -87,7 +90,8 @@ class RunRow:
         if self.unreadable:
             return {"run_id": self.run_id, "status": self.status, "error": self.error}
         return {"run_id": self.run_id, "status": self.status, "target": self.target, "base": self.base,
-                "builds": {k: list(v) for k, v in self.builds.items()}}
+                "builds": {k: list(v) for k, v in self.builds.items()},
+                **({"recorded_run_id": self.recorded_id} if self.recorded_id else {})}
 
     __json__ = to_json
 
@@ -101,6 +105,7 @@ class RunRow:
             builds = row.get("builds") or {}
             return cls(run_id=row.get("run_id"), status=str(row["status"]), target=row.get("target") or "",
                        base=row.get("base") or "", error=row.get("error"), owner=row.get("_owner"),
+                       recorded_id=row.get("recorded_run_id"),
                        builds={str(k): tuple(str(x) for x in v) for k, v in builds.items()})
         except (KeyError, TypeError, AttributeError, ValueError):
             return None
@@ -118,9 +123,10 @@ def read_row(root: Path, run_id: str) -> RunRow:
     def key(build: results.BuildResults) -> str:  # report.build_key, without importing scipy with report
         return f"{build.name}@{build.base}" if sum(b.name == build.name for b in run.builds) > 1 else build.name
 
-    return RunRow(run_id=run.run_id, status=run.status, target=run.info.target, base=run.info.base_text,
+    return RunRow(run_id=run.path.name, status=run.status, target=run.info.target, base=run.info.base_text,
                   builds={key(b): tuple(x.label for x in b.runs) for b in run.builds},
-                  owner=run.info.owner if run.status in ("running", "aborted") else None)
+                  owner=run.info.owner if run.status in ("running", "aborted") else None,
+                  recorded_id=run.run_id if run.run_id != run.path.name else None)
 
 
 def _load_index(path: Path) -> dict[str, Any]:

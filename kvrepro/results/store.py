@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .. import __version__, lifetime
+from .. import __version__, lifetime, untrusted
 from ..errors import BadInputError, KvreproError
 from ..records import (RESULTS_SCHEMA, BuildRecord, RecordError, RunBuildEntry, RunInfo, RunManifest, RunResult, Outcome, Verdict, from_jsonable, to_jsonable)
 from ..secrets import redact
@@ -88,9 +88,24 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+# a record kvrepro writes is a few KB; a results folder is copied, shared and edited by hand, so a
+# record may be a FIFO, a link to /dev/zero or a 1 GB file: refused by kvrepro/untrusted.py
+MAX_RECORD_BYTES = 16 * 1024 * 1024
+
+
 def read_json(path: Path) -> Any:
-    """A JSON file kvrepro wrote; numbers that no writer produces (1e999999, NaN) mean damage."""
-    return json.loads(path.read_text(), parse_float=_finite, parse_constant=_no_constant)
+    """A JSON file kvrepro wrote; numbers that no writer produces (1e999999, NaN) mean damage.
+    Read bounded, never blocking, never through a link (kvrepro/untrusted.py): OSError if not a
+    regular file of at most MAX_RECORD_BYTES, ValueError if not JSON (or nested too deeply).
+    Secrets are masked (secrets.redact) before parsing: the one place every recorded record is read."""
+    # redacted as it is read, as everything is as it is written: a record copied from elsewhere or
+    # edited by hand may carry a token (an engine's command line in an error), and whatever prints
+    # a recorded title or error (`results show`, `suite report`'s table) then prints it masked
+    text = redact(untrusted.read_bytes(path, MAX_RECORD_BYTES).decode("utf-8"))
+    try:
+        return json.loads(text, parse_float=_finite, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("nested too deeply; a record is a few levels deep") from None
 
 
 def inside(folder: Path, path: Path,

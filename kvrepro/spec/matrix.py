@@ -21,7 +21,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
 
 from ..errors import SpecError
 from ..records import BuildPlan, PatchRef, cell_name
-from ..versions import DEFAULT_BASE
+from ..versions import DEFAULT_BASE, unsupported
 
 EXPECTABLE = ("CRASH(target)", "CRASH(other)", "CORRUPT", "SURVIVED", "UNREACHED", "VACUOUS", "STALL", "INFRA")
 SHIPPED_MODELS = Path(__file__).resolve().parent.parent / "data" / "models"
@@ -391,6 +391,8 @@ class Matrix(_Strict):
         for value in values:
             if not _VERSION_RE.match(value):
                 raise ValueError(f"{value!r} must be a vLLM release version such as 0.26.0")
+            if (problem := unsupported(value)) is not None:
+                raise ValueError(problem)
         if len(set(values)) != len(values):
             raise ValueError("a release is listed twice")
         return v
@@ -577,6 +579,8 @@ class LoadedMatrix:
         for release in releases:
             if not _VERSION_RE.match(release):
                 raise SpecError(f"--base {release!r}: must be a vLLM release version such as 0.26.0")
+            if (problem := unsupported(release)) is not None:
+                raise SpecError(f"--base {problem}")
         several = len(releases) > 1
         plans = []
         for release in releases:

@@ -20,7 +20,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .. import untrusted
 from ..errors import SpecError
+from ..versions import unsupported
 from ..spec.matrix import _line_for, _line_index, _StrictLoader
 
 # the repository's catalogue (next to builds/ and matrix.yaml)
@@ -187,7 +189,9 @@ class EntrySpec(_Strict):
     @classmethod
     def _keys(cls, v: list[str]) -> list[str]:
         for key in v:
-            parse_build_key(key)
+            release, _ = parse_build_key(key)
+            if (problem := unsupported(release)) is not None:
+                raise ValueError(f"{key!r}: {problem}")
         return v
 
     @field_validator("matrix")
@@ -288,6 +292,7 @@ class Catalogue:
     def select(self, names: list[str] | None) -> list[Entry]:
         if not names:
             return list(self.entries)
+        names = list(dict.fromkeys(names))  # --entry X --entry X: one run of X, not two racing for its record
         known = {e.name: e for e in self.entries}
         unknown = [n for n in names if n not in known]
         if unknown:
@@ -326,20 +331,26 @@ def expected_state(entry: Entry, release: str, patches: tuple[str, ...] = ()) ->
 
 def _read(path: Path) -> tuple[str, Any]:
     try:
-        if path.stat().st_size > MAX_ENTRY_BYTES:
-            raise SpecError(f"{path}:1: {path.stat().st_size:,} bytes; an entry is at most {MAX_ENTRY_BYTES:,}")
-        text = path.read_bytes().decode("utf-8")
+        # bounded, never blocks on a FIFO, never follows a link (kvrepro/untrusted.py): a catalogue
+        # folder is copied and edited by hand, and one bad file must not hang every suite command
+        text = untrusted.read_bytes(path, MAX_ENTRY_BYTES).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise SpecError(f"{path}:1: not UTF-8 text ({exc.reason}); save it as UTF-8") from None
     except OSError as exc:
         raise SpecError(f"{path}: cannot read it: {exc.strerror or exc}") from None
     try:
         data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (spec's SafeLoader subclass)
+    except RecursionError:
+        raise SpecError(f"{path}: nested too deeply to read; an entry is a few levels deep") from None
     except yaml.YAMLError as exc:
         line = getattr(exc, "line", None)
         mark = getattr(exc, "problem_mark", None)
+        position = getattr(exc, "position", None)  # a ReaderError (a NUL or control character) has no mark
+        if not line and mark is None and isinstance(position, int):
+            line = text[:position].count("\n") + 1
         line = line or (mark.line + 1 if mark else 1)
-        raise SpecError(f"{path}:{line}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
+        problem = getattr(exc, "problem", None) or getattr(exc, "reason", None) or str(exc).splitlines()[0]
+        raise SpecError(f"{path}:{line}: not valid YAML: {problem}") from None
     return text, data
 
 
@@ -356,6 +367,13 @@ def load_entry(path: Path, check_fragment: Any = None) -> Entry:
 
     ``check_fragment(entry_spec) -> None`` may raise SpecError("field.path: problem") for a
     fragment that does not make a valid matrix (suite.run passes one)."""
+    try:
+        return _load_entry(path, check_fragment)
+    except RecursionError:  # YAML that parses but nests deeper than validation and merging can walk
+        raise SpecError(f"{path}: nested too deeply to read; an entry is a few levels deep") from None
+
+
+def _load_entry(path: Path, check_fragment: Any) -> Entry:
     text, data = _read(path)
     if not isinstance(data, dict):
         raise SpecError(f"{path}:1: an entry is a mapping (name:, kind:, title:, signature:, ...)")

@@ -24,6 +24,7 @@ from ..classify.classifier import ARGUMENT_ERROR_TITLE
 from ..classify.corruption import first_request
 from ..classify.patterns import known_patterns
 from ..records import RunResult, Verdict
+from ..secrets import redact
 from .catalogue import Entry, counter_value, expected_state
 
 PRESENT, ABSENT, UNREACHED, OTHER, NOT_TESTABLE, INFRA = (
@@ -85,7 +86,9 @@ def judge(entry: Entry, build: str, release: str, patches: tuple[str, ...], runs
     dirs = tuple(r.run_dir for r in runs if r.run_dir)
 
     def row(state: str, detail: str) -> Row:
-        return Row(entry=entry.name, kind=entry.kind, build=build, state=state, detail=detail, expected=expected,
+        # the detail quotes recorded errors and titles (an engine's command line with --hf-token ...):
+        # redacted here, once, for the table, the "differs" lines, --json and JUnit alike
+        return Row(entry=entry.name, kind=entry.kind, build=build, state=state, detail=redact(detail), expected=expected,
                    matches=_compare(state, expected), reps=len(runs), seconds=seconds, run_dirs=dirs)
 
     hits = [r for r in runs if shows(entry, r)]

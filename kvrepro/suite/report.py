@@ -122,9 +122,11 @@ def write_junit(suite: SuiteResult, path: Path) -> Path:
     return path
 
 
-def exit_code(suite: SuiteResult) -> int:
-    """As `matrix run --ci`: 130 interrupted, 1 a row differs from the catalogue, 3 INFRA, else 0."""
-    if suite.status == "interrupted":
+def exit_code(suite: SuiteResult, reporting: bool = False) -> int:
+    """As `matrix run --ci`: 130 interrupted, 1 a row differs from the catalogue, 3 INFRA, else 0.
+    ``reporting`` (`suite report`): the report itself was not interrupted, so never 130; the
+    rows an interruption left unrun are INFRA (3)."""
+    if suite.status == "interrupted" and not reporting:
         return 130
     if suite.mismatches:
         return 1

@@ -15,21 +15,24 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from .. import __version__
+from .. import __version__, lifetime, stopping
 from ..errors import BadInputError, KvreproError, SpecError
-from ..deploy import get_target
+from ..deploy import check_environment, get_target
 from ..deploy.base import Target
 from ..matrix import parse_matrix
 from ..matrix.runner import MatrixOptions, Progress, SilentProgress, run_matrix
-from ..records import cell_name
+from ..records import (RecordError, SuiteBuildRecord, SuiteEntryRecord, SuiteRecord, cell_name,
+                       from_jsonable)
 from ..results import store as results
+from ..secrets import redact
 from ..spec.matrix import DEFAULT_MATRIX, LoadedMatrix
+from ..versions import unsupported
 from .catalogue import Catalogue, Entry, EntrySpec, FragmentError, build_key, load_catalogue, parse_build_key
 from .judge import Row, judge, not_testable_row
 
@@ -126,6 +129,15 @@ def load(folder: Path | None = None) -> Catalogue:
     return load_catalogue(folder or DEFAULT_CATALOGUE, check_fragment)
 
 
+def check_entries(entries: list[Entry], builds: list[SuiteBuild], target: str | None = None) -> dict[str, LoadedMatrix]:
+    """Each testable entry's matrix, and what the target takes from the environment ($RAY_ADDRESS
+    for ``--target ray``): SpecError (exit 2) before a suite folder or a progress bar exists."""
+    matrices = {e.name: entry_matrix(e, builds) for e in entries if e.testable}
+    for loaded in matrices.values():
+        check_environment(target or loaded.matrix.target, loaded.matrix)
+    return matrices
+
+
 def new_suite_id() -> str:
     return "suite-" + results.new_run_id()
 
@@ -137,23 +149,29 @@ def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuil
     case there (e.g. ``ray``: each case's runs are Ray tasks) instead of the matrix's target."""
     progress = progress or SilentProgress()
     stop = stop or threading.Event()
-    matrices = {e.name: entry_matrix(e, builds) for e in entries if e.testable}  # bad input before anything runs
+    matrices = check_entries(entries, builds, target)  # bad input before anything runs
     suite_id = new_suite_id()
     folder = root / suite_id
     (folder / RUNS_FOLDER).mkdir(parents=True, exist_ok=False)
     started = time.time()
-    record: dict[str, Any] = {
-        "suite_id": suite_id, "status": "running", "started": started, "catalogue": str(catalogue.folder),
-        "command": command, "kvrepro_version": __version__,
-        "builds": [{"release": b.release, "patches": list(b.patches)} for b in builds],
-        "entries": {e.name: {"testable": e.testable, "run": None,
-                             "reps": max(reps, e.absent_after) if reps else None} for e in entries},
-    }
+    state = {"record": SuiteRecord(
+        suite_id=suite_id, status="running", started=started, catalogue=str(catalogue.folder), command=command,
+        kvrepro_version=__version__, builds=tuple(SuiteBuildRecord(b.release, b.patches) for b in builds),
+        entries={e.name: SuiteEntryRecord(testable=e.testable, reps=max(reps, e.absent_after) if reps else None)
+                 for e in entries},
+        owner=lifetime.owner())}
     lock = threading.Lock()
 
-    def save() -> None:
+    def save(**fields: Any) -> None:
         with lock:
-            results.write_json(folder / SUITE_FILE, record)
+            state["record"] = replace(state["record"], **fields)
+            results.write_json(folder / SUITE_FILE, state["record"])
+
+    def save_entry(name: str, **fields: Any) -> None:
+        with lock:
+            record = state["record"]
+            state["record"] = replace(record, entries={**record.entries, name: replace(record.entries[name], **fields)})
+            results.write_json(folder / SUITE_FILE, state["record"])
 
     save()
     slots = max(1, jobs or min(4, os.cpu_count() or 1))
@@ -189,13 +207,9 @@ def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuil
                                                    jobs=per_entry),
                              progress, stop, target=target_for(loaded))
         except KvreproError as exc:
-            with lock:
-                record["entries"][entry.name]["error"] = str(exc).strip().splitlines()[0][:300]
-            save()
+            save_entry(entry.name, error=str(exc).strip().splitlines()[0][:300])
             return
-        with lock:
-            record["entries"][entry.name]["run"] = run.run_id
-        save()
+        save_entry(entry.name, run=run.run_id)
 
     status = "complete"
     try:
@@ -209,11 +223,15 @@ def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuil
         status = "interrupted"
         raise
     finally:
-        for target in shared.values():
-            target.close()
-        record["status"] = status
-        record["finished"] = time.time()
-        save()
+        # the status first, then the teardown (closing the zygote takes seconds): a second signal
+        # during the teardown must not leave suite.json "running" forever. Signals wait while it
+        # is written (stopping.deferred), so the file is never cut short either.
+        try:
+            with stopping.deferred():
+                save(status=status, finished=time.time())
+        finally:
+            for target in shared.values():
+                target.close()
     return load_suite(folder, catalogue)
 
 
@@ -230,28 +248,54 @@ def _suite_folder(path: Path, root: Path) -> Path:
     raise BadInputError(f"{path}: not a suite run folder (no {SUITE_FILE}); give results/suite-... or `latest`")
 
 
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def _read_record(path: Path) -> SuiteRecord:
+    """suite.json typed; BadInputError (one line naming the field) for one this kvrepro did not write."""
+    def bad(why: str) -> BadInputError:
+        return BadInputError(f"{path}: {why}; not a suite record kvrepro wrote (hand-edited, or from another "
+                             "kvrepro?): fix or remove it")
+
+    try:
+        record = from_jsonable(SuiteRecord, results.read_json(path))
+    except RecordError as exc:
+        raise bad(f"field {exc.field_path}: {exc.problem}"[:300]) from None
+    except (OSError, ValueError) as exc:
+        raise bad(f"unreadable ({exc})"[:300]) from None
+    for i, b in enumerate(record.builds):
+        try:
+            parse_build_key(build_key(b.release, b.patches))
+        except ValueError as exc:
+            raise bad(f"field builds[{i}]: {exc}") from None
+    for name, info in record.entries.items():
+        if info.run is not None and (not _RUN_ID.match(info.run) or ".." in info.run):
+            raise bad(f"field entries.{name[:60]}.run: {info.run[:60]!r} is not a run id (a folder under "
+                      f"{RUNS_FOLDER}/)")
+    return record
+
+
 def load_suite(path: Path, catalogue: Catalogue, root: Path = results.DEFAULT_ROOT) -> SuiteResult:
     """A recorded suite run judged against ``catalogue`` (the recorded runs are not changed)."""
     folder = _suite_folder(path, root)
-    try:
-        record = results.read_json(folder / SUITE_FILE)
-        builds = tuple(SuiteBuild(b["release"], tuple(b.get("patches") or ())) for b in record["builds"])
-        recorded: dict[str, Any] = record["entries"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise BadInputError(f"{folder / SUITE_FILE}: cannot read it ({exc})") from None
+    record = _read_record(folder / SUITE_FILE)
+    status = record.status
+    if status == "running" and lifetime.owner_alive(record.owner) is False:
+        status = "aborted"  # its kvrepro vanished (SIGKILL, a crash) mid-suite
+    builds = tuple(SuiteBuild(b.release, b.patches) for b in record.builds)
     several = len(builds) > 1
     known = {e.name: e for e in catalogue.entries}
     rows: list[Row] = []
     notes: list[str] = []
-    for name, info in recorded.items():
+    for name, info in record.entries.items():
         entry = known.get(name)
         if entry is None:
             notes.append(f"{name}: recorded, but not in {catalogue.folder}; not judged")
             continue
         run = None
-        if entry.testable and info.get("run"):
+        if entry.testable and info.run:
             try:
-                run = results.load_run(folder / RUNS_FOLDER, info["run"])
+                run = results.load_run(folder / RUNS_FOLDER, info.run)
             except KvreproError as exc:
                 notes.append(f"{name}: {exc}")
         for b in builds:
@@ -260,14 +304,14 @@ def load_suite(path: Path, catalogue: Catalogue, root: Path = results.DEFAULT_RO
                 continue
             cell = run.build(cell_name(entry.name, b.release, several)) if run is not None else None
             runs = list(cell.runs) if cell is not None else []
-            error = (cell.build_error if cell is not None else None) or info.get("error")
+            error = (cell.build_error if cell is not None else None) or info.error
             if not runs and not error:
-                error = "not run" if record.get("status") != "running" else "still running"
+                error = "still running" if status == "running" else "not run"
             rows.append(judge(entry, b.key, b.release, b.patches, runs, error))
-    seconds = (record["finished"] - record["started"]) if record.get("finished") and record.get("started") else None
-    return SuiteResult(suite_id=record.get("suite_id", folder.name), path=folder, status=record.get("status", ""),
+    seconds = (record.finished - record.started) if record.finished and record.started else None
+    return SuiteResult(suite_id=record.suite_id or folder.name, path=folder, status=status,
                        catalogue=str(catalogue.folder), builds=builds, rows=tuple(rows), seconds=seconds,
-                       command=record.get("command", ""), notes=tuple(notes))
+                       command=record.command, notes=tuple(redact(n) for n in notes))
 
 
 def parse_builds(bases: list[str], patches: list[str]) -> list[SuiteBuild]:
@@ -277,6 +321,8 @@ def parse_builds(bases: list[str], patches: list[str]) -> list[SuiteBuild]:
             release, extra = parse_build_key(base)
         except ValueError as exc:
             raise BadInputError(f"--base {exc}") from None
+        if (problem := unsupported(release)) is not None:
+            raise BadInputError(f"--base {problem}")
         if extra:
             raise BadInputError(f"--base {base}: give the release alone and the stack with --patch "
                                 f"({' '.join('--patch ' + p for p in extra)}); one stack goes on every base")

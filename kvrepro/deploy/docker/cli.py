@@ -214,7 +214,8 @@ def clean(
             out.print(f"  {item.kind} {item.path}", highlight=False)
         for item in temp.kept:
             owner = item.owner or {}
-            out.print(f"  kept {item.path}: its kvrepro (pid {owner.get('pid')}) is still running", highlight=False)
+            why = item.note or f"its kvrepro (pid {owner.get('pid')}) is still running"
+            out.print(f"  kept {item.path}: {why}", highlight=False, markup=False)
         for r in reports[1:]:
             out.print(f"[bold]{r['host']}[/]: {verb} {len(r['containers'])} container(s), {len(r['images'])} image(s)")
             for c in r["containers"]:

@@ -15,7 +15,7 @@ the ``ray`` extra still starts and checks ``ray:`` settings. See docs/ray.md.
 from __future__ import annotations
 
 from ...errors import SetupError
-from .settings import check_settings
+from .settings import check_environment, check_settings
 
 INSTALL_HINT = "target ray needs Ray: pip install 'kvrepro[ray]' (or pip install 'ray>=2.9')"
 
@@ -35,4 +35,4 @@ def load() -> None:
     from . import target  # noqa: F401  (registers "ray")
 
 
-__all__ = ["INSTALL_HINT", "check_settings", "load"]
+__all__ = ["INSTALL_HINT", "check_environment", "check_settings", "load"]

@@ -3,7 +3,9 @@ target owns ``docker:`` and ``hosts:`` in ``deploy/docker/settings.py``)."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -49,13 +51,39 @@ class RaySpec(BaseModel):
     @field_validator("address")
     @classmethod
     def _address(cls, v: str | None) -> str | None:
-        if v is None or v == "auto":
-            return v
-        rest = v.removeprefix("ray://")
-        host, _, port = rest.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"{v!r}: give host:port (e.g. 10.0.0.5:6379), ray://host:10001 or auto")
+        if v is not None and (problem := address_problem(v)) is not None:
+            raise ValueError(problem)
         return v
+
+
+# a DNS name: labels of letters, digits and '-', dot-separated (no spaces, no scheme, no path)
+_HOST_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                        r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+
+
+def address_problem(value: str) -> str | None:
+    """Why ``value`` is not a Ray cluster address (None if it is one): ``auto``, ``host:port`` or
+    ``ray://host:port``, the host a DNS name, an IPv4 address or ``[IPv6]``. One check for
+    ``ray.address`` and ``$RAY_ADDRESS``, so neither reaches Ray (or a socket) malformed."""
+    usage = "give host:port (e.g. 10.0.0.5:6379), ray://host:10001 or auto"
+    shown = repr(value[:80])
+    if value == "auto":
+        return None
+    rest = value.removeprefix("ray://")
+    if "://" in rest:
+        return f"{shown}: {rest.split('://')[0]}:// is not a Ray address scheme; {usage}"
+    host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return f"{shown}: {usage}"
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+            return None
+        except ValueError:
+            return f"{shown}: {host} is not an IPv6 address; {usage}"
+    if not _HOST_NAME.match(host):
+        return f"{shown}: {host!r} is not a host name or IP address; {usage}"
+    return None
 
 
 def _parse(matrix: Matrix) -> RaySpec:
@@ -82,5 +110,17 @@ def ray_settings(matrix: Matrix) -> RaySpec:
 
 
 def cluster_address(spec: RaySpec) -> str | None:
-    """``ray.address``, else ``$RAY_ADDRESS``; None: neither is set."""
-    return spec.address or os.environ.get("RAY_ADDRESS") or None
+    """``ray.address``, else ``$RAY_ADDRESS``; None: neither is set. A malformed $RAY_ADDRESS is
+    bad input (SpecError, exit 2)."""
+    if spec.address:
+        return spec.address
+    env = os.environ.get("RAY_ADDRESS") or None
+    if env is not None and (problem := address_problem(env)) is not None:
+        raise SpecError(f"RAY_ADDRESS={problem}; or set ray.address in matrix.yaml")
+    return env
+
+
+def check_environment(matrix: Matrix) -> None:
+    """Before anything is recorded for a run on the ray target: what comes from the environment
+    ($RAY_ADDRESS) is checked as matrix.yaml's fields are (SpecError, exit 2)."""
+    cluster_address(ray_settings(matrix))

@@ -51,6 +51,40 @@ def reachable(address: str, timeout: float) -> str | None:
         return exc.strerror or str(exc) or type(exc).__name__
 
 
+# a gRPC client's first bytes (HTTP/2 connection preface, then an empty SETTINGS frame)
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def not_grpc(address: str, timeout: float) -> str | None:
+    """None if ``address`` answers as a gRPC server does (a Ray GCS or Ray Client server: HTTP/2,
+    its first frame a SETTINGS frame), else what it did instead. Ray's own client retries such
+    an address for half a minute, printing a gcs_client warning every second or so; this answers
+    in at most ``timeout``. (Skipped with RAY_USE_TLS: a TLS server answers nothing in clear.)"""
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return None
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
+            sock.sendall(_H2_PREFACE)
+            head = b""
+            deadline = time.monotonic() + timeout
+            while len(head) < 9 and time.monotonic() < deadline:
+                sock.settimeout(max(0.05, deadline - time.monotonic()))
+                chunk = sock.recv(9 - len(head))
+                if not chunk:
+                    break
+                head += chunk
+    except socket.timeout:
+        return f"it accepts connections but sent nothing within {timeout:.0f}s"
+    except OSError as exc:
+        return exc.strerror or str(exc) or type(exc).__name__
+    if len(head) == 9 and head[3] == 0x04:  # frame type 4: SETTINGS
+        return None
+    if not head:
+        return f"it accepts connections but sent nothing within {timeout:.0f}s"
+    return f"it answers, but not as gRPC (first bytes {head[:9]!r})"
+
+
 def _ray_messages_to_stderr() -> None:
     """Ray's driver prints the cluster's error messages ("(raylet) A worker died ...", a node lost)
     on stdout (ray._private.worker.listen_error_messages); kvrepro's stdout is `--json`'s. They go
@@ -148,6 +182,10 @@ class RayTarget(Target):
                 raise InfraError(f"INFRA: ray cluster unreachable at {address} ({why} within "
                                  f"{self.spec.connect_timeout_s:.0f}s); start it (`ray start --head`) or fix "
                                  "ray.address / RAY_ADDRESS")
+            why = not_grpc(address, self.spec.connect_timeout_s)
+            if why is not None:
+                raise InfraError(f"INFRA: {address} is not a Ray cluster ({why}); is it the head's GCS port "
+                                 "(`ray start --head --port`) or ray://host:10001? fix ray.address / RAY_ADDRESS")
         if ray.is_initialized():
             return
         kwargs: dict[str, Any] = dict(address=address, namespace="kvrepro", log_to_driver=False,
