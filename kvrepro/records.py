@@ -98,6 +98,16 @@ def cell_name(build: str, base: str, several_bases: bool) -> str:
 
 
 @dataclass(frozen=True)
+class StarterProject:
+    """What `kvrepro init` wrote: a folder a new user can run the default experiment from."""
+
+    folder: Path
+    written: tuple[Path, ...]  # relative to ``folder``, in the order they were written
+    catalogue: Path | None  # the defects/ override folder, when asked for
+    next_steps: tuple[str, ...]  # the commands to run next, in order
+
+
+@dataclass(frozen=True)
 class PatchFailure:
     """A hunk that did not apply: names the patch, the file and the hunk."""
 

@@ -19,6 +19,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
+from .. import paths
 from ..errors import SpecError
 from ..records import BuildPlan, PatchRef, cell_name
 from ..versions import DEFAULT_BASE
@@ -769,7 +770,8 @@ def load_matrix(path: str | Path, check_load_settings: Callable[[LoadSpec], None
                             "(is this the right file?)")
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise SpecError(f"{path}: no such file; pass --matrix PATH or run from the project root") from None
+        raise SpecError(f"{path}: no such file; `kvrepro init` writes a starter project here "
+                        "(or pass --matrix PATH, or run from the project's folder)") from None
     except OSError as exc:
         raise SpecError(f"{path}: cannot read it: {exc.strerror or exc}") from None
     try:
@@ -782,7 +784,7 @@ def load_matrix(path: str | Path, check_load_settings: Callable[[LoadSpec], None
 
 
 # the experiment kvrepro ships; `kvrepro classify LOG` without --matrix judges logs against its target
-DEFAULT_MATRIX = Path(__file__).resolve().parent.parent.parent / "matrix.yaml"
+DEFAULT_MATRIX = paths.shipped_matrix()  # a checkout's top-level matrix.yaml, or the wheel's copy
 _DEFAULT_EXPRESSION = "num_locally_computed_tokens <= num_locally_computed_gpu_blocks * tokens_per_block"
 
 

@@ -20,11 +20,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .. import paths
 from ..errors import SpecError
 from ..spec.matrix import _line_for, _line_index, _StrictLoader
 
-# the repository's catalogue (next to builds/ and matrix.yaml)
-DEFAULT_CATALOGUE = Path(__file__).resolve().parent.parent.parent / "defects"
+# the catalogue kvrepro ships (a checkout's top-level defects/, or the wheel's copy of it)
+DEFAULT_CATALOGUE = paths.shipped_catalogue()
 MAX_ENTRY_BYTES = 64 * 1024
 
 # RunResult fields an entry may name as its "path ran" counter, and what each counts
