@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .. import paths
 from ..errors import SpecError
-from ..spec.matrix import _line_for, _line_index, _StrictLoader
+from ..spec.yamltext import StrictLoader, line_for, line_index
 
 # the catalogue kvrepro ships (a checkout's top-level defects/, or the wheel's copy of it)
 DEFAULT_CATALOGUE = paths.shipped_catalogue()
@@ -290,7 +290,7 @@ def _read(path: Path) -> tuple[str, Any]:
     except OSError as exc:
         raise SpecError(f"{path}: cannot read it: {exc.strerror or exc}") from None
     try:
-        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (spec's SafeLoader subclass)
+        data = yaml.load(text, Loader=StrictLoader)  # noqa: S506 (spec's SafeLoader subclass)
     except yaml.YAMLError as exc:
         line = getattr(exc, "line", None)
         mark = getattr(exc, "problem_mark", None)
@@ -301,7 +301,7 @@ def _read(path: Path) -> tuple[str, Any]:
 
 def _where(path: Path, text: str, loc: tuple[Any, ...]) -> str:
     try:
-        line = _line_for(_line_index(text), loc)
+        line = line_for(line_index(text), loc)
     except yaml.YAMLError:
         line = None
     return f"{path}:{line or 1}"
