@@ -566,8 +566,6 @@ def classify_cmd(
     as_json: bool = JsonOpt,
 ) -> None:
     """Find the fatal traceback in an engine log and name its crash signature."""
-    from .classify import classify_file
-
     if log.is_dir():
         raise BadInputError(f"{log}: is a folder; give an engine log file, e.g. {log / 'engine.log'} "
                             "(results/<run>/<build>/<rep>/engine.log)")
@@ -579,22 +577,18 @@ def classify_cmd(
                             "(e.g. the overlay `kvrepro setup` prints)")
     from .spec.matrix import default_target_signature
 
-    from .classify import read_exposure
-    from .classify.corruption import defects_of
-    from .classify.verdict import corruption_title
+    from .classify.judge import judge
 
     target = _load(matrix).matrix.target_signature if matrix else default_target_signature()
-    result = classify_file(log, source, target)
-    exposure = read_exposure(log.read_text(errors="replace"))
-    defects = defects_of(exposure.kv_violations, exposure.kv_violations_by, exposure.kv_first_violation_class,
-                         exposure.kv_groups)
+    judged = judge(log.read_text(errors="replace"), source, target, judge_run=False)
+    result, exposure, defects = judged.classification, judged.exposure, judged.defects
     if as_json:
         _emit_json({**result.to_json(), "kv_violations": exposure.kv_violations, "kv_defects": defects,
                     "kv_violations_by_class": dict(exposure.kv_violations_by)})
     else:
         out.print(f"[bold]{result.outcome.value}[/]: {escape(result.title)}")
         if defects:
-            out.print(f"[bold]corrupt[/]: {escape(corruption_title(defects, exposure.kv_first_violation))} "
+            out.print(f"[bold]corrupt[/]: {escape(judged.title)} "
                       f"({', '.join(f'{name} {n}' for name, n in defects.items())})")
 
 
