@@ -223,7 +223,8 @@ def ensure_runtime(requirements: list[str], on_line: Callable[[str], None] | Non
     log.write_text("")
     if on_line:
         on_line(f"creating the runtime env {env_dir}")
-    system_site = ["--system-site-packages"] if os.environ.get(SYSTEM_SITE_ENV) == "1" else []
+    # the system's own pip serves the venv too: Debian's python3 has no ensurepip without python3-venv
+    system_site = ["--system-site-packages", "--without-pip"] if os.environ.get(SYSTEM_SITE_ENV) == "1" else []
     _run([sys.executable, "-m", "venv", *system_site, str(env_dir)], log, on_line, "creating the runtime venv")
     pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off"]
     _run(pip + [TORCH_PIN], log, on_line, f"installing {TORCH_PIN}")
