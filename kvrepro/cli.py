@@ -51,7 +51,19 @@ report = _LazyModule("kvrepro.report.render")
 report_document = _LazyModule("kvrepro.report.document")
 builds = _LazyModule("kvrepro.builds")
 
-app = typer.Typer(help="Reproduce vLLM engine crashes and prove which fixes cure them.",
+# `kvrepro --help` lists commands in the order of the work, whatever order they are defined in
+COMMAND_ORDER = ("setup", "init", "matrix", "suite", "bisect", "minimize", "triage", "explore", "results", "report",
+                 "classify", "signatures", "load", "engine", "hosts", "images", "clean")
+
+
+class _InWorkOrder(typer.core.TyperGroup):
+    def list_commands(self, ctx: Any) -> list[str]:
+        names = super().list_commands(ctx)
+        rank = {name: i for i, name in enumerate(COMMAND_ORDER)}
+        return sorted(names, key=lambda n: rank.get(n, len(COMMAND_ORDER)))  # stable: new ones last, as added
+
+
+app = typer.Typer(help="Reproduce vLLM engine crashes and prove which fixes cure them.", cls=_InWorkOrder,
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 matrix_app = typer.Typer(help="Validate, plan, run and show build matrices.", no_args_is_help=True)
 engine_app = typer.Typer(help="The GPU-free engine.", no_args_is_help=True)
@@ -557,8 +569,6 @@ def classify_cmd(
     as_json: bool = JsonOpt,
 ) -> None:
     """Find the fatal traceback in an engine log and name its crash signature."""
-    from .classify import classify_file
-
     if log.is_dir():
         raise BadInputError(f"{log}: is a folder; give an engine log file, e.g. {log / 'engine.log'} "
                             "(results/<run>/<build>/<rep>/engine.log)")
@@ -577,25 +587,23 @@ def classify_cmd(
                             "(e.g. the overlay `kvrepro setup` prints)")
     from .spec.matrix import default_target_signature
 
-    from .classify import read_exposure
-    from .classify.corruption import defects_of
-    from .classify.verdict import corruption_title
+    from .classify import classify_file
+    from .classify.judge import judge
 
     target = _load(matrix).matrix.target_signature if matrix else default_target_signature()
-    result = classify_file(log, source, target)
+    result = classify_file(log, source, target)  # streams; a binary or damaged .gz file is NotTextLog (exit 2)
     from .classify.logfile import open_log
 
     with open_log(log) as fh:
-        exposure = read_exposure(fh.read())
-    defects = defects_of(exposure.kv_violations, exposure.kv_violations_by, exposure.kv_first_violation_class,
-                         exposure.kv_groups)
+        judged = judge(fh.read(), source, target, judge_run=False)
+    exposure, defects = judged.exposure, judged.defects
     if as_json:
         _emit_json({**result.to_json(), "kv_violations": exposure.kv_violations, "kv_defects": defects,
                     "kv_violations_by_class": dict(exposure.kv_violations_by)})
     else:
         out.print(f"[bold]{result.outcome.value}[/]: {escape(result.title)}")
         if defects:
-            out.print(f"[bold]corrupt[/]: {escape(corruption_title(defects, exposure.kv_first_violation))} "
+            out.print(f"[bold]corrupt[/]: {escape(judged.title)} "
                       f"({', '.join(f'{name} {n}' for name, n in defects.items())})")
 
 
@@ -649,6 +657,24 @@ def setup_cmd(matrix: Path = MatrixOpt, as_json: bool = JsonOpt) -> None:
         out.print(f"runtime env: {python}")
         for name, b in done["builds"].items():
             out.print(f"build {name}: " + (f"[green]ok[/] {b['overlay']}" if b["ok"] else f"[red]failed[/] {b['error']}"))
+
+
+@app.command("init")
+def init_cmd(folder: Path = typer.Argument(Path("."), help="where to write it (made if missing)"),
+             defects: bool = typer.Option(False, "--defects", help="also copy the known-defect catalogue into "
+                                          "FOLDER/defects, to edit or extend (it then replaces the shipped one)"),
+             force: bool = typer.Option(False, "--force", help="overwrite files that are already there"),
+             as_json: bool = JsonOpt) -> None:
+    """Write a starter project: the default matrix.yaml and its patches under builds/."""
+    from .spec.starter import write_starter
+
+    project = write_starter(folder, with_catalogue=defects, force=force)
+    if as_json:
+        _emit_json(project)
+        return
+    out.print(f"wrote {len(project.written)} files into {project.folder.resolve()}: matrix.yaml, builds/"
+              + (", defects/" if project.catalogue else ""), highlight=False)
+    out.print("next:\n" + "\n".join(f"  {step}" for step in project.next_steps), highlight=False)
 
 
 @engine_app.command("serve")
@@ -1043,7 +1069,7 @@ except ImportError:  # the docker extra is optional for the sim target
 
 # --- known-defect suite (kvrepro/suite, docs/suite.md) ----------------------------------------
 
-CatalogueOpt = typer.Option(None, "--catalogue", help="the folder of defect files (default: the repository's defects/)")
+CatalogueOpt = typer.Option(None, "--catalogue", help="the folder of defect files (default: ./defects if there is one, else the shipped catalogue)")
 
 
 def _catalogue(folder: Optional[Path]) -> Any:

@@ -6,6 +6,7 @@ reuses the work of an earlier one and ``rm -r`` of that folder is a full reset.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -29,3 +30,44 @@ def overlays_dir() -> Path:
 
 def runtimes_dir() -> Path:
     return home() / "runtimes"
+
+
+def shipped_project() -> Path:
+    """The folder holding the project kvrepro ships: the default matrix.yaml, its patches in builds/
+    and the known-defect catalogue in defects/. An installed wheel carries a copy as package data
+    (setup.py puts it there); a source checkout keeps them at the repository's top level."""
+    packaged = PACKAGE_ROOT / "data" / "project"
+    return packaged if (packaged / "matrix.yaml").is_file() else SOURCE_ROOT
+
+
+def shipped_matrix() -> Path:
+    return shipped_project() / "matrix.yaml"
+
+
+def shipped_catalogue() -> Path:
+    return shipped_project() / "defects"
+
+
+def default_catalogue() -> Path:
+    """./defects when this folder has one (a project's own, `kvrepro init --defects`), else the shipped one."""
+    local = Path("defects")
+    return local if local.is_dir() else shipped_catalogue()
+
+
+def engine_import_root() -> Path:
+    """The folder an engine process gets on ``PYTHONPATH`` to import this kvrepro from.
+
+    In a checkout that is the repository. An installed kvrepro sits in a site-packages folder,
+    which would also put this env's numpy, pydantic, aiohttp... in front of the runtime env's own;
+    so the engine gets a folder holding nothing but a link to the package."""
+    if (SOURCE_ROOT / "pyproject.toml").is_file():
+        return SOURCE_ROOT
+    folder = home() / "import-roots" / hashlib.sha256(str(PACKAGE_ROOT).encode()).hexdigest()[:12]
+    link = folder / "kvrepro"
+    if not (link.is_symlink() and link.resolve() == PACKAGE_ROOT):
+        folder.mkdir(parents=True, exist_ok=True)
+        staged = folder / f".kvrepro-{os.getpid()}"
+        staged.unlink(missing_ok=True)
+        staged.symlink_to(PACKAGE_ROOT, target_is_directory=True)
+        os.replace(staged, link)  # atomic: two kvrepros starting at once both end with a good link
+    return folder

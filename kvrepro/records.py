@@ -98,6 +98,16 @@ def cell_name(build: str, base: str, several_bases: bool) -> str:
 
 
 @dataclass(frozen=True)
+class StarterProject:
+    """What `kvrepro init` wrote: a folder a new user can run the default experiment from."""
+
+    folder: Path
+    written: tuple[Path, ...]  # relative to ``folder``, in the order they were written
+    catalogue: Path | None  # the defects/ override folder, when asked for
+    next_steps: tuple[str, ...]  # the commands to run next, in order
+
+
+@dataclass(frozen=True)
 class PatchFailure:
     """A hunk that did not apply: names the patch, the file and the hunk."""
 
@@ -340,6 +350,22 @@ class EngineCounters:
 
 
 @dataclass(frozen=True)
+class Judgement:
+    """One engine log judged (kvrepro.classify.judge): what killed the engine, what the probe and the
+    shadow KV saw, the engine's own totals, the corruption defects, the verdict and its title.
+    The runner, the results read-back and `kvrepro classify` all take their verdict from this."""
+
+    classification: Classification
+    exposure: Exposure
+    counters: EngineCounters
+    defects: dict[str, int]  # violations per known corruption defect ("unknown": no signature knows it)
+    verdict: Verdict | None  # None: judged from the log alone, without the run's load (`kvrepro classify`)
+    title: str
+    external_prefix_cache_hits: int = 0  # from the engine's /metrics at the end of the run
+    prefix_cache_hits: int = 0
+
+
+@dataclass(frozen=True)
 class LoadSummary:
     """What the load generator did in one run."""
 
@@ -452,6 +478,31 @@ class RunResult:
     def load_seconds(self) -> float:
         """Seconds under load (engine start excluded): the time axis of a time-to-crash curve."""
         return self.load.seconds if self.load is not None else self.seconds
+
+    @classmethod
+    def judged(cls, judgement: Judgement, **run: Any) -> RunResult:
+        """A repetition's record from its judgement (kvrepro.classify.judge) and ``run``, the
+        repetition's own fields (build, rep, requests, seconds, run_dir, base, load, ...).
+
+        Every Exposure field that RunResult also has is copied by name: a new probe counter is a
+        field of both records and a line of the probe's reader, and nothing else changes."""
+        exposure, counters = judgement.exposure, judgement.counters
+        own = {f.name for f in dataclasses.fields(cls)}
+        fields: dict[str, Any] = {f.name: _copied(getattr(exposure, f.name)) for f in dataclasses.fields(Exposure)
+                                  if f.name in own}
+        fields.update(
+            verdict=judgement.verdict, outcome=judgement.classification.outcome, title=judgement.title,
+            signature=judgement.classification.signature, trigger_count=exposure.trigger_calls,
+            state_count=exposure.state_calls, kv_check=exposure.kv_check, kv_defects=dict(judgement.defects),
+            offload_load_jobs=counters.offload_load_jobs, offload_store_jobs=counters.offload_store_jobs,
+            engine_steps=counters.steps, external_prefix_cache_hits=judgement.external_prefix_cache_hits,
+            prefix_cache_hits=judgement.prefix_cache_hits)
+        return cls(**fields, **run)
+
+
+def _copied(value: Any) -> Any:
+    """A record's own copy of a mutable field (frozen dataclasses still hold mutable dicts)."""
+    return dict(value) if isinstance(value, dict) else value
 
 
 @dataclass(frozen=True)

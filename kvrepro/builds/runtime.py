@@ -36,6 +36,9 @@ from ..errors import SetupError
 # The CPU build of torch that this machine (and CI's) holds on disk; a plain `torch` from
 # the index would be a multi-GB CUDA build. vLLM's scheduler runs fine on it.
 TORCH_PIN = os.environ.get("KVREPRO_TORCH", "torch==2.13.0")
+# Set in an image whose python already holds torch (CPU) and vLLM's dependencies (the CI image,
+# kvrepro/data/docker/ci.Dockerfile): the runtime env is made on top of them, with no download.
+SYSTEM_SITE_ENV = "KVREPRO_RUNTIME_SYSTEM_SITE"
 _COMPLETE = ".kvrepro-complete"
 _INSTALLED = "installed.json"  # distribution name -> version, written when the env is complete
 _LIST_INSTALLED = (
@@ -220,7 +223,9 @@ def ensure_runtime(requirements: list[str], on_line: Callable[[str], None] | Non
     log.write_text("")
     if on_line:
         on_line(f"creating the runtime env {env_dir}")
-    _run([sys.executable, "-m", "venv", str(env_dir)], log, on_line, "creating the runtime venv")
+    # the system's own pip serves the venv too: Debian's python3 has no ensurepip without python3-venv
+    system_site = ["--system-site-packages", "--without-pip"] if os.environ.get(SYSTEM_SITE_ENV) == "1" else []
+    _run([sys.executable, "-m", "venv", *system_site, str(env_dir)], log, on_line, "creating the runtime venv")
     pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off"]
     _run(pip + [TORCH_PIN], log, on_line, f"installing {TORCH_PIN}")
     constraints = env_dir / "constraints.txt"

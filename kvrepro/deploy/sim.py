@@ -231,7 +231,7 @@ class SimTarget(Target):
                 zygote = self._zygotes[runtime.key] = _Zygote(Path(tempfile.mkdtemp(prefix="zygote-",
                                                                                     dir=scratch.folder())))
                 env = self._base_environment()
-                env["PYTHONPATH"] = runtime.pythonpath(paths.SOURCE_ROOT)
+                env["PYTHONPATH"] = runtime.pythonpath(paths.engine_import_root())
                 self.on_line("starting the engine zygote (imports vLLM's dependencies once)")
                 try:
                     # Started from the target's own long-lived thread: the zygote's parent-death
@@ -292,7 +292,7 @@ class SimTarget(Target):
         if zygote:
             env[ZYGOTE_ENV] = zygote
         env.update(
-            PYTHONPATH=self.runtime(artifact.plan.base).pythonpath(artifact.ref or "", paths.SOURCE_ROOT),
+            PYTHONPATH=self.runtime(artifact.plan.base).pythonpath(artifact.ref or "", paths.engine_import_root()),
             PYTHONUNBUFFERED="1",
             KVREPRO_SIM="1",
             VLLM_KEEP_ALIVE_ON_ENGINE_DEATH="1",

@@ -23,8 +23,8 @@ import requests
 from .. import __version__, stopping
 from ..results import store as results
 from ..report.expectations import enough_runs
-from ..classify import classify_log, read_engine_counters, read_exposure
-from ..classify.corruption import defects_of
+from ..classify import classify_log
+from ..classify.judge import judge
 from ..classify.lines import split_line
 from ..deploy import get_target
 from ..deploy.base import EngineHandle, SilentProgress, Target
@@ -35,12 +35,9 @@ from ..loadgen.runner import replay_load
 from ..loadgen.trace import TraceHeader
 from ..spec.geometry import built_mismatch as geometry_mismatch
 from ..loadgen.capacity import engine_capacity
-from ..classify.metrics import parse_prometheus, total
-from ..records import (BuildArtifact, BuildPlan, BuildRecord, Classification, Exposure, HostInfo, LoadSummary, Outcome, PatchInfo, RunBuildEntry, RunInfo, RunManifest, RunResult, Verdict)
+from ..records import (BuildArtifact, BuildPlan, BuildRecord, HostInfo, LoadSummary, Outcome, PatchInfo, RunBuildEntry, RunInfo, RunManifest, RunResult, Verdict)
 from ..secrets import redact
 from ..spec.matrix import LoadedMatrix
-from ..classify.verdict import decide, died_without_traceback_title
-from ..classify.verdict import title as verdict_title
 
 
 # how long a finished run's engine keeps running so its last counts reach the log
@@ -224,41 +221,14 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
 
     log_text = handle.log_path.read_text(errors="replace") if handle.log_path.exists() else ""
     source_root = Path(artifact.source_root) if artifact.source_root else None
-    classification: Classification = classify_log(log_text, source_root, matrix.target_signature)
-    exposure: Exposure = read_exposure(log_text, metrics_text)
-    counters = read_engine_counters(log_text)
-    expected_sha = artifact.manifest.probe_target_sha256
-    defects = defects_of(exposure.kv_violations, exposure.kv_violations_by, exposure.kv_first_violation_class,
-                         exposure.kv_groups)
-    verdict = decide(classification, exposure, load, engine_exit, expected_sha)
-    title = verdict_title(verdict, exposure, load, expected_sha, defects) or classification.title
-    built_mismatch = geometry_mismatch(matrix.engine, log_text)
-    if built_mismatch and verdict is not Verdict.INTERRUPTED:
-        verdict, title = Verdict.INFRA, built_mismatch  # another engine than the matrix describes ran
-    elif verdict is Verdict.CRASH and classification.outcome is Outcome.NONE:
-        title = died_without_traceback_title(engine_exit)
-    elif verdict is Verdict.STALL:
-        title = f"no request finished for {matrix.runs.stall_timeout_s:.0f}s (runs.stall_timeout_s)"
-    samples = parse_prometheus(metrics_text or "")
-    return RunResult(
-        build=plan.name, rep=rep, verdict=verdict, outcome=classification.outcome, title=title,
-        trigger_count=exposure.trigger_calls, external_hit_calls=exposure.external_hit_calls,
-        requests=load.requests_sent if load else 0, seconds=round(seconds, 3),
-        state_count=exposure.state_calls, state_groups=dict(exposure.state_groups), kv_check=exposure.kv_check,
-        signature=classification.signature, run_dir=str(run_dir), base=plan.base,
-        load=load, engine_exit=engine_exit, probe_seen=exposure.probe_seen,
-        probe_source_sha256=exposure.probe_source_sha256, probe_expected_sha256=expected_sha,
-        kv_checks=exposure.kv_checks, kv_violations=exposure.kv_violations,
-        kv_violations_by=dict(exposure.kv_violations_by), kv_first_violation=exposure.kv_first_violation,
-        kv_first_violation_class=exposure.kv_first_violation_class, kv_groups=exposure.kv_groups,
-        kv_defects=defects, kv_hit_reads=dict(exposure.kv_hit_reads), kv_stored=dict(exposure.kv_stored),
-        kv_first_request_by_class=dict(exposure.kv_first_request_by_class),
-        offload_load_jobs=counters.offload_load_jobs, offload_store_jobs=counters.offload_store_jobs,
-        engine_steps=counters.steps, engine_start_s=engine_start_s,
-        external_prefix_cache_hits=int(total(samples, "vllm:external_prefix_cache_hits_total")),
-        prefix_cache_hits=int(total(samples, "vllm:prefix_cache_hits_total")),
-        deferred_lookups=exposure.deferred_lookups, loads_behind_deferred=exposure.loads_behind_deferred,
-    )
+    judgement = judge(log_text, source_root, matrix.target_signature, metrics_text=metrics_text, load=load,
+                      engine_exit=engine_exit, expected_probe_sha256=artifact.manifest.probe_target_sha256,
+                      other_engine=geometry_mismatch(matrix.engine, log_text),
+                      stall_timeout_s=matrix.runs.stall_timeout_s)
+    return RunResult.judged(judgement, build=plan.name, rep=rep, requests=load.requests_sent if load else 0,
+                            seconds=round(seconds, 3), run_dir=str(run_dir), base=plan.base, load=load,
+                            engine_exit=engine_exit, probe_expected_sha256=artifact.manifest.probe_target_sha256,
+                            engine_start_s=engine_start_s)
 
 
 def _error_line(exc: BaseException) -> str:

@@ -24,11 +24,12 @@ from pathlib import Path
 from .. import paths, versions
 from ..errors import SpecError
 from ..secrets import is_number
-from ..spec.matrix import LoadedMatrix, _line_for, _line_index
+from ..spec.matrix import LoadedMatrix
+from ..spec.yamltext import line_for, line_index
 
 
 def _where(loaded: LoadedMatrix, dotted: str, lines: dict) -> str:
-    line = _line_for(lines, tuple(dotted.split(".")))
+    line = line_for(lines, tuple(dotted.split(".")))
     return f"{loaded.path}:{line}" if line else str(loaded.path)
 
 
@@ -124,7 +125,7 @@ def check(loaded: LoadedMatrix, target: str | None = None, engine_flags: bool = 
     from ..loadgen import known_profiles
 
     m = loaded.matrix
-    lines = _line_index(loaded.text)
+    lines = line_index(loaded.text)
     problems: list[str] = []
     notes: list[str] = []
     target_name = target or m.target

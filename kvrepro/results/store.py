@@ -351,7 +351,9 @@ def load_run(root: Path, run_id: str) -> MatrixRun:
                     result: RunResult = _read_record(RunResult, rep / "verdict.json")
                 except ResultsSchemaError as exc:  # one damaged file: that repetition, not the run
                     result = _damaged(rep, name, default_base, str(exc))
-                runs.append(_attributed(result if result.base else replace(result, base=default_base)))
+                from ..classify.judge import reattributed  # classify (pydantic) only when a run is read
+
+                runs.append(reattributed(result if result.base else replace(result, base=default_base)))
             elif (unfinished := _unfinished(rep, name, info.status, default_base)) is not None:
                 runs.append(unfinished)
         bases = list(dict.fromkeys(r.base or default_base for r in runs)) or [default_base]
@@ -362,21 +364,6 @@ def load_run(root: Path, run_id: str) -> MatrixRun:
                 manifest=manifest, expect=info.expect.get(entry.build or name),
                 matrix_build=entry.build or name))
     return MatrixRun(info=info, path=path, builds=tuple(builds))
-
-
-def _attributed(result: RunResult) -> RunResult:
-    """A repetition's corruption defects as today's signature table names them (the recorded
-    violation classes are the facts; which defect they are follows the table, so a run recorded
-    before a signature was added reads with it), and a CORRUPT title that names them."""
-    if not result.kv_violations:
-        return result
-    from ..classify.corruption import defects_of
-    from ..classify.verdict import corruption_title
-
-    defects = defects_of(result.kv_violations, result.kv_violations_by, result.kv_first_violation_class,
-                         result.kv_groups)
-    title = corruption_title(defects, result.kv_first_violation) if result.verdict is Verdict.CORRUPT else result.title
-    return replace(result, kv_defects=defects, title=title)
 
 
 def _unfinished(rep: Path, build: str, run_status: str, base: str) -> RunResult | None:

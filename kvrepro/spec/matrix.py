@@ -19,9 +19,11 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
+from .. import paths
 from ..errors import SpecError
 from ..records import BuildPlan, PatchRef, cell_name
 from ..versions import DEFAULT_BASE, unsupported
+from .yamltext import DuplicateKey, StrictLoader, TooBig, line_for, line_index
 
 EXPECTABLE = ("CRASH(target)", "CRASH(other)", "CORRUPT", "SURVIVED", "UNREACHED", "VACUOUS", "STALL", "INFRA")
 SHIPPED_MODELS = Path(__file__).resolve().parent.parent / "data" / "models"
@@ -43,7 +45,6 @@ MAX_BASES = 16
 MAX_EXTRA_ARGS = 256
 MAX_HOSTS = 64
 MAX_MATRIX_BYTES = 1 << 20
-MAX_YAML_NODES = 100_000  # YAML nodes after alias expansion (a normal matrix has a few hundred)
 
 
 _NAMED_CORRUPT = re.compile(r"^CORRUPT\((?P<names>[^()]*)\)$")
@@ -531,7 +532,7 @@ class LoadedMatrix:
         if not self.own_text:
             return str(self.path)
         try:
-            line = _line_for(_line_index(self.text), loc)
+            line = line_for(line_index(self.text), loc)
         except yaml.YAMLError:
             line = None
         return f"{self.path}:{line}" if line else str(self.path)
@@ -591,95 +592,6 @@ class LoadedMatrix:
         return plans
 
 
-def _line_index(text: str) -> dict[tuple[Any, ...], int]:
-    """Map each YAML path (tuple of keys/indices) to its 1-based line number."""
-    lines: dict[tuple[Any, ...], int] = {}
-
-    def walk(node: yaml.Node, path: tuple[Any, ...]) -> None:
-        lines[path] = node.start_mark.line + 1
-        if isinstance(node, yaml.MappingNode):
-            for key, value in node.value:
-                k = key.value
-                lines[path + (k,)] = key.start_mark.line + 1
-                walk(value, path + (k,))
-                lines[path + (k,)] = key.start_mark.line + 1
-        elif isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                walk(item, path + (i,))
-
-    root = yaml.compose(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass, bounded)
-    if root is not None:
-        walk(root, ())
-    return lines
-
-
-def _line_for(lines: dict[tuple[Any, ...], int], loc: tuple[Any, ...]) -> int | None:
-    path = tuple(int(p) if isinstance(p, str) and p.isdigit() else p for p in loc)
-    while path:
-        if path in lines:
-            return lines[path]
-        path = path[:-1]
-    return lines.get(())
-
-
-class _DuplicateKey(yaml.YAMLError):
-    def __init__(self, key: Any, line: int, first_line: int):
-        super().__init__(f"duplicate key {key!r} (first at line {first_line})")
-        self.key, self.line, self.first_line = key, line, first_line
-
-
-class _TooBig(yaml.YAMLError):
-    def __init__(self, line: int, message: str):
-        super().__init__(message)
-        self.line = line
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """safe_load that refuses a key given twice in one mapping: PyYAML would keep the last one
-    silently, and a build or patch written twice is a mistake, never an intent.
-
-    It also counts what aliases expand to (``*a`` stands for every node under ``&a``) and stops
-    at ``MAX_YAML_NODES``: a "billion laughs" file (9 aliases of 9 aliases of ...) is a few
-    hundred bytes that expand to 9^9 nodes, which every later walk of the data (line numbers,
-    validation) would visit. An alias inside its own anchor (a cycle) is refused too."""
-
-    def compose_node(self, parent, index):
-        sizes = self.__dict__.setdefault("_kvrepro_sizes", {})
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            target = self.anchors.get(event.anchor)
-            if target is not None and id(target) not in sizes:
-                raise _TooBig(event.start_mark.line + 1, f"alias *{event.anchor} inside its own anchor "
-                              "(a cycle); a matrix is a tree: write the values out")
-            return super().compose_node(parent, index)
-        node = super().compose_node(parent, index)
-        if isinstance(node, yaml.MappingNode):
-            children = [n for pair in node.value for n in pair]
-        elif isinstance(node, yaml.SequenceNode):
-            children = node.value
-        else:
-            children = []
-        size = 1 + sum(sizes.get(id(child), 1) for child in children)
-        if size > MAX_YAML_NODES:
-            raise _TooBig(node.start_mark.line + 1, f"aliases here expand to more than {MAX_YAML_NODES:,} "
-                          "values; a matrix needs a few hundred: write the values out instead of nesting aliases")
-        sizes[id(node)] = size
-        return node
-
-    def construct_mapping(self, node, deep=False):
-        seen: dict[Any, int] = {}
-        if isinstance(node, yaml.MappingNode):
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    first = seen.setdefault(key, key_node.start_mark.line + 1)
-                except TypeError:  # an unhashable key: the mapping constructor reports it
-                    continue
-                if first != key_node.start_mark.line + 1:
-                    raise _DuplicateKey(key, key_node.start_mark.line + 1, first)
-        return super().construct_mapping(node, deep=deep)
-
-
 def parse_matrix(text: str, path: Path, check_load_settings: Callable[[LoadSpec], None] | None = None,
                  check_target_settings: Callable[["Matrix"], None] | None = None) -> LoadedMatrix:
     """Validate matrix text; raise SpecError naming file:line, field and what is allowed.
@@ -694,10 +606,10 @@ def parse_matrix(text: str, path: Path, check_load_settings: Callable[[LoadSpec]
         raise SpecError(f"{path}: {len(text):,} characters; a matrix is at most {MAX_MATRIX_BYTES:,} (is this the "
                         "right file?)")
     try:
-        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
-    except _DuplicateKey as exc:
+        data = yaml.load(text, Loader=StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+    except DuplicateKey as exc:
         raise SpecError(f"{path}:{exc.line}: {exc}; each key may appear once, remove or rename one") from None
-    except _TooBig as exc:
+    except TooBig as exc:
         raise SpecError(f"{path}:{exc.line}: {exc}") from None
     except RecursionError:
         raise SpecError(f"{path}: nested too deeply to read; a matrix is a few levels deep") from None
@@ -709,7 +621,7 @@ def parse_matrix(text: str, path: Path, check_load_settings: Callable[[LoadSpec]
         data = {}
     if not isinstance(data, dict):
         raise SpecError(f"{path}:1: the top level must be a mapping (base:, patches:, builds:, ...)")
-    lines = _line_index(text)
+    lines = line_index(text)
     try:
         context = {key: check for key, check in ((LOAD_SETTINGS_CHECK, check_load_settings),
                                                  (TARGET_SETTINGS_CHECK, check_target_settings)) if check}
@@ -730,7 +642,7 @@ def parse_matrix(text: str, path: Path, check_load_settings: Callable[[LoadSpec]
                 msg = err["msg"].removeprefix("Value error, ")
                 if err["type"] in ("less_than_equal", "too_long"):
                     msg += " (a limit of kvrepro's, see docs/reliability.md)"
-            line = _line_for(lines, loc)
+            line = line_for(lines, loc)
             field = ".".join(str(p)[:80] for p in loc) or "(top level)"
             problems.append(f"{path}:{line}: {field}: {msg}" if line else f"{path}: {field}: {msg}")
         raise SpecError("invalid matrix:\n  " + "\n  ".join(problems)) from None
@@ -773,7 +685,8 @@ def load_matrix(path: str | Path, check_load_settings: Callable[[LoadSpec], None
                             "(is this the right file?)")
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise SpecError(f"{path}: no such file; pass --matrix PATH or run from the project root") from None
+        raise SpecError(f"{path}: no such file; `kvrepro init` writes a starter project here "
+                        "(or pass --matrix PATH, or run from the project's folder)") from None
     except OSError as exc:
         raise SpecError(f"{path}: cannot read it: {exc.strerror or exc}") from None
     try:
@@ -786,7 +699,7 @@ def load_matrix(path: str | Path, check_load_settings: Callable[[LoadSpec], None
 
 
 # the experiment kvrepro ships; `kvrepro classify LOG` without --matrix judges logs against its target
-DEFAULT_MATRIX = Path(__file__).resolve().parent.parent.parent / "matrix.yaml"
+DEFAULT_MATRIX = paths.shipped_matrix()  # a checkout's top-level matrix.yaml, or the wheel's copy
 _DEFAULT_EXPRESSION = "num_locally_computed_tokens <= num_locally_computed_gpu_blocks * tokens_per_block"
 
 

@@ -20,13 +20,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .. import untrusted
+from .. import paths, untrusted
 from ..errors import SpecError
+from ..spec.yamltext import StrictLoader, line_for, line_index
 from ..versions import unsupported
-from ..spec.matrix import _line_for, _line_index, _StrictLoader
 
-# the repository's catalogue (next to builds/ and matrix.yaml)
-DEFAULT_CATALOGUE = Path(__file__).resolve().parent.parent.parent / "defects"
+# the catalogue kvrepro ships (a checkout's top-level defects/, or the wheel's copy of it)
+DEFAULT_CATALOGUE = paths.shipped_catalogue()
 MAX_ENTRY_BYTES = 64 * 1024
 
 # RunResult fields an entry may name as its "path ran" counter, and what each counts
@@ -339,7 +339,7 @@ def _read(path: Path) -> tuple[str, Any]:
     except OSError as exc:
         raise SpecError(f"{path}: cannot read it: {exc.strerror or exc}") from None
     try:
-        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (spec's SafeLoader subclass)
+        data = yaml.load(text, Loader=StrictLoader)  # noqa: S506 (spec's SafeLoader subclass)
     except RecursionError:
         raise SpecError(f"{path}: nested too deeply to read; an entry is a few levels deep") from None
     except yaml.YAMLError as exc:
@@ -356,7 +356,7 @@ def _read(path: Path) -> tuple[str, Any]:
 
 def _where(path: Path, text: str, loc: tuple[Any, ...]) -> str:
     try:
-        line = _line_for(_line_index(text), loc)
+        line = line_for(line_index(text), loc)
     except yaml.YAMLError:
         line = None
     return f"{path}:{line or 1}"

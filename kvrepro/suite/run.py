@@ -124,9 +124,9 @@ def check_fragment(spec: EntrySpec) -> None:
 
 
 def load(folder: Path | None = None) -> Catalogue:
-    from .catalogue import DEFAULT_CATALOGUE
+    from .. import paths
 
-    return load_catalogue(folder or DEFAULT_CATALOGUE, check_fragment)
+    return load_catalogue(folder or paths.default_catalogue(), check_fragment)
 
 
 def check_entries(entries: list[Entry], builds: list[SuiteBuild], target: str | None = None) -> dict[str, LoadedMatrix]:

@@ -133,6 +133,33 @@ def images_base_cpu(
     out.print(f"use it with [bold]base_image: {result['tag']}[/] in matrix.yaml")
 
 
+@images_app.command("ci")
+def images_ci(
+    version: str = typer.Option(versions.DEFAULT_BASE, "--version", help="the vLLM release whose dependencies it holds"),
+    wheel: Optional[Path] = typer.Option(None, "--wheel", help="the kvrepro wheel to install (default: one built "
+                                         "from this checkout)"),
+    tag: Optional[str] = typer.Option(None, "--tag", help="default: kvrepro/ci:<version>"),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Build the CI image on the local daemon: kvrepro installed on a CPU-only Debian, GPU-free, from
+    local layers only. Run it as `docker run IMAGE suite run --base 0.26.0`."""
+    from .ciimage import build_ci_image
+
+    def show(line: str) -> None:
+        if line.strip():
+            err.out(line, highlight=False)
+
+    try:
+        result = build_ci_image(version, kvrepro_wheel=wheel, tag=tag, on_line=show)
+    except KvreproError as exc:
+        _fail(exc)
+    if as_json:
+        _emit(result)
+        return
+    out.print(f"built [bold]{result['tag']}[/] ({result['size_mb']} MB, {result['seconds']} s) on {result['base']}")
+    out.print(f"run it: docker run --rm -v $PWD/results:/work/results {result['tag']} suite run --base {version}")
+
+
 @images_app.command("list")
 def images_list(matrix: Path = MatrixOpt, as_json: bool = JsonOpt) -> None:
     """Images kvrepro assembled, with their base digest and ordered patch hashes (from labels)."""
