@@ -258,6 +258,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
         external_prefix_cache_hits=int(total(samples, "vllm:external_prefix_cache_hits_total")),
         prefix_cache_hits=int(total(samples, "vllm:prefix_cache_hits_total")),
         deferred_lookups=exposure.deferred_lookups, loads_behind_deferred=exposure.loads_behind_deferred,
+        finished_unscheduled=exposure.finished_unscheduled,
     )
 
 

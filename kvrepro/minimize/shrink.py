@@ -132,7 +132,9 @@ class OfflineEngine:
         self.engine_info = EngineInfo.from_json(json.loads(first).get("engine") or {})
 
     def run(self, job: list[TraceRequest]) -> OfflineResult:
-        line = json.dumps([{"tokens": list(r.tokens), "max_tokens": r.max_tokens} for r in job])
+        line = json.dumps([{"tokens": list(r.tokens), "max_tokens": r.max_tokens,
+                            **({"events": r.events.to_json()} if r.events is not None and r.events.any() else {})}
+                           for r in job])
         with self._lock:
             self._busy = True
             self.proc.stdin.write(line + "\n")
