@@ -56,9 +56,9 @@ def test_events_resolve_per_request_and_priority_turns_the_scheduler_on():
     assert load.events_for(1) == RequestEvents(abort="queued", abort_after_s=0.1)
     assert load.events_for(4) == RequestEvents(abort="queued", abort_after_s=0.1, priority=-2)
     assert load.events_for(2) == RequestEvents(reset_prefix_cache="external", pause_s=0.5)
-    matrix = Matrix.model_validate({"load": {"events": [{"at": 1, "priority": 1}]}})
+    matrix = Matrix.model_validate({"builds": {"A": []}, "load": {"events": [{"at": 1, "priority": 1}]}})
     assert matrix.engine.extra_args[-2:] == ["--scheduling-policy", "priority"]
-    assert "--scheduling-policy" not in Matrix.model_validate({}).engine.extra_args
+    assert "--scheduling-policy" not in Matrix.model_validate({"builds": {"A": []}}).engine.extra_args
 
 
 def test_events_are_in_the_trace_and_read_back(tmp_path):
