@@ -201,20 +201,21 @@ def test_a_pause_is_a_gap_in_the_trace_and_replay_repeats_every_event(engine, tm
     from kvrepro.loadgen.runner import replay_load
     from kvrepro.loadgen.trace import read_trace
 
+    import time
+
+    time.sleep(2.5)  # the probe writes its counts every 2 s: the earlier tests' are in
+    before = _probe(engine, "finished_unscheduled")
     events = [{"at": 2, "pause_s": 1.0}, {"at": 3, "abort": "queued"}]
     _run(engine, tmp_path / "run", events, requests=4)
     trace = read_trace(tmp_path / "run" / "trace.jsonl")
     sent = [r.sent_s for r in trace.requests]
     assert sent[2] - sent[1] >= 1.0
     assert trace.requests[3].events == RequestEvents(abort="queued", abort_after_s=0.1)
-    before = _probe(engine, "finished_unscheduled")
     summary = replay_load(engine[0].base_url, trace, RunsSpec(requests=None, duration_s=60),
                           tmp_path / "replay" / "load.jsonl", alive=lambda: True,
                           trace_path=tmp_path / "replay" / "trace.jsonl")
     assert summary.stopped_because == "budget" and summary.requests_sent == 4
     again = read_trace(tmp_path / "replay" / "trace.jsonl")
     assert [r.events for r in again.requests] == [r.events for r in trace.requests]
-    import time
-
     time.sleep(2.5)
-    assert _probe(engine, "finished_unscheduled") == before + 1
+    assert _probe(engine, "finished_unscheduled") == before + 2  # the run's queued abort and the replay's
