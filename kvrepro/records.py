@@ -349,7 +349,8 @@ class RequestEvents:
     while the request before it is still in flight, dropped ``abort_after_s`` later without an
     answer), ``first_token`` (after the first streamed token) or ``tokens`` (after
     ``abort_after_tokens`` streamed tokens). An abort is a closed connection, which vLLM's server
-    turns into an engine abort: the same thing a client that goes away does.
+    turns into an engine abort: the same thing a client that goes away does. ``burst``/``replay_of``:
+    a burst sends earlier prompts again, ``burst`` of them at once.
     """
 
     abort: str | None = None  # "queued" | "first_token" | "tokens"
@@ -358,6 +359,8 @@ class RequestEvents:
     priority: int | None = None
     pause_s: float | None = None
     reset_prefix_cache: str | None = None  # "local" | "external" (local and the connector's tier)
+    burst: int | None = None  # on the first of a burst: it and the next burst-1 requests go out together
+    replay_of: int | None = None  # the earlier request whose prompt this one sends again (a burst's)
 
     def any(self) -> bool:
         return any(getattr(self, f.name) is not None for f in dataclasses.fields(self))

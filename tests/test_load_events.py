@@ -219,3 +219,31 @@ def test_a_pause_is_a_gap_in_the_trace_and_replay_repeats_every_event(engine, tm
     assert [r.events for r in again.requests] == [r.events for r in trace.requests]
     time.sleep(2.5)
     assert _probe(engine, "finished_unscheduled") == before + 2  # the run's queued abort and the replay's
+
+
+def test_a_burst_sends_earlier_prompts_again_all_at_once(engine, tmp_path):
+    """Requests 2 and 3 repeat prompts 0 and 1 and leave together: both are in flight at once (the
+    trace), and the engine serves them from its prefix cache (vllm:prefix_cache_hits_total)."""
+    hits0 = _metric(engine, "vllm:prefix_cache_hits_total")
+    summary, lines = _run(engine, tmp_path, [{"at": 2, "burst": 2, "replay_from": 0}], requests=4,
+                          document_tokens=96, min_prefix_tokens=96, suffix_tokens=[0, 0], documents=2)
+    from kvrepro.loadgen.trace import read_trace
+
+    assert summary.stopped_because == "budget"
+    trace = read_trace(tmp_path / "trace.jsonl")
+    assert trace.requests[2].tokens == trace.requests[0].tokens and trace.requests[3].tokens == trace.requests[1].tokens
+    assert trace.requests[2].events == RequestEvents(burst=2, replay_of=0)
+    assert trace.requests[3].events == RequestEvents(replay_of=1)
+    assert trace.requests[3].in_flight == 2  # sent while request 2 was in flight
+    assert trace.requests[3].sent_s - trace.requests[2].sent_s < 0.05
+    assert _metric(engine, "vllm:prefix_cache_hits_total") - hits0 >= 2 * 80
+
+
+def test_burst_values_are_checked():
+    with pytest.raises(ValueError, match="must all come before request 2"):
+        LoadEventSpec(at=2, burst=3, replay_from=0)
+    with pytest.raises(ValueError, match="burst needs replay_from"):
+        LoadEventSpec(at=2, burst=2)
+    load = LoadSpec(events=[LoadEventSpec(at=4, every=6, burst=2, replay_from=0)])
+    assert [load.events_for(i).replay_of for i in range(4, 12)] == [0, 1, None, None, None, None, 6, 7]
+    assert load.events_for(10).burst == 2 and load.events_for(11).burst is None

@@ -116,8 +116,9 @@ def run_job(build_core, job: list[dict]) -> dict:
             return (item.get("events") or {}).get("abort") == "queued"
 
         rider_done = -1
+        sent_with = -1  # the last request of a burst sent together with an earlier one
         for i, item in enumerate(job):
-            if i == rider_done:
+            if i == rider_done or i <= sent_with:
                 result["requests_done"] = i + 1
                 continue
             # load.events as the trace recorded them (kvrepro.records.RequestEvents): what the client
@@ -128,6 +129,9 @@ def run_job(build_core, job: list[dict]) -> dict:
                 if events.get("reset_prefix_cache"):
                     core.reset_prefix_cache(False, events["reset_prefix_cache"] == "external")
                 core.add_request(*core.preprocess_add_request(make(i, item)))
+                for j in range(i + 1, min(len(job), i + int(events.get("burst") or 1))):
+                    core.add_request(*core.preprocess_add_request(make(j, job[j])))  # a burst: all at once
+                    sent_with = j
                 abort = events.get("abort")
                 # a queued abort with no request before it to ride along with is scheduled at once on
                 # an idle engine, as over HTTP: the client's abort comes after its first step

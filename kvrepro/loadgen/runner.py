@@ -335,6 +335,12 @@ class _Run:
             await self._before(prompt)
             if self.halted:
                 return
+            # a burst: this request and the next burst-1 go out together (earlier prompts again)
+            group = [prompt]
+            burst = prompt.events.burst if prompt.events is not None and prompt.events.burst else 1
+            while len(group) < burst and (self.budget is None or self.next_index < self.budget):
+                group.append(self._prompt(self.next_index))
+                self.next_index += 1
             # a queued abort rides along with the request before it: sent while that one is in
             # flight, so it waits in the engine's queue behind it (docs/load.md)
             rider = None
@@ -344,7 +350,7 @@ class _Run:
                 if candidate.events is not None and candidate.events.abort == "queued":
                     self.next_index += 1
                     rider = candidate
-            sends = [asyncio.ensure_future(self._one(body_head, prompt, slot))]
+            sends = [asyncio.ensure_future(self._one(body_head, p, slot)) for p in group]
             if rider is not None:
                 await asyncio.sleep(_RIDER_LAG_S)  # the request before it reaches the engine first
                 if not self.halted:
@@ -357,7 +363,12 @@ class _Run:
         """Request ``index`` with its events: the profile's (a replay: the trace's), else load.events'."""
         prompt = self.profile.routed(index)
         if prompt.events is None:
-            prompt = dataclasses.replace(prompt, events=self.load.events_for(index))
+            events = self.load.events_for(index)
+            prompt = dataclasses.replace(prompt, events=events)
+            if events.replay_of is not None:  # a burst sends an earlier request's prompt again
+                earlier = self.profile.routed(events.replay_of)
+                prompt = dataclasses.replace(prompt, tokens=earlier.tokens, max_tokens=earlier.max_tokens,
+                                             fields={**prompt.fields, "replay_of": events.replay_of})
         return prompt
 
     async def _before(self, prompt: Prompt) -> None:

@@ -304,13 +304,24 @@ class LoadEventSpec(_Strict):
     priority: int | None = Field(None, ge=-1_000_000, le=1_000_000)
     pause_s: float | None = Field(None, gt=0, le=3600)
     reset_prefix_cache: Literal["local", "external"] | None = None
+    burst: int | None = Field(None, ge=2, le=64, description="requests at..at+burst-1 send the prompts of "
+                              "replay_from..replay_from+burst-1 again, all at once")
+    replay_from: int | None = Field(None, ge=0, description="burst: the first earlier request it sends again")
 
     @model_validator(mode="after")
     def _one_action(self) -> "LoadEventSpec":
-        actions = [n for n in ("abort", "priority", "pause_s", "reset_prefix_cache") if getattr(self, n) is not None]
+        actions = [n for n in ("abort", "priority", "pause_s", "reset_prefix_cache", "burst")
+                   if getattr(self, n) is not None]
         if len(actions) != 1:
-            raise ValueError("an event needs exactly one of abort, priority, pause_s, reset_prefix_cache "
+            raise ValueError("an event needs exactly one of abort, priority, pause_s, reset_prefix_cache, burst "
                              f"(found {', '.join(actions) or 'none'}); give two events for two actions")
+        if (self.burst is None) != (self.replay_from is None):
+            raise ValueError("burst needs replay_from (and replay_from is only for burst)")
+        if self.burst is not None and self.replay_from is not None and self.replay_from + self.burst > self.at:
+            raise ValueError(f"burst replays requests {self.replay_from}..{self.replay_from + self.burst - 1}: "
+                             f"they must all come before request {self.at}")
+        if self.burst is not None and self.every is not None and self.every < self.burst:
+            raise ValueError(f"every {self.every} is shorter than the burst ({self.burst}): bursts would overlap")
         if (self.abort == "tokens") != (self.after_tokens is not None):
             raise ValueError("abort: tokens needs after_tokens (and after_tokens is only for abort: tokens)")
         if self.abort == "queued" and self.at == 0 and self.every is None:
@@ -321,6 +332,14 @@ class LoadEventSpec(_Strict):
         if index < self.at:
             return False
         return index == self.at if self.every is None else (index - self.at) % self.every == 0
+
+    def burst_offset(self, index: int) -> int | None:
+        """Where request ``index`` sits in one of this event's bursts (0 = the first), else None."""
+        if self.burst is None or index < self.at:
+            return None
+        start = index - (index - self.at) % self.every if self.every is not None else self.at
+        offset = index - start
+        return offset if offset < self.burst else None
 
     def events(self) -> RequestEvents:
         return RequestEvents(
@@ -367,7 +386,12 @@ class LoadSpec(_Strict):
         """Every event of ``events`` that applies to request ``index``, merged (later entries win)."""
         merged = RequestEvents()
         for event in self.events:
-            if event.applies(index):
+            offset = event.burst_offset(index)
+            if offset is not None:
+                start = index - offset
+                replay = event.replay_from + offset + (start - event.at)  # with every: the same distance back
+                merged = merged.merged(RequestEvents(burst=event.burst if offset == 0 else None, replay_of=replay))
+            elif event.burst is None and event.applies(index):
                 merged = merged.merged(event.events())
         # a queued abort on request 1 with every: 1 from 0 has nothing to ride along with
         if index == 0 and merged.abort == "queued":
