@@ -331,6 +331,7 @@ class Exposure:
     # request's lookup was deferred in the same scheduling pass (a load queued behind a block-less request)
     deferred_lookups: int = 0
     loads_behind_deferred: int = 0
+    finished_unscheduled: int = 0  # probe: tracked requests finished with no token computed (aborted queued)
 
     @property
     def kv_check(self) -> str:
@@ -363,6 +364,50 @@ class Judgement:
     title: str
     external_prefix_cache_hits: int = 0  # from the engine's /metrics at the end of the run
     prefix_cache_hits: int = 0
+
+
+@dataclass(frozen=True)
+class RequestEvents:
+    """What the load does to one request besides sending it (``load.events``), as the trace records it.
+
+    ``pause_s`` and ``reset_prefix_cache`` happen before the request is sent (a phase boundary);
+    ``priority`` goes in its body; ``abort`` is when the client gives up on it: ``queued`` (sent
+    while the request before it is still in flight, dropped ``abort_after_s`` later without an
+    answer), ``first_token`` (after the first streamed token) or ``tokens`` (after
+    ``abort_after_tokens`` streamed tokens). An abort is a closed connection, which vLLM's server
+    turns into an engine abort: the same thing a client that goes away does. ``burst``/``replay_of``:
+    a burst sends earlier prompts again, ``burst`` of them at once.
+    """
+
+    abort: str | None = None  # "queued" | "first_token" | "tokens"
+    abort_after_tokens: int | None = None
+    abort_after_s: float | None = None
+    priority: int | None = None
+    pause_s: float | None = None
+    reset_prefix_cache: str | None = None  # "local" | "external" (local and the connector's tier)
+    burst: int | None = None  # on the first of a burst: it and the next burst-1 requests go out together
+    replay_of: int | None = None  # the earlier request whose prompt this one sends again (a burst's)
+
+    def any(self) -> bool:
+        return any(getattr(self, f.name) is not None for f in dataclasses.fields(self))
+
+    def merged(self, other: "RequestEvents") -> "RequestEvents":
+        """This with ``other``'s set fields laid over it (two events on one request)."""
+        return dataclasses.replace(self, **{f.name: getattr(other, f.name) for f in dataclasses.fields(other)
+                                            if getattr(other, f.name) is not None})
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_json(cls, value: Any) -> "RequestEvents":
+        if not isinstance(value, dict):
+            raise TypeError(f"events must be an object, not {type(value).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise TypeError(f"unknown event field(s) {', '.join(unknown)}")
+        return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -458,6 +503,7 @@ class RunResult:
     # the waiting-queue stall's path (Exposure): deferred offload lookups, loads admitted behind one
     deferred_lookups: int = 0
     loads_behind_deferred: int = 0
+    finished_unscheduled: int = 0  # probe: tracked requests finished with no token computed (aborted queued)
     # `ray` target: the node the engine ran on, and why earlier attempts of this run were
     # INFRA (a node lost mid-run; the run was retried elsewhere and this record is the retry's)
     node: NodeInfo | None = None

@@ -3,7 +3,8 @@
 ``python -m kvrepro.engine.offline JOBS.json|- <vllm serve args>`` (in the runtime env, with a
 build's overlay on PYTHONPATH) builds the same EngineCore as the served engine -- vLLM's
 scheduler, KV-cache manager and OffloadingConnector over the sim executor -- and for each job
-(a list of ``{"tokens": [...], "max_tokens": N}``) starts a fresh EngineCore, adds the requests
+(a list of ``{"tokens": [...], "max_tokens": N, "events": {...}}``; events as the trace records
+them: a queued abort is aborted before the first step, a token abort once it has its tokens) starts a fresh EngineCore, adds the requests
 one by one and steps until each has finished before adding the next: exactly what the engine
 loop does when a client sends one request at a time (``load.concurrency: 1``, every replay).
 It prints one JSON line per job: ``{"job", "crashed", "crash_at", "exception", "function",
@@ -101,24 +102,62 @@ def run_job(build_core, job: list[dict]) -> dict:
     started = time.monotonic()
     result = {"crashed": False, "crash_at": None, "requests_done": 0}
     try:
-        for i, item in enumerate(job):
-            request = EngineCoreRequest(
+        def make(i: int, item: dict):
+            events = item.get("events") or {}
+            extra = {"priority": int(events["priority"])} if events.get("priority") is not None else {}
+            return EngineCoreRequest(
                 request_id=f"req-{i}", prompt_token_ids=list(item["tokens"]), mm_features=None,
                 # what kvrepro's client asks for (temperature 0, exactly max_tokens tokens)
                 sampling_params=SamplingParams(max_tokens=int(item["max_tokens"]), temperature=0.0, ignore_eos=True),
                 pooling_params=None, arrival_time=float(i), lora_request=None, cache_salt=None,
-                data_parallel_rank=None)
+                data_parallel_rank=None, **extra)
+
+        def queued_abort(item: dict) -> bool:
+            return (item.get("events") or {}).get("abort") == "queued"
+
+        rider_done = -1
+        sent_with = -1  # the last request of a burst sent together with an earlier one
+        for i, item in enumerate(job):
+            if i == rider_done or i <= sent_with:
+                result["requests_done"] = i + 1
+                continue
+            # load.events as the trace recorded them (kvrepro.records.RequestEvents): what the client
+            # did to the request, done here to the EngineCore directly, as the HTTP load does it
+            events = item.get("events") or {}
+            rider = job[i + 1] if i + 1 < len(job) and queued_abort(job[i + 1]) else None
             try:
-                core.add_request(*core.preprocess_add_request(request))
+                if events.get("reset_prefix_cache"):
+                    core.reset_prefix_cache(False, events["reset_prefix_cache"] == "external")
+                core.add_request(*core.preprocess_add_request(make(i, item)))
+                for j in range(i + 1, min(len(job), i + int(events.get("burst") or 1))):
+                    core.add_request(*core.preprocess_add_request(make(j, job[j])))  # a burst: all at once
+                    sent_with = j
+                abort = events.get("abort")
+                # a queued abort with no request before it to ride along with is scheduled at once on
+                # an idle engine, as over HTTP: the client's abort comes after its first step
+                abort_after = (int(events.get("abort_after_tokens") or 1) if abort in ("first_token", "tokens")
+                               else 0 if abort == "queued" else None)
                 steps = 0
                 while core.scheduler.has_requests():
                     _, executed = core.step()
                     core.post_step(executed)
                     steps += 1
+                    if rider is not None:
+                        # the next request, a queued abort, arrives while this one runs and is
+                        # dropped before the scheduler gets to it (over HTTP: max_num_seqs 1)
+                        core.add_request(*core.preprocess_add_request(make(i + 1, rider)))
+                        core.abort_requests([f"req-{i + 1}"])
+                        rider, rider_done = None, i + 1
+                    if abort_after is not None:
+                        live = core.scheduler.requests.get(f"req-{i}")
+                        if live is not None and live.num_output_tokens >= abort_after:
+                            core.abort_requests([f"req-{i}"])
+                            abort_after = None
                     if steps > 100_000:
                         raise RuntimeError("request did not finish within 100000 steps (stall)")
             except Exception as exc:  # noqa: BLE001 -- the crash is the result
-                result.update(crashed=True, crash_at=i, **_signature(exc))
+                # a rider dropped in this request's run is part of what crashed: a cut keeps it
+                result.update(crashed=True, crash_at=rider_done if rider_done == i + 1 else i, **_signature(exc))
                 break
             result["requests_done"] = i + 1
     finally:

@@ -123,6 +123,38 @@ class Client:
         except (aiohttp.ClientError, OSError) as exc:
             raise HttpError(_describe(exc)) from exc
 
+    async def stream_until(self, path: str, body: bytes, headers: dict[str, str] | None,
+                           events: int) -> tuple[int, Response | None]:
+        """POST a streamed request and close its connection once ``events`` server-sent events with
+        output (``choices``) arrived: (those events, None). A client that goes away mid-answer does
+        just that, and vLLM's server aborts the request when its connection closes. (count, the whole
+        answer) when the answer ended (or failed) first. Errors as :meth:`request`."""
+        assert self.session is not None, "Client.open() first"
+        seen = 0
+        try:
+            async with self.session.request("POST", self.base + path, data=body, headers=headers,
+                                            allow_redirects=False) as resp:
+                if resp.status != 200:
+                    return seen, Response(resp.status, await resp.read())
+                chunks: list[bytes] = []
+                async for line in resp.content:
+                    chunks.append(line)
+                    if line.startswith(b"data:") and b'"choices":[{' in line.replace(b" ", b""):
+                        seen += 1
+                        if seen >= events:
+                            resp.close()  # drops the connection: the server sees the client leave
+                            return seen, None
+                return seen, Response(resp.status, b"".join(chunks))
+        except aiohttp.ConnectionTimeoutError as exc:
+            raise HttpTimeout(f"ConnectTimeout: no connection to {self.base} within {self.timeout_s}s",
+                              connect=True) from exc
+        except (aiohttp.ServerTimeoutError, asyncio.TimeoutError) as exc:
+            raise HttpTimeout(f"ReadTimeout: no answer for {self.timeout_s}s") from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise HttpError(_describe(exc.os_error), connect=True) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise HttpError(_describe(exc)) from exc
+
     async def post(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> Response:
         return await self.request("POST", path, body, headers)
 

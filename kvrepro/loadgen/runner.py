@@ -41,6 +41,7 @@ each wait for the next bytes of an answer, as it did with ``requests``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
@@ -54,7 +55,7 @@ from typing import Any
 import requests
 
 from ..errors import InfraError
-from ..records import REQUEST_ID_PREFIX, LoadSummary
+from ..records import REQUEST_ID_PREFIX, LoadSummary, RequestEvents
 from ..spec.matrix import LoadSpec, RunsSpec
 from . import http
 from . import trace as tracefile
@@ -66,6 +67,8 @@ _DEATH_GRACE_S = 1.0  # after the process is gone, how long requests in flight m
 _HEALTH_TIMEOUT_S = 2.0
 _MODELS_PATIENCE_S = 5.0
 _ERROR_CHARS = 300
+_RIDER_LAG_S = 0.02  # a queued abort goes out this long after the request it rides along with
+_RESET_PATIENCE_S = 10.0  # how long a refused /reset_prefix_cache is asked again
 _JSON = {"Content-Type": "application/json"}
 # Every request names itself to the engine (vLLM takes X-Request-Id as the base of its request id),
 # so what the engine logs about a request -- a shadow-KV violation, a traceback -- points back to its
@@ -203,7 +206,8 @@ class _Run:
 
     async def _main(self, model: str, started: float) -> None:
         self.wake = asyncio.Event()
-        self.client = await http.Client(self.base_url, connections=self.load.concurrency,
+        # twice the slots: a queued abort rides along with its slot's request on a connection of its own
+        self.client = await http.Client(self.base_url, connections=2 * self.load.concurrency,
                                         timeout=self.runs.request_timeout_s, headers=self.auth).open()
         workers = [asyncio.ensure_future(self._worker(model, slot)) for slot in range(self.load.concurrency)]
         try:
@@ -325,31 +329,110 @@ class _Run:
             if self.arrivals is not None and not await self._wait_for_arrival(index):
                 self.next_index = min(self.next_index, index)  # not sent: not counted
                 return
-            prompt = self.profile.routed(index)
+            prompt = self._prompt(index)
             if self.halted:
                 return
-            self.in_flight += 1
-            # the ids are encoded once: for the body, the trace line and the record's hash
-            tokens_json = json.dumps(prompt.tokens, separators=(",", ":"))
-            if self.trace is not None:
-                self.trace.request(prompt, slot=slot, sent_s=time.monotonic() - self.started,
-                                   in_flight=self.in_flight, tokens_json=tokens_json)
-            record, answered, failed = await self._send(body_head, prompt, tokens_json)
-            record["slot"] = slot
-            self.in_flight -= 1
-            if self.closed:
+            await self._before(prompt)
+            if self.halted:
                 return
-            self.finished += 1
-            self.ok += bool(record["ok"])
-            if failed and (self.first_failed is None or index < self.first_failed):
-                self.first_failed = index
-            if answered:
-                self.last_answer = time.monotonic()
-            self.out.write(json.dumps(record) + "\n")
-            self.out.flush()
-            if failed and await self._engine_is_dead():
-                self._end("engine_dead")
+            # a burst: this request and the next burst-1 go out together (earlier prompts again)
+            group = [prompt]
+            burst = prompt.events.burst if prompt.events is not None and prompt.events.burst else 1
+            while len(group) < burst and (self.budget is None or self.next_index < self.budget):
+                group.append(self._prompt(self.next_index))
+                self.next_index += 1
+            # a queued abort rides along with the request before it: sent while that one is in
+            # flight, so it waits in the engine's queue behind it (docs/load.md)
+            rider = None
+            following = self.next_index
+            if not self.draining and (self.budget is None or following < self.budget):
+                candidate = self._prompt(following)
+                if candidate.events is not None and candidate.events.abort == "queued":
+                    self.next_index += 1
+                    rider = candidate
+            sends = [asyncio.ensure_future(self._one(body_head, p, slot)) for p in group]
+            if rider is not None:
+                await asyncio.sleep(_RIDER_LAG_S)  # the request before it reaches the engine first
+                if not self.halted:
+                    sends.append(asyncio.ensure_future(self._one(body_head, rider, slot)))
+            stop = await asyncio.gather(*sends)
+            if any(stop):
                 return
+
+    def _prompt(self, index: int) -> Prompt:
+        """Request ``index`` with its events: the profile's (a replay: the trace's), else load.events'."""
+        prompt = self.profile.routed(index)
+        if prompt.events is None:
+            events = self.load.events_for(index)
+            prompt = dataclasses.replace(prompt, events=events)
+            if events.replay_of is not None:  # a burst sends an earlier request's prompt again
+                earlier = self.profile.routed(events.replay_of)
+                prompt = dataclasses.replace(prompt, tokens=earlier.tokens, max_tokens=earlier.max_tokens,
+                                             fields={**prompt.fields, "replay_of": events.replay_of})
+        return prompt
+
+    async def _before(self, prompt: Prompt) -> None:
+        """The events at the phase boundary before a request: a pause, a prefix-cache reset."""
+        events = prompt.events
+        if events is None:
+            return
+        if events.pause_s:
+            await asyncio.sleep(events.pause_s)
+        if events.reset_prefix_cache:
+            await self._reset_prefix_cache(prompt.index, events.reset_prefix_cache == "external")
+
+    async def _reset_prefix_cache(self, index: int, external: bool) -> None:
+        """POST /reset_prefix_cache (vLLM's dev API: the engine runs with VLLM_SERVER_DEV_MODE=1). vLLM
+        refuses (success false) while blocks are held, by running requests or transfers in flight:
+        asked again until it succeeds or _RESET_PATIENCE_S passed; the outcome is a line of load.jsonl."""
+        assert self.client is not None
+        path = "/reset_prefix_cache" + ("?reset_external=true" if external else "")
+        deadline = time.monotonic() + _RESET_PATIENCE_S
+        attempts = 0
+        while True:
+            attempts += 1
+            resp = await self.client.post(path, b"", dict(self.auth))
+            if resp.status == 404:
+                raise InfraError(f"POST {self.base_url}/reset_prefix_cache: 404; vLLM serves it only with "
+                                 "VLLM_SERVER_DEV_MODE=1 in the engine's environment (the GPU-free engine has it)")
+            try:
+                success = resp.status == 200 and bool(json.loads(resp.body or b"{}").get("success", True))
+            except (ValueError, AttributeError):
+                success = resp.status == 200
+            if success or time.monotonic() >= deadline or self.halted:
+                break
+            await asyncio.sleep(_TICK_S)
+        line = {"event": "reset_prefix_cache", "before_index": index, "external": external,
+                "status": resp.status, "success": success, "attempts": attempts, "at": round(time.time(), 6)}
+        self.out.write(json.dumps(line) + "\n")
+        self.out.flush()
+
+    async def _one(self, body_head: str, prompt: Prompt, slot: int) -> bool:
+        """Send one request and record it; True when the run must stop (the engine died)."""
+        index = prompt.index
+        self.in_flight += 1
+        # the ids are encoded once: for the body, the trace line and the record's hash
+        tokens_json = json.dumps(prompt.tokens, separators=(",", ":"))
+        if self.trace is not None:
+            self.trace.request(prompt, slot=slot, sent_s=time.monotonic() - self.started,
+                               in_flight=self.in_flight, tokens_json=tokens_json)
+        record, answered, failed = await self._send(body_head, prompt, tokens_json)
+        record["slot"] = slot
+        self.in_flight -= 1
+        if self.closed:
+            return True
+        self.finished += 1
+        self.ok += bool(record["ok"])
+        if failed and (self.first_failed is None or index < self.first_failed):
+            self.first_failed = index
+        if answered:
+            self.last_answer = time.monotonic()
+        self.out.write(json.dumps(record) + "\n")
+        self.out.flush()
+        if failed and await self._engine_is_dead():
+            self._end("engine_dead")
+            return True
+        return False
 
     def _body_head(self, model: str) -> str:
         """The request body without its prompt and closing brace: the same for every request."""
@@ -370,7 +453,14 @@ class _Run:
         """POST one request: (its JSON line, whether the server answered, whether it failed in a
         way that can mean the engine died)."""
         text = tokens_json if self.load.prompt_format == "tokens" else json.dumps(tokens_to_text(prompt.tokens))
-        body = f'{body_head}, "max_tokens": {prompt.max_tokens}, "prompt": {text}}}'.encode()
+        events = prompt.events if prompt.events is not None and prompt.events.any() else None
+        stream = self.load.stream
+        if events is not None and events.abort in ("first_token", "tokens") and not stream:
+            # an abort after N tokens needs the tokens as they come: this request streams
+            body_head = body_head.replace('"stream": false', '"stream": true, "stream_options": {"include_usage": true}')
+            stream = True
+        extra = f', "priority": {int(events.priority)}' if events is not None and events.priority is not None else ""
+        body = f'{body_head}, "max_tokens": {prompt.max_tokens}{extra}, "prompt": {text}}}'.encode()
         headers = {**_JSON, "X-Request-Id": request_id(prompt.index)}
         if prompt.rank is not None:
             headers["X-data-parallel-rank"] = str(prompt.rank)
@@ -389,12 +479,23 @@ class _Run:
         error: str | None = None
         completion_tokens: int | None = None
         answered = failed = False
+        if events is not None:
+            record["events"] = events.to_json()
         try:
             assert self.client is not None
-            resp = await self.client.post("/v1/completions", body, headers)
+            if events is not None and events.abort is not None:
+                aborted, resp = await self._send_aborting(body, headers, events)
+                record["aborted"] = aborted
+                if aborted is not None:  # the client gave up as the event says: not a failure
+                    record.update(status="aborted", ok=True, latency_s=round(time.monotonic() - t0, 4), error=None,
+                                  completion_tokens=aborted)
+                    return record, True, False
+                assert resp is not None
+            else:
+                resp = await self.client.post("/v1/completions", body, headers)
             answered = True
             status = resp.status
-            if status == 200 and self.load.stream:
+            if status == 200 and stream:
                 completion_tokens, error = _read_stream(resp.body)
                 failed = error is not None and "engine" in error.lower()
             elif status == 200:
@@ -420,6 +521,23 @@ class _Run:
             completion_tokens=completion_tokens,
         )
         return record, answered, failed
+
+    async def _send_aborting(self, body: bytes, headers: dict[str, str],
+                             events: "RequestEvents") -> tuple[int | None, http.Response | None]:
+        """Send a request the client gives up on: (streamed tokens seen when it closed the connection,
+        None) -- or (None, the whole answer) when the answer came first (the event did not happen:
+        the record says ``aborted: null``)."""
+        assert self.client is not None
+        if events.abort == "queued":
+            try:
+                resp = await asyncio.wait_for(self.client.post("/v1/completions", body, headers),
+                                              events.abort_after_s or 0.1)
+            except asyncio.TimeoutError:
+                return 0, None  # cancelled: aiohttp closed the connection, vLLM aborts the request
+            return None, resp
+        want = events.abort_after_tokens or 1
+        seen, resp = await self.client.stream_until("/v1/completions", body, headers, want)
+        return (seen, None) if resp is None else (None, resp)
 
     async def _wait_for_arrival(self, index: int) -> bool:
         """Poisson arrivals: sleep until request ``index`` is due; False if the run ended first."""

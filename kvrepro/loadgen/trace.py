@@ -5,7 +5,9 @@
 out) and then one line per request *as it was sent* -- written before the request leaves, so a
 request that killed the engine is in the trace even though it never got an answer:
 
-``{"index", "slot", "sent_s", "in_flight", "max_tokens", "tokens": [...]}``
+``{"index", "slot", "sent_s", "in_flight", "max_tokens", "tokens": [...]}`` and, when the load did
+something to the request besides sending it (``load.events``), ``"events": {"abort": "queued", ...}``
+(:class:`~kvrepro.records.RequestEvents`): a replay repeats it, the minimizer may drop it with its request.
 
 ``slot`` is the worker (concurrency slot) that sent it, ``sent_s`` seconds since the run's first
 request, ``in_flight`` the requests in flight including this one. Prompts are stored as token ids
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SpecError
-from ..records import Json, RecordError, _type_hints, from_jsonable, to_jsonable
+from ..records import Json, RecordError, RequestEvents, _type_hints, from_jsonable, to_jsonable
 from .profiles import Profile, Prompt
 
 FORMAT_VERSION = 1
@@ -38,6 +40,7 @@ class TraceRequest:
     sent_s: float = 0.0
     in_flight: int = 1
     rank: int | None = None  # the data-parallel rank it was sent to (None: vLLM's balancer chose)
+    events: RequestEvents | None = None  # aborts, priority, pause, reset (load.events) as sent
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,8 @@ class TraceWriter:
                 "max_tokens": prompt.max_tokens}
         if prompt.rank is not None:
             head["rank"] = prompt.rank
+        if prompt.events is not None and prompt.events.any():
+            head["events"] = prompt.events.to_json()
         if tokens_json is None:
             tokens_json = json.dumps(list(prompt.tokens), separators=(",", ":"))
         line = json.dumps(head, separators=(",", ":"))[:-1] + ',"tokens":' + tokens_json + "}\n"
@@ -168,7 +173,7 @@ def write_trace(path: Path, trace: Trace) -> None:
     """Write a whole trace (a minimized one, say) in the same format."""
     writer = TraceWriter(Path(path), trace.header)
     for i, r in enumerate(trace.requests):
-        writer.request(Prompt(index=i, tokens=r.tokens, max_tokens=r.max_tokens), slot=r.slot,
+        writer.request(Prompt(index=i, tokens=r.tokens, max_tokens=r.max_tokens, events=r.events), slot=r.slot,
                        sent_s=r.sent_s, in_flight=r.in_flight)
     writer.close()
 
@@ -209,9 +214,11 @@ def read_trace(path: str | Path) -> Trace:
             requests.append(TraceRequest(index=int(obj["index"]), tokens=tokens, max_tokens=int(obj["max_tokens"]),
                                          slot=int(obj.get("slot", 0)), sent_s=float(obj.get("sent_s", 0.0)),
                                          in_flight=int(obj.get("in_flight", 1)),
-                                         rank=int(obj["rank"]) if obj.get("rank") is not None else None))
+                                         rank=int(obj["rank"]) if obj.get("rank") is not None else None,
+                                         events=_events(obj.get("events"))))
         except (KeyError, TypeError, ValueError) as exc:
-            raise SpecError(f"{path}:{number}: a request line needs index, max_tokens and tokens ({exc})") from None
+            raise SpecError(f"{path}:{number}: a request line needs index, max_tokens and tokens, and its events "
+                            f"the fields of load.events ({exc})") from None
     if header is None:
         raise SpecError(f"{path}: empty trace")
     if not requests:
@@ -220,6 +227,18 @@ def read_trace(path: str | Path) -> Trace:
                             "writing it); nothing to replay: use a trace with at least one whole request")
         raise SpecError(f"{path}: no request lines after the header; nothing to replay")
     return Trace(path, header, requests)
+
+
+def _events(value: Any) -> RequestEvents | None:
+    """A request line's ``events`` (absent: none); TypeError/ValueError name what is wrong."""
+    if value is None:
+        return None
+    events = RequestEvents.from_json(value)
+    if events.abort not in (None, "queued", "first_token", "tokens"):
+        raise ValueError(f"abort {events.abort!r} is not queued, first_token or tokens")
+    if events.reset_prefix_cache not in (None, "local", "external"):
+        raise ValueError(f"reset_prefix_cache {events.reset_prefix_cache!r} is not local or external")
+    return events
 
 
 class ReplayProfile(Profile):
@@ -236,8 +255,9 @@ class ReplayProfile(Profile):
 
     def prompt(self, index: int) -> Prompt:
         r = self.trace.requests[index]
+        # the trace's events, never load.events again: a minimized trace has removed some of them
         return Prompt(index=index, tokens=r.tokens, max_tokens=r.max_tokens,
-                      fields={"trace_index": r.index}, rank=r.rank)
+                      fields={"trace_index": r.index}, rank=r.rank, events=r.events or RequestEvents())
 
     def describe(self) -> dict[str, Any]:
         return {"profile": "replay", "seed": self.seed}

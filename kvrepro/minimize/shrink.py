@@ -132,7 +132,9 @@ class OfflineEngine:
         self.engine_info = EngineInfo.from_json(json.loads(first).get("engine") or {})
 
     def run(self, job: list[TraceRequest]) -> OfflineResult:
-        line = json.dumps([{"tokens": list(r.tokens), "max_tokens": r.max_tokens} for r in job])
+        line = json.dumps([{"tokens": list(r.tokens), "max_tokens": r.max_tokens,
+                            **({"events": r.events.to_json()} if r.events is not None and r.events.any() else {})}
+                           for r in job])
         with self._lock:
             self._busy = True
             self.proc.stdin.write(line + "\n")
@@ -340,7 +342,12 @@ def _shorten_outputs(items: list[TraceRequest], crashes) -> list[TraceRequest]:
     for max_tokens in (1, 2, 4):
         if max_tokens >= max(r.max_tokens for r in items):
             break
-        candidate = [TraceRequest(**{**r.__dict__, "max_tokens": min(r.max_tokens, max_tokens)}) for r in items]
+        # a request a queued abort rides along with keeps its length: over HTTP its running time is
+        # what keeps the rider waiting until the client drops it (docs/load.md)
+        carries = {i for i in range(len(items) - 1)
+                   if items[i + 1].events is not None and items[i + 1].events.abort == "queued"}
+        candidate = [r if i in carries else TraceRequest(**{**r.__dict__, "max_tokens": min(r.max_tokens, max_tokens)})
+                     for i, r in enumerate(items)]
         kept = crashes(candidate)
         if kept is not None and len(kept) == len(items):
             return kept

@@ -31,6 +31,10 @@ waiting-queue stall of vllm#57841:
   ordering the stall needs (whether it stalls then depends on whether the deferred request fits
   once it can go).
 
+And it wraps ``request_finished`` and counts ``finished_unscheduled``: requests the connector tracks
+that finished with no token computed -- aborted while queued, never scheduled (vllm#49118's path:
+their offload keys exist, their GPU blocks never did).
+
 Counting happens BEFORE the original runs, so the call that crashes is counted. The wrapper
 returns what the original returns and re-raises what it raises.
 
@@ -50,7 +54,7 @@ never import vLLM pay for one string comparison per import and print nothing.
 Output, on stderr, flushed, one line each (kvrepro's classifier parses these exact formats)::
 
   kvrepro-probe: installed function=OffloadingConnectorScheduler.update_state_after_alloc file=<path> source_sha256=<hex>
-  kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M> state_calls=<K> state_groups=<kind>:<n>,... deferred_lookups=<D> loads_behind_deferred=<L> pid=<P>
+  kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M> state_calls=<K> state_groups=<kind>:<n>,... deferred_lookups=<D> loads_behind_deferred=<L> finished_unscheduled=<F> pid=<P>
 
 (``pid`` because vLLM >= 0.33 no longer prefixes what a child process writes to stderr with
 its ``(EngineCore pid=N)`` tag: the API server's zero counts must not hide the EngineCore's.)
@@ -77,10 +81,11 @@ REPORT_INTERVAL_S = 2.0
 
 _lock = threading.Lock()
 _counts = {"external_hit_calls": 0, "trigger_calls": 0, "state_calls": 0, "deferred_lookups": 0,
-           "loads_behind_deferred": 0}
+           "loads_behind_deferred": 0, "finished_unscheduled": 0}
 _deferred_this_pass: set = set()  # requests whose lookup returned None in the current scheduling pass
 LOOKUP_METHOD = "get_num_new_matched_tokens"
 PASS_END_METHOD = "build_connector_meta"
+FINISHED_METHOD = "request_finished"
 _state_groups: dict = {}  # kind of KV-cache group -> calls in which it held the bug's state
 _state = {
     "installed": False,
@@ -122,13 +127,13 @@ def report(force: bool = False) -> None:
     with _lock:
         groups = ",".join(f"{kind}:{n}" for kind, n in sorted(_state_groups.items()))
         snapshot = (_counts["external_hit_calls"], _counts["trigger_calls"], _counts["state_calls"], groups,
-                    _counts["deferred_lookups"], _counts["loads_behind_deferred"])
+                    _counts["deferred_lookups"], _counts["loads_behind_deferred"], _counts["finished_unscheduled"])
         if not force and snapshot == _state["last_reported"]:
             return
         _state["last_reported"] = snapshot
     _write(f"kvrepro-probe: counts external_hit_calls={snapshot[0]} trigger_calls={snapshot[1]} "
            f"state_calls={snapshot[2]} state_groups={snapshot[3] or '-'} deferred_lookups={snapshot[4]} "
-           f"loads_behind_deferred={snapshot[5]} pid={os.getpid()}")
+           f"loads_behind_deferred={snapshot[5]} finished_unscheduled={snapshot[6]} pid={os.getpid()}")
 
 
 def _reporter_loop() -> None:
@@ -285,6 +290,22 @@ def _wrap_queue_methods(cls) -> None:
 
         build_connector_meta.__kvrepro_probe__ = True
         setattr(cls, PASS_END_METHOD, build_connector_meta)
+    finished = cls.__dict__.get(FINISHED_METHOD)
+    if finished is not None and not getattr(finished, "__kvrepro_probe__", False):
+
+        @functools.wraps(finished)
+        def request_finished(self, request, *args, **kwargs):
+            try:
+                tracked = request.request_id in getattr(self, "_req_status", {})
+                if tracked and int(getattr(request, "num_computed_tokens", 1)) == 0:
+                    with _lock:
+                        _counts["finished_unscheduled"] += 1
+            except Exception:
+                pass
+            return finished(self, request, *args, **kwargs)
+
+        request_finished.__kvrepro_probe__ = True
+        setattr(cls, FINISHED_METHOD, request_finished)
 
 
 def _wrap_module(module) -> None:

@@ -21,7 +21,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
 
 from .. import paths
 from ..errors import SpecError
-from ..records import BuildPlan, PatchRef, cell_name
+from ..records import BuildPlan, PatchRef, RequestEvents, cell_name
 from ..versions import DEFAULT_BASE, unsupported
 from .yamltext import DuplicateKey, StrictLoader, TooBig, line_for, line_index
 
@@ -126,7 +126,9 @@ class SimSettings(_Strict):
         return {"KVREPRO_SIM_ACCEPTANCE_RATE": repr(self.draft_acceptance_rate),
                 "KVREPRO_SIM_SEED": str(self.seed + rep),
                 "KVREPRO_SIM_STEP_DELAY_MS": repr(self.step_delay_ms),
-                "KVREPRO_SIM_LOAD_STEPS": str(self.load_steps)}
+                "KVREPRO_SIM_LOAD_STEPS": str(self.load_steps),
+                # vLLM's dev API: POST /reset_prefix_cache, which load.events' reset_prefix_cache sends
+                "VLLM_SERVER_DEV_MODE": "1"}
 
 
 class GeometrySpec(_Strict):
@@ -284,6 +286,70 @@ class EngineSpec(_Strict):
         return args + list(self.extra_args)
 
 
+class LoadEventSpec(_Strict):
+    """One entry of ``load.events``: something the load does at request ``at`` (and, with ``every``,
+    at ``at + every``, ``at + 2*every``, ...). Exactly one action per entry; docs/load.md lists them.
+
+    Per request: ``abort`` (``queued``: sent while the request before it is in flight and dropped
+    ``abort_after_s`` later; ``first_token``; ``tokens`` with ``after_tokens``), ``priority`` (vLLM's
+    ``priority`` field: lower runs first; the engine gets ``--scheduling-policy priority``). Before
+    the request (a phase boundary): ``pause_s``, ``reset_prefix_cache`` (``local``: the GPU prefix
+    cache; ``external``: the offload tier's too, where the release supports it).
+    """
+
+    at: int = Field(ge=0, description="request index (0-based) the event applies to")
+    every: int | None = Field(None, ge=1, description="repeat every this many requests after `at`")
+    abort: Literal["queued", "first_token", "tokens"] | None = None
+    after_tokens: int | None = Field(None, ge=1, description="abort: tokens: streamed tokens before the abort")
+    abort_after_s: float = Field(0.1, gt=0, le=60, description="abort: queued: how long the client waits")
+    priority: int | None = Field(None, ge=-1_000_000, le=1_000_000)
+    pause_s: float | None = Field(None, gt=0, le=3600)
+    reset_prefix_cache: Literal["local", "external"] | None = None
+    burst: int | None = Field(None, ge=2, le=64, description="requests at..at+burst-1 send the prompts of "
+                              "replay_from..replay_from+burst-1 again, all at once")
+    replay_from: int | None = Field(None, ge=0, description="burst: the first earlier request it sends again")
+
+    @model_validator(mode="after")
+    def _one_action(self) -> "LoadEventSpec":
+        actions = [n for n in ("abort", "priority", "pause_s", "reset_prefix_cache", "burst")
+                   if getattr(self, n) is not None]
+        if len(actions) != 1:
+            raise ValueError("an event needs exactly one of abort, priority, pause_s, reset_prefix_cache, burst "
+                             f"(found {', '.join(actions) or 'none'}); give two events for two actions")
+        if (self.burst is None) != (self.replay_from is None):
+            raise ValueError("burst needs replay_from (and replay_from is only for burst)")
+        if self.burst is not None and self.replay_from is not None and self.replay_from + self.burst > self.at:
+            raise ValueError(f"burst replays requests {self.replay_from}..{self.replay_from + self.burst - 1}: "
+                             f"they must all come before request {self.at}")
+        if self.burst is not None and self.every is not None and self.every < self.burst:
+            raise ValueError(f"every {self.every} is shorter than the burst ({self.burst}): bursts would overlap")
+        if (self.abort == "tokens") != (self.after_tokens is not None):
+            raise ValueError("abort: tokens needs after_tokens (and after_tokens is only for abort: tokens)")
+        if self.abort == "queued" and self.at == 0 and self.every is None:
+            raise ValueError("abort: queued rides along with the request before it; it cannot be request 0")
+        return self
+
+    def applies(self, index: int) -> bool:
+        if index < self.at:
+            return False
+        return index == self.at if self.every is None else (index - self.at) % self.every == 0
+
+    def burst_offset(self, index: int) -> int | None:
+        """Where request ``index`` sits in one of this event's bursts (0 = the first), else None."""
+        if self.burst is None or index < self.at:
+            return None
+        start = index - (index - self.at) % self.every if self.every is not None else self.at
+        offset = index - start
+        return offset if offset < self.burst else None
+
+    def events(self) -> RequestEvents:
+        return RequestEvents(
+            abort=self.abort, abort_after_tokens=self.after_tokens if self.abort == "tokens" else
+            (1 if self.abort == "first_token" else None),
+            abort_after_s=self.abort_after_s if self.abort == "queued" else None,
+            priority=self.priority, pause_s=self.pause_s, reset_prefix_cache=self.reset_prefix_cache)
+
+
 class LoadSpec(_Strict):
     """The traffic: which profile makes the prompts, how they arrive, how they are sent.
 
@@ -314,6 +380,27 @@ class LoadSpec(_Strict):
         "affinity = all requests of a family (session) go to one rank (X-data-parallel-rank), "
         "as a prefix-aware router sends them")
     seed: int = 0
+    events: list[LoadEventSpec] = Field(default_factory=list, max_length=1024, description="aborts, priorities, "
+                                        "prefix-cache resets and pauses at given requests (docs/load.md)")
+
+    def events_for(self, index: int) -> RequestEvents:
+        """Every event of ``events`` that applies to request ``index``, merged (later entries win)."""
+        merged = RequestEvents()
+        for event in self.events:
+            offset = event.burst_offset(index)
+            if offset is not None:
+                start = index - offset
+                replay = event.replay_from + offset + (start - event.at)  # with every: the same distance back
+                merged = merged.merged(RequestEvents(burst=event.burst if offset == 0 else None, replay_of=replay))
+            elif event.burst is None and event.applies(index):
+                merged = merged.merged(event.events())
+        # a queued abort on request 1 with every: 1 from 0 has nothing to ride along with
+        if index == 0 and merged.abort == "queued":
+            merged = RequestEvents(**{**merged.to_json(), "abort": None, "abort_after_s": None})
+        return merged
+
+    def has_priorities(self) -> bool:
+        return any(e.priority is not None for e in self.events)
 
     @model_validator(mode="after")
     def _profile_settings(self, info: ValidationInfo) -> "LoadSpec":
@@ -423,6 +510,26 @@ class Matrix(_Strict):
                 raise FieldError(("patches", name), f"patch name {str(name)[:80]!r}: use {NAME_RULE} "
                                   "(it names folders and builds)")
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _priority_policy(cls, data: Any) -> Any:
+        """A load that sends priorities needs vLLM's priority scheduler (without it the server answers
+        400 to every request with a priority): add ``--scheduling-policy priority`` unless given."""
+        if not isinstance(data, dict) or not isinstance(data.get("load"), dict):
+            return data
+        events = data["load"].get("events")
+        if not (isinstance(events, list) and any(isinstance(e, dict) and e.get("priority") is not None
+                                                 for e in events)):
+            return data
+        engine = dict(data.get("engine") or {}) if isinstance(data.get("engine") or {}, dict) else None
+        if engine is None:
+            return data
+        extra = engine.get("extra_args") or []
+        if isinstance(extra, list) and not any(str(a).split("=")[0] == "--scheduling-policy" for a in extra):
+            engine["extra_args"] = [*extra, "--scheduling-policy", "priority"]
+            data = {**data, "engine": engine}
+        return data
 
     @model_validator(mode="after")
     def _known_patches(self) -> "Matrix":

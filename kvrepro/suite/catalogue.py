@@ -43,6 +43,8 @@ COUNTERS: dict[str, str] = {
     "deferred_lookups": "offload lookups that returned None: the request parked without blocks (probe)",
     "loads_behind_deferred": "offload loads admitted in a scheduling pass after another request's lookup was "
                              "deferred in it: a load holding blocks behind a block-less request (probe)",
+    "finished_unscheduled": "requests the OffloadingConnector tracked that finished with no token computed: "
+                            "aborted while queued, never scheduled (probe)",
     "requests": "requests sent",
 }
 # RunResult per-kind counters an entry names as ``<field>.<key>`` (kv_hit_reads.mamba): the key is

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ...errors import SpecError
+from ...records import RequestEvents
 from ...spec.matrix import FieldError, LoadSpec
 
 
@@ -63,7 +64,8 @@ class Prompt:
     ``fields`` go into the request's line of load.jsonl as they are (the shared-prefix
     profile records which document, how long a prefix and how long a suffix). ``rank``: the
     data-parallel rank the request is sent to (header ``X-data-parallel-rank``, which vLLM's
-    server honours); None leaves the choice to vLLM's own load balancer.
+    server honours); None leaves the choice to vLLM's own load balancer. ``events``: aborts,
+    priority, pauses and resets (:class:`~kvrepro.records.RequestEvents`).
     """
 
     index: int
@@ -71,6 +73,9 @@ class Prompt:
     max_tokens: int
     fields: dict[str, Any] = field(default_factory=dict)
     rank: int | None = None
+    # what the load does to it besides sending it (load.events; a replay: the trace's); None: not
+    # decided yet (the runner asks load.events_for)
+    events: RequestEvents | None = None
 
 
 class Profile(ABC):
