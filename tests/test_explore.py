@@ -175,6 +175,43 @@ def test_the_state_survives_a_round_trip():
     assert back.budget_left()  # 12 of 60 s spent
 
 
+def test_a_new_failure_becomes_a_finding_folder_and_a_known_one_does_not(tmp_path):
+    """record_run on recorded verdicts (no engine): the unknown crash gets findings/001-.../ with its
+    run's trace and a draft entry; the second run with it only counts; the target crash is known."""
+    import yaml
+
+    from kvrepro.explore.campaign import record_run
+
+    catalogue = load_catalogue()
+    state = CampaignState(campaign_id="explore-t", request=CampaignRequest(base="0.26.0", budget_runs=3))
+    data = base_data(DEFAULT_MATRIX)
+    odd = Signature("KeyError", "get_num_new_matched_tokens", "vllm/v1/core/sched/scheduler.py", 1, "x[y]")
+    for index, (sig, outcome) in enumerate([(TARGET, Outcome.TARGET), (odd, Outcome.OTHER_CRASH),
+                                            (odd, Outcome.OTHER_CRASH)]):
+        spec = generate(0, index, "partial-prefix")
+        run_dir = tmp_path / f"run{index}"
+        run_dir.mkdir()
+        _lines(run_dir / "trace.jsonl", [{"format": "kvrepro-trace"}, {"index": 0, "tokens": [1, 2]}])
+        _lines(run_dir / "load.jsonl", [{"index": 0, "ok": False, "error": "HTTP 500: EngineCore died"}])
+        run = _run(Verdict.CRASH, outcome=outcome, signature=sig, run_dir=str(run_dir),
+                   load=LoadSummary(1, 0, 1, 1.0, "engine_dead", 0))
+        loaded = run_matrix_for(spec, data, state.request, DEFAULT_MATRIX)
+        state.runs.append(record_run(state, tmp_path, catalogue, spec, loaded, run, f"r{index}"))
+    assert [f.status for f in state.runs[0].failures] == ["known"]
+    finding = state.findings["crash:KeyError:get_num_new_matched_tokens:scheduler.py"]
+    assert (finding.status, finding.first_run, finding.runs) == ("new", 1, 2)
+    folder = tmp_path / finding.folder
+    assert folder.name == "001-crash-keyerror-get-num-new-matched-tokens-scheduler-py"
+    assert (folder / "trace.jsonl").read_text() == (tmp_path / "run1" / "trace.jsonl").read_text()
+    draft = yaml.safe_load((folder / "draft-entry.yaml").read_text())
+    assert draft["kind"] == "crash" and draft["present_in"] == ["0.26.0"] and "engine" in draft["matrix"]
+    assert json.loads((folder / "finding.json").read_text())["spec"] == state.runs[1].spec.to_json()
+    assert len(list((tmp_path / "findings").iterdir())) == 1
+    assert [f.key for f in state.new_findings] == [finding.key]
+    # guided: the first run reached everything first; the third reached nothing new
+    assert state.runs[0].new_features and not state.runs[2].new_features
+
+
 # --- one real campaign --------------------------------------------------------------------------------
 
 def kvrepro(*args: str) -> subprocess.CompletedProcess:
@@ -187,7 +224,7 @@ def test_a_two_run_campaign_on_0_26_0_counts_the_target_crash_against_the_catalo
     KNOWN (offload-boundary-assert), never a finding; --ci then exits 0. A resume with a larger
     budget continues the same campaign (run 2 is the one the generator makes for index 2)."""
     root = tmp_path / "results"
-    proc = kvrepro("explore", "--base", "0.26.0", "--budget", "2", "--requests", "40", "--seed", "1",
+    proc = kvrepro("explore", "--base", "0.26.0", "--budget", "2", "--requests", "30", "--seed", "1",
                    "--results", str(root), "--json", "--ci")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
