@@ -50,7 +50,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("engine.sim.load_steps", (1, 2, 4), why="steps an offload load takes: async-load windows"),
     Knob("engine.sim.draft_acceptance_rate", (0.0, 0.7, 1.0), why="how many MTP drafts are accepted"),
     Knob("engine.geometry", (None, {"offload_chunk_tokens": 32}, {"mamba_groups": 1},
-                             {"mamba_groups": 1, "full_attention_groups": 2}),
+                             {"offload_chunk_tokens": 64}),
          why="KV-cache groups and offload chunk (kvrepro/spec/geometry.py)"),
     # partial-prefix's own settings
     Knob("load.schedule", ("revisit", "random"), profile="partial-prefix"),
