@@ -219,6 +219,21 @@ def kvrepro(*args: str) -> subprocess.CompletedProcess:
                           timeout=900)
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--base", "0.99.0", "--budget", "1"], "--base 0.99.0: no GPU-free engine adapter"),
+    (["--base", "0.26.0", "--patch", "nope", "--budget", "1"], "--patch nope: not declared under patches"),
+    (["--base", "0.26.0", "--budget", "1x"], "--budget '1x'"),
+    (["--base", "0.26.0"], "needs --base RELEASE and --budget"),
+    (["--resume", "explore-nothere"], "--resume explore-nothere: no explore.json"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, says):
+    root = tmp_path / "results"
+    proc = kvrepro("explore", *args, "--results", str(root))
+    assert proc.returncode == 2, proc.stderr
+    assert says in proc.stderr and "Traceback" not in proc.stderr
+    assert not root.exists()
+
+
 def test_a_two_run_campaign_on_0_26_0_counts_the_target_crash_against_the_catalogue(tmp_path, runtime_python):
     """Run 0 is the base matrix, which crashes 0.26.0 on the target within a few requests: it must be
     KNOWN (offload-boundary-assert), never a finding; --ci then exits 0. A resume with a larger

@@ -87,7 +87,20 @@ def run_matrix_for(spec: RunSpec, data: dict[str, Any], request: CampaignRequest
     return loaded
 
 
+def check_request(request: CampaignRequest) -> None:
+    """Bad input before anything is written: the release has an engine adapter, the patches are the
+    matrix's, the base matrix with run 0's (no) changes is valid."""
+    from ..versions import release
+
+    if release(request.base) is None:
+        raise BadInputError(f"--base {request.base}: no GPU-free engine adapter for this release; see "
+                            "`kvrepro setup` and kvrepro/versions.py for the supported ones")
+    path = Path(request.matrix) if request.matrix else DEFAULT_MATRIX
+    run_matrix_for(RunSpec(index=0), base_data(path), request, path)
+
+
 def new_campaign(root: Path, request: CampaignRequest) -> tuple[CampaignState, Path]:
+    check_request(request)
     campaign_id = "explore-" + results.new_run_id()
     folder = root / campaign_id
     (folder / RUNS_FOLDER).mkdir(parents=True, exist_ok=False)
@@ -198,7 +211,7 @@ def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progr
     path = Path(request.matrix) if request.matrix else DEFAULT_MATRIX
     data = base_data(path)
     base_profile = str((data.get("load") or {}).get("profile", "partial-prefix"))
-    run_matrix_for(RunSpec(index=0), data, request, path)  # bad input (a patch, the release) before anything runs
+    check_request(request)  # a resumed campaign's matrix may have changed since
     shared: Target | None = None
     state.status = "running"
     save(state, folder)
