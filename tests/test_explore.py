@@ -207,6 +207,10 @@ def test_a_new_failure_becomes_a_finding_folder_and_a_known_one_does_not(tmp_pat
     assert draft["kind"] == "crash" and draft["present_in"] == ["0.26.0"] and "engine" in draft["matrix"]
     assert json.loads((folder / "finding.json").read_text())["spec"] == state.runs[1].spec.to_json()
     assert len(list((tmp_path / "findings").iterdir())) == 1
+    from kvrepro.matrix import load_matrix
+
+    rerun = load_matrix(folder / "matrix.yaml")  # runs as is: its patches were copied next to it
+    assert list(rerun.matrix.builds) == ["explore"] and rerun.matrix.runs.repetitions == 1
     assert [f.key for f in state.new_findings] == [finding.key]
     # guided: the first run reached everything first; the third reached nothing new
     assert state.runs[0].new_features and not state.runs[2].new_features

@@ -167,12 +167,18 @@ def _write_finding(folder: Path, state: CampaignState, judged: JudgedRecord, run
         if run_dir is not None and (run_dir / file).is_file():
             shutil.copyfile(run_dir / file, target / file)
     (target / "matrix.yaml").write_text(loaded.text)
+    # the patches the matrix declares, next to it, so `kvrepro matrix run -m <finding>/matrix.yaml` runs as is
+    for name in loaded.matrix.patches:
+        source = loaded.patch_ref(name).path
+        copy_to = results.inside(target, target / "builds" / loaded.matrix.patches[name].file)
+        copy_to.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, copy_to)
     (target / "draft-entry.yaml").write_text(_draft_entry(judged, loaded, state.request, spec))
     results.write_json(target / "finding.json", {
         "key": judged.key, "title": judged.title, "kind": judged.kind, "status": judged.status,
         "entry": judged.entry, "expected": judged.expected, "run_dir": str(run_dir) if run_dir else None,
         "spec": spec.to_json(), "build": build_key(state.request.base, state.request.patches),
-        "replay": f"kvrepro load replay {target / 'trace.jsonl'} --matrix {target / 'matrix.yaml'}"})
+        "rerun": f"kvrepro matrix run -m {target / 'matrix.yaml'}"})
     return str(target.relative_to(folder))
 
 
