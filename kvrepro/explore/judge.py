@@ -63,6 +63,32 @@ def crash_failure(run: RunResult) -> Failure:
     return Failure(CRASH, f"crash:{head}", f"CRASH {run.title}"[:200])
 
 
+def _unknown_classes(by_class: dict[str, int]) -> list[Failure]:
+    """Violations no corruption signature knows, one failure per ``group[+offload]/read``: the region
+    ``inherited`` is a later request served the same hole by the prefix cache (docs/defects.md), so
+    it folds into its ``hit``; ``computed`` (the request's own computation read wrong) stays apart.
+    Classes a known signature claims are left out (that defect is reported under its own name)."""
+    from ..classify.corruption import ViolationClass, known_corruptions
+
+    def claimed(cls: str) -> bool:
+        try:
+            parsed = ViolationClass.parse(cls)
+        except ValueError:
+            return False
+        return any(p.matches(parsed) for c in known_corruptions() for p in c.classes)
+
+    folded: dict[str, dict[str, int]] = {}
+    for cls, n in sorted(by_class.items()):
+        if n <= 0 or claimed(cls):
+            continue
+        head, _, region = cls.rpartition("/")
+        key = head if head and region in ("hit", "inherited") else cls
+        folded.setdefault(key, {})[region or cls] = n
+    return [Failure(CORRUPTION, f"corruption:unknown:{key}",
+                    f"CORRUPT unknown {key} ({', '.join(f'{r} x{n}' for r, n in parts.items())})")
+            for key, parts in folded.items()]
+
+
 def run_failures(run: RunResult) -> list[Failure]:
     """What the crash classifier, the shadow KV and the stall detector say of one run."""
     found: list[Failure] = []
@@ -70,8 +96,7 @@ def run_failures(run: RunResult) -> list[Failure]:
         if count <= 0:
             continue
         if defect == "unknown":  # no signature knows it: the violation classes are its name
-            for cls, n in sorted(run.kv_violations_by.items()):
-                found.append(Failure(CORRUPTION, f"corruption:unknown:{cls}", f"CORRUPT unknown class {cls} x{n}"))
+            found.extend(_unknown_classes(run.kv_violations_by))
         else:
             found.append(Failure(CORRUPTION, f"corruption:{defect}", f"CORRUPT {defect} x{count}", defect))
     if run.verdict is Verdict.CRASH:
