@@ -15,7 +15,6 @@ and vLLM imported once per release) is warm for every run after the first.
 from __future__ import annotations
 
 import copy
-import json
 import re
 import shutil
 import threading
@@ -37,7 +36,7 @@ from ..spec.matrix import DEFAULT_MATRIX, LoadedMatrix
 from ..suite.catalogue import Catalogue, build_key
 from .coverage import credit, features
 from .generator import RunSpec, apply, generate
-from .judge import Judged, invariant_failures, judge_failure, run_failures
+from .judge import invariant_failures, judge_failure, run_failures
 from .state import CampaignRequest, CampaignState, FindingRecord, JudgedRecord, RunRecord
 
 STATE_FILE = "explore.json"
@@ -281,7 +280,3 @@ def summary(state: CampaignState) -> dict[str, Any]:
             "seconds": round(state.elapsed_s, 1), "verdicts": verdicts, "coverage": len(state.coverage),
             "known": sorted(f.title for f in state.findings.values() if f.status == "known"),
             "new": [f.__dict__ for f in state.new_findings], "state": state.to_json()}
-
-
-def dumps(state: CampaignState) -> str:
-    return json.dumps(summary(state), indent=2)

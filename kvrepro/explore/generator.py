@@ -14,7 +14,6 @@ uniform (``--unguided``).
 from __future__ import annotations
 
 import copy
-import json
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -128,7 +127,3 @@ def apply(spec: RunSpec, data: Mapping[str, Any]) -> dict[str, Any]:
     if spec.sim_seed is not None:
         _set(out, "engine.sim.seed", spec.sim_seed)
     return out
-
-
-def spec_json(spec: RunSpec) -> str:
-    return json.dumps(spec.to_json(), sort_keys=True)
