@@ -1193,7 +1193,7 @@ def explore_cmd(
     err.print(f"campaign {state.campaign_id}: {folder}", highlight=False)
     stop = threading.Event()
     with stop_on_signals(stop, lambda signum: err.print(f"[yellow]{name(signum)}: stopping after this run[/]")):
-        total = state.request.budget_runs or 0
+        total = max(0, (state.request.budget_runs or 0) - len(state.runs))  # the runs this session makes
         progress = PlainProgress(total) if ci else RichProgress(total)
         show = (lambda r: _plain(run_line(r))) if ci else (lambda r: progress.progress.console.log(escape(run_line(r))))
         if ci:
