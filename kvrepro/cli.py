@@ -1214,6 +1214,65 @@ def _usage_error(exc: Any) -> None:
     sys.exit(exc.exit_code)
 
 
+@app.command("explore")
+def explore_cmd(
+    base: Optional[str] = typer.Option(None, "--base", help="the vLLM release to explore (e.g. 0.26.0)"),
+    patch: Optional[list[str]] = typer.Option(None, "--patch", help="a patch from the matrix's patches: on the "
+                                              "base, in order (repeatable)"),
+    budget: Optional[str] = typer.Option(None, "--budget", help="runs (20) or run time (90s, 30m, 2h)"),
+    seed: int = typer.Option(0, "--seed", help="the campaign's seed: same seed, same runs"),
+    unguided: bool = typer.Option(False, "--unguided", help="uniform choices: no steering by coverage"),
+    requests: int = typer.Option(200, "--requests", min=1, max=100000, help="request budget of each run"),
+    resume: Optional[str] = typer.Option(None, "--resume", help="continue campaign ID (explore-...) or latest"),
+    matrix: Path = typer.Option(None, "--matrix", "-m", help="the base matrix (default: the repository's matrix.yaml)"),
+    catalogue: Optional[Path] = CatalogueOpt,
+    ci: bool = typer.Option(False, "--ci", help="plain lines; exit 1 when a new (or regressed) failure is found"),
+    results_root: Path = ResultsOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Generated runs over loads, engine knobs and geometries, judged by every oracle; failures deduplicated
+    against the catalogue, new ones written to findings/ (docs/explore.md)."""
+    from .explore import CampaignRequest, load_campaign, new_campaign, parse_budget, run_campaign, summary
+    from .explore.render import lines, run_line
+    from .stopping import name, stop_on_signals
+
+    results_root = _results_root(results_root)
+    cat = _catalogue(catalogue)
+    if resume:
+        state, folder = load_campaign(results_root, resume)
+        if budget:  # a new budget for the resumed campaign (the rest is pinned)
+            runs_, seconds_ = parse_budget(budget)
+            state.request = type(state.request)(**{**state.request.__dict__, "budget_runs": runs_,
+                                                   "budget_seconds": seconds_})
+    else:
+        if not base or not budget:
+            raise BadInputError("explore needs --base RELEASE and --budget RUNS|DURATION (or --resume ID)")
+        runs_, seconds_ = parse_budget(budget)
+        state, folder = new_campaign(results_root, CampaignRequest(
+            base=base, patches=tuple(patch or ()), budget_runs=runs_, budget_seconds=seconds_, seed=seed,
+            guided=not unguided, matrix=str(matrix) if matrix else "", requests=requests))
+    err.print(f"campaign {state.campaign_id}: {folder}", highlight=False)
+    stop = threading.Event()
+    with stop_on_signals(stop, lambda signum: err.print(f"[yellow]{name(signum)}: stopping after this run[/]")):
+        total = max(0, (state.request.budget_runs or 0) - len(state.runs))  # the runs this session makes
+        progress = PlainProgress(total) if ci else RichProgress(total)
+        show = (lambda r: _plain(run_line(r))) if ci else (lambda r: progress.progress.console.log(escape(run_line(r))))
+        if ci:
+            state = run_campaign(state, folder, cat, progress, stop, on_run=show)
+        else:
+            with progress.progress:
+                state = run_campaign(state, folder, cat, progress, stop, on_run=show)
+    if as_json:
+        _emit_json(summary(state))
+    else:
+        for line in lines(state, str(folder)):
+            out.print(escape(line), highlight=False, soft_wrap=True)
+    if ci and state.new_findings:
+        raise typer.Exit(1)
+    if state.status == "interrupted":
+        raise typer.Exit(130)
+
+
 @app.command("triage")
 def triage_cmd(
     log: Path = typer.Argument(..., help="a vLLM server log (plain or .gz; DP-prefixed, docker timestamps, ANSI ok)"),

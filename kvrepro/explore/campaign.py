@@ -1,0 +1,282 @@
+"""A campaign: generated runs, one at a time, judged, deduplicated and recorded.
+
+Layout (next to matrix runs)::
+
+    results/explore-<id>/explore.json            the state: request, every run, coverage, weights, findings
+    results/explore-<id>/runs/<run-id>/          one ordinary matrix run folder per generated run
+    results/explore-<id>/findings/<n>-<slug>/    a new (or regressed) failure: its run, trace, draft entry
+
+Each run is a one-build, one-repetition matrix made from the base matrix (the suite's way: the
+release and patch stack of ``--base``/``--patch``, no ``common:``, no ``expect:``) and run by the
+matrix runner on the sim target; one target serves the whole campaign, so the engine zygote (torch
+and vLLM imported once per release) is warm for every run after the first.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..deploy import get_target
+from ..deploy.base import Target
+from ..errors import BadInputError, KvreproError, SpecError
+from ..matrix import parse_matrix
+from ..matrix.runner import MatrixOptions, Progress, SilentProgress, run_matrix
+from ..records import RunResult, Verdict
+from ..results import store as results
+from ..spec.matrix import DEFAULT_MATRIX, LoadedMatrix
+from ..suite.catalogue import Catalogue, build_key
+from .coverage import credit, features
+from .generator import RunSpec, apply, generate
+from .judge import invariant_failures, judge_failure, run_failures
+from .state import CampaignRequest, CampaignState, FindingRecord, JudgedRecord, RunRecord
+
+STATE_FILE = "explore.json"
+RUNS_FOLDER = "runs"
+FINDINGS_FOLDER = "findings"
+BUILD = "explore"
+_DURATION = re.compile(r"^(?P<n>\d+(?:\.\d+)?)(?P<unit>s|m|h)$")
+
+
+def parse_budget(text: str) -> tuple[int | None, float | None]:
+    """``--budget``: ``20`` runs, or a duration ``90s``, ``30m``, ``2h`` (run time, resumes included)."""
+    text = text.strip().lower()
+    if text.isdigit() and int(text) > 0:
+        return int(text), None
+    m = _DURATION.match(text)
+    if m and float(m["n"]) > 0:
+        return None, float(m["n"]) * {"s": 1, "m": 60, "h": 3600}[m["unit"]]
+    raise BadInputError(f"--budget {text!r}: give a number of runs (20) or a duration (90s, 30m, 2h)")
+
+
+def base_data(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise BadInputError(f"--matrix {path}: cannot read it ({exc.strerror or exc})") from None
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path}: not valid YAML ({exc}); check it with `kvrepro matrix validate`") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}:1: a matrix is a mapping (base:, builds:, engine:, load:, ...)")
+    return data
+
+
+def run_matrix_for(spec: RunSpec, data: dict[str, Any], request: CampaignRequest, path: Path) -> LoadedMatrix:
+    """The one-build, one-repetition matrix of ``spec``; SpecError if the composition is not valid."""
+    out = apply(spec, data)
+    unknown = [p for p in request.patches if p not in (out.get("patches") or {})]
+    if unknown:
+        raise BadInputError(f"--patch {', '.join(unknown)}: not declared under patches: in {path}; "
+                            f"declared: {', '.join(out.get('patches') or {})}")
+    runs = dict(out.get("runs") or {})
+    runs.update(repetitions=1, requests=request.requests, duration_s=request.duration_s)
+    out.update(base=request.base, common=[], builds={BUILD: list(request.patches)}, expect={}, runs=runs)
+    text = (f"# kvrepro explore: run {spec.index} ({spec.describe()}), over {path}\n"
+            + yaml.safe_dump(out, sort_keys=False))
+    loaded = parse_matrix(text, path)
+    loaded.own_text = False
+    return loaded
+
+
+def check_request(request: CampaignRequest) -> None:
+    """Bad input before anything is written: the release has an engine adapter, the patches are the
+    matrix's, the base matrix with run 0's (no) changes is valid."""
+    from ..versions import release
+
+    if release(request.base) is None:
+        raise BadInputError(f"--base {request.base}: no GPU-free engine adapter for this release; see "
+                            "`kvrepro setup` and kvrepro/versions.py for the supported ones")
+    path = Path(request.matrix) if request.matrix else DEFAULT_MATRIX
+    run_matrix_for(RunSpec(index=0), base_data(path), request, path)
+
+
+def new_campaign(root: Path, request: CampaignRequest) -> tuple[CampaignState, Path]:
+    check_request(request)
+    campaign_id = "explore-" + results.new_run_id()
+    folder = root / campaign_id
+    (folder / RUNS_FOLDER).mkdir(parents=True, exist_ok=False)
+    state = CampaignState(campaign_id=campaign_id, request=request, started=time.time())
+    save(state, folder)
+    return state, folder
+
+
+def save(state: CampaignState, folder: Path) -> None:
+    results.write_json(folder / STATE_FILE, state.to_json())
+
+
+def load_campaign(root: Path, campaign_id: str) -> tuple[CampaignState, Path]:
+    """``--resume ID`` (or ``latest``): the saved state; one line if there is none."""
+    if campaign_id == "latest":
+        found = sorted(d for d in root.glob("explore-*") if (d / STATE_FILE).is_file()) if root.is_dir() else []
+        if not found:
+            raise BadInputError(f"--resume latest: no campaign under {root}/; start one with `kvrepro explore`")
+        folder = found[-1]
+    else:
+        folder = results.inside(root, root / campaign_id, f"--resume takes a campaign id under {root}/ (or latest)")
+    path = folder / STATE_FILE
+    if not path.is_file():
+        raise BadInputError(f"--resume {campaign_id}: no {STATE_FILE} in {folder}; give an explore-... id "
+                            f"under {root}/ or `latest`")
+    try:
+        return CampaignState.from_json(results.read_json(path)), folder
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BadInputError(f"{path}: cannot read it ({exc}); the campaign cannot resume") from None
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:60] or "failure"
+
+
+def _draft_entry(judged: JudgedRecord, loaded: LoadedMatrix, request: CampaignRequest, spec: RunSpec) -> str:
+    """A catalogue entry to start from (defects/<name>.yaml): what reached it and where it showed."""
+    data = yaml.safe_load(loaded.text) or {}
+    fragment = {k: data[k] for k in ("engine", "load") if k in data}
+    fragment["runs"] = {"requests": request.requests, "repetitions": 1}
+    entry = {
+        "name": _slug(judged.key)[:63],
+        "kind": judged.kind if judged.kind != "invariant" else "crash",
+        "title": f"DRAFT: {judged.title}",
+        "signature": judged.signature or "TODO: a signature name from `kvrepro signatures` (add one under "
+                                         "kvrepro/classify/signatures/ first)",
+        "matrix": fragment,
+        "present_in": [build_key(request.base, request.patches)],
+        "path": {"counter": "requests", "at_least": 1, "means": "TODO: the counter that shows its path ran"},
+        "notes": f"found by kvrepro explore run {spec.index}: {spec.describe()}; read it against vLLM's source "
+                 "before adding it to defects/",
+    }
+    return ("# DRAFT written by `kvrepro explore`: not validated; edit, then move to defects/\n"
+            + yaml.safe_dump(entry, sort_keys=False))
+
+
+def _write_finding(folder: Path, state: CampaignState, judged: JudgedRecord, run: RunResult, loaded: LoadedMatrix,
+                   spec: RunSpec) -> str:
+    name = f"{len(state.new_findings) + 1:03d}-{_slug(judged.key)}"
+    target = results.inside(folder / FINDINGS_FOLDER, folder / FINDINGS_FOLDER / name)
+    target.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(run.run_dir) if run.run_dir else None
+    for file in ("trace.jsonl", "load.jsonl", "verdict.json"):
+        if run_dir is not None and (run_dir / file).is_file():
+            shutil.copyfile(run_dir / file, target / file)
+    (target / "matrix.yaml").write_text(loaded.text)
+    # the patches the matrix declares, next to it, so `kvrepro matrix run -m <finding>/matrix.yaml` runs as is
+    for name in loaded.matrix.patches:
+        source = loaded.patch_ref(name).path
+        copy_to = results.inside(target, target / "builds" / loaded.matrix.patches[name].file)
+        copy_to.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, copy_to)
+    (target / "draft-entry.yaml").write_text(_draft_entry(judged, loaded, state.request, spec))
+    results.write_json(target / "finding.json", {
+        "key": judged.key, "title": judged.title, "kind": judged.kind, "status": judged.status,
+        "entry": judged.entry, "expected": judged.expected, "run_dir": str(run_dir) if run_dir else None,
+        "spec": spec.to_json(), "build": build_key(state.request.base, state.request.patches),
+        "rerun": f"kvrepro matrix run -m {target / 'matrix.yaml'}"})
+    return str(target.relative_to(folder))
+
+
+def record_run(state: CampaignState, folder: Path, catalogue: Catalogue, spec: RunSpec, loaded: LoadedMatrix,
+               run: RunResult, run_id: str) -> RunRecord:
+    """Judge one finished run and fold it into ``state``: findings, coverage, weights."""
+    request = state.request
+    failures = run_failures(run) + invariant_failures(Path(run.run_dir) if run.run_dir else folder,
+                                                      run.load.stopped_because if run.load else None)
+    judged = [JudgedRecord.of(judge_failure(f, catalogue, request.base, request.patches, run)) for f in failures]
+    reached = features(run, [j.key for j in judged])
+    seen = set(state.coverage)
+    new = sorted(reached - seen)
+    state.coverage.extend(new)
+    if request.guided:
+        state.weights = credit(state.weights, spec.keys(), len(new))
+    for j in judged:
+        known = state.findings.get(j.key)
+        if known is not None:
+            state.findings[j.key] = FindingRecord(**{**known.__dict__, "runs": known.runs + 1})
+            continue
+        where = _write_finding(folder, state, j, run, loaded, spec) if j.status != "known" else None
+        state.findings[j.key] = FindingRecord(key=j.key, kind=j.kind, title=j.title, status=j.status, entry=j.entry,
+                                              first_run=spec.index, folder=where)
+    return RunRecord(spec=spec, run_id=run_id, verdict=run.label, seconds=run.seconds, failures=tuple(judged),
+                     new_features=tuple(new))
+
+
+def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progress: Progress | None = None,
+                 stop: threading.Event | None = None,
+                 on_run: Callable[[RunRecord], None] | None = None) -> CampaignState:
+    """Run until the budget is spent or ``stop`` is set; ``explore.json`` is rewritten after every run."""
+    progress = progress or SilentProgress()
+    stop = stop or threading.Event()
+    request = state.request
+    path = Path(request.matrix) if request.matrix else DEFAULT_MATRIX
+    data = base_data(path)
+    base_profile = str((data.get("load") or {}).get("profile", "partial-prefix"))
+    check_request(request)  # a resumed campaign's matrix may have changed since
+    shared: Target | None = None
+    state.status = "running"
+    save(state, folder)
+    try:
+        while state.budget_left() and not stop.is_set():
+            spec = generate(request.seed, len(state.runs), base_profile, state.weights if request.guided else None)
+            progress.stage(f"run {spec.index}: {spec.describe()}")
+            started = time.monotonic()
+            try:
+                loaded = run_matrix_for(spec, data, request, path)
+            except SpecError as exc:  # a composition the spec refuses: recorded, costs a run, never fatal
+                record = RunRecord(spec=spec, run_id=None, verdict="INVALID", seconds=0.0,
+                                   error=str(exc).strip().splitlines()[-1][:300])
+            else:
+                if shared is None:
+                    shared = get_target("sim")(loaded)
+                target = copy.copy(shared)
+                target.loaded = loaded
+                try:
+                    matrix_run = run_matrix(loaded, MatrixOptions(target="sim", repetitions=1, jobs=1,
+                                                                  results_root=folder / RUNS_FOLDER),
+                                            progress, stop, target=target)
+                    runs = matrix_run.runs()
+                except KvreproError as exc:
+                    record = RunRecord(spec=spec, run_id=None, verdict="INFRA", seconds=time.monotonic() - started,
+                                       error=str(exc).strip().splitlines()[0][:300])
+                else:
+                    if not runs or runs[0].verdict in (Verdict.INTERRUPTED, Verdict.INCOMPLETE, Verdict.DAMAGED):
+                        if stop.is_set():
+                            break  # interrupted: the run is not counted, a resume makes it again
+                    if not runs:
+                        record = RunRecord(spec=spec, run_id=matrix_run.run_id, verdict="INFRA",
+                                           seconds=time.monotonic() - started, error="no repetition recorded")
+                    elif runs[0].verdict is Verdict.INFRA:
+                        record = RunRecord(spec=spec, run_id=matrix_run.run_id, verdict="INFRA",
+                                           seconds=runs[0].seconds, error=runs[0].title[:300])
+                    else:
+                        record = record_run(state, folder, catalogue, spec, loaded, runs[0], matrix_run.run_id)
+            state.elapsed_s += time.monotonic() - started
+            state.runs.append(record)
+            save(state, folder)
+            if on_run is not None:
+                on_run(record)
+        state.status = "interrupted" if stop.is_set() and state.budget_left() else "complete"
+    except BaseException:
+        state.status = "interrupted"
+        raise
+    finally:
+        if shared is not None:
+            shared.close()
+        save(state, folder)
+    return state
+
+
+def summary(state: CampaignState) -> dict[str, Any]:
+    """What `kvrepro explore --json` prints: the state, and the counts a reader wants first."""
+    verdicts: dict[str, int] = {}
+    for r in state.runs:
+        verdicts[r.verdict] = verdicts.get(r.verdict, 0) + 1
+    return {"campaign": state.campaign_id, "status": state.status, "runs": len(state.runs),
+            "seconds": round(state.elapsed_s, 1), "verdicts": verdicts, "coverage": len(state.coverage),
+            "known": sorted(f.title for f in state.findings.values() if f.status == "known"),
+            "new": [f.__dict__ for f in state.new_findings], "state": state.to_json()}

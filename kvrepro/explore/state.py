@@ -1,0 +1,140 @@
+"""A campaign's saved state (``explore.json``), typed, rewritten after every run.
+
+Everything the next run depends on is here (the request, the weights, the coverage so far), so
+``--resume`` continues where an interrupted campaign stopped and makes the runs it would have made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .generator import RunSpec
+from .judge import Failure, Judged
+
+
+def _known(cls: type, value: Mapping[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in value.items() if k in names}
+
+
+@dataclass(frozen=True)
+class CampaignRequest:
+    """The command's arguments, pinned."""
+
+    base: str
+    patches: tuple[str, ...] = ()
+    budget_runs: int | None = None
+    budget_seconds: float | None = None
+    seed: int = 0
+    guided: bool = True
+    matrix: str = ""  # the base matrix (default: the repository's matrix.yaml)
+    requests: int = 200  # request budget of each run
+    duration_s: float = 90.0  # time budget of each run (under load)
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> "CampaignRequest":
+        known = _known(cls, value)
+        known["patches"] = tuple(known.get("patches") or ())
+        return cls(**known)
+
+
+@dataclass(frozen=True)
+class JudgedRecord:
+    kind: str
+    key: str
+    title: str
+    status: str
+    signature: str | None = None
+    entry: str | None = None
+    expected: str | None = None
+
+    @classmethod
+    def of(cls, judged: Judged) -> "JudgedRecord":
+        f = judged.failure
+        return cls(f.kind, f.key, f.title, judged.status, f.signature, judged.entry, judged.expected)
+
+    def failure(self) -> Failure:
+        return Failure(self.kind, self.key, self.title, self.signature)
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One run of the campaign: what it changed, where it is recorded, what it showed."""
+
+    spec: RunSpec
+    run_id: str | None  # the matrix run under <campaign>/runs/; None: it never started
+    verdict: str
+    seconds: float
+    failures: tuple[JudgedRecord, ...] = ()
+    new_features: tuple[str, ...] = ()
+    error: str | None = None  # why it could not be judged (an invalid composition, infrastructure)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"spec": self.spec.to_json(), "run_id": self.run_id, "verdict": self.verdict,
+                "seconds": self.seconds, "failures": [dataclasses.asdict(f) for f in self.failures],
+                "new_features": list(self.new_features), "error": self.error}
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> "RunRecord":
+        return cls(spec=RunSpec.from_json(value["spec"]), run_id=value.get("run_id"), verdict=value["verdict"],
+                   seconds=float(value.get("seconds") or 0.0),
+                   failures=tuple(JudgedRecord(**_known(JudgedRecord, f)) for f in value.get("failures") or ()),
+                   new_features=tuple(value.get("new_features") or ()), error=value.get("error"))
+
+
+@dataclass(frozen=True)
+class FindingRecord:
+    """A failure key seen by the campaign: how often, first where, and (new ones) its folder."""
+
+    key: str
+    kind: str
+    title: str  # the first instance's
+    status: str  # new | known | regression
+    entry: str | None
+    first_run: int
+    runs: int = 1
+    folder: str | None = None  # findings/<slug> under the campaign (new and regression only)
+
+
+@dataclass
+class CampaignState:
+    campaign_id: str
+    request: CampaignRequest
+    status: str = "running"  # running | interrupted | complete
+    started: float | None = None
+    elapsed_s: float = 0.0  # seconds spent in runs, over every session (the DURATION budget)
+    runs: list[RunRecord] = field(default_factory=list)
+    coverage: list[str] = field(default_factory=list)  # features reached, in the order first reached
+    weights: dict[str, float] = field(default_factory=dict)
+    findings: dict[str, FindingRecord] = field(default_factory=dict)
+
+    @property
+    def new_findings(self) -> list[FindingRecord]:
+        return [f for f in self.findings.values() if f.status != "known"]
+
+    def budget_left(self) -> bool:
+        r = self.request
+        if r.budget_runs is not None and len(self.runs) >= r.budget_runs:
+            return False
+        return not (r.budget_seconds is not None and self.elapsed_s >= r.budget_seconds)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"campaign_id": self.campaign_id, "request": dataclasses.asdict(self.request), "status": self.status,
+                "started": self.started, "elapsed_s": round(self.elapsed_s, 3),
+                "runs": [r.to_json() for r in self.runs], "coverage": list(self.coverage),
+                "weights": dict(sorted(self.weights.items())),
+                "findings": {k: dataclasses.asdict(f) for k, f in self.findings.items()}}
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> "CampaignState":
+        return cls(campaign_id=str(value["campaign_id"]), request=CampaignRequest.from_json(value["request"]),
+                   status=str(value.get("status", "interrupted")), started=value.get("started"),
+                   elapsed_s=float(value.get("elapsed_s") or 0.0),
+                   runs=[RunRecord.from_json(r) for r in value.get("runs") or ()],
+                   coverage=[str(c) for c in value.get("coverage") or ()],
+                   weights={str(k): float(v) for k, v in (value.get("weights") or {}).items()},
+                   findings={str(k): FindingRecord(**_known(FindingRecord, f))
+                             for k, f in (value.get("findings") or {}).items()})

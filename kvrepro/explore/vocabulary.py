@@ -1,0 +1,81 @@
+"""What a campaign composes runs from: one knob per row of :data:`KNOBS`.
+
+A knob is a place in matrix.yaml (a dotted path) and the values a campaign may put there. A run
+changes a few knobs of the base matrix (kvrepro/explore/generator.py); everything else stays as the
+base has it, so a finding is always "the base, and these changes". Profile knobs (``profile=``)
+only apply when the run's load profile is that one; they are the profile's own settings as its
+``Settings`` in kvrepro/loadgen/profiles/ validates them.
+
+New vocabulary is a new row: load events (aborts, priorities, cache resets) and offload-tier faults
+become knobs the same way once the load generator and the engine know them (docs/explore.md).
+Values are plain YAML data (what the matrix file would hold), so a run spec is saved and read back
+as JSON without a schema of its own.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Union
+
+# a knob's value as matrix.yaml holds it (None: the key is removed, the spec's default applies)
+Value = Union[None, bool, int, float, str, list, dict]
+
+
+@dataclass(frozen=True)
+class Knob:
+    path: str  # dotted path in matrix.yaml: load.concurrency, engine.sim.load_steps
+    values: tuple[Value, ...]
+    profile: str | None = None  # only with this load profile (one of the profile's own settings)
+    why: str = ""
+
+    def key(self, value: Value) -> str:
+        """How a (knob, value) pair is named in weights and coverage: ``engine.sim.load_steps=4``."""
+        return f"{self.path}={value_text(value)}"
+
+
+def value_text(value: Value) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+PROFILE_PATH = "load.profile"
+
+KNOBS: tuple[Knob, ...] = (
+    Knob(PROFILE_PATH, ("partial-prefix", "multi-turn", "shared_prefix"), why="the traffic's shape"),
+    Knob("load.concurrency", (1, 2, 4), why="requests in flight: 1 is sequential, more interleave in one step"),
+    Knob("load.max_tokens", (4, 8, 16), why="decode steps per request: MTP drafts and finish timing"),
+    Knob("engine.num_speculative_tokens", (1, 2, 3), why="MTP draft tokens per step"),
+    Knob("engine.max_num_seqs", (2, 4, 8), why="requests scheduled per step"),
+    Knob("engine.sim.num_gpu_blocks", (64, 96, 160), why="GPU KV pool: eviction pressure"),
+    Knob("engine.sim.load_steps", (1, 2, 4), why="steps an offload load takes: async-load windows"),
+    Knob("engine.sim.draft_acceptance_rate", (0.0, 0.7, 1.0), why="how many MTP drafts are accepted"),
+    Knob("engine.geometry", (None, {"offload_chunk_tokens": 32}, {"mamba_groups": 1},
+                             {"offload_chunk_tokens": 64}),
+         why="KV-cache groups and offload chunk (kvrepro/spec/geometry.py)"),
+    # partial-prefix's own settings
+    Knob("load.schedule", ("revisit", "random"), profile="partial-prefix"),
+    Knob("load.family_share", (0.35, 0.6, 0.9), profile="partial-prefix", why="a body / the GPU prefix cache"),
+    Knob("load.align", ("block", "chunk", "none"), profile="partial-prefix", why="where reused parts end"),
+    Knob("load.suffix_tokens", ([1, 8], [0, 32], [16, 64]), profile="partial-prefix"),
+    # multi-turn's
+    Knob("load.pressure", (1.0, 2.0, 4.0), profile="multi-turn", why="open sessions' context / GPU cache"),
+    Knob("load.system_prompt_tokens", (0, 64, 256), profile="multi-turn"),
+    # shared_prefix's
+    Knob("load.documents", (2, 6, 12), profile="shared_prefix"),
+    Knob("load.document_tokens", (200, 400, 800), profile="shared_prefix"),
+)
+
+
+def knob(path: str) -> Knob:
+    for k in KNOBS:
+        if k.path == path:
+            return k
+    raise KeyError(path)
+
+
+def general_knobs() -> list[Knob]:
+    return [k for k in KNOBS if k.profile is None]
+
+
+def profile_knobs(profile: str) -> list[Knob]:
+    return [k for k in KNOBS if k.profile == profile]
