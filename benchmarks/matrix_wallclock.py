@@ -60,6 +60,9 @@ def main() -> int:
     median_start = starts[len(starts) // 2] if starts else float("nan")
     verdicts = {n: " ".join(r["label"] for r in b["runs"]) for n, b in run["builds"].items()}
     full_verdicts = {n: " ".join(r["label"] for r in b["runs"]) for n, b in full_run["builds"].items()}
+    # the defects each CORRUPT run named: a run settled at its first named corruption may name fewer
+    defects = {n: sorted({d for r in b["runs"] for d in r["kv_defects"]}) for n, b in run["builds"].items()}
+    full_defects = {n: sorted({d for r in b["runs"] for d in r["kv_defects"]}) for n, b in full_run["builds"].items()}
 
     cold_s = None
     if not args.no_cold:
@@ -84,6 +87,8 @@ def main() -> int:
     for name, v in verdicts.items():
         stopped = " ".join(f"{r['requests']}:{r.get('stopped_because') or '?'}" for r in run["builds"][name]["runs"])
         print(f"  {name}: {v:<60} | {full_verdicts.get(name, '-')}   requests:stopped {stopped}")
+        if defects[name] or full_defects.get(name):
+            print(f"     defects named: {', '.join(defects[name]) or '-'} | {', '.join(full_defects.get(name, [])) or '-'}")
     return 0 if same else 1
 
 

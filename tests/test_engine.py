@@ -26,15 +26,50 @@ MODEL_DIR = ROOT / "kvrepro" / "data" / "models" / "qwen3-next-tiny"
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
+_SHARED: dict[str, object] = {}  # the module's one SimTarget: its engine zygote serves every test here
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_zygote():
+    """One engine zygote for the whole module (torch & co. imported once, not once per test), closed
+    at its end; each test's target is a copy of this one that serves the test's own engine settings,
+    as `kvrepro suite run` shares one target between its entries (kvrepro/suite/run.py)."""
+    yield
+    shared = _SHARED.pop("target", None)
+    if shared is not None:
+        shared.close()
+
+
+class _Borrowed:
+    """A test's view of the shared target: everything of its own copy, but ``close`` leaves the
+    shared zygote running for the next test (the module fixture stops it)."""
+
+    def __init__(self, target):
+        self._target = target
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+    def close(self) -> None:
+        pass
+
+
 def _target(default_matrix, **engine_overrides):
-    """A SimTarget on the default matrix, optionally with other engine settings."""
+    """A SimTarget on the default matrix, optionally with other engine settings (sharing the module's zygote)."""
+    import copy
+
     from kvrepro.deploy.sim import SimTarget
     from kvrepro.spec.matrix import LoadedMatrix
 
     matrix = default_matrix.matrix
     if engine_overrides:
         matrix = matrix.model_copy(update={"engine": matrix.engine.model_copy(update=engine_overrides)})
-    return SimTarget(LoadedMatrix(matrix, default_matrix.path, default_matrix.text))
+    loaded = LoadedMatrix(matrix, default_matrix.path, default_matrix.text)
+    if "target" not in _SHARED:
+        _SHARED["target"] = SimTarget(LoadedMatrix(default_matrix.matrix, default_matrix.path, default_matrix.text))
+    own = copy.copy(_SHARED["target"])
+    own.loaded = loaded
+    return _Borrowed(own)
 
 
 def _start(target, build: str, run_dir: Path, rep: int = 0):
