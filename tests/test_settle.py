@@ -201,3 +201,34 @@ def test_a_stall_is_not_settled_away(engine, tmp_path):
                        alive=engine.alive, settled=lambda: None)
     assert summary.stopped_because == "stall"
     assert time.monotonic() - start >= 0.8
+
+
+def test_the_suite_runs_stall_entries_whole_and_settles_the_others(tmp_path, monkeypatch):
+    """What `kvrepro suite run` hands the matrix runner per entry: a stall entry's runs send their
+    whole load (no count settles a stall); a crash or corruption entry's are settled on its counter."""
+    import kvrepro.suite.run as suite_run
+    from kvrepro.errors import KvreproError
+
+    catalogue = suite_run.load()
+    chosen = [e for e in catalogue.entries
+              if e.name in ("skipped-waiting-deadlock", "offload-boundary-assert", "mamba-null-state")]
+    handed: dict[str, MatrixOptions] = {}
+
+    def record_options(loaded, options, progress, stop, target=None):
+        handed[next(iter(loaded.matrix.builds))] = options
+        raise KvreproError("not run here")
+
+    monkeypatch.setattr(suite_run, "run_matrix", record_options)
+    suite_run.run_suite(catalogue, chosen, suite_run.parse_builds(["0.30.0"], []), tmp_path, jobs=1)
+    by_entry = {name: next(o for build, o in handed.items() if build.startswith(name)) for name in
+                ("skipped-waiting-deadlock", "offload-boundary-assert", "mamba-null-state")}
+    assert by_entry["skipped-waiting-deadlock"].full_load is True
+    assert stop_rule_for(by_entry["skipped-waiting-deadlock"], None) is None
+    assert by_entry["offload-boundary-assert"].full_load is False
+    assert stop_rule_for(by_entry["offload-boundary-assert"], None) == StopRule()
+    assert stop_rule_for(by_entry["mamba-null-state"], None).counter.startswith("kv_hit_reads.")
+    # --full-load: every entry whole
+    handed.clear()
+    suite_run.run_suite(catalogue, chosen, suite_run.parse_builds(["0.30.0"], []), tmp_path, jobs=1,
+                        full_load=True)
+    assert all(o.full_load for o in handed.values()) and len(handed) == 3
