@@ -232,3 +232,16 @@ def test_the_suite_runs_stall_entries_whole_and_settles_the_others(tmp_path, mon
     suite_run.run_suite(catalogue, chosen, suite_run.parse_builds(["0.30.0"], []), tmp_path, jobs=1,
                         full_load=True)
     assert all(o.full_load for o in handed.values()) and len(handed) == 3
+
+
+def test_requests_in_flight_when_settled_are_answered_and_recorded(engine, tmp_path):
+    """Settling stops new requests, not the ones sent: every request sent has its line."""
+    from test_loadgen import lines
+
+    engine.delay_s = 0.3  # four requests always in flight (concurrency 4)
+    summary = run_load(engine.url, LOAD, runs(requests=100_000), tmp_path / "r.jsonl", seed=0, alive=engine.alive,
+                       settled=lambda: "settled" if len(engine.bodies) >= 8 else None)
+    assert summary.stopped_because == "settled"
+    records = lines(tmp_path / "r.jsonl")
+    assert len(records) == summary.requests_sent == summary.requests_ok == len(engine.bodies)
+    assert all(r["ok"] for r in records)

@@ -14,6 +14,7 @@ A run ends for exactly one reason (``LoadSummary.stopped_because``):
 * ``settled`` -- the caller's ``settled()`` (asked every ``_SETTLE_EVERY_S`` while the engine
   lives and requests still go out) returned its words: the run's verdict is settled before the
   budget (kvrepro/classify/settle.py has the rule); they are kept as ``LoadSummary.settled_by``.
+  No new request is sent and the ones in flight are waited for, as at the end of ``duration_s``.
 
 How requests go out (``load``): closed loop (``concurrency`` workers, each sends its next request
 when its last one finished) or Poisson arrivals at ``rate_rps`` (seeded gaps; ``concurrency``
@@ -27,8 +28,8 @@ moment it is sent: what was sent, in order, when, from which slot, with how many
 Every finished request is one JSON line appended to ``out_path`` and flushed at once, so a run
 that kills the engine (or kvrepro) leaves every line that was finished. When the engine process is
 gone, requests in flight get up to a second to fail (so the one that killed it is recorded with
-its index in ``first_failed_index``). Requests still in flight when the run ends for death, stall,
-settling or interruption are abandoned and not recorded: their tasks
+its index in ``first_failed_index``). Requests still in flight when the run ends for death, stall
+or interruption are abandoned and not recorded: their tasks
 are cancelled and their connections closed before the call returns, so nothing is written after
 the return and nothing the run started is left running (a Ctrl-C raised inside the run too).
 
@@ -263,7 +264,7 @@ class _Run:
                 self._end("stall")
                 return
             if all(w.done() for w in workers):
-                self._end("duration" if self.draining else "budget")
+                self._end("settled" if self.settled_by else "duration" if self.draining else "budget")
                 return
             if self.runs.duration_s is not None and not self.draining and now - started >= self.runs.duration_s:
                 self.draining = True
@@ -272,9 +273,10 @@ class _Run:
                 words = self.settled()
                 # asked again after reading: the counts read are of events a live engine came through
                 if words is not None and self.alive():
+                    # no new request goes out; those in flight are answered and recorded (as at the
+                    # end of runs.duration_s), so every request sent has its line in load.jsonl
                     self.settled_by = words
-                    self._end("settled")
-                    return
+                    self.draining = True
 
     def _end(self, reason: str) -> None:
         if self.reason is None:
