@@ -246,6 +246,23 @@ def test_an_unknown_flag_is_vllms_own_argument_error(default_matrix, overlays, t
     assert classify_log(log).outcome.value == "infra"
 
 
+def test_warm_up_has_the_zygote_listening_before_the_first_engine(default_matrix, overlays):
+    """What the runner calls before the first run (kvrepro/matrix/runner.py): the release's zygote
+    started and listening, its kept lesson where the next zygote of the runtime finds it."""
+    from kvrepro.deploy.sim import zygote_lesson
+
+    target = _target(default_matrix)
+    plan = target.loaded.plans()[0]
+    artifact = target.prepare(plan)
+    target.warm_up([artifact])
+    runtime = target.runtime(plan.base)
+    zygote = target._zygotes[runtime.key]
+    assert zygote.running() and zygote.socket.exists()
+    assert zygote_lesson(runtime) == paths.home() / "zygote" / f"{runtime.key}.preload"
+    target.warm_up([artifact])  # again: the same zygote, not a second one
+    assert target._zygotes[runtime.key] is zygote and zygote.running()
+
+
 def test_zygote_forks_vllm_serve_and_relays_signals(default_matrix, overlays, runtime_python, tmp_path):
     """The zygote path: the same `vllm serve`, SIGTERM forwarded, the client's death noticed."""
     from kvrepro.deploy.sim import ZYGOTE_ENV, free_port, start_zygote

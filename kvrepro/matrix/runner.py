@@ -400,6 +400,8 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
             artifacts.append(artifact)
 
         recorded: dict[str, list[RunResult]] = {a.plan.name: [] for a in artifacts}
+        if not stop.is_set() and not target.runs_remotely:
+            target.warm_up(artifacts)  # the zygote ready before the first run, not inside its start
 
         def one(artifact: BuildArtifact, rep: int) -> None:
             if stop.is_set():
