@@ -265,7 +265,7 @@ def test_warm_up_has_the_zygote_listening_before_the_first_engine(default_matrix
 
 def test_zygote_forks_vllm_serve_and_relays_signals(default_matrix, overlays, runtime_python, tmp_path):
     """The zygote path: the same `vllm serve`, SIGTERM forwarded, the client's death noticed."""
-    from kvrepro.deploy.sim import ZYGOTE_ENV, free_port, start_zygote
+    from kvrepro.deploy.sim import ZYGOTE_ENV, free_port, start_zygote, zygote_lesson
     from kvrepro.engine.zygote import ENV_VAR
 
     assert ZYGOTE_ENV == ENV_VAR  # the deploy side names the variable the engine side reads
@@ -276,7 +276,9 @@ def test_zygote_forks_vllm_serve_and_relays_signals(default_matrix, overlays, ru
     socket_path = str(tmp_path / "zygote.sock")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = target.runtime(plan.base).pythonpath(ROOT)
-    zygote = start_zygote(str(runtime_python), socket_path, env, str(tmp_path / "zygote.log"))
+    # with the runtime's kept lesson, as the sim target starts it: its engines fork warm
+    zygote = start_zygote(str(runtime_python), socket_path, env, str(tmp_path / "zygote.log"),
+                          learned_path=str(zygote_lesson(target.runtime(plan.base))))
 
     def launch(name: str):
         port = free_port()
