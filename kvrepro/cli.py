@@ -209,7 +209,7 @@ class RichProgress:
 def _run_line(result: RunResult) -> str:
     return redact(f"build {result.build} rep {result.rep}: {result.label}  trigger={result.trigger_count} "
             f"state={result.state_count} kv={result.kv_check} requests={result.requests} {result.seconds:.1f}s  "
-            f"{result.title}")
+            f"{result.title}" + (f"  [stopped: {result.load.stopped_because}]" if result.load is not None else ""))
 
 
 class PlainProgress:
@@ -331,6 +331,8 @@ def matrix_run(
     adaptive: Optional[int] = typer.Option(None, "--adaptive", min=1, max=1000, metavar="MAX",
                                            help="repeat each build until its verdict is decisive (docs/statistics.md: "
                                                 "stopping rule), at most MAX times"),
+    full_load: bool = typer.Option(False, "--full-load", help="send every run's whole load (runs.requests); by "
+                                   "default a run ends once its verdict is settled (docs/statistics.md)"),
     ci: bool = typer.Option(False, "--ci", help="non-interactive: plain lines, no progress bars; appends the "
                                                 "report to $GITHUB_STEP_SUMMARY when set"),
     junit: Optional[Path] = typer.Option(None, "--junit", help="also write JUnit XML here (one testcase per "
@@ -350,7 +352,7 @@ def matrix_run(
     if base_image:
         loaded.matrix = loaded.matrix.model_copy(update={"base_image": base_image})
     options = MatrixOptions(target=target, builds=build, repetitions=reps, results_root=results_root, jobs=jobs,
-                            bases=base, adaptive_max=adaptive)
+                            bases=base, adaptive_max=adaptive, full_load=full_load)
     plans = loaded.plans(build, base)
     total = len(plans) * (adaptive or reps or loaded.matrix.runs.repetitions)
     stop = threading.Event()
@@ -1135,6 +1137,8 @@ def suite_run(
     target: Optional[str] = typer.Option(None, "--target", help="run every case on this target (sim, ray; "
                                                                 "default: sim)"),
     ci: bool = typer.Option(False, "--ci", help="non-interactive: plain lines, no progress bars"),
+    full_load: bool = typer.Option(False, "--full-load", help="send every run's whole load (runs.requests); by "
+                                   "default a run ends once its verdict is settled (docs/statistics.md)"),
     junit: Optional[Path] = typer.Option(None, "--junit", help="also write JUnit XML here (one testcase per "
                                          "entry and build)"),
     results_root: Path = ResultsOpt,
@@ -1156,7 +1160,8 @@ def suite_run(
     total = sum(len(builds_) * (reps or m.matrix.runs.repetitions) for m in matrices.values())
     command = "kvrepro suite run " + " ".join(
         [f"--base {b}" for b in base] + [f"--patch {p}" for p in patch or []] + [f"--entry {e}" for e in entry or []]
-        + ([f"--reps {reps}"] if reps else []) + ([f"--target {target}"] if target else []))
+        + ([f"--reps {reps}"] if reps else []) + ([f"--target {target}"] if target else [])
+        + (["--full-load"] if full_load else []))
     stop = threading.Event()
 
     def on_first(signum: int) -> None:
@@ -1166,12 +1171,12 @@ def suite_run(
     with stop_on_signals(stop, on_first):
         if ci:
             suite = run_suite(cat, chosen, builds_, results_root, reps, jobs, PlainProgress(total), stop, command,
-                              target=target)
+                              target=target, full_load=full_load)
         else:
             progress = RichProgress(total)
             with progress.progress:
                 suite = run_suite(cat, chosen, builds_, results_root, reps, jobs, progress, stop, command,
-                                  target=target)
+                                  target=target, full_load=full_load)
     err.print(f"wall time: {_time.monotonic() - started:.0f} s", highlight=False)
     _suite_outputs(suite, as_json, ci, junit)
 

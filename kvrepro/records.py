@@ -418,8 +418,27 @@ class LoadSummary:
     requests_ok: int
     requests_failed: int
     seconds: float
-    stopped_because: str  # "budget" | "duration" | "engine_dead" | "stall" | "interrupted"
+    stopped_because: str  # "budget" | "duration" | "engine_dead" | "stall" | "interrupted" | "settled"
     first_failed_index: int | None = None  # the first request that failed as the engine died (or 5xx)
+    # "settled": the stopping rule's words (kvrepro/classify/settle.py), e.g. "state_count 29 ..."
+    settled_by: str | None = None
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """Which counts settle one run early (docs/statistics.md, "Sequential stopping per run").
+
+    ``counter``: the events a crash rate (and a corruption rate) is bounded per -- the bug's
+    state by default, a suite entry's path counter there. ``path_counter``: the path on which
+    ``counter`` may arise; when it ran ``events`` times with ``counter`` still at 0 the rate of the
+    state per path call is bounded instead (None: no such claim). ``events``: how many events
+    without the failure settle it (kvrepro.classify.settle.events_needed: 29 for < 10% at 95%).
+    Names are RunResult's counter names (``trigger_count``, ``kv_hit_reads.mamba``).
+    """
+
+    counter: str = "state_count"
+    path_counter: str | None = "trigger_count"
+    events: int = 29
 
 
 # Version of the layout of results/<run>/run.json and every verdict.json. Bump it when a field

@@ -26,15 +26,50 @@ MODEL_DIR = ROOT / "kvrepro" / "data" / "models" / "qwen3-next-tiny"
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
+_SHARED: dict[str, object] = {}  # the module's one SimTarget: its engine zygote serves every test here
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_zygote():
+    """One engine zygote for the whole module (torch & co. imported once, not once per test), closed
+    at its end; each test's target is a copy of this one that serves the test's own engine settings,
+    as `kvrepro suite run` shares one target between its entries (kvrepro/suite/run.py)."""
+    yield
+    shared = _SHARED.pop("target", None)
+    if shared is not None:
+        shared.close()
+
+
+class _Borrowed:
+    """A test's view of the shared target: everything of its own copy, but ``close`` leaves the
+    shared zygote running for the next test (the module fixture stops it)."""
+
+    def __init__(self, target):
+        self._target = target
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+    def close(self) -> None:
+        pass
+
+
 def _target(default_matrix, **engine_overrides):
-    """A SimTarget on the default matrix, optionally with other engine settings."""
+    """A SimTarget on the default matrix, optionally with other engine settings (sharing the module's zygote)."""
+    import copy
+
     from kvrepro.deploy.sim import SimTarget
     from kvrepro.spec.matrix import LoadedMatrix
 
     matrix = default_matrix.matrix
     if engine_overrides:
         matrix = matrix.model_copy(update={"engine": matrix.engine.model_copy(update=engine_overrides)})
-    return SimTarget(LoadedMatrix(matrix, default_matrix.path, default_matrix.text))
+    loaded = LoadedMatrix(matrix, default_matrix.path, default_matrix.text)
+    if "target" not in _SHARED:
+        _SHARED["target"] = SimTarget(LoadedMatrix(default_matrix.matrix, default_matrix.path, default_matrix.text))
+    own = copy.copy(_SHARED["target"])
+    own.loaded = loaded
+    return _Borrowed(own)
 
 
 def _start(target, build: str, run_dir: Path, rep: int = 0):
@@ -211,9 +246,26 @@ def test_an_unknown_flag_is_vllms_own_argument_error(default_matrix, overlays, t
     assert classify_log(log).outcome.value == "infra"
 
 
+def test_warm_up_has_the_zygote_listening_before_the_first_engine(default_matrix, overlays):
+    """What the runner calls before the first run (kvrepro/matrix/runner.py): the release's zygote
+    started and listening, its kept lesson where the next zygote of the runtime finds it."""
+    from kvrepro.deploy.sim import zygote_lesson
+
+    target = _target(default_matrix)
+    plan = target.loaded.plans()[0]
+    artifact = target.prepare(plan)
+    target.warm_up([artifact])
+    runtime = target.runtime(plan.base)
+    zygote = target._zygotes[runtime.key]
+    assert zygote.running() and zygote.socket.exists()
+    assert zygote_lesson(runtime) == paths.home() / "zygote" / f"{runtime.key}.preload"
+    target.warm_up([artifact])  # again: the same zygote, not a second one
+    assert target._zygotes[runtime.key] is zygote and zygote.running()
+
+
 def test_zygote_forks_vllm_serve_and_relays_signals(default_matrix, overlays, runtime_python, tmp_path):
     """The zygote path: the same `vllm serve`, SIGTERM forwarded, the client's death noticed."""
-    from kvrepro.deploy.sim import ZYGOTE_ENV, free_port, start_zygote
+    from kvrepro.deploy.sim import ZYGOTE_ENV, free_port, start_zygote, zygote_lesson
     from kvrepro.engine.zygote import ENV_VAR
 
     assert ZYGOTE_ENV == ENV_VAR  # the deploy side names the variable the engine side reads
@@ -224,7 +276,9 @@ def test_zygote_forks_vllm_serve_and_relays_signals(default_matrix, overlays, ru
     socket_path = str(tmp_path / "zygote.sock")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = target.runtime(plan.base).pythonpath(ROOT)
-    zygote = start_zygote(str(runtime_python), socket_path, env, str(tmp_path / "zygote.log"))
+    # with the runtime's kept lesson, as the sim target starts it: its engines fork warm
+    zygote = start_zygote(str(runtime_python), socket_path, env, str(tmp_path / "zygote.log"),
+                          learned_path=str(zygote_lesson(target.runtime(plan.base))))
 
     def launch(name: str):
         port = free_port()

@@ -1332,10 +1332,13 @@ def test_run_materialises_nothing_per_repetition(tmp_path, monkeypatch):
         def interrupt(self):
             pass
 
+        def warm_up(self, artifacts):
+            pass
+
         def close(self):
             pass
 
-    def fake_run_one(loaded, target, artifact, run_dir, rep, progress, stop_event, replay=None):
+    def fake_run_one(loaded, target, artifact, run_dir, rep, progress, stop_event, replay=None, stop_rule=None):
         started.append((artifact.plan.name, rep))
         if len(started) >= 6:
             stop.set()

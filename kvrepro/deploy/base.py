@@ -112,6 +112,10 @@ class Target(abc.ABC):
         ``verdict.json`` (the runner writes it last) and returns the result, run_dir being ``run_dir``."""
         raise NotImplementedError(f"target {self.name} starts engines itself (runs_remotely is False)")
 
+    def warm_up(self, artifacts: list[BuildArtifact]) -> None:
+        """Before the first run: get ready what every engine of these builds shares (the `sim`
+        target's engine zygote), so that no run's engine start pays for it."""
+
     def interrupt(self) -> None:
         """Ctrl-C: make engines that are still starting give up now rather than at their timeout."""
 

@@ -61,11 +61,19 @@ def log_tail(path: Path, lines: int = 15) -> str:
 ZYGOTE_ENV = "KVREPRO_ENGINE_ZYGOTE"
 
 
+def zygote_lesson(runtime: builds.Runtime) -> Path:
+    """Where a runtime's zygotes keep the modules their engines imported (kvrepro/engine/zygote.py:
+    ``--learned``), so that the next zygote preloads them before its first engine, not after."""
+    return paths.home() / "zygote" / f"{runtime.key}.preload"
+
+
 def start_zygote(python: str, socket_path: str, env: dict[str, str], log_path: str,
-                 timeout: float = 180.0, cancel: threading.Event | None = None) -> subprocess.Popen:
+                 timeout: float = 180.0, cancel: threading.Event | None = None,
+                 learned_path: str | None = None) -> subprocess.Popen:
     """Start a zygote (for a deploy target) and wait until it accepts connections (or ``cancel``)."""
     log = open(log_path, "ab")
-    proc = subprocess.Popen([python, "-m", "kvrepro.engine.zygote", "--socket", socket_path], env=env,
+    learned = ["--learned", learned_path] if learned_path else []
+    proc = subprocess.Popen([python, "-m", "kvrepro.engine.zygote", "--socket", socket_path, *learned], env=env,
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True,
                             preexec_fn=lifetime.child_hook())  # kvrepro#8: SIGTERM when kvrepro dies
@@ -239,10 +247,19 @@ class SimTarget(Target):
                     # bisection's prefetch thread may end long before kvrepro does.
                     zygote.proc = self._zygote_parent.submit(
                         start_zygote, str(runtime.python), str(zygote.socket), env,
-                        str(zygote.folder / "zygote.log"), cancel=self._interrupted).result()  # kvrepro#8
+                        str(zygote.folder / "zygote.log"), cancel=self._interrupted,
+                        learned_path=str(zygote_lesson(runtime))).result()  # kvrepro#8
                 except RuntimeError as exc:
                     self.on_line(f"engine zygote unavailable, starting engines directly: {exc}")
             return str(zygote.socket) if zygote.running() else None
+
+    def warm_up(self, artifacts: list[BuildArtifact]) -> None:
+        """The engine zygote of each release these builds run on, started (and preloaded with its
+        kept lesson) before the first run: the first engine of every slot forks as warm as the rest."""
+        for base in dict.fromkeys(a.plan.base for a in artifacts if a.ok):
+            if self._interrupted.is_set():
+                return
+            self._zygote_socket(self.runtime(base))
 
     def close(self) -> None:
         for zygote in self._zygotes.values():

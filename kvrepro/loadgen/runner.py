@@ -10,7 +10,11 @@ A run ends for exactly one reason (``LoadSummary.stopped_because``):
   503 or unreachable. vLLM answers 500 to every request once EngineCore died and 503 on /health;
 * ``stall`` -- requests are in flight but none got an answer for ``runs.stall_timeout_s``
   (an engine that stopped making progress without dying -- a state of its own, not a crash);
-* ``interrupted`` -- the caller set ``stop`` (Ctrl-C).
+* ``interrupted`` -- the caller set ``stop`` (Ctrl-C);
+* ``settled`` -- the caller's ``settled()`` (asked every ``_SETTLE_EVERY_S`` while the engine
+  lives and requests still go out) returned its words: the run's verdict is settled before the
+  budget (kvrepro/classify/settle.py has the rule); they are kept as ``LoadSummary.settled_by``.
+  No new request is sent and the ones in flight are waited for, as at the end of ``duration_s``.
 
 How requests go out (``load``): closed loop (``concurrency`` workers, each sends its next request
 when its last one finished) or Poisson arrivals at ``rate_rps`` (seeded gaps; ``concurrency``
@@ -63,6 +67,7 @@ from .profiles import EngineCapacity, Profile, Prompt, get_profile
 
 _TICK_S = 0.05  # how often the run checks its end conditions
 _ALIVE_EVERY_S = 0.25  # alive() may be a docker API call: not on every tick
+_SETTLE_EVERY_S = 0.5  # the engine writes its counts every 0.5 s (kvrepro/engine/executor.py)
 _DEATH_GRACE_S = 1.0  # after the process is gone, how long requests in flight may take to fail
 _HEALTH_TIMEOUT_S = 2.0
 _MODELS_PATIENCE_S = 5.0
@@ -93,6 +98,7 @@ def run_load(
     trace_path: Path | None = None,
     trace_header: tracefile.TraceHeader | None = None,
     api_key: str | None = None,
+    settled: Callable[[], str | None] | None = None,
 ) -> LoadSummary:
     """Send the load of one run and say why it ended.
 
@@ -100,13 +106,14 @@ def run_load(
     ``load.seed``). ``alive`` reports whether the engine process still exists.
     ``on_progress(finished, budget)`` is called from this (the calling) thread whenever
     requests finished; ``budget`` is 0 when the run is bounded by time only. ``capacity`` is
-    the engine's KV capacity that profiles size their eviction pressure from.
+    the engine's KV capacity that profiles size their eviction pressure from. ``settled``
+    (None: the whole budget) ends the run early once it returns why the verdict is settled.
     """
     profile = get_profile(load.profile)(load, seed, capacity)
     header = (trace_header or tracefile.TraceHeader()).merged({**profile.describe(), "load": load.model_dump(),
                                                                "seed": seed})
     return _Run(base_url.rstrip("/"), profile, load, runs, Path(out_path), alive, on_progress, stop,
-                trace_path, header, api_key).run()
+                trace_path, header, api_key, settled).run()
 
 
 def replay_load(
@@ -138,7 +145,8 @@ class _Run:
     def __init__(self, base_url: str, profile: Profile, load: LoadSpec, runs: RunsSpec, out_path: Path,
                  alive: Callable[[], bool], on_progress: Callable[[int, int], None] | None,
                  stop: threading.Event | None, trace_path: Path | None = None,
-                 trace_header: tracefile.TraceHeader | None = None, api_key: str | None = None):
+                 trace_header: tracefile.TraceHeader | None = None, api_key: str | None = None,
+                 settled: Callable[[], str | None] | None = None):
         self.base_url = base_url
         http.parse_url(base_url)  # plain http:// only: a wrong URL fails here, before the engine is asked
         # an engine started with --api-key answers 401 to /v1/* without it (vLLM's own check)
@@ -171,6 +179,8 @@ class _Run:
         self.out: Any = None
         self.worker_error: BaseException | None = None  # a bug in a profile or here: re-raised
         self.reported = -1  # the finished count on_progress last heard
+        self.settled = settled
+        self.settled_by: str | None = None
 
     # ------------------------------------------------------------------ the calling thread
 
@@ -222,6 +232,7 @@ class _Run:
     async def _watch(self, workers: list[asyncio.Future[None]], started: float) -> None:
         assert self.wake is not None
         next_alive_check = 0.0
+        next_settle_check = time.monotonic() + _SETTLE_EVERY_S
         dead_since: float | None = None
         while True:
             try:
@@ -257,10 +268,19 @@ class _Run:
                 self._end("stall")
                 return
             if all(w.done() for w in workers):
-                self._end("duration" if self.draining else "budget")
+                self._end("settled" if self.settled_by else "duration" if self.draining else "budget")
                 return
             if self.runs.duration_s is not None and not self.draining and now - started >= self.runs.duration_s:
                 self.draining = True
+            if self.settled is not None and now >= next_settle_check and dead_since is None and not self.draining:
+                next_settle_check = now + _SETTLE_EVERY_S
+                words = self.settled()
+                # asked again after reading: the counts read are of events a live engine came through
+                if words is not None and self.alive():
+                    # no new request goes out; those in flight are answered and recorded (as at the
+                    # end of runs.duration_s), so every request sent has its line in load.jsonl
+                    self.settled_by = words
+                    self.draining = True
 
     def _end(self, reason: str) -> None:
         if self.reason is None:
@@ -277,6 +297,7 @@ class _Run:
             seconds=round(time.monotonic() - started, 3),
             stopped_because=self.reason or "engine_dead",
             first_failed_index=self.first_failed,
+            settled_by=self.settled_by if self.reason == "settled" else None,
         )
 
     def _model_id(self) -> str | None:

@@ -8,6 +8,7 @@ Ctrl-C or a crash of kvrepro itself loses nothing already known.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import threading
@@ -25,6 +26,7 @@ from ..results import store as results
 from ..report.expectations import enough_runs
 from ..classify import classify_log
 from ..classify.judge import judge
+from ..classify.settle import LogFollower, settled
 from ..classify.lines import split_line
 from ..deploy import get_target
 from ..deploy.base import EngineHandle, SilentProgress, Target
@@ -35,7 +37,7 @@ from ..loadgen.runner import replay_load
 from ..loadgen.trace import TraceHeader
 from ..spec.geometry import built_mismatch as geometry_mismatch
 from ..loadgen.capacity import engine_capacity
-from ..records import (BuildArtifact, BuildPlan, BuildRecord, HostInfo, LoadSummary, Outcome, PatchInfo, RunBuildEntry, RunInfo, RunManifest, RunResult, Verdict)
+from ..records import (BuildArtifact, BuildPlan, BuildRecord, HostInfo, LoadSummary, Outcome, PatchInfo, RunBuildEntry, RunInfo, RunManifest, RunResult, StopRule, Verdict)
 from ..secrets import redact
 from ..spec.matrix import LoadedMatrix
 
@@ -64,6 +66,17 @@ class MatrixOptions:
     adaptive_max: int | None = None  # repeat each build until decisive (stats.decisive), at most this often
     bases: list[str] | None = None  # vLLM releases to run every build on; None: the matrix's base
     replay: Any = None  # a loadgen.trace.Trace: send it (sequentially) instead of the matrix's load
+    # each run ends once its verdict is settled (kvrepro/classify/settle.py); full_load: at its budget
+    full_load: bool = False
+    stop_rule: StopRule | None = None  # None: StopRule() (the bug's state, then the trigger path)
+
+
+def stop_rule_for(options: MatrixOptions, expect: str | None) -> StopRule | None:
+    """The stopping rule of a build's runs; None (the whole load) when asked for, on a replay (it
+    sends a recorded sequence to its end), or when a stall is expected: no count settles a stall."""
+    if options.full_load or options.replay is not None or "STALL" in (expect or "").upper():
+        return None
+    return options.stop_rule or StopRule()
 
 
 def _build_record(artifact: BuildArtifact) -> BuildRecord:
@@ -134,10 +147,12 @@ _PROBE_SETTLE_S = 2.5
 
 
 def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_dir: Path, rep: int,
-            progress: Progress, stop: threading.Event, replay: Any = None) -> RunResult:
+            progress: Progress, stop: threading.Event, replay: Any = None,
+            stop_rule: StopRule | None = None) -> RunResult:
     """One repetition of one build; writes manifest.json first and verdict.json last.
 
-    ``replay`` (a :class:`~kvrepro.loadgen.trace.Trace`) is sent instead of the matrix's load."""
+    ``replay`` (a :class:`~kvrepro.loadgen.trace.Trace`) is sent instead of the matrix's load.
+    ``stop_rule``: end the load once the engine's log settles the verdict (None: at the budget)."""
     matrix = loaded.matrix
     plan = artifact.plan
     engine_args = _engine_args(target)
@@ -197,11 +212,15 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
             capacity = engine_capacity(matrix.load, log_so_far, matrix.engine.block_size, matrix.engine.max_model_len,
                                        chunk_tokens=matrix.engine.offload_chunk_tokens,
                                        data_parallel_size=matrix.engine.data_parallel_size)
+            is_settled = None
+            if stop_rule is not None:
+                follower = LogFollower(handle.log_path)
+                is_settled = lambda: settled(follower.exposure(), stop_rule)  # noqa: E731
             load = run_load(handle.base_url, matrix.load, matrix.runs, run_dir / "load.jsonl",
                             seed=matrix.load.seed + rep, alive=handle.alive,
                             on_progress=lambda done, failed: progress.requests_done(plan.name, rep, done, failed),
                             stop=stop, capacity=capacity, trace_path=run_dir / "trace.jsonl", trace_header=header,
-                            api_key=api_key)
+                            api_key=api_key, settled=is_settled)
         engine_exit = handle.exit_code()
         metrics_text = _fetch_metrics(handle)
         if metrics_text is not None:
@@ -351,15 +370,19 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
             artifacts.append(artifact)
 
         recorded: dict[str, list[RunResult]] = {a.plan.name: [] for a in artifacts}
+        if not stop.is_set() and not target.runs_remotely:
+            target.warm_up(artifacts)  # the zygote ready before the first run, not inside its start
 
         def one(artifact: BuildArtifact, rep: int) -> None:
             if stop.is_set():
                 return
             run_dir = folder.rep_dir(artifact.plan.name, rep)
+            rule = stop_rule_for(options, matrix.expect.get(artifact.plan.build_name))
             if target.runs_remotely:  # a cluster runs the whole run on a node and sends its files back
-                result = target.run_remotely(run_one, loaded, artifact, run_dir, rep, progress, stop, options.replay)
+                result = target.run_remotely(functools.partial(run_one, stop_rule=rule), loaded, artifact, run_dir,
+                                             rep, progress, stop, options.replay)
             else:
-                result = run_one(loaded, target, artifact, run_dir, rep, progress, stop, options.replay)
+                result = run_one(loaded, target, artifact, run_dir, rep, progress, stop, options.replay, rule)
             results.write_json(run_dir / "verdict.json", result)
             recorded[artifact.plan.name].append(result)
             progress.run_finished(result)

@@ -30,7 +30,9 @@ def _evidence(build: BuildResults, r: RunResult) -> str:
         f"verdict: {r.label}" + (f" (expected {build.expect})" if build.expect else ""),
         f"title: {r.title}",
         f"base: {r.base or build.base}  build: {build.build_name}  patches: {' -> '.join(build.patches) or '(base)'}",
-        f"requests: {r.requests}  seconds under load: {r.load_seconds:.1f}  wall seconds: {r.seconds:.1f}",
+        f"requests: {r.requests}  seconds under load: {r.load_seconds:.1f}  wall seconds: {r.seconds:.1f}"
+        + (f"  stopped because: {r.load.stopped_because}" if r.load is not None else "")
+        + (f" ({r.load.settled_by})" if r.load is not None and r.load.settled_by else ""),
         f"trigger count: {r.trigger_count}  offload-hit calls: {r.external_hit_calls}  "
         f"offload loads: {'?' if r.offload_load_jobs is None else r.offload_load_jobs}",
         f"bug state: {r.state_count}" + (f" {dict(sorted(r.state_groups.items()))}" if r.state_groups else "")

@@ -202,6 +202,9 @@ def _run_json(r: RunResult) -> dict[str, Any]:
         "kv_violations_by_class": dict(r.kv_violations_by), "kv_first_violation": r.kv_first_violation,
         "offload_load_jobs": r.offload_load_jobs, "requests": r.requests, "seconds": r.seconds,
         "load_seconds": r.load_seconds, "engine_start_s": r.engine_start_s, "run_dir": r.run_dir,
+        # why the load ended: budget, settled (with the stopping rule's words), engine_dead, stall, ...
+        "stopped_because": r.load.stopped_because if r.load is not None else None,
+        "settled_by": r.load.settled_by if r.load is not None else None,
         # `ray` target: where it ran, and the attempts lost with their node before it
         "node": {"node_id": r.node.node_id, "address": r.node.address} if r.node is not None else None,
         "retried_after": list(r.retried_after),

@@ -27,7 +27,7 @@ from ..deploy import check_environment, get_target
 from ..deploy.base import Target
 from ..matrix import parse_matrix
 from ..matrix.runner import MatrixOptions, Progress, SilentProgress, run_matrix
-from ..records import (RecordError, SuiteBuildRecord, SuiteEntryRecord, SuiteRecord, cell_name,
+from ..records import (RecordError, StopRule, SuiteBuildRecord, SuiteEntryRecord, SuiteRecord, cell_name,
                        from_jsonable)
 from ..results import store as results
 from ..secrets import redact
@@ -142,11 +142,22 @@ def new_suite_id() -> str:
     return "suite-" + results.new_run_id()
 
 
+def stop_rule_of(entry: Entry) -> StopRule:
+    """A crash or corruption entry's runs are settled per event of its own path counter (the
+    defect's rate per path call bounded, docs/statistics.md); a stall entry runs its whole load."""
+    if entry.path_counter in (None, "trigger_count"):
+        return StopRule()  # the bug's state per trigger call first: the finer question
+    return StopRule(counter=entry.path_counter, path_counter=None)
+
+
 def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuild], root: Path,
               reps: int | None = None, jobs: int | None = None, progress: Progress | None = None,
-              stop: threading.Event | None = None, command: str = "", target: str | None = None) -> SuiteResult:
+              stop: threading.Event | None = None, command: str = "", target: str | None = None,
+              full_load: bool = False) -> SuiteResult:
     """Run ``entries`` on ``builds``; record as it goes; return the judged rows. ``target``: run every
-    case there (e.g. ``ray``: each case's runs are Ray tasks) instead of the matrix's target."""
+    case there (e.g. ``ray``: each case's runs are Ray tasks) instead of the matrix's target.
+    Each run ends once its entry's question is settled (:func:`stop_rule_of`); ``full_load``: at its
+    budget, as a stall entry's always do."""
     progress = progress or SilentProgress()
     stop = stop or threading.Event()
     matrices = check_entries(entries, builds, target)  # bad input before anything runs
@@ -204,7 +215,8 @@ def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuil
             entry_reps = max(reps, entry.absent_after) if reps else None
             run = run_matrix(loaded, MatrixOptions(target=target, repetitions=entry_reps,
                                                    results_root=folder / RUNS_FOLDER,
-                                                   jobs=per_entry),
+                                                   jobs=per_entry, full_load=full_load or entry.kind == "stall",
+                                                   stop_rule=stop_rule_of(entry)),
                              progress, stop, target=target_for(loaded))
         except KvreproError as exc:
             save_entry(entry.name, error=str(exc).strip().splitlines()[0][:300])

@@ -9,11 +9,9 @@ context, fetched on this machine through its package clients (pip, apt).
 
 from __future__ import annotations
 
-import io
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 from collections.abc import Callable
 from pathlib import Path

@@ -23,6 +23,15 @@ def _node_text(r) -> str:
     return text
 
 
+def stopped_text(r) -> str:
+    """Why the run's load ended; a settled run says by which counts (the stopping rule's words)."""
+    if r.load is None:
+        return "-"
+    if r.load.stopped_because == "settled" and r.load.settled_by:
+        return f"settled: {r.load.settled_by}"
+    return r.load.stopped_because
+
+
 def _runs_blocks(run: MatrixRun) -> list[Block]:
     rows = []
     on_nodes = any(r.node is not None or r.retried_after for b in run.builds for r in b.runs)
@@ -30,14 +39,14 @@ def _runs_blocks(run: MatrixRun) -> list[Block]:
         for r in b.runs:
             row = (build_key(run, b), str(r.rep), Cell(r.label, TONE.get(r.verdict.value, "")),
                    str(r.requests), f"{r.load_seconds:.1f}", str(r.trigger_count), state_text(r),
-                   r.kv_check, count_text(r.offload_load_jobs), str(r.external_hit_calls))
+                   r.kv_check, count_text(r.offload_load_jobs), str(r.external_hit_calls), stopped_text(r))
             rows.append(row + ((_node_text(r),) if on_nodes else ()))
     if not rows:
         return []
     return [Heading(2, "Runs"), Table(
         ("build", "rep", "verdict", "requests", "seconds under load", "trigger count", "bug state (groups)",
-         "KV check", "offload loads", "offload-hit calls") + (("node",) if on_nodes else ()), tuple(rows),
-        align="lrlrrrrlrr" + ("l" if on_nodes else ""))]
+         "KV check", "offload loads", "offload-hit calls", "stopped because") + (("node",) if on_nodes else ()),
+        tuple(rows), align="lrlrrrrlrrl" + ("l" if on_nodes else ""))]
 
 
 def blocks(run: MatrixRun, context: SectionContext) -> list[Block]:
