@@ -43,6 +43,7 @@ CASES = {
     "cross-group-0.22.0.log": ("cross-group-eviction-assert", "0.25.1", None, "0.25.1"),
     "truncate-0.27.0.log": ("truncate-lagging-mamba", "0.28.0", None, "0.27.0"),
     "stall-skipped-waiting-0.28.0.log": ("skipped-waiting-deadlock", "0.31.0", None, "0.28.0"),
+    "build-store-jobs-0.26.0.log": ("queued-abort-store-assert", "0.27.0", ("pr-49146",), "0.26.0"),
 }
 
 
@@ -107,12 +108,12 @@ def test_kv_transfer_config_is_read_without_evaluating_anything(catalogue):
 
 
 def test_an_unknown_crash_is_said_to_be_unknown(catalogue):
-    """The _build_store_jobs assertion has a signature but no catalogue entry: unknown, not forced onto
-    the offloading entries that share its file."""
-    found = triage_file(DATA / "unknown-build-store-jobs-0.26.0.log", catalogue)
-    assert found.failure.kind == "crash" and found.failure.pattern == "offload_build_store_jobs"
+    """The _apply_cow assertion has a signature but no catalogue entry: unknown, not forced onto the
+    KV-cache-manager entries of the same release."""
+    found = triage_file(DATA / "unknown-apply-cow-0.26.0.log", catalogue)
+    assert found.failure.kind == "crash" and found.failure.pattern == "kv_cache_apply_cow"
     assert found.unknown and found.matches == () and found.near_misses == ()
-    proc = kvrepro("triage", str(DATA / "unknown-build-store-jobs-0.26.0.log"))
+    proc = kvrepro("triage", str(DATA / "unknown-apply-cow-0.26.0.log"))
     assert proc.returncode == 0 and "unknown: no catalogue entry fits" in proc.stdout
     assert max(len(line) for line in proc.stdout.splitlines()) <= 80
 
@@ -124,7 +125,7 @@ def test_json_lists_matches_best_first_without_secrets():
     assert data["best"] == "offload-boundary-assert" and data["unknown"] is False
     assert [m["entry"] for m in data["matches"]][0] == "offload-boundary-assert"
     assert "https://github.com/vllm-project/vllm/pull/52807" in data["matches"][0]["upstream"]
-    assert data["minimal_clean_set"] == ["pr-48425"]
+    assert data["minimal_clean_set"] == ["pr-48425", "pr-49146"]  # #49118 (queued aborts) is on 0.26.0 too
     assert not any(s in proc.stdout for s in SECRETS)
     plain = kvrepro("triage", str(SEED))
     assert max(len(line) for line in plain.stdout.splitlines()) <= 80, plain.stdout
@@ -138,13 +139,13 @@ def test_emit_writes_a_matrix_that_validates(tmp_path):
     assert not any(s in text for s in SECRETS)
     data = yaml.safe_load(text)
     assert data["base"] == "0.26.0" and data["common"] == []
-    assert data["builds"] == {"as-deployed": [], "upstream-fix": ["pr-52807"], "minimal-clean-set": ["pr-48425"]}
+    assert data["builds"] == {"as-deployed": [], "upstream-fix": ["pr-52807"], "minimal-clean-set": ["pr-48425", "pr-49146"]}
     assert data["engine"]["geometry"] == {"block_size": 2128, "offload_chunk_tokens": 2128, "mamba_groups": 3,
                                           "full_attention_groups": 1, "num_speculative_tokens": 1,
                                           "data_parallel_size": 4}
     assert data["expect"] == {"as-deployed": "CRASH(target)", "upstream-fix": "CORRUPT",
                               "minimal-clean-set": "SURVIVED|UNREACHED"}
-    assert sorted(p.name for p in (out / "builds").iterdir()) == ["pr-48425.patch", "pr-52807.patch"]
+    assert sorted(p.name for p in (out / "builds").iterdir()) == ["pr-48425.patch", "pr-49146.patch", "pr-52807.patch"]
     valid = kvrepro("matrix", "validate", "-m", str(out / "matrix.yaml"), "--json")
     assert valid.returncode == 0, valid.stderr
     assert json.loads(valid.stdout)["builds"] == ["as-deployed", "upstream-fix", "minimal-clean-set"]
@@ -193,7 +194,7 @@ def test_bad_input_is_one_line_and_exit_2(name, says, tmp_path):
 
 def test_run_reproduces_the_seed_crash_and_the_clean_set_is_clean(tmp_path, runtime_python):
     """The seed's production configuration as a log, reproduced in one command: `as-deployed` dies on
-    the target assertion, the minimal clean set (pr-48425 alone on 0.26.0) serves its requests clean.
+    the target assertion, the minimal clean set (pr-48425 + pr-49146 on 0.26.0) serves its requests clean.
     One repetition per build (the emitted matrix's runs.repetitions)."""
     require(runtime_python.exists(), "the vLLM runtime env")
     out = tmp_path / "repro"

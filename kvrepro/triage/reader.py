@@ -94,6 +94,15 @@ def read_selected(path: Path, stats: ReadStats, use_grep: bool = True) -> Iterat
     yield from _python_selected(path, stats)
 
 
+def _read_block(fh: BinaryIO, path: Path, stats: ReadStats) -> bytes:
+    """The next block of the (maybe gzip) log; a damaged gzip stream is bad input, not a traceback."""
+    try:
+        return fh.read(BLOCK)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise BadInputError(f"{path}: damaged gzip data after {stats.bytes_read:,} bytes ({exc}); "
+                            "give the whole file, or gunzip what is left of it") from None
+
+
 def _binary(path: Path) -> str:
     return (f"{path}: a binary file (NUL bytes in its first 64 KB), not a log; give the server's text log "
             "(`docker logs`, the pod's log, plain or .gz)")
@@ -127,11 +136,7 @@ def _grep_stream_selected(grep: str, path: Path, stats: ReadStats) -> Iterator[t
         with fh:
             first, tail, count, last_byte = True, b"", 0, b"\n"
             while True:
-                try:
-                    data = fh.read(BLOCK)
-                except (OSError, EOFError, zlib.error) as exc:
-                    raise BadInputError(f"{path}: damaged gzip data after {stats.bytes_read:,} bytes ({exc}); "
-                                        "give the whole file, or gunzip what is left of it") from None
+                data = _read_block(fh, path, stats)
                 if not data:
                     break
                 if first and b"\x00" in data[:65536]:
@@ -281,16 +286,11 @@ def _python_selected(path: Path, stats: ReadStats) -> Iterator[tuple[int, str]]:
     try:
         first = True
         while True:
-            try:
-                data = fh.read(BLOCK)
-            except (OSError, EOFError, zlib.error) as exc:
-                raise BadInputError(f"{path}: damaged gzip data after {stats.bytes_read:,} bytes ({exc}); "
-                                    "give the whole file, or gunzip what is left of it") from None
+            data = _read_block(fh, path, stats)
             if first:
                 first = False
                 if b"\x00" in data[:65536]:
-                    raise BadInputError(f"{path}: a binary file (NUL bytes in its first 64 KB), not a log; give "
-                                        "the server's text log (`docker logs`, the pod's log, plain or .gz)")
+                    raise BadInputError(_binary(path))
             stats.bytes_read += len(data)
             block = carry + data
             if data:
