@@ -1165,7 +1165,8 @@ def builds_test(
     only: Optional[list[str]] = typer.Option(None, "--only", help="only these test files or node ids of the "
                                              "release (repeatable; the patches' tests always run)"),
     later: Optional[list[str]] = typer.Option(None, "--later", help="a newer release whose tests/ says whether "
-                                              "upstream changed a test that differs (default: the patches' test releases)"),
+                                              "upstream changed a test that differs (repeatable; default: every "
+                                              "supported release after the base, read in order until one changed it)"),
     jobs: int = typer.Option(max(1, min(os.cpu_count() or 1, 4)), "--jobs", "-j", min=1, max=16,
                              help="pytest processes at once"),
     matrix: Path = MatrixOpt,
@@ -1180,7 +1181,7 @@ def builds_test(
     loaded = _load(matrix)
     plans = loaded.plans(build)
     patches = [loaded.patch_ref(name) for name in loaded.matrix.patches]
-    releases = list(later) if later else sorted({t.release for _, t in upstream_tests.patch_test_refs(patches)})
+    releases = list(later) if later else upstream_tests.newer_releases(plans[0].base)
     command = "kvrepro builds test" + "".join(f" --build {b}" for b in build or []) + "".join(
         f" --only {o}" for o in only or [])
     with err.status("vLLM's own tests") as status:

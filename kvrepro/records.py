@@ -735,6 +735,7 @@ class UpstreamTestRun:
     seconds: float
     command: str = ""
     created: str = ""
+    offline_models: tuple[str, ...] = ()  # model configs (config.json only) put in an offline HF hub cache
 
 
 def to_jsonable(value: Any) -> Any:

@@ -133,21 +133,21 @@ BROKEN = HANDFUL[0]
 
 
 def _fixture_matrix(tmp_path: Path) -> Path:
+    """matrix.yaml with two builds: A (common: pr-49146 only) and F (+ pr-52807 + the fixture)."""
     (tmp_path / "builds").mkdir()
     for name in ("pr-49146", "pr-52807"):
         shutil.copy(ROOT / "builds" / f"{name}.patch", tmp_path / "builds")
     shutil.copy(ROOT / "tests" / "data" / "patches" / "fixture-break-block-hash.patch", tmp_path / "builds")
     text = (ROOT / "matrix.yaml").read_text()
-    head, _, rest = text.partition("\nbuilds:\n")
-    patches = "\n".join(line for line in head.splitlines()
-                        if "sha256:" not in line)  # the fixture patch is not pinned
-    patches += ("\n  fixture-break-block-hash:\n    file: fixture-break-block-hash.patch\n"
-                "    upstream: https://example.invalid/kvrepro-fixture\n")
-    tail = rest.split("\ntarget_signature:", 1)[1]
-    matrix = (patches + "\nbuilds:\n  A: []\n  F: [pr-52807, fixture-break-block-hash]\n"
-              "\ntarget_signature:" + tail.split("\nexpect:", 1)[0] + "\n")
+    head, _, rest = text.partition("\npatches:\n")
+    tail = rest.split("\ntarget_signature:", 1)[1].split("\nexpect:", 1)[0]
+    patches = "".join(f"  {name}:\n    file: {name}.patch\n    upstream: {url}\n" for name, url in (
+        ("pr-49146", "https://github.com/vllm-project/vllm/pull/49146"),
+        ("pr-52807", "https://github.com/vllm-project/vllm/pull/52807"),
+        ("fixture-break-block-hash", "https://example.invalid/kvrepro-fixture")))
     path = tmp_path / "matrix.yaml"
-    path.write_text(matrix)
+    path.write_text(head + "\npatches:\n" + patches + "\ncommon: [pr-49146]\n\nbuilds:\n  A: []\n"
+                    "  F: [pr-52807, fixture-break-block-hash]\n\ntarget_signature:" + tail + "\n")
     return path
 
 
@@ -176,7 +176,7 @@ def test_builds_test_runs_upstream_tests_and_names_the_patch_that_broke_one(tmp_
     assert target["outcome"] == "failed" and "num_locally_computed_tokens" in target["line"]
     assert builds["A"]["failed"] == 1 and builds["F"]["failed"] == 1  # only 52807's test on A, only the broken on F
     report = next((tmp_path / "results").glob("upstream-tests-*/report.md")).read_text()
-    assert "fixture-break-block-hash (3)" in report
+    assert "fixture-break-block-hash (3)" in report and "_make_partial_tail_scheduler" in report
     # a second run reads every tree back from the cache
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert again.returncode == 0, again.stderr[-2000:]

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .. import paths
+from .. import paths, versions
 from ..errors import SetupError
 from ..records import (
     BuildPlan, ExcludedTest, PatchRef, PatchTestModule, UpstreamBuildTests, UpstreamTestChange,
@@ -49,10 +49,26 @@ ROOTS = ("tests/v1/core", "tests/v1/kv_connector/unit")
 # the release's requirements/test/cpu.txt when it pins them.
 TEST_REQUIREMENTS = ("pytest", "pytest-asyncio", "pytest-mock", "pytest-timeout", "tblib")
 PER_TEST_TIMEOUT_S = 300
-FORMAT = 1  # bump when what a cached result means changes
+FORMAT = 2  # bump when what a cached result means changes
+# pytest's options for every job (part of the cache key). A file that cannot be imported (ray,
+# flexkv, lmcache missing) must not stop the others: pytest stops at collection errors by default.
+PYTEST_ARGS = ("-p", "no:cacheprovider", "-q", "-rN", "--no-header", "--continue-on-collection-errors",
+               f"--timeout={PER_TEST_TIMEOUT_S}", "-o", "addopts=")
+# Model configs the tests build a ModelConfig from (create_scheduler's default facebook/opt-125m):
+# this machine cannot reach the Hugging Face hub, so kvrepro puts the model's config.json (no
+# weights, no tokenizer) in an offline hub cache. Listed in the record; a test that needs more of
+# a model than its config is excluded, as before.
+HF_CONFIGS = paths.PACKAGE_ROOT / "data" / "hf-configs"
+_HF_REVISION = "0" * 40
 PLUGIN_SOURCE = Path(__file__).with_name("upstream_pytest_plugin.py")
 PLUGIN_NAME = "kvrepro_upstream_plugin"
 PASSED = "passed"
+
+
+def newer_releases(base: str) -> list[str]:
+    """The supported releases after ``base`` (kvrepro/versions.py), oldest first."""
+    releases = list(versions.SUPPORTED_RELEASES)
+    return releases[releases.index(base) + 1:] if base in releases else []
 
 
 def cache_dir() -> Path:
@@ -161,6 +177,8 @@ def _outcome_of(phases: list[dict]) -> UpstreamTestOutcome:
     nodeid = phases[0]["nodeid"]
     for phase in phases:  # pytest's "E   " marks an exception line; the record keeps the line itself
         phase["message"] = phase.get("message", "").removeprefix("E").strip()
+        # pytest's ^^^^ markers under a statement are not part of it
+        phase["line"] = " ".join(w for w in phase.get("line", "").split(" ") if w.strip("^"))
     for phase in phases:
         if phase["outcome"] == "failed":
             kind = "failed" if phase["when"] == "call" else "error"
@@ -182,16 +200,21 @@ def _run_pytest(runtime: Runtime, tree: TestTree, job: TreeRun, work: Path) -> d
         "HF_HUB_OFFLINE": "1",  # no model downloads here: a test that needs one is excluded, fast
         "CUDA_VISIBLE_DEVICES": "",
         "VLLM_CACHE_ROOT": str(work / "vllm-cache"),
+        "HF_HUB_CACHE": str(offline_hub()),
         "PYTHONDONTWRITEBYTECODE": "1",  # the test tree is shared by every build
     })
     if job.select is not None:
         listing = work / "select.txt"
         listing.write_text("\n".join(job.select) + "\n")
         env["KVREPRO_UPSTREAM_SELECT"] = str(listing)
-    cmd = [str(runtime.python), "-m", "pytest", "-p", PLUGIN_NAME, "-p", "no:cacheprovider", "-q", "-rN",
-           "--no-header", f"--timeout={PER_TEST_TIMEOUT_S}", "-o", "addopts=", *job.paths]
+    cmd = [str(runtime.python), "-m", "pytest", "-p", PLUGIN_NAME, *PYTEST_ARGS, *job.paths]
     with (work / "pytest.log").open("w") as log:
-        proc = subprocess.run(cmd, cwd=tree.root, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=tree.root, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _LIVE.add(proc)
+        try:
+            proc.wait()
+        finally:
+            _LIVE.discard(proc)
     phases: dict[str, list[dict]] = {}
     for line in report.read_text().splitlines() if report.exists() else ():
         entry = json.loads(line)
@@ -256,8 +279,15 @@ def run_trees(runtime: Runtime, tree: TestTree, jobs: Sequence[TreeRun], workers
                 on_line(f"{shard.label}: {len(merged[index])} tests in {seconds[index]:.0f} s")
 
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        for future in [pool.submit(one, item) for item in shard_jobs]:
-            future.result()
+        futures = [pool.submit(one, item) for item in shard_jobs]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:  # Ctrl-C, SIGTERM, a failed job: no pytest is left running
+            for future in futures:
+                future.cancel()
+            stop_live()
+            raise
     for index, key, _ in pending:
         outcomes = merged[index]
         if jobs[index].select is not None:  # a selected test that did not run is a result too
@@ -273,7 +303,47 @@ def run_trees(runtime: Runtime, tree: TestTree, jobs: Sequence[TreeRun], workers
 
 def job_key(runtime: Runtime, tree: TestTree, job: TreeRun) -> str:
     select = "\n".join(sorted(job.select)) if job.select is not None else "*"
-    return _sha(str(FORMAT), runtime.key, tree.key, job.vllm_key, select, *job.paths)[:20]
+    return _sha(str(FORMAT), runtime.key, tree.key, job.vllm_key, select, *job.paths, *PYTEST_ARGS,
+                _configs_digest())[:20]
+
+
+_LIVE: set[subprocess.Popen] = set()
+
+
+def stop_live() -> None:
+    """Stop every pytest this module started (SIGTERM, then SIGKILL after 10 s)."""
+    for proc in list(_LIVE):
+        proc.terminate()
+    for proc in list(_LIVE):
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def offline_models() -> tuple[str, ...]:
+    return tuple(sorted(str(p.parent.relative_to(HF_CONFIGS)) for p in HF_CONFIGS.glob("*/*/config.json")))
+
+
+def _configs_digest() -> str:
+    return _sha(*(p.read_text() for p in sorted(HF_CONFIGS.glob("*/*/config.json"))))
+
+
+def offline_hub() -> Path:
+    """A Hugging Face hub cache holding only the shipped model configs (what HF_HUB_OFFLINE reads)."""
+    hub = cache_dir() / f"hf-hub-{_configs_digest()[:12]}"
+    if (hub / ".complete").exists():
+        return hub
+    for model in offline_models():
+        repo = hub / f"models--{model.replace('/', '--')}"
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / "main").write_text(_HF_REVISION)
+        snapshot = repo / "snapshots" / _HF_REVISION
+        snapshot.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(HF_CONFIGS / model / "config.json", snapshot / "config.json")
+    hub.mkdir(parents=True, exist_ok=True)
+    (hub / ".complete").write_text("")
+    return hub
 
 
 # --------------------------------------------------------------------------- the whole check
@@ -287,8 +357,22 @@ def _pristine_root(base: str, on_line: Callable[[str], None] | None) -> tuple[Pa
     return pristine, f"release-{digest}"
 
 
+def _function_id(nodeid: str) -> tuple[str, str]:
+    """(the id without its parametrization, the ``[...]`` suffix)."""
+    head, bracket, params = nodeid.partition("[")
+    return head, bracket + params
+
+
 def _display(tree: TestTree, nodeid: str) -> tuple[str, str]:
-    return tree.patch_ids.get(nodeid, nodeid), tree.patch_of.get(nodeid, "")
+    """How a node id is shown (a patch's test by its upstream id) and the patch it belongs to."""
+    head, params = _function_id(nodeid)
+    if head in tree.patch_ids:
+        return tree.patch_ids[head] + params, tree.patch_of[head]
+    return nodeid, ""
+
+
+def _is_patch_test(tree: TestTree, nodeid: str) -> bool:
+    return _function_id(nodeid)[0] in tree.patch_of
 
 
 def _counts(outcomes: dict[str, UpstreamTestOutcome]) -> tuple[int, int]:
@@ -326,9 +410,11 @@ def check_builds(plans: Sequence[BuildPlan], all_patches: Sequence[PatchRef], ru
     if patch_nodeids:
         release_outcomes.update(baseline[1][0])
     excluded = tuple(ExcludedTest(n, f"{o.outcome}: {o.message}".rstrip(": ")) for n, o in sorted(release_outcomes.items())
-                     if o.outcome != PASSED and n not in tree.patch_of)
-    selected = tuple(sorted(n for n, o in release_outcomes.items() if o.outcome == PASSED and n not in tree.patch_of))
-    to_run = selected + patch_nodeids
+                     if o.outcome != PASSED and not _is_patch_test(tree, n))
+    selected = tuple(sorted(n for n, o in release_outcomes.items() if o.outcome == PASSED and not _is_patch_test(tree, n)))
+    # the patches' tests as the release collected them (one id per parametrization), failing or not
+    patch_run = tuple(sorted(n for n in release_outcomes if _is_patch_test(tree, n)))
+    to_run = selected + patch_run
     run_paths = tuple(sorted({n.split("::")[0] for n in to_run}))
 
     artifacts = {}
@@ -344,7 +430,7 @@ def check_builds(plans: Sequence[BuildPlan], all_patches: Sequence[PatchRef], ru
         if f"build {plan.name}" in build_results:
             by_stack[tuple(p.name for p in plan.patches)] = build_results[f"build {plan.name}"][0]
 
-    later_trees = [source_tests(r) for r in later_releases]
+    later_trees = _LaterTests(later_releases, on_line)
     rows: list[UpstreamBuildTests] = []
     for plan in plans:
         stack = tuple(p.name for p in plan.patches)
@@ -353,6 +439,7 @@ def check_builds(plans: Sequence[BuildPlan], all_patches: Sequence[PatchRef], ru
             rows.append(UpstreamBuildTests(plan.name, stack, "", 0, 0, len(excluded), (), error=artifact.error))
             continue
         outcomes, seconds, cached = build_results[f"build {plan.name}"]
+        outcomes = {n: outcomes.get(n, UpstreamTestOutcome(n, "missing", "not collected on this build")) for n in to_run}
         differing = [n for n in to_run if outcomes[n].outcome != release_outcomes.get(n, _MISSING).outcome]
         changes = _attribute(plan, differing, outcomes, release_outcomes, by_stack, runtime, tree, workers,
                              later_trees, base_tests, on_line)
@@ -371,11 +458,32 @@ def check_builds(plans: Sequence[BuildPlan], all_patches: Sequence[PatchRef], ru
     return UpstreamTestRun(
         base=base, sdist_sha256=base_tests.sdist_sha256, roots=roots, selected=len(selected), excluded=excluded,
         patch_tests=tree.modules, release=release_row, builds=tuple(rows),
-        seconds=round(time.monotonic() - started, 1), command=command,
+        seconds=round(time.monotonic() - started, 1), command=command, offline_models=offline_models(),
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
 _MISSING = UpstreamTestOutcome("", "missing")
+
+
+class _LaterTests:
+    """The newer releases' tests/, fetched only when a release test differs on a build."""
+
+    def __init__(self, releases: Sequence[str], on_line: Callable[[str], None] | None):
+        self.releases = list(releases)
+        self.on_line = on_line
+
+    def first_change(self, base_tests: SourceTests, nodeid: str) -> str:
+        """What the first newer release that changed the test changed, or that none did."""
+        unchanged = []
+        for release in self.releases:
+            if self.on_line:
+                self.on_line(f"reading {nodeid.split('::')[-1]} in the vLLM {release} sdist")
+            diff = upstream_copy.later_change(base_tests.root, source_tests(release).root, nodeid)
+            if diff:
+                return f"changed in vllm {release}: " + " | ".join(diff)
+            if diff == []:
+                unchanged.append(release)
+        return f"unchanged in vllm {', '.join(unchanged)}" if unchanged else "not in the newer releases read"
 
 
 def _labelled(tree: TestTree, outcome: UpstreamTestOutcome) -> UpstreamTestOutcome:
@@ -385,7 +493,7 @@ def _labelled(tree: TestTree, outcome: UpstreamTestOutcome) -> UpstreamTestOutco
 
 def _attribute(plan: BuildPlan, differing: list[str], outcomes: dict[str, UpstreamTestOutcome],
                release: dict[str, UpstreamTestOutcome], by_stack: dict[tuple[str, ...], dict[str, UpstreamTestOutcome]],
-               runtime: Runtime, tree: TestTree, workers: int, later_trees: list[SourceTests],
+               runtime: Runtime, tree: TestTree, workers: int, later_trees: "_LaterTests",
                base_tests: SourceTests, on_line: Callable[[str], None] | None) -> list[UpstreamTestChange]:
     """For each differing test, the first prefix of the stack on which the build's outcome appears."""
     if not differing:
@@ -414,14 +522,8 @@ def _attribute(plan: BuildPlan, differing: list[str], outcomes: dict[str, Upstre
                          if nodeid in found and found[nodeid].outcome == final.outcome), None)
         display, _ = _display(tree, nodeid)
         later = ""
-        if nodeid not in tree.patch_of:
-            for newer in later_trees:
-                diff = upstream_copy.later_change(base_tests.root, newer.root, nodeid)
-                if diff:
-                    later = f"changed in vllm {newer.release}: " + " | ".join(diff)
-                    break
-                if diff == []:
-                    later = later or f"unchanged in vllm {newer.release}"
+        if not _is_patch_test(tree, nodeid):
+            later = later_trees.first_change(base_tests, nodeid)
         changes.append(UpstreamTestChange(
             nodeid=display, release_outcome=release.get(nodeid, _MISSING).outcome, build_outcome=final.outcome,
             changed_by=stack[position - 1].name if position else None, stack_position=position,
