@@ -156,7 +156,7 @@ def test_builds_test_runs_upstream_tests_and_names_the_patch_that_broke_one(tmp_
     vLLM's block hashing, so test_hash_block_tokens must fail on F and the report must name it."""
     matrix = _fixture_matrix(tmp_path)
     cmd = [sys.executable, "-m", "kvrepro.cli", "builds", "test", "--matrix", str(matrix), "--json",
-           "--results", str(tmp_path / "results"), *[arg for t in HANDFUL for arg in ("--only", t)]]
+           "--results", str(tmp_path / "results"), "--later", "0.27.0", *[arg for t in HANDFUL for arg in ("--only", t)]]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.loads(proc.stdout)
@@ -164,7 +164,7 @@ def test_builds_test_runs_upstream_tests_and_names_the_patch_that_broke_one(tmp_
     assert builds["A"]["patches"] == ["pr-49146"]
     assert builds["F"]["patches"] == ["pr-49146", "pr-52807", "fixture-break-block-hash"]
     changes = {c["nodeid"]: c for c in builds["F"]["changes"]}
-    broken = changes[BROKEN]
+    broken = changes[BROKEN + "[sha256]"]  # parametrized upstream: [sha256] and [sha256_cbor]
     assert (broken["release_outcome"], broken["build_outcome"]) == ("passed", "failed")
     assert (broken["changed_by"], broken["stack_position"]) == ("fixture-break-block-hash", 3)
     assert "assert" in broken["message"].lower()
@@ -174,7 +174,9 @@ def test_builds_test_runs_upstream_tests_and_names_the_patch_that_broke_one(tmp_
     # the release's own run shows the target assertion for PR 52807's test
     target = next(o for o in run["release"]["outcomes"] if o["patch"] == "pr-52807")
     assert target["outcome"] == "failed" and "num_locally_computed_tokens" in target["line"]
-    assert builds["A"]["failed"] == 1 and builds["F"]["failed"] == 1  # only 52807's test on A, only the broken on F
+    # on A only 52807's test fails; on F only the two parametrizations of the broken test
+    assert builds["A"]["failed"] == 1 and builds["F"]["failed"] == 2
+    assert changes[BROKEN + "[sha256]"]["later"] == "unchanged in vllm 0.27.0"
     report = next((tmp_path / "results").glob("upstream-tests-*/report.md")).read_text()
     assert "fixture-break-block-hash (3)" in report and "_make_partial_tail_scheduler" in report
     # a second run reads every tree back from the cache

@@ -28,7 +28,9 @@ def markdown(run: UpstreamTestRun) -> str:
              f"`{run.command or 'kvrepro builds test'}`, {run.created}, {run.seconds:.0f} s. Tests of "
              f"{', '.join(f'`{r}`' for r in run.roots)} from the vLLM {run.base} sdist (sha256 "
              f"{run.sdist_sha256[:12]}), vLLM's CPU platform: {run.selected} pass on the unpatched release "
-             f"and run on every build; {len(run.excluded)} do not pass there and are excluded.", "",
+             f"and run on every build; {len(run.excluded)} do not pass there and are excluded."
+             + (f" Model configs given offline (config.json only, no weights): {', '.join(run.offline_models)}."
+                if run.offline_models else ""), "",
              "| build | patches | passed | failed | excluded | time | |", "|---|---|---|---|---|---|---|"]
     for row in (run.release, *run.builds):
         note = row.error or ("cached" if row.cached else "")
@@ -47,6 +49,7 @@ def markdown(run: UpstreamTestRun) -> str:
                 cells.append(found.outcome if found else "-")
             lines.append(f"| `{outcome.nodeid.rsplit('::', 1)[-1]}` ({outcome.nodeid.split(' ')[1]}) | {outcome.patch} "
                          f"| {outcome.outcome} | " + " | ".join(cells) + " |")
+        lines.append("")
         for module in run.patch_tests:
             for helper in module.helpers:
                 lines.append(f"- {module.patch}: helper `{helper.name}` copied from vllm {helper.release} "
