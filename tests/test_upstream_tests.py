@@ -109,6 +109,11 @@ def test_later_change_shows_the_lines_a_newer_release_changed(tmp_path):
     assert upstream_copy.later_change(old, new, "tests/t.py::test_v[a]") == ["-    assert x == 3", "+    assert x == 4"]
     assert upstream_copy.later_change(old, old, "tests/t.py::test_v") == []
     assert upstream_copy.later_change(old, new, "tests/t.py::test_missing") is None
+    # a method of a test class: only the method is compared
+    _write(old, "tests/c.py", "class TestK:\n    def test_a(self):\n        assert 1\n\n    def test_b(self):\n        assert 2\n")
+    _write(new, "tests/c.py", "class TestK:\n    def test_a(self):\n        assert 1\n\n    def test_b(self):\n        assert 3\n")
+    assert upstream_copy.later_change(old, new, "tests/c.py::TestK::test_a") == []
+    assert upstream_copy.later_change(old, new, "tests/c.py::TestK::test_b") == ["-        assert 2", "+        assert 3"]
 
 
 def test_the_patch_header_names_upstream_tests_and_a_bad_line_names_file_and_line(tmp_path):

@@ -213,10 +213,15 @@ def test_source(root: Path, nodeid: str) -> str | None:
     """The source of the test function (or class) ``nodeid`` names in ``root``'s tests/, else None."""
     rel, _, name = nodeid.partition("::")
     module = _read(root, rel)
-    top = name.split("::")[0].split("[")[0]
-    if module is None or top not in module.defs:
+    parts = [part.split("[")[0] for part in name.split("::")]
+    if module is None or parts[0] not in module.defs:
         return None
-    return module.source(module.defs[top])
+    node = module.defs[parts[0]]
+    for part in parts[1:]:  # Class::method: the method only
+        node = next((n for n in getattr(node, "body", []) if getattr(n, "name", None) == part), None)
+        if node is None:
+            return None
+    return module.source(node)
 
 
 def later_change(base_root: Path, newer_root: Path, nodeid: str) -> list[str] | None:
