@@ -126,6 +126,24 @@ def test_the_patch_header_names_upstream_tests_and_a_bad_line_names_file_and_lin
         read_header(bad)
 
 
+def test_the_plugin_selects_ids_their_parametrizations_and_what_a_file_or_class_holds():
+    from kvrepro.builds.upstream_pytest_plugin import _selected
+
+    wanted = {"tests/a.py::test_x", "tests/b.py", "tests/c.py::TestK"}
+    assert _selected("tests/a.py::test_x", wanted) and _selected("tests/a.py::test_x[1-2]", wanted)
+    assert _selected("tests/b.py::test_any", wanted) and _selected("tests/c.py::TestK::test_m[p]", wanted)
+    assert not _selected("tests/a.py::test_xy", wanted) and not _selected("tests/c.py::TestKK::test_m", wanted)
+
+
+def test_an_only_that_names_no_test_file_is_bad_input_exit_2(tmp_path, runtime_python):
+    proc = subprocess.run([sys.executable, "-m", "kvrepro.cli", "builds", "test", "--build", "A",
+                           "--only", "tests/v1/core/test_nothing_here.py", "--results", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--only tests/v1/core/test_nothing_here.py: vLLM 0.26.0's sdist has no" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 # --------------------------------------------------------------------------- end to end (vLLM env)
 
 # a handful of 0.26.0's own tests: the one the fixture patch breaks and three it must not touch

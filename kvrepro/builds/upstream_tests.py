@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import paths, versions
-from ..errors import SetupError
+from ..errors import BadInputError, SetupError
 from ..records import (
     BuildPlan, ExcludedTest, PatchRef, PatchTestModule, UpstreamBuildTests, UpstreamTestChange,
     UpstreamTestOutcome, UpstreamTestRun, from_jsonable, to_jsonable,
@@ -397,8 +397,12 @@ def check_builds(plans: Sequence[BuildPlan], all_patches: Sequence[PatchRef], ru
     runtime = test_runtime(runtime, base_tests, on_line)
     patch_nodeids = tuple(nodeid for m in tree.patch_ids for nodeid in [m])
     release_root, release_key = _pristine_root(base, on_line)
-    roots = tuple(ROOTS)
     # ``only``: test files or node ids of the release (CI runs a handful); the default is all of ROOTS
+    for entry in only:
+        if not (tree.root / entry.split("::")[0]).exists():
+            raise BadInputError(f"--only {entry}: vLLM {base}'s sdist has no {entry.split('::')[0]}; give a test "
+                                f"file or node id under {' or '.join(ROOTS)}, e.g. {ROOTS[0]}/test_kv_cache_utils.py")
+    roots = tuple(only) if only else tuple(ROOTS)
     selection = tuple(only) if only else None
     baseline_paths = tuple(sorted({o.split("::")[0] for o in only})) if only else roots
     baseline_job = TreeRun(f"vLLM {base}", release_root, release_key, selection, baseline_paths)
