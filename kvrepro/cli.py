@@ -1348,6 +1348,50 @@ def _target_of(found: Any) -> Optional[dict[str, str]]:
             **({"expression": pattern.expressions[0]} if pattern.expressions else {})}
 
 
+# --- vLLM's own tests on every build (kvrepro/builds/upstream_tests.py, docs/upstream-tests.md) ---
+
+builds_app = typer.Typer(help="The matrix's builds (patched vLLM trees).", no_args_is_help=True)
+app.add_typer(builds_app, name="builds")
+
+
+@builds_app.command("test")
+def builds_test(
+    build: Optional[list[str]] = typer.Option(None, "--build", "-b", help="only these builds (repeatable)"),
+    only: Optional[list[str]] = typer.Option(None, "--only", help="only these test files or node ids of the "
+                                             "release (repeatable; the patches' tests always run)"),
+    later: Optional[list[str]] = typer.Option(None, "--later", help="a newer release whose tests/ says whether "
+                                              "upstream changed a test that differs (repeatable; default: every "
+                                              "supported release after the base, read in order until one changed it)"),
+    jobs: int = typer.Option(max(1, min(os.cpu_count() or 1, 4)), "--jobs", "-j", min=1, max=16,
+                             help="pytest processes at once"),
+    matrix: Path = MatrixOpt,
+    results_root: Path = ResultsOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Run vLLM's own CPU-runnable tests (tests/v1/core, tests/v1/kv_connector/unit) and each patch's
+    upstream tests on every build; report what passes, fails and is excluded, and which patch changed what."""
+    from .builds import upstream_tests
+    from .report import upstream_tests as upstream_report
+
+    loaded = _load(matrix)
+    plans = loaded.plans(build)
+    patches = [loaded.patch_ref(name) for name in loaded.matrix.patches]
+    releases = list(later) if later else upstream_tests.newer_releases(plans[0].base)
+    command = "kvrepro builds test" + "".join(f" --build {b}" for b in build or []) + "".join(
+        f" --only {o}" for o in only or [])
+    with err.status("vLLM's own tests") as status:
+        runtime = builds.prepare_runtime(plans[0].base, on_line=lambda line: status.update(escape(line[:120])))
+        run = upstream_tests.check_builds(plans, patches, runtime, workers=jobs, only=list(only or []),
+                                          later_releases=releases, command=command,
+                                          on_line=lambda line: err.print(escape(line[:160]), highlight=False))
+    folder = upstream_report.write(run, _results_root(results_root))
+    if as_json:
+        _emit_json(run)
+    else:
+        out.print(upstream_report.markdown(run), markup=False, highlight=False, soft_wrap=True)
+    err.print(f"recorded: {folder}", highlight=False)
+
+
 def main() -> None:
     from . import scratch, stopping
 

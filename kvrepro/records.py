@@ -788,6 +788,109 @@ class BisectResult:
     detail: dict[str, BisectDetail] = field(default_factory=dict)
 
 
+
+# -- vLLM's own tests on each build (kvrepro builds test; kvrepro/builds/upstream_tests.py) ---------
+
+
+@dataclass(frozen=True)
+class UpstreamTestRef:
+    """One upstream regression test a patch header names (``# Upstream-Test:``): the release whose
+    ``tests/`` carries it and its node id there."""
+
+    patch: str
+    release: str
+    nodeid: str
+
+
+@dataclass(frozen=True)
+class CopiedHelper:
+    """A helper a patch's upstream test needs, copied from the later release (never edited)."""
+
+    name: str
+    release: str
+    file: str
+    why: str  # "not in vllm 0.26.0's tests/" | "differs from vllm 0.26.0's"
+
+
+@dataclass(frozen=True)
+class UpstreamTestOutcome:
+    """What one test did on one tree: passed, failed (with the assertion), error or skipped."""
+
+    nodeid: str  # the id in the release's tests/, or ``vllm <release> <id>`` for a patch's test
+    outcome: str  # "passed" | "failed" | "error" | "skipped" | "missing"
+    message: str = ""  # the exception line (``AssertionError: assert 41 not in [41, 42]``)
+    line: str = ""  # the failing source line, as pytest marks it with ``>``
+    patch: str = ""  # the patch whose Upstream-Test this is ("" for the release's own tests)
+
+
+@dataclass(frozen=True)
+class ExcludedTest:
+    """A test of the release left out of every build: it does not pass on the unpatched release."""
+
+    nodeid: str
+    why: str  # "skipped: <reason>" | "failed: <assertion>" | "error: <exception>"
+
+
+@dataclass(frozen=True)
+class UpstreamTestChange:
+    """A test whose outcome on a build differs from the unpatched release, and which patch of the
+    stack changed it (the first stack prefix on which the build's outcome appears)."""
+
+    nodeid: str
+    release_outcome: str
+    build_outcome: str
+    changed_by: str | None  # a patch name; None if no prefix of the stack reproduced it
+    stack_position: int | None  # 1-based position of that patch in the build's stack
+    message: str = ""
+    later: str = ""  # what a newer release changed in the same test ("" when not looked up)
+
+
+@dataclass(frozen=True)
+class UpstreamBuildTests:
+    """vLLM's own tests on one build: counts, every outcome, and what differs from the release."""
+
+    build: str
+    patches: tuple[str, ...]
+    key: str  # the cache key: overlay key + tests + selection
+    passed: int
+    failed: int
+    excluded: int
+    outcomes: tuple[UpstreamTestOutcome, ...]
+    changes: tuple[UpstreamTestChange, ...] = ()
+    seconds: float = 0.0
+    cached: bool = False
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class PatchTestModule:
+    """The module kvrepro wrote for one patch's upstream tests, and what it had to copy."""
+
+    patch: str
+    release: str
+    tests: tuple[str, ...]
+    helpers: tuple[CopiedHelper, ...] = ()
+    problems: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class UpstreamTestRun:
+    """``kvrepro builds test``: the release's CPU-runnable tests and the patches' tests on every build."""
+
+    base: str
+    sdist_sha256: str
+    roots: tuple[str, ...]
+    selected: int  # the release's tests that pass unpatched (run on every build)
+    excluded: tuple[ExcludedTest, ...]
+    patch_tests: tuple[PatchTestModule, ...]
+    release: UpstreamBuildTests  # the unpatched release itself
+    builds: tuple[UpstreamBuildTests, ...]
+    seconds: float
+    command: str = ""
+    created: str = ""
+    offline_models: tuple[str, ...] = ()  # model configs (config.json only) put in an offline HF hub cache
+
+
 def to_jsonable(value: Any) -> Any:
     """Turn records (and nested containers of them) into JSON-ready values."""
     if hasattr(value, "__json__") and not isinstance(value, type):  # a record with its own JSON form

@@ -44,7 +44,8 @@ _HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 _HEADER_FIELD_RE = re.compile(r"^#\s*([A-Za-z][A-Za-z-]*):\s*(.*?)\s*$")
 _EXPECT_RE = re.compile(r'^(?P<file>\S+)\s+(?P<verb>contains|lacks)\s+(?P<text>".*")$')
 _DERIVED_RE = re.compile(r"^vllm\s+(?P<release>\d+\.\d+\.\d+\S*)\s+(?P<file>[^\s(]+)(?:\s+\((?P<note>.*)\))?$")
-_KNOWN_FIELDS = ("Upstream", "Title", "Base", "Requires", "Derived-From", "Expect")
+_UPSTREAM_TEST_RE = re.compile(r"^vllm\s+(?P<release>\d+\.\d+\.\d+\S*)\s+(?P<nodeid>tests/\S+\.py::\S+)$")
+_KNOWN_FIELDS = ("Upstream", "Title", "Base", "Requires", "Derived-From", "Expect", "Upstream-Test")
 
 
 # --------------------------------------------------------------------------- header
@@ -88,6 +89,16 @@ class DerivedFrom:
 
 
 @dataclass(frozen=True)
+class UpstreamTest:
+    """One ``# Upstream-Test: vllm <release> <tests/...py::test>`` line: a regression test that came
+    with the upstream fix, in the release whose ``tests/`` carries it (``kvrepro builds test``)."""
+
+    release: str
+    nodeid: str
+    line: int
+
+
+@dataclass(frozen=True)
 class PatchHeader:
     """What a patch file says about itself, before its diff starts."""
 
@@ -98,6 +109,7 @@ class PatchHeader:
     base: str | None = None
     requires: tuple[str, ...] = field(default=())
     derived_from: tuple[DerivedFrom, ...] = field(default=())
+    upstream_tests: tuple[UpstreamTest, ...] = field(default=())
 
 
 def read_header(patch_path: Path) -> PatchHeader:
@@ -114,6 +126,7 @@ def read_header(patch_path: Path) -> PatchHeader:
     expects: list[Expectation] = []
     requires: list[str] = []
     derived: list[DerivedFrom] = []
+    upstream_tests: list[UpstreamTest] = []
     description: list[str] = []
     in_fields = True
     for number, line in enumerate(lines, start=1):
@@ -147,6 +160,8 @@ def read_header(patch_path: Path) -> PatchHeader:
             expects.append(_parse_expect(value, where, number))
         elif key == "Derived-From":
             derived.append(_parse_derived(value, where, number))
+        elif key == "Upstream-Test":
+            upstream_tests.append(_parse_upstream_test(value, where, number))
         elif key == "Requires":
             requires.extend(name for name in re.split(r"[,\s]+", value) if name)
         elif key in fields:
@@ -164,7 +179,16 @@ def read_header(patch_path: Path) -> PatchHeader:
         base=fields.get("Base"),
         requires=tuple(requires),
         derived_from=tuple(derived),
+        upstream_tests=tuple(upstream_tests),
     )
+
+
+def _parse_upstream_test(value: str, where: str, number: int) -> UpstreamTest:
+    match = _UPSTREAM_TEST_RE.match(value)
+    if match is None or not _safe_relative(match.group("nodeid").split("::")[0]):
+        raise SpecError(f"{where}: Upstream-Test must read `vllm <release> tests/<file>.py::<test>`, e.g. "
+                        f"`vllm 0.30.0 tests/v1/core/test_scheduler.py::test_x`; got {value!r}")
+    return UpstreamTest(release=match.group("release"), nodeid=match.group("nodeid"), line=number)
 
 
 def _parse_derived(value: str, where: str, number: int) -> DerivedFrom:

@@ -1,0 +1,129 @@
+"""vLLM release source distributions: downloaded once, only their ``tests/`` (and pytest config) kept.
+
+The wheel (kvrepro/builds/wheel.py) has vLLM's code but not its tests; the sdist on the package
+index carries ``tests/``. Why not ``pip download --no-binary :all: vllm==X``: pip must build the
+sdist's metadata to download it, which for vLLM means installing cmake, ninja and torch from
+source as build dependencies (measured 2026-12-02: failed after 4 minutes). So kvrepro asks the
+index itself (its JSON Simple API, PEP 691, the one pip reads) for the file's URL and sha256,
+downloads it and checks the hash. ``KVREPRO_INDEX_URL`` points at another index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tarfile
+import tempfile
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import paths
+from ..errors import SetupError
+
+INDEX_URL = os.environ.get("KVREPRO_INDEX_URL", "https://pypi.org/simple")
+_TIMEOUT_S = 120
+# what of the sdist a test run needs: the tests, pytest's settings and the test requirement pins
+_KEEP = ("tests/", "pyproject.toml", "requirements/test/cpu.txt")
+
+
+@dataclass(frozen=True)
+class SourceTests:
+    """A release's ``tests/`` extracted from its sdist: ``root`` holds ``tests/`` and ``pyproject.toml``."""
+
+    release: str
+    root: Path
+    sdist_sha256: str
+
+    @property
+    def tests(self) -> Path:
+        return self.root / "tests"
+
+    def test_pins(self) -> dict[str, str]:
+        """name -> version of the release's CPU test requirements (``requirements/test/cpu.txt``)."""
+        pins: dict[str, str] = {}
+        path = self.root / "requirements" / "test" / "cpu.txt"
+        for line in path.read_text().splitlines() if path.exists() else ():
+            name, sep, version = line.strip().partition("==")
+            if sep and not line.startswith("#"):
+                pins[name.strip().lower()] = version.split()[0]
+        return pins
+
+
+def sdists_dir() -> Path:
+    return paths.home() / "sdists"
+
+
+def _index_entry(release: str) -> tuple[str, str]:
+    """(url, sha256) of ``vllm-<release>.tar.gz`` on the index."""
+    request = urllib.request.Request(f"{INDEX_URL.rstrip('/')}/vllm/",
+                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    try:
+        with urllib.request.urlopen(request, timeout=_TIMEOUT_S) as response:
+            files = json.load(response).get("files", [])
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise SetupError(f"cannot read vLLM's file list from the package index {INDEX_URL} ({exc}); "
+                         "check that it is reachable or set KVREPRO_INDEX_URL") from None
+    wanted = f"vllm-{release}.tar.gz"
+    for entry in files:
+        if entry.get("filename") == wanted and entry.get("hashes", {}).get("sha256"):
+            return entry["url"], entry["hashes"]["sha256"]
+    raise SetupError(f"the package index {INDEX_URL} has no source distribution {wanted} with a sha256; "
+                     f"check that vLLM {release} exists (`pip index versions vllm`)")
+
+
+def fetch_sdist(release: str) -> tuple[Path, str]:
+    """(the cached ``vllm-<release>.tar.gz``, its sha256), downloaded and hash-checked on first use."""
+    folder = sdists_dir() / release
+    final = folder / f"vllm-{release}.tar.gz"
+    sidecar = final.with_name(final.name + ".sha256")
+    if final.exists() and sidecar.exists():
+        return final, sidecar.read_text().strip()
+    url, expected = _index_entry(release)
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".download-", delete=False) as tmp:
+        digest = hashlib.sha256()
+        try:
+            with urllib.request.urlopen(url, timeout=_TIMEOUT_S) as response:
+                for chunk in iter(lambda: response.read(1 << 20), b""):
+                    digest.update(chunk)
+                    tmp.write(chunk)
+        except (urllib.error.URLError, OSError) as exc:
+            os.unlink(tmp.name)
+            raise SetupError(f"downloading {url} failed ({exc}); check that the package index is reachable") from None
+    if digest.hexdigest() != expected:
+        os.unlink(tmp.name)
+        raise SetupError(f"{url}: sha256 {digest.hexdigest()} is not the index's {expected}; not used")
+    os.replace(tmp.name, final)
+    sidecar.write_text(expected + "\n")
+    return final, expected
+
+
+def source_tests(release: str) -> SourceTests:
+    """The release's ``tests/`` (extracted once, into a folder named by the sdist's hash)."""
+    sdist, digest = fetch_sdist(release)
+    root = sdists_dir() / release / f"tests-{digest[:12]}"
+    if (root / ".complete").exists():
+        return SourceTests(release, root, digest)
+    tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=".extract-"))
+    try:
+        prefix = f"vllm-{release}/"
+        with tarfile.open(sdist) as tar:
+            members = []
+            for member in tar.getmembers():
+                rel = member.name.removeprefix(prefix)
+                if member.name.startswith(prefix) and rel.startswith(_KEEP) and (member.isfile() or member.isdir()):
+                    member.name = rel
+                    members.append(member)
+            tar.extractall(tmp, members, filter="data")
+        (tmp / ".complete").write_text(digest + "\n")
+        if root.exists():
+            shutil.rmtree(root)
+        os.replace(tmp, root)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return SourceTests(release, root, digest)

@@ -1,0 +1,234 @@
+"""A patch's regression tests, taken from the later release whose ``tests/`` carries them.
+
+A backport's own upstream test lives in a newer release's test file, next to helpers that the base
+release may not have. kvrepro runs the test unchanged on the base's tree: it writes one test module
+per patch into the base's ``tests/`` (beside the file the test came from, so the same conftest
+files apply) holding the test functions as written upstream and, for every name they use:
+
+* an import exactly as the later file has it (vLLM, pytest, torch, the standard library);
+* ``from <module> import name`` when the base release's test helper module defines that name
+  with identical source (the base's own helper);
+* otherwise the later release's definition, copied, and listed as a :class:`CopiedHelper` with
+  why (not in the base's ``tests/``, or different there). Nothing is edited: a test that needs an
+  API the base lacks fails, and says so.
+
+Also here: :func:`later_change`, what a newer release changed in a test function's source.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..records import CopiedHelper
+
+_BUILTINS = set(dir(builtins))
+
+
+@dataclass
+class _Module:
+    rel: str  # tests/v1/core/test_scheduler.py
+    tree: ast.Module
+    text: str
+    defs: dict[str, ast.stmt] = field(default_factory=dict)
+    imports: dict[str, tuple[ast.stmt, str | None, str]] = field(default_factory=dict)  # name -> (node, tests module, original)
+
+    def source(self, node: ast.stmt) -> str:
+        lines = self.text.splitlines(keepends=True)
+        start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        return "".join(lines[start - 1:node.end_lineno])
+
+
+def _read(root: Path, rel: str) -> _Module | None:
+    path = root / rel
+    if not path.is_file():
+        return None
+    text = path.read_text(encoding="utf-8")
+    tree = ast.parse(text)
+    module = _Module(rel, tree, text)
+    package = rel.rsplit("/", 1)[0].split("/")
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            module.defs[node.name] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        module.defs[name.id] = node
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                dotted = ".".join(base + ([node.module] if node.module else []))
+            else:
+                dotted = node.module or ""
+            tests_module = dotted if dotted.split(".")[0] == "tests" else None
+            for alias in node.names:
+                module.imports[alias.asname or alias.name] = (node, tests_module, alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                module.imports[alias.asname or alias.name.split(".")[0]] = (node, None, alias.name)
+    return module
+
+
+def _module_file(root: Path, dotted: str) -> str | None:
+    rel = dotted.replace(".", "/")
+    for candidate in (f"{rel}.py", f"{rel}/__init__.py"):
+        if (root / candidate).is_file():
+            return candidate
+    return None
+
+
+def _used_names(node: ast.AST) -> list[str]:
+    names = [n.id for n in ast.walk(node) if isinstance(n, ast.Name)]
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):  # fixtures are parameters
+        names += [a.arg for a in node.args.args]
+    return list(dict.fromkeys(names))
+
+
+def _import_line(node: ast.stmt, name: str, original: str) -> str:
+    alias = "" if name == original.split(".")[0] or name == original else f" as {name}"
+    if isinstance(node, ast.Import):
+        return f"import {original}{alias}"
+    assert isinstance(node, ast.ImportFrom)
+    return f"from {'.' * node.level}{node.module or ''} import {original}{alias}"
+
+
+@dataclass(frozen=True)
+class GeneratedModule:
+    """A test module written into the base's ``tests/`` for one patch's upstream tests."""
+
+    rel: str  # where it goes, relative to the folder holding tests/
+    release: str  # the later release the tests come from
+    text: str
+    tests: tuple[str, ...]  # node ids in the generated module
+    upstream_ids: tuple[str, ...]  # the same tests' ids in the later release
+    helpers: tuple[CopiedHelper, ...]
+    problems: tuple[str, ...]  # names that could not be carried over (listed, never guessed)
+
+
+def generate(later_root: Path, later_release: str, base_root: Path, base_release: str,
+             nodeids: list[str], module_name: str) -> GeneratedModule:
+    """Write (as text) a module holding ``nodeids`` (``<file>::<test>``, all of one file) of the later
+    release, runnable in the base's ``tests/``, named ``module_name`` beside the upstream file."""
+    files = {nodeid.split("::")[0] for nodeid in nodeids}
+    if len(files) != 1:
+        raise ValueError(f"the tests of one generated module must come from one file, got {sorted(files)}")
+    rel = files.pop()
+    source = _read(later_root, rel)
+    if source is None:
+        raise FileNotFoundError(f"vllm {later_release} has no {rel} in its tests/")
+    modules: dict[str, _Module | None] = {rel: source}
+    base_modules: dict[str, _Module | None] = {}
+
+    def later(mod_rel: str) -> _Module | None:
+        if mod_rel not in modules:
+            modules[mod_rel] = _read(later_root, mod_rel)
+        return modules[mod_rel]
+
+    def base(mod_rel: str) -> _Module | None:
+        if mod_rel not in base_modules:
+            base_modules[mod_rel] = _read(base_root, mod_rel)
+        return base_modules[mod_rel]
+
+    imports: list[str] = []
+    bodies: list[str] = []
+    helpers: list[CopiedHelper] = []
+    problems: list[str] = []
+    emitted: dict[str, str] = {}  # name -> module it was taken from
+    visiting: set[tuple[str, str]] = set()
+
+    def resolve(mod: _Module, name: str) -> None:
+        key = (mod.rel, name)
+        if key in visiting or name in _BUILTINS and name not in mod.defs and name not in mod.imports:
+            return
+        visiting.add(key)
+        if name in mod.defs:
+            node = mod.defs[name]
+            text = mod.source(node)
+            base_mod = base(mod.rel)
+            if mod.rel != rel and base_mod is not None and name in base_mod.defs \
+                    and base_mod.source(base_mod.defs[name]) == text:
+                line = f"from {mod.rel[:-3].replace('/', '.').removesuffix('.__init__')} import {name}"
+                if line not in imports:
+                    imports.append(line)
+                emitted.setdefault(name, mod.rel)
+                return
+            if emitted.get(name, mod.rel) != mod.rel:
+                problems.append(f"{name}: defined in both {emitted[name]} and {mod.rel} of vllm {later_release}")
+                return
+            for used in _used_names(node):
+                if used != name:
+                    resolve(mod, used)
+            if name not in emitted:
+                emitted[name] = mod.rel
+                bodies.append(text)
+                in_base = base_mod is not None and name in base_mod.defs
+                if not (mod.rel == rel and name in wanted):
+                    helpers.append(CopiedHelper(
+                        name=name, release=later_release, file=mod.rel,
+                        why=f"differs from vllm {base_release}'s" if in_base else f"not in vllm {base_release}'s tests/"))
+            return
+        if name in mod.imports:
+            node, tests_module, original = mod.imports[name]
+            if tests_module is None:
+                line = _import_line(node, name, original)
+                if line not in imports:
+                    imports.append(line)
+                return
+            target = _module_file(later_root, f"{tests_module}.{original}") or _module_file(later_root, tests_module)
+            target_mod = later(target) if target else None
+            if target_mod is None:
+                problems.append(f"{name}: vllm {later_release} has no module {tests_module}")
+                return
+            if original != name:
+                problems.append(f"{name}: imported as an alias of {original} from {tests_module}; not carried over")
+                return
+            resolve(target_mod, original)
+
+    wanted: set[str] = set()
+    tests: list[str] = []
+    for nodeid in nodeids:
+        top = nodeid.split("::")[1].split("[")[0]
+        wanted.add(top)
+    for nodeid in nodeids:
+        top = nodeid.split("::")[1].split("[")[0]
+        if top not in source.defs:
+            problems.append(f"{nodeid}: not in vllm {later_release}'s {rel}")
+            continue
+        resolve(source, top)
+        tests.append(nodeid.split("::", 1)[1])
+    target_rel = f"{rel.rsplit('/', 1)[0]}/{module_name}.py"
+    header = (f'"""Written by kvrepro: tests from vllm {later_release} {rel}, run on vllm {base_release}.\n\n'
+              "Helpers copied from the later release:\n"
+              + "".join(f"  {h.name} ({h.file}: {h.why})\n" for h in helpers) + '"""\n')
+    text = header + "\n".join(imports) + "\n\n\n" + "\n\n".join(bodies) + "\n"
+    return GeneratedModule(rel=target_rel, release=later_release, text=text, tests=tuple(f"{target_rel}::{t}" for t in tests),
+                           upstream_ids=tuple(nodeids), helpers=tuple(helpers), problems=tuple(problems))
+
+
+def test_source(root: Path, nodeid: str) -> str | None:
+    """The source of the test function (or class) ``nodeid`` names in ``root``'s tests/, else None."""
+    rel, _, name = nodeid.partition("::")
+    module = _read(root, rel)
+    parts = [part.split("[")[0] for part in name.split("::")]
+    if module is None or parts[0] not in module.defs:
+        return None
+    node = module.defs[parts[0]]
+    for part in parts[1:]:  # Class::method: the method only
+        node = next((n for n in getattr(node, "body", []) if getattr(n, "name", None) == part), None)
+        if node is None:
+            return None
+    return module.source(node)
+
+
+def later_change(base_root: Path, newer_root: Path, nodeid: str) -> list[str] | None:
+    """The lines a newer release changed in the test ``nodeid`` (``-``/``+`` lines), [] when unchanged,
+    None when the newer release has no such test."""
+    before, after = test_source(base_root, nodeid), test_source(newer_root, nodeid)
+    if before is None or after is None:
+        return None
+    return [line.rstrip() for line in difflib.unified_diff(before.splitlines(), after.splitlines(), lineterm="", n=0)
+            if line[:1] in "+-" and not line.startswith(("+++", "---"))]

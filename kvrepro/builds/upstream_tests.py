@@ -1,0 +1,535 @@
+"""Every build checked by vLLM's own tests (``kvrepro builds test``).
+
+kvrepro's verdicts come from load on a GPU-free engine; vLLM's unit tests are a second oracle that
+nobody here wrote. For a matrix's builds this module
+
+1. reads the base release's ``tests/`` from its sdist (kvrepro/builds/sdist.py) and the tests
+   each patch header names (``# Upstream-Test:``) from the later releases that carry them
+   (kvrepro/builds/upstream_copy.py writes them, unchanged, into the base's tests/);
+2. runs ``tests/v1/core`` and ``tests/v1/kv_connector/unit`` (``ROOTS``) on the unpatched release
+   with vLLM's own CPU platform: what does not pass there (needs CUDA, a model download, a
+   third-party service) is *excluded*, with why, from every build;
+3. runs the rest and every patch's tests on each build's overlay (the patched ``vllm/`` the
+   engine runs), two pytest processes at a time, and records pass / fail (assertion) per test;
+4. for every test whose outcome on a build differs from the release, runs it on the prefixes of
+   the build's patch stack to name the patch that changed it, and reads the same test in the
+   newer releases' tests/ to say whether upstream changed it there too.
+
+Every tree's results are cached by what went into it (overlay key, sdist, selection, runtime), so
+a second run of the same builds reads them back in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .. import paths, versions
+from ..errors import BadInputError, SetupError
+from ..records import (
+    BuildPlan, ExcludedTest, PatchRef, PatchTestModule, UpstreamBuildTests, UpstreamTestChange,
+    UpstreamTestOutcome, UpstreamTestRun, from_jsonable, to_jsonable,
+)
+from . import overlay, patching, upstream_copy
+from .runtime import Runtime, ensure_layer
+from .sdist import SourceTests, source_tests
+
+# The scheduler, the KV-cache manager and the KV connectors: what kvrepro's builds patch.
+ROOTS = ("tests/v1/core", "tests/v1/kv_connector/unit")
+# What vLLM's tests/conftest.py and these tests import beyond vLLM's own requirements; pinned to
+# the release's requirements/test/cpu.txt when it pins them.
+TEST_REQUIREMENTS = ("pytest", "pytest-asyncio", "pytest-mock", "pytest-timeout", "tblib")
+PER_TEST_TIMEOUT_S = 300
+FORMAT = 2  # bump when what a cached result means changes
+# pytest's options for every job (part of the cache key). A file that cannot be imported (ray,
+# flexkv, lmcache missing) must not stop the others: pytest stops at collection errors by default.
+PYTEST_ARGS = ("-p", "no:cacheprovider", "-q", "-rN", "--no-header", "--continue-on-collection-errors",
+               f"--timeout={PER_TEST_TIMEOUT_S}", "-o", "addopts=")
+# Model configs the tests build a ModelConfig from (create_scheduler's default facebook/opt-125m):
+# this machine cannot reach the Hugging Face hub, so kvrepro puts the model's config.json (no
+# weights, no tokenizer) in an offline hub cache. Listed in the record; a test that needs more of
+# a model than its config is excluded, as before.
+HF_CONFIGS = paths.PACKAGE_ROOT / "data" / "hf-configs"
+_HF_REVISION = "0" * 40
+PLUGIN_SOURCE = Path(__file__).with_name("upstream_pytest_plugin.py")
+PLUGIN_NAME = "kvrepro_upstream_plugin"
+PASSED = "passed"
+
+
+def newer_releases(base: str) -> list[str]:
+    """The supported releases after ``base`` (kvrepro/versions.py), oldest first."""
+    releases = list(versions.SUPPORTED_RELEASES)
+    return releases[releases.index(base) + 1:] if base in releases else []
+
+
+def cache_dir() -> Path:
+    return paths.home() / "upstream-tests"
+
+
+def _sha(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------- the test tree
+
+
+@dataclasses.dataclass(frozen=True)
+class TestTree:
+    """A folder holding the base's ``tests/`` (hard links into the sdist extraction), the patches'
+    generated test modules and the plugin; the same for every build of the base."""
+
+    root: Path
+    key: str
+    modules: tuple[PatchTestModule, ...]
+    patch_ids: dict[str, str]  # generated node id -> "vllm <release> <upstream node id>"
+    patch_of: dict[str, str]  # generated node id -> patch name
+
+
+def patch_test_refs(patches: Sequence[PatchRef]) -> list[tuple[str, patching.UpstreamTest]]:
+    """(patch name, its Upstream-Test line) for every patch, in the given order."""
+    return [(p.name, t) for p in patches for t in patching.read_header(p.path).upstream_tests]
+
+
+def _module_name(patch: str, release: str, file: str) -> str:
+    stem = file.rsplit("/", 1)[-1].removesuffix(".py").removeprefix("test_")
+    return f"test_kvrepro_{patch}_{release}_{stem}".replace("-", "_").replace(".", "_")
+
+
+def prepare_tests(base: SourceTests, patches: Sequence[PatchRef],
+                  on_line: Callable[[str], None] | None = None) -> TestTree:
+    """The test tree for ``base`` with the Upstream-Test lines of ``patches`` (made once)."""
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for name, ref in patch_test_refs(patches):
+        groups.setdefault((name, ref.release, ref.nodeid.split("::")[0]), []).append(ref.nodeid)
+    generated: list[tuple[str, upstream_copy.GeneratedModule]] = []
+    for (name, release, file), nodeids in groups.items():
+        if on_line:
+            on_line(f"reading {name}'s tests from the vLLM {release} sdist")
+        later = source_tests(release)
+        module = upstream_copy.generate(later.root, release, base.root, base.release, nodeids,
+                                        _module_name(name, release, file))
+        generated.append((name, module))
+    plugin = PLUGIN_SOURCE.read_text()
+    key = _sha(str(FORMAT), base.sdist_sha256, plugin, *(m.rel + m.text for _, m in generated))[:16]
+    root = cache_dir() / "trees" / key
+    modules = tuple(PatchTestModule(patch=name, release=m.release, tests=m.upstream_ids, helpers=m.helpers,
+                                    problems=m.problems) for name, m in generated)
+    patch_ids = {gen: f"vllm {m.release} {_upstream_file(m)}::{gen.split('::', 1)[1]}" for _, m in generated for gen in m.tests}
+    patch_of = {gen: name for name, m in generated for gen in m.tests}
+    if not (root / ".complete").exists():
+        root.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{key}-"))
+        try:
+            shutil.copytree(base.tests, tmp / "tests", copy_function=os.link,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copy2(base.root / "pyproject.toml", tmp / "pyproject.toml")
+            for _, module in generated:
+                (tmp / module.rel).parent.mkdir(parents=True, exist_ok=True)
+                (tmp / module.rel).write_text(module.text)
+            (tmp / f"{PLUGIN_NAME}.py").write_text(plugin)
+            (tmp / ".complete").write_text(key + "\n")
+            if root.exists():
+                shutil.rmtree(root)
+            os.replace(tmp, root)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return TestTree(root=root, key=key, modules=modules, patch_ids=patch_ids, patch_of=patch_of)
+
+
+def _upstream_file(module: upstream_copy.GeneratedModule) -> str:
+    return module.upstream_ids[0].split("::", 1)[0]
+
+
+def test_runtime(runtime: Runtime, base: SourceTests, on_line: Callable[[str], None] | None = None) -> Runtime:
+    """``runtime`` plus a layer holding pytest and the plugins vLLM's tests need."""
+    pins = base.test_pins()
+    requirements = [f"{name}=={pins[name]}" if name in pins else name for name in TEST_REQUIREMENTS]
+    env_dir = runtime.python.parent.parent
+    layer = ensure_layer(env_dir, requirements, on_line)
+    return Runtime(runtime.python, (*runtime.layers, layer))
+
+
+# --------------------------------------------------------------------------- running pytest
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeRun:
+    """One pytest job: a vLLM tree (overlay or pristine extraction) and which tests to run."""
+
+    label: str
+    vllm_root: Path  # holds vllm/ (and its dist-info)
+    vllm_key: str
+    select: tuple[str, ...] | None  # node ids; None: everything under the paths
+    paths: tuple[str, ...]
+
+
+def _outcome_of(phases: list[dict]) -> UpstreamTestOutcome:
+    nodeid = phases[0]["nodeid"]
+    for phase in phases:  # pytest's "E   " marks an exception line; the record keeps the line itself
+        phase["message"] = phase.get("message", "").removeprefix("E").strip()
+        # pytest's ^^^^ markers under a statement are not part of it
+        phase["line"] = " ".join(w for w in phase.get("line", "").split(" ") if w.strip("^"))
+    for phase in phases:
+        if phase["outcome"] == "failed":
+            kind = "failed" if phase["when"] == "call" else "error"
+            return UpstreamTestOutcome(nodeid, kind, phase.get("message", ""), phase.get("line", ""))
+    for phase in phases:
+        if phase["outcome"] == "skipped":
+            return UpstreamTestOutcome(nodeid, "skipped", phase.get("message", ""))
+    return UpstreamTestOutcome(nodeid, PASSED)
+
+
+def _run_pytest(runtime: Runtime, tree: TestTree, job: TreeRun, work: Path) -> dict[str, UpstreamTestOutcome]:
+    work.mkdir(parents=True, exist_ok=True)
+    report = work / "report.jsonl"
+    report.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VLLM_", "KVREPRO_SIM"))}
+    env.update({
+        "PYTHONPATH": runtime.pythonpath(job.vllm_root, tree.root),
+        "KVREPRO_UPSTREAM_REPORT": str(report),
+        "HF_HUB_OFFLINE": "1",  # no model downloads here: a test that needs one is excluded, fast
+        "CUDA_VISIBLE_DEVICES": "",
+        "VLLM_CACHE_ROOT": str(work / "vllm-cache"),
+        "HF_HUB_CACHE": str(offline_hub()),
+        "PYTHONDONTWRITEBYTECODE": "1",  # the test tree is shared by every build
+    })
+    if job.select is not None:
+        listing = work / "select.txt"
+        listing.write_text("\n".join(job.select) + "\n")
+        env["KVREPRO_UPSTREAM_SELECT"] = str(listing)
+    cmd = [str(runtime.python), "-m", "pytest", "-p", PLUGIN_NAME, *PYTEST_ARGS, *job.paths]
+    with (work / "pytest.log").open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=tree.root, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _LIVE.add(proc)
+        try:
+            proc.wait()
+        finally:
+            _LIVE.discard(proc)
+    phases: dict[str, list[dict]] = {}
+    for line in report.read_text().splitlines() if report.exists() else ():
+        entry = json.loads(line)
+        phases.setdefault(entry["nodeid"], []).append(entry)
+    if not phases and proc.returncode not in (0, 5):
+        tail = (work / "pytest.log").read_text(errors="replace").strip().splitlines()[-5:]
+        raise SetupError(f"pytest on {job.label} exited {proc.returncode} without running a test; "
+                         f"{work / 'pytest.log'} ends:\n  " + "\n  ".join(tail))
+    return {nodeid: _outcome_of(entries) for nodeid, entries in phases.items()}
+
+
+def _shards(job: TreeRun, tree: TestTree, count: int) -> list[TreeRun]:
+    """Split a job by test file (largest first, onto the lightest shard) into ``count`` jobs."""
+    files: list[str] = []
+    for rel in job.paths:
+        path = tree.root / rel
+        found = sorted(path.rglob("test_*.py")) if path.is_dir() else [path]
+        files += [str(p.relative_to(tree.root)) for p in found]
+    if job.select is not None:
+        wanted = {nodeid.split("::")[0] for nodeid in job.select}
+        files = [f for f in files if f in wanted]
+    sizes = sorted(((tree.root / f).stat().st_size, f) for f in files)[::-1]
+    loads = [[0, []] for _ in range(max(1, min(count, len(files))))]
+    for size, file in sizes:
+        lightest = min(loads, key=lambda item: item[0])
+        lightest[0] += size
+        lightest[1].append(file)
+    return [dataclasses.replace(job, paths=tuple(sorted(files_))) for _, files_ in loads if files_] or [job]
+
+
+def run_trees(runtime: Runtime, tree: TestTree, jobs: Sequence[TreeRun], workers: int,
+              on_line: Callable[[str], None] | None = None) -> list[tuple[dict[str, UpstreamTestOutcome], float, bool]]:
+    """Run every job (each split into ``workers`` shards), ``workers`` pytest processes at a time;
+    (outcomes, seconds, read from the cache) per job, cached by what went into the job."""
+    results: list[tuple[dict[str, UpstreamTestOutcome], float, bool] | None] = [None] * len(jobs)
+    pending: list[tuple[int, str, list[TreeRun]]] = []
+    for index, job in enumerate(jobs):
+        key = job_key(runtime, tree, job)
+        cached = cache_dir() / "results" / f"{key}.json"
+        if cached.exists():
+            raw = json.loads(cached.read_text())
+            outcomes = {o["nodeid"]: from_jsonable(UpstreamTestOutcome, o) for o in raw["outcomes"]}
+            results[index] = (outcomes, raw["seconds"], True)
+            continue
+        pending.append((index, key, _shards(job, tree, workers)))
+    shard_jobs = [(index, key, n, shard) for index, key, shards in pending for n, shard in enumerate(shards)]
+    started = {index: time.monotonic() for index, _, _ in pending}
+    merged: dict[int, dict[str, UpstreamTestOutcome]] = {index: {} for index, _, _ in pending}
+    remaining = {index: len(shards) for index, _, shards in pending}
+    seconds: dict[int, float] = {}
+
+    def one(item: tuple[int, str, int, TreeRun]) -> None:
+        index, key, n, shard = item
+        if on_line:
+            on_line(f"{shard.label}: pytest on {len(shard.paths)} file(s)")
+        found = _run_pytest(runtime, tree, shard, cache_dir() / "work" / key / str(n))
+        merged[index].update(found)
+        remaining[index] -= 1
+        if remaining[index] == 0:
+            seconds[index] = time.monotonic() - started[index]
+            if on_line:
+                on_line(f"{shard.label}: {len(merged[index])} tests in {seconds[index]:.0f} s")
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        futures = [pool.submit(one, item) for item in shard_jobs]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:  # Ctrl-C, SIGTERM, a failed job: no pytest is left running
+            for future in futures:
+                future.cancel()
+            stop_live()
+            raise
+    for index, key, _ in pending:
+        outcomes = merged[index]
+        if jobs[index].select is not None:  # a selected test that did not run is a result too
+            for nodeid in jobs[index].select:
+                if not any(found == nodeid or found.startswith((nodeid + "[", nodeid + "::")) for found in outcomes):
+                    outcomes[nodeid] = UpstreamTestOutcome(nodeid, "missing", "not collected on this tree")
+        path = cache_dir() / "results" / f"{key}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"outcomes": to_jsonable(list(outcomes.values())), "seconds": seconds[index]}))
+        results[index] = (outcomes, seconds[index], False)
+    return [r for r in results if r is not None]
+
+
+def job_key(runtime: Runtime, tree: TestTree, job: TreeRun) -> str:
+    select = "\n".join(sorted(job.select)) if job.select is not None else "*"
+    return _sha(str(FORMAT), runtime.key, tree.key, job.vllm_key, select, *job.paths, *PYTEST_ARGS,
+                _configs_digest())[:20]
+
+
+_LIVE: set[subprocess.Popen] = set()
+
+
+def stop_live() -> None:
+    """Stop every pytest this module started (SIGTERM, then SIGKILL after 10 s)."""
+    for proc in list(_LIVE):
+        proc.terminate()
+    for proc in list(_LIVE):
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def offline_models() -> tuple[str, ...]:
+    return tuple(sorted(str(p.parent.relative_to(HF_CONFIGS)) for p in HF_CONFIGS.glob("*/*/config.json")))
+
+
+def _configs_digest() -> str:
+    return _sha(*(p.read_text() for p in sorted(HF_CONFIGS.glob("*/*/config.json"))))
+
+
+def offline_hub() -> Path:
+    """A Hugging Face hub cache holding only the shipped model configs (what HF_HUB_OFFLINE reads)."""
+    hub = cache_dir() / f"hf-hub-{_configs_digest()[:12]}"
+    if (hub / ".complete").exists():
+        return hub
+    for model in offline_models():
+        repo = hub / f"models--{model.replace('/', '--')}"
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / "main").write_text(_HF_REVISION)
+        snapshot = repo / "snapshots" / _HF_REVISION
+        snapshot.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(HF_CONFIGS / model / "config.json", snapshot / "config.json")
+    hub.mkdir(parents=True, exist_ok=True)
+    (hub / ".complete").write_text("")
+    return hub
+
+
+# --------------------------------------------------------------------------- the whole check
+
+
+def _pristine_root(base: str, on_line: Callable[[str], None] | None) -> tuple[Path, str]:
+    """The unpatched release as a vllm root: the pristine extraction plus vLLM's dist-info."""
+    wheel, pristine, digest = overlay.pristine_tree(base, on_line)
+    if not any(pristine.glob("vllm-*.dist-info/METADATA")):
+        overlay.wheels.extract_dist_info(wheel, pristine, ("METADATA", "entry_points.txt", "top_level.txt"))
+    return pristine, f"release-{digest}"
+
+
+def _function_id(nodeid: str) -> tuple[str, str]:
+    """(the id without its parametrization, the ``[...]`` suffix)."""
+    head, bracket, params = nodeid.partition("[")
+    return head, bracket + params
+
+
+def _display(tree: TestTree, nodeid: str) -> tuple[str, str]:
+    """How a node id is shown (a patch's test by its upstream id) and the patch it belongs to."""
+    head, params = _function_id(nodeid)
+    if head in tree.patch_ids:
+        return tree.patch_ids[head] + params, tree.patch_of[head]
+    return nodeid, ""
+
+
+def _is_patch_test(tree: TestTree, nodeid: str) -> bool:
+    return _function_id(nodeid)[0] in tree.patch_of
+
+
+def _counts(outcomes: dict[str, UpstreamTestOutcome]) -> tuple[int, int]:
+    passed = sum(o.outcome == PASSED for o in outcomes.values())
+    return passed, len(outcomes) - passed
+
+
+def check_builds(plans: Sequence[BuildPlan], all_patches: Sequence[PatchRef], runtime: Runtime,
+                 workers: int = 2, only: Sequence[str] = (), later_releases: Sequence[str] = (),
+                 on_line: Callable[[str], None] | None = None, command: str = "") -> UpstreamTestRun:
+    """Run the check on ``plans`` (one base); ``only``: node-id substrings that restrict the release's
+    tests (CI runs a handful); ``later_releases``: whose tests/ to read for a changed test."""
+    started = time.monotonic()
+    bases = {plan.base for plan in plans}
+    if len(bases) != 1:
+        raise SetupError(f"builds test runs one base release at a time; the builds have {sorted(bases)}")
+    base = bases.pop()
+    if on_line:
+        on_line(f"reading tests/ from the vLLM {base} sdist")
+    base_tests = source_tests(base)
+    tree = prepare_tests(base_tests, all_patches, on_line)
+    runtime = test_runtime(runtime, base_tests, on_line)
+    patch_nodeids = tuple(nodeid for m in tree.patch_ids for nodeid in [m])
+    release_root, release_key = _pristine_root(base, on_line)
+    # ``only``: test files or node ids of the release (CI runs a handful); the default is all of ROOTS
+    for entry in only:
+        if not (tree.root / entry.split("::")[0]).exists():
+            raise BadInputError(f"--only {entry}: vLLM {base}'s sdist has no {entry.split('::')[0]}; give a test "
+                                f"file or node id under {' or '.join(ROOTS)}, e.g. {ROOTS[0]}/test_kv_cache_utils.py")
+    roots = tuple(only) if only else tuple(ROOTS)
+    selection = tuple(only) if only else None
+    baseline_paths = tuple(sorted({o.split("::")[0] for o in only})) if only else roots
+    baseline_job = TreeRun(f"vLLM {base}", release_root, release_key, selection, baseline_paths)
+    patch_job = TreeRun(f"vLLM {base} (patch tests)", release_root, release_key, patch_nodeids,
+                        tuple(sorted({n.split("::")[0] for n in patch_nodeids})))
+    jobs = [baseline_job] + ([patch_job] if patch_nodeids else [])
+    baseline = run_trees(runtime, tree, jobs, workers, on_line)
+    release_outcomes = dict(baseline[0][0])
+    if patch_nodeids:
+        release_outcomes.update(baseline[1][0])
+    excluded = tuple(ExcludedTest(n, f"{o.outcome}: {o.message}".rstrip(": ")) for n, o in sorted(release_outcomes.items())
+                     if o.outcome != PASSED and not _is_patch_test(tree, n))
+    selected = tuple(sorted(n for n, o in release_outcomes.items() if o.outcome == PASSED and not _is_patch_test(tree, n)))
+    # the patches' tests as the release collected them (one id per parametrization), failing or not
+    patch_run = tuple(sorted(n for n in release_outcomes if _is_patch_test(tree, n)))
+    to_run = selected + patch_run
+    run_paths = tuple(sorted({n.split("::")[0] for n in to_run}))
+
+    artifacts = {}
+    for plan in plans:
+        artifact = overlay.build_release_overlay(plan, on_line)
+        artifacts[plan.name] = artifact
+    build_jobs = [TreeRun(f"build {plan.name}", Path(artifacts[plan.name].ref or "."), artifacts[plan.name].manifest.overlay_key
+                          or "", to_run, run_paths) for plan in plans if artifacts[plan.name].ok]
+    build_results = dict(zip([j.label for j in build_jobs], run_trees(runtime, tree, build_jobs, workers, on_line)))
+
+    by_stack: dict[tuple[str, ...], dict[str, UpstreamTestOutcome]] = {(): release_outcomes}
+    for plan in plans:
+        if f"build {plan.name}" in build_results:
+            by_stack[tuple(p.name for p in plan.patches)] = build_results[f"build {plan.name}"][0]
+
+    later_trees = _LaterTests(later_releases, on_line)
+    rows: list[UpstreamBuildTests] = []
+    for plan in plans:
+        stack = tuple(p.name for p in plan.patches)
+        artifact = artifacts[plan.name]
+        if not artifact.ok:
+            rows.append(UpstreamBuildTests(plan.name, stack, "", 0, 0, len(excluded), (), error=artifact.error))
+            continue
+        outcomes, seconds, cached = build_results[f"build {plan.name}"]
+        outcomes = {n: outcomes.get(n, UpstreamTestOutcome(n, "missing", "not collected on this build")) for n in to_run}
+        differing = [n for n in to_run if outcomes[n].outcome != release_outcomes.get(n, _MISSING).outcome]
+        changes = _attribute(plan, differing, outcomes, release_outcomes, by_stack, runtime, tree, workers,
+                             later_trees, base_tests, on_line)
+        passed, failed = _counts(outcomes)
+        rows.append(UpstreamBuildTests(
+            build=plan.name, patches=stack, key=job_key(runtime, tree, next(j for j in build_jobs if j.label == f"build {plan.name}")),
+            passed=passed, failed=failed, excluded=len(excluded),
+            outcomes=tuple(_labelled(tree, outcomes[n]) for n in to_run),
+            changes=tuple(changes), seconds=round(seconds, 1), cached=cached))
+    release_passed, release_failed = _counts({n: release_outcomes[n] for n in to_run if n in release_outcomes})
+    release_row = UpstreamBuildTests(
+        build=f"vLLM {base}", patches=(), key=job_key(runtime, tree, baseline_job), passed=release_passed,
+        failed=release_failed, excluded=len(excluded),
+        outcomes=tuple(_labelled(tree, release_outcomes[n]) for n in to_run if n in release_outcomes),
+        seconds=round(baseline[0][1], 1), cached=baseline[0][2])
+    return UpstreamTestRun(
+        base=base, sdist_sha256=base_tests.sdist_sha256, roots=roots, selected=len(selected), excluded=excluded,
+        patch_tests=tree.modules, release=release_row, builds=tuple(rows),
+        seconds=round(time.monotonic() - started, 1), command=command, offline_models=offline_models(),
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+
+_MISSING = UpstreamTestOutcome("", "missing")
+
+
+class _LaterTests:
+    """The newer releases' tests/, fetched only when a release test differs on a build."""
+
+    def __init__(self, releases: Sequence[str], on_line: Callable[[str], None] | None):
+        self.releases = list(releases)
+        self.on_line = on_line
+
+    def first_change(self, base_tests: SourceTests, nodeid: str) -> str:
+        """What the first newer release that changed the test changed, or that none did."""
+        unchanged = []
+        for release in self.releases:
+            if self.on_line:
+                self.on_line(f"reading {nodeid.split('::')[-1]} in the vLLM {release} sdist")
+            diff = upstream_copy.later_change(base_tests.root, source_tests(release).root, nodeid)
+            if diff:
+                return f"changed in vllm {release}: " + " | ".join(diff)
+            if diff == []:
+                unchanged.append(release)
+        return f"unchanged in vllm {', '.join(unchanged)}" if unchanged else "not in the newer releases read"
+
+
+def _labelled(tree: TestTree, outcome: UpstreamTestOutcome) -> UpstreamTestOutcome:
+    nodeid, patch = _display(tree, outcome.nodeid)
+    return dataclasses.replace(outcome, nodeid=nodeid, patch=patch)
+
+
+def _attribute(plan: BuildPlan, differing: list[str], outcomes: dict[str, UpstreamTestOutcome],
+               release: dict[str, UpstreamTestOutcome], by_stack: dict[tuple[str, ...], dict[str, UpstreamTestOutcome]],
+               runtime: Runtime, tree: TestTree, workers: int, later_trees: "_LaterTests",
+               base_tests: SourceTests, on_line: Callable[[str], None] | None) -> list[UpstreamTestChange]:
+    """For each differing test, the first prefix of the stack on which the build's outcome appears."""
+    if not differing:
+        return []
+    stack = plan.patches
+    prefix_outcomes: list[dict[str, UpstreamTestOutcome]] = []
+    for k in range(1, len(stack)):
+        names = tuple(p.name for p in stack[:k])
+        if names in by_stack:
+            prefix_outcomes.append(by_stack[names])
+            continue
+        prefix = dataclasses.replace(plan, name=f"{plan.name}[:{k}]", patches=stack[:k])
+        artifact = overlay.build_release_overlay(prefix, on_line)
+        if not artifact.ok:
+            prefix_outcomes.append({})
+            continue
+        job = TreeRun(f"build {plan.name} first {k} patch(es)", Path(artifact.ref or "."),
+                      artifact.manifest.overlay_key or "", tuple(differing),
+                      tuple(sorted({n.split("::")[0] for n in differing})))
+        prefix_outcomes.append(run_trees(runtime, tree, [job], workers, on_line)[0][0])
+    prefix_outcomes.append(outcomes)
+    changes = []
+    for nodeid in differing:
+        final = outcomes[nodeid]
+        position = next((k for k, found in enumerate(prefix_outcomes, start=1)
+                         if nodeid in found and found[nodeid].outcome == final.outcome), None)
+        display, _ = _display(tree, nodeid)
+        later = ""
+        if not _is_patch_test(tree, nodeid):
+            later = later_trees.first_change(base_tests, nodeid)
+        changes.append(UpstreamTestChange(
+            nodeid=display, release_outcome=release.get(nodeid, _MISSING).outcome, build_outcome=final.outcome,
+            changed_by=stack[position - 1].name if position else None, stack_position=position,
+            message=final.message or release.get(nodeid, _MISSING).message, later=later))
+    return changes

@@ -1,0 +1,93 @@
+"""The report of ``kvrepro builds test``: vLLM's own tests per build, and what the patches changed.
+
+Per build: passed / failed / excluded; every test whose outcome differs from the unpatched release
+with the patch of the stack that changed it and what a newer release did to the same test; each
+patch's upstream tests with the helpers copied from the later release. Written as
+``results/upstream-tests-<time>/report.md`` next to ``upstream-tests.json`` (the record).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from ..records import UpstreamTestRun, to_jsonable
+from ..results.store import write_atomic
+
+REPORT_JSON = "upstream-tests.json"
+REPORT_MD = "report.md"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(run: UpstreamTestRun) -> str:
+    lines = [f"# vLLM {run.base}'s own tests on every build", "",
+             f"`{run.command or 'kvrepro builds test'}`, {run.created}, {run.seconds:.0f} s. Tests of "
+             f"{', '.join(f'`{r}`' for r in run.roots)} from the vLLM {run.base} sdist (sha256 "
+             f"{run.sdist_sha256[:12]}), vLLM's CPU platform: {run.selected} pass on the unpatched release "
+             f"and run on every build; {len(run.excluded)} do not pass there and are excluded."
+             + (f" Model configs given offline (config.json only, no weights): {', '.join(run.offline_models)}."
+                if run.offline_models else ""), "",
+             "| build | patches | passed | failed | excluded | time | |", "|---|---|---|---|---|---|---|"]
+    for row in (run.release, *run.builds):
+        note = row.error or ("cached" if row.cached else "")
+        lines.append(f"| {row.build} | {', '.join(row.patches) or '-'} | {row.passed} | {row.failed} | {row.excluded} "
+                     f"| {row.seconds:.0f} s | {_cell(note)} |")
+    patch_tests = [o for o in run.release.outcomes if o.patch]
+    if patch_tests:
+        builds = [b for b in run.builds if not b.error]
+        lines += ["", "## Each patch's upstream tests", "",
+                  "| test | patch | release | " + " | ".join(b.build for b in builds) + " |",
+                  "|---|---|---|" + "---|" * len(builds)]
+        for outcome in patch_tests:
+            cells = []
+            for build in builds:
+                found = next((o for o in build.outcomes if o.nodeid == outcome.nodeid), None)
+                cells.append(found.outcome if found else "-")
+            lines.append(f"| `{outcome.nodeid.rsplit('::', 1)[-1]}` ({outcome.nodeid.split(' ')[1]}) | {outcome.patch} "
+                         f"| {outcome.outcome} | " + " | ".join(cells) + " |")
+        lines.append("")
+        for module in run.patch_tests:
+            for helper in module.helpers:
+                lines.append(f"- {module.patch}: helper `{helper.name}` copied from vllm {helper.release} "
+                             f"`{helper.file}` ({helper.why})")
+            for problem in module.problems:
+                lines.append(f"- {module.patch}: not carried over: {problem}")
+    lines += ["", "## Tests whose outcome differs from the unpatched release", ""]
+    changed = [(b, c) for b in run.builds for c in b.changes]
+    if not changed:
+        lines.append("None.")
+    else:
+        lines += ["| build | test | release -> build | changed by (stack position) | failure | upstream later |",
+                  "|---|---|---|---|---|---|"]
+        for build, change in changed:
+            by = f"{change.changed_by} ({change.stack_position})" if change.changed_by else "not reproduced on a prefix"
+            lines.append(f"| {build.build} | `{_cell(change.nodeid)}` | {change.release_outcome} -> {change.build_outcome} "
+                         f"| {by} | {_cell(change.message)} | {_cell(change.later)} |")
+    failures = [(b, o) for b in run.builds for o in b.outcomes if o.outcome != "passed"]
+    if failures:
+        lines += ["", "## Every failing test per build", ""]
+        for build, outcome in failures:
+            where = f": `{_cell(outcome.line)}`" if outcome.line else ""
+            lines.append(f"- {build.build}: `{outcome.nodeid}` {outcome.outcome}: {_cell(outcome.message)}{where}")
+    if run.excluded:
+        lines += ["", f"## Excluded ({len(run.excluded)}: not passing on the unpatched release)", ""]
+        reasons: dict[str, int] = {}
+        for test in run.excluded:
+            reasons[test.why[:120]] = reasons.get(test.why[:120], 0) + 1
+        for why, count in sorted(reasons.items(), key=lambda item: -item[1]):
+            lines.append(f"- {count} x {_cell(why)}")
+        lines.append(f"\n(every excluded test with why: `{REPORT_JSON}`)")
+    return "\n".join(lines) + "\n"
+
+
+def write(run: UpstreamTestRun, results_root: Path) -> Path:
+    """Write the record and report.md into a new folder under ``results_root``; returns the folder."""
+    folder = results_root / time.strftime("upstream-tests-%Y%m%d-%H%M%S", time.gmtime())
+    folder.mkdir(parents=True, exist_ok=True)
+    write_atomic(folder / REPORT_JSON, json.dumps(to_jsonable(run), indent=2) + "\n")
+    write_atomic(folder / REPORT_MD, markdown(run))
+    return folder

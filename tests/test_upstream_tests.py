@@ -1,0 +1,208 @@
+"""`kvrepro builds test`: vLLM's own tests on every build (kvrepro/builds/upstream_tests.py).
+
+The unit tests build small later/base ``tests/`` trees by hand (our own code, not vLLM's) to check
+what is copied from a later release and what is listed. The end-to-end test runs a handful of
+vLLM 0.26.0's real tests, from the real sdist, on two real builds with vLLM's CPU platform: the
+release itself as A and a stack with pr-52807 and a fixture patch that breaks one upstream test,
+which the report must name as the cause. Nothing is faked there.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from kvrepro.builds import upstream_copy
+from kvrepro.builds.patching import read_header
+from kvrepro.errors import SpecError
+
+
+def _write(root: Path, rel: str, text: str) -> None:
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    (root / rel).write_text(text)
+
+
+LATER_HELPERS = '''
+def shared(x):
+    return x + 1
+
+
+def made_later():
+    return 2
+'''
+LATER_TEST = '''
+import pytest
+from tests.unit.helpers import shared, made_later
+
+LIMIT = 3
+
+
+def _local(n):
+    return min(n, LIMIT)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_new(n):
+    assert _local(shared(n)) == made_later()
+
+
+def test_unrelated():
+    assert False
+'''
+
+
+def _trees(tmp_path: Path) -> tuple[Path, Path]:
+    later, base = tmp_path / "later", tmp_path / "base"
+    _write(later, "tests/unit/helpers.py", LATER_HELPERS)
+    _write(later, "tests/unit/test_x.py", LATER_TEST)
+    _write(base, "tests/unit/helpers.py", "\ndef shared(x):\n    return x + 1\n")
+    _write(base, "tests/unit/test_x.py", "def test_old():\n    assert True\n")
+    return later, base
+
+
+def test_a_later_test_is_copied_with_its_helpers_listed_and_identical_ones_imported(tmp_path):
+    later, base = _trees(tmp_path)
+    module = upstream_copy.generate(later, "0.30.0", base, "0.26.0", ["tests/unit/test_x.py::test_new"],
+                                    "test_kvrepro_p")
+    assert module.rel == "tests/unit/test_kvrepro_p.py"
+    assert module.tests == ("tests/unit/test_kvrepro_p.py::test_new",)
+    # identical in the base's helper module: imported from there, not copied
+    assert "from tests.unit.helpers import shared" in module.text
+    # not in the base: copied and listed; a helper of the test file itself likewise
+    listed = {(h.name, h.file, h.why) for h in module.helpers}
+    assert ("made_later", "tests/unit/helpers.py", "not in vllm 0.26.0's tests/") in listed
+    assert ("_local", "tests/unit/test_x.py", "not in vllm 0.26.0's tests/") in listed
+    assert ("LIMIT", "tests/unit/test_x.py", "not in vllm 0.26.0's tests/") in listed
+    assert "test_unrelated" not in module.text and "import pytest" in module.text
+    assert module.problems == ()
+    # the module runs as written: the parametrized test passes for n=1 and fails for n=2 (our fixture)
+    _write(base, module.rel, module.text)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", module.rel],
+                          cwd=base, capture_output=True, text=True)
+    assert "1 failed, 1 passed" in proc.stdout, proc.stdout
+
+
+def test_a_helper_that_differs_in_the_base_is_copied_and_says_so(tmp_path):
+    later, base = _trees(tmp_path)
+    _write(base, "tests/unit/helpers.py", "\ndef shared(x):\n    return x\n")
+    module = upstream_copy.generate(later, "0.30.0", base, "0.26.0", ["tests/unit/test_x.py::test_new"], "test_k")
+    assert ("shared", "differs from vllm 0.26.0's") in {(h.name, h.why) for h in module.helpers}
+
+
+def test_a_test_the_later_release_does_not_have_is_a_listed_problem(tmp_path):
+    later, base = _trees(tmp_path)
+    module = upstream_copy.generate(later, "0.30.0", base, "0.26.0", ["tests/unit/test_x.py::test_gone"], "test_k")
+    assert module.tests == ()
+    assert module.problems == ("tests/unit/test_x.py::test_gone: not in vllm 0.30.0's tests/unit/test_x.py",)
+
+
+def test_later_change_shows_the_lines_a_newer_release_changed(tmp_path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    _write(old, "tests/t.py", "def test_v():\n    x = 1\n    assert x == 3\n")
+    _write(new, "tests/t.py", "def test_v():\n    x = 1\n    assert x == 4\n")
+    assert upstream_copy.later_change(old, new, "tests/t.py::test_v[a]") == ["-    assert x == 3", "+    assert x == 4"]
+    assert upstream_copy.later_change(old, old, "tests/t.py::test_v") == []
+    assert upstream_copy.later_change(old, new, "tests/t.py::test_missing") is None
+    # a method of a test class: only the method is compared
+    _write(old, "tests/c.py", "class TestK:\n    def test_a(self):\n        assert 1\n\n    def test_b(self):\n        assert 2\n")
+    _write(new, "tests/c.py", "class TestK:\n    def test_a(self):\n        assert 1\n\n    def test_b(self):\n        assert 3\n")
+    assert upstream_copy.later_change(old, new, "tests/c.py::TestK::test_a") == []
+    assert upstream_copy.later_change(old, new, "tests/c.py::TestK::test_b") == ["-        assert 2", "+        assert 3"]
+
+
+def test_the_patch_header_names_upstream_tests_and_a_bad_line_names_file_and_line(tmp_path):
+    tests = read_header(ROOT / "builds" / "pr-52807.patch").upstream_tests
+    assert [(t.release, t.nodeid.rsplit("::", 1)[1]) for t in tests] == [
+        ("0.30.0", "test_recurrent_group_unhashed_block_does_not_truncate_load_boundary")]
+    bad = tmp_path / "bad.patch"
+    bad.write_text("# Upstream: https://x\n# Title: t\n# Upstream-Test: 0.30.0 test_x\n#\n--- a/v\n+++ b/v\n@@ -1 +1 @@\n-a\n+b\n")
+    with pytest.raises(SpecError, match=r"bad.patch:3: Upstream-Test must read"):
+        read_header(bad)
+
+
+def test_the_plugin_selects_ids_their_parametrizations_and_what_a_file_or_class_holds():
+    from kvrepro.builds.upstream_pytest_plugin import _selected
+
+    wanted = {"tests/a.py::test_x", "tests/b.py", "tests/c.py::TestK"}
+    assert _selected("tests/a.py::test_x", wanted) and _selected("tests/a.py::test_x[1-2]", wanted)
+    assert _selected("tests/b.py::test_any", wanted) and _selected("tests/c.py::TestK::test_m[p]", wanted)
+    assert not _selected("tests/a.py::test_xy", wanted) and not _selected("tests/c.py::TestKK::test_m", wanted)
+
+
+def test_an_only_that_names_no_test_file_is_bad_input_exit_2(tmp_path, runtime_python):
+    proc = subprocess.run([sys.executable, "-m", "kvrepro.cli", "builds", "test", "--build", "A",
+                           "--only", "tests/v1/core/test_nothing_here.py", "--results", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--only tests/v1/core/test_nothing_here.py: vLLM 0.26.0's sdist has no" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------- end to end (vLLM env)
+
+# a handful of 0.26.0's own tests: the one the fixture patch breaks and three it must not touch
+HANDFUL = [
+    "tests/v1/core/test_kv_cache_utils.py::test_hash_block_tokens",
+    "tests/v1/core/test_kv_cache_utils.py::test_free_kv_cache_block_queue_initialization",
+    "tests/v1/core/test_kv_cache_utils.py::test_generate_block_hash_extra_keys",
+]
+BROKEN = HANDFUL[0]
+
+
+def _fixture_matrix(tmp_path: Path) -> Path:
+    """matrix.yaml with two builds: A (common: pr-49146 only) and F (+ pr-52807 + the fixture)."""
+    (tmp_path / "builds").mkdir()
+    for name in ("pr-49146", "pr-52807"):
+        shutil.copy(ROOT / "builds" / f"{name}.patch", tmp_path / "builds")
+    shutil.copy(ROOT / "tests" / "data" / "patches" / "fixture-break-block-hash.patch", tmp_path / "builds")
+    text = (ROOT / "matrix.yaml").read_text()
+    head, _, rest = text.partition("\npatches:\n")
+    tail = rest.split("\ntarget_signature:", 1)[1].split("\nexpect:", 1)[0]
+    patches = "".join(f"  {name}:\n    file: {name}.patch\n    upstream: {url}\n" for name, url in (
+        ("pr-49146", "https://github.com/vllm-project/vllm/pull/49146"),
+        ("pr-52807", "https://github.com/vllm-project/vllm/pull/52807"),
+        ("fixture-break-block-hash", "https://example.invalid/kvrepro-fixture")))
+    path = tmp_path / "matrix.yaml"
+    path.write_text(head + "\npatches:\n" + patches + "\ncommon: [pr-49146]\n\nbuilds:\n  A: []\n"
+                    "  F: [pr-52807, fixture-break-block-hash]\n\ntarget_signature:" + tail + "\n")
+    return path
+
+
+def test_builds_test_runs_upstream_tests_and_names_the_patch_that_broke_one(tmp_path, runtime_python):
+    """vLLM 0.26.0's real tests on two real builds; the fixture patch (tests/data/patches) changes
+    vLLM's block hashing, so test_hash_block_tokens must fail on F and the report must name it."""
+    matrix = _fixture_matrix(tmp_path)
+    cmd = [sys.executable, "-m", "kvrepro.cli", "builds", "test", "--matrix", str(matrix), "--json",
+           "--results", str(tmp_path / "results"), "--later", "0.27.0", *[arg for t in HANDFUL for arg in ("--only", t)]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(proc.stdout)
+    builds = {b["build"]: b for b in run["builds"]}
+    assert builds["A"]["patches"] == ["pr-49146"]
+    assert builds["F"]["patches"] == ["pr-49146", "pr-52807", "fixture-break-block-hash"]
+    changes = {c["nodeid"]: c for c in builds["F"]["changes"]}
+    broken = changes[BROKEN + "[sha256]"]  # parametrized upstream: [sha256] and [sha256_cbor]
+    assert (broken["release_outcome"], broken["build_outcome"]) == ("passed", "failed")
+    assert (broken["changed_by"], broken["stack_position"]) == ("fixture-break-block-hash", 3)
+    assert "assert" in broken["message"].lower()
+    regression = [c for nodeid, c in changes.items() if "does_not_truncate_load_boundary" in nodeid]
+    assert [(c["release_outcome"], c["build_outcome"], c["changed_by"]) for c in regression] == [
+        ("failed", "passed", "pr-52807")]
+    # the release's own run shows the target assertion for PR 52807's test
+    target = next(o for o in run["release"]["outcomes"] if o["patch"] == "pr-52807")
+    assert target["outcome"] == "failed" and "num_locally_computed_tokens" in target["line"]
+    # on A only 52807's test fails; on F only the two parametrizations of the broken test
+    assert builds["A"]["failed"] == 1 and builds["F"]["failed"] == 2
+    assert changes[BROKEN + "[sha256]"]["later"] == "unchanged in vllm 0.27.0"
+    report = next((tmp_path / "results").glob("upstream-tests-*/report.md")).read_text()
+    assert "fixture-break-block-hash (3)" in report and "_make_partial_tail_scheduler" in report
+    # a second run reads every tree back from the cache
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert all(b["cached"] for b in json.loads(again.stdout)["builds"])
