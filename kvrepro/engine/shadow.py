@@ -58,7 +58,9 @@ Mamba ``align`` helpers (``v1/worker/mamba_utils.preprocess_mamba`` and the alig
 
 Knobs (environment of the engine): ``KVREPRO_SIM_SHADOW_KV=0`` turns it off,
 ``KVREPRO_SIM_SHADOW_DESCRIBE=N`` describes the first N violations (default 5; the rest are
-counted), ``KVREPRO_SIM_SHADOW_DEBUG=1`` adds each violating request's block table.
+counted), ``KVREPRO_SIM_SHADOW_DEBUG=1`` adds each violating request's block table and one line per
+offload transfer: its GPU blocks per group and the CPU sub-blocks they pair with (``store step=..
+job=.. pairs=g0:95->41.1,...``), which tells a stored chunk with a hole from a chunk never stored.
 
 Runs in the engine process; stdlib only, no vLLM import.
 """
@@ -472,7 +474,18 @@ class ShadowKV:
             g_off += int(size)
             c_off += _cdiv(int(size) + skip, bpc) if size else 0
 
+    def _trace_transfer(self, what: str, job_id, gpu_spec, cpu_spec) -> None:
+        """KVREPRO_SIM_SHADOW_DEBUG: each transfer's GPU blocks per group and the CPU sub-blocks
+        they pair with (what tells a hole in a stored chunk from a chunk never stored)."""
+        if not os.environ.get("KVREPRO_SIM_SHADOW_DEBUG"):
+            return
+        pairs = ",".join(f"g{g}:{b}->{c}.{s}" for g, b, (c, s) in self._pairs(gpu_spec, cpu_spec))
+        self._write(f"{what} step={self.step} job={job_id} group_sizes={list(getattr(gpu_spec, 'group_sizes', []))} "
+                    f"block_indices={list(getattr(gpu_spec, 'block_indices', []))} "
+                    f"cpu={[int(b) for b in cpu_spec.block_ids]} pairs={pairs}")
+
     def store(self, job_id, gpu_spec, cpu_spec) -> None:
+        self._trace_transfer("store", job_id, gpu_spec, cpu_spec)
         with self._lock:
             for group, gpu_block, cpu_key in self._pairs(gpu_spec, cpu_spec):
                 content = self.gpu.get(gpu_block)
@@ -488,6 +501,7 @@ class ShadowKV:
             owner = self.load_owner(job_id)
         except Exception:
             pass
+        self._trace_transfer(f"load(for {owner})", job_id, gpu_spec, cpu_spec)
         with self._lock:
             if owner is not None:
                 self.loaded_for.add(owner)
@@ -498,7 +512,7 @@ class ShadowKV:
                           + (f", for request {owner})" if owner is not None else ")"))
                 if content is None:
                     self.gpu.pop(gpu_block, None)
-                    self.gpu[gpu_block] = Content(group, source=f"{origin} of a chunk never stored")
+                    self.gpu[gpu_block] = Content(group, source=f"{origin} of a CPU sub-block no store wrote")
                 else:
                     self.gpu[gpu_block] = content.copy(f"{origin} of: {content.source}")
 
