@@ -19,6 +19,9 @@ PROJECT_FILES = ("matrix.yaml", "builds", "defects")
 
 class BuildPyWithProject(build_py):
     def run(self):
+        if not self.editable_mode:
+            # pip builds in the checkout's build/: a module deleted since the last wheel would ship again
+            shutil.rmtree(Path(self.build_lib) / "kvrepro", ignore_errors=True)
         super().run()
         if self.editable_mode:  # an editable install reads them from the checkout itself
             return
