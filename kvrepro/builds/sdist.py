@@ -119,11 +119,17 @@ def source_tests(release: str) -> SourceTests:
                     member.name = rel
                     members.append(member)
             tar.extractall(tmp, members, filter="data")
-        (tmp / ".complete").write_text(digest + "\n")
-        if root.exists():
-            shutil.rmtree(root)
-        os.replace(tmp, root)
+        publish_staged(tmp, root, digest)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return SourceTests(release, root, digest)
+
+
+def publish_staged(tmp: Path, root: Path, key: str) -> None:
+    """Mark a staged cache folder complete (``.complete`` holds its key) and put it in ``root``'s
+    place in one rename, so a reader sees the old folder or the whole new one, never half of one."""
+    (tmp / ".complete").write_text(key + "\n")
+    if root.exists():
+        shutil.rmtree(root)
+    os.replace(tmp, root)

@@ -41,7 +41,7 @@ from ..records import (
 )
 from . import overlay, patching, upstream_copy
 from .runtime import Runtime, ensure_layer
-from .sdist import SourceTests, source_tests
+from .sdist import SourceTests, publish_staged, source_tests
 
 # The scheduler, the KV-cache manager and the KV connectors: what kvrepro's builds patch.
 ROOTS = ("tests/v1/core", "tests/v1/kv_connector/unit")
@@ -136,10 +136,7 @@ def prepare_tests(base: SourceTests, patches: Sequence[PatchRef],
                 (tmp / module.rel).parent.mkdir(parents=True, exist_ok=True)
                 (tmp / module.rel).write_text(module.text)
             (tmp / f"{PLUGIN_NAME}.py").write_text(plugin)
-            (tmp / ".complete").write_text(key + "\n")
-            if root.exists():
-                shutil.rmtree(root)
-            os.replace(tmp, root)
+            publish_staged(tmp, root, key)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
