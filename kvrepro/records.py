@@ -223,7 +223,7 @@ class BuildManifest:
             return cls()
         if not isinstance(value, dict):
             raise RecordError(where, f"expected an object, found {type(value).__name__}")
-        hints = _type_hints(cls)
+        hints = type_hints(cls)
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {k: from_jsonable(hints[k], v, f"{where}.{k}") for k, v in value.items() if k in known}
         extra = {k: v for k, v in value.items() if k not in known}
@@ -918,7 +918,7 @@ class RecordError(ValueError):
 
 
 @functools.cache
-def _type_hints(cls: Any) -> dict[str, Any]:
+def type_hints(cls: Any) -> dict[str, Any]:
     """``typing.get_type_hints`` once per record class: it compiles every annotation string each
     time, most of what reading a results folder cost (`results list` over 500 runs)."""
     return typing.get_type_hints(cls)
@@ -952,7 +952,7 @@ def from_jsonable(cls: Any, value: Any, where: str = "") -> Any:
     if dataclasses.is_dataclass(cls):
         if not isinstance(value, dict):
             raise RecordError(where or cls.__name__, f"expected an object, found {type(value).__name__}")
-        hints = _type_hints(cls)
+        hints = type_hints(cls)
         names = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(value) - names)
         if unknown:

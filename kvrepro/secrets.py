@@ -56,6 +56,12 @@ def register_secret_options(options: dict[str, object], all_options: list[str] |
         _all_options.update(_flag_name(k) for k in all_options if k.startswith("--"))
 
 
+def registered_secret_options() -> dict[str, object]:
+    """The secret options registered so far (normalised option name -> nargs), a copy."""
+    with _lock:
+        return dict(_secret_options)
+
+
 def _registered(name: str) -> object | bool:
     with _lock:
         if name in _secret_options:

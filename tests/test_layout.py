@@ -70,3 +70,47 @@ def test_each_target_checks_its_own_settings(monkeypatch):
     from pathlib import Path
 
     assert "deploy.docker" not in (Path(deploy.__file__).parent.parent / "matrix" / "__init__.py").read_text()
+
+
+def _private_imports_across_folders(package) -> list[str]:
+    """``from <module in another folder> import _name``: every such import in ``package`` (a
+    folder holding kvrepro/), read with ast (function-level imports count too)."""
+    import ast
+
+    found = []
+    for path in sorted((package / "kvrepro").rglob("*.py")):
+        if "data" in path.relative_to(package).parts:
+            continue
+        folder = path.parent.relative_to(package).parts
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = folder[: len(folder) - (node.level - 1)]
+                module = base + tuple(node.module.split(".") if node.module else ())
+            else:
+                module = tuple((node.module or "").split("."))
+            if module[0] != "kvrepro":
+                continue
+            # the folder the imported module lives in: a module file's parent, or the package itself
+            is_file = package.joinpath(*module).with_suffix(".py").is_file()
+            home = module[:-1] if is_file else module
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__") and home != folder:
+                    found.append(f"{path.relative_to(package)}: {'.'.join(module)}.{alias.name}")
+    return found
+
+
+def test_no_private_name_is_imported_across_folders(tmp_path):
+    """A ``_name`` is its folder's own: another folder that needs it needs a public name. The check
+    also finds one planted in a copy (it can fail)."""
+    import shutil
+
+    assert _private_imports_across_folders(ROOT) == []
+    copy = tmp_path / "repo"
+    shutil.copytree(ROOT / "kvrepro", copy / "kvrepro", ignore=shutil.ignore_patterns("__pycache__", "data"))
+    trace = copy / "kvrepro" / "loadgen" / "trace.py"
+    trace.write_text(trace.read_text() + "\n\ndef _planted():\n    from ..records import _planted_name  # noqa\n")
+    runner = copy / "kvrepro" / "loadgen" / "runner.py"
+    runner.write_text(runner.read_text() + "\n\ndef _planted():\n    from .trace import _same_folder  # noqa\n")
+    assert _private_imports_across_folders(copy) == ["kvrepro/loadgen/trace.py: kvrepro.records._planted_name"]

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SpecError
-from ..records import Json, RecordError, RequestEvents, _type_hints, from_jsonable, to_jsonable
+from ..records import Json, RecordError, RequestEvents, type_hints, from_jsonable, to_jsonable
 from .profiles import Profile, Prompt
 
 FORMAT_VERSION = 1
@@ -81,7 +81,7 @@ class TraceHeader:
         raises RecordError naming it. ``trace`` (the format number) is not kept."""
         if not isinstance(value, dict):
             raise RecordError(where, f"expected an object, found {type(value).__name__}")
-        hints = _type_hints(cls)
+        hints = type_hints(cls)
         known = {f.name for f in dataclasses.fields(cls)} - {"extra", "nulls"}
         kwargs = {k: from_jsonable(hints[k], v, f"{where}.{k}") for k, v in value.items() if k in known}
         return cls(**kwargs, extra={k: v for k, v in value.items() if k not in known and k != "trace"},

@@ -96,11 +96,11 @@ def _register_secret_options(options: dict, flags: list[str]) -> None:
 def secret_options(base: str) -> dict | None:
     """The options of vLLM ``base``'s `vllm serve` whose destination names a secret (option ->
     nargs), read from its own parser; None when the runtime env is not set up."""
-    from ..secrets import _secret_options
+    from ..secrets import registered_secret_options
 
     if serve_flags(base) is None:
         return None
-    return dict(_secret_options)
+    return registered_secret_options()
 
 
 def unknown_flags(args: list[str], known: set[str]) -> list[str]:
