@@ -9,7 +9,8 @@ nothing it started left running.
 * **Any command** (:func:`install_default`, from ``cli.main``): a signal raises
   :class:`Interrupted` (a ``KeyboardInterrupt``) in the main thread; what runs unwinds through
   its ``finally`` blocks (engines stopped, run folders marked) and the command exits 130.
-* **Long-running commands** (:func:`stop_on_signals`: `matrix run`, `bisect`, `load replay`):
+* **Long-running commands** (:func:`stop_on_signals`: `matrix run`, `suite run`, `bisect`, `load replay`,
+  `explore`, `triage --run`, `engine serve`):
   the first signal only sets a stop event: running repetitions are recorded, engines stopped, the
   rest marked interrupted; a second one raises :class:`Interrupted` to stop at once.
 
@@ -122,5 +123,19 @@ def stop_on_signals(stop: threading.Event, on_first: Callable[[int], None] | Non
             signal.signal(sig, old)
 
 
-__all__ = ["EXIT_CODE", "Interrupted", "SIGNALS", "deferred", "ignore", "install_default", "last_signal", "name",
-           "quiet_until_ready", "stop_on_signals"]
+@contextmanager
+def ignored() -> Iterator[None]:
+    """Every run is recorded and nothing is left running; what remains (the table, the report)
+    takes a moment. A further signal must not land inside it (a KeyboardInterrupt raised in a
+    library's callback prints a traceback and leaves a half-written report): ignored, then the
+    handlers in place before are back."""
+    previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+__all__ = ["EXIT_CODE", "Interrupted", "SIGNALS", "deferred", "ignore", "ignored", "install_default", "last_signal",
+           "name", "quiet_until_ready", "stop_on_signals"]

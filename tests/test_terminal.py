@@ -84,12 +84,12 @@ SOURCE_POSITION = re.compile(r"\w+\.py:\d+")
 
 
 def test_progress_lines_carry_no_source_position(capsys):
-    from kvrepro import cli
+    from kvrepro.report import terminal
 
-    progress = cli.RichProgress(1)
+    progress = terminal.RichProgress(1)
     with progress.progress:
         progress.stage("build A: pr-49146")
-    bisect = cli.BisectProgress()
+    bisect = terminal.BisectProgress()
     with bisect.progress:
         bisect.progress.console.log("point 0.26.0: CRASH")
     text = capsys.readouterr().err

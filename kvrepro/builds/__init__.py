@@ -32,7 +32,31 @@ def prepare_runtime(base: str, on_line: Callable[[str], None] | None = None) -> 
     return ensure_runtime(vllm_requirements(wheel), on_line)
 
 
+def setup_matrix(loaded, on_line: Callable[[str], None] | None = None) -> dict:
+    """`kvrepro setup`: every release's runtime env and every build's overlay (idempotent); what
+    was made, as `setup --json` prints it. ``loaded``: a spec LoadedMatrix."""
+    done: dict = {}
+    for release in loaded.matrix.bases:
+        runtime = prepare_runtime(release, on_line=on_line)
+    done["runtime_python"] = str(runtime.python)
+    done["runtime_layers"] = [str(p) for p in runtime.layers]
+    done["builds"] = {}
+    for plan in loaded.plans():
+        artifact = build_overlay(plan, on_line=on_line)
+        done["builds"][plan.name] = {"ok": artifact.ok, "overlay": artifact.ref, "error": artifact.error,
+                                     "reused": artifact.reused}
+    return done
+
+
+def setup_lines(done: dict) -> list[str]:
+    """`kvrepro setup`'s report of :func:`setup_matrix` (rich markup)."""
+    return [f"runtime env: {done['runtime_python']}"] + [
+        f"build {name}: " + (f"[green]ok[/] {b['overlay']}" if b["ok"] else f"[red]failed[/] {b['error']}")
+        for name, b in done["builds"].items()]
+
+
 __all__ = [
+    "setup_lines", "setup_matrix",
     "Runtime", "apply_patch_stack", "build_overlay", "ensure_runtime", "fetch_wheel", "is_ready",
     "prepare_runtime", "pristine_tree", "touched_files", "vllm_requirements",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import SpecError
 from .base import EngineHandle, Target
@@ -61,6 +61,20 @@ def check_settings(matrix: "Matrix") -> None:
             check(matrix)
 
 
+def target_commands() -> list[tuple[str, Any]]:
+    """Each target's own commands, for kvrepro/cli.py to mount: a target package's ``cli`` module
+    lists them in ``COMMANDS`` (command name -> a Typer app or a command function). A target
+    whose optional dependencies are not installed has none."""
+    commands: list[tuple[str, Any]] = []
+    for name in known_targets():
+        try:
+            module = importlib.import_module(f"{__name__}.{name}.cli")
+        except ImportError:  # not a package with commands, or its extra (e.g. docker) is not installed
+            continue
+        commands.extend(getattr(module, "COMMANDS", {}).items())
+    return commands
+
+
 def check_environment(target: str, matrix: "Matrix") -> None:
     """What ``target`` takes from the environment (ray: $RAY_ADDRESS), checked before anything is
     recorded: the target module's optional ``check_environment`` raises SpecError (exit 2)."""
@@ -72,4 +86,4 @@ def check_environment(target: str, matrix: "Matrix") -> None:
 
 
 __all__ = ["EngineHandle", "Target", "check_environment", "check_settings", "get_target", "known_targets",
-           "register"]
+           "register", "target_commands"]

@@ -340,3 +340,66 @@ class SimTarget(Target):
             handle.stop(grace=1.0 if self._interrupted.is_set() else 10.0)  # mid-start: nothing to flush
             raise
         return handle
+
+
+# --- `kvrepro engine serve`: one build served in the foreground until a stop signal ---------------
+
+def check_port_free(port: int) -> None:
+    """BadInputError when 127.0.0.1:PORT cannot be listened on (another server holds it)."""
+    from ..errors import BadInputError
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise BadInputError(f"--port {port}: 127.0.0.1:{port} is in use ({exc.strerror}); stop what listens "
+                                "there or choose another --port") from None
+
+
+def serve_build(loaded, build: str, port: int, rep: int, say, status) -> int:
+    """`kvrepro engine serve`: build ``build`` of ``loaded`` (a spec LoadedMatrix) and serve it on
+    127.0.0.1:``port`` in the foreground (:func:`serve_foreground`); ``status(text)`` is the
+    context shown while it builds, ``say`` one line on stderr."""
+    plan = loaded.plans([build])[0]
+    check_port_free(port)  # at once, not after vLLM's 18 s of imports end in `OSError: [Errno 98]`
+    target = SimTarget(loaded)
+    with status(f"building {build}"):
+        artifact = target.prepare(plan)
+    if not artifact.ok:
+        raise KvreproError(f"build {build} failed: {artifact.error}")
+    say(f"serving build {build} on http://127.0.0.1:{port} (overlay {artifact.ref}); Ctrl-C to stop")
+    return serve_foreground(target, artifact, port, rep, say)
+
+
+def serve_foreground(target: "SimTarget", artifact: BuildArtifact, port: int, rep: int, say) -> int:
+    """Run ``artifact``'s `vllm serve` until it exits or a stop signal arrives (kvrepro/stopping.py:
+    the first stops the engine with SIGTERM, the next at once); its exit code, 130 when stopped.
+    Nothing it started outlives this call."""
+    from .. import stopping
+
+    cmd = target.command(artifact, port)
+    # its own session: a terminal's Ctrl-C reaches kvrepro only, which stops the engine once
+    proc = subprocess.Popen(cmd, env=target.environment(artifact, rep), start_new_session=True,
+                            preexec_fn=lifetime.child_hook())  # kvrepro#8: dies with us, even on SIGKILL
+    stop = threading.Event()
+
+    def on_first(signum: int) -> None:  # SIGINT, SIGTERM (a supervisor, `kill`), SIGHUP: stop the engine
+        say(f"{stopping.name(signum)}: stopping the engine (again to stop at once)")
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    try:
+        with stopping.stop_on_signals(stop, on_first):
+            code = proc.wait()
+    finally:
+        if proc.poll() is None:  # a second signal, or an exception of our own: never outlives the command
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        try:  # what the engine started in its session (EngineCore) goes with it
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return 130 if stop.is_set() else code

@@ -322,7 +322,7 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
     target_name = options.target or matrix.target
     target_cls = get_target(target_name)
     plans = loaded.plans(options.builds, options.bases)
-    reps = options.repetitions or matrix.runs.repetitions
+    reps = matrix.runs.count(options.repetitions)
     bases = list(dict.fromkeys(p.base for p in plans))
     build_names = {p.build_name for p in plans}
     folder = results.create_run(options.results_root, loaded.text, RunInfo(
@@ -332,7 +332,7 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
         target=target_name,
         base=bases[0] if len(bases) == 1 else tuple(bases),
         bases=tuple(bases),
-        repetitions=options.adaptive_max or reps,
+        repetitions=matrix.runs.count(options.repetitions, options.adaptive_max),
         adaptive=bool(options.adaptive_max),
         build_order=tuple(p.name for p in plans),
         builds={p.name: RunBuildEntry(patches=tuple(x.name for x in p.patches), base=p.base, build=p.build_name)

@@ -91,3 +91,31 @@ def write(run: UpstreamTestRun, results_root: Path) -> Path:
     write_atomic(folder / REPORT_JSON, json.dumps(to_jsonable(run), indent=2) + "\n")
     write_atomic(folder / REPORT_MD, markdown(run))
     return folder
+
+
+def run_builds_test(loaded, builds: list[str] | None, only: list[str], later: list[str], jobs: int,
+                results_root: Path, as_json: bool) -> None:
+    """`kvrepro builds test`: vLLM's own tests on every build of ``loaded`` (a spec LoadedMatrix),
+    recorded under ``results_root`` and printed (markdown, or --json)."""
+    from rich.markup import escape
+
+    from ..builds import prepare_runtime, upstream_tests
+    from ..results.store import checked_root
+    from .terminal import emit_json, err, out
+
+    plans = loaded.plans(builds)
+    patches = [loaded.patch_ref(name) for name in loaded.matrix.patches]
+    releases = list(later) if later else upstream_tests.newer_releases(plans[0].base)
+    command = "kvrepro builds test" + "".join(f" --build {b}" for b in builds or []) + "".join(
+        f" --only {o}" for o in only)
+    with err.status("vLLM's own tests") as status:
+        runtime = prepare_runtime(plans[0].base, on_line=lambda line: status.update(escape(line[:120])))
+        run = upstream_tests.check_builds(plans, patches, runtime, workers=jobs, only=list(only),
+                                          later_releases=releases, command=command,
+                                          on_line=lambda line: err.print(escape(line[:160]), highlight=False))
+    folder = write(run, checked_root(results_root))
+    if as_json:
+        emit_json(run)
+    else:
+        out.print(markdown(run), markup=False, highlight=False, soft_wrap=True)
+    err.print(f"recorded: {folder}", highlight=False)

@@ -190,3 +190,20 @@ def rows(root: Path, use_index: bool | None = None) -> list[RunRow]:
 
 
 __all__ = ["INDEX_FILE", "RunRow", "enabled", "read_row", "rows", "stamp"]
+
+
+def omitted_notes(root: Path, listed: list[RunRow]) -> list[str]:
+    """What `results list` does not show as a run, one note each (said on stderr: --json stays a list)."""
+    from .store import other_folders
+
+    bisections, others = other_folders(root)
+    unreadable = sum(1 for r in listed if r.unreadable)
+    notes = []
+    if unreadable:
+        notes.append(f"{unreadable} run(s) listed as unreadable (`kvrepro results show RUN` says why)")
+    if bisections:
+        notes.append(f"{len(bisections)} bisection(s) not listed: {', '.join(bisections[-5:])} "
+                     "(`kvrepro results show bisect-ID`)")
+    if others:
+        notes.append(f"{len(others)} folder(s) that are not runs (no run.json): {', '.join(others[-5:])}")
+    return notes

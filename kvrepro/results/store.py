@@ -37,6 +37,13 @@ from ..secrets import redact
 DEFAULT_ROOT = Path("results")
 
 
+def checked_root(root: Path) -> Path:
+    """``--results ROOT``: a folder, or not there yet; a file there is bad input (exit 2)."""
+    if root.exists() and not root.is_dir():
+        raise BadInputError(f"--results {root}: is a file, not a folder; give a folder where runs are recorded")
+    return root
+
+
 def _file_mode() -> int:
     umask = os.umask(0o022)
     os.umask(umask)

@@ -429,6 +429,11 @@ class RunsSpec(_Strict):
             raise ValueError("give `requests`, `duration_s` or both: a run needs a budget")
         return self
 
+    def count(self, reps: int | None = None, adaptive_max: int | None = None) -> int:
+        """Runs of each build: ``--adaptive MAX`` at most, else ``--reps``, else ``runs.repetitions``
+        (the one place this rule is worked out: matrix run, suite run and the runner ask here)."""
+        return adaptive_max or reps or self.repetitions
+
 
 class TargetSettings(BaseModel):
     """A target's own section of the matrix (``docker:``, each entry of ``hosts:``), kept here as

@@ -56,3 +56,10 @@ def write_starter(folder: Path, with_catalogue: bool = False, force: bool = Fals
              f"{at}kvrepro suite list")
     return StarterProject(folder=folder, written=tuple(relative),
                           catalogue=folder / "defects" if with_catalogue else None, next_steps=steps)
+
+
+def summary_lines(project: StarterProject) -> list[str]:
+    """What `kvrepro init` says: the files it wrote and the commands to run next."""
+    return [f"wrote {len(project.written)} files into {project.folder.resolve()}: matrix.yaml, builds/"
+            + (", defects/" if project.catalogue else ""),
+            "next:\n" + "\n".join(f"  {step}" for step in project.next_steps)]

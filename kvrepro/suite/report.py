@@ -133,3 +133,20 @@ def exit_code(suite: SuiteResult, reporting: bool = False) -> int:
     if any(r.state == INFRA for r in suite.rows):
         return 3
     return 0
+
+
+def entries_table(catalogue: Any) -> Table:
+    """`suite list`: every entry, its kind and signature, where present and fixed, what measured it."""
+    table = Table(title=f"{catalogue.folder}: {len(catalogue.entries)} known defects", title_justify="left")
+    for col, width in (("entry", 26), ("kind", 10), ("present / fixed in", 28), ("measured", 9)):
+        table.add_column(col, overflow="fold", max_width=width)
+    for e in catalogue.entries:
+        where = ("present: " + ", ".join(e.present_in) if e.present_in else "") + \
+            ("\nfixed: " + ", ".join(e.fixed_in) if e.fixed_in else "")
+        measured = "not testable" if not e.testable else (f"{len(e.reproduced)} run(s)" if e.reproduced else "no")
+        table.add_row(f"{e.name}\n[dim]{escape(e.signature)}[/]", e.kind, where.strip(), measured)
+    return table
+
+
+def entries_json(catalogue: Any) -> list[dict[str, Any]]:
+    return [{k: v for k, v in to_jsonable(e).items() if k != "fragment_yaml"} for e in catalogue.entries]

@@ -262,3 +262,7 @@ def clean(
                 out.print(f"  [red]{e}[/]", highlight=False)
     if any(r["errors"] for r in reports):
         raise typer.Exit(3)
+
+
+# what kvrepro/cli.py mounts (kvrepro.deploy.target_commands): `kvrepro hosts ...`, `images ...`, `clean`
+COMMANDS = {"hosts": hosts_app, "images": images_app, "clean": clean}

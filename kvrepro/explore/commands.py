@@ -1,0 +1,61 @@
+"""`kvrepro explore`'s work, called by kvrepro/cli.py: a new or resumed campaign run under the
+Ctrl-C rule of kvrepro/stopping.py, its summary, and the exit code."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from rich.markup import escape
+
+from ..errors import BadInputError
+from ..report import terminal
+from ..report.terminal import err, out
+from ..results.store import checked_root
+
+
+def explore(*, base: str | None, patch: list[str] | None, budget: str | None, seed: int, unguided: bool, requests: int,
+            resume: str | None, matrix: Path | None, catalogue: Path | None, ci: bool, results_root: Path,
+            as_json: bool) -> int:
+    """`explore` with its options, by name; the exit code."""
+    from ..stopping import name, stop_on_signals
+    from ..suite.run import load as load_catalogue
+    from . import CampaignRequest, load_campaign, new_campaign, parse_budget, run_campaign, summary
+    from .render import lines, run_line
+
+    results_root = checked_root(results_root)
+    cat = load_catalogue(catalogue)
+    if resume:
+        state, folder = load_campaign(results_root, resume)
+        if budget:  # a new budget for the resumed campaign (the rest is pinned)
+            runs_, seconds_ = parse_budget(budget)
+            state.request = type(state.request)(**{**state.request.__dict__, "budget_runs": runs_,
+                                                   "budget_seconds": seconds_})
+    else:
+        if not base or not budget:
+            raise BadInputError("explore needs --base RELEASE and --budget RUNS|DURATION (or --resume ID)")
+        runs_, seconds_ = parse_budget(budget)
+        state, folder = new_campaign(results_root, CampaignRequest(
+            base=base, patches=tuple(patch or ()), budget_runs=runs_, budget_seconds=seconds_, seed=seed,
+            guided=not unguided, matrix=str(matrix) if matrix else "", requests=requests))
+    err.print(f"campaign {state.campaign_id}: {folder}", highlight=False)
+    stop = threading.Event()
+    with stop_on_signals(stop, lambda signum: err.print(f"[yellow]{name(signum)}: stopping after this run[/]")):
+        total = max(0, (state.request.budget_runs or 0) - len(state.runs))  # the runs this session makes
+        progress = terminal.progress_for(total, ci)
+        if ci:
+            def show(r):
+                terminal.plain(run_line(r))
+        else:
+            def show(r):
+                progress.progress.console.log(escape(run_line(r)))
+        with terminal.live(progress):
+            state = run_campaign(state, folder, cat, progress, stop, on_run=show)
+    if as_json:
+        terminal.emit_json(summary(state))
+    else:
+        for line in lines(state, str(folder)):
+            out.print(escape(line), highlight=False, soft_wrap=True)
+    if ci and state.new_findings:
+        return 1
+    return 130 if state.status == "interrupted" else 0

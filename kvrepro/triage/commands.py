@@ -1,0 +1,72 @@
+"""`kvrepro triage`'s work, called by kvrepro/cli.py: read a production log, say what it matches,
+and with --emit / --run write and run the matrix that reproduces it; the exit code."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from rich.markup import escape
+
+from ..report import terminal
+from ..report.terminal import err, out
+from ..results import store as results
+
+
+def target_of(found: Any) -> dict[str, str] | None:
+    """The emitted matrix's target_signature: the matched crash's, as its signature pattern names it."""
+    from ..classify import known_patterns
+
+    if found.failure.kind != "crash" or not found.failure.pattern:
+        return None
+    pattern = next(p for p in known_patterns() if p.name == found.failure.pattern)
+    return {"exception": pattern.exception, "function": pattern.function, "file": pattern.file,
+            **({"expression": pattern.expressions[0]} if pattern.expressions else {})}
+
+
+def triage(log: Path, *, emit: Path | None, run: bool, release: str | None, jobs: int | None,
+           catalogue: Path | None, results_root: Path, as_json: bool) -> int:
+    from ..report.render import matrix_table
+    from ..stopping import name, stop_on_signals
+    from ..suite.run import load as load_catalogue
+    from . import render as triage_render
+    from . import triage_file
+
+    cat = load_catalogue(catalogue)
+    found = triage_file(log, cat, release)
+    if as_json and not run:
+        terminal.emit_json(triage_render.as_json(found))
+    elif not as_json:
+        for line in triage_render.plain(found):
+            out.print(escape(line), highlight=False, soft_wrap=True)
+    if emit is None and not run:
+        return 0
+    if not found.matches:
+        if as_json:
+            terminal.emit_json(triage_render.as_json(found))
+        err.print("nothing to reproduce: the failure matches no catalogue entry")
+        return 1
+    from .emit import build_matrix, write_matrix
+    from .run import proofs, run_emitted, what_it_proved
+
+    entry = next(e for e in cat.entries if e.name == found.best.entry)
+    data, notes = build_matrix(found, entry, list(cat.entries), target_of(found))
+    folder = emit or (results.checked_root(results_root) / f"triage-{results.new_run_id()}")
+    path = write_matrix(folder, data, found, entry, notes)
+    err.print(f"wrote {path}", highlight=False)
+    if not run:
+        return 0
+    stop = threading.Event()
+    with stop_on_signals(stop, lambda signum: err.print(f"[yellow]{name(signum)}: stopping[/]")):
+        progress = terminal.RichProgress(len(data["builds"]))
+        with progress.progress:
+            matrix_result = run_emitted(path, results.checked_root(results_root), progress, stop, jobs)
+    items = proofs(matrix_result)
+    if as_json:  # one document: the triage and what the run proved
+        terminal.emit_json({**triage_render.as_json(found), "run": matrix_result.run_id, "proofs": items})
+    else:
+        out.print(matrix_table(matrix_result))
+        for line in what_it_proved(items):
+            out.print(escape(line), highlight=False, soft_wrap=True)
+    return 0 if all(p.as_expected for p in items) else 1
