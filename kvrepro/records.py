@@ -13,6 +13,7 @@ import enum
 import functools
 import types
 import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -924,13 +925,21 @@ def type_hints(cls: Any) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def from_jsonable(cls: Any, value: Any, where: str = "") -> Any:
+def from_jsonable(cls: Any, value: Any, where: str = "", *, readers: Mapping[Any, Callable[[Any, str], Any]] | None = None,
+                  ignore_unknown: bool = False) -> Any:
     """Read back what :func:`to_jsonable` wrote, as the typed record it was.
 
     Strict on purpose: a key the record does not have, or a value of the wrong type, raises
     :class:`RecordError` naming the field, so a results folder from another kvrepro is reported
     instead of silently misread. Missing fields take their defaults.
+
+    ``readers``: how to read a type records cannot know (a later stage's, e.g. a bisection's point:
+    type -> ``read(value, where)``). ``ignore_unknown``: keys a record does not have are skipped,
+    for a file format that promised to read files of newer kvrepros (bisect.json).
     """
+    if readers and cls in readers:
+        return readers[cls](value, where)
+    more = {"readers": readers, "ignore_unknown": ignore_unknown}
     origin = typing.get_origin(cls)
     if cls is Any:
         return value
@@ -943,7 +952,7 @@ def from_jsonable(cls: Any, value: Any, where: str = "") -> Any:
             if option is type(None):
                 continue
             try:
-                return from_jsonable(option, value, where)
+                return from_jsonable(option, value, where, **more)
             except RecordError as exc:
                 errors.append(exc.problem)
         raise RecordError(where or "value", "; ".join(errors) or f"unexpected {value!r}")
@@ -955,12 +964,15 @@ def from_jsonable(cls: Any, value: Any, where: str = "") -> Any:
         hints = type_hints(cls)
         names = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(value) - names)
-        if unknown:
+        if unknown and not ignore_unknown:
             raise RecordError(f"{where}.{unknown[0]}" if where else unknown[0], f"not a field of {cls.__name__}")
         kwargs = {}
         for f in dataclasses.fields(cls):
+            if not f.init:
+                continue
             if f.name in value:
-                kwargs[f.name] = from_jsonable(hints[f.name], value[f.name], f"{where}.{f.name}" if where else f.name)
+                kwargs[f.name] = from_jsonable(hints[f.name], value[f.name], f"{where}.{f.name}" if where else f.name,
+                                               **more)
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise RecordError(f"{where}.{f.name}" if where else f.name, "missing")
         return cls(**kwargs)
@@ -974,13 +986,14 @@ def from_jsonable(cls: Any, value: Any, where: str = "") -> Any:
         key_type, value_type = typing.get_args(cls) or (Any, Any)
         if not isinstance(value, dict):
             raise RecordError(where or "value", f"expected an object, found {type(value).__name__}")
-        return {from_jsonable(key_type, k, where): from_jsonable(value_type, v, f"{where}.{k}") for k, v in value.items()}
+        return {from_jsonable(key_type, k, where, **more): from_jsonable(value_type, v, f"{where}.{k}", **more)
+                for k, v in value.items()}
     if origin in (tuple, list):
         if not isinstance(value, list):
             raise RecordError(where or "value", f"expected a list, found {type(value).__name__}")
         args = typing.get_args(cls)
         item_type = args[0] if args else Any
-        items = [from_jsonable(item_type, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        items = [from_jsonable(item_type, v, f"{where}[{i}]", **more) for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if cls is Path:
         if not isinstance(value, str):

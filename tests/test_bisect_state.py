@@ -80,3 +80,17 @@ def test_points_keep_their_json_form():
     assert PatchSetPoint(("pr-1", "pr-2")).to_json() == {"kind": "patches", "patches": ["pr-1", "pr-2"]}
     assert (PatchSetPoint(("pr-1",)).key, CommitPoint("a" * 40).label) == ("patches:pr-1", "a" * 12)
     assert PatchSetPoint(tuple(f"patch-number-{i}" for i in range(9))).build_name.startswith("patch-number-0_and_8_more_")
+
+
+def test_a_wrong_value_is_named_by_its_field_not_misread():
+    """Read typed, field by field (kvrepro.records.from_jsonable, as run.json and the manifests are):
+    a value of the wrong type is reported where it is, instead of travelling on as a string."""
+    wrong = {**OLD, "request": {**OLD["request"], "requests": "many"}}
+    with pytest.raises(SpecError, match=r"request\.requests: expected an integer"):
+        SessionState.from_json(wrong)
+    bad_point = {**OLD, "steps": [{**OLD["steps"][0], "point": {"kind": "nonsense"}}]}
+    with pytest.raises(SpecError, match=r"steps\[0\]\.point: not a bisection point"):
+        SessionState.from_json(bad_point)
+    runs = json.loads(json.dumps(OLD))
+    runs["points"]["release:0.26.0"]["runs"][0]["trigger_count"] = 1.0  # a counter scraped as a float
+    assert SessionState.from_json(runs).points["release:0.26.0"].runs[0].trigger_count == 1

@@ -2,7 +2,9 @@
 
 The JSON form is the one kvrepro has always written (a request, every point's runs, the steps,
 the answer), so bisections recorded before these records existed are read and resumed: keys a
-record does not know are ignored, keys it misses take their defaults.
+record does not know are ignored, keys it misses take their defaults. Read back the one way
+every saved file is (kvrepro.records.from_jsonable, typed field by field), with a reader for
+the points (a bisect type records cannot know).
 """
 
 from __future__ import annotations
@@ -12,16 +14,29 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..errors import SpecError
-from ..records import BisectDetail, BisectStep
+from ..records import BisectDetail, BisectPoint, BisectStep, RecordError, from_jsonable
 from .points import Point, point_from_json
 from .rules import RunSummary
 
 Json = object  # a value as json.loads returns it (read through the from_json methods below)
 
 
-def _known(cls: type, value: Mapping[str, Json]) -> dict[str, Json]:
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in value.items() if k in names}
+def _point(value: Json, where: str) -> Point:
+    try:
+        return point_from_json(value)
+    except SpecError:
+        raise RecordError(where or "point", f"not a bisection point: {value!r}") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise RecordError(where or "point", f"not a bisection point ({type(exc).__name__}: {exc})") from None
+
+
+_POINTS = {Point: _point, BisectPoint: _point}
+
+
+def read(cls: type, value: Json, where: str = "") -> object:
+    """``value`` (as json.loads gave it) as the typed record ``cls``: unknown keys skipped, missing
+    ones defaulted, points read by kvrepro.bisect.points; RecordError names a wrong field."""
+    return from_jsonable(cls, value, where, readers=_POINTS, ignore_unknown=True)
 
 
 @dataclass
@@ -49,10 +64,7 @@ class BisectRequest:
 
     @classmethod
     def from_json(cls, value: Mapping[str, Json]) -> "BisectRequest":
-        known = _known(cls, value)
-        if "patches" in known and known["patches"] is not None:
-            known["patches"] = [str(p) for p in known["patches"]]  # type: ignore[union-attr]
-        return cls(**known)  # type: ignore[arg-type]
+        return read(cls, value, "request")  # type: ignore[return-value]
 
     def to_json(self) -> dict[str, Json]:
         return dataclasses.asdict(self)
@@ -70,10 +82,7 @@ class PointRecord:
 
     @classmethod
     def from_json(cls, value: Mapping[str, Json]) -> "PointRecord":
-        return cls(point=point_from_json(value["point"]),
-                   runs=[RunSummary.from_json(r) for r in value.get("runs") or ()],  # type: ignore[union-attr]
-                   probe_runs=[str(p) for p in value.get("probe_runs") or ()],  # type: ignore[union-attr]
-                   verdict=value.get("verdict"), build_error=value.get("build_error"))  # type: ignore[arg-type]
+        return read(cls, value, "point")  # type: ignore[return-value]
 
     def to_json(self) -> dict[str, Json]:
         data: dict[str, Json] = {"point": self.point.to_json(), "runs": [dataclasses.asdict(r) for r in self.runs],
@@ -86,11 +95,7 @@ class PointRecord:
 
 
 def step_from_json(value: Mapping[str, Json]) -> BisectStep:
-    known = _known(BisectStep, value)
-    known["point"] = point_from_json(value["point"])
-    known["probe_runs"] = tuple(value.get("probe_runs") or ())  # type: ignore[arg-type]
-    known["counts"] = dict(value.get("counts") or {})  # type: ignore[arg-type]
-    return BisectStep(**known)  # type: ignore[arg-type]
+    return read(BisectStep, value, "step")  # type: ignore[return-value]
 
 
 def step_to_json(step: BisectStep) -> dict[str, Json]:
@@ -126,17 +131,11 @@ class SessionState:
         if not isinstance(value, Mapping):
             raise SpecError(f"{where}: not a bisection's state (expected an object)")
         try:
-            request = BisectRequest.from_json(value["request"])
-            return cls(
-                bisection_id=str(value["bisection_id"]), kind=str(value["kind"]), request=request,
-                alpha=float(value.get("alpha", request.alpha)), status=str(value.get("status") or "?"),
-                started=value.get("started"),
-                points={str(k): PointRecord.from_json(v) for k, v in (value.get("points") or {}).items()},
-                steps=[step_from_json(s) for s in value.get("steps") or ()],
-                answer=value.get("answer"), reason=str(value.get("reason") or ""), p_bad=value.get("p_bad"),
-                confidence=value.get("confidence"), detail=dict(value.get("detail") or {}),
-                owner=value.get("owner"), finished=value.get("finished"), seconds=value.get("seconds"),
-            )
+            request = value["request"]
+            # what the dict-era files left out or wrote as null: the request's alpha, an unknown status
+            defaults = {"alpha": request.get("alpha", BisectRequest.alpha), "status": "?", "reason": ""}
+            filled = {**value, **{k: v for k, v in defaults.items() if value.get(k) is None}}
+            return read(cls, filled)  # type: ignore[return-value]
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise SpecError(f"{where}: not a bisection's state this kvrepro can read ({type(exc).__name__}: {exc})") from None
 
