@@ -342,6 +342,20 @@ class Exposure:
         return "ok" if self.shadow_seen and self.kv_checks else "off"
 
 
+# The probe's plain counters (kvrepro/probe/kvrepro_probe.py prints them as ``name=<N>`` on its
+# counts line): name -> what it counts. Each is a field of Exposure and of RunResult of the same
+# name; the probe's reader (classify/exposure.py) adds them up over processes and the suite offers
+# them as "path ran" counters, both from this table. A new probe counter is a line here, its two
+# fields, and the probe's own code: nothing else changes.
+PROBE_COUNTERS: dict[str, str] = {
+    "deferred_lookups": "offload lookups that returned None: the request parked without blocks (probe)",
+    "loads_behind_deferred": "offload loads admitted in a scheduling pass after another request's lookup was "
+                             "deferred in it: a load holding blocks behind a block-less request (probe)",
+    "finished_unscheduled": "requests the OffloadingConnector tracked that finished with no token computed: "
+                            "aborted while queued, never scheduled (probe)",
+}
+
+
 @dataclass(frozen=True)
 class EngineCounters:
     """The GPU-free engine's own totals (from its log); None: unknown (another engine, no report)."""

@@ -535,6 +535,24 @@ def test_exposure_reads_the_waiting_queue_stall_counts_per_process():
     assert (exp.deferred_lookups, exp.loads_behind_deferred) == (12, 5)
 
 
+def test_every_probe_counter_is_read_by_its_name_from_the_table():
+    """The probe's plain counters are records.PROBE_COUNTERS, read by name (any order, a name the
+    table lacks skipped) into the Exposure and RunResult fields of that name, and offered by the
+    suite: a new counter is a table line and two fields, not a reader change."""
+    import dataclasses
+
+    from kvrepro.records import PROBE_COUNTERS, Exposure, RunResult
+    from kvrepro.suite.catalogue import COUNTERS
+
+    values = {name: 3 + i for i, name in enumerate(PROBE_COUNTERS)}
+    tokens = " ".join(f"{name}={n}" for name, n in reversed(values.items()))
+    exp = read_exposure(f"{INSTALLED}\nkvrepro-probe: counts external_hit_calls=1 trigger_calls=1 state_calls=0 "
+                        f"state_groups=- a_counter_of_a_newer_probe=99 {tokens} pid=7\n")
+    assert {name: getattr(exp, name) for name in PROBE_COUNTERS} == values
+    fields = {f.name for f in dataclasses.fields(Exposure)} & {f.name for f in dataclasses.fields(RunResult)}
+    assert set(PROBE_COUNTERS) <= fields and set(PROBE_COUNTERS) <= set(COUNTERS)
+
+
 # --------------------------------------------------------------------------- honest verdicts
 
 OTHER_ASSERT_IN_TARGET_FUNCTION = "\n".join([

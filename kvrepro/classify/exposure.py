@@ -32,7 +32,7 @@ import math
 import re
 from typing import NamedTuple
 
-from ..records import REQUEST_ID_PREFIX, Exposure
+from ..records import PROBE_COUNTERS, REQUEST_ID_PREFIX, Exposure
 from .lines import split_line
 from .metrics import parse_prometheus, total
 
@@ -41,10 +41,9 @@ _INSTALLED = re.compile(
     r"kvrepro-probe: installed function=(?P<function>\S+) file=(?P<file>.*?) source_sha256=(?P<sha>[0-9a-f]{64})\b"
 )
 _COUNTS = re.compile(r"kvrepro-probe: counts external_hit_calls=(?P<ext>\d+) trigger_calls=(?P<trig>\d+)\b"
-                     r"(?: state_calls=(?P<state>\d+) state_groups=(?P<groups>\S+))?"
-                     r"(?: deferred_lookups=(?P<deferred>\d+) loads_behind_deferred=(?P<behind>\d+))?"
-                     r"(?: finished_unscheduled=(?P<unscheduled>\d+))?"
-                     r"(?: pid=(?P<pid>\d+))?")
+                     r"(?: state_calls=(?P<state>\d+) state_groups=(?P<groups>\S+))?")
+# the rest of a counts line: PROBE_COUNTERS as name=<N> (an older probe prints fewer), then pid=<P>
+_NAMED_COUNT = re.compile(r" (?P<name>[a-z_]+)=(?P<n>\d+)\b")
 _SHADOW_TAG = "kvrepro-shadow:"
 _SHADOW_COUNTS = re.compile(r"kvrepro-shadow: counts checks=(?P<checks>\d+) violations=(?P<violations>\d+)\b"
                             r"(?: by=(?P<by>\S+))?(?: hits=(?P<hits>\S+))?(?: stored=(?P<stored>\S+))?")
@@ -61,9 +60,7 @@ class _ProbeCounts(NamedTuple):
     trigger_calls: int
     state_calls: int
     state_groups: dict[str, int]
-    deferred_lookups: int
-    loads_behind_deferred: int
-    finished_unscheduled: int = 0
+    named: dict[str, int]  # PROBE_COUNTERS the line printed
 
 
 class _ShadowCounts(NamedTuple):
@@ -94,10 +91,10 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
             seen = True
             sha = m["sha"]
         elif (m := _COUNTS.search(line.body)) is not None:
-            last[(line.stream, m["pid"] or "")] = _ProbeCounts(
+            named = {c["name"]: int(c["n"]) for c in _NAMED_COUNT.finditer(line.body, m.end())}
+            last[(line.stream, str(named.pop("pid", "")))] = _ProbeCounts(
                 external_hit_calls=int(m["ext"]), trigger_calls=int(m["trig"]), state_calls=int(m["state"] or 0),
-                state_groups=_groups(m["groups"]), deferred_lookups=int(m["deferred"] or 0),
-                loads_behind_deferred=int(m["behind"] or 0), finished_unscheduled=int(m["unscheduled"] or 0))
+                state_groups=_groups(m["groups"]), named={k: v for k, v in named.items() if k in PROBE_COUNTERS})
         elif (m := _SHADOW_COUNTS.search(line.body)) is not None:
             shadow_seen = True
             shadow[line.stream] = _ShadowCounts(checks=int(m["checks"]), violations=int(m["violations"]),
@@ -134,9 +131,7 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
                     kv_groups=kv_groups, shadow_seen=shadow_seen,
                     kv_hit_reads=_added_up(s.hit_reads for s in shadows),
                     kv_stored=_added_up(s.stored for s in shadows), kv_first_request_by_class=first_request,
-                    deferred_lookups=sum(p.deferred_lookups for p in probes),
-                    loads_behind_deferred=sum(p.loads_behind_deferred for p in probes),
-                    finished_unscheduled=sum(p.finished_unscheduled for p in probes))
+                    **{name: sum(p.named.get(name, 0) for p in probes) for name in PROBE_COUNTERS})
 
 
 def _added_up(counts) -> dict[str, int]:

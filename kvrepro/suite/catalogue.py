@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .. import paths, untrusted
 from ..errors import SpecError
+from ..records import PROBE_COUNTERS
 from ..spec.yamltext import StrictLoader, line_for, line_index
 from ..versions import unsupported
 
@@ -40,11 +41,7 @@ COUNTERS: dict[str, str] = {
     "offload_load_jobs": "offload load jobs the GPU-free engine ran",
     "offload_store_jobs": "offload store jobs the GPU-free engine ran",
     "engine_steps": "engine steps",
-    "deferred_lookups": "offload lookups that returned None: the request parked without blocks (probe)",
-    "loads_behind_deferred": "offload loads admitted in a scheduling pass after another request's lookup was "
-                             "deferred in it: a load holding blocks behind a block-less request (probe)",
-    "finished_unscheduled": "requests the OffloadingConnector tracked that finished with no token computed: "
-                            "aborted while queued, never scheduled (probe)",
+    **PROBE_COUNTERS,  # the probe's plain counters (kvrepro/records.py)
     "requests": "requests sent",
 }
 # RunResult per-kind counters an entry names as ``<field>.<key>`` (kv_hit_reads.mamba): the key is
