@@ -60,13 +60,16 @@ def test_each_target_checks_its_own_settings(monkeypatch):
 
     import kvrepro.deploy as deploy
 
+    from kvrepro.spec.matrix import Matrix
+
     seen = []
     fake = types.ModuleType("kvrepro.deploy.fake")
     fake.check_settings = seen.append
     monkeypatch.setitem(sys.modules, "kvrepro.deploy.fake", fake)
     monkeypatch.setattr(deploy, "known_targets", lambda: ["sim", "fake"])
-    deploy.check_settings("the matrix")
-    assert seen == ["the matrix"]
+    matrix = Matrix.model_validate({"builds": {"A": []}})
+    deploy.check_settings(matrix)
+    assert seen == [matrix]
     from pathlib import Path
 
     assert "deploy.docker" not in (Path(deploy.__file__).parent.parent / "matrix" / "__init__.py").read_text()
@@ -114,3 +117,35 @@ def test_no_private_name_is_imported_across_folders(tmp_path):
     runner = copy / "kvrepro" / "loadgen" / "runner.py"
     runner.write_text(runner.read_text() + "\n\ndef _planted():\n    from .trace import _same_folder  # noqa\n")
     assert _private_imports_across_folders(copy) == ["kvrepro/loadgen/trace.py: kvrepro.records._planted_name"]
+
+
+def test_a_new_target_owns_its_section_of_the_matrix(monkeypatch, tmp_path):
+    """A target (here a planted `k8s` module) declares the top-level section it owns and checks it:
+    the spec keeps it as written, the target types it with file:line errors, and a key no target
+    owns is refused the same way. Neither spec/ nor matrix/ changes for it."""
+    import sys
+    import types
+
+    import pytest
+
+    import kvrepro.deploy as deploy
+    from kvrepro.errors import SpecError
+    from kvrepro.matrix import parse_matrix
+    from kvrepro.spec.matrix import FieldError
+
+    def check_settings(matrix):
+        namespace = (matrix.section("k8s") or {}).get("namespace", "default")
+        if not isinstance(namespace, str):
+            raise FieldError(("k8s", "namespace"), "a Kubernetes namespace name")
+
+    k8s = types.ModuleType("kvrepro.deploy.k8s")
+    k8s.SECTIONS, k8s.check_settings = ("k8s",), check_settings
+    monkeypatch.setitem(sys.modules, "kvrepro.deploy.k8s", k8s)
+    monkeypatch.setattr(deploy, "known_targets", lambda: ["docker", "k8s", "ray", "sim"])
+    text = "builds:\n  A: []\nk8s:\n  namespace: {}\n"
+    path = tmp_path / "matrix.yaml"
+    assert parse_matrix(text.format("kv"), path).matrix.section("k8s") == {"namespace": "kv"}
+    with pytest.raises(SpecError, match=r"matrix.yaml:4: k8s.namespace: a Kubernetes namespace name"):
+        parse_matrix(text.format("[1]"), path)
+    with pytest.raises(SpecError, match=r"matrix.yaml:3: k8z: unknown field; allowed here: .*k8s"):
+        parse_matrix(text.format("kv").replace("k8s:", "k8z:"), path)

@@ -2,9 +2,11 @@
 
 A target is one module in this package (``sim.py``, ``docker.py``, ...) that defines a class
 implementing :class:`kvrepro.deploy.base.Target` and registers it with :func:`register`.
-A target with its own matrix settings (``docker:``, ``hosts:``) also defines
-``check_settings(matrix)`` at module level, raising the spec's FieldError; :func:`check_settings`
-applies every target's. Adding a target is adding a file; nothing else changes.
+A target with its own matrix settings lists the top-level sections it owns in ``SECTIONS`` and
+defines ``check_settings(matrix)`` at module level (it reads them with ``matrix.section(name)``,
+types them, and raises the spec's FieldError); :func:`check_settings` applies every target's and
+refuses a top-level key no target owns. Adding a target is adding a module or package here;
+nothing else changes (docs/targets.md lists the files).
 """
 
 from __future__ import annotations
@@ -51,10 +53,27 @@ def get_target(name: str) -> type[Target]:
     return _TARGETS[name]
 
 
+def target_sections() -> dict[str, str]:
+    """matrix.yaml's top-level sections the targets own (a target module's ``SECTIONS``) -> the target."""
+    owned: dict[str, str] = {}
+    for name in known_targets():
+        for section in getattr(importlib.import_module(f"{__name__}.{name}"), "SECTIONS", ()):
+            owned[section] = name
+    return owned
+
+
 def check_settings(matrix: "Matrix") -> None:
     """Every target's own settings in ``matrix`` checked by that target (a target module's optional
     ``check_settings``), whichever target the matrix runs on: a section is right or wrong on its
-    own. kvrepro.matrix hands this to the spec's parser as its target-settings check."""
+    own; a top-level key neither the spec nor a target knows is refused. kvrepro.matrix hands this
+    to the spec's parser as its target-settings check."""
+    from ..spec.matrix import FieldError
+
+    owned = target_sections()
+    for key in matrix.sections:
+        if key not in owned:
+            allowed = ", ".join([*type(matrix).model_fields, *owned])
+            raise FieldError((key,), f"unknown field; allowed here: {allowed}")
     for name in known_targets():
         check = getattr(importlib.import_module(f"{__name__}.{name}"), "check_settings", None)
         if check is not None:
@@ -75,6 +94,24 @@ def target_commands() -> list[tuple[str, Any]]:
     return commands
 
 
+def _module_of(target: str) -> object | None:
+    """``target``'s module (its package's light __init__), or None for a name that is no target."""
+    return importlib.import_module(f"{__name__}.{target}") if target in known_targets() else None
+
+
+def fetches_hub_models(target: str) -> bool:
+    """Whether ``target``'s engine fetches a Hugging Face model id itself (inside its container), so
+    ``engine.model`` need not be a local folder: the target module's ``FETCHES_HUB_MODELS``."""
+    return bool(getattr(_module_of(target), "FETCHES_HUB_MODELS", False))
+
+
+def engine_api_key(target: str, matrix: "Matrix") -> str | None:
+    """A key ``target`` hands its engine from the environment (not from engine.extra_args), which the
+    load generator must then send on /v1/*: the target module's optional ``engine_api_key(matrix)``."""
+    hook = getattr(_module_of(target), "engine_api_key", None)
+    return hook(matrix) if hook is not None else None
+
+
 def check_environment(target: str, matrix: "Matrix") -> None:
     """What ``target`` takes from the environment (ray: $RAY_ADDRESS), checked before anything is
     recorded: the target module's optional ``check_environment`` raises SpecError (exit 2)."""
@@ -86,4 +123,4 @@ def check_environment(target: str, matrix: "Matrix") -> None:
 
 
 __all__ = ["EngineHandle", "Target", "check_environment", "check_settings", "get_target", "known_targets",
-           "register", "target_commands"]
+           "engine_api_key", "fetches_hub_models", "register", "target_commands", "target_sections"]

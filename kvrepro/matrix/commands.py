@@ -106,7 +106,7 @@ def run(matrix: Path, *, target: str | None, build: list[str] | None, reps: int 
     loaded = load_matrix(matrix)
     results_root = results.checked_root(results_root)
     if base_image:
-        loaded.matrix = loaded.matrix.model_copy(update={"base_image": base_image})
+        loaded.matrix = loaded.matrix.with_section("base_image", base_image)  # a target section (kvrepro.deploy types it)
     options = MatrixOptions(target=target, builds=builds, repetitions=reps, results_root=results_root, jobs=jobs,
                             bases=bases, adaptive_max=adaptive, full_load=full_load)
     total = len(loaded.plans(builds, bases)) * loaded.matrix.runs.count(reps, adaptive)

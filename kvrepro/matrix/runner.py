@@ -28,9 +28,9 @@ from ..classify import classify_log
 from ..classify.judge import judge
 from ..classify.settle import LogFollower, settled
 from ..classify.lines import split_line
+from ..deploy import engine_api_key as target_api_key
 from ..deploy import get_target
 from ..deploy.base import EngineHandle, SilentProgress, Target
-from ..deploy.docker.settings import docker_settings
 from ..errors import InfraError, KvreproError
 from ..loadgen import run_load
 from ..loadgen.runner import replay_load
@@ -107,9 +107,7 @@ def engine_api_key(loaded: LoadedMatrix, target_name: str) -> str | None:
     keys = option_values(list(loaded.matrix.engine.extra_args), "--api-key")
     if keys:
         return keys[0]
-    if target_name == "docker" and "VLLM_API_KEY" in docker_settings(loaded.matrix).docker.pass_env:
-        return os.environ.get("VLLM_API_KEY") or None
-    return None
+    return target_api_key(target_name, loaded.matrix)  # e.g. $VLLM_API_KEY a target passes to its engine
 
 
 def _infra_result(plan: BuildPlan, rep: int, run_dir: Path, error: str, seconds: float = 0.0) -> RunResult:

@@ -197,11 +197,14 @@ def _model_problem(loaded: LoadedMatrix, target: str) -> str | None:
         message = str(exc).split("engine.model: ", 1)[-1]
     looks_like_hub_id = (name.count("/") == 1 and not name.startswith((".", "/", "~"))
                          and not Path(os.path.expanduser(name)).exists())
-    if target == "docker" and looks_like_hub_id:
+    from ..deploy import fetches_hub_models, known_targets
+
+    if fetches_hub_models(target) and looks_like_hub_id:
         return None  # a Hugging Face id: vLLM fetches it inside the container (not checkable offline)
     if looks_like_hub_id:
-        return (f"{message}; the sim target needs a local folder with config.json "
-                "(Hugging Face ids only work with target: docker)")
+        fetching = ", ".join(t for t in known_targets() if fetches_hub_models(t)) or "none"
+        return (f"{message}; the {target} target needs a local folder with config.json "
+                f"(Hugging Face ids only work with a target that fetches them: {fetching})")
     return message + "; give a folder with config.json (relative to matrix.yaml) or a shipped name"
 
 

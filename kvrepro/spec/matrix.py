@@ -435,25 +435,20 @@ class RunsSpec(_Strict):
         return adaptive_max or reps or self.repetitions
 
 
-class TargetSettings(BaseModel):
-    """A target's own section of the matrix (``docker:``, each entry of ``hosts:``), kept here as
-    the JSON values it holds: the target that owns it (kvrepro/deploy/<target>/settings.py) gives
-    it its typed form and checks it, with file:line errors, when kvrepro.matrix loads the matrix.
-    spec/ imports no later stage."""
+class Matrix(_Strict):
+    """matrix.yaml. The top-level keys below are the spec's; any other top-level key is a deploy
+    target's own section (the docker target's ``hosts:``, ``docker:``, ``base_image:``; the ray
+    target's ``ray:``), kept here as the JSON value written (:meth:`section`). The target that owns
+    it types and checks it (its ``SECTIONS`` and ``check_settings``, applied by
+    kvrepro.deploy.check_settings, which also refuses a key no target owns) with file:line errors
+    when kvrepro.matrix loads the matrix; spec/ imports no later stage and names no target."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
-    def raw(self) -> dict[str, Any]:
-        """The section's keys and values, as written."""
-        return dict(self.model_extra or {})
-
-
-class Matrix(_Strict):
     base: str | list[str] = Field(
         DEFAULT_BASE,
         description="the vLLM release every build is based on, or a list: each build then runs on each release",
     )
-    base_image: str | None = Field(None, description="docker target: default vllm/vllm-openai:v<base>")
     target: str = "sim"
     patches: dict[str, PatchSpec] = Field(default_factory=dict, max_length=MAX_PATCHES)
     common: list[str] = Field(default_factory=list, max_length=MAX_STACK)
@@ -462,12 +457,6 @@ class Matrix(_Strict):
     engine: EngineSpec = Field(default_factory=EngineSpec)
     load: LoadSpec = Field(default_factory=LoadSpec)
     runs: RunsSpec = Field(default_factory=RunsSpec)
-    hosts: list[TargetSettings] = Field(default_factory=list, max_length=MAX_HOSTS,
-                                        description="docker target: Docker hosts (kvrepro/deploy/docker/settings.py)")
-    docker: TargetSettings = Field(default_factory=TargetSettings,
-                                   description="docker target: how it runs an engine (kvrepro/deploy/docker/settings.py)")
-    ray: TargetSettings = Field(default_factory=TargetSettings,
-                                description="ray target: the cluster and what a run reserves (kvrepro/deploy/ray/settings.py)")
     expect: dict[str, str] = Field(
         default_factory=dict,
         description="build -> the verdict every repetition must have; `matrix run` exits 1 otherwise",
@@ -566,6 +555,19 @@ class Matrix(_Strict):
                         raise FieldError(f"expect.{name}", f"{defect!r} is not a defect name (lower-case "
                                           "letters, digits and '-', as `kvrepro signatures` lists them)")
         return self
+
+    def section(self, name: str) -> Any:
+        """A target's own top-level section as written (a JSON value), or None when absent."""
+        return (self.model_extra or {}).get(name)
+
+    @property
+    def sections(self) -> dict[str, Any]:
+        """Every top-level key that is not the spec's own: the targets' sections, as written."""
+        return dict(self.model_extra or {})
+
+    def with_section(self, name: str, value: Any) -> "Matrix":
+        """A copy with a target's section set (``matrix run --base-image``: the docker target's base_image)."""
+        return self.model_copy(update={name: value})  # extra="allow": an unknown name lands in model_extra
 
     @model_validator(mode="after")
     def _target_settings(self, info: ValidationInfo) -> "Matrix":

@@ -30,6 +30,11 @@ from __future__ import annotations
 
 from typing import Any
 
+# matrix.yaml's top-level sections this target owns (kvrepro.deploy.target_sections): typed in settings.py
+SECTIONS = ("hosts", "docker", "base_image")
+# an engine container downloads a Hugging Face model id itself (kvrepro.deploy.fetches_hub_models)
+FETCHES_HUB_MODELS = True
+
 
 def load() -> None:
     """Import the target (and with it the docker SDK, 0.2 s): ``deploy.get_target("docker")``
@@ -45,6 +50,18 @@ def check_settings(matrix: Any) -> None:
     check(matrix)
 
 
+def engine_api_key(matrix: Any) -> str | None:
+    """$VLLM_API_KEY when docker.pass_env hands it to the engine container: the engine then wants
+    it on /v1/* (kvrepro.deploy.engine_api_key)."""
+    import os
+
+    from .settings import docker_settings
+
+    if "VLLM_API_KEY" in docker_settings(matrix).docker.pass_env:
+        return os.environ.get("VLLM_API_KEY") or None
+    return None
+
+
 def __getattr__(name: str) -> Any:
     if name in ("DockerEngineHandle", "DockerTarget"):
         from . import target
@@ -53,4 +70,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["DockerEngineHandle", "DockerTarget", "check_settings", "load"]
+__all__ = ["FETCHES_HUB_MODELS", "SECTIONS", "DockerEngineHandle", "DockerTarget", "check_settings",
+           "engine_api_key", "load"]

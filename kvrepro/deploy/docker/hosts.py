@@ -111,7 +111,7 @@ def engine_hosts(matrix: Matrix) -> list[HostSpec]:
 
 
 def all_hosts(matrix: Matrix | None) -> list[HostSpec]:
-    if matrix is None or not matrix.hosts:
+    if matrix is None or not matrix.section("hosts"):
         return [local_host_spec()]
     return list(docker_settings(matrix).hosts)
 

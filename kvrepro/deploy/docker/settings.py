@@ -1,7 +1,7 @@
 """The docker target's own settings: ``hosts:``, ``docker:`` and ``base_image:`` of matrix.yaml,
 typed and checked here (the way a load profile owns its ``Settings``).
 
-spec/ keeps these sections as raw JSON values (:class:`kvrepro.spec.matrix.TargetSettings`);
+spec/ keeps these sections as the JSON values written (:meth:`kvrepro.spec.matrix.Matrix.section`);
 :func:`check_settings` is what kvrepro.matrix.load_matrix hands to the spec's parser, so their
 errors carry file:line like every other field's; :func:`docker_settings` gives the typed form
 to whoever runs the target.
@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ...errors import SpecError
-from ...spec.matrix import FieldError, Matrix
+from ...spec.matrix import MAX_HOSTS, FieldError, Matrix
 
 
 class _Strict(BaseModel):
@@ -179,17 +179,28 @@ def _field_error(prefix: tuple[Any, ...], model: type[BaseModel], exc: Validatio
 
 
 def _parse(matrix: Matrix) -> DockerSettings:
+    listed = matrix.section("hosts")
+    if listed is None:
+        listed = []
+    if not isinstance(listed, list):
+        raise FieldError(("hosts",), "a list of hosts, e.g. - {name: gpu-0, docker: ssh://ops@gpu-0}")
+    if len(listed) > MAX_HOSTS:
+        raise FieldError(("hosts",), f"{len(listed)} hosts; at most {MAX_HOSTS} (a limit of kvrepro's, see "
+                                     "docs/reliability.md)")
     hosts = []
-    for i, raw in enumerate(matrix.hosts):
+    for i, raw in enumerate(listed):
         try:
-            hosts.append(HostSpec.model_validate(raw.raw()))
+            hosts.append(HostSpec.model_validate(raw))
         except ValidationError as exc:
             raise _field_error(("hosts", i), HostSpec, exc) from None
     try:
-        docker = DockerSpec.model_validate(matrix.docker.raw())
+        docker = DockerSpec.model_validate(matrix.section("docker") or {})
     except ValidationError as exc:
         raise _field_error(("docker",), DockerSpec, exc) from None
-    return DockerSettings(hosts=tuple(hosts), docker=docker, base_image=matrix.base_image)
+    base_image = matrix.section("base_image")
+    if base_image is not None and not isinstance(base_image, str):
+        raise FieldError(("base_image",), "an image reference, e.g. vllm/vllm-openai:v0.26.0")
+    return DockerSettings(hosts=tuple(hosts), docker=docker, base_image=base_image)
 
 
 def check_settings(matrix: Matrix) -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 from ...errors import SetupError
 from .settings import check_environment, check_settings
 
+# matrix.yaml's top-level section this target owns (kvrepro.deploy.target_sections): typed in settings.py
+SECTIONS = ("ray",)
 INSTALL_HINT = "target ray needs Ray: pip install 'kvrepro[ray]' (or pip install 'ray>=2.9')"
 
 
@@ -35,4 +37,4 @@ def load() -> None:
     from . import target  # noqa: F401  (registers "ray")
 
 
-__all__ = ["INSTALL_HINT", "check_environment", "check_settings", "load"]
+__all__ = ["SECTIONS", "INSTALL_HINT", "check_environment", "check_settings", "load"]

@@ -88,7 +88,7 @@ def address_problem(value: str) -> str | None:
 
 def _parse(matrix: Matrix) -> RaySpec:
     try:
-        return RaySpec.model_validate(matrix.ray.raw())
+        return RaySpec.model_validate(matrix.section("ray") or {})
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ("ray",) + tuple(first["loc"])
