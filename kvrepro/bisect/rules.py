@@ -43,11 +43,10 @@ without either is a **skip**.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -82,7 +81,7 @@ class PointVerdict(str, enum.Enum):
 class RunSummary:
     """What the point rule reads of one run (``bisect.json`` keeps it; the run folder keeps the rest)."""
 
-    verdict: str
+    verdict: str = "?"  # "?": a run bisect.json recorded without one (read by kvrepro.bisect.state)
     outcome: str = "none"
     title: str = ""
     rep: int | None = None
@@ -94,14 +93,6 @@ class RunSummary:
     seconds: float | None = None
     run_dir: str | None = None
     stopped_because: str | None = None
-
-    @classmethod
-    def from_json(cls, value: Mapping[str, object]) -> "RunSummary":
-        """As ``bisect.json`` holds it; keys this kvrepro does not know are ignored, missing ones take defaults."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        fields = {k: v for k, v in value.items() if k in known}
-        fields.setdefault("verdict", "?")
-        return cls(**fields)  # type: ignore[arg-type]
 
     @property
     def label(self) -> str:
