@@ -1,6 +1,8 @@
 """The `kvrepro` command: wires the pipeline stages to commands. No stage logic lives here: each
 command's work is a function of its stage (``kvrepro/<stage>/commands.py`` and the like), called
-with the parsed options; output goes through kvrepro/report/terminal.py.
+with the parsed options; output goes through kvrepro/report/terminal.py. Where a command's only
+statement is ``stage.function(**locals())`` its options reach the stage by name: a new option
+here is a parameter of the same name there.
 
 Exit codes: 0 done (and every verdict as `expect:` says, when it says); 1 a verdict differs from
 `expect:`; 2 bad input (matrix.yaml, arguments); 3 infrastructure (setup, build or engine start
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
+
 from .deploy import known_targets, target_commands
 from .report.terminal import err, show
 from .results import store as results
