@@ -72,6 +72,8 @@ class PatchSpec(_Strict):
     file: str = Field(description="patch file, relative to the builds/ folder")
     upstream: str = Field(description="the upstream PR or commit this patch stands for")
     sha256: str | None = Field(default=None, description="sha256 of the patch file; checked when given")
+    reverse: bool = Field(False, description="apply the file with `patch --reverse`: the build reverts the "
+                          "upstream change it holds (recorded as such in the build manifest)")
     outside_matrix_folder: bool = Field(
         False, description="opt-in: `file` may lie outside the folder that holds matrix.yaml (it is read and "
                            "hashed, and its sha256 recorded in results)")
@@ -673,7 +675,7 @@ class LoadedMatrix:
                 f"matrix.yaml says {spec.sha256}; "
                 "update the sha256 if the patch changed on purpose"
             )
-        return PatchRef(name=name, path=path, upstream=spec.upstream, sha256=digest)
+        return PatchRef(name=name, path=path, upstream=spec.upstream, sha256=digest, reverse=spec.reverse)
 
     def plans(self, only: list[str] | None = None, bases: list[str] | None = None) -> list[BuildPlan]:
         """One plan per (base, build) cell, base-major; ``bases`` overrides the matrix's ``base``."""
