@@ -59,6 +59,12 @@ class PatchRef:
     path: Path
     upstream: str
     sha256: str
+    reverse: bool = False  # applied with `patch --reverse`: the build reverts the upstream change the file holds
+
+    @property
+    def label(self) -> str:
+        """How reports and errors name it: a revert says so."""
+        return f"{self.name} (reverse of {self.path.name})" if self.reverse else self.name
 
 
 @dataclass(frozen=True)
@@ -131,6 +137,12 @@ class ManifestPatch:
     name: str
     sha256: str
     upstream: str | None = None
+    reverse: bool = False  # the build applied it in reverse (reverted the upstream change)
+
+    def __json__(self) -> dict[str, Any]:
+        # `reverse` only when set: manifests of forward builds read and write back as before
+        data: dict[str, Any] = {"name": self.name, "sha256": self.sha256, "upstream": self.upstream}
+        return {**data, "reverse": True} if self.reverse else data
 
 
 @dataclass(frozen=True)
@@ -592,6 +604,11 @@ class PatchInfo:
     name: str
     upstream: str = ""
     sha256: str = ""
+    reverse: bool = False  # applied in reverse: the build reverts this upstream change
+
+    def __json__(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"name": self.name, "upstream": self.upstream, "sha256": self.sha256}
+        return {**data, "reverse": True} if self.reverse else data
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,24 @@ IDENTIFIER_ALIASES: dict[str, str] = {
 # "blocks_per_chunk" (0.26.0+) says the same in blocks and may not be given with it.
 OFFLOAD_CHUNK_EXTRA_KEY = "block_size"
 
+# The prefix-match unit (vLLM's `hash_block_size`: the token step at which request block hashes are
+# computed, so a prefix-cache hit can end inside a KV block). `vllm serve --prefix-match-unit N`
+# sets CacheConfig.prefix_match_unit from 0.26.0 (engine/arg_utils.py: 0.26.0 :1201, 0.27.0 :1236,
+# 0.28.0 :1243, 0.33.0 :1434). 0.25.1's CacheConfig has a `hash_block_size` field (config/cache.py:56)
+# but no serve flag for it. Every KV group's block size must be a multiple of it (the field's docs).
+PREFIX_MATCH_UNIT_FLAG = "--prefix-match-unit"
+PREFIX_MATCH_UNIT_SINCE = "0.26.0"
+
+
+def prefix_match_unit_problem(release: str) -> str | None:
+    """Why ``release``'s `vllm serve` cannot take a hash block size finer than the KV block (None: it can)."""
+    have, since = version_tuple(release), version_tuple(PREFIX_MATCH_UNIT_SINCE)
+    if have is None or since is None or have >= since:
+        return None
+    return (f"vLLM {release} has no {PREFIX_MATCH_UNIT_FLAG} (first in {PREFIX_MATCH_UNIT_SINCE}); "
+            f"run it on {PREFIX_MATCH_UNIT_SINCE} or later, or remove the field")
+
+
 # FlashAttention's kernel block sizes are MultipleOf(16); the sim platform answers FlashAttention
 # for hybrid block alignment, so a --block-size must be a multiple of this.
 KERNEL_BLOCK_ALIGNMENT = 16

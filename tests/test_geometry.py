@@ -213,3 +213,42 @@ def test_a_run_on_another_geometry_than_asked_is_named():
     assert bad is not None and "1 Mamba + 1 full-attention groups" in bad and "asked: 3 + 1 groups" in bad
     # the default matrix has no geometry: never a mismatch
     assert built_mismatch(load_matrix(ROOT / "matrix.yaml").matrix.engine, line.format(r=0, g="0:mamba/16")) is None
+
+
+# -- the prefix-match unit (vLLM's hash_block_size) ------------------------------------------------
+
+
+def test_hash_block_size_becomes_the_prefix_match_unit_flag(tmp_path):
+    path = tmp_path / "matrix.yaml"
+    path.write_text('base: "0.27.0"\nbuilds:\n  A: []\nengine:\n  block_size: 32\n  geometry:\n'
+                    '    hash_block_size: 16\n')
+    loaded = load_matrix(path)
+    args = loaded.matrix.engine.serve_args("m", include_sim=False)
+    assert args[args.index("--prefix-match-unit") + 1] == "16"
+    assert loaded.plans()[0].base == "0.27.0"
+    # without the field, no flag: vLLM's default (one block) stays
+    assert "--prefix-match-unit" not in load_matrix(EXAMPLE).matrix.engine.serve_args("m", include_sim=False)
+
+
+def test_hash_block_size_must_divide_the_block(tmp_path):
+    msg = _error(HEAD + "  block_size: 32\n  geometry:\n    hash_block_size: 12\n", tmp_path)
+    assert ":7: engine.geometry.hash_block_size: 12 does not divide the block size 32" in msg
+    msg = _error(HEAD + "  extra_args: [--prefix-match-unit, '8']\n  geometry:\n    mamba_groups: 2\n", tmp_path)
+    assert ":5: engine.extra_args.0: --prefix-match-unit is set by engine.geometry" in msg
+
+
+def test_hash_block_size_is_gated_on_the_release_that_has_the_flag(tmp_path):
+    """0.25.1's `vllm serve` has no --prefix-match-unit (kvrepro/versions.py): a plan on it is
+    bad input naming the field's line, and the newer bases of the same matrix are fine."""
+    from kvrepro.versions import prefix_match_unit_problem
+
+    assert prefix_match_unit_problem("0.26.0") is None and prefix_match_unit_problem("0.33.0") is None
+    assert "no --prefix-match-unit (first in 0.26.0)" in prefix_match_unit_problem("0.25.1")
+    path = tmp_path / "matrix.yaml"
+    path.write_text('base: ["0.27.0", "0.25.1"]\nbuilds:\n  A: []\nengine:\n  block_size: 32\n  geometry:\n'
+                    '    hash_block_size: 16\n')
+    loaded = load_matrix(path)
+    with pytest.raises(SpecError) as info:
+        loaded.plans()
+    assert f"{path}:7: engine.geometry.hash_block_size: vLLM 0.25.1 has no --prefix-match-unit" in str(info.value)
+    assert [p.base for p in loaded.plans(bases=["0.26.0"])] == ["0.26.0"]

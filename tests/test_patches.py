@@ -217,6 +217,7 @@ TOUCHED = {
     "pr-48425.patch": [COORDINATOR, KV_CACHE_MANAGER, CORE_SCHEDULER],
     "pr-50344.patch": [CONNECTOR_BASE, MULTI_CONNECTOR, NIXL_CONNECTOR, CORE_SCHEDULER],
     "decoy-docstring.patch": ["vllm/logger.py"],
+    "pr-44409.patch": [COORDINATOR],
 }
 
 
@@ -266,15 +267,17 @@ def _stack_for(name: str) -> list[str]:
 
 @pytest.mark.parametrize("name", list(_matrix().matrix.patches))
 def test_every_declared_patch_changes_what_it_claims_on_its_required_stack(name: str, tree):
-    """Also the patches no build uses (the bisection's decoy): claims false before, true after."""
+    """Also the patches no build uses (the bisection's decoy): claims false before, true after;
+    a revert (`reverse: true`) the other way round, since the claims describe the fixed tree."""
     root = tree()
     stack = _stack_for(name)
     assert apply_patch_stack(root, [_ref(p) for p in stack[:-1]]) is None
     header = read_header(_ref(name).path)
     assert header.expects
-    assert [e.describe() for e in header.expects if e.holds(root)] == []
+    fixed_before, fixed_after = (True, False) if _ref(name).reverse else (False, True)
+    assert [e.describe() for e in header.expects if e.holds(root) != fixed_before] == []
     assert apply_patch_stack(root, [_ref(name)]) is None
-    assert check_expectations(root, header) == []
+    assert [e.describe() for e in header.expects if e.holds(root) != fixed_after] == []
     for rel in touched_files(_ref(name).path):
         compile((root / rel).read_text(), rel, "exec")
 
@@ -493,3 +496,75 @@ def test_malformed_derived_from_names_the_line(tmp_path, value: str, problem: st
     with pytest.raises(SpecError, match=r"bad\.patch:3: Derived-From") as info:
         read_header(path)
     assert problem in str(info.value)
+
+
+# ------------------------------------------------------------------ reverse (revert) patches
+
+
+def test_a_revert_takes_the_fix_out_and_records_itself(tree):
+    """`revert-pr-44409` applies builds/pr-44409.patch with `patch --reverse`: the coordinator
+    allocates each group's external blocks right after touching that group's local hit again
+    (the order before #44409), and the patch's own Expect claim about the fixed tree turns false."""
+    ref = _ref("revert-pr-44409")
+    assert ref.reverse and ref.path.name == "pr-44409.patch" and ref.label == "revert-pr-44409 (reverse of pr-44409.patch)"
+    header = read_header(ref.path)
+    root = tree()
+    assert check_expectations(root, header) == []  # 0.26.0 as released carries the fix
+    assert apply_patch_stack(root, [ref]) is None
+    assert len(check_expectations(root, header)) == len(header.expects)
+    method = _function((root / COORDINATOR).read_text(), "KVCacheCoordinator", "allocate_new_computed_blocks")
+    loop = next(n for n in method.body if isinstance(n, ast.For))
+    inner = ast.unparse(loop)
+    assert "add_local_computed_blocks" in inner and "allocate_external_computed_blocks" in inner
+
+
+def test_a_revert_of_a_change_the_tree_lacks_is_one_clear_failure(tree):
+    """Listed twice, the second revert finds the change already gone: a failure naming the revert,
+    the file and hunk, and the tree stays as the first revert left it (never applied forward)."""
+    ref = _ref("revert-pr-44409")
+    root = tree()
+    assert apply_patch_stack(root, [ref]) is None
+    before = _snapshot(root)
+    failure = apply_patch_stack(root, [ref, ref])
+    assert isinstance(failure, PatchFailure) and failure.file == COORDINATOR
+    line = str(failure)
+    assert line.startswith(f"patch revert-pr-44409 (reverse of pr-44409.patch): {COORDINATOR}: hunk #1")
+    assert "Unreversed patch detected" in line and "does not carry the change" in line and "\n" not in line
+    assert _snapshot(root) == before
+
+
+def test_a_revert_whose_context_drifted_names_the_hunk(tmp_path, tree):
+    """A hunk that no longer matches (as on 0.33.0, whose second loop passes record_for_zeroing=)
+    fails like a forward hunk does, in one line, and changes nothing."""
+    text = (BUILDS_DIR / "pr-44409.patch").read_text().replace(
+        "+            for manager in self.single_type_managers:\n",
+        "+            for i, manager in enumerate(self.single_type_managers):\n")
+    path = tmp_path / "drifted.patch"
+    path.write_text(text)
+    ref = PatchRef(name="revert-drifted", path=path, upstream="", sha256="", reverse=True)
+    root = tree()
+    before = _snapshot(root)
+    failure = apply_patch_stack(root, [ref])
+    assert failure is not None and failure.hunk.startswith("#2 (@@")
+    assert str(failure).startswith(f"patch revert-drifted (reverse of drifted.patch): {COORDINATOR}: hunk #2")
+    assert "FAILED" in failure.detail and _snapshot(root) == before
+
+
+def test_reverse_is_in_the_overlay_key_and_the_manifest_records():
+    """A revert is another build than the same file applied forward, and every record says so;
+    forward patches keep the records (and overlay keys) they had."""
+    from dataclasses import replace
+
+    from kvrepro.builds.overlay import overlay_key
+    from kvrepro.records import BuildManifest, BuildPlan, ManifestPatch, PatchInfo, to_jsonable
+
+    ref = _ref("revert-pr-44409")
+    plan = BuildPlan(name="R", base="0.26.0", patches=(ref,))
+    forward = BuildPlan(name="R", base="0.26.0", patches=(replace(ref, reverse=False),))
+    assert overlay_key(plan, "w" * 64) != overlay_key(forward, "w" * 64)
+    manifest = BuildManifest.from_json({"patches": [{"name": ref.name, "sha256": ref.sha256, "upstream": ref.upstream,
+                                                     "reverse": True}]})
+    assert manifest.patches == (ManifestPatch(ref.name, ref.sha256, ref.upstream, reverse=True),)
+    assert to_jsonable(manifest)["patches"][0]["reverse"] is True
+    assert "reverse" not in to_jsonable(ManifestPatch("p", "s"))
+    assert to_jsonable(PatchInfo("p", "u", "s", True))["reverse"] is True and "reverse" not in to_jsonable(PatchInfo("p"))

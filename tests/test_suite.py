@@ -288,5 +288,28 @@ def test_suite_list_json():
     assert proc.returncode == 0, proc.stderr[-2000:]
     listed = {e["name"]: e for e in json.loads(proc.stdout)}
     assert set(listed) == {e.name for e in load().entries}
-    assert listed["cross-group-eviction-assert"]["not_testable"]
+    # the reason travels with every entry that is not testable, and only with those
+    assert all(bool(listed[e.name]["not_testable"]) == (not e.testable) for e in load().entries)
     assert listed["offload-boundary-assert"]["reproduced"][0]["builds"] == {"0.26.0": "PRESENT", "0.30.0": "ABSENT"}
+
+
+def test_revert_and_hash_unit_entries_load_with_what_they_need():
+    """cross-group-eviction-assert is present only on revert stacks (a patch matrix.yaml applies in
+    reverse); truncate-lagging-mamba's fragment sets a prefix-match unit below the block, which its
+    matrix turns into `--prefix-match-unit`. Both are testable and have path counters."""
+    from kvrepro.spec.matrix import load_matrix
+    from kvrepro.suite.catalogue import parse_build_key
+    from kvrepro.suite.run import SuiteBuild, entry_matrix
+
+    entries = {e.name: e for e in load().entries}
+    cross = entries["cross-group-eviction-assert"]
+    assert cross.testable and cross.path_counter == "trigger_count"
+    reverts = {p for key in cross.present_in for p in parse_build_key(key)[1]}
+    assert reverts == {"revert-pr-44409"} and load_matrix(ROOT / "matrix.yaml").patch_ref("revert-pr-44409").reverse
+    assert expected_state(cross, "0.27.0", ("revert-pr-44409",)) == "present"
+    assert expected_state(cross, "0.27.0") == "fixed"
+    trunc = entries["truncate-lagging-mamba"]
+    assert trunc.testable and trunc.path_counter
+    engine = entry_matrix(trunc, [SuiteBuild("0.27.0")]).matrix.engine
+    args = engine.serve_args("m", include_sim=False)
+    assert args[args.index("--prefix-match-unit") + 1] == "16" and engine.block_size == 32

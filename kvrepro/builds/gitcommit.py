@@ -99,7 +99,7 @@ def overlay_key(plan: BuildPlan, wheel_digest: str) -> str:
         "commit": plan.source.commit,
         "base": plan.base,
         "wheel_sha256": wheel_digest,
-        "patches": [[p.name, p.sha256] for p in plan.patches],
+        "patches": [[p.name, p.sha256, *(["reverse"] if p.reverse else [])] for p in plan.patches],
         "probe_sha256": file_sha256(PROBE_SOURCE),
     }
     return "git-" + hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:16]

@@ -86,7 +86,8 @@ def overlay_key(plan: BuildPlan, wheel_digest: str) -> str:
         "format": OVERLAY_FORMAT,
         "base": plan.base,
         "wheel_sha256": wheel_digest,
-        "patches": [[p.name, p.sha256] for p in plan.patches],
+        # a revert is another build than the same file applied forward (old keys unchanged)
+        "patches": [[p.name, p.sha256, *(["reverse"] if p.reverse else [])] for p in plan.patches],
         "probe_sha256": file_sha256(PROBE_SOURCE),
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:16]
@@ -131,7 +132,8 @@ def finish_overlay(plan: BuildPlan, tmp: Path, dest: Path, wheel: Path, wheel_di
         "base": plan.base,
         "wheel": wheel.name,
         "wheel_sha256": wheel_digest,
-        "patches": [{"name": p.name, "upstream": p.upstream, "sha256": p.sha256} for p in plan.patches],
+        "patches": [{"name": p.name, "upstream": p.upstream, "sha256": p.sha256,
+                     **({"reverse": True} if p.reverse else {})} for p in plan.patches],
         "probe_sha256": file_sha256(PROBE_SOURCE),
         # what the probe must log as source_sha256 when this build's code runs
         "probe_target_sha256": probe_target_sha256(tmp),

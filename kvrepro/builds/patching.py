@@ -14,6 +14,12 @@ real (and the touched files are restored if that real run still fails), so a fai
 leaves the tree exactly as the previous patch of the stack left it. No backup (``.orig``) and
 no reject (``.rej``) files are ever written into the tree.
 
+A patch declared ``reverse: true`` (matrix.yaml) is applied with ``patch --reverse``: the build
+*reverts* the upstream change the file holds (a fix every supported release already carries, so
+that the defect it removed can be shown present on the revert and absent on the release). The
+same rules hold in reverse: exact context, dry run first, and a tree that does not carry the
+change ("Unreversed patch detected") is a failure, never silently skipped.
+
 The header format of the patch files (``# Upstream:``, ``# Expect:`` ...) is documented in
 ``builds/README.md``; :func:`read_header` parses it.
 """
@@ -370,11 +376,13 @@ def _patch_program() -> str:
     return program
 
 
-def _run_patch(program: str, root: Path, data: bytes, dry_run: bool) -> tuple[int, str]:
+def _run_patch(program: str, root: Path, data: bytes, dry_run: bool, reverse: bool = False) -> tuple[int, str]:
     args = [
         program,
         f"-p{STRIP}",
-        "--forward",  # an already-applied patch is a failure, never silently reversed
+        # an already-applied patch (with --reverse: a change the tree lacks) is a failure, never
+        # silently applied the other way round
+        "--forward",
         "--batch",
         f"--fuzz={FUZZ}",
         "--no-backup-if-mismatch",
@@ -386,6 +394,8 @@ def _run_patch(program: str, root: Path, data: bytes, dry_run: bool) -> tuple[in
     ]
     if dry_run:
         args.append("--dry-run")
+    if reverse:
+        args.append("--reverse")
     # patch's messages are parsed below, so they must be the untranslated ones; its
     # environment knobs (backup suffixes, POSIX mode, RCS checkout) must not change semantics.
     env = {k: v for k, v in os.environ.items()
@@ -429,6 +439,13 @@ def _failure_from_output(name: str, diffs: list[_FileDiff], output: str) -> Patc
                 detail=f"{line} -- the change is already in the tree: is the patch listed twice "
                        "in the stack, or already part of this base version?",
             )
+        if line.startswith("Unreversed patch detected"):
+            return PatchFailure(
+                patch=name, file=current.path if current else "(unknown file)",
+                hunk=_hunk_label(current, 1) if current else "#1",
+                detail=f"{line} -- the tree does not carry the change this revert takes out: is this "
+                       "base older than the upstream fix, or is the revert listed twice in the stack?",
+            )
         if line.startswith("can't find file to patch"):
             file = current.path if current else "(unknown file)"
             return PatchFailure(patch=name, file=file, hunk=_hunk_label(current, 1) if current else "#1",
@@ -457,7 +474,7 @@ def _missing_requirements(ref: PatchRef, applied: Sequence[str]) -> list[str]:
 
 def _apply_one(program: str, root: Path, ref: PatchRef, applied: Sequence[str]) -> PatchFailure | None:
     def fail(file: str, hunk: str, detail: str) -> PatchFailure:
-        return PatchFailure(patch=ref.name, file=file, hunk=hunk, detail=detail)
+        return PatchFailure(patch=ref.label, file=file, hunk=hunk, detail=detail)
 
     try:
         data = Path(ref.path).read_bytes()
@@ -494,7 +511,7 @@ def _apply_one(program: str, root: Path, ref: PatchRef, applied: Sequence[str]) 
                         f"and are paths in the diff 'a/vllm/...' (stripped with -p{STRIP})?")
 
     def explain(output: str) -> PatchFailure:
-        failure = _failure_from_output(ref.name, diffs, output)
+        failure = _failure_from_output(ref.label, diffs, output)
         missing = _missing_requirements(ref, applied)
         if missing:
             failure = dataclasses.replace(
@@ -504,14 +521,14 @@ def _apply_one(program: str, root: Path, ref: PatchRef, applied: Sequence[str]) 
             )
         return failure
 
-    code, output = _run_patch(program, root, data, dry_run=True)
+    code, output = _run_patch(program, root, data, dry_run=True, reverse=ref.reverse)
     if code != 0:
         return explain(output)
 
     # The dry run said yes; keep the bytes anyway so that a real run failing for another
     # reason (disk full, permissions) still leaves the tree as the previous patch left it.
     saved = {d.path: ((root / d.path).read_bytes() if (root / d.path).is_file() else None) for d in diffs}
-    code, output = _run_patch(program, root, data, dry_run=False)
+    code, output = _run_patch(program, root, data, dry_run=False, reverse=ref.reverse)
     if code != 0:
         for rel, content in saved.items():
             if content is None:

@@ -156,7 +156,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     engine_args = _engine_args(target)
     results.write_json(run_dir / "manifest.json", RunManifest(
         build=plan.name, rep=rep, base=plan.base, target=target.name,
-        patches=tuple(PatchInfo(p.name, p.upstream, p.sha256) for p in plan.patches),
+        patches=tuple(PatchInfo(p.name, p.upstream, p.sha256, p.reverse) for p in plan.patches),
         artifact=_build_record(artifact),
         engine_args=tuple(engine_args) if engine_args is not None else None,
         sim_seed=matrix.engine.sim.seed + rep, load_seed=matrix.load.seed + rep,

@@ -72,6 +72,8 @@ class PatchSpec(_Strict):
     file: str = Field(description="patch file, relative to the builds/ folder")
     upstream: str = Field(description="the upstream PR or commit this patch stands for")
     sha256: str | None = Field(default=None, description="sha256 of the patch file; checked when given")
+    reverse: bool = Field(False, description="apply the file with `patch --reverse`: the build reverts the "
+                          "upstream change it holds (recorded as such in the build manifest)")
     outside_matrix_folder: bool = Field(
         False, description="opt-in: `file` may lie outside the folder that holds matrix.yaml (it is read and "
                            "hashed, and its sha256 recorded in results)")
@@ -152,6 +154,10 @@ class GeometrySpec(_Strict):
                                                "default: engine.num_speculative_tokens")
     data_parallel_size: int = Field(1, ge=1, le=16, description="EngineCores (DP ranks) behind one API "
                                     "(--data-parallel-size); every rank is a GPU-free engine with its own pool")
+    hash_block_size: int | None = Field(
+        None, ge=1, description="the prefix-match unit in tokens (vLLM's hash_block_size, `--prefix-match-unit`, "
+                                "vLLM 0.26.0+): a prefix-cache hit may end every this many tokens, inside a KV "
+                                "block; the block size must be a multiple of it. Default: one block")
 
     @model_validator(mode="after")
     def _groups(self) -> "GeometrySpec":
@@ -169,7 +175,7 @@ class GeometrySpec(_Strict):
 
 
 # `vllm serve` flags that engine.geometry writes; giving them in extra_args as well is an error
-GEOMETRY_FLAGS = ("--data-parallel-size", "-dp", "--kv-transfer-config", "--block-size")
+GEOMETRY_FLAGS = ("--data-parallel-size", "-dp", "--kv-transfer-config", "--block-size", "--prefix-match-unit")
 
 
 class EngineSpec(_Strict):
@@ -233,6 +239,11 @@ class EngineSpec(_Strict):
         if self.num_speculative_tokens > 0 and self.speculative_method != "mtp":
             raise FieldError("engine.speculative_method", f"{self.speculative_method!r}: engine.geometry builds "
                               "MTP models only; use mtp, or num_speculative_tokens: 0")
+        unit = g.hash_block_size
+        if unit is not None and self.block_size % unit:
+            raise FieldError("engine.geometry.hash_block_size",
+                              f"{unit} does not divide the block size {self.block_size}; vLLM merges hashes of "
+                              f"{unit}-token units into blocks, so use a divisor such as {self.block_size // 2}")
         for i, arg in enumerate(self.extra_args):
             if arg.split("=", 1)[0] in GEOMETRY_FLAGS:
                 raise FieldError(f"engine.extra_args.{i}", f"{arg.split('=', 1)[0]} is set by engine.geometry; "
@@ -281,6 +292,10 @@ class EngineSpec(_Strict):
                      json.dumps({"kv_connector_extra_config": {OFFLOAD_CHUNK_EXTRA_KEY: self.offload_chunk_tokens}})]
             if self.geometry.data_parallel_size > 1:
                 args += ["--data-parallel-size", str(self.geometry.data_parallel_size)]
+            if self.geometry.hash_block_size is not None:
+                from ..versions import PREFIX_MATCH_UNIT_FLAG
+
+                args += [PREFIX_MATCH_UNIT_FLAG, str(self.geometry.hash_block_size)]
         if include_sim:
             args += ["--num-gpu-blocks-override", str(self.sim.num_gpu_blocks)]
         return args + list(self.extra_args)
@@ -680,7 +695,7 @@ class LoadedMatrix:
                 f"matrix.yaml says {spec.sha256}; "
                 "update the sha256 if the patch changed on purpose"
             )
-        return PatchRef(name=name, path=path, upstream=spec.upstream, sha256=digest)
+        return PatchRef(name=name, path=path, upstream=spec.upstream, sha256=digest, reverse=spec.reverse)
 
     def plans(self, only: list[str] | None = None, bases: list[str] | None = None) -> list[BuildPlan]:
         """One plan per (base, build) cell, base-major; ``bases`` overrides the matrix's ``base``."""
@@ -696,6 +711,16 @@ class LoadedMatrix:
                 raise SpecError(f"--base {release!r}: must be a vLLM release version such as 0.26.0")
             if (problem := unsupported(release)) is not None:
                 raise SpecError(f"--base {problem}")
+        geometry = self.matrix.engine.geometry
+        # a matrix of one's own: a base without the flag is bad input here. A suite's derived matrix runs
+        # it, and the row says NOT TESTABLE from vLLM's own refusal, as for other flags a release lacks.
+        if self.own_text and geometry is not None and geometry.hash_block_size is not None:
+            from ..versions import prefix_match_unit_problem
+
+            for release in releases:
+                if (problem := prefix_match_unit_problem(release)) is not None:
+                    raise SpecError(f"{self._at('engine', 'geometry', 'hash_block_size')}: "
+                                    f"engine.geometry.hash_block_size: {problem}")
         several = len(releases) > 1
         plans = []
         for release in releases:

@@ -237,7 +237,7 @@ def assembly_key(base: BaseInfo, plan: BuildPlan) -> str:
     material = {
         "format": ASSEMBLY_FORMAT,
         "base_image_id": base.image_id,
-        "patches": [[p.name, p.sha256] for p in plan.patches],
+        "patches": [[p.name, p.sha256, *(["reverse"] if p.reverse else [])] for p in plan.patches],
         "probe_sha256": probe_sha256(),
         "probe_pth": PROBE_PTH,
     }
@@ -379,7 +379,8 @@ def assemble(host: DockerHost, base_ref: str, plan: BuildPlan, *, pull: bool = T
         "vllm_version_in_base": facts.get("vllm_version"),
         "python_in_base": facts.get("python_version"),
         "site_dir": facts["site_dir"],
-        "patches": [{"name": p.name, "upstream": p.upstream, "sha256": p.sha256} for p in plan.patches],
+        "patches": [{"name": p.name, "upstream": p.upstream, "sha256": p.sha256,
+                     **({"reverse": True} if p.reverse else {})} for p in plan.patches],
         "files": files,
         "probe": {"path": str(PurePosixPath(install_dir) / "kvrepro_probe.py"), "sha256": probe_sha256()},
     }
@@ -388,7 +389,8 @@ def assemble(host: DockerHost, base_ref: str, plan: BuildPlan, *, pull: bool = T
         L.OCI_BASE_NAME: base.ref,
         L.OCI_BASE_DIGEST: base.digest,
         L.LABEL_KEY: key,
-        L.LABEL_PATCHES: json.dumps([{"name": p.name, "sha256": p.sha256} for p in plan.patches]),
+        L.LABEL_PATCHES: json.dumps([{"name": p.name, "sha256": p.sha256, **({"reverse": True} if p.reverse else {})}
+                                          for p in plan.patches]),
         L.LABEL_PROBE: probe_sha256(),
         L.LABEL_MANIFEST: json.dumps(manifest, sort_keys=True),
     })

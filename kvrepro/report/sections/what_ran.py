@@ -28,7 +28,7 @@ def _what_ran_blocks(run: MatrixRun) -> list[Block]:
             build_key(run, b), b.base,
             record.wheel or record.image or "-" if record else "-",
             _short(record.wheel_sha256) if record else "-",
-            ", ".join(f"{p.name} `{p.sha256[:12]}`" for p in patches) or "-",
+            ", ".join(f"{p.name}{' (applied in reverse)' if p.reverse else ''} `{p.sha256[:12]}`" for p in patches) or "-",
             _short(record.probe_sha256) if record else "-",
             ", ".join(sorted({_short(r.probe_source_sha256) for r in b.runs if r.probe_source_sha256})) or "-",
             Cell(record.error or ("ok" if record.ok else "failed"), "bad" if record.error else "") if record
