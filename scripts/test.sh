@@ -21,4 +21,6 @@ if [ -f .ci/docker-setup.sh ]; then
   bash .ci/docker-setup.sh
 fi
 
-.venv/bin/python -m pytest -v -rfEs --durations=60 tests "$@"
+# two xdist workers (docs/ci.md#kvrepros-own-tests): tests that use something machine-wide (the Docker
+# daemon, loopback Ray raylets) share one worker, in the xdist group "exclusive"; `-n 0` runs serially
+.venv/bin/python -m pytest -n "${KVREPRO_TEST_WORKERS:-2}" --dist loadgroup -v -rfEs --durations=60 tests "$@"

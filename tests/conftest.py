@@ -1,8 +1,15 @@
 """Shared fixtures. Tests that need the runtime env build it (idempotent, cached in ~/.cache/kvrepro);
-tests that need Docker fail instead of skipping when CI is set (see `require`)."""
+tests that need Docker fail instead of skipping when CI is set (see `require`).
+
+The suite runs on pytest-xdist workers (scripts/test.sh: `-n 2 --dist loadgroup`). Most tests keep
+to what they start (their own tmp_path, TMPDIR, process tree, run ids), so they run side by side.
+Tests that use something machine-wide run on one worker, one after another: the xdist group
+"exclusive" (see `pytest_collection_modifyitems`)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 from pathlib import Path
@@ -21,6 +28,47 @@ def require(condition: bool, why: str) -> None:
         pytest.skip(why)
 
 
+EXCLUSIVE_MARKERS = ("docker", "exclusive")
+COLLECTED = pytest.StashKey[list]()
+
+
+def uses_module_fixture(item) -> bool:
+    """Whether the test uses a module-scoped fixture (an engine, a wheel, a git history)."""
+    info = getattr(item, "_fixtureinfo", None)
+    return bool(info) and any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values())
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups off the items
+def pytest_collection_modifyitems(config, items):
+    """Group tests for `--dist loadgroup`; each group is one unit of work, run on one worker in order.
+
+    * "exclusive": every test that touches a machine-wide resource, so no two run at once: docker
+      tests check that no kvrepro-labelled container is left on the daemon (a label every docker
+      test's containers carry), Ray tests start raylets on the fixed loopback addresses 127.0.0.11-13.
+    * one group per module for the tests of that module that use a module-scoped fixture, so the
+      engine, wheel or history it makes is made once, not once per worker.
+
+    Every other test goes to whichever worker is free."""
+    config.stash[COLLECTED] = list(items)  # before -k/-m deselect any: tests/test_xdist_groups.py checks them all
+    for item in items:
+        if any(item.get_closest_marker(name) for name in EXCLUSIVE_MARKERS):
+            item.add_marker(pytest.mark.xdist_group("exclusive"))
+        elif uses_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+@contextlib.contextmanager
+def one_worker_at_a_time(tmp_path_factory, name: str):
+    """Hold a lock shared by this run's xdist workers (their base temp folders share a parent), so
+    a cold cache is built by one worker while the others wait and then find it built."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture(scope="session")
 def default_matrix():
     from kvrepro.spec.matrix import load_matrix
@@ -29,32 +77,35 @@ def default_matrix():
 
 
 @pytest.fixture(scope="session")
-def runtime_python(default_matrix) -> Path:
+def runtime_python(default_matrix, tmp_path_factory) -> Path:
     """The runtime env's python (vLLM's dependencies, torch CPU)."""
     from kvrepro.builds import prepare_runtime
 
-    return prepare_runtime(default_matrix.matrix.base).python
+    with one_worker_at_a_time(tmp_path_factory, "runtime"):
+        return prepare_runtime(default_matrix.matrix.base).python
 
 
 @pytest.fixture(scope="session")
-def overlays(default_matrix, runtime_python) -> dict[str, Path]:
+def overlays(default_matrix, runtime_python, tmp_path_factory) -> dict[str, Path]:
     """The default matrix's builds A-D as overlays (patched vllm/ + probe), built by kvrepro.builds."""
     from kvrepro.builds import build_overlay
 
     built = {}
-    for plan in default_matrix.plans():
-        artifact = build_overlay(plan)
-        assert artifact.ok, artifact.error
-        built[plan.name] = Path(artifact.ref)
+    with one_worker_at_a_time(tmp_path_factory, "overlays"):
+        for plan in default_matrix.plans():
+            artifact = build_overlay(plan)
+            assert artifact.ok, artifact.error
+            built[plan.name] = Path(artifact.ref)
     return built
 
 
 @pytest.fixture(scope="session")
-def pristine_vllm(default_matrix) -> Path:
+def pristine_vllm(default_matrix, tmp_path_factory) -> Path:
     """A folder holding vLLM 0.26.0's unpatched vllm/ sources (from the cached wheel)."""
     from kvrepro.builds import pristine_tree
 
-    _, tree, _ = pristine_tree(default_matrix.matrix.base)
+    with one_worker_at_a_time(tmp_path_factory, "pristine"):
+        _, tree, _ = pristine_tree(default_matrix.matrix.base)
     return tree
 
 

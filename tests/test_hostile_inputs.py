@@ -333,6 +333,7 @@ def test_an_address_that_is_not_ray_is_one_line_without_rays_warnings(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive
 def test_the_not_ray_check_accepts_a_real_loopback_ray(tmp_path):
     """The check that tells Ray from a port that is not (case 9) passes a real Ray head's GCS
     (one raylet on loopback, started with `ray start`), and refuses an HTTP/1 server."""

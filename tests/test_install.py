@@ -17,15 +17,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, require
+from conftest import ROOT, one_worker_at_a_time, require
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     """A wheel built from the repository the way `pip wheel .` builds one (setup.py's build step)."""
     out = tmp_path_factory.mktemp("wheel")
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(ROOT)],
-                          capture_output=True, text=True, timeout=600)
+    with one_worker_at_a_time(tmp_path_factory, "wheel-build"):  # pip builds in the checkout's build/
+        proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out),
+                               str(ROOT)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (found,) = out.glob("kvrepro-*.whl")
     return found

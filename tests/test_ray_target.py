@@ -33,7 +33,7 @@ try:
 except ImportError:
     HAVE_RAY = False
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.exclusive]
 
 
 def _kvrepro(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 900) -> subprocess.CompletedProcess:

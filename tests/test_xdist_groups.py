@@ -1,0 +1,56 @@
+"""The test command runs on xdist workers (scripts/test.sh); tests that use something machine-wide
+must share one worker (conftest.py's "exclusive" group), or a docker test's "no kvrepro container
+is left" would see another worker's engine, and two loopback Ray clusters would claim the same
+addresses. These checks read every test this pytest session collected (`pytest tests -k xdist_groups`
+checks the whole suite), so a new test that starts containers or raylets without the `docker` or
+`exclusive` mark fails here."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from conftest import COLLECTED, EXCLUSIVE_MARKERS, uses_module_fixture
+
+# the fixtures that hand a test the Docker daemon, and what a test (or a fixture it uses) calls
+# when it starts containers or raylets itself
+DOCKER_FIXTURES = {"docker_host", "docker_base", "cpu_base"}
+MACHINE_WIDE_CALLS = ("LocalCluster(", ".containers.")
+
+
+def sources(item) -> str:
+    """The test function's source and that of every fixture it uses."""
+    funcs = [item.function] + [defs[-1].func for defs in item._fixtureinfo.name2fixturedefs.values() if defs]
+    found = []
+    for func in funcs:
+        try:
+            found.append(inspect.getsource(func))
+        except (OSError, TypeError):
+            continue  # a fixture of pytest itself (tmp_path, monkeypatch)
+    return "\n".join(found)
+
+
+def group_of(item) -> str | None:
+    mark = item.get_closest_marker("xdist_group")
+    return mark.args[0] if mark else None
+
+
+def test_every_test_that_uses_docker_or_ray_is_in_the_exclusive_group(request):
+    items = [i for i in request.config.stash[COLLECTED] if isinstance(i, pytest.Function)]
+    machine_wide = [i for i in items if DOCKER_FIXTURES & set(i.fixturenames)
+                    or any(call in sources(i) for call in MACHINE_WIDE_CALLS)]
+    assert machine_wide or len(items) < 100, "found no docker or Ray test in the whole suite: the check is blind"
+    outside = [i.nodeid for i in machine_wide if group_of(i) != "exclusive"]
+    assert outside == [], f"start containers or raylets but lack @pytest.mark.docker / exclusive: {outside}"
+    for item in items:
+        marked = any(item.get_closest_marker(name) for name in EXCLUSIVE_MARKERS)
+        assert marked == (group_of(item) == "exclusive"), item.nodeid
+
+
+def test_tests_sharing_a_module_fixture_share_a_worker(request):
+    """A module-scoped fixture (an engine, a wheel) is made once per worker that runs its tests:
+    they are one group, named after the module, unless they are exclusive."""
+    for item in request.config.stash[COLLECTED]:
+        if isinstance(item, pytest.Function) and uses_module_fixture(item) and group_of(item) != "exclusive":
+            assert group_of(item) == item.module.__name__, item.nodeid
