@@ -16,6 +16,8 @@ dozen megabytes and seconds of work, where a new env is 2.8 GB and two minutes.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -141,11 +143,30 @@ def _best_base_env() -> Path | None:
     return min(candidates)[1] if candidates else None
 
 
+@contextlib.contextmanager
+def _building(target: Path):
+    """Hold an exclusive lock next to ``target`` while it is made: two kvrepro processes sharing
+    the cache (a suite's slots, parallel test workers, two terminals) would otherwise remove each
+    other's half-made env or share one work folder. The second waits, then finds it made."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def ensure_layer(env_dir: Path, requirements: list[str], on_line: Callable[[str], None] | None = None) -> Path:
     """The folder holding what ``requirements`` need beyond ``env_dir`` (made once, then reused)."""
     material = "\n".join([env_dir.name, TORCH_PIN, *sorted(requirements)])
     layer = _layers_dir() / hashlib.sha256(material.encode()).hexdigest()[:16]
     if (layer / _COMPLETE).exists():
+        return layer
+    with _building(layer):
+        return _make_layer(env_dir, requirements, layer, on_line)
+
+
+def _make_layer(env_dir: Path, requirements: list[str], layer: Path,
+                on_line: Callable[[str], None] | None) -> Path:
+    if (layer / _COMPLETE).exists():  # made by the process that held the lock before us
         return layer
     if layer.exists():
         shutil.rmtree(layer)
@@ -215,6 +236,13 @@ def ensure_runtime(requirements: list[str], on_line: Callable[[str], None] | Non
     if base_env is not None:
         return Runtime(runtime_python(base_env), (ensure_layer(base_env, requirements, on_line),))
     env_dir = runtime_dir(requirements)
+    with _building(env_dir):
+        if (env_dir / _COMPLETE).exists() and runtime_python(env_dir).exists():
+            return Runtime(runtime_python(env_dir))  # made by the process that held the lock before us
+        return _make_env(env_dir, requirements, on_line)
+
+
+def _make_env(env_dir: Path, requirements: list[str], on_line: Callable[[str], None] | None) -> Runtime:
     python = runtime_python(env_dir)
     if env_dir.exists():
         shutil.rmtree(env_dir)
