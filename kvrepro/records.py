@@ -332,6 +332,9 @@ class Exposure:
     deferred_lookups: int = 0
     loads_behind_deferred: int = 0
     finished_unscheduled: int = 0  # probe: tracked requests finished with no token computed (aborted queued)
+    # probe: divergent local hybrid hits handed to the connector, and those it then loaded past
+    divergent_hits: int = 0
+    divergent_loads: int = 0
 
     @property
     def kv_check(self) -> str:
@@ -523,6 +526,9 @@ class RunResult:
     deferred_lookups: int = 0
     loads_behind_deferred: int = 0
     finished_unscheduled: int = 0  # probe: tracked requests finished with no token computed (aborted queued)
+    # probe: divergent local hybrid hits handed to the connector, and those it then loaded past
+    divergent_hits: int = 0
+    divergent_loads: int = 0
     # `ray` target: the node the engine ran on, and why earlier attempts of this run were
     # INFRA (a node lost mid-run; the run was retried elsewhere and this record is the retry's)
     node: NodeInfo | None = None

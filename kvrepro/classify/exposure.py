@@ -5,7 +5,7 @@ A SURVIVED verdict is only worth something if the crash's precondition happened 
 The probe installed in the engine says so on stderr::
 
     kvrepro-probe: installed function=OffloadingConnectorScheduler.update_state_after_alloc file=<path> source_sha256=<64 hex>
-    kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M> state_calls=<K> state_groups=<kind>:<n>,... deferred_lookups=<D> loads_behind_deferred=<L> finished_unscheduled=<F> pid=<P>
+    kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M> state_calls=<K> state_groups=<kind>:<n>,... deferred_lookups=<D> loads_behind_deferred=<L> finished_unscheduled=<F> divergent_hits=<H> divergent_loads=<G> pid=<P>
 
 (older probes end the counts line after ``trigger_calls``, or after ``state_groups``: what they do
 not print is read as zero). The
@@ -44,6 +44,7 @@ _COUNTS = re.compile(r"kvrepro-probe: counts external_hit_calls=(?P<ext>\d+) tri
                      r"(?: state_calls=(?P<state>\d+) state_groups=(?P<groups>\S+))?"
                      r"(?: deferred_lookups=(?P<deferred>\d+) loads_behind_deferred=(?P<behind>\d+))?"
                      r"(?: finished_unscheduled=(?P<unscheduled>\d+))?"
+                     r"(?: divergent_hits=(?P<divergent>\d+) divergent_loads=(?P<divloads>\d+))?"
                      r"(?: pid=(?P<pid>\d+))?")
 _SHADOW_TAG = "kvrepro-shadow:"
 _SHADOW_COUNTS = re.compile(r"kvrepro-shadow: counts checks=(?P<checks>\d+) violations=(?P<violations>\d+)\b"
@@ -64,6 +65,8 @@ class _ProbeCounts(NamedTuple):
     deferred_lookups: int
     loads_behind_deferred: int
     finished_unscheduled: int = 0
+    divergent_hits: int = 0
+    divergent_loads: int = 0
 
 
 class _ShadowCounts(NamedTuple):
@@ -97,7 +100,8 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
             last[(line.stream, m["pid"] or "")] = _ProbeCounts(
                 external_hit_calls=int(m["ext"]), trigger_calls=int(m["trig"]), state_calls=int(m["state"] or 0),
                 state_groups=_groups(m["groups"]), deferred_lookups=int(m["deferred"] or 0),
-                loads_behind_deferred=int(m["behind"] or 0), finished_unscheduled=int(m["unscheduled"] or 0))
+                loads_behind_deferred=int(m["behind"] or 0), finished_unscheduled=int(m["unscheduled"] or 0),
+                divergent_hits=int(m["divergent"] or 0), divergent_loads=int(m["divloads"] or 0))
         elif (m := _SHADOW_COUNTS.search(line.body)) is not None:
             shadow_seen = True
             shadow[line.stream] = _ShadowCounts(checks=int(m["checks"]), violations=int(m["violations"]),
@@ -136,7 +140,9 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
                     kv_stored=_added_up(s.stored for s in shadows), kv_first_request_by_class=first_request,
                     deferred_lookups=sum(p.deferred_lookups for p in probes),
                     loads_behind_deferred=sum(p.loads_behind_deferred for p in probes),
-                    finished_unscheduled=sum(p.finished_unscheduled for p in probes))
+                    finished_unscheduled=sum(p.finished_unscheduled for p in probes),
+                    divergent_hits=sum(p.divergent_hits for p in probes),
+                    divergent_loads=sum(p.divergent_loads for p in probes))
 
 
 def _added_up(counts) -> dict[str, int]:

@@ -45,6 +45,11 @@ COUNTERS: dict[str, str] = {
                              "deferred in it: a load holding blocks behind a block-less request (probe)",
     "finished_unscheduled": "requests the OffloadingConnector tracked that finished with no token computed: "
                             "aborted while queued, never scheduled (probe)",
+    "divergent_hits": "local prefix hits handed to the connector with full attention deeper than a lagging Mamba "
+                      "group's (get_computed_blocks_for_connector's hit_diverged; from 0.28.0 only for a connector "
+                      "declaring supports_divergent_local_hybrid_hits) (probe)",
+    "divergent_loads": "divergent hits whose offload lookup then found tokens to load: the request resumes past the "
+                       "lagging Mamba state, which the connector must restore (probe)",
     "requests": "requests sent",
 }
 # RunResult per-kind counters an entry names as ``<field>.<key>`` (kv_hit_reads.mamba): the key is
