@@ -168,3 +168,21 @@ def test_the_probe_counts_divergent_hits_handed_to_the_connector(runtime_python,
         ["(32, 0, False)", 1],       # agreeing groups
         ["(16, 0, False)", 1],       # Mamba deeper: vLLM reconciles itself (get_computed_blocks)
     ]
+
+
+def test_a_recorded_suite_gives_the_capable_entry_not_testable_on_an_older_release(tmp_path):
+    """What `suite report` shows for a build the entry was never run on: NOT TESTABLE, with why."""
+    from kvrepro.records import SuiteBuildRecord, SuiteEntryRecord, SuiteRecord
+    from kvrepro.results import store
+    from kvrepro.suite.judge import NOT_TESTABLE
+    from kvrepro.suite.run import SUITE_FILE, load_suite
+
+    folder = tmp_path / "suite-x"
+    folder.mkdir()
+    record = SuiteRecord(suite_id="suite-x", status="complete", builds=(SuiteBuildRecord("0.27.1"),),
+                         entries={"capable-connector-mamba-state": SuiteEntryRecord(testable=True)})
+    store.write_json(folder / SUITE_FILE, record)
+    rows = load_suite(folder, load_catalogue()).rows
+    assert [(r.entry, r.build, r.state) for r in rows] == [("capable-connector-mamba-state", "0.27.1", NOT_TESTABLE)]
+    assert "0.27.1 does not read supports_divergent_local_hybrid_hits" in rows[0].detail
+    assert rows[0].matches is None  # nothing to compare: not a failure of the suite
