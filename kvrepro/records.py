@@ -345,6 +345,9 @@ class Exposure:
     deferred_lookups: int = 0
     loads_behind_deferred: int = 0
     finished_unscheduled: int = 0  # probe: tracked requests finished with no token computed (aborted queued)
+    # probe: divergent local hybrid hits handed to the connector, and those it then loaded past
+    divergent_hits: int = 0
+    divergent_loads: int = 0
 
     @property
     def kv_check(self) -> str:
@@ -365,6 +368,11 @@ PROBE_COUNTERS: dict[str, str] = {
                              "deferred in it: a load holding blocks behind a block-less request (probe)",
     "finished_unscheduled": "requests the OffloadingConnector tracked that finished with no token computed: "
                             "aborted while queued, never scheduled (probe)",
+    "divergent_hits": "local prefix hits handed to the connector with full attention deeper than a lagging Mamba "
+                      "group's (get_computed_blocks_for_connector's hit_diverged; from 0.28.0 only for a connector "
+                      "declaring supports_divergent_local_hybrid_hits) (probe)",
+    "divergent_loads": "divergent hits whose offload lookup then found tokens to load: the request resumes past the "
+                       "lagging Mamba state, which the connector must restore (probe)",
 }
 
 
@@ -550,6 +558,9 @@ class RunResult:
     deferred_lookups: int = 0
     loads_behind_deferred: int = 0
     finished_unscheduled: int = 0  # probe: tracked requests finished with no token computed (aborted queued)
+    # probe: divergent local hybrid hits handed to the connector, and those it then loaded past
+    divergent_hits: int = 0
+    divergent_loads: int = 0
     # `ray` target: the node the engine ran on, and why earlier attempts of this run were
     # INFRA (a node lost mid-run; the run was retried elsewhere and this record is the retry's)
     node: NodeInfo | None = None

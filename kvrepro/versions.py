@@ -167,6 +167,33 @@ def hybrid_kv_groups(layers_by_kind: dict[str, int]) -> dict[str, int]:
     return {kind: -(-n // group_size) for kind, n in counts.items()}
 
 
+# -- the capable connector (engine.connector: capable; kvrepro/engine/capable.py) -----------------
+# An OffloadingConnector subclass that declares `supports_divergent_local_hybrid_hits`, loaded by
+# vLLM's connector factory from a module path (KVConnectorFactory.get_connector_class: the module path
+# wins over the registry, 0.25.1-0.33.0 factory.py:102-120).
+CAPABLE_CONNECTOR_CLASS = "CapableOffloadingConnector"
+CAPABLE_CONNECTOR_MODULE = "kvrepro.engine.capable"
+# The scheduler reads the declaration from 0.28.0 (#50344: Scheduler._get_local_prefix_cache_hit,
+# scheduler.py:447 in 0.28.0, :472 0.29.0, :532 0.30.0, :533 0.31.0, :562 0.32.0, :668 0.33.0; the
+# default False is KVConnectorBase_V1's, base.py:177 in 0.28.0). 0.25.1 and 0.26.0 hand every connector
+# max(per-group hits), 0.27.0/0.27.1 hand every connector the full-attention hit
+# (get_computed_blocks_for_connector whenever a connector is set): no release before 0.28.0 has the
+# property, so the declaration would change nothing there. A 0.26.0 stack with the backport has it.
+DIVERGENT_HITS_FLAG_SINCE = "0.28.0"
+DIVERGENT_HITS_FLAG_PATCH = "pr-50344"
+
+
+def divergent_hits_flag_problem(version: str, patches: tuple[str, ...] | list[str] = ()) -> str | None:
+    """Why the capable connector means nothing on ``version`` + ``patches`` (None: the scheduler reads
+    its declaration there)."""
+    got = version_tuple(version)
+    if got is not None and got >= version_tuple(DIVERGENT_HITS_FLAG_SINCE) or DIVERGENT_HITS_FLAG_PATCH in patches:
+        return None
+    return (f"vLLM {version} does not read supports_divergent_local_hybrid_hits (from "
+            f"{DIVERGENT_HITS_FLAG_SINCE}, or with {DIVERGENT_HITS_FLAG_PATCH}): the capable connector would be the "
+            "plain OffloadingConnector there")
+
+
 # Prints the option strings of `vllm serve` (one JSON line after KVREPRO-FLAGS), run in the runtime
 # env with a release's vllm/ on PYTHONPATH; `matrix validate` checks engine.extra_args with it.
 # 0.26.0+ build the serve parser in ServeSubcommand.subparser_init; older layouts expose

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from kvrepro.classify.corruption import attribute
 from kvrepro.errors import BadInputError
 from kvrepro.explore.campaign import base_data, parse_budget, run_matrix_for
 from kvrepro.explore.coverage import credit, features
@@ -108,12 +109,24 @@ def test_titles_and_the_catalogue():
     assert judge_failure(unknown[0], catalogue, "0.26.0", ()).status == NEW
 
     # measured on build E (docs/explore.md): a Mamba state loaded from a chunk never stored, and a
-    # later request served it again; next to a known defect's class
+    # later request served it again. It was NEW; read against vLLM's source it is the catalogue's
+    # mamba-chunk-store-gap (#51358), so its classes are that signature's and count against the entry
+    found_on_e = {"mamba+offload/missing/hit": 4, "mamba+offload/missing/inherited": 2}
+    assert attribute(found_on_e, ("mamba", "full_attention")) == {"mamba-chunk-store-gap": 6}
+    e_stack = ("pr-49146", "pr-52771", "pr-52807", "pr-48425", "pr-50344")
+    gap = run_failures(_run(Verdict.CORRUPT, kv_defects={"mamba-chunk-store-gap": 6}, kv_violations_by=found_on_e))
+    assert [f.key for f in gap] == ["corruption:mamba-chunk-store-gap"]
+    judged = judge_failure(gap[0], catalogue, "0.26.0", e_stack)
+    assert (judged.status, judged.entry, judged.expected) == (KNOWN, "mamba-chunk-store-gap", "present")
+    assert judge_failure(gap[0], catalogue, "0.28.0", ()).expected == "present"
+    assert judge_failure(gap[0], catalogue, "0.29.0", ()).status == REGRESSION  # 0.29.0 stores boundary states
+
+    # a class no signature knows, next to a known defect's: named by its classes, hit and inherited folded
     corrupt = run_failures(_run(Verdict.CORRUPT, kv_defects={"fa-hole-below-boundary": 3, "unknown": 6},
-                                kv_violations_by={"mamba+offload/missing/hit": 4, "mamba+offload/missing/inherited": 2,
+                                kv_violations_by={"mamba/wrong-state/hit": 4, "mamba/wrong-state/inherited": 2,
                                                   "full_attention+offload/missing/hit": 3}))
     assert {f.key for f in corrupt} == {"corruption:fa-hole-below-boundary",
-                                        "corruption:unknown:mamba+offload/missing"}
+                                        "corruption:unknown:mamba/wrong-state"}
     assert "(hit x4, inherited x2)" in next(f.title for f in corrupt if not f.signature)
     known = next(f for f in corrupt if f.signature)
     assert judge_failure(known, catalogue, "0.26.0", ("pr-52807",)).entry == "fa-hole-below-boundary"

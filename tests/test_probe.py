@@ -107,7 +107,7 @@ def test_counts_external_hits_and_triggers_and_keeps_behaviour(vllm_tree, tmp_pa
     # (32,16) and (16,48): hit with a local prefix -> trigger.
     # (blocks=None: no group layout to read, so the bug's state is never counted)
     none = {"state_calls": 0, "state_groups": {}, "deferred_lookups": 0, "loads_behind_deferred": 0,
-            "finished_unscheduled": 0}
+            "finished_unscheduled": 0, "divergent_hits": 0, "divergent_loads": 0}
     assert counts == [
         {"external_hit_calls": 0, "trigger_calls": 0, **none},
         {"external_hit_calls": 0, "trigger_calls": 0, **none},
@@ -127,7 +127,7 @@ def test_counts_external_hits_and_triggers_and_keeps_behaviour(vllm_tree, tmp_pa
     assert "kvrepro-probe: counts external_hit_calls=3 trigger_calls=2" in proc.stderr
     # ... and at exit.
     assert re.fullmatch(r"kvrepro-probe: counts external_hit_calls=3 trigger_calls=2 state_calls=0 state_groups=- "
-                        r"deferred_lookups=0 loads_behind_deferred=0 finished_unscheduled=0 pid=\d+", proc.stderr.rstrip().splitlines()[-1])
+                        r"deferred_lookups=0 loads_behind_deferred=0 finished_unscheduled=0 divergent_hits=0 divergent_loads=0 pid=\d+", proc.stderr.rstrip().splitlines()[-1])
 
 
 # The bug's state: real KVCacheBlock / KVCacheBlocks from vLLM; the connector config is a stand-in
@@ -238,7 +238,7 @@ def test_counts_deferred_lookups_and_loads_admitted_behind_them(vllm_tree, tmp_p
         ("pass end", 1, 1, 2),
         ("load c", 1, 1, 3),     # a new pass: no deferral in it yet
     ]
-    assert re.search(r"deferred_lookups=1 loads_behind_deferred=1 finished_unscheduled=0 pid=\d+$", proc.stderr.rstrip())
+    assert re.search(r"deferred_lookups=1 loads_behind_deferred=1 finished_unscheduled=0 divergent_hits=0 divergent_loads=0 pid=\d+$", proc.stderr.rstrip())
 
 
 def test_installed_line_names_file_and_source_hash(vllm_tree, tmp_path):

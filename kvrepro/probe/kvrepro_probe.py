@@ -35,6 +35,15 @@ And it wraps ``request_finished`` and counts ``finished_unscheduled``: requests 
 that finished with no token computed -- aborted while queued, never scheduled (vllm#49118's path:
 their offload keys exist, their GPU blocks never did).
 
+And, for connectors that take divergent hybrid hits (the capable connector, kvrepro/engine/capable.py),
+it wraps ``KVCacheManager.get_computed_blocks_for_connector`` (0.27.0+; from 0.28.0 the scheduler calls it
+only for a connector declaring ``supports_divergent_local_hybrid_hits``) and counts
+
+* ``divergent_hits``: calls that returned ``hit_diverged``: the connector was handed full attention's
+  local hit although a Mamba group's hit lags behind it;
+* ``divergent_loads``: those whose next offload lookup found tokens to load (the request then
+  resumes past the lagging Mamba state, trusting the connector to restore it).
+
 Counting happens BEFORE the original runs, so the call that crashes is counted. The wrapper
 returns what the original returns and re-raises what it raises.
 
@@ -54,7 +63,7 @@ never import vLLM pay for one string comparison per import and print nothing.
 Output, on stderr, flushed, one line each (kvrepro's classifier parses these exact formats)::
 
   kvrepro-probe: installed function=OffloadingConnectorScheduler.update_state_after_alloc file=<path> source_sha256=<hex>
-  kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M> state_calls=<K> state_groups=<kind>:<n>,... deferred_lookups=<D> loads_behind_deferred=<L> finished_unscheduled=<F> pid=<P>
+  kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M> state_calls=<K> state_groups=<kind>:<n>,... deferred_lookups=<D> loads_behind_deferred=<L> finished_unscheduled=<F> divergent_hits=<H> divergent_loads=<G> pid=<P>
 
 (``pid`` because vLLM >= 0.33 no longer prefixes what a child process writes to stderr with
 its ``(EngineCore pid=N)`` tag: the API server's zero counts must not hide the EngineCore's.)
@@ -81,8 +90,12 @@ REPORT_INTERVAL_S = 2.0
 
 _lock = threading.Lock()
 _counts = {"external_hit_calls": 0, "trigger_calls": 0, "state_calls": 0, "deferred_lookups": 0,
-           "loads_behind_deferred": 0, "finished_unscheduled": 0}
+           "loads_behind_deferred": 0, "finished_unscheduled": 0, "divergent_hits": 0, "divergent_loads": 0}
 _deferred_this_pass: set = set()  # requests whose lookup returned None in the current scheduling pass
+_diverged: set = set()  # requests handed a divergent local hit, until their next offload lookup answers
+MANAGER_MODULE = "vllm.v1.core.kv_cache_manager"
+MANAGER_CLASS = "KVCacheManager"
+DIVERGENT_METHOD = "get_computed_blocks_for_connector"
 LOOKUP_METHOD = "get_num_new_matched_tokens"
 PASS_END_METHOD = "build_connector_meta"
 FINISHED_METHOD = "request_finished"
@@ -127,13 +140,15 @@ def report(force: bool = False) -> None:
     with _lock:
         groups = ",".join(f"{kind}:{n}" for kind, n in sorted(_state_groups.items()))
         snapshot = (_counts["external_hit_calls"], _counts["trigger_calls"], _counts["state_calls"], groups,
-                    _counts["deferred_lookups"], _counts["loads_behind_deferred"], _counts["finished_unscheduled"])
+                    _counts["deferred_lookups"], _counts["loads_behind_deferred"], _counts["finished_unscheduled"],
+                    _counts["divergent_hits"], _counts["divergent_loads"])
         if not force and snapshot == _state["last_reported"]:
             return
         _state["last_reported"] = snapshot
     _write(f"kvrepro-probe: counts external_hit_calls={snapshot[0]} trigger_calls={snapshot[1]} "
            f"state_calls={snapshot[2]} state_groups={snapshot[3] or '-'} deferred_lookups={snapshot[4]} "
-           f"loads_behind_deferred={snapshot[5]} finished_unscheduled={snapshot[6]} pid={os.getpid()}")
+           f"loads_behind_deferred={snapshot[5]} finished_unscheduled={snapshot[6]} divergent_hits={snapshot[7]} "
+           f"divergent_loads={snapshot[8]} pid={os.getpid()}")
 
 
 def _reporter_loop() -> None:
@@ -159,6 +174,7 @@ def _after_fork_in_child() -> None:
                 _counts[name] = 0
             _state_groups.clear()
             _deferred_this_pass.clear()
+            _diverged.clear()
             _state["last_reported"] = None
         _start_reporter()
 
@@ -269,10 +285,16 @@ def _wrap_queue_methods(cls) -> None:
         def get_num_new_matched_tokens(self, request, *args, **kwargs):
             result = lookup(self, request, *args, **kwargs)
             try:
+                request_id = getattr(request, "request_id", None)
                 if isinstance(result, tuple) and result and result[0] is None:
                     with _lock:
                         _counts["deferred_lookups"] += 1
-                        _deferred_this_pass.add(getattr(request, "request_id", None))
+                        _deferred_this_pass.add(request_id)
+                elif isinstance(result, tuple) and result and request_id in _diverged:
+                    with _lock:
+                        _diverged.discard(request_id)
+                        if isinstance(result[0], int) and result[0] > 0:
+                            _counts["divergent_loads"] += 1
             except Exception:
                 pass
             return result
@@ -308,11 +330,37 @@ def _wrap_queue_methods(cls) -> None:
         setattr(cls, FINISHED_METHOD, request_finished)
 
 
+def _wrap_divergent_lookup() -> None:
+    """Count divergent local hits handed to the connector (module docstring). The KV-cache manager is
+    imported before any connector (the scheduler imports it); a release without the method (before
+    0.27.0) has no divergent hit to hand over, and loses only these two counts."""
+    manager = getattr(sys.modules.get(MANAGER_MODULE), MANAGER_CLASS, None)
+    original = getattr(manager, "__dict__", {}).get(DIVERGENT_METHOD)
+    if original is None or getattr(original, "__kvrepro_probe__", False):
+        return
+
+    @functools.wraps(original)
+    def get_computed_blocks_for_connector(self, request, *args, **kwargs):
+        result = original(self, request, *args, **kwargs)
+        try:
+            if isinstance(result, tuple) and len(result) == 4 and result[3] is True:
+                with _lock:
+                    _counts["divergent_hits"] += 1
+                    _diverged.add(getattr(request, "request_id", None))
+        except Exception:
+            pass
+        return result
+
+    get_computed_blocks_for_connector.__kvrepro_probe__ = True
+    setattr(manager, DIVERGENT_METHOD, get_computed_blocks_for_connector)
+
+
 def _wrap_module(module) -> None:
     try:
         cls = getattr(module, TARGET_CLASS, None)
         if cls is not None:
             _wrap(cls)
+            _wrap_divergent_lookup()
         else:
             _write(f"kvrepro-probe: not installed: {TARGET_MODULE} has no {TARGET_CLASS}")
     except Exception as exc:  # never break the import of vLLM itself

@@ -193,6 +193,10 @@ class EngineSpec(_Strict):
     num_speculative_tokens: int = Field(1, ge=0)
     kv_offloading_size_gib: float = Field(1.0, gt=0, description="--kv-offloading-size (GiB of host memory)")
     kv_offloading_backend: Literal["native"] = "native"
+    connector: Literal["offloading", "capable"] = Field(
+        "offloading", description="offloading: vLLM's OffloadingConnector (--kv-offloading-size); capable: the same "
+        "connector declaring supports_divergent_local_hybrid_hits (kvrepro/engine/capable.py, test-only; vLLM "
+        "0.28.0+ or a stack with pr-50344)")
     max_num_seqs: int = Field(4, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)
     max_model_len: int = Field(1024, ge=64)
@@ -263,12 +267,16 @@ class EngineSpec(_Strict):
 
     def serve_args(self, model_path: str, include_sim: bool) -> list[str]:
         """The `vllm serve` argument list (model first). The sim engine parses the same list."""
+        # the capable connector is named in --kv-transfer-config: --kv-offloading-size would make vLLM
+        # name the OffloadingConnector over it (VllmConfig._post_init_kv_transfer_config)
+        offloading = [] if self.connector == "capable" else [
+            "--kv-offloading-size", repr(self.kv_offloading_size_gib),
+            "--kv-offloading-backend", self.kv_offloading_backend]
         args = [
             model_path,
             "--block-size", str(self.block_size),
             "--mamba-cache-mode", self.mamba_cache_mode,
-            "--kv-offloading-size", repr(self.kv_offloading_size_gib),
-            "--kv-offloading-backend", self.kv_offloading_backend,
+            *offloading,
             "--max-num-seqs", str(self.max_num_seqs),
             "--max-num-batched-tokens", str(self.max_num_batched_tokens),
             "--max-model-len", str(self.max_model_len),
@@ -284,12 +292,22 @@ class EngineSpec(_Strict):
                 json.dumps({"method": self.speculative_method,
                             "num_speculative_tokens": self.num_speculative_tokens}),
             ]
+        transfer: dict[str, Any] = {}
+        if self.connector == "capable":
+            from ..versions import CAPABLE_CONNECTOR_CLASS, CAPABLE_CONNECTOR_MODULE
+
+            # what --kv-offloading-size N would set, with the subclass named instead
+            transfer = {"kv_connector": CAPABLE_CONNECTOR_CLASS, "kv_connector_module_path": CAPABLE_CONNECTOR_MODULE,
+                        "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"cpu_bytes_to_use": int(self.kv_offloading_size_gib * (1 << 30))}}
         if self.geometry is not None:
             from ..versions import OFFLOAD_CHUNK_EXTRA_KEY
 
             # merged by vLLM with what --kv-offloading-size sets (the connector, cpu_bytes_to_use)
-            args += ["--kv-transfer-config",
-                     json.dumps({"kv_connector_extra_config": {OFFLOAD_CHUNK_EXTRA_KEY: self.offload_chunk_tokens}})]
+            transfer.setdefault("kv_connector_extra_config", {})[OFFLOAD_CHUNK_EXTRA_KEY] = self.offload_chunk_tokens
+        if transfer:
+            args += ["--kv-transfer-config", json.dumps(transfer)]
+        if self.geometry is not None:
             if self.geometry.data_parallel_size > 1:
                 args += ["--data-parallel-size", str(self.geometry.data_parallel_size)]
             if self.geometry.hash_block_size is not None:
@@ -551,6 +569,19 @@ class Matrix(_Strict):
             if len(self.common) + len(stack) > MAX_STACK:
                 raise FieldError(("builds", b), f"common: + this build make {len(self.common) + len(stack)} "
                                   f"patches in one stack; at most {MAX_STACK}")
+        return self
+
+    @model_validator(mode="after")
+    def _capable_connector(self) -> "Matrix":
+        if self.engine.connector != "capable":
+            return self
+        from ..versions import divergent_hits_flag_problem
+
+        for base in self.bases:
+            for build, stack in self.builds.items():
+                if (problem := divergent_hits_flag_problem(base, [*self.common, *stack])) is not None:
+                    raise FieldError("engine.connector", f"capable, but build {build} on {base}: {problem}; use "
+                                      "base 0.28.0 or later, or add the patch to the build")
         return self
 
     @model_validator(mode="after")

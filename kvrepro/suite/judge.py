@@ -73,9 +73,10 @@ def _compare(state: str, expected: str | None) -> bool | None:
     return state == (PRESENT if expected == "present" else ABSENT)
 
 
-def not_testable_row(entry: Entry, build: str, release: str, patches: tuple[str, ...]) -> Row:
+def not_testable_row(entry: Entry, build: str, release: str, patches: tuple[str, ...], why: str | None = None) -> Row:
+    """``why``: this build's reason (a release that lacks what the entry needs); default the entry's."""
     return Row(entry=entry.name, kind=entry.kind, build=build, state=NOT_TESTABLE,
-               detail=entry.not_testable or "", expected=expected_state(entry, release, patches), matches=None)
+               detail=why or entry.not_testable or "", expected=expected_state(entry, release, patches), matches=None)
 
 
 def judge(entry: Entry, build: str, release: str, patches: tuple[str, ...], runs: list[RunResult],

@@ -32,7 +32,7 @@ from ..records import (RecordError, StopRule, SuiteBuildRecord, SuiteEntryRecord
 from ..results import store as results
 from ..secrets import redact
 from ..spec.matrix import DEFAULT_MATRIX, LoadedMatrix
-from ..versions import unsupported
+from ..versions import DEFAULT_BASE, SUPPORTED_RELEASES, divergent_hits_flag_problem, unsupported
 from .catalogue import Catalogue, Entry, EntrySpec, FragmentError, build_key, load_catalogue, parse_build_key
 from .judge import Row, judge, not_testable_row
 
@@ -114,7 +114,10 @@ def entry_matrix(entry: Entry | EntrySpec, builds: list[SuiteBuild]) -> LoadedMa
 def check_fragment(spec: EntrySpec) -> None:
     """For load_catalogue: the fragment must make a valid matrix (its errors name the field)."""
     try:
-        entry_matrix(spec, [SuiteBuild("0.26.0")])
+        # on the default base, or the oldest release the entry can run on
+        build = next((b for b in map(SuiteBuild, (DEFAULT_BASE, *SUPPORTED_RELEASES))
+                      if build_problem(spec, b) is None), SuiteBuild(DEFAULT_BASE))
+        entry_matrix(spec, [build])
     except SpecError as exc:
         lines = [line for line in str(exc).splitlines() if line.strip() and not line.startswith("invalid matrix")]
         m = _PROBLEM.match(lines[0]) if lines else None
@@ -129,10 +132,25 @@ def load(folder: Path | None = None) -> Catalogue:
     return load_catalogue(folder or paths.default_catalogue(), check_fragment)
 
 
+def build_problem(entry: Entry | EntrySpec, build: SuiteBuild) -> str | None:
+    """Why a testable entry cannot be tested on ``build`` (its row is NOT TESTABLE, nothing runs), or
+    None: an entry on the capable connector needs a release whose scheduler reads its declaration."""
+    engine = (entry.fragment if isinstance(entry, Entry) else entry.matrix).get("engine")
+    if isinstance(engine, dict) and engine.get("connector") == "capable":
+        return divergent_hits_flag_problem(build.release, build.patches)
+    return None
+
+
+def runnable_builds(entry: Entry, builds: list[SuiteBuild]) -> list[SuiteBuild]:
+    return [b for b in builds if build_problem(entry, b) is None]
+
+
 def check_entries(entries: list[Entry], builds: list[SuiteBuild], target: str | None = None) -> dict[str, LoadedMatrix]:
-    """Each testable entry's matrix, and what the target takes from the environment ($RAY_ADDRESS
-    for ``--target ray``): SpecError (exit 2) before a suite folder or a progress bar exists."""
-    matrices = {e.name: entry_matrix(e, builds) for e in entries if e.testable}
+    """Each testable entry's matrix (on the builds it can run on), and what the target takes from the
+    environment ($RAY_ADDRESS for ``--target ray``): SpecError (exit 2) before a suite folder or a
+    progress bar exists."""
+    matrices = {e.name: entry_matrix(e, runnable) for e in entries
+                if e.testable and (runnable := runnable_builds(e, builds))}
     for loaded in matrices.values():
         check_environment(target or loaded.matrix.target, loaded.matrix)
     return matrices
@@ -186,7 +204,7 @@ def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuil
 
     save()
     slots = max(1, jobs or min(4, os.cpu_count() or 1))
-    testable = [e for e in entries if e.testable]
+    testable = [e for e in entries if e.name in matrices]
     # fewer entries than slots: the spare slots run an entry's repetitions and bases side by side
     per_entry = max(1, slots // max(1, min(slots, len(testable))))
     shared: dict[str, Target] = {}
@@ -295,7 +313,6 @@ def load_suite(path: Path, catalogue: Catalogue, root: Path = results.DEFAULT_RO
     if status == "running" and lifetime.owner_alive(record.owner) is False:
         status = "aborted"  # its kvrepro vanished (SIGKILL, a crash) mid-suite
     builds = tuple(SuiteBuild(b.release, b.patches) for b in record.builds)
-    several = len(builds) > 1
     known = {e.name: e for e in catalogue.entries}
     rows: list[Row] = []
     notes: list[str] = []
@@ -310,9 +327,11 @@ def load_suite(path: Path, catalogue: Catalogue, root: Path = results.DEFAULT_RO
                 run = results.load_run(folder / RUNS_FOLDER, info.run)
             except KvreproError as exc:
                 notes.append(f"{name}: {exc}")
+        several = len(runnable_builds(entry, list(builds))) > 1  # the bases its matrix ran
         for b in builds:
-            if not entry.testable:
-                rows.append(not_testable_row(entry, b.key, b.release, b.patches))
+            if not entry.testable or (why := build_problem(entry, b)) is not None:
+                rows.append(not_testable_row(entry, b.key, b.release, b.patches,
+                                             None if not entry.testable else why))
                 continue
             cell = run.build(cell_name(entry.name, b.release, several)) if run is not None else None
             runs = list(cell.runs) if cell is not None else []
