@@ -247,3 +247,22 @@ def test_burst_values_are_checked():
     load = LoadSpec(events=[LoadEventSpec(at=4, every=6, burst=2, replay_from=0)])
     assert [load.events_for(i).replay_of for i in range(4, 12)] == [0, 1, None, None, None, None, 6, 7]
     assert load.events_for(10).burst == 2 and load.events_for(11).burst is None
+
+
+def test_at_concurrency_2_a_burst_behind_a_reset_leaves_together_after_the_reset(engine, tmp_path):
+    """The burst claims its requests before its reset waits: the other slot must not take request 3
+    and send it alone, before the reset (it did, until the claim moved; parked-load-stranded needs the
+    replays to park together). With max_num_seqs 1 the reset waits for the other slot's request."""
+    from kvrepro.loadgen.trace import read_trace
+
+    events = [{"at": 2, "reset_prefix_cache": "local"}, {"at": 2, "burst": 2, "replay_from": 0}]
+    summary, lines = _run(engine, tmp_path, events, requests=5, concurrency=2, max_tokens=8,
+                          document_tokens=96, min_prefix_tokens=96, suffix_tokens=[0, 0], documents=2)
+    assert summary.stopped_because == "budget", lines
+    reset = next(r for r in lines if r.get("event") == "reset_prefix_cache")
+    started = {r["index"]: r["started_at"] for r in lines if "index" in r}
+    assert reset["success"] is True and started[2] >= reset["at"] and started[3] >= reset["at"], lines
+    trace = read_trace(tmp_path / "trace.jsonl")
+    by = {r.index: r for r in trace.requests}
+    assert by[3].events == RequestEvents(replay_of=1) and by[3].tokens == by[1].tokens
+    assert abs(by[3].sent_s - by[2].sent_s) < 0.05

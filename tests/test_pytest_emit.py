@@ -316,3 +316,64 @@ def test_a_corruption_without_offload_hit_does_not_require_one(default_matrix):
     assert "assert hits, " in offload and "assert hits, " not in plain
     assert "assert not shadow.violations, wrong_kv(shadow)" in plain
     assert ast.get_docstring(ast.parse(plain)).startswith("Regression test: vLLM 0.26.0 reads wrong KV (mamba)")
+
+
+# --------------------------------------------------------------------------- the queued-abort test (#49118)
+
+QUEUED_ABORT_TRACE = ROOT / "tests" / "data" / "traces" / "minimized-queued-abort-49118.trace.jsonl"
+
+
+@pytest.fixture(scope="module")
+def queued_abort_matrix():
+    from kvrepro.spec.matrix import load_matrix
+
+    return load_matrix(ROOT / "examples" / "queued-abort.yaml")
+
+
+def test_a_minimized_queued_abort_keeps_its_abort_in_the_emitted_test(queued_abort_matrix):
+    """The shipped #49118 trace (2 requests, from `kvrepro minimize` of examples/queued-abort.yaml's
+    `released`): its rider is still a queued abort, and the emitted test aborts it and tells that
+    story, not the offload-hit one (which it has no check for)."""
+    trace = read_trace(QUEUED_ABORT_TRACE)
+    assert [r.events.abort if r.events else None for r in trace.requests] == [None, "queued"]
+    text = render(trace, queued_abort_matrix, EngineInfo.from_json({**ENGINE_JSON, "speculative": None}),
+                  "test_repro.py", {})
+    assert 'REQUESTS = [(16, P[0]), (1, P[1], "abort-queued")]' in text
+    doc = ast.get_docstring(ast.parse(text))
+    assert "still queued (never scheduled" in doc and "offload hit sits behind" not in doc
+    assert "offload-hit-behind" not in doc and "no offload hit behind a local prefix hit" not in text
+
+
+@pytest.fixture(scope="module")
+def emitted_queued_abort(queued_abort_matrix, runtime_python, tmp_path_factory):
+    """The shipped #49118 trace emitted and run the way `kvrepro minimize --emit-pytest` does it, with
+    0.26.0 as released (`released`) and with pr-49146 (`fixed`)."""
+    from kvrepro.minimize.shrink import OfflineEngine, _emit_and_check
+
+    path = tmp_path_factory.mktemp("emit-abort") / "test_queued_abort.py"
+    engines = {name: OfflineEngine(queued_abort_matrix, name, 0) for name in ("released", "fixed")}
+    try:
+        summary = _emit_and_check(path, read_trace(QUEUED_ABORT_TRACE), queued_abort_matrix, "released",
+                                  engines["released"], "fixed", engines["fixed"], lambda line: None)
+    finally:
+        for e in engines.values():
+            e.close()
+    return path, summary, {name: (e.command[0], e.test_pythonpath) for name, e in engines.items()}
+
+
+def test_the_queued_abort_test_fails_on_0_26_0_and_passes_with_pr_49146(emitted_queued_abort):
+    _, summary, _ = emitted_queued_abort
+    assert summary.pytest_check["released"] == PytestCheck(ok=True, result="fails with the target signature",
+                                                           exit=1), summary.pytest_check
+    assert summary.pytest_check["fixed"] == PytestCheck(ok=True, result="passes", exit=0), summary.pytest_check
+
+
+def test_under_pytest_the_queued_abort_test_fails_in_build_store_jobs(emitted_queued_abort, tmp_path):
+    path, _, runs = emitted_queued_abort
+    python, pythonpath = runs["released"]
+    env = {"PATH": "/usr/bin:/bin", "VLLM_PLUGINS": "", "VLLM_LOGGING_LEVEL": "ERROR",
+           "PYTHONPATH": f"{pythonpath}:{_pytest_folder(tmp_path)}"}
+    proc = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert "1 failed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "_build_store_jobs" in proc.stdout and "len(offload_keys) == len(offload_block_ids)" in proc.stdout

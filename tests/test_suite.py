@@ -228,7 +228,7 @@ def test_suite_run_on_0_26_0_and_a_flipped_expectation_fails_exactly_that_case(t
     not testable; then the recorded run judged against a catalogue copy that says 0.26.0 is fixed."""
     junit = tmp_path / "suite.xml"
     proc = kvrepro("suite", "run", "--base", "0.26.0", "--entry", "offload-boundary-assert",
-                   "--entry", "cross-group-eviction-assert", "--entry", "mtp-async-load-deadlock", "--reps", "1",
+                   "--entry", "cross-group-eviction-assert", "--entry", "offload-unrecorded-alloc-stale-store", "--reps", "1",
                    "--results", str(tmp_path / "results"), "--junit", str(junit), "--json", "--ci")
     assert proc.returncode == 0, proc.stderr[-3000:]
     suite = json.loads(proc.stdout)

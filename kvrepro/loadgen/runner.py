@@ -353,10 +353,9 @@ class _Run:
             prompt = self._prompt(index)
             if self.halted:
                 return
-            await self._before(prompt)
-            if self.halted:
-                return
-            # a burst: this request and the next burst-1 go out together (earlier prompts again)
+            # a burst: this request and the next burst-1 go out together (earlier prompts again).
+            # Claimed before the pause or reset below: with concurrency > 1 another slot would take
+            # them while this one waits, and send them alone, before the reset (measured: it did)
             group = [prompt]
             burst = prompt.events.burst if prompt.events is not None and prompt.events.burst else 1
             while len(group) < burst and (self.budget is None or self.next_index < self.budget):
@@ -371,6 +370,9 @@ class _Run:
                 if candidate.events is not None and candidate.events.abort == "queued":
                     self.next_index += 1
                     rider = candidate
+            await self._before(prompt)
+            if self.halted:
+                return
             sends = [asyncio.ensure_future(self._one(body_head, p, slot)) for p in group]
             if rider is not None:
                 await asyncio.sleep(_RIDER_LAG_S)  # the request before it reaches the engine first

@@ -800,7 +800,20 @@ def render(trace: Trace, loaded: LoadedMatrix, engine: EngineInfo, name: str,
         # the reach check is the offload-hit crash's own; another target (a queued abort's
         # _build_store_jobs) passes by running through
         text = text.replace(_REACH_CHECK, "    # another target than the offload-hit path: running through is the pass\n")
+        # ... and the docstring must not tell the offload-hit story either (it did, for #49118)
+        queued = any(r.events is not None and r.events.abort == "queued" for r in trace.requests)
+        text = text.replace(_OFFLOAD_HIT_SITUATION, _QUEUED_ABORT_SITUATION if queued else _OTHER_SITUATION, 1)
+        text = text.replace(_OFFLOAD_HIT_REACH_DOC, "\nfix the sequence runs through, and that is the pass.", 1)
     return text
+
+
+_OFFLOAD_HIT_SITUATION = "A KV-offloading request whose offload hit sits behind a partial local (GPU prefix-cache) hit,"
+_QUEUED_ABORT_SITUATION = ("KV offloading on, a request the client gives up on while it is still queued (never "
+                           "scheduled; \"abort-queued\" below),")
+_OTHER_SITUATION = "A sequence of KV-offloading requests,"
+_OFFLOAD_HIT_REACH_DOC = """
+fix the sequence runs through, and the test checks it did reach the offload-hit-behind-a-local-
+hit state."""
 
 
 _REACH_CHECK = """    # without the bug the sequence runs through; it must still have reached the bug's state
