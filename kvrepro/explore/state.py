@@ -99,6 +99,7 @@ class FindingRecord:
     first_run: int
     runs: int = 1
     folder: str | None = None  # findings/<slug> under the campaign (new and regression only)
+    minimized: str | None = None  # what minimizing it gave, one line (findings.py); None: not tried
 
 
 @dataclass
