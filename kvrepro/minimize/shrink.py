@@ -371,8 +371,10 @@ def find_crash(root: Path, run_id: str, build: str, rep: int | None, violation: 
             return bool(kind_count(r.kv_violations_by, violation))
         if target is not None and r.signature is not None and r.label.startswith("CRASH"):
             s = r.signature
+            squash = lambda text: "".join(str(text or "").split())  # noqa: E731
             if s.exception == target.exception and s.function == target.function and (
-                    not target.file or str(s.file or "").endswith(target.file)):
+                    not target.file or str(s.file or "").endswith(target.file)) and (
+                    not target.expression or squash(target.expression) in squash(s.expression)):
                 return True
         return r.label in ("CRASH(target)", "CORRUPT")
 
