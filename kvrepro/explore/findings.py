@@ -68,8 +68,8 @@ def minimize_finding(campaign: Path, finding: FindingRecord, run_id: str,
             loaded = load_matrix(folder / "matrix.yaml")
             summary = minimize(loaded, campaign / "runs", run_id, BUILD, emit_pytest=folder / PYTEST_FILE,
                                confirm=False, violation=violation, on_line=on_line)
-        except KvreproError as exc:
-            got = MinimizedFinding(ok=False, note="not minimized: " + str(exc).strip().splitlines()[0][:300])
+        except (KvreproError, OSError) as exc:  # the campaign goes on; the run's own trace is in the folder
+            got = MinimizedFinding(ok=False, note="not minimized: " + (str(exc).strip() or repr(exc)).splitlines()[0][:300])
         else:
             for name in ("minimized.trace.jsonl", "minimized.json"):
                 source = Path(summary.trace).with_name(name)
