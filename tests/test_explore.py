@@ -261,7 +261,7 @@ def test_a_two_run_campaign_on_0_26_0_counts_the_target_crash_against_the_catalo
     budget continues the same campaign (run 2 is the one the generator makes for index 2)."""
     root = tmp_path / "results"
     proc = kvrepro("explore", "--base", "0.26.0", "--budget", "2", "--requests", "30", "--seed", "1",
-                   "--results", str(root), "--json", "--ci")
+                   "--results", str(root), "--json", "--ci", "--no-minimize")  # minimizing: test_explore_findings.py
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     state = CampaignState.from_json(result["state"])

@@ -15,6 +15,8 @@ and vLLM imported once per release) is warm for every run after the first.
 from __future__ import annotations
 
 import copy
+import fcntl
+import os
 import re
 import shutil
 import threading
@@ -35,11 +37,13 @@ from ..results import store as results
 from ..spec.matrix import DEFAULT_MATRIX, LoadedMatrix
 from ..suite.catalogue import Catalogue, build_key
 from .coverage import credit, features
+from .findings import minimize_finding
 from .generator import RunSpec, apply, generate
 from .judge import invariant_failures, judge_failure, run_failures
 from .state import CampaignRequest, CampaignState, FindingRecord, JudgedRecord, RunRecord
 
 STATE_FILE = "explore.json"
+LOCK_FILE = "explore.lock"
 RUNS_FOLDER = "runs"
 FINDINGS_FOLDER = "findings"
 BUILD = "explore"
@@ -108,6 +112,34 @@ def new_campaign(root: Path, request: CampaignRequest) -> tuple[CampaignState, P
     return state, folder
 
 
+class CampaignBusy(KvreproError):
+    """Another kvrepro is running this campaign right now (exit 2, as a busy bisection)."""
+
+    exit_code = 2
+
+
+def take_lock(folder: Path, campaign_id: str) -> int:
+    """Hold the campaign's lock while this process runs it: an exclusive ``flock`` on ``explore.lock``
+    (bisect's model: the kernel drops it however the holder exits, SIGKILL included, so a dead
+    campaign never holds it). The holder's pid is written into the file for the message. Returns the
+    file descriptor (close it to let go)."""
+    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)  # O_CLOEXEC: engines do not inherit it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            pid = os.read(fd, 32).decode(errors="replace").strip() or None
+        except OSError:
+            pid = None
+        os.close(fd)
+        who = f"pid {pid}" if pid else "another kvrepro"
+        raise CampaignBusy(f"{campaign_id} is still running ({who}); wait for it to finish, or stop it "
+                           f"(kill -INT {pid or 'PID'}) and then `kvrepro explore --resume {campaign_id}`") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
+
+
 def save(state: CampaignState, folder: Path) -> None:
     results.write_json(folder / STATE_FILE, state.to_json())
 
@@ -165,7 +197,17 @@ def _write_finding(folder: Path, state: CampaignState, judged: JudgedRecord, run
     for file in ("trace.jsonl", "load.jsonl", "verdict.json"):
         if run_dir is not None and (run_dir / file).is_file():
             shutil.copyfile(run_dir / file, target / file)
-    (target / "matrix.yaml").write_text(loaded.text)
+    text = loaded.text
+    if judged.kind == "crash" and run.signature is not None:
+        # the finding's own crash is the matrix's target: `matrix run` says CRASH(target) when it comes
+        # back, and `kvrepro minimize` shrinks toward it (findings.py)
+        sig = run.signature
+        data = yaml.safe_load(text) or {}
+        data["target_signature"] = {"exception": sig.exception, "function": sig.function, "file": sig.file,
+                                    **({"expression": sig.expression} if sig.expression else {})}
+        text = (f"# kvrepro explore finding: {judged.title}\n"
+                + yaml.safe_dump(data, sort_keys=False))
+    (target / "matrix.yaml").write_text(text)
     # the patches the matrix declares, next to it, so `kvrepro matrix run -m <finding>/matrix.yaml` runs as is
     for name in loaded.matrix.patches:
         source = loaded.patch_ref(name).path
@@ -217,12 +259,14 @@ def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progr
     data = base_data(path)
     base_profile = str((data.get("load") or {}).get("profile", "partial-prefix"))
     check_request(request)  # a resumed campaign's matrix may have changed since
+    lock = take_lock(folder, state.campaign_id)
     shared: Target | None = None
-    state.status = "running"
-    save(state, folder)
     try:
+        state.status = "running"
+        save(state, folder)
         while state.budget_left() and not stop.is_set():
-            spec = generate(request.seed, len(state.runs), base_profile, state.weights if request.guided else None)
+            spec = generate(request.seed, len(state.runs), base_profile, state.weights if request.guided else None,
+                            request.vocabulary)
             progress.stage(f"run {spec.index}: {spec.describe()}")
             started = time.monotonic()
             try:
@@ -258,6 +302,8 @@ def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progr
             state.elapsed_s += time.monotonic() - started
             state.runs.append(record)
             save(state, folder)
+            if request.minimize and record.run_id:
+                _minimize_new(state, folder, record, progress, stop)
             if on_run is not None:
                 on_run(record)
         state.status = "interrupted" if stop.is_set() and state.budget_left() else "complete"
@@ -265,10 +311,27 @@ def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progr
         state.status = "interrupted"
         raise
     finally:
-        if shared is not None:
-            shared.close()
-        save(state, folder)
+        try:
+            if shared is not None:
+                shared.close()
+            save(state, folder)
+        finally:
+            os.close(lock)
     return state
+
+
+def _minimize_new(state: CampaignState, folder: Path, record: RunRecord, progress: Progress,
+                  stop: threading.Event) -> None:
+    """Minimize the findings this run made (not its time budget: minimizing is not exploring)."""
+    for key, finding in list(state.findings.items()):
+        if stop.is_set():
+            return  # a resume does not retry it: `kvrepro minimize` on the run does the same by hand
+        if finding.folder is None or finding.first_run != record.spec.index or finding.minimized is not None:
+            continue
+        progress.stage(f"minimizing {finding.folder}")
+        got = minimize_finding(folder, finding, str(record.run_id), on_line=progress.stage)
+        state.findings[key] = FindingRecord(**{**finding.__dict__, "minimized": got.note})
+        save(state, folder)
 
 
 def summary(state: CampaignState) -> dict[str, Any]:

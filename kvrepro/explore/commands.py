@@ -14,7 +14,8 @@ from ..report.terminal import err, out
 from ..results.store import checked_root
 
 
-def explore(*, base: str | None, patch: list[str] | None, budget: str | None, seed: int, unguided: bool, requests: int,
+def explore(*, base: str | None, patch: list[str] | None, budget: str | None, seed: int, unguided: bool,
+            no_minimize: bool, requests: int,
             resume: str | None, matrix: Path | None, catalogue: Path | None, ci: bool, results_root: Path,
             as_json: bool) -> int:
     """`explore` with its options, by name; the exit code."""
@@ -37,7 +38,7 @@ def explore(*, base: str | None, patch: list[str] | None, budget: str | None, se
         runs_, seconds_ = parse_budget(budget)
         state, folder = new_campaign(results_root, CampaignRequest(
             base=base, patches=tuple(patch or ()), budget_runs=runs_, budget_seconds=seconds_, seed=seed,
-            guided=not unguided, matrix=str(matrix) if matrix else "", requests=requests))
+            guided=not unguided, matrix=str(matrix) if matrix else "", requests=requests, minimize=not no_minimize))
     err.print(f"campaign {state.campaign_id}: {folder}", highlight=False)
     stop = threading.Event()
     with stop_on_signals(stop, lambda signum: err.print(f"[yellow]{name(signum)}: stopping after this run[/]")):

@@ -24,6 +24,9 @@ from .vocabulary import KNOBS, PROFILE_PATH, Knob, Value, general_knobs, knob, p
 
 MAX_CHANGES = 4
 SEED_RANGE = 2**31
+ALL, LOAD = "all", "load"
+VOCABULARIES = (ALL, LOAD)
+LOAD_KNOBS = ("load.concurrency", "load.max_tokens")  # the general knobs a generic load changes
 
 
 @dataclass(frozen=True)
@@ -78,14 +81,22 @@ def _pick_knobs(rng: random.Random, knobs: list[Knob], count: int, weights: Mapp
     return chosen
 
 
-def generate(seed: int, index: int, base_profile: str, weights: Mapping[str, float] | None = None) -> RunSpec:
-    """Run ``index`` of the campaign seeded ``seed`` over a base whose load profile is ``base_profile``."""
+def generate(seed: int, index: int, base_profile: str, weights: Mapping[str, float] | None = None,
+             vocabulary: str = ALL) -> RunSpec:
+    """Run ``index`` of the campaign seeded ``seed`` over a base whose load profile is ``base_profile``.
+
+    ``vocabulary`` :data:`LOAD`: only the base profile's load settings and the seeds change (a
+    generic randomised load on the base engine, what a benchmark client with random settings
+    would send), the yardstick the planted-bug benchmark measures the full vocabulary against."""
+    if vocabulary not in VOCABULARIES:
+        raise ValueError(f"vocabulary {vocabulary!r}: one of {', '.join(VOCABULARIES)}")
     if index == 0:
         return RunSpec(index=0)
     rng = random.Random(f"kvrepro-explore/{seed}/{index}")
     changes: list[tuple[str, Value]] = []
     profile = base_profile
-    for k in _pick_knobs(rng, general_knobs(), rng.randint(1, MAX_CHANGES), weights):
+    general = general_knobs() if vocabulary == ALL else [k for k in general_knobs() if k.path in LOAD_KNOBS]
+    for k in _pick_knobs(rng, general, rng.randint(1, MAX_CHANGES), weights):
         value = _pick_value(rng, k, weights)
         if k.path == PROFILE_PATH:
             profile = str(value)

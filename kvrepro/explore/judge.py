@@ -124,6 +124,8 @@ def invariant_failures(run_dir: Path, stopped_because: str | None) -> list[Failu
             continue
         index = int(record["index"])
         answered[index] = answered.get(index, 0) + 1
+        if record.get("status") == "aborted":
+            continue  # the client gave up as load.events said: an end, whatever it had seen by then
         if record.get("ok"):
             if not record.get("completion_tokens"):
                 empty.append(index)

@@ -25,4 +25,6 @@ def lines(state: CampaignState, folder: str) -> list[str]:
         against = f" (catalogue: {f.entry})" if f.entry else ""
         where = f" -> {folder}/{f.folder}" if f.folder else ""
         out.append(f"  {f.status.upper():10} {f.title}{against}: {f.runs} run(s), first run {f.first_run}{where}")
+        if f.minimized:
+            out.append(f"  {'':10} {f.minimized}")
     return out

@@ -33,6 +33,8 @@ class CampaignRequest:
     matrix: str = ""  # the base matrix (default: the repository's matrix.yaml)
     requests: int = 200  # request budget of each run
     duration_s: float = 90.0  # time budget of each run (under load)
+    vocabulary: str = "all"  # all | load (generator.py: a generic randomised load, no engine knobs)
+    minimize: bool = True  # shrink each new finding's trace and emit its pytest (findings.py)
 
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> "CampaignRequest":
@@ -97,6 +99,7 @@ class FindingRecord:
     first_run: int
     runs: int = 1
     folder: str | None = None  # findings/<slug> under the campaign (new and regression only)
+    minimized: str | None = None  # what minimizing it gave, one line (findings.py); None: not tried
 
 
 @dataclass

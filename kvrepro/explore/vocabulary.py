@@ -6,8 +6,8 @@ base has it, so a finding is always "the base, and these changes". Profile knobs
 only apply when the run's load profile is that one; they are the profile's own settings as its
 ``Settings`` in kvrepro/loadgen/profiles/ validates them.
 
-New vocabulary is a new row: load events (aborts, priorities, cache resets) and offload-tier faults
-become knobs the same way once the load generator and the engine know them (docs/explore.md).
+New vocabulary is a new row (load.events is one: aborts, priorities, prefix-cache resets); offload-tier
+faults become knobs the same way once the engine knows them (docs/explore.md).
 Values are plain YAML data (what the matrix file would hold), so a run spec is saved and read back
 as JSON without a schema of its own.
 """
@@ -52,6 +52,17 @@ KNOBS: tuple[Knob, ...] = (
     Knob("engine.geometry", (None, {"offload_chunk_tokens": 32}, {"mamba_groups": 1},
                              {"offload_chunk_tokens": 64}),
          why="KV-cache groups and offload chunk (kvrepro/spec/geometry.py)"),
+    # the family's events (load.events, docs/load.md): what a client does besides sending a request
+    Knob("load.events", (
+        None,
+        [{"at": 1, "every": 5, "abort": "queued", "abort_after_s": 0.1}],
+        [{"at": 2, "every": 4, "abort": "first_token"}],
+        [{"at": 3, "every": 6, "abort": "tokens", "after_tokens": 2}],
+        [{"at": 1, "every": 3, "priority": -1}],
+        [{"at": 10, "every": 20, "reset_prefix_cache": "local"}],
+        [{"at": 12, "every": 24, "reset_prefix_cache": "external"}],
+    ), why="aborts (queued, at the first token, mid-stream), priorities, prefix-cache resets (GPU, and the "
+           "offload tier too)"),
     # partial-prefix's own settings
     Knob("load.schedule", ("revisit", "random"), profile="partial-prefix"),
     Knob("load.family_share", (0.35, 0.6, 0.9), profile="partial-prefix", why="a body / the GPU prefix cache"),

@@ -354,10 +354,13 @@ def _shorten_outputs(items: list[TraceRequest], crashes) -> list[TraceRequest]:
     return items
 
 
-def find_crash(root: Path, run_id: str, build: str, rep: int | None, violation: str | None = None):
+def find_crash(root: Path, run_id: str, build: str, rep: int | None, violation: str | None = None,
+               target: TargetSignature | None = None):
     """The first repetition of ``build`` (or repetition ``rep``) that crashed with the target
     signature or was CORRUPT, and its trace. With ``violation`` (a kind of shadow-KV violation,
-    ``full_attention+offload``): the first whose shadow KV counted that kind, whatever its verdict."""
+    ``full_attention+offload``): the first whose shadow KV counted that kind, whatever its verdict.
+    ``target``: the signature to minimize when it is not the one the run was judged by (kvrepro
+    explore's finding of another crash: the run says CRASH(other), its signature is the finding's)."""
     run = results.load_run(root, run_id)
     found = run.build(build)
     runs = list(found.runs) if found is not None else []
@@ -366,6 +369,13 @@ def find_crash(root: Path, run_id: str, build: str, rep: int | None, violation: 
     def minimizable(r) -> bool:
         if violation is not None:
             return bool(kind_count(r.kv_violations_by, violation))
+        if target is not None and r.signature is not None and r.label.startswith("CRASH"):
+            s = r.signature
+            squash = lambda text: "".join(str(text or "").split())  # noqa: E731
+            if s.exception == target.exception and s.function == target.function and (
+                    not target.file or str(s.file or "").endswith(target.file)) and (
+                    not target.expression or squash(target.expression) in squash(s.expression)):
+                return True
         return r.label in ("CRASH(target)", "CORRUPT")
 
     what = f"had a {violation} violation" if violation else "crashed with the target signature or were CORRUPT"
@@ -493,9 +503,9 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
         raise SpecError(f"--violation {violation!r}: a kind of KV group, optionally +offload "
                         f"(e.g. full_attention+offload, mamba), or a defect name "
                         f"({', '.join(c.name for c in known_corruptions())})")
-    run, trace_path = find_crash(root, run_id, build, rep, violation)
-    trace = read_trace(trace_path)
     sig = loaded.matrix.target_signature
+    run, trace_path = find_crash(root, run_id, build, rep, violation, sig)
+    trace = read_trace(trace_path)
     if violation is None and run.label == "CORRUPT":
         # the defect the build's `expect:` names (B: the boundary fix's hole, not the Mamba null-state
         # read every 0.26.0 build shares), else the one the run showed most; a run whose violations
