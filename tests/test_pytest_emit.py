@@ -116,13 +116,18 @@ def test_the_seed_is_the_repetition_s(default_matrix):
 @pytest.fixture(scope="module")
 def emitted(default_matrix, overlays, tmp_path_factory):
     """The shipped trace emitted and checked the way `kvrepro minimize` does it."""
+    return _emit_checked(tmp_path_factory.mktemp("emit") / "test_offload_repro.py", TRACE, default_matrix, "A", "D")
+
+
+def _emit_checked(path, trace, matrix, failing: str, passing: str):
+    """Emit ``trace`` as a pytest at ``path`` and run it on the builds ``failing`` and ``passing``,
+    as `kvrepro minimize --emit-pytest` does; the path, the summary and each build's python and path."""
     from kvrepro.minimize.shrink import OfflineEngine, _emit_and_check
 
-    path = tmp_path_factory.mktemp("emit") / "test_offload_repro.py"
-    engines = {name: OfflineEngine(default_matrix, name, 0) for name in ("A", "D")}
+    engines = {name: OfflineEngine(matrix, name, 0) for name in (failing, passing)}
     try:
-        summary = _emit_and_check(path, read_trace(TRACE), default_matrix, "A", engines["A"], "D", engines["D"],
-                                  lambda line: None)
+        summary = _emit_and_check(path, read_trace(trace), matrix, failing, engines[failing], passing,
+                                  engines[passing], lambda line: None)
     finally:
         for e in engines.values():
             e.close()
@@ -348,17 +353,8 @@ def test_a_minimized_queued_abort_keeps_its_abort_in_the_emitted_test(queued_abo
 def emitted_queued_abort(queued_abort_matrix, runtime_python, tmp_path_factory):
     """The shipped #49118 trace emitted and run the way `kvrepro minimize --emit-pytest` does it, with
     0.26.0 as released (`released`) and with pr-49146 (`fixed`)."""
-    from kvrepro.minimize.shrink import OfflineEngine, _emit_and_check
-
-    path = tmp_path_factory.mktemp("emit-abort") / "test_queued_abort.py"
-    engines = {name: OfflineEngine(queued_abort_matrix, name, 0) for name in ("released", "fixed")}
-    try:
-        summary = _emit_and_check(path, read_trace(QUEUED_ABORT_TRACE), queued_abort_matrix, "released",
-                                  engines["released"], "fixed", engines["fixed"], lambda line: None)
-    finally:
-        for e in engines.values():
-            e.close()
-    return path, summary, {name: (e.command[0], e.test_pythonpath) for name, e in engines.items()}
+    return _emit_checked(tmp_path_factory.mktemp("emit-abort") / "test_queued_abort.py", QUEUED_ABORT_TRACE,
+                         queued_abort_matrix, "released", "fixed")
 
 
 def test_the_queued_abort_test_fails_on_0_26_0_and_passes_with_pr_49146(emitted_queued_abort):

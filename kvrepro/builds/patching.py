@@ -410,6 +410,17 @@ def _run_patch(program: str, root: Path, data: bytes, dry_run: bool, reverse: bo
     return proc.returncode, proc.stdout.decode("utf-8", errors="replace")
 
 
+# what GNU patch says when a whole patch is refused, and what that means for the stack
+_WHOLE_PATCH_REFUSALS = (
+    ("Reversed (or previously applied) patch detected",
+     "the change is already in the tree: is the patch listed twice in the stack, or already part of this "
+     "base version?"),
+    ("Unreversed patch detected",
+     "the tree does not carry the change this revert takes out: is this base older than the upstream fix, "
+     "or is the revert listed twice in the stack?"),
+)
+
+
 def _failure_from_output(name: str, diffs: list[_FileDiff], output: str) -> PatchFailure:
     """Name the file and hunk that patch's own messages blame (the first one, in order)."""
     by_path = {d.path: d for d in diffs}
@@ -432,20 +443,10 @@ def _failure_from_output(name: str, diffs: list[_FileDiff], output: str) -> Patc
                 patch=name, file=file, hunk=hunk,
                 detail="; ".join(summary) + f" (context must match exactly: fuzz {FUZZ}, offsets allowed)",
             )
-        if line.startswith("Reversed (or previously applied) patch detected"):
-            return PatchFailure(
-                patch=name, file=current.path if current else "(unknown file)",
-                hunk=_hunk_label(current, 1) if current else "#1",
-                detail=f"{line} -- the change is already in the tree: is the patch listed twice "
-                       "in the stack, or already part of this base version?",
-            )
-        if line.startswith("Unreversed patch detected"):
-            return PatchFailure(
-                patch=name, file=current.path if current else "(unknown file)",
-                hunk=_hunk_label(current, 1) if current else "#1",
-                detail=f"{line} -- the tree does not carry the change this revert takes out: is this "
-                       "base older than the upstream fix, or is the revert listed twice in the stack?",
-            )
+        for start, why in _WHOLE_PATCH_REFUSALS:
+            if line.startswith(start):
+                return PatchFailure(patch=name, file=current.path if current else "(unknown file)",
+                                    hunk=_hunk_label(current, 1) if current else "#1", detail=f"{line} -- {why}")
         if line.startswith("can't find file to patch"):
             file = current.path if current else "(unknown file)"
             return PatchFailure(patch=name, file=file, hunk=_hunk_label(current, 1) if current else "#1",
