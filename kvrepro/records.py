@@ -332,6 +332,11 @@ class Exposure:
     deferred_lookups: int = 0
     loads_behind_deferred: int = 0
     finished_unscheduled: int = 0  # probe: tracked requests finished with no token computed (aborted queued)
+    # injected offload-tier faults (engine.sim.offload_faults; the engine's `kvrepro-fault:` lines): failed
+    # load and store jobs, and the requests a failed load ended with an error on purpose (policy `fail`)
+    injected_load_faults: int = 0
+    injected_store_faults: int = 0
+    injected_failed_requests: int = 0
 
     @property
     def kv_check(self) -> str:
@@ -523,6 +528,10 @@ class RunResult:
     deferred_lookups: int = 0
     loads_behind_deferred: int = 0
     finished_unscheduled: int = 0  # probe: tracked requests finished with no token computed (aborted queued)
+    # injected offload-tier faults (Exposure): failed load and store jobs, requests failed on purpose
+    injected_load_faults: int = 0
+    injected_store_faults: int = 0
+    injected_failed_requests: int = 0
     # `ray` target: the node the engine ran on, and why earlier attempts of this run were
     # INFRA (a node lost mid-run; the run was retried elsewhere and this record is the retry's)
     node: NodeInfo | None = None
