@@ -35,15 +35,31 @@ BAD_VALUES = [
 ]
 
 
-@pytest.mark.parametrize("line,base,message", BAD_VALUES)
-def test_a_bad_value_is_one_file_line_error_exit_2(tmp_path, line, base, message):
+def _matrix_with(tmp_path, line: str, base: str):
     text = (ROOT / "matrix.yaml").read_text().replace('base: "0.26.0"', f'base: "{base}"', 1)
     assert "\n  sim:\n" in text
     text = text.replace("\n  sim:\n", "\n  sim:\n" + line + "\n", 1)
     (tmp_path / "matrix.yaml").write_text(text)
-    number = text.splitlines().index(line) + 1
-    proc = subprocess.run([sys.executable, "-m", "kvrepro.cli", "matrix", "validate", "--matrix",
-                           str(tmp_path / "matrix.yaml")], capture_output=True, text=True, cwd=ROOT)
+    return tmp_path / "matrix.yaml", text.splitlines().index(line) + 1
+
+
+@pytest.mark.parametrize("line,base,message", BAD_VALUES)
+def test_a_bad_value_names_its_file_line_and_field(tmp_path, line, base, message):
+    from kvrepro.errors import SpecError
+    from kvrepro.spec.matrix import load_matrix
+
+    path, number = _matrix_with(tmp_path, line, base)
+    with pytest.raises(SpecError) as caught:
+        load_matrix(path)
+    text = str(caught.value)
+    assert f"matrix.yaml:{number}: engine.sim.offload_faults." in text and message in text, text
+
+
+def test_a_bad_value_is_one_line_and_exit_2_from_the_cli(tmp_path):
+    line, base, message = BAD_VALUES[-1]
+    path, number = _matrix_with(tmp_path, line, base)
+    proc = subprocess.run([sys.executable, "-m", "kvrepro.cli", "matrix", "validate", "--matrix", str(path)],
+                          capture_output=True, text=True, cwd=ROOT)
     out = (proc.stdout + proc.stderr).strip()
     assert proc.returncode == 2, out
     assert f"matrix.yaml:{number}" in out and message in out, out
@@ -242,9 +258,7 @@ def test_a_store_failure_kills_the_engine_on_vllms_own_assertion(target, tmp_pat
     handle, run_dir = _start(target, tmp_path_factory, "store", None, OffloadFaultsSpec(store_fail_at=[1]))
     try:
         summary = _load(handle, tmp_path, requests=2)
-        deadline = time.monotonic() + 30
-        while handle.alive() and time.monotonic() < deadline:
-            time.sleep(0.5)
+        _settled_log(run_dir, "transfer_result.success")  # the API server stays up (VLLM_KEEP_ALIVE_ON_ENGINE_DEATH)
     finally:
         handle.stop()
     log = (run_dir / "engine.log").read_text(errors="replace")
