@@ -1157,7 +1157,7 @@ def suite_run(
     chosen = cat.select(entry)
     builds_ = parse_builds(base, list(patch or []))
     matrices = check_entries(chosen, builds_, target)  # before the progress bar: bad input is one line
-    total = sum(len(builds_) * (reps or m.matrix.runs.repetitions) for m in matrices.values())
+    total = sum(len(m.matrix.bases) * (reps or m.matrix.runs.repetitions) for m in matrices.values())
     command = "kvrepro suite run " + " ".join(
         [f"--base {b}" for b in base] + [f"--patch {p}" for p in patch or []] + [f"--entry {e}" for e in entry or []]
         + ([f"--reps {reps}"] if reps else []) + ([f"--target {target}"] if target else [])

@@ -45,6 +45,7 @@ COUNTERS: dict[str, str] = {
                              "deferred in it: a load holding blocks behind a block-less request (probe)",
     "finished_unscheduled": "requests the OffloadingConnector tracked that finished with no token computed: "
                             "aborted while queued, never scheduled (probe)",
+    "injected_load_faults": "offload load jobs failed on purpose (engine.sim.offload_faults; kvrepro-fault: lines)",
     "requests": "requests sent",
 }
 # RunResult per-kind counters an entry names as ``<field>.<key>`` (kv_hit_reads.mamba): the key is
