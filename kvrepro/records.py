@@ -348,6 +348,11 @@ class Exposure:
     # probe: divergent local hybrid hits handed to the connector, and those it then loaded past
     divergent_hits: int = 0
     divergent_loads: int = 0
+    # injected offload-tier faults (engine.sim.offload_faults; the engine's `kvrepro-fault:` lines): failed
+    # load and store jobs, and the requests a failed load ended with an error on purpose (policy `fail`)
+    injected_load_faults: int = 0
+    injected_store_faults: int = 0
+    injected_failed_requests: int = 0
 
     @property
     def kv_check(self) -> str:
@@ -561,6 +566,10 @@ class RunResult:
     # probe: divergent local hybrid hits handed to the connector, and those it then loaded past
     divergent_hits: int = 0
     divergent_loads: int = 0
+    # injected offload-tier faults (Exposure): failed load and store jobs, requests failed on purpose
+    injected_load_faults: int = 0
+    injected_store_faults: int = 0
+    injected_failed_requests: int = 0
     # `ray` target: the node the engine ran on, and why earlier attempts of this run were
     # INFRA (a node lost mid-run; the run was retried elsewhere and this record is the retry's)
     node: NodeInfo | None = None

@@ -296,3 +296,50 @@ def nearest_supported(version: str) -> str | None:
     if same_minor:
         return same_minor[-1]  # a patch release we lack: the newest supported one of its series below it
     return min(SUPPORTED_RELEASES, key=lambda r: (abs(tuples[r][1] - got[1]), tuples[r]))  # type: ignore[index]
+
+
+# -- offload-tier faults (engine.sim.offload_faults; docs/faults.md) -------------------------------
+# Read from the ten release wheels (0.25.1-0.33.0):
+# * The OffloadingConnector's worker asserts that every finished transfer succeeded ("we currently do
+#   not support job failures"), in OffloadingConnectorWorker.get_finished of
+#   distributed/kv_transfer/kv_connector/v1/offloading/worker.py. A failed store has no other way
+#   back, so in every release a store failure kills the engine there: no release has a store
+#   failure path, and engine.sim.offload_faults.store_* is refused (the GPU-free data movement
+#   still fails a store the way a real copy would report it; tests/test_offload_faults.py measures
+#   the assertion).
+# * ``kv_load_failure_policy`` (``fail``, the default, or ``recompute``) is a KVTransferConfig field
+#   in every release (config/kv_transfer.py). A failed load reaches the scheduler per request
+#   (KVConnectorOutput.failed_recving -> Scheduler._handle_failed_recving: ``fail`` finishes the
+#   request with an error, ``recompute`` sets its computed tokens to 0 and frees its blocks) from
+#   0.30.0 on. Before, only per block (invalid_block_ids): _update_requests_with_invalid_blocks
+#   unpacks the block table as one KV-cache group (``(req_block_ids,) = ...``, scheduler.py:2694 in
+#   0.26.0), which a hybrid model's groups break; 0.31.0+ refuse block-level errors with several
+#   groups (RuntimeError in _handle_invalid_blocks). So the GPU-free engine reports a failed load as
+#   failed_recving, from FAILED_LOAD_REPORT_FROM on.
+FAILED_LOAD_REPORT_FROM = "0.30.0"
+OFFLOAD_TRANSFER_ASSERT_LINE: dict[str, int] = {  # worker.py line of `assert transfer_result.success`
+    "0.25.1": 319, "0.26.0": 343, "0.27.0": 361, "0.27.1": 361, "0.28.0": 361, "0.29.0": 277,
+    "0.30.0": 285, "0.31.0": 288, "0.32.0": 288, "0.33.0": 301,
+}
+OFFLOAD_WORKER_FILE = "vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py"
+
+
+def reports_failed_loads(version: str) -> bool:
+    """Whether this release's scheduler takes a failed load per request (failed_recving)."""
+    got, since = version_tuple(version), version_tuple(FAILED_LOAD_REPORT_FROM)
+    return got is not None and since is not None and got >= since
+
+
+def offload_fault_problem(version: str, kind: str) -> str | None:
+    """Why a ``kind`` ("load" or "store") fault cannot be injected on ``version`` (None: it can)."""
+    line = OFFLOAD_TRANSFER_ASSERT_LINE.get(version)
+    where = f"{OFFLOAD_WORKER_FILE}:{line}" if line else OFFLOAD_WORKER_FILE
+    if kind == "store":
+        return (f"vLLM {version} has no store failure path: the OffloadingConnector worker asserts "
+                f"transfer_result.success ({where}), so a failed store kills the engine; remove store_fail_rate/"
+                "store_fail_at (no release 0.25.1-0.33.0 has one)")
+    if not reports_failed_loads(version):
+        return (f"vLLM {version} reports failed loads to the scheduler only per block (invalid_block_ids), which "
+                f"its scheduler cannot map on a hybrid model's KV groups; load failures need base >= "
+                f"{FAILED_LOAD_REPORT_FROM} (KVConnectorOutput.failed_recving)")
+    return None

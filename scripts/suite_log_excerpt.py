@@ -5,8 +5,8 @@
 
 Keeps what shows the entry's signature: for a crash, the probe's lines and the EngineCore's fatal
 traceback; for a corruption, the shadow KV's `installed` line, the violations of the defect's
-classes and the last counts line; for a stall, the scheduler's last status lines. Machine
-paths under the home folder become `~`.
+classes and the last counts line; for a stall, the injected faults (if any) and the scheduler's
+last status lines. Machine paths under the home folder become `~`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,11 @@ def excerpt(log: str, kind: str, signature: str) -> list[str]:
         counts = [line for line in lines if "kvrepro-shadow: counts" in line]
         return keep + counts[-1:]
     status = [line for line in lines if "Running:" in line and "Waiting:" in line]
-    return status[-6:]
+    # injected offload faults (engine.sim.offload_faults): the failed loads and the last totals, the
+    # stall's path for an entry that counts them
+    faults = [line for line in lines if "kvrepro-fault:" in line and "failed on purpose" in line][:3]
+    totals = [line for line in lines if "kvrepro-fault: counts" in line][-1:]
+    return faults + totals + status[-6:]
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ import pytest
 from kvrepro.errors import SpecError
 from kvrepro.spec.matrix import EngineSpec, parse_matrix
 from kvrepro.suite.catalogue import expected_state
-from kvrepro.suite.run import SuiteBuild, build_problem, check_entries, load as load_catalogue
+from kvrepro.suite.run import SuiteBuild, check_entries, load as load_catalogue, refused_builds
 from kvrepro.versions import (CAPABLE_CONNECTOR_CLASS, CAPABLE_CONNECTOR_MODULE, SUPPORTED_RELEASES,
                               divergent_hits_flag_problem)
 
@@ -73,12 +73,13 @@ def test_the_suite_runs_a_capable_entry_only_where_it_means_something():
     entry = next(e for e in catalogue.entries if e.name == "capable-connector-mamba-state")
     assert entry.testable and entry.path_counter == "divergent_loads"
     old, new = SuiteBuild("0.26.0"), SuiteBuild("0.28.0")
-    assert "0.26.0 does not read" in build_problem(entry, old) and build_problem(entry, new) is None
+    refused = refused_builds(entry, [old, new])
+    assert list(refused) == ["0.26.0"] and "engine.connector" in refused["0.26.0"], refused
     matrices = check_entries([entry], [old, new])
     assert matrices[entry.name].matrix.bases == ["0.28.0"]  # the 0.26.0 row is NOT TESTABLE, not run
     assert check_entries([entry], [old]) == {}
     other = next(e for e in catalogue.entries if e.name == "mamba-null-state")
-    assert build_problem(other, old) is None
+    assert refused_builds(other, [old]) == {}
 
 
 def test_the_new_entries_load_with_their_claims():

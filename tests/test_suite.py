@@ -80,7 +80,7 @@ def test_each_entry_log_shows_its_signature():
             assert "Running: 0 reqs" in last and "Avg prompt throughput: 0.0" in last, e.name
             # the probe's counts before the stall show the entry's path (a counter the probe prints)
             x = read_exposure(log.read_text())
-            if e.path_counter in ("deferred_lookups", "loads_behind_deferred"):
+            if e.path_counter in ("deferred_lookups", "loads_behind_deferred", "injected_load_faults"):
                 assert getattr(x, e.path_counter) >= e.path_at_least, e.name
 
 
@@ -129,6 +129,25 @@ def test_a_bad_entry_is_one_line_naming_file_line_and_field(tmp_path, change, li
 def test_not_testable_needs_its_reason(tmp_path):
     message = _bad(tmp_path, "x", GOOD + "testable: false\n")
     assert message.startswith(f"{tmp_path / 'cat' / 'x.yaml'}:") and "not_testable: testable: false needs" in message
+
+
+def test_a_release_that_refuses_an_entry_is_a_not_testable_row_not_bad_input():
+    """recompute-failed-load-stall injects offload load faults, which kvrepro/versions.py refuses before
+    0.30.0 (no per-request failure report): on 0.29.0 the entry is NOT TESTABLE with that reason, its
+    matrix runs on the other bases only, and a run on 0.29.0 alone runs nothing (no exit 2)."""
+    from kvrepro.suite.judge import NOT_TESTABLE, not_testable_row
+    from kvrepro.suite.run import SuiteBuild, check_entries, refused_builds
+
+    e = entry("recompute-failed-load-stall")
+    builds = [SuiteBuild("0.29.0"), SuiteBuild("0.30.0"), SuiteBuild("0.33.0")]
+    refused = refused_builds(e, builds)
+    assert list(refused) == ["0.29.0"] and "load failures need base >= 0.30.0" in refused["0.29.0"], refused
+    assert check_entries([e], builds)[e.name].matrix.bases == ["0.30.0", "0.33.0"]
+    assert check_entries([e], builds[:1]) == {}
+    row = not_testable_row(e, "0.29.0", "0.29.0", (), refused["0.29.0"])
+    assert row.state == NOT_TESTABLE and "0.30.0" in row.detail and row.matches is None
+    # an entry no release refuses keeps every build
+    assert refused_builds(entry("skipped-waiting-deadlock"), builds) == {}
 
 
 def test_the_shipped_good_template_loads(tmp_path):
@@ -225,10 +244,11 @@ def test_rows():
 
 def test_suite_run_on_0_26_0_and_a_flipped_expectation_fails_exactly_that_case(tmp_path, runtime_python):
     """One quick entry on vLLM 0.26.0 (the target crash within a few requests), two entries that are
-    not testable; then the recorded run judged against a catalogue copy that says 0.26.0 is fixed."""
+    not testable, one that 0.26.0 refuses (offload load faults need 0.30.0: a row, not exit 2); then the recorded run judged against a catalogue copy that says 0.26.0 is fixed."""
     junit = tmp_path / "suite.xml"
     proc = kvrepro("suite", "run", "--base", "0.26.0", "--entry", "offload-boundary-assert",
-                   "--entry", "mamba-hash-before-write", "--entry", "offload-unrecorded-alloc-stale-store", "--reps", "1",
+                   "--entry", "mamba-hash-before-write", "--entry", "offload-unrecorded-alloc-stale-store",
+                   "--entry", "recompute-failed-load-stall", "--reps", "1",
                    "--results", str(tmp_path / "results"), "--junit", str(junit), "--json", "--ci")
     assert proc.returncode == 0, proc.stderr[-3000:]
     suite = json.loads(proc.stdout)
@@ -238,10 +258,12 @@ def test_suite_run_on_0_26_0_and_a_flipped_expectation_fails_exactly_that_case(t
     assert "offload_update_state_after_alloc" in rows["offload-boundary-assert"]["detail"]
     assert rows["mamba-hash-before-write"]["state"] == "NOT TESTABLE"
     assert rows["offload-unrecorded-alloc-stale-store"]["state"] == "NOT TESTABLE"
+    refused = rows["recompute-failed-load-stall"]
+    assert refused["state"] == "NOT TESTABLE" and "need base >= 0.30.0" in refused["detail"] and not refused["run_dirs"]
     cases = ET.parse(junit).getroot().findall(".//testcase")
-    assert len(cases) == 3
+    assert len(cases) == 4
     assert not ET.parse(junit).getroot().findall(".//failure")
-    assert len(ET.parse(junit).getroot().findall(".//skipped")) == 2
+    assert len(ET.parse(junit).getroot().findall(".//skipped")) == 3
     run_dir = Path(rows["offload-boundary-assert"]["run_dirs"][0])
     assert (run_dir / "engine.log").is_file() and (run_dir / "verdict.json").is_file()
 
@@ -263,7 +285,7 @@ def test_suite_run_on_0_26_0_and_a_flipped_expectation_fails_exactly_that_case(t
     root = ET.parse(junit2).getroot()
     failed = [(c.get("classname"), c.get("name")) for c in root.findall(".//testcase") if c.find("failure") is not None]
     assert failed == [("kvrepro.suite.offload-boundary-assert", "0.26.0")]
-    assert root.get("failures") == "1" and root.get("tests") == "3"
+    assert root.get("failures") == "1" and root.get("tests") == "4"
     assert "expected fixed, got PRESENT" in ET.tostring(root, encoding="unicode")
 
 

@@ -16,7 +16,12 @@ GPU-free engine's shadow KV (kvrepro/engine/shadow.py) reports what it checked t
     kvrepro-shadow: counts checks=<N> violations=<M> by=<class>:<n>,... hits=<kind>:<n>,... stored=<kind>:<n>,...
 
 (a class is ``<group kind>[+offload]/<read>/<region>``; older engines print ``<kind>[+offload]``
-alone and no ``class=``).
+alone and no ``class=``). Injected offload-tier faults (kvrepro/engine/faults.py) are counted from::
+
+    kvrepro-fault: load job <J> failed on purpose (load #<k>, request <id>, policy <fail|recompute>, ...)
+    kvrepro-fault: counts load_jobs=<N> load_faults=<F> store_jobs=<S> store_faults=<G> failed_requests=<R> policy=<P> load_steps_total=<L> store_steps_total=<T> pid=<P>
+
+so that a request a failed load ended on purpose (policy ``fail``) is not taken for a defect.
 
 The counts line is repeated with running totals, so the last one of each process counts; when
 several processes print (their lines carry different ``(Name pid=N)`` prefixes, or, from vLLM
@@ -50,6 +55,12 @@ _SHADOW_COUNTS = re.compile(r"kvrepro-shadow: counts checks=(?P<checks>\d+) viol
 _SHADOW_INSTALLED = re.compile(r"kvrepro-shadow: installed groups=(?P<groups>\S*)")
 # the request a described violation is about, when the load named it (kvrepro.loadgen.request_id)
 _VIOLATION_REQUEST = re.compile(r"\brequest (?:chat)?cmpl-" + re.escape(REQUEST_ID_PREFIX) + r"(?P<index>\d+)-")
+_FAULT_TAG = "kvrepro-fault:"
+_FAULT_LINE = re.compile(r"kvrepro-fault: (?P<kind>load|store) job (?P<job>\S+) failed on purpose "
+                         r"\((?:(?:load|store) #\d+, )?(?:request (?P<request>[^,]+), )?(?:policy (?P<policy>\w+), )?")
+_FAULT_COUNTS = re.compile(r"kvrepro-fault: counts load_jobs=\d+ load_faults=(?P<load>\d+) store_jobs=\d+ "
+                           r"store_faults=(?P<store>\d+) failed_requests=(?P<failed>\d+) policy=(?P<policy>\w+)"
+                           r"(?: load_steps_total=\d+ store_steps_total=\d+)?(?: pid=(?P<pid>\d+))?")
 _SHADOW_VIOLATION = re.compile(r"kvrepro-shadow: violation (?P<step>step=\S+ )?(?:class=(?P<cls>\S+) )?(?P<text>.*\S)")
 
 
@@ -83,11 +94,21 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
     first_class: str | None = None
     first_request: dict[str, int] = {}  # violation class -> the first request (1-based) it was described for
     kv_groups: tuple[str, ...] = ()
+    fault_lines: dict[str, set] = {"load": set(), "store": set()}  # (stream, job) per kind: each fault once
+    failed_on_purpose: set[tuple[str, str]] = set()  # (stream, request) a failed load ended under policy fail
+    fault_counts: dict[tuple[str, str], tuple[int, int, int]] = {}  # (stream, pid) -> last counts line
     for number, raw in enumerate(io.StringIO(log_text, newline="\n"), start=1):
-        if _TAG not in raw and _SHADOW_TAG not in raw:
+        if _TAG not in raw and _SHADOW_TAG not in raw and _FAULT_TAG not in raw:
             continue
         line = split_line(number, raw)
-        if (m := _INSTALLED.search(line.body)) is not None:
+        if (m := _FAULT_LINE.search(line.body)) is not None:
+            fault_lines[m["kind"]].add((line.stream, m["job"]))
+            if m["kind"] == "load" and m["policy"] == "fail" and m["request"]:
+                failed_on_purpose.add((line.stream, m["request"]))
+        elif (m := _FAULT_COUNTS.search(line.body)) is not None:
+            fault_counts[(line.stream, m["pid"] or "")] = (
+                int(m["load"]), int(m["store"]), int(m["failed"]) if m["policy"] == "fail" else 0)
+        elif (m := _INSTALLED.search(line.body)) is not None:
             seen = True
             sha = m["sha"]
         elif (m := _COUNTS.search(line.body)) is not None:
@@ -131,7 +152,11 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
                     kv_groups=kv_groups, shadow_seen=shadow_seen,
                     kv_hit_reads=_added_up(s.hit_reads for s in shadows),
                     kv_stored=_added_up(s.stored for s in shadows), kv_first_request_by_class=first_request,
-                    **{name: sum(p.named.get(name, 0) for p in probes) for name in PROBE_COUNTERS})
+                    **{name: sum(p.named.get(name, 0) for p in probes) for name in PROBE_COUNTERS},
+                    # the counts line, or the fault lines when the log ends before one: the larger
+                    injected_load_faults=max(sum(c[0] for c in fault_counts.values()), len(fault_lines["load"])),
+                    injected_store_faults=max(sum(c[1] for c in fault_counts.values()), len(fault_lines["store"])),
+                    injected_failed_requests=max(sum(c[2] for c in fault_counts.values()), len(failed_on_purpose)))
 
 
 def _added_up(counts) -> dict[str, int]:

@@ -13,7 +13,10 @@ The rules that matter:
   the shadow KV flagged a read in the requests that did run (the build was not judged on its load);
 * otherwise a run in which the shadow KV caught a forward reading wrong KV is CORRUPT (a few
   failed requests do not change that): silent corruption ranks with a crash;
-* a probe that logs another source hash than the build holds means other code ran: INFRA.
+* a probe that logs another source hash than the build holds means other code ran: INFRA;
+* a request that an injected offload fault ended on purpose (a failed load under vLLM's
+  ``kv_load_failure_policy: fail``; the engine log's ``kvrepro-fault:`` lines) is the fault's
+  expected consequence, not a failed request: it does not count towards ``MAX_FAILED_SHARE``.
 """
 
 from __future__ import annotations
@@ -33,13 +36,16 @@ def wrong_code(exposure: Exposure, expected_probe_sha256: str | None) -> bool:
                 and exposure.probe_source_sha256 != expected_probe_sha256)
 
 
-def too_many_failed(load: LoadSummary) -> bool:
-    return load.requests_failed > MAX_FAILED_SHARE * max(1, load.requests_sent)
+def too_many_failed(load: LoadSummary, failed_on_purpose: int = 0) -> bool:
+    """More than MAX_FAILED_SHARE of the requests failed, not counting those an injected fault
+    ended on purpose (they failed as the fault said they would)."""
+    unexpected = max(0, load.requests_failed - failed_on_purpose)
+    return unexpected > MAX_FAILED_SHARE * max(1, load.requests_sent - failed_on_purpose)
 
 
-def load_untested(load: LoadSummary) -> bool:
+def load_untested(load: LoadSummary, failed_on_purpose: int = 0) -> bool:
     """No request succeeded, or more than MAX_FAILED_SHARE failed with the engine up."""
-    return load.requests_ok == 0 or too_many_failed(load)
+    return load.requests_ok == 0 or too_many_failed(load, failed_on_purpose)
 
 
 def decide(classification: Classification, exposure: Exposure, load: LoadSummary | None,
@@ -62,7 +68,7 @@ def decide(classification: Classification, exposure: Exposure, load: LoadSummary
     if load.stopped_because == "engine_dead" or engine_exit is not None:
         # died without a fatal traceback in its log (killed, OOM, segfault): still a crash
         return Verdict.CRASH
-    if load.stopped_because != "stall" and load_untested(load):
+    if load.stopped_because != "stall" and load_untested(load, exposure.injected_failed_requests):
         # the load did not test the engine (e.g. max_model_len refused the prompts): whatever the
         # shadow KV saw in the few requests that ran is not the verdict of this build. A stall is
         # the engine's own doing and is judged below; so is a corruption with a few failures.
@@ -96,7 +102,7 @@ def title(verdict: Verdict, exposure: Exposure, load: LoadSummary | None,
                 f"{exposure.probe_source_sha256[:12]}, the build holds {expected_probe_sha256[:12]}")
     if verdict is Verdict.CORRUPT:
         return corruption_title(defects or {}, exposure.kv_first_violation)
-    if verdict is Verdict.INFRA and load is not None and load.requests_ok and too_many_failed(load):
+    if verdict is Verdict.INFRA and load is not None and load.requests_ok and too_many_failed(load, exposure.injected_failed_requests):
         also = (f"; the shadow KV also flagged {exposure.kv_violations} read(s), not judged on this load"
                 if exposure.kv_violations else "")
         return (f"{load.requests_failed} of {load.requests_sent} requests failed with the engine up (more than "

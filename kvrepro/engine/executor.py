@@ -52,6 +52,7 @@ from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
 from kvrepro import versions
 
+from . import faults
 from . import shadow as shadow_kv
 from .config import SimKnobs
 
@@ -77,18 +78,34 @@ class _InFlight:
 
     kind: str  # "load" | "store"
     steps_left: int
+    failed: bool = False  # an injected fault (engine.sim.offload_faults)
+    request: str | None = None  # a load's request (the connector worker's record), for failed_recving
 
 
 class SimTransferWorker(OffloadingWorker):
     """vLLM's OffloadingWorker interface without data movement: a store finishes one step later,
-    a load ``load_steps`` steps later (``engine.sim.load_steps``, default 1)."""
+    a load ``load_steps`` steps later (``engine.sim.load_steps``, default 1); with
+    ``engine.sim.offload_faults`` a :class:`~kvrepro.engine.faults.FaultPlan` draws each job's steps
+    and fails some jobs on purpose (one ``kvrepro-fault:`` line each).
 
-    def __init__(self, shadow: "shadow_kv.ShadowKV | None" = None, load_steps: int = 1) -> None:
+    A failed load fills none of its GPU blocks (the shadow KV marks them unfilled) and is reported
+    the way a connector with a load-failure path reports one (NIXL's pattern): the load is over
+    (``finished_recving``, so the connector's bookkeeping completes) and it failed
+    (``failed_recving``, which the runner adds to the step's KVConnectorOutput), so vLLM's scheduler
+    applies ``kv_load_failure_policy``. vLLM's OffloadingConnector itself has no such path in any
+    release (kvrepro/versions.py). A failed store is reported as a real copy would report it,
+    ``TransferResult(success=False)``: vLLM's own connector decides what that does (it asserts)."""
+
+    def __init__(self, shadow: "shadow_kv.ShadowKV | None" = None, load_steps: int = 1,
+                 plan: "faults.FaultPlan | None" = None, owner_of=None) -> None:
         self.shadow = shadow  # shadow KV: copies block contents as the real transfers would
         self.load_steps = max(1, int(load_steps))
+        self.plan = plan
+        self.owner_of = owner_of or (lambda job_id: None)  # the request a load job is for (connector worker)
         self._lock = threading.Lock()
         self._submitted: dict[int, _InFlight] = {}
-        self._done: dict[int, str] = {}  # finished, not yet reported
+        self._done: dict[int, _InFlight] = {}  # finished, not yet reported
+        self._failed_loads: set[str] = set()  # requests whose load failed, for the next failed_recving
         self.completed = {"load": 0, "store": 0}
 
     def begin_step(self) -> None:
@@ -98,21 +115,36 @@ class SimTransferWorker(OffloadingWorker):
             for job_id, job in list(self._submitted.items()):
                 job.steps_left -= 1
                 if job.steps_left <= 0:
-                    self._done[job_id] = job.kind
+                    self._done[job_id] = job
                     del self._submitted[job_id]
 
+    def _plan(self, kind: str, job_id, gpu_spec) -> tuple[bool, int]:
+        """(fail?, steps) for a new job; a failure is logged here, where it is decided."""
+        if self.plan is None:
+            return False, self.load_steps if kind == "load" else 1
+        fail, steps = self.plan.decide(kind)
+        if fail:
+            request = self.owner_of(job_id) if kind == "load" else None
+            ids = getattr(gpu_spec, "block_ids", None)  # a numpy array in vLLM's specs
+            blocks = [int(b) for b in ids] if ids is not None else []
+            logger.info("%s", self.plan.fault_line(kind, job_id, request, blocks))
+        return fail, steps
+
     def submit_store(self, job_id, src_spec, dst_spec) -> bool:
-        if self.shadow is not None:  # shadow KV (kvrepro/engine/shadow.py)
+        fail, steps = self._plan("store", job_id, src_spec)
+        if self.shadow is not None and not fail:  # shadow KV (kvrepro/engine/shadow.py)
             self.shadow.store(job_id, src_spec, dst_spec)
         with self._lock:
-            self._submitted[job_id] = _InFlight("store", 1)
+            self._submitted[job_id] = _InFlight("store", steps, fail)
         return True
 
     def submit_load(self, job_id, src_spec, dst_spec) -> bool:
+        fail, steps = self._plan("load", job_id, dst_spec)
         if self.shadow is not None:  # shadow KV (kvrepro/engine/shadow.py)
-            self.shadow.load(job_id, src_spec, dst_spec)
+            (self.shadow.load_failed if fail else self.shadow.load)(job_id, src_spec, dst_spec)
+        request = self.owner_of(job_id) if fail else None
         with self._lock:
-            self._submitted[job_id] = _InFlight("load", self.load_steps)
+            self._submitted[job_id] = _InFlight("load", steps, fail, request)
         return True
 
     def wait(self, job_ids) -> None:
@@ -121,14 +153,25 @@ class SimTransferWorker(OffloadingWorker):
             for job_id in job_ids:
                 job = self._submitted.pop(job_id, None)
                 if job is not None:
-                    self._done[job_id] = job.kind
+                    self._done[job_id] = job
 
     def get_finished(self) -> list[TransferResult]:
         with self._lock:
             done, self._done = self._done, {}
-            for kind in done.values():
-                self.completed[kind] += 1
-        return [TransferResult(job_id=job_id, success=True) for job_id in sorted(done)]
+            for job in done.values():
+                self.completed[job.kind] += 1
+                if job.failed and job.kind == "load" and job.request is not None:
+                    self._failed_loads.add(job.request)
+                    if self.plan is not None:
+                        self.plan.failed_requests.add(job.request)
+        return [TransferResult(job_id=job_id, success=not (done[job_id].failed and done[job_id].kind == "store"))
+                for job_id in sorted(done)]
+
+    def take_failed_loads(self) -> set[str]:
+        """Requests whose load failed since the last call (reported with this step's output)."""
+        with self._lock:
+            failed, self._failed_loads = self._failed_loads, set()
+        return failed
 
     def in_flight(self) -> int:
         with self._lock:
@@ -197,11 +240,23 @@ class SimRunner:
                 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
                 return EMPTY_MODEL_RUNNER_OUTPUT
-            return Mixin.kv_connector_no_forward(so, self.vllm_config)
+            output = Mixin.kv_connector_no_forward(so, self.vllm_config)
+            self._report_failed_loads(output.kv_connector_output)
+            return output
         with set_forward_context(None, self.vllm_config), Mixin.maybe_get_kv_connector_output(so) as kv_out:
             req_ids, sampled = self._forward(so, num_computed)
+        self._report_failed_loads(kv_out)
         self._pending = (req_ids, sampled, kv_out)
         return None
+
+    def _report_failed_loads(self, kv_out) -> None:
+        """Injected load failures (engine.sim.offload_faults) go to the scheduler as a connector with
+        a load-failure path reports them: in the step's ``failed_recving`` (vLLM 0.30.0+)."""
+        if self.transfers is None or self.transfers.plan is None:
+            return
+        failed = self.transfers.take_failed_loads()
+        if failed and kv_out is not None:
+            kv_out.failed_recving = set(getattr(kv_out, "failed_recving", None) or ()) | failed
 
     def _forward(self, so, num_computed: dict[str, int]):
         req_ids = list(so.num_scheduled_tokens)
@@ -267,6 +322,8 @@ class SimExecutor(Executor):
         entry = versions.release(self._vllm_version) or versions.Release(self._vllm_version)
         self._rpc_answers = entry.worker_rpc_answers()
         self.knobs = SimKnobs.from_env()
+        self.fault_settings = faults.FaultSettings.from_env()
+        self.fault_plan: faults.FaultPlan | None = None
         self.steps = 0
         self._last_counts: tuple | None = None
         self._last_report = 0.0
@@ -411,7 +468,8 @@ class SimExecutor(Executor):
         transfers = None
         worker_side = getattr(connector, "connector_worker", None)
         if worker_side is not None and hasattr(worker_side, "worker"):
-            transfers = SimTransferWorker(self.shadow, self.knobs.load_steps)
+            transfers = SimTransferWorker(self.shadow, self.knobs.load_steps, self._make_fault_plan(),
+                                          owner_of=lambda job_id: (getattr(worker_side, "_load_jobs", None) or {}).get(job_id))
             spec = getattr(worker_side, "spec", None)
             if getattr(spec, "blocks_per_chunk", None):
                 self._chunk_blocks = int(spec.blocks_per_chunk)  # what the connector really uses
@@ -428,6 +486,26 @@ class SimExecutor(Executor):
             )
         kv_transfer_state._KV_CONNECTOR_AGENT = connector
         return connector, transfers
+
+    def _make_fault_plan(self) -> "faults.FaultPlan | None":
+        """The injected offload faults (KVREPRO_SIM_OFFLOAD_FAULTS), with vLLM's own failure policy.
+
+        A load failure on a release whose scheduler takes failed loads only per block would crash
+        in kvrepro's reporting rather than test vLLM: refused here as in matrix.yaml."""
+        settings = self.fault_settings
+        if settings is None:
+            return None
+        for kind in ("load",):
+            problem = versions.offload_fault_problem(self._vllm_version, kind) if settings.fails_any(kind) else None
+            if problem:
+                raise RuntimeError(f"{faults.ENV}: {problem}")
+        config = self.vllm_config.kv_transfer_config
+        policy = str(getattr(config, "kv_load_failure_policy", None) or "fail")
+        from dataclasses import replace
+
+        self.fault_plan = faults.FaultPlan(replace(settings, policy=policy), load_steps=self.knobs.load_steps)
+        logger.info("%s installed %s", faults.TAG, os.environ.get(faults.ENV, ""))
+        return self.fault_plan
 
     # -- the per-step calls EngineCore makes ------------------------------------------------
 
@@ -500,6 +578,8 @@ class SimExecutor(Executor):
         self._last_counts = counts
         logger.info("kvrepro-sim: counts steps=%d offload_load_jobs=%d offload_store_jobs=%d pid=%d",
                     *counts, os.getpid())
+        if self.fault_plan is not None:
+            logger.info("%s", self.fault_plan.counts_line())
 
     def _start_flusher(self) -> None:
         """Write changed counts (this executor's, the probe's, the shadow KV's) every

@@ -517,6 +517,24 @@ class ShadowKV:
                     self.gpu[gpu_block] = content.copy(f"{origin} of: {content.source}")
 
 
+    def load_failed(self, job_id, cpu_spec, gpu_spec) -> None:
+        """An injected load failure (engine.sim.offload_faults): the job's GPU blocks are not
+        filled. They hold nothing from now on, so a recompute (vLLM's ``recompute`` policy) writes
+        them before any read and is clean, while a read of them is a ``missing`` read: CORRUPT."""
+        owner = None
+        try:
+            owner = self.load_owner(job_id)
+        except Exception:
+            pass
+        self._trace_transfer(f"failed load(for {owner})", job_id, gpu_spec, cpu_spec)
+        with self._lock:
+            if owner is not None:
+                self.loaded_for.add(owner)
+            for group, gpu_block, cpu_key in self._pairs(gpu_spec, cpu_spec):
+                self._holes.pop((group, gpu_block), None)
+                self.gpu[gpu_block] = Content(group, source=f"a failed offload load (job {job_id}, injected "
+                                              f"fault) left it unfilled")
+
 def enabled(environ=None) -> bool:
     """On unless KVREPRO_SIM_SHADOW_KV=0 (it costs a few percent of engine time)."""
     env = os.environ if environ is None else environ

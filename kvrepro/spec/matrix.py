@@ -110,6 +110,64 @@ class TargetSignature(_Strict):
     )
 
 
+class LatencySpec(_Strict):
+    """How many engine steps an offload job takes (``engine.sim.offload_faults.latency``): a
+    distribution that generalises ``engine.sim.load_steps`` (docs/faults.md)."""
+
+    distribution: Literal["fixed", "uniform", "geometric"] = Field(
+        "fixed", description="fixed: `steps`; uniform: an integer in [steps, max_steps]; geometric: 1 + a "
+                             "geometric count with mean `steps` (a slow tier's long tail), at most max_steps")
+    steps: int = Field(1, ge=1, le=10_000)
+    max_steps: int | None = Field(None, ge=1, le=10_000)
+    jobs: Literal["load", "store", "both"] = Field("load", description="which jobs take this latency")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "LatencySpec":
+        if self.distribution == "uniform" and self.max_steps is None:
+            raise FieldError("engine.sim.offload_faults.latency.max_steps", "uniform needs max_steps (the largest number of steps)")
+        if self.max_steps is not None and self.max_steps < self.steps:
+            raise FieldError("engine.sim.offload_faults.latency.max_steps", f"{self.max_steps} is below steps ({self.steps})")
+        if self.distribution == "fixed" and self.max_steps is not None:
+            raise FieldError("engine.sim.offload_faults.latency.max_steps", "fixed takes `steps` only; use uniform or geometric for a range")
+        return self
+
+
+class OffloadFaultsSpec(_Strict):
+    """Offload-tier faults the GPU-free data movement injects (``engine.sim.offload_faults``): per
+    job, a failure at a rate or at the k-th job of its kind (counted from 1), and a latency. A
+    failed load fills none of its blocks and reaches vLLM's scheduler, which applies
+    ``engine.kv_load_failure_policy``; each injected fault is one ``kvrepro-fault:`` line in the
+    engine log. Which releases have a failure path: kvrepro/versions.py (docs/faults.md)."""
+
+    load_fail_rate: float = Field(0.0, ge=0.0, le=1.0, description="share of load jobs that fail")
+    load_fail_at: list[int] = Field(default_factory=list, max_length=1024,
+                                    description="the k-th load jobs (from 1) that fail")
+    store_fail_rate: float = Field(0.0, ge=0.0, le=1.0, description="share of store jobs that fail")
+    store_fail_at: list[int] = Field(default_factory=list, max_length=1024,
+                                     description="the k-th store jobs (from 1) that fail")
+    latency: LatencySpec | None = None
+    seed: int = Field(0, ge=0, description="the fault draws' seed (each repetition adds its number)")
+
+    @field_validator("load_fail_at", "store_fail_at")
+    @classmethod
+    def _ordinals(cls, v: list[int]) -> list[int]:
+        if any(k < 1 for k in v):
+            raise ValueError("job numbers count from 1 (the first job of its kind is 1)")
+        if len(set(v)) != len(v):
+            raise ValueError("a job number is listed twice")
+        return v
+
+    def fails(self, kind: str) -> bool:
+        return bool(getattr(self, f"{kind}_fail_rate") or getattr(self, f"{kind}_fail_at"))
+
+    def engine_json(self, rep: int) -> str:
+        """What the engine reads back (kvrepro.engine.faults.FaultSettings.from_env)."""
+        return json.dumps({"load_fail_rate": self.load_fail_rate, "load_fail_at": self.load_fail_at,
+                           "store_fail_rate": self.store_fail_rate, "store_fail_at": self.store_fail_at,
+                           "latency": self.latency.model_dump() if self.latency is not None else None,
+                           "seed": self.seed + rep}, sort_keys=True)
+
+
 class SimSettings(_Strict):
     """Knobs of the GPU-free engine that have no `vllm serve` flag."""
 
@@ -120,6 +178,17 @@ class SimSettings(_Strict):
     load_steps: int = Field(1, ge=1, description="engine steps an offload load job takes: it is reported "
                             "finished by the worker's get_finished() this many steps after it was submitted "
                             "(stores always take one step)")
+    offload_faults: OffloadFaultsSpec | None = Field(
+        None, description="injected offload-tier faults and latency (docs/faults.md)")
+
+    @model_validator(mode="after")
+    def _one_load_latency(self) -> "SimSettings":
+        latency = self.offload_faults.latency if self.offload_faults is not None else None
+        if latency is not None and latency.jobs != "store" and self.load_steps != 1:
+            raise FieldError("engine.sim.offload_faults.latency", f"load_steps is {self.load_steps} and "
+                              "latency applies to loads too: give a load's steps in one place (latency: "
+                              "{distribution: fixed, steps: N} is load_steps: N)")
+        return self
 
     def engine_env(self, rep: int) -> dict[str, str]:
         """The engine's environment for these knobs in repetition ``rep`` (each repetition its own
@@ -130,7 +199,9 @@ class SimSettings(_Strict):
                 "KVREPRO_SIM_STEP_DELAY_MS": repr(self.step_delay_ms),
                 "KVREPRO_SIM_LOAD_STEPS": str(self.load_steps),
                 # vLLM's dev API: POST /reset_prefix_cache, which load.events' reset_prefix_cache sends
-                "VLLM_SERVER_DEV_MODE": "1"}
+                "VLLM_SERVER_DEV_MODE": "1",
+                **({"KVREPRO_SIM_OFFLOAD_FAULTS": self.offload_faults.engine_json(rep)}
+                   if self.offload_faults is not None else {})}
 
 
 class GeometrySpec(_Strict):
@@ -206,6 +277,9 @@ class EngineSpec(_Strict):
         None, description="KV geometry (block, offload chunk, KV groups, MTP tokens, DP ranks); when given, "
                           "kvrepro generates the model config.json from engine.model's")
     sim: SimSettings = Field(default_factory=SimSettings)
+    kv_load_failure_policy: Literal["fail", "recompute"] | None = Field(
+        None, description="vLLM's KVTransferConfig.kv_load_failure_policy (what a failed offload load does: fail "
+                          "the request, or recompute its KV); default: vLLM's own (fail)")
 
     @model_validator(mode="before")
     @classmethod
@@ -305,6 +379,8 @@ class EngineSpec(_Strict):
 
             # merged by vLLM with what --kv-offloading-size sets (the connector, cpu_bytes_to_use)
             transfer.setdefault("kv_connector_extra_config", {})[OFFLOAD_CHUNK_EXTRA_KEY] = self.offload_chunk_tokens
+        if self.kv_load_failure_policy is not None:
+            transfer["kv_load_failure_policy"] = self.kv_load_failure_policy
         if transfer:
             args += ["--kv-transfer-config", json.dumps(transfer)]
         if self.geometry is not None:
@@ -614,6 +690,24 @@ class Matrix(_Strict):
     def with_section(self, name: str, value: Any) -> "Matrix":
         """A copy with a target's section set (``matrix run --base-image``: the docker target's base_image)."""
         return self.model_copy(update={name: value})  # extra="allow": an unknown name lands in model_extra
+
+    @model_validator(mode="after")
+    def _offload_faults_releases(self) -> "Matrix":
+        """A fault kind on a release with no path for it is refused here (kvrepro/versions.py says
+        which and why), not left to crash in kvrepro's fake data movement."""
+        from ..versions import offload_fault_problem
+
+        faults = self.engine.sim.offload_faults
+        if faults is None:
+            return self
+        for kind in ("store", "load"):
+            if not faults.fails(kind):
+                continue
+            for base in self.bases:
+                if (problem := offload_fault_problem(base, kind)) is not None:
+                    field = f"{kind}_fail_rate" if getattr(faults, f"{kind}_fail_rate") else f"{kind}_fail_at"
+                    raise FieldError(f"engine.sim.offload_faults.{field}", problem)
+        return self
 
     @model_validator(mode="after")
     def _target_settings(self, info: ValidationInfo) -> "Matrix":

@@ -42,6 +42,7 @@ COUNTERS: dict[str, str] = {
     "offload_store_jobs": "offload store jobs the GPU-free engine ran",
     "engine_steps": "engine steps",
     **PROBE_COUNTERS,  # the probe's plain counters (kvrepro/records.py)
+    "injected_load_faults": "offload load jobs failed on purpose (engine.sim.offload_faults; kvrepro-fault: lines)",
     "requests": "requests sent",
 }
 # RunResult per-kind counters an entry names as ``<field>.<key>`` (kv_hit_reads.mamba): the key is

@@ -65,7 +65,7 @@ def run(*, base: list[str], patch: list[str] | None, entry: list[str] | None, re
     chosen = cat.select(entries)
     builds_ = parse_builds(bases, patches)
     matrices = check_entries(chosen, builds_, target)  # before the progress bar: bad input is one line
-    total = sum(len(builds_) * m.matrix.runs.count(reps) for m in matrices.values())
+    total = sum(len(m.matrix.bases) * m.matrix.runs.count(reps) for m in matrices.values())
     command = "kvrepro suite run " + " ".join(
         [f"--base {b}" for b in bases] + [f"--patch {p}" for p in patches] + [f"--entry {e}" for e in entries or []]
         + ([f"--reps {reps}"] if reps else []) + ([f"--target {target}"] if target else [])

@@ -73,10 +73,11 @@ def _compare(state: str, expected: str | None) -> bool | None:
     return state == (PRESENT if expected == "present" else ABSENT)
 
 
-def not_testable_row(entry: Entry, build: str, release: str, patches: tuple[str, ...], why: str | None = None) -> Row:
-    """``why``: this build's reason (a release that lacks what the entry needs); default the entry's."""
+def not_testable_row(entry: Entry, build: str, release: str, patches: tuple[str, ...], why: str = "") -> Row:
+    """``why``: this release refuses the entry's matrix (suite.run.refused_builds); else the entry's reason."""
     return Row(entry=entry.name, kind=entry.kind, build=build, state=NOT_TESTABLE,
-               detail=why or entry.not_testable or "", expected=expected_state(entry, release, patches), matches=None)
+               detail=redact(why)[:160] if why else entry.not_testable or "",
+               expected=expected_state(entry, release, patches), matches=None)
 
 
 def judge(entry: Entry, build: str, release: str, patches: tuple[str, ...], runs: list[RunResult],

@@ -32,7 +32,7 @@ from ..records import (RecordError, StopRule, SuiteBuildRecord, SuiteEntryRecord
 from ..results import store as results
 from ..secrets import redact
 from ..spec.matrix import DEFAULT_MATRIX, LoadedMatrix
-from ..versions import DEFAULT_BASE, SUPPORTED_RELEASES, divergent_hits_flag_problem, unsupported
+from ..versions import DEFAULT_BASE, SUPPORTED_RELEASES, unsupported
 from .catalogue import Catalogue, Entry, EntrySpec, FragmentError, build_key, load_catalogue, parse_build_key
 from .judge import Row, judge, not_testable_row
 
@@ -111,13 +111,27 @@ def entry_matrix(entry: Entry | EntrySpec, builds: list[SuiteBuild]) -> LoadedMa
     return loaded
 
 
+def _first_taking(spec: EntrySpec, named: list[str]) -> SuiteBuild:
+    """The build an entry's fragment is checked on: the first release it names, else the default base,
+    else the oldest release that takes it (the capable connector needs 0.28.0+); when none takes it,
+    the first candidate, so its error names the field."""
+    candidates = [SuiteBuild(r) for r in dict.fromkeys((*named, DEFAULT_BASE, *SUPPORTED_RELEASES))]
+    for build in candidates:
+        try:
+            entry_matrix(spec, [build])
+            return build
+        except SpecError:
+            continue
+    return candidates[0]
+
+
 def check_fragment(spec: EntrySpec) -> None:
-    """For load_catalogue: the fragment must make a valid matrix (its errors name the field)."""
+    """For load_catalogue: the fragment must make a valid matrix (its errors name the field), checked on
+    the first release the entry names (a fragment may need a newer release than the default matrix's,
+    e.g. offload load faults need 0.30.0+)."""
+    named = [parse_build_key(k)[0] for k in (*spec.present_in, *spec.fixed_in)]
     try:
-        # on the default base, or the oldest release the entry can run on
-        build = next((b for b in map(SuiteBuild, (DEFAULT_BASE, *SUPPORTED_RELEASES))
-                      if build_problem(spec, b) is None), SuiteBuild(DEFAULT_BASE))
-        entry_matrix(spec, [build])
+        entry_matrix(spec, [_first_taking(spec, named)])
     except SpecError as exc:
         lines = [line for line in str(exc).splitlines() if line.strip() and not line.startswith("invalid matrix")]
         m = _PROBLEM.match(lines[0]) if lines else None
@@ -132,25 +146,36 @@ def load(folder: Path | None = None) -> Catalogue:
     return load_catalogue(folder or paths.default_catalogue(), check_fragment)
 
 
-def build_problem(entry: Entry | EntrySpec, build: SuiteBuild) -> str | None:
-    """Why a testable entry cannot be tested on ``build`` (its row is NOT TESTABLE, nothing runs), or
-    None: an entry on the capable connector needs a release whose scheduler reads its declaration."""
-    engine = (entry.fragment if isinstance(entry, Entry) else entry.matrix).get("engine")
-    if isinstance(engine, dict) and engine.get("connector") == "capable":
-        return divergent_hits_flag_problem(build.release, build.patches)
-    return None
-
-
-def runnable_builds(entry: Entry, builds: list[SuiteBuild]) -> list[SuiteBuild]:
-    return [b for b in builds if build_problem(entry, b) is None]
+def refused_builds(entry: Entry, builds: list[SuiteBuild]) -> dict[str, str]:
+    """The builds whose release refuses ``entry``'s matrix (build key -> the one-line reason): e.g.
+    offload load faults before 0.30.0 (kvrepro/versions.py). The entry validates on the first release
+    it names (the catalogue's check), so a refusal here is the release's: a NOT TESTABLE row, not bad
+    input; one entry must not stop a whole-catalogue run on an older release."""
+    out: dict[str, str] = {}
+    for b in builds if entry.testable else ():
+        try:
+            entry_matrix(entry, [b])
+        except SpecError as exc:
+            lines = [line for line in str(exc).splitlines() if line.strip() and not line.startswith("invalid matrix")]
+            m = _PROBLEM.match(lines[0]) if lines else None
+            # the field and the clause that says what to do (the messages end "...; X needs base >= R")
+            out[b.key] = (f"{m['field']}: {m['msg'].rsplit('; ', 1)[-1].strip()}" if m
+                          else (lines[0] if lines else str(exc)).strip())[:300]
+    return out
 
 
 def check_entries(entries: list[Entry], builds: list[SuiteBuild], target: str | None = None) -> dict[str, LoadedMatrix]:
-    """Each testable entry's matrix (on the builds it can run on), and what the target takes from the
-    environment ($RAY_ADDRESS for ``--target ray``): SpecError (exit 2) before a suite folder or a
-    progress bar exists."""
-    matrices = {e.name: entry_matrix(e, runnable) for e in entries
-                if e.testable and (runnable := runnable_builds(e, builds))}
+    """Each testable entry's matrix on the builds that take it (:func:`refused_builds`), and what the
+    target takes from the environment ($RAY_ADDRESS for ``--target ray``): SpecError (exit 2) before a
+    suite folder or a progress bar exists."""
+    matrices = {}
+    for e in entries:
+        if not e.testable:
+            continue
+        refused = refused_builds(e, builds)
+        kept = [b for b in builds if b.key not in refused]
+        if kept:
+            matrices[e.name] = entry_matrix(e, kept)
     for loaded in matrices.values():
         check_environment(target or loaded.matrix.target, loaded.matrix)
     return matrices
@@ -204,7 +229,7 @@ def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuil
 
     save()
     slots = max(1, jobs or min(4, os.cpu_count() or 1))
-    testable = [e for e in entries if e.name in matrices]
+    testable = [e for e in entries if e.name in matrices]  # an entry every build refuses: NOT TESTABLE rows only
     # fewer entries than slots: the spare slots run an entry's repetitions and bases side by side
     per_entry = max(1, slots // max(1, min(slots, len(testable))))
     shared: dict[str, Target] = {}
@@ -226,9 +251,9 @@ def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuil
     def one(entry: Entry) -> None:
         if stop.is_set():
             return
-        progress.stage(f"entry {entry.name} ({entry.kind}) on {', '.join(b.key for b in builds)}")
+        loaded = matrices[entry.name]
+        progress.stage(f"entry {entry.name} ({entry.kind}) on {', '.join(loaded.matrix.bases)}")
         try:
-            loaded = matrices[entry.name]
             # never fewer repetitions than the entry needs before it may call a build clean
             entry_reps = max(reps, entry.absent_after) if reps else None
             run = run_matrix(loaded, MatrixOptions(target=target, repetitions=entry_reps,
@@ -327,11 +352,17 @@ def load_suite(path: Path, catalogue: Catalogue, root: Path = results.DEFAULT_RO
                 run = results.load_run(folder / RUNS_FOLDER, info.run)
             except KvreproError as exc:
                 notes.append(f"{name}: {exc}")
-        several = len(runnable_builds(entry, list(builds))) > 1  # the bases its matrix ran
+        try:
+            refused = refused_builds(entry, list(builds))
+        except KvreproError:  # the matrix.yaml of today lost a patch the run used: judge what was recorded
+            refused = {}
+        several = len(builds) - len(refused) > 1  # the entry's matrix ran on the builds that take it
         for b in builds:
-            if not entry.testable or (why := build_problem(entry, b)) is not None:
-                rows.append(not_testable_row(entry, b.key, b.release, b.patches,
-                                             None if not entry.testable else why))
+            if not entry.testable:
+                rows.append(not_testable_row(entry, b.key, b.release, b.patches))
+                continue
+            if b.key in refused:
+                rows.append(not_testable_row(entry, b.key, b.release, b.patches, refused[b.key]))
                 continue
             cell = run.build(cell_name(entry.name, b.release, several)) if run is not None else None
             runs = list(cell.runs) if cell is not None else []
