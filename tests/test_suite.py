@@ -335,6 +335,11 @@ def test_revert_and_hash_unit_entries_load_with_what_they_need():
     assert reverts == {"revert-pr-44409"} and load_matrix(ROOT / "matrix.yaml").patch_ref("revert-pr-44409").reverse
     assert expected_state(cross, "0.27.0", ("revert-pr-44409",)) == "present"
     assert expected_state(cross, "0.27.0") == "fixed"
+    # #44409 is in every release (fixed_in 0.25.1, which triage reports); where the boundary assertion,
+    # same signature, crashes first there is no claim, except for the revert stack
+    assert expected_state(cross, "0.25.1") is None and expected_state(cross, "0.26.0") is None
+    assert expected_state(cross, "0.25.1", ("revert-pr-44409",)) == "present"
+    assert cross.fixed_in == ("0.25.1",) and expected_state(cross, "0.28.0") == "fixed"
     trunc = entries["truncate-lagging-mamba"]
     assert trunc.testable and trunc.path_counter
     engine = entry_matrix(trunc, [SuiteBuild("0.27.0")]).matrix.engine

@@ -171,6 +171,8 @@ class EntrySpec(_Strict):
     matrix: dict[str, Any] = Field(default_factory=dict, description="merged over the default matrix.yaml")
     present_in: list[str] = Field(default_factory=list)
     fixed_in: list[str] = Field(default_factory=list)
+    masked_in: list[str] = Field(default_factory=list, description="releases where another defect with the same "
+                                 "signature ends the entry's runs first: no claim there (fixed_in stays upstream's)")
     upstream: list[str] = Field(default_factory=list)
     path: PathSpec | None = None
     notes: str = ""
@@ -185,7 +187,7 @@ class EntrySpec(_Strict):
             raise ValueError("lower-case letters, digits and '-', at most 63 (it names the file and the build)")
         return v
 
-    @field_validator("present_in", "fixed_in")
+    @field_validator("present_in", "fixed_in", "masked_in")
     @classmethod
     def _keys(cls, v: list[str]) -> list[str]:
         for key in v:
@@ -278,6 +280,7 @@ class Entry:
     # `triage:` (kvrepro triage): facet -> values the defect needs, and regexes of its log evidence
     triage_requires: tuple[tuple[str, tuple[str, ...]], ...] = ()
     triage_evidence: tuple[str, ...] = ()
+    masked_in: tuple[str, ...] = ()  # releases with no claim: a same-signature defect crashes first there
 
     @property
     def fragment(self) -> dict[str, Any]:
@@ -307,7 +310,7 @@ def expected_state(entry: Entry, release: str, patches: tuple[str, ...] = ()) ->
     of them; the key with the most patches wins. A release in ``present_in`` matches that release
     with any stack; a release in ``fixed_in`` means fixed from that release on (any stack). Rank:
     patch keys (by patch count) over an exact release over a "from this release on"; at equal rank
-    fixed wins.
+    fixed wins. A release in ``masked_in`` makes no claim except through a patch key.
     """
     best: tuple[int, int, str] | None = None  # (rank, fixed wins ties, state)
     for state, keys in (("present", entry.present_in), ("fixed", entry.fixed_in)):
@@ -326,6 +329,8 @@ def expected_state(entry: Entry, release: str, patches: tuple[str, ...] = ()) ->
             candidate = (rank, state == "fixed", state)
             if best is None or candidate[:2] > best[:2]:
                 best = candidate
+    if release in entry.masked_in and (best is None or best[0] < 2):
+        return None  # a same-signature defect crashes first on this release; only a patch key claims
     return best[2] if best else None
 
 
@@ -412,7 +417,8 @@ def _load_entry(path: Path, check_fragment: Any) -> Entry:
                  reproduced=tuple(Measurement(r.suite_run, r.date, r.command, dict(r.builds)) for r in spec.reproduced),
                  file=path, fragment_yaml=fragment_yaml,
                  triage_requires=tuple((k, tuple(v)) for k, v in (spec.triage.requires if spec.triage else {}).items()),
-                 triage_evidence=tuple(spec.triage.evidence if spec.triage else ()))
+                 triage_evidence=tuple(spec.triage.evidence if spec.triage else ()),
+                 masked_in=tuple(spec.masked_in))
 
 
 class FragmentError(ValueError):

@@ -76,7 +76,7 @@ def _compare(state: str, expected: str | None) -> bool | None:
 def not_testable_row(entry: Entry, build: str, release: str, patches: tuple[str, ...], why: str = "") -> Row:
     """``why``: this release refuses the entry's matrix (suite.run.refused_builds); else the entry's reason."""
     return Row(entry=entry.name, kind=entry.kind, build=build, state=NOT_TESTABLE,
-               detail=redact(why)[:160] if why else entry.not_testable or "",
+               detail=redact(why)[:300] if why else entry.not_testable or "",
                expected=expected_state(entry, release, patches), matches=None)
 
 

@@ -158,9 +158,8 @@ def refused_builds(entry: Entry, builds: list[SuiteBuild]) -> dict[str, str]:
         except SpecError as exc:
             lines = [line for line in str(exc).splitlines() if line.strip() and not line.startswith("invalid matrix")]
             m = _PROBLEM.match(lines[0]) if lines else None
-            # the field and the clause that says what to do (the messages end "...; X needs base >= R")
-            out[b.key] = (f"{m['field']}: {m['msg'].rsplit('; ', 1)[-1].strip()}" if m
-                          else (lines[0] if lines else str(exc)).strip())[:300]
+            # the field, why this release refuses it and what to do (versions.py words both)
+            out[b.key] = (f"{m['field']}: {m['msg'].strip()}" if m else (lines[0] if lines else str(exc)).strip())[:300]
     return out
 
 

@@ -13,6 +13,8 @@ signature knows, or one no entry names, is unknown.
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import re
 
@@ -52,7 +54,8 @@ def upstream_fix(entry: Entry, base: str | None) -> tuple[str, ...] | None:
 
 
 def _release_state(entry: Entry, release: str) -> tuple[str, str]:
-    state = expected_state(entry, release)
+    # the code's state: masked_in only says where the suite cannot tell this defect from another
+    state = expected_state(dataclasses.replace(entry, masked_in=()), release)
     fixed = _release_keys(entry.fixed_in)
     if state == "present":
         return "present", f"{release} is a release it is present in ({', '.join(_release_keys(entry.present_in))})"
