@@ -1,7 +1,7 @@
 """The `kvrepro` command: wires the pipeline stages to commands. No stage logic lives here.
 
 Exit codes: 0 done (and every verdict as `expect:` says, when it says); 1 a verdict differs from
-`expect:`; 2 bad input (matrix.yaml, arguments); 3 infrastructure (setup, build or engine start
+`expect:` (`builds test`: a build fails a vLLM test that passes on the release); 2 bad input (matrix.yaml, arguments); 3 infrastructure (setup, build or engine start
 failed); 130 interrupted.
 """
 
@@ -1364,6 +1364,7 @@ def builds_test(
                                               "supported release after the base, read in order until one changed it)"),
     jobs: int = typer.Option(max(1, min(os.cpu_count() or 1, 4)), "--jobs", "-j", min=1, max=16,
                              help="pytest processes at once"),
+    run_all: bool = typer.Option(False, "--all", help="every test on every build, not only those that reach a change"),
     matrix: Path = MatrixOpt,
     results_root: Path = ResultsOpt,
     as_json: bool = JsonOpt,
@@ -1378,11 +1379,11 @@ def builds_test(
     patches = [loaded.patch_ref(name) for name in loaded.matrix.patches]
     releases = list(later) if later else upstream_tests.newer_releases(plans[0].base)
     command = "kvrepro builds test" + "".join(f" --build {b}" for b in build or []) + "".join(
-        f" --only {o}" for o in only or [])
+        f" --only {o}" for o in only or []) + (" --all" if run_all else "")
     with err.status("vLLM's own tests") as status:
         runtime = builds.prepare_runtime(plans[0].base, on_line=lambda line: status.update(escape(line[:120])))
         run = upstream_tests.check_builds(plans, patches, runtime, workers=jobs, only=list(only or []),
-                                          later_releases=releases, command=command,
+                                          later_releases=releases, command=command, impact=not run_all,
                                           on_line=lambda line: err.print(escape(line[:160]), highlight=False))
     folder = upstream_report.write(run, _results_root(results_root))
     if as_json:
@@ -1390,6 +1391,8 @@ def builds_test(
     else:
         out.print(upstream_report.markdown(run), markup=False, highlight=False, soft_wrap=True)
     err.print(f"recorded: {folder}", highlight=False)
+    if upstream_report.regressions(run):  # exit 1, documented above
+        raise typer.Exit(1)
 
 
 def main() -> None:

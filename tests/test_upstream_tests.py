@@ -144,6 +144,57 @@ def test_an_only_that_names_no_test_file_is_bad_input_exit_2(tmp_path, runtime_p
     assert "Traceback" not in proc.stderr
 
 
+RELEASE_MODULE = '''import os
+
+LIMIT = 3
+
+
+class Pool:
+    def take(self, n):
+        if n > LIMIT:
+            return None
+        return n
+
+    def give(self, n):
+        return n + 1
+
+
+def helper():
+    return 1
+'''
+
+
+def test_the_impact_rule_sees_a_function_body_edit_as_that_function_and_a_new_method_as_module_level(tmp_path):
+    """Our own two-version module (not vLLM's): what kvrepro/builds/upstream_impact.py calls changed."""
+    from kvrepro.builds.upstream_impact import changed_code
+
+    release, build = tmp_path / "release", tmp_path / "build"
+    _write(release, "vllm/m.py", RELEASE_MODULE)
+    body_edit = RELEASE_MODULE.replace("        return n + 1", "        n += 2\n        return n + 1")
+    _write(build, "vllm/m.py", body_edit)
+    units = changed_code(release, build, ["vllm/m.py"])
+    assert [(u.scope, u.name, u.lines) for u in units] == [("function", "Pool.give", (13, 13))]
+    # a new method, a changed constant, a changed signature: module level
+    for edited in (RELEASE_MODULE.replace("    def give(self, n):", "    def peek(self):\n        return 0\n\n"
+                                          "    def give(self, n):"),
+                   RELEASE_MODULE.replace("LIMIT = 3", "LIMIT = 4"),
+                   RELEASE_MODULE.replace("def helper():", "def helper(x=0):")):
+        _write(build, "vllm/m.py", edited)
+        assert [u.scope for u in changed_code(release, build, ["vllm/m.py"])] == ["module"], edited
+    # an edit at the end of a body is still inside the function; an unchanged file is no unit
+    _write(build, "vllm/m.py", RELEASE_MODULE.replace("        return n\n", "        return n\n        print(n)\n"))
+    assert [(u.scope, u.name) for u in changed_code(release, build, ["vllm/m.py"])] == [("function", "Pool.take")]
+    _write(build, "vllm/m.py", RELEASE_MODULE)
+    _write(build, "vllm/data.json", "{}")
+    assert [u.scope for u in changed_code(release, build, ["vllm/m.py", "vllm/data.json"])] == ["other"]
+
+
+def test_the_impact_rule_reads_coverage_numbits_as_line_numbers():
+    from kvrepro.builds.upstream_impact import _nums
+
+    assert _nums(bytes([0b00000101, 0, 0b10000000])) == [0, 2, 23]
+
+
 # --------------------------------------------------------------------------- end to end (vLLM env)
 
 # a handful of 0.26.0's own tests: the one the fixture patch breaks and three it must not touch
@@ -181,7 +232,7 @@ def test_builds_test_runs_upstream_tests_and_names_the_patch_that_broke_one(tmp_
     cmd = [sys.executable, "-m", "kvrepro.cli", "builds", "test", "--matrix", str(matrix), "--json",
            "--results", str(tmp_path / "results"), "--later", "0.27.0", *[arg for t in HANDFUL for arg in ("--only", t)]]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stderr[-3000:]  # a test that passes on the release fails on F
     run = json.loads(proc.stdout)
     builds = {b["build"]: b for b in run["builds"]}
     assert builds["A"]["patches"] == ["pr-49146"]
@@ -200,9 +251,16 @@ def test_builds_test_runs_upstream_tests_and_names_the_patch_that_broke_one(tmp_
     # on A only 52807's test fails; on F only the two parametrizations of the broken test
     assert builds["A"]["failed"] == 1 and builds["F"]["failed"] == 2
     assert changes[BROKEN + "[sha256]"]["later"] == "unchanged in vllm 0.27.0"
+    # the impact rule: A's stack changes only the offloading connector, which none of HANDFUL runs,
+    # so A runs the patches' tests alone; F's fixture changes block hashing, which test_hash_block_tokens runs
+    patch_items = [o for o in builds["A"]["outcomes"] if o["patch"]]
+    assert run["impact_rule"] and builds["A"]["ran"] == len(patch_items)
+    assert all(o["not_run"] for o in builds["A"]["outcomes"] if not o["patch"])
+    ran_on_f = {o["nodeid"] for o in builds["F"]["outcomes"] if not o["not_run"]}
+    assert {BROKEN + "[sha256]", BROKEN + "[sha256_cbor]"} <= ran_on_f
     report = next((tmp_path / "results").glob("upstream-tests-*/report.md")).read_text()
     assert "fixture-break-block-hash (3)" in report and "_make_partial_tail_scheduler" in report
     # a second run reads every tree back from the cache
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.returncode == 1, again.stderr[-2000:]
     assert all(b["cached"] for b in json.loads(again.stdout)["builds"])
