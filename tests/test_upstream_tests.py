@@ -197,6 +197,44 @@ def test_the_impact_rule_reads_coverage_numbits_as_line_numbers():
 
 # --------------------------------------------------------------------------- end to end (vLLM env)
 
+DYING_TESTS = '''import os
+import signal
+
+
+def test_before():
+    assert True
+
+
+def test_dies():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_after():
+    assert True
+'''
+
+
+def test_a_pytest_that_dies_part_way_is_resumed_and_the_test_it_died_in_is_an_error(tmp_path, runtime_python):
+    """A real pytest in the real runtime env (vLLM's CPU platform, the plugin) is killed by a test
+    of ours (SIGKILL, as the OOM killer or a crash in C would): the job resumes in a new process,
+    runs the tests after it, and records the one it died in as an error, not lost and not re-run."""
+    from kvrepro.builds import prepare_runtime, upstream_tests
+    from kvrepro.builds.upstream_tests import TestTree, TreeRun
+
+    runtime = prepare_runtime("0.26.0")
+    base = upstream_tests.source_tests("0.26.0")
+    runtime = upstream_tests.test_runtime(runtime, base)
+    root, key = upstream_tests._pristine_root("0.26.0", None)
+    tree_root = tmp_path / "tree"
+    _write(tree_root, "tests/test_dying.py", DYING_TESTS)
+    shutil.copy(upstream_tests.PLUGIN_SOURCE, tree_root / f"{upstream_tests.PLUGIN_NAME}.py")
+    tree = TestTree(tree_root, "dying", (), {}, {})
+    found = upstream_tests._run_pytest(runtime, tree, TreeRun("dying", root, key, None, ("tests/test_dying.py",)),
+                                       tmp_path / "work")
+    outcomes = {nodeid.rsplit("::", 1)[1]: o.outcome for nodeid, o in found.items()}
+    assert outcomes == {"test_before": "passed", "test_dies": "error", "test_after": "passed"}
+    assert "pytest exited -9" in found["tests/test_dying.py::test_dies"].message
+
 # a handful of 0.26.0's own tests: the one the fixture patch breaks and three it must not touch
 HANDFUL = [
     "tests/v1/core/test_kv_cache_utils.py::test_hash_block_tokens",

@@ -64,17 +64,25 @@ def pytest_runtest_teardown(item, nextitem):  # noqa: ARG001 - pytest's hook sig
     destroy_distributed_environment()
 
 
-def pytest_collection_modifyitems(config, items):
-    listing = os.environ.get(SELECT_ENV)
+def _lines(env):
+    listing = os.environ.get(env)
     if not listing:
-        _skip_global_gc(items)
-        return
+        return None
     with open(listing, encoding="utf-8") as fh:
-        wanted = {line.strip() for line in fh if line.strip()}
+        return {line.strip() for line in fh if line.strip()}
+
+
+# node ids (exact) already done by an earlier process of the same job, which died (kvrepro resumes)
+DONE_ENV = "KVREPRO_UPSTREAM_DONE"
+
+
+def pytest_collection_modifyitems(config, items):
     _skip_global_gc(items)
+    wanted, done = _lines(SELECT_ENV), _lines(DONE_ENV) or set()
     kept, dropped = [], []
     for item in items:
-        (kept if _selected(item.nodeid, wanted) else dropped).append(item)
+        keep = (wanted is None or _selected(item.nodeid, wanted)) and item.nodeid not in done
+        (kept if keep else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
     items[:] = kept

@@ -224,24 +224,32 @@ def _run_pytest(runtime: Runtime, tree: TestTree, job: TreeRun, work: Path) -> d
         rcfile.write_text(f"[run]\ninclude =\n    {job.vllm_root}/vllm/*\ndata_file = {data}\n")
         env["KVREPRO_UPSTREAM_COVERAGE"] = "1"
         cmd[1:3] = ["-m", "coverage", "run", f"--rcfile={rcfile}", "-m", "pytest"]
-    with (work / "pytest.log").open("w") as log:
-        proc = subprocess.Popen(cmd, cwd=tree.root, env=env, stdout=log, stderr=subprocess.STDOUT)
-        _LIVE.add(proc)
-        try:
-            proc.wait()
-        finally:
-            _LIVE.discard(proc)
-    learnt = work / "vllm-cache" / "modelinfos"
-    if learnt.is_dir():
-        shared_infos.mkdir(parents=True, exist_ok=True)
-        for info in learnt.glob("*.json"):
-            publish = shared_infos / f".{info.name}.{os.getpid()}"
-            shutil.copy2(info, publish)
-            os.replace(publish, shared_infos / info.name)
     phases: dict[str, list[dict]] = {}
-    for line in report.read_text().splitlines() if report.exists() else ():
-        entry = json.loads(line)
-        phases.setdefault(entry["nodeid"], []).append(entry)
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        with (work / "pytest.log").open("a" if attempt > 1 else "w") as log:
+            proc = subprocess.Popen(cmd, cwd=tree.root, env=env, stdout=log, stderr=subprocess.STDOUT)
+            _LIVE.add(proc)
+            try:
+                proc.wait()
+            finally:
+                _LIVE.discard(proc)
+        phases = _read_phases(report)
+        # pytest itself died (INTERNALERROR, a signal, a crash in C): resume in a new process with the
+        # tests not finished; the test it died in is recorded as an error, not run again
+        if proc.returncode in (0, 1, 2, 5) or not phases or attempt == MAX_ATTEMPTS:
+            break
+        unfinished = [n for n, entries in phases.items() if not any(e["when"] in ("teardown", "collect") for e in entries)]
+        tail = (work / "pytest.log").read_text(errors="replace").strip().splitlines()[-1:] or [""]
+        for nodeid in unfinished:
+            _append(report, {"nodeid": nodeid, "when": "teardown", "outcome": "failed",
+                             "message": f"pytest exited {proc.returncode} while running or reporting this test: "
+                                        f"{tail[0][:200]}"})
+        done = work / "done.txt"
+        done.write_text("\n".join(sorted(set(phases))) + "\n")
+        env["KVREPRO_UPSTREAM_DONE"] = str(done)
+        if job.measure:  # keep the first process's coverage data
+            cmd[cmd.index("run") + 1:cmd.index("run") + 1] = ["--append"] if "--append" not in cmd else []
+    phases = _read_phases(report)
     if not phases and proc.returncode not in (0, 5):
         tail = (work / "pytest.log").read_text(errors="replace").strip().splitlines()[-5:]
         raise SetupError(f"pytest on {job.label} exited {proc.returncode} without running a test; "
@@ -249,6 +257,22 @@ def _run_pytest(runtime: Runtime, tree: TestTree, job: TreeRun, work: Path) -> d
     if job.measure and not data.exists():
         raise SetupError(f"coverage.py wrote no data for {job.label} ({work / 'pytest.log'})")
     return {nodeid: _outcome_of(entries) for nodeid, entries in phases.items()}
+
+
+MAX_ATTEMPTS = 3  # pytest processes per job when one dies part-way
+
+
+def _read_phases(report: Path) -> dict[str, list[dict]]:
+    phases: dict[str, list[dict]] = {}
+    for line in report.read_text().splitlines() if report.exists() else ():
+        entry = json.loads(line)
+        phases.setdefault(entry["nodeid"], []).append(entry)
+    return phases
+
+
+def _append(report: Path, entry: dict) -> None:
+    with report.open("a") as fh:
+        fh.write(json.dumps(entry) + "\n")
 
 
 def coverage_files(key: str) -> list[Path]:
