@@ -236,7 +236,7 @@ def _run_pytest(runtime: Runtime, tree: TestTree, job: TreeRun, work: Path) -> d
         phases = _read_phases(report)
         # pytest itself died (INTERNALERROR, a signal, a crash in C): resume in a new process with the
         # tests not finished; the test it died in is recorded as an error, not run again
-        if proc.returncode in (0, 1, 2, 5) or not phases or attempt == MAX_ATTEMPTS:
+        if proc.returncode in (0, 1, 2, 5) or not phases or attempt == MAX_ATTEMPTS or _STOPPING:
             break
         unfinished = [n for n, entries in phases.items() if not any(e["when"] in ("teardown", "collect") for e in entries)]
         tail = (work / "pytest.log").read_text(errors="replace").strip().splitlines()[-1:] or [""]
@@ -319,6 +319,8 @@ def run_trees(runtime: Runtime, tree: TestTree, jobs: Sequence[TreeRun], workers
     if len(pending) < workers:
         pending = [(index, key, _shards(shards[0], tree, workers)) for index, key, shards in pending]
     shard_jobs = [(index, key, n, shard) for index, key, shards in pending for n, shard in enumerate(shards)]
+    # the longest first, so that the last process to start is a short one (E runs 780 tests, A 113)
+    shard_jobs.sort(key=lambda item: -(len(item[3].select) if item[3].select is not None else 10**9))
     started: dict[int, float] = {}  # a job's time runs from its first process, not from the queue
     merged: dict[int, dict[str, UpstreamTestOutcome]] = {index: {} for index, _, _ in pending}
     remaining = {index: len(shards) for index, _, shards in pending}
@@ -374,8 +376,12 @@ def job_key(runtime: Runtime, tree: TestTree, job: TreeRun) -> str:
 _LIVE: set[subprocess.Popen] = set()
 
 
+_STOPPING: list[bool] = []  # non-empty once stop_live ran: a stopped pytest is not resumed
+
+
 def stop_live() -> None:
     """Stop every pytest this module started (SIGTERM, then SIGKILL after 10 s)."""
+    _STOPPING.append(True)
     for proc in list(_LIVE):
         proc.terminate()
     for proc in list(_LIVE):
@@ -468,15 +474,24 @@ def check_builds(plans: Sequence[BuildPlan], all_patches: Sequence[PatchRef], ru
             raise BadInputError(f"--only {entry}: vLLM {base}'s sdist has no {entry.split('::')[0]}; give a test "
                                 f"file or node id under {' or '.join(ROOTS)}, e.g. {ROOTS[0]}/test_kv_cache_utils.py")
     roots = tuple(only) if only else tuple(ROOTS)
-    selection = tuple(only) if only else None
-    baseline_paths = tuple(sorted({o.split("::")[0] for o in only})) if only else roots
+    # one baseline process pair: the patches' tests live beside the files they came from, so a run of
+    # the whole ROOTS collects them; a restricted run (--only) selects them too. Only a patch test
+    # outside what the baseline collects needs a job of its own (each process pays vLLM's import).
+    patch_files = sorted({n.split("::")[0] for n in patch_nodeids})
+    if only:
+        selection: tuple[str, ...] | None = tuple(only) + patch_nodeids
+        baseline_paths = tuple(sorted({o.split("::")[0] for o in only} | set(patch_files)))
+        outside: tuple[str, ...] = ()
+    else:
+        selection, baseline_paths = None, roots
+        outside = tuple(n for n in patch_nodeids if not any(n.startswith(r.rstrip("/") + "/") for r in roots))
     baseline_job = TreeRun(f"vLLM {base}", release_root, release_key, selection, baseline_paths, measure=True)
-    patch_job = TreeRun(f"vLLM {base} (patch tests)", release_root, release_key, patch_nodeids,
-                        tuple(sorted({n.split("::")[0] for n in patch_nodeids})))
-    jobs = [baseline_job] + ([patch_job] if patch_nodeids else [])
+    patch_job = TreeRun(f"vLLM {base} (patch tests)", release_root, release_key, outside,
+                        tuple(sorted({n.split("::")[0] for n in outside})))
+    jobs = [baseline_job] + ([patch_job] if outside else [])
     baseline = run_trees(runtime, tree, jobs, workers, on_line)
     release_outcomes = dict(baseline[0][0])
-    if patch_nodeids:
+    if outside:
         release_outcomes.update(baseline[1][0])
     excluded = tuple(ExcludedTest(n, f"{o.outcome}: {o.message}".rstrip(": ")) for n, o in sorted(release_outcomes.items())
                      if o.outcome != PASSED and not _is_patch_test(tree, n))
