@@ -9,8 +9,11 @@ nobody here wrote. For a matrix's builds this module
 2. runs ``tests/v1/core`` and ``tests/v1/kv_connector/unit`` (``ROOTS``) on the unpatched release
    with vLLM's own CPU platform: what does not pass there (needs CUDA, a model download, a
    third-party service) is *excluded*, with why, from every build;
-3. runs the rest and every patch's tests on each build's overlay (the patched ``vllm/`` the
-   engine runs), two pytest processes at a time, and records pass / fail (assertion) per test;
+3. runs, on each build's overlay (the patched ``vllm/`` the engine runs), the rest of those tests
+   that reach code the build's stack changed (the release's run is measured by coverage.py for
+   this: kvrepro/builds/upstream_impact.py) and every patch's tests, the builds side by side two
+   pytest processes at a time, and records pass / fail (assertion) per test; a test no change
+   reaches keeps the release's outcome, marked ``not_run``;
 4. for every test whose outcome on a build differs from the release, runs it on the prefixes of
    the build's patch stack to name the patch that changed it, and reads the same test in the
    newer releases' tests/ to say whether upstream changed it there too.
