@@ -5,7 +5,8 @@ statement is ``stage.function(**locals())`` its options reach the stage by name:
 here is a parameter of the same name there.
 
 Exit codes: 0 done (and every verdict as `expect:` says, when it says); 1 a verdict differs from
-`expect:`; 2 bad input (matrix.yaml, arguments); 3 infrastructure (setup, build or engine start
+`expect:` (`builds test`: a build fails a vLLM test that passes on the release); 2 bad input
+(matrix.yaml, arguments); 3 infrastructure (setup, build or engine start
 failed); 130 interrupted.
 """
 
@@ -469,6 +470,7 @@ def builds_test(
                                               "supported release after the base, read in order until one changed it)"),
     jobs: int = typer.Option(max(1, min(os.cpu_count() or 1, 4)), "--jobs", "-j", min=1, max=16,
                              help="pytest processes at once"),
+    run_all: bool = typer.Option(False, "--all", help="every test on every build, not only those that reach a change"),
     matrix: Path = MatrixOpt,
     results_root: Path = ResultsOpt,
     as_json: bool = JsonOpt,
@@ -477,7 +479,8 @@ def builds_test(
     upstream tests on every build; report what passes, fails and is excluded, and which patch changed what."""
     from .report.upstream_tests import run_builds_test
 
-    run_builds_test(load_matrix(matrix), build, list(only or []), list(later or []), jobs, results_root, as_json)
+    _exit(run_builds_test(load_matrix(matrix), build, list(only or []), list(later or []), jobs, results_root,
+                          as_json, run_all))
 
 
 def main() -> None:

@@ -873,6 +873,9 @@ class UpstreamTestOutcome:
     message: str = ""  # the exception line (``AssertionError: assert 41 not in [41, 42]``)
     line: str = ""  # the failing source line, as pytest marks it with ``>``
     patch: str = ""  # the patch whose Upstream-Test this is ("" for the release's own tests)
+    seconds: float = 0.0  # setup + call + teardown, as pytest timed them
+    spawned: bool = False  # started a process (what it ran is not in coverage data: always run)
+    not_run: str = ""  # why this build did not run it and took the release's outcome (impact rule)
 
 
 @dataclass(frozen=True)
@@ -898,6 +901,18 @@ class UpstreamTestChange:
 
 
 @dataclass(frozen=True)
+class ChangedCode:
+    """A unit of code a build's patch stack changed, as the test impact rule sees it
+    (kvrepro/builds/upstream_impact.py): a function's body, or module-level code of a file."""
+
+    file: str  # vllm/... (or tests/...)
+    scope: str  # "function" | "module" | "new file" | "test file" | "other"
+    name: str = ""  # the function's qualified name
+    note: str = ""
+    lines: tuple[int, int] = (0, 0)  # the function body's lines in the release's file
+
+
+@dataclass(frozen=True)
 class UpstreamBuildTests:
     """vLLM's own tests on one build: counts, every outcome, and what differs from the release."""
 
@@ -912,6 +927,8 @@ class UpstreamBuildTests:
     seconds: float = 0.0
     cached: bool = False
     error: str | None = None
+    ran: int = 0  # tests run on this build; the rest took the release's outcome (``not_run`` says why)
+    changed_code: tuple[ChangedCode, ...] = ()  # what the impact rule saw changed
 
 
 @dataclass(frozen=True)
@@ -941,6 +958,7 @@ class UpstreamTestRun:
     command: str = ""
     created: str = ""
     offline_models: tuple[str, ...] = ()  # model configs (config.json only) put in an offline HF hub cache
+    impact_rule: bool = False  # builds ran only the tests that reach a change (False: --all)
 
 
 def to_jsonable(value: Any) -> Any:

@@ -362,3 +362,27 @@ def test_each_report_section_is_one_file_and_they_come_in_order(tmp_path):
     headings = [line for line in md.splitlines() if line.startswith("## ")]
     assert headings.index("## Runs") < headings.index("## What ran")
     assert headings.index("## Crashes") < headings.index("## Runs")
+
+
+def test_the_matrix_report_shows_the_upstream_tests_of_its_builds(tmp_path):
+    """A `kvrepro builds test` record (written here by hand: our own record type) in the same
+    results folder: the matrix report shows its builds' counts, what differs and the regression."""
+    from kvrepro.records import UpstreamBuildTests, UpstreamTestChange, UpstreamTestRun
+    from kvrepro.report import upstream_tests
+
+    run = make_run(tmp_path, DEFAULT, EXPECT)
+    change = UpstreamTestChange("tests/v1/x.py::test_y", "passed", "failed", "pr-52771", 2, "assert 4 == 0",
+                                "changed in vllm 0.30.0: - == 0 | + == 4")
+    record = UpstreamTestRun(
+        base="0.26.0", sdist_sha256="ab" * 32, roots=("tests/v1/core",), selected=960, excluded=(), patch_tests=(),
+        release=UpstreamBuildTests("vLLM 0.26.0", (), "k", 960, 0, 133, (), ran=960),
+        builds=(UpstreamBuildTests("C", ("pr-49146", "pr-52771"), "k", 959, 1, 133, (), (change,), ran=120),
+                UpstreamBuildTests("C", ("pr-49146",), "k", 1, 1, 1, (), ran=1)),  # another stack: not shown
+        seconds=1.0, command="kvrepro builds test", impact_rule=True)
+    upstream_tests.write(record, tmp_path)
+    md = pages.to_markdown(document.document(run))
+    assert "## vLLM 0.26.0's own tests on these builds" in md
+    assert "| C | pr-49146, pr-52771 | 959 | 1 | 133 | 120 |" in md and "| C | pr-49146 | 1 |" not in md
+    assert "pr-52771 (2)" in md and "changed in vllm 0.30.0" in md
+    assert "**regression** on C: `tests/v1/x.py::test_y` passes on the release, failed here" in md
+    assert upstream_tests.regressions(record) == [("C", change)]

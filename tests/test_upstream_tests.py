@@ -144,7 +144,96 @@ def test_an_only_that_names_no_test_file_is_bad_input_exit_2(tmp_path, runtime_p
     assert "Traceback" not in proc.stderr
 
 
+RELEASE_MODULE = '''import os
+
+LIMIT = 3
+
+
+class Pool:
+    def take(self, n):
+        if n > LIMIT:
+            return None
+        return n
+
+    def give(self, n):
+        return n + 1
+
+
+def helper():
+    return 1
+'''
+
+
+def test_the_impact_rule_sees_a_function_body_edit_as_that_function_and_a_new_method_as_module_level(tmp_path):
+    """Our own two-version module (not vLLM's): what kvrepro/builds/upstream_impact.py calls changed."""
+    from kvrepro.builds.upstream_impact import changed_code
+
+    release, build = tmp_path / "release", tmp_path / "build"
+    _write(release, "vllm/m.py", RELEASE_MODULE)
+    body_edit = RELEASE_MODULE.replace("        return n + 1", "        n += 2\n        return n + 1")
+    _write(build, "vllm/m.py", body_edit)
+    units = changed_code(release, build, ["vllm/m.py"])
+    assert [(u.scope, u.name, u.lines) for u in units] == [("function", "Pool.give", (13, 13))]
+    # a new method, a changed constant, a changed signature: module level
+    for edited in (RELEASE_MODULE.replace("    def give(self, n):", "    def peek(self):\n        return 0\n\n"
+                                          "    def give(self, n):"),
+                   RELEASE_MODULE.replace("LIMIT = 3", "LIMIT = 4"),
+                   RELEASE_MODULE.replace("def helper():", "def helper(x=0):")):
+        _write(build, "vllm/m.py", edited)
+        assert [u.scope for u in changed_code(release, build, ["vllm/m.py"])] == ["module"], edited
+    # an edit at the end of a body is still inside the function; an unchanged file is no unit
+    _write(build, "vllm/m.py", RELEASE_MODULE.replace("        return n\n", "        return n\n        print(n)\n"))
+    assert [(u.scope, u.name) for u in changed_code(release, build, ["vllm/m.py"])] == [("function", "Pool.take")]
+    _write(build, "vllm/m.py", RELEASE_MODULE)
+    _write(build, "vllm/data.json", "{}")
+    assert [u.scope for u in changed_code(release, build, ["vllm/m.py", "vllm/data.json"])] == ["other"]
+
+
+def test_the_impact_rule_reads_coverage_numbits_as_line_numbers():
+    from kvrepro.builds.upstream_impact import _nums
+
+    assert _nums(bytes([0b00000101, 0, 0b10000000])) == [0, 2, 23]
+
+
 # --------------------------------------------------------------------------- end to end (vLLM env)
+
+DYING_TESTS = '''import os
+import signal
+
+
+def test_before():
+    assert True
+
+
+def test_dies():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_after():
+    assert True
+'''
+
+
+def test_a_pytest_that_dies_part_way_is_resumed_and_the_test_it_died_in_is_an_error(tmp_path, runtime_python):
+    """A real pytest in the real runtime env (vLLM's CPU platform, the plugin) is killed by a test
+    of ours (SIGKILL, as the OOM killer or a crash in C would): the job resumes in a new process,
+    runs the tests after it, and records the one it died in as an error, not lost and not re-run."""
+    from kvrepro.builds import prepare_runtime, upstream_tests
+    from kvrepro.builds.upstream_tests import TestTree, TreeRun
+
+    runtime = prepare_runtime("0.26.0")
+    base = upstream_tests.source_tests("0.26.0")
+    runtime = upstream_tests.test_runtime(runtime, base)
+    root, key = upstream_tests._pristine_root("0.26.0", None)
+    tree_root = tmp_path / "tree"
+    _write(tree_root, "tests/test_dying.py", DYING_TESTS)
+    shutil.copy(upstream_tests.PLUGIN_SOURCE, tree_root / f"{upstream_tests.PLUGIN_NAME}.py")
+    tree = TestTree(tree_root, "dying", (), {}, {})
+    found = upstream_tests._run_pytest(runtime, tree, TreeRun("dying", root, key, None, ("tests/test_dying.py",)),
+                                       tmp_path / "work")
+    outcomes = {nodeid.rsplit("::", 1)[1]: o.outcome for nodeid, o in found.items()}
+    assert outcomes == {"test_before": "passed", "test_dies": "error", "test_after": "passed"}
+    assert "pytest exited -9" in found["tests/test_dying.py::test_dies"].message
 
 # a handful of 0.26.0's own tests: the one the fixture patch breaks and three it must not touch
 HANDFUL = [
@@ -181,7 +270,7 @@ def test_builds_test_runs_upstream_tests_and_names_the_patch_that_broke_one(tmp_
     cmd = [sys.executable, "-m", "kvrepro.cli", "builds", "test", "--matrix", str(matrix), "--json",
            "--results", str(tmp_path / "results"), "--later", "0.27.0", *[arg for t in HANDFUL for arg in ("--only", t)]]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stderr[-3000:]  # a test that passes on the release fails on F
     run = json.loads(proc.stdout)
     builds = {b["build"]: b for b in run["builds"]}
     assert builds["A"]["patches"] == ["pr-49146"]
@@ -200,9 +289,16 @@ def test_builds_test_runs_upstream_tests_and_names_the_patch_that_broke_one(tmp_
     # on A only 52807's test fails; on F only the two parametrizations of the broken test
     assert builds["A"]["failed"] == 1 and builds["F"]["failed"] == 2
     assert changes[BROKEN + "[sha256]"]["later"] == "unchanged in vllm 0.27.0"
+    # the impact rule: A's stack changes only the offloading connector, which none of HANDFUL runs,
+    # so A runs the patches' tests alone; F's fixture changes block hashing, which test_hash_block_tokens runs
+    patch_items = [o for o in builds["A"]["outcomes"] if o["patch"]]
+    assert run["impact_rule"] and builds["A"]["ran"] == len(patch_items)
+    assert all(o["not_run"] for o in builds["A"]["outcomes"] if not o["patch"])
+    ran_on_f = {o["nodeid"] for o in builds["F"]["outcomes"] if not o["not_run"]}
+    assert {BROKEN + "[sha256]", BROKEN + "[sha256_cbor]"} <= ran_on_f
     report = next((tmp_path / "results").glob("upstream-tests-*/report.md")).read_text()
     assert "fixture-break-block-hash (3)" in report and "_make_partial_tail_scheduler" in report
     # a second run reads every tree back from the cache
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.returncode == 1, again.stderr[-2000:]
     assert all(b["cached"] for b in json.loads(again.stdout)["builds"])

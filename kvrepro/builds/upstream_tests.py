@@ -9,8 +9,11 @@ nobody here wrote. For a matrix's builds this module
 2. runs ``tests/v1/core`` and ``tests/v1/kv_connector/unit`` (``ROOTS``) on the unpatched release
    with vLLM's own CPU platform: what does not pass there (needs CUDA, a model download, a
    third-party service) is *excluded*, with why, from every build;
-3. runs the rest and every patch's tests on each build's overlay (the patched ``vllm/`` the
-   engine runs), two pytest processes at a time, and records pass / fail (assertion) per test;
+3. runs, on each build's overlay (the patched ``vllm/`` the engine runs), the rest of those tests
+   that reach code the build's stack changed (the release's run is measured by coverage.py for
+   this: kvrepro/builds/upstream_impact.py) and every patch's tests, the builds side by side two
+   pytest processes at a time, and records pass / fail (assertion) per test; a test no change
+   reaches keeps the release's outcome, marked ``not_run``;
 4. for every test whose outcome on a build differs from the release, runs it on the prefixes of
    the build's patch stack to name the patch that changed it, and reads the same test in the
    newer releases' tests/ to say whether upstream changed it there too.
@@ -36,10 +39,10 @@ from pathlib import Path
 from .. import paths, versions
 from ..errors import BadInputError, SetupError
 from ..records import (
-    BuildPlan, ExcludedTest, PatchRef, PatchTestModule, UpstreamBuildTests, UpstreamTestChange,
+    BuildPlan, ChangedCode, ExcludedTest, PatchRef, PatchTestModule, UpstreamBuildTests, UpstreamTestChange,
     UpstreamTestOutcome, UpstreamTestRun, from_jsonable, to_jsonable,
 )
-from . import overlay, patching, upstream_copy
+from . import overlay, patching, upstream_copy, upstream_impact
 from .runtime import Runtime, ensure_layer
 from .sdist import SourceTests, publish_staged, source_tests
 
@@ -47,9 +50,11 @@ from .sdist import SourceTests, publish_staged, source_tests
 ROOTS = ("tests/v1/core", "tests/v1/kv_connector/unit")
 # What vLLM's tests/conftest.py and these tests import beyond vLLM's own requirements; pinned to
 # the release's requirements/test/cpu.txt when it pins them.
-TEST_REQUIREMENTS = ("pytest", "pytest-asyncio", "pytest-mock", "pytest-timeout", "tblib")
+# coverage: the release's baseline records which test executed which line (test impact selection,
+# kvrepro/builds/upstream_impact.py).
+TEST_REQUIREMENTS = ("pytest", "pytest-asyncio", "pytest-mock", "pytest-timeout", "tblib", "coverage")
 PER_TEST_TIMEOUT_S = 300
-FORMAT = 2  # bump when what a cached result means changes
+FORMAT = 3  # bump when what a cached result means changes
 # pytest's options for every job (part of the cache key). A file that cannot be imported (ray,
 # flexkv, lmcache missing) must not stop the others: pytest stops at collection errors by default.
 PYTEST_ARGS = ("-p", "no:cacheprovider", "-q", "-rN", "--no-header", "--continue-on-collection-errors",
@@ -168,6 +173,7 @@ class TreeRun:
     vllm_key: str
     select: tuple[str, ...] | None  # node ids; None: everything under the paths
     paths: tuple[str, ...]
+    measure: bool = False  # under coverage.py, one context per test (the release's baseline)
 
 
 def _outcome_of(phases: list[dict]) -> UpstreamTestOutcome:
@@ -176,14 +182,17 @@ def _outcome_of(phases: list[dict]) -> UpstreamTestOutcome:
         phase["message"] = phase.get("message", "").removeprefix("E").strip()
         # pytest's ^^^^ markers under a statement are not part of it
         phase["line"] = " ".join(w for w in phase.get("line", "").split(" ") if w.strip("^"))
+    seconds = round(sum(phase.get("seconds", 0.0) for phase in phases), 3)
+    spawned = any(phase.get("spawned") for phase in phases)
     for phase in phases:
         if phase["outcome"] == "failed":
             kind = "failed" if phase["when"] == "call" else "error"
-            return UpstreamTestOutcome(nodeid, kind, phase.get("message", ""), phase.get("line", ""))
+            return UpstreamTestOutcome(nodeid, kind, phase.get("message", ""), phase.get("line", ""),
+                                       seconds=seconds, spawned=spawned)
     for phase in phases:
         if phase["outcome"] == "skipped":
-            return UpstreamTestOutcome(nodeid, "skipped", phase.get("message", ""))
-    return UpstreamTestOutcome(nodeid, PASSED)
+            return UpstreamTestOutcome(nodeid, "skipped", phase.get("message", ""), seconds=seconds, spawned=spawned)
+    return UpstreamTestOutcome(nodeid, PASSED, seconds=seconds, spawned=spawned)
 
 
 def _run_pytest(runtime: Runtime, tree: TestTree, job: TreeRun, work: Path) -> dict[str, UpstreamTestOutcome]:
@@ -200,27 +209,78 @@ def _run_pytest(runtime: Runtime, tree: TestTree, job: TreeRun, work: Path) -> d
         "HF_HUB_CACHE": str(offline_hub()),
         "PYTHONDONTWRITEBYTECODE": "1",  # the test tree is shared by every build
     })
+    # vLLM inspects a model class in a fresh process (a whole second vLLM import: 20 s idle, minutes
+    # under load) unless VLLM_CACHE_ROOT/modelinfos holds the answer, keyed by the model file's hash;
+    # every job starts with what earlier jobs learnt
+    shared_infos = cache_dir() / "modelinfos"
+    if shared_infos.is_dir():
+        shutil.copytree(shared_infos, work / "vllm-cache" / "modelinfos", dirs_exist_ok=True)
     if job.select is not None:
         listing = work / "select.txt"
         listing.write_text("\n".join(job.select) + "\n")
         env["KVREPRO_UPSTREAM_SELECT"] = str(listing)
     cmd = [str(runtime.python), "-m", "pytest", "-p", PLUGIN_NAME, *PYTEST_ARGS, *job.paths]
-    with (work / "pytest.log").open("w") as log:
-        proc = subprocess.Popen(cmd, cwd=tree.root, env=env, stdout=log, stderr=subprocess.STDOUT)
-        _LIVE.add(proc)
-        try:
-            proc.wait()
-        finally:
-            _LIVE.discard(proc)
+    data = work / "coverage.sqlite"
+    if job.measure:
+        data.unlink(missing_ok=True)
+        rcfile = work / "coveragerc"
+        rcfile.write_text(f"[run]\ninclude =\n    {job.vllm_root}/vllm/*\ndata_file = {data}\n")
+        env["KVREPRO_UPSTREAM_COVERAGE"] = "1"
+        cmd[1:3] = ["-m", "coverage", "run", f"--rcfile={rcfile}", "-m", "pytest"]
     phases: dict[str, list[dict]] = {}
-    for line in report.read_text().splitlines() if report.exists() else ():
-        entry = json.loads(line)
-        phases.setdefault(entry["nodeid"], []).append(entry)
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        with (work / "pytest.log").open("a" if attempt > 1 else "w") as log:
+            proc = subprocess.Popen(cmd, cwd=tree.root, env=env, stdout=log, stderr=subprocess.STDOUT)
+            _LIVE.add(proc)
+            try:
+                proc.wait()
+            finally:
+                _LIVE.discard(proc)
+        phases = _read_phases(report)
+        # pytest itself died (INTERNALERROR, a signal, a crash in C): resume in a new process with the
+        # tests not finished; the test it died in is recorded as an error, not run again
+        if proc.returncode in (0, 1, 2, 5) or not phases or attempt == MAX_ATTEMPTS or _STOPPING:
+            break
+        unfinished = [n for n, entries in phases.items() if not any(e["when"] in ("teardown", "collect") for e in entries)]
+        tail = (work / "pytest.log").read_text(errors="replace").strip().splitlines()[-1:] or [""]
+        for nodeid in unfinished:
+            _append(report, {"nodeid": nodeid, "when": "teardown", "outcome": "failed",
+                             "message": f"pytest exited {proc.returncode} while running or reporting this test: "
+                                        f"{tail[0][:200]}"})
+        done = work / "done.txt"
+        done.write_text("\n".join(sorted(set(phases))) + "\n")
+        env["KVREPRO_UPSTREAM_DONE"] = str(done)
+        if job.measure:  # keep the first process's coverage data
+            cmd[cmd.index("run") + 1:cmd.index("run") + 1] = ["--append"] if "--append" not in cmd else []
+    phases = _read_phases(report)
     if not phases and proc.returncode not in (0, 5):
         tail = (work / "pytest.log").read_text(errors="replace").strip().splitlines()[-5:]
         raise SetupError(f"pytest on {job.label} exited {proc.returncode} without running a test; "
                          f"{work / 'pytest.log'} ends:\n  " + "\n  ".join(tail))
+    if job.measure and not data.exists():
+        raise SetupError(f"coverage.py wrote no data for {job.label} ({work / 'pytest.log'})")
     return {nodeid: _outcome_of(entries) for nodeid, entries in phases.items()}
+
+
+MAX_ATTEMPTS = 3  # pytest processes per job when one dies part-way
+
+
+def _read_phases(report: Path) -> dict[str, list[dict]]:
+    phases: dict[str, list[dict]] = {}
+    for line in report.read_text().splitlines() if report.exists() else ():
+        entry = json.loads(line)
+        phases.setdefault(entry["nodeid"], []).append(entry)
+    return phases
+
+
+def _append(report: Path, entry: dict) -> None:
+    with report.open("a") as fh:
+        fh.write(json.dumps(entry) + "\n")
+
+
+def coverage_files(key: str) -> list[Path]:
+    """The coverage data of a measured job (one file per shard), kept with its cached result."""
+    return sorted((cache_dir() / "coverage" / key).glob("*.sqlite"))
 
 
 def _shards(job: TreeRun, tree: TestTree, count: int) -> list[TreeRun]:
@@ -244,7 +304,7 @@ def _shards(job: TreeRun, tree: TestTree, count: int) -> list[TreeRun]:
 
 def run_trees(runtime: Runtime, tree: TestTree, jobs: Sequence[TreeRun], workers: int,
               on_line: Callable[[str], None] | None = None) -> list[tuple[dict[str, UpstreamTestOutcome], float, bool]]:
-    """Run every job (each split into ``workers`` shards), ``workers`` pytest processes at a time;
+    """Run every job (split into ``workers`` shards when fewer jobs than that), ``workers`` pytest processes at a time;
     (outcomes, seconds, read from the cache) per job, cached by what went into the job."""
     results: list[tuple[dict[str, UpstreamTestOutcome], float, bool] | None] = [None] * len(jobs)
     pending: list[tuple[int, str, list[TreeRun]]] = []
@@ -256,18 +316,30 @@ def run_trees(runtime: Runtime, tree: TestTree, jobs: Sequence[TreeRun], workers
             outcomes = {o["nodeid"]: from_jsonable(UpstreamTestOutcome, o) for o in raw["outcomes"]}
             results[index] = (outcomes, raw["seconds"], True)
             continue
-        pending.append((index, key, _shards(job, tree, workers)))
+        pending.append((index, key, [job]))
+    # every pytest process pays vLLM's import (about 20 s idle, minutes under load): split a job
+    # across processes only when there are fewer jobs than processes to keep busy
+    if len(pending) < workers:
+        pending = [(index, key, _shards(shards[0], tree, workers)) for index, key, shards in pending]
     shard_jobs = [(index, key, n, shard) for index, key, shards in pending for n, shard in enumerate(shards)]
-    started = {index: time.monotonic() for index, _, _ in pending}
+    # the longest first, so that the last process to start is a short one (E runs 780 tests, A 113)
+    shard_jobs.sort(key=lambda item: -(len(item[3].select) if item[3].select is not None else 10**9))
+    started: dict[int, float] = {}  # a job's time runs from its first process, not from the queue
     merged: dict[int, dict[str, UpstreamTestOutcome]] = {index: {} for index, _, _ in pending}
     remaining = {index: len(shards) for index, _, shards in pending}
     seconds: dict[int, float] = {}
 
     def one(item: tuple[int, str, int, TreeRun]) -> None:
         index, key, n, shard = item
+        started.setdefault(index, time.monotonic())
         if on_line:
             on_line(f"{shard.label}: pytest on {len(shard.paths)} file(s)")
-        found = _run_pytest(runtime, tree, shard, cache_dir() / "work" / key / str(n))
+        work = cache_dir() / "work" / key / str(n)
+        found = _run_pytest(runtime, tree, shard, work)
+        if shard.measure:
+            kept = cache_dir() / "coverage" / key / f"{n}.sqlite"
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(work / "coverage.sqlite", kept)
         merged[index].update(found)
         remaining[index] -= 1
         if remaining[index] == 0:
@@ -301,14 +373,18 @@ def run_trees(runtime: Runtime, tree: TestTree, jobs: Sequence[TreeRun], workers
 def job_key(runtime: Runtime, tree: TestTree, job: TreeRun) -> str:
     select = "\n".join(sorted(job.select)) if job.select is not None else "*"
     return _sha(str(FORMAT), runtime.key, tree.key, job.vllm_key, select, *job.paths, *PYTEST_ARGS,
-                _configs_digest())[:20]
+                _configs_digest(), "measured" if job.measure else "")[:20]
 
 
 _LIVE: set[subprocess.Popen] = set()
 
 
+_STOPPING: list[bool] = []  # non-empty once stop_live ran: a stopped pytest is not resumed
+
+
 def stop_live() -> None:
     """Stop every pytest this module started (SIGTERM, then SIGKILL after 10 s)."""
+    _STOPPING.append(True)
     for proc in list(_LIVE):
         proc.terminate()
     for proc in list(_LIVE):
@@ -379,9 +455,10 @@ def _counts(outcomes: dict[str, UpstreamTestOutcome]) -> tuple[int, int]:
 
 def check_builds(plans: Sequence[BuildPlan], all_patches: Sequence[PatchRef], runtime: Runtime,
                  workers: int = 2, only: Sequence[str] = (), later_releases: Sequence[str] = (),
-                 on_line: Callable[[str], None] | None = None, command: str = "") -> UpstreamTestRun:
+                 on_line: Callable[[str], None] | None = None, command: str = "", impact: bool = True) -> UpstreamTestRun:
     """Run the check on ``plans`` (one base); ``only``: node-id substrings that restrict the release's
-    tests (CI runs a handful); ``later_releases``: whose tests/ to read for a changed test."""
+    tests (CI runs a handful); ``later_releases``: whose tests/ to read for a changed test;
+    ``impact``: run on each build only the tests that reach a change (False: every test)."""
     started = time.monotonic()
     bases = {plan.base for plan in plans}
     if len(bases) != 1:
@@ -400,15 +477,24 @@ def check_builds(plans: Sequence[BuildPlan], all_patches: Sequence[PatchRef], ru
             raise BadInputError(f"--only {entry}: vLLM {base}'s sdist has no {entry.split('::')[0]}; give a test "
                                 f"file or node id under {' or '.join(ROOTS)}, e.g. {ROOTS[0]}/test_kv_cache_utils.py")
     roots = tuple(only) if only else tuple(ROOTS)
-    selection = tuple(only) if only else None
-    baseline_paths = tuple(sorted({o.split("::")[0] for o in only})) if only else roots
-    baseline_job = TreeRun(f"vLLM {base}", release_root, release_key, selection, baseline_paths)
-    patch_job = TreeRun(f"vLLM {base} (patch tests)", release_root, release_key, patch_nodeids,
-                        tuple(sorted({n.split("::")[0] for n in patch_nodeids})))
-    jobs = [baseline_job] + ([patch_job] if patch_nodeids else [])
+    # one baseline process pair: the patches' tests live beside the files they came from, so a run of
+    # the whole ROOTS collects them; a restricted run (--only) selects them too. Only a patch test
+    # outside what the baseline collects needs a job of its own (each process pays vLLM's import).
+    patch_files = sorted({n.split("::")[0] for n in patch_nodeids})
+    if only:
+        selection: tuple[str, ...] | None = tuple(only) + patch_nodeids
+        baseline_paths = tuple(sorted({o.split("::")[0] for o in only} | set(patch_files)))
+        outside: tuple[str, ...] = ()
+    else:
+        selection, baseline_paths = None, roots
+        outside = tuple(n for n in patch_nodeids if not any(n.startswith(r.rstrip("/") + "/") for r in roots))
+    baseline_job = TreeRun(f"vLLM {base}", release_root, release_key, selection, baseline_paths, measure=True)
+    patch_job = TreeRun(f"vLLM {base} (patch tests)", release_root, release_key, outside,
+                        tuple(sorted({n.split("::")[0] for n in outside})))
+    jobs = [baseline_job] + ([patch_job] if outside else [])
     baseline = run_trees(runtime, tree, jobs, workers, on_line)
     release_outcomes = dict(baseline[0][0])
-    if patch_nodeids:
+    if outside:
         release_outcomes.update(baseline[1][0])
     excluded = tuple(ExcludedTest(n, f"{o.outcome}: {o.message}".rstrip(": ")) for n, o in sorted(release_outcomes.items())
                      if o.outcome != PASSED and not _is_patch_test(tree, n))
@@ -416,20 +502,53 @@ def check_builds(plans: Sequence[BuildPlan], all_patches: Sequence[PatchRef], ru
     # the patches' tests as the release collected them (one id per parametrization), failing or not
     patch_run = tuple(sorted(n for n in release_outcomes if _is_patch_test(tree, n)))
     to_run = selected + patch_run
-    run_paths = tuple(sorted({n.split("::")[0] for n in to_run}))
 
     artifacts = {}
     for plan in plans:
         artifact = overlay.build_release_overlay(plan, on_line)
         artifacts[plan.name] = artifact
+    # the impact rule (kvrepro/builds/upstream_impact.py): each build runs the tests that reach code
+    # its stack changed, plus the patches' tests; the rest keep the release's outcome, marked so
+    index = upstream_impact.CoverageIndex(coverage_files(job_key(runtime, tree, baseline_job)), release_root) \
+        if impact else None
+    spawned = [n for n, o in release_outcomes.items() if o.spawned]
+    run_sets: dict[str, tuple[str, ...]] = {}
+    changed: dict[str, tuple[ChangedCode, ...]] = {}
+    for plan in plans:
+        artifact = artifacts[plan.name]
+        if not artifact.ok:
+            continue
+        if index is None:
+            run_sets[plan.name] = to_run
+            continue
+        files = [rel for patch in plan.patches for rel in patching.touched_files(patch.path)]
+        changed[plan.name] = tuple(upstream_impact.changed_code(release_root, Path(artifact.ref or "."), files))
+        why = upstream_impact.affected_tests(changed[plan.name], index, release_root, tree.root, selected, spawned)
+        run_sets[plan.name] = tuple(sorted(why)) + patch_run
+        if on_line:
+            on_line(f"build {plan.name}: {len(why)} of {len(selected)} release tests reach a change "
+                    f"({len(changed[plan.name])} changed unit(s)), + {len(patch_run)} patch tests")
     build_jobs = [TreeRun(f"build {plan.name}", Path(artifacts[plan.name].ref or "."), artifacts[plan.name].manifest.overlay_key
-                          or "", to_run, run_paths) for plan in plans if artifacts[plan.name].ok]
+                          or "", run_sets[plan.name], tuple(sorted({n.split("::")[0] for n in run_sets[plan.name]})))
+                  for plan in plans if plan.name in run_sets and run_sets[plan.name]]
     build_results = dict(zip([j.label for j in build_jobs], run_trees(runtime, tree, build_jobs, workers, on_line)))
+    for plan in plans:
+        if plan.name in run_sets and f"build {plan.name}" not in build_results:
+            build_results[f"build {plan.name}"] = ({}, 0.0, True)
 
+    filled: dict[str, dict[str, UpstreamTestOutcome]] = {}
+    for plan in plans:
+        if f"build {plan.name}" not in build_results:
+            continue
+        ran = build_results[f"build {plan.name}"][0]
+        filled[plan.name] = {n: ran.get(n, UpstreamTestOutcome(n, "missing", "not collected on this build"))
+                             if n in run_sets[plan.name] else
+                             dataclasses.replace(release_outcomes[n], seconds=0.0, not_run=upstream_impact.NOT_AFFECTED)
+                             for n in to_run}
     by_stack: dict[tuple[str, ...], dict[str, UpstreamTestOutcome]] = {(): release_outcomes}
     for plan in plans:
-        if f"build {plan.name}" in build_results:
-            by_stack[tuple(p.name for p in plan.patches)] = build_results[f"build {plan.name}"][0]
+        if plan.name in filled:
+            by_stack[tuple(p.name for p in plan.patches)] = filled[plan.name]
 
     later_trees = _LaterTests(later_releases, on_line)
     rows: list[UpstreamBuildTests] = []
@@ -439,31 +558,34 @@ def check_builds(plans: Sequence[BuildPlan], all_patches: Sequence[PatchRef], ru
         if not artifact.ok:
             rows.append(UpstreamBuildTests(plan.name, stack, "", 0, 0, len(excluded), (), error=artifact.error))
             continue
-        outcomes, seconds, cached = build_results[f"build {plan.name}"]
-        outcomes = {n: outcomes.get(n, UpstreamTestOutcome(n, "missing", "not collected on this build")) for n in to_run}
+        _, seconds, cached = build_results[f"build {plan.name}"]
+        outcomes = filled[plan.name]
+        build_job = next((j for j in build_jobs if j.label == f"build {plan.name}"), None)
         differing = [n for n in to_run if outcomes[n].outcome != release_outcomes.get(n, _MISSING).outcome]
         changes = _attribute(plan, differing, outcomes, release_outcomes, by_stack, runtime, tree, workers,
                              later_trees, base_tests, on_line)
         passed, failed = _counts(outcomes)
         rows.append(UpstreamBuildTests(
-            build=plan.name, patches=stack, key=job_key(runtime, tree, next(j for j in build_jobs if j.label == f"build {plan.name}")),
+            build=plan.name, patches=stack, key=job_key(runtime, tree, build_job) if build_job else "",
             passed=passed, failed=failed, excluded=len(excluded),
             outcomes=tuple(_labelled(tree, outcomes[n]) for n in to_run),
-            changes=tuple(changes), seconds=round(seconds, 1), cached=cached))
+            changes=tuple(changes), seconds=round(seconds, 1), cached=cached,
+            ran=len(run_sets[plan.name]), changed_code=changed.get(plan.name, ())))
     release_passed, release_failed = _counts({n: release_outcomes[n] for n in to_run if n in release_outcomes})
     release_row = UpstreamBuildTests(
         build=f"vLLM {base}", patches=(), key=job_key(runtime, tree, baseline_job), passed=release_passed,
         failed=release_failed, excluded=len(excluded),
         outcomes=tuple(_labelled(tree, release_outcomes[n]) for n in to_run if n in release_outcomes),
-        seconds=round(baseline[0][1], 1), cached=baseline[0][2])
+        seconds=round(baseline[0][1], 1), cached=baseline[0][2], ran=len(release_outcomes))
     return UpstreamTestRun(
         base=base, sdist_sha256=base_tests.sdist_sha256, roots=roots, selected=len(selected), excluded=excluded,
         patch_tests=tree.modules, release=release_row, builds=tuple(rows),
         seconds=round(time.monotonic() - started, 1), command=command, offline_models=offline_models(),
-        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        impact_rule=impact, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
 _MISSING = UpstreamTestOutcome("", "missing")
+
 
 
 class _LaterTests:

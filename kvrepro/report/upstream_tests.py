@@ -12,8 +12,9 @@ import json
 import time
 from pathlib import Path
 
-from ..records import UpstreamTestRun, to_jsonable
+from ..records import RecordError, UpstreamTestChange, UpstreamTestRun, from_jsonable, to_jsonable
 from ..results.store import write_atomic
+from .pages import Block, Bullets, Heading, Para, Table
 
 REPORT_JSON = "upstream-tests.json"
 REPORT_MD = "report.md"
@@ -31,11 +32,21 @@ def markdown(run: UpstreamTestRun) -> str:
              f"and run on every build; {len(run.excluded)} do not pass there and are excluded."
              + (f" Model configs given offline (config.json only, no weights): {', '.join(run.offline_models)}."
                 if run.offline_models else ""), "",
-             "| build | patches | passed | failed | excluded | time | |", "|---|---|---|---|---|---|---|"]
+             impact_note(run), "",
+             "| build | patches | passed | failed | excluded | ran | time | |", "|---|---|---|---|---|---|---|---|"]
     for row in (run.release, *run.builds):
         note = row.error or ("cached" if row.cached else "")
         lines.append(f"| {row.build} | {', '.join(row.patches) or '-'} | {row.passed} | {row.failed} | {row.excluded} "
-                     f"| {row.seconds:.0f} s | {_cell(note)} |")
+                     f"| {row.ran} | {row.seconds:.0f} s | {_cell(note)} |")
+    regressed = regressions(run)
+    if regressed:
+        lines += ["", f"**{len(regressed)} test(s) pass on the release and fail on a build** (exit code 1): "
+                  + "; ".join(f"{build}: `{change.nodeid}`" for build, change in regressed)]
+    if run.impact_rule and any(b.changed_code for b in run.builds):
+        lines += ["", "## What each build changed (the impact rule's units)", ""]
+        for build in run.builds:
+            units = ", ".join(f"`{u.file.rsplit('/', 1)[-1]}` {u.name or u.scope}" for u in build.changed_code)
+            lines.append(f"- {build.build}: {units or 'nothing'}")
     patch_tests = [o for o in run.release.outcomes if o.patch]
     if patch_tests:
         builds = [b for b in run.builds if not b.error]
@@ -84,6 +95,61 @@ def markdown(run: UpstreamTestRun) -> str:
     return "\n".join(lines) + "\n"
 
 
+def impact_note(run: UpstreamTestRun) -> str:
+    if not run.impact_rule:
+        return "Every selected test ran on every build (`--all`)."
+    return ("Each build ran the tests that reach code its patch stack changed (on the release, under coverage: "
+            "a changed function's body, or any line of a module changed at module level or of a module importing "
+            "it), tests that start a process, and the patches' own tests; the others are counted with the "
+            "release's outcome, marked `not affected` in the record (rule and limits: docs/upstream-tests.md; "
+            "`--all` runs everything).")
+
+
+def regressions(run: UpstreamTestRun) -> list[tuple[str, UpstreamTestChange]]:
+    """(build, change): a test that passes on the release and not on the build (``kvrepro builds
+    test`` exits 1)."""
+    return [(build.build, change) for build in run.builds for change in build.changes
+            if change.release_outcome == "passed" and change.build_outcome != "passed"]
+
+
+def latest_matching(results_root: Path, base: str, stacks: dict[str, tuple[str, ...]]) -> tuple[Path, UpstreamTestRun] | None:
+    """The newest ``upstream-tests-*`` record of ``base`` in which a build of ``stacks`` (name -> patch
+    names) appears with the same patches."""
+    for folder in sorted(results_root.glob("upstream-tests-*"), reverse=True):
+        try:
+            run = from_jsonable(UpstreamTestRun, json.loads((folder / REPORT_JSON).read_text()))
+        except (OSError, ValueError, RecordError):
+            continue
+        if run.base == base and any(stacks.get(b.build) == b.patches for b in run.builds):
+            return folder, run
+    return None
+
+
+def blocks(run: UpstreamTestRun, folder: Path, stacks: dict[str, tuple[str, ...]]) -> list[Block]:
+    """The matrix report's section: the builds of this matrix in the newest check of their stacks."""
+    rows = [run.release] + [b for b in run.builds if stacks.get(b.build) == b.patches]
+    out: list[Block] = [
+        Heading(2, f"vLLM {run.base}'s own tests on these builds"),
+        Para(f"`{run.command or 'kvrepro builds test'}`, {run.created} (`{folder.name}/{REPORT_MD}`): "
+             f"{run.selected} of the release's tests pass unpatched and run on the builds, {len(run.excluded)} "
+             f"excluded. {impact_note(run)}"),
+        Table(("build", "patches", "passed", "failed", "excluded", "ran"),
+              tuple((r.build, ", ".join(r.patches) or "-", str(r.passed), str(r.failed), str(r.excluded), str(r.ran))
+                    for r in rows), align="llrrrr"),
+    ]
+    changes = [(b, c) for b in rows[1:] for c in b.changes]
+    if changes:
+        out.append(Table(("build", "test", "release -> build", "changed by", "upstream later"),
+                         tuple((b.build, f"`{c.nodeid}`", f"{c.release_outcome} -> {c.build_outcome}",
+                                f"{c.changed_by} ({c.stack_position})" if c.changed_by else "not reproduced on a prefix",
+                                c.later or "-") for b, c in changes)))
+    regressed = [(b, c) for b, c in regressions(run) if stacks.get(b) is not None]
+    if regressed:
+        out.append(Bullets(tuple(f"**regression** on {b}: `{c.nodeid}` passes on the release, "
+                                 f"{c.build_outcome} here" for b, c in regressed)))
+    return out
+
+
 def write(run: UpstreamTestRun, results_root: Path) -> Path:
     """Write the record and report.md into a new folder under ``results_root``; returns the folder."""
     folder = results_root / time.strftime("upstream-tests-%Y%m%d-%H%M%S", time.gmtime())
@@ -94,9 +160,10 @@ def write(run: UpstreamTestRun, results_root: Path) -> Path:
 
 
 def run_builds_test(loaded, builds: list[str] | None, only: list[str], later: list[str], jobs: int,
-                results_root: Path, as_json: bool) -> None:
+                    results_root: Path, as_json: bool, run_all: bool = False) -> int:
     """`kvrepro builds test`: vLLM's own tests on every build of ``loaded`` (a spec LoadedMatrix),
-    recorded under ``results_root`` and printed (markdown, or --json)."""
+    recorded under ``results_root`` and printed (markdown, or --json); the exit code: 1 when a build
+    fails a test that passes on the release. ``run_all``: every test on every build, no impact rule."""
     from rich.markup import escape
 
     from ..builds import prepare_runtime, upstream_tests
@@ -107,11 +174,11 @@ def run_builds_test(loaded, builds: list[str] | None, only: list[str], later: li
     patches = [loaded.patch_ref(name) for name in loaded.matrix.patches]
     releases = list(later) if later else upstream_tests.newer_releases(plans[0].base)
     command = "kvrepro builds test" + "".join(f" --build {b}" for b in builds or []) + "".join(
-        f" --only {o}" for o in only)
+        f" --only {o}" for o in only) + (" --all" if run_all else "")
     with err.status("vLLM's own tests") as status:
         runtime = prepare_runtime(plans[0].base, on_line=lambda line: status.update(escape(line[:120])))
         run = upstream_tests.check_builds(plans, patches, runtime, workers=jobs, only=list(only),
-                                          later_releases=releases, command=command,
+                                          later_releases=releases, command=command, impact=not run_all,
                                           on_line=lambda line: err.print(escape(line[:160]), highlight=False))
     folder = write(run, checked_root(results_root))
     if as_json:
@@ -119,3 +186,4 @@ def run_builds_test(loaded, builds: list[str] | None, only: list[str], later: li
     else:
         out.print(markdown(run), markup=False, highlight=False, soft_wrap=True)
     err.print(f"recorded: {folder}", highlight=False)
+    return 1 if regressions(run) else 0  # documented in kvrepro/cli.py
