@@ -149,3 +149,52 @@ def test_a_new_target_owns_its_section_of_the_matrix(monkeypatch, tmp_path):
         parse_matrix(text.format("[1]"), path)
     with pytest.raises(SpecError, match=r"matrix.yaml:3: k8z: unknown field; allowed here: .*k8s"):
         parse_matrix(text.format("kv").replace("k8s:", "k8z:"), path)
+
+
+def _docker_branches(package) -> list[str]:
+    """Every place outside ``kvrepro/deploy/docker/`` that branches on the name "docker": a
+    comparison (``==``, ``!=``, ``in``, ``not in``) or a ``match`` case with the string "docker"
+    on either side, read with ast. Such a branch is the docker target's knowledge living elsewhere;
+    another target reaches it through kvrepro.deploy's registry (get_target, node_engine, ...)."""
+    import ast
+
+    def names_docker(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value == "docker"
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(names_docker(e) for e in node.elts)
+        return False
+
+    found = []
+    for path in sorted((package / "kvrepro").rglob("*.py")):
+        rel = path.relative_to(package)
+        if "data" in rel.parts or rel.parts[:3] == ("kvrepro", "deploy", "docker"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare) and any(names_docker(n) for n in (node.left, *node.comparators)):
+                found.append(f"{rel}:{node.lineno}")
+            elif isinstance(node, ast.MatchValue) and names_docker(node.value):
+                found.append(f"{rel}:{node.lineno}")
+    return sorted(found, key=lambda where: (where.partition(":")[0], int(where.partition(":")[2])))
+
+
+def test_no_docker_branch_outside_the_docker_target(tmp_path):
+    """issue 29: the docker target's knowledge is in deploy/docker/ only (the ray target runs it on
+    its nodes through kvrepro.deploy.node_engine). The check finds branches planted in a copy."""
+    import shutil
+
+    assert _docker_branches(ROOT) == []
+    copy = tmp_path / "repo"
+    shutil.copytree(ROOT / "kvrepro", copy / "kvrepro", ignore=shutil.ignore_patterns("__pycache__", "data"))
+    node = copy / "kvrepro" / "deploy" / "ray" / "node.py"
+    lines = len(node.read_text().splitlines())
+    node.write_text(node.read_text() + "\n\ndef _planted(job):\n    return job.engine == 'docker'\n")
+    runner = copy / "kvrepro" / "matrix" / "runner.py"
+    runner.write_text(runner.read_text() + "\n\ndef _planted(target):\n    match target:\n        case \"docker\":\n"
+                      "            return 1\n    return target not in ('sim', 'docker')\n")
+    runner_lines = len(runner.read_text().splitlines())
+    inside = copy / "kvrepro" / "deploy" / "docker" / "target.py"  # the docker target may name itself
+    inside.write_text(inside.read_text() + "\n\ndef _planted(name):\n    return name == 'docker'\n")
+    assert _docker_branches(copy) == [f"kvrepro/deploy/ray/node.py:{lines + 4}",
+                                      f"kvrepro/matrix/runner.py:{runner_lines - 2}",
+                                      f"kvrepro/matrix/runner.py:{runner_lines}"]

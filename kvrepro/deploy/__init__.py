@@ -112,6 +112,21 @@ def engine_api_key(target: str, matrix: "Matrix") -> str | None:
     return hook(matrix) if hook is not None else None
 
 
+def node_engines() -> list[str]:
+    """The targets whose engine another target can run on its nodes (``ray.engine``): a target
+    module's ``NODE_ENGINE`` names the module of its hooks (:class:`kvrepro.deploy.base.NodeEngine`)."""
+    return [name for name in known_targets() if getattr(_module_of(name), "NODE_ENGINE", None)]
+
+
+def node_engine(name: str) -> Any:
+    """The node-engine hooks of target ``name`` (imported on demand: an SDK comes with them)."""
+    module_name = getattr(_module_of(name), "NODE_ENGINE", None)
+    if module_name is None:
+        raise SpecError(f"target {name!r} cannot run its engine on another target's nodes; these can: "
+                        f"{', '.join(node_engines())}")
+    return importlib.import_module(module_name)
+
+
 def check_environment(target: str, matrix: "Matrix") -> None:
     """What ``target`` takes from the environment (ray: $RAY_ADDRESS), checked before anything is
     recorded: the target module's optional ``check_environment`` raises SpecError (exit 2)."""
@@ -123,4 +138,5 @@ def check_environment(target: str, matrix: "Matrix") -> None:
 
 
 __all__ = ["EngineHandle", "Target", "check_environment", "check_settings", "get_target", "known_targets",
-           "engine_api_key", "fetches_hub_models", "register", "target_commands", "target_sections"]
+           "engine_api_key", "fetches_hub_models", "node_engine", "node_engines", "register", "target_commands",
+           "target_sections"]

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..records import BuildArtifact, BuildPlan, RunResult
@@ -70,6 +71,42 @@ class RunFunction(Protocol):
 
     def __call__(self, loaded: Any, target: "Target", artifact: BuildArtifact, run_dir: Path, rep: int,
                  progress: Any, stop: threading.Event, replay: Any = None) -> RunResult: ...
+
+
+@dataclass(frozen=True)
+class ShippedFile:
+    """One small file of a build sent with each of its runs (a patch, a few kB), named by content."""
+
+    sha256: str
+    data: bytes
+
+
+@dataclass(frozen=True)
+class NodeBuild:
+    """What a node needs to remake a build the driver prepared, when another target (``ray``) runs
+    this target's engine on its nodes: a folder the transport carries once per node (`sim`: the
+    overlay; on the node, where it was unpacked) and/or small files sent with every run (`docker`:
+    the patches, from which the node makes the image). Made by the engine target's
+    ``prepare_for_nodes``, read back by its ``node_artifact`` (kvrepro.deploy.node_engine)."""
+
+    folder: Path | None = None
+    files: tuple[ShippedFile, ...] = ()
+
+
+class NodeEngine(Protocol):
+    """The hooks of a target whose engine another target can run on its nodes (``ray.engine``):
+    a module named by the target's ``NODE_ENGINE`` (kvrepro.deploy.node_engine finds it)."""
+
+    def check_for_nodes(self, loaded: Any) -> None:
+        """On the driver, before anything runs: settings of this target that nodes cannot honour."""
+
+    def prepare_for_nodes(self, plan: BuildPlan, artifact: BuildArtifact) -> NodeBuild:
+        """On the driver, for a build prepared there (``artifact.ok``): what its nodes need of it."""
+
+    def node_artifact(self, target: "Target", artifact: BuildArtifact, build: NodeBuild, cache: Path,
+                      where: str) -> BuildArtifact:
+        """On a node, with this target made there (``target``): the build as this node runs it;
+        ``cache`` is the node's own folder, ``where`` names the node in an error."""
 
 
 class Target(abc.ABC):

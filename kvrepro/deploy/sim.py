@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 import time
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from ..errors import InfraError, KvreproError, describe_os_error
 from ..records import BuildArtifact, BuildManifest, BuildPlan
 from ..secrets import redact, scrubbed_environ
 from . import register
-from .base import EngineHandle, Target
+from .base import EngineHandle, NodeBuild, Target
 
 
 def vllm_cache_root(plan: BuildPlan) -> Path:
@@ -403,3 +404,25 @@ def serve_foreground(target: "SimTarget", artifact: BuildArtifact, port: int, re
         except (ProcessLookupError, PermissionError):
             pass
     return 130 if stop.is_set() else code
+
+
+# ---------------------------------------------------------------- as the engine on another target's nodes
+# (``ray.engine: sim``; kvrepro.deploy.node_engine finds these hooks by this name)
+NODE_ENGINE = __name__
+
+
+def check_for_nodes(loaded) -> None:
+    """Nothing of `sim` that a node could not honour: it has no settings of its own."""
+
+
+def prepare_for_nodes(plan: BuildPlan, artifact: BuildArtifact) -> NodeBuild:
+    """The build's overlay folder: the transport carries it to each node once."""
+    return NodeBuild(folder=Path(str(artifact.ref)))
+
+
+def node_artifact(target: SimTarget, artifact: BuildArtifact, build: NodeBuild, cache: Path,
+                  where: str) -> BuildArtifact:
+    """The build run from the node's copy of the overlay (its own source root, for the probe's paths)."""
+    if build.folder is None:
+        return artifact
+    return replace(artifact, ref=str(build.folder), source_root=str(build.folder))

@@ -23,7 +23,8 @@ matrix.yaml, for a cluster (values shown are the defaults unless marked as an ex
 Modules: ``assemble`` (image per build), ``launch`` (which container gets which flags),
 ``containers`` (logs, watchdog, health gate, teardown), ``target`` (the Target), ``hosts``,
 ``ssh`` (one kept OpenSSH connection per ssh:// host: daemon socket and engine API forwarded),
-``basecpu`` (the CPU base image), ``clean``, ``cli``, ``errors`` (the named failures).
+``basecpu`` (the CPU base image), ``clean``, ``cli``, ``errors`` (the named failures), ``on_nodes``
+(this engine on another target's nodes: ``ray.engine: docker``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from typing import Any
 SECTIONS = ("hosts", "docker", "base_image")
 # an engine container downloads a Hugging Face model id itself (kvrepro.deploy.fetches_hub_models)
 FETCHES_HUB_MODELS = True
+# its engine can run on another target's nodes (``ray.engine: docker``): the hooks, kvrepro.deploy.node_engine
+NODE_ENGINE = f"{__name__}.on_nodes"
 
 
 def load() -> None:
@@ -70,5 +73,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["FETCHES_HUB_MODELS", "SECTIONS", "DockerEngineHandle", "DockerTarget", "check_settings",
+__all__ = ["FETCHES_HUB_MODELS", "NODE_ENGINE", "SECTIONS", "DockerEngineHandle", "DockerTarget", "check_settings",
            "engine_api_key", "load"]

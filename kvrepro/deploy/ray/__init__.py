@@ -5,9 +5,9 @@ the ``ray`` extra still starts and checks ``ray:`` settings. See docs/ray.md.
 
 * ``settings.py``: ``ray:`` typed and checked;
 * ``bundle.py``: a build's overlay packed once, content-addressed (sha256), and unpacked once per node;
-* ``node.py``: what runs on a node (the Ray task): the build unpacked, a node-local `sim` target
-  (or, ``ray.engine: docker``, the `docker` target on the node's daemon with the build's image),
-  the runner's own run function, the run's files sent back;
+* ``node.py``: what runs on a node (the Ray task): the build unpacked, a node-local target named by
+  ``ray.engine`` (its own node-engine hooks, kvrepro.deploy.node_engine, make the build's artifact
+  there), the runner's own run function, the run's files sent back;
 * ``target.py``: the driver side (connects, checks the cluster can place a run, ships builds,
   holds a placement group per multi-node engine, submits, retries, cancels, progress).
 """

@@ -7,38 +7,27 @@ target into a node-local scratch folder, and returns every file of the run with 
 The engine is a child of this worker (its own session, a parent-death signal: kvrepro.lifetime),
 so a worker that is cancelled, killed or loses its raylet takes its engine with it.
 
-With ``ray.engine: docker`` the node-local target is the `docker` target on the node's own
-daemon instead: the build's image is found or made there (:func:`node_image`) and the engine is
-a container, removed by the run's end, or by the docker target's reaper if the worker dies.
+``ray.engine`` names the node-local target (any target with node-engine hooks,
+kvrepro.deploy.node_engine): it says what the driver ships of a build (a folder, carried here as
+a bundle; small files, sent with the run) and how the node runs the build from them (e.g. an
+image made in the node's own daemon). This module only carries them.
 """
 
 from __future__ import annotations
 
 import copy
-import fcntl
-import os
 import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ... import scratch
-from ...errors import KvreproError
 from ...records import BuildArtifact, NodeInfo, RunResult
-from ..base import RunFunction, SilentProgress
+from ..base import NodeBuild, RunFunction, ShippedFile, SilentProgress
 from .bundle import BundleRef, node_cache, unpack, unpacked
-
-
-@dataclass(frozen=True)
-class PatchBytes:
-    """One patch file of a build, sent with its run (a few kB): with ``ray.engine: docker`` a node
-    makes the build's image from these and the base image, as the docker target does on a host."""
-
-    sha256: str
-    data: bytes
 
 
 @dataclass(frozen=True)
@@ -78,8 +67,8 @@ class NodeRun:
     sink: Any = None  # the driver's progress actor, or None
     replay: Any = None
     placement: Placement | None = None  # a multi-node engine's placement group, else None
-    engine: str = "sim"  # ray.engine: sim (the bundle's overlay) or docker (the build's image, node_image)
-    patches: tuple[PatchBytes, ...] = ()  # engine docker: the build's patch files, in the plan's order
+    engine: str = "sim"  # ray.engine: the target that runs the engine on the node (its node-engine hooks)
+    files: tuple[ShippedFile, ...] = ()  # the build's small files for that engine (NodeBuild.files)
 
 
 @dataclass(frozen=True)
@@ -111,14 +100,14 @@ class _NodeProgress(SilentProgress):
             self.sink.requests.remote(self.key, done, failed)
 
 
-# one `sim` target per worker process: its engine zygote (torch & co. imported once) serves every
-# run this worker executes; each run gets a shallow copy holding that run's matrix
+# one engine target per worker process (`sim`: its engine zygote (torch & co. imported once) serves every
+# run this worker executes); each run gets a shallow copy holding that run's matrix
 _LOCAL: dict[str, Any] = {}
 _LOCAL_LOCK = threading.Lock()
 
 
 def _local_target(loaded: Any, engine: str = "sim") -> Any:
-    """This worker's `sim` (or `docker`: the node's own daemon, no hosts:) target, copied for one run."""
+    """This worker's target ``engine`` (``ray.engine``), copied for one run."""
     from .. import get_target
 
     with _LOCAL_LOCK:
@@ -130,59 +119,27 @@ def _local_target(loaded: Any, engine: str = "sim") -> Any:
     return sibling
 
 
-def local_artifact(job: NodeRun, node: NodeInfo) -> BuildArtifact:
-    """The build on this node: its overlay made from the bundle, once (a failed build stays as it is)."""
-    if not job.artifact.ok or job.bundle is None:
-        return job.artifact
+def local_folder(job: NodeRun, node: NodeInfo) -> Path | None:
+    """The build's folder on this node, unpacked from its bundle once; None if it ships none."""
+    if job.bundle is None:
+        return None
     path = unpacked(job.bundle, node.node_id)
     if path is None:
         import ray
 
         path = unpack(job.bundle, ray.get(job.bundle_data[0]), node.node_id)
-    return replace(job.artifact, ref=str(path), source_root=str(path))
+    return path
 
 
-def node_image(job: NodeRun, node: NodeInfo, target: Any) -> BuildArtifact:
-    """``ray.engine: docker``: the build's image in this node's own Docker daemon (DOCKER_HOST on
-    the node, else its socket), by the docker target's own ``prepare`` (deploy/docker/assemble.py).
-
-    Its tag is content-addressed (base image id + patches + probe): present, it is used as it is;
-    absent, it is made here once, ``FROM`` the base image in this daemon plus the patched files.
-    That is what the docker code does on every host, so the node needs only the base image and
-    the build's patch files (sent with the run, a few kB), never a multi-GB image tarball through
-    the object store. Two runs needing the same tag at once take a file lock per daemon and tag
-    (``<kvrepro home>/docker/locks``): the second finds the image made by the first. Nodes on one
-    machine share that machine's daemon and so the lock.
-    """
+def local_artifact(job: NodeRun, node: NodeInfo, target: Any) -> BuildArtifact:
+    """The build as this node runs it (a failed build stays as it is): what the driver shipped,
+    made into the engine's artifact by the engine target's own hook (kvrepro.deploy.node_engine)."""
     if not job.artifact.ok:
         return job.artifact
-    from ..docker.assemble import assembly_key, docker_dir, find_base, image_tag, safe_tag_part
-    from ..docker.hosts import local_host_spec
+    from .. import node_engine
 
-    folder = node_cache(node.node_id) / "patches"
-    folder.mkdir(parents=True, exist_ok=True)
-    paths: list[Path] = []
-    for patch in job.patches:
-        path = folder / f"{patch.sha256}.patch"  # named by its content: any run's copy is the same
-        if not path.is_file():
-            tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-            tmp.write_bytes(patch.data)
-            os.replace(tmp, path)
-        paths.append(path)
-    plan = replace(job.artifact.plan, patches=tuple(replace(ref, path=path)
-                                                    for ref, path in zip(job.artifact.plan.patches, paths)))
-    try:
-        host = target.host(local_host_spec())
-        settings = target.settings
-        base = find_base(host, settings.image_for(plan.base), settings.docker.pull)
-    except KvreproError as exc:
-        return replace(job.artifact, ref=None, error=f"node {node.label}: {exc}")
-    tag = image_tag(plan.base, assembly_key(base, plan))
-    locks = docker_dir() / "locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    with open(locks / f"{safe_tag_part(str(host.info.get('ID') or host.name))}-{safe_tag_part(tag)}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return target.prepare(plan)
+    build = NodeBuild(folder=local_folder(job, node), files=job.files)
+    return node_engine(job.engine).node_artifact(target, job.artifact, build, node_cache(node.node_id), node.label)
 
 
 def run_task(job: NodeRun, run: RunFunction) -> RunFiles:
@@ -190,12 +147,8 @@ def run_task(job: NodeRun, run: RunFunction) -> RunFiles:
     node = this_node()
     if job.sink is not None:
         job.sink.started.remote(job.key, node)
-    if job.engine == "docker":
-        target = _local_target(job.loaded, "docker")
-        artifact = node_image(job, node, target)
-    else:
-        artifact = local_artifact(job, node)
-        target = _local_target(job.loaded)
+    target = _local_target(job.loaded, job.engine)
+    artifact = local_artifact(job, node, target)
     if job.placement is not None:
         target.engine_env = job.placement.engine_env()  # this run's copy only
     run_dir = Path(tempfile.mkdtemp(prefix="ray-run-", dir=scratch.folder()))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -33,7 +32,7 @@ class RaySpec(BaseModel):
                                   description="nodes one engine spans; above 1 each run holds a placement group "
                                               "of that many bundles (cpus_per_run/gpus_per_run each), one per "
                                               "node (STRICT_SPREAD), and its task runs in bundle 0")
-    engine: Literal["sim", "docker"] = Field(
+    engine: str = Field(
         "sim", description="how a node starts the engine: sim (vLLM's `vllm serve` with the GPU-free plugin in "
                            "the node's runtime env) or docker (the build's patched image in the node's own "
                            "Docker daemon, made there once; base_image: and docker: apply, hosts: must be empty)")
@@ -47,6 +46,18 @@ class RaySpec(BaseModel):
     cancel_grace_s: float = Field(15.0, ge=0, le=600,
                                   description="Ctrl-C: how long a cancelled run may take to stop its engine "
                                               "before its worker is killed")
+
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, v: str) -> str:
+        """Any target with node-engine hooks (kvrepro.deploy.node_engines): this target names none."""
+        from .. import node_engines
+
+        engines = sorted(node_engines(), key=lambda name: (name != "sim", name))  # the default first
+        if v not in engines:
+            named = [repr(name) for name in engines]
+            raise ValueError(f"Input should be {' or '.join([', '.join(named[:-1]), named[-1]] if len(named) > 1 else named)}")
+        return v
 
     @field_validator("address")
     @classmethod

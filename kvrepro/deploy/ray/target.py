@@ -8,7 +8,6 @@ Imported only through :func:`kvrepro.deploy.ray.load` (it imports Ray).
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import json
 import os
@@ -29,10 +28,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from ...errors import BadInputError, InfraError
 from ...records import BuildArtifact, BuildPlan, NodeInfo, Outcome, RunManifest, RunResult, Verdict, from_jsonable, to_jsonable
 from ...secrets import redact
-from .. import get_target, register
-from ..base import EngineHandle, RunFunction, Target
+from .. import get_target, node_engine, register
+from ..base import EngineHandle, RunFunction, ShippedFile, Target
 from .bundle import BundleRef, pack
-from .node import NodeRun, PatchBytes, Placement, RunFiles, run_task
+from .node import NodeRun, Placement, RunFiles, run_task
 from .settings import RaySpec, cluster_address, ray_settings
 
 # a task failed because its node or worker went away (not because of the run): INFRA, sent again
@@ -154,13 +153,13 @@ class RayTarget(Target):
         if self.address is None:
             raise BadInputError("target ray: no cluster address; set ray.address in matrix.yaml or RAY_ADDRESS "
                                 "(host:port of the head's GCS, ray://host:10001, or auto)")
-        if self.spec.engine == "docker":
-            self._check_docker_settings()
+        self._engine = node_engine(self.spec.engine)  # the target that runs each engine on its node
+        self._engine.check_for_nodes(loaded)  # its settings the nodes cannot honour: one line, before connecting
         self._connect()
         self._fitting = self._check_fits()
         self._local = get_target("sim")(loaded)  # builds overlays on the driver; never starts an engine
         self._bundles: dict[str, tuple[BundleRef, Any]] = {}
-        self._patch_files: dict[str, tuple[PatchBytes, ...]] = {}  # engine docker: build -> its patches
+        self._files: dict[str, tuple[ShippedFile, ...]] = {}  # build -> its small files for the engine, per run
         self._inflight: dict[str, Any] = {}
         self._groups: dict[str, PlacementGroup] = {}  # run key -> the placement group it holds
         self._lock = threading.Lock()
@@ -217,16 +216,6 @@ class RayTarget(Target):
         """The cluster's alive nodes."""
         return [NodeInfo(node_id=n["NodeID"], address=n["NodeManagerAddress"]) for n in ray.nodes() if n["Alive"]]
 
-    def _check_docker_settings(self) -> None:
-        """``ray.engine: docker`` runs each engine in its node's own daemon: a ``hosts:`` list (or
-        ``docker.nodes``) would name other daemons, which the nodes do not use; one line, not a surprise."""
-        from ..docker.settings import docker_settings
-
-        settings = docker_settings(self.loaded.matrix)
-        if settings.hosts or settings.docker.nodes:
-            raise BadInputError("ray.engine docker: every node runs its engine in its own Docker daemon; remove hosts: "
-                                "and docker.nodes from matrix.yaml (they are the docker target's)")
-
     def _per_run(self) -> dict[str, float]:
         """What a run reserves on each of its nodes (one bundle of its placement group)."""
         return {"CPU": self.spec.cpus_per_run, **({"GPU": self.spec.gpus_per_run} if self.spec.gpus_per_run else {})}
@@ -265,16 +254,18 @@ class RayTarget(Target):
     # ------------------------------------------------------------------ builds
     def prepare(self, plan: BuildPlan) -> BuildArtifact:
         """Build on the driver (as `sim` does: the patches are checked to apply once, here), then
-        for ``ray.engine: sim`` put the overlay's bundle in the object store once; for ``docker``
-        keep the patch files, which every run carries so that its node can make the image."""
+        ask the engine target what its nodes need of the build (its ``prepare_for_nodes``): a
+        folder (`sim`: the overlay) goes into the object store once as a bundle; small files
+        (`docker`: the patches, from which a node makes the image) are kept and sent with every run."""
         self._local.on_line = self.on_line
         artifact = self._local.prepare(plan)
-        if artifact.ok and self.spec.engine == "docker":
-            # the node makes the image from the base image and these (node.node_image); no overlay travels
-            self._patch_files[plan.name] = tuple(PatchBytes(sha256=hashlib.sha256(data).hexdigest(), data=data)
-                                                 for data in (p.path.read_bytes() for p in plan.patches))
-        elif artifact.ok and artifact.ref not in self._bundles:
-            ref, data = pack(Path(str(artifact.ref)), plan.base)
+        if not artifact.ok:
+            return artifact
+        build = self._engine.prepare_for_nodes(plan, artifact)
+        if build.files:
+            self._files[plan.name] = build.files
+        if build.folder is not None and str(artifact.ref) not in self._bundles:
+            ref, data = pack(build.folder, plan.base)
             self._bundles[str(artifact.ref)] = (ref, ray.put(data))
             self.on_line(f"build {plan.name}: bundle {ref.sha256[:12]} ({ref.size / 1e6:.1f} MB) in the object store")
         return artifact
@@ -316,7 +307,7 @@ class RayTarget(Target):
                     job = NodeRun(key=key, loaded=loaded, artifact=artifact, rep=rep,
                                   bundle=bundle[0] if bundle else None, bundle_data=[bundle[1]] if bundle else [],
                                   sink=self._sink, replay=replay, placement=placement, engine=self.spec.engine,
-                                  patches=self._patch_files.get(artifact.plan.name, ()))
+                                  files=self._files.get(artifact.plan.name, ()))
                     ref = self._submit(job, run, avoid)
                     try:
                         files: RunFiles = self._wait(ref)
