@@ -471,6 +471,8 @@ def builds_test(
     jobs: int = typer.Option(max(1, min(os.cpu_count() or 1, 4)), "--jobs", "-j", min=1, max=16,
                              help="pytest processes at once"),
     run_all: bool = typer.Option(False, "--all", help="every test on every build, not only those that reach a change"),
+    target: Optional[str] = typer.Option(None, "--target", help="ray: each build's pytest job as a Ray task on "
+                                         "the cluster of ray: (default: the matrix's target: if ray, else here)"),
     matrix: Path = MatrixOpt,
     results_root: Path = ResultsOpt,
     as_json: bool = JsonOpt,
@@ -480,7 +482,7 @@ def builds_test(
     from .report.upstream_tests import run_builds_test
 
     _exit(run_builds_test(load_matrix(matrix), build, list(only or []), list(later or []), jobs, results_root,
-                          as_json, run_all))
+                          as_json, run_all, target))
 
 
 def main() -> None:

@@ -234,6 +234,13 @@ def _run_pytest(runtime: Runtime, tree: TestTree, job: TreeRun, work: Path) -> d
             _LIVE.add(proc)
             try:
                 proc.wait()
+            except BaseException:  # KeyboardInterrupt here, or a Ray task cancelled: no pytest left behind
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                raise
             finally:
                 _LIVE.discard(proc)
         phases = _read_phases(report)
@@ -302,10 +309,37 @@ def _shards(job: TreeRun, tree: TestTree, count: int) -> list[TreeRun]:
     return [dataclasses.replace(job, paths=tuple(sorted(files_))) for _, files_ in loads if files_] or [job]
 
 
+def run_pytest(runtime: Runtime, tree: TestTree, job: TreeRun, work: Path) -> dict[str, UpstreamTestOutcome]:
+    """One pytest job in ``work``: the outcome per test (what a Ray node runs, deploy/ray/upstream.py)."""
+    return _run_pytest(runtime, tree, job, work)
+
+
+class PytestRunner:
+    """Where a build's pytest job runs: here, a child process (this class). The ray target's runner
+    (kvrepro/deploy/ray/upstream.py) sends each job to a node instead; the result and its cache
+    key are the same wherever it ran. ``workers``: jobs at once (None: the caller's ``workers``)."""
+
+    workers: int | None = None
+
+    def run(self, runtime: Runtime, tree: TestTree, job: TreeRun, work: Path) -> dict[str, UpstreamTestOutcome]:
+        return _run_pytest(runtime, tree, job, work)
+
+    def stop(self) -> None:
+        """Ctrl-C, SIGTERM or a failed job: stop every job still running."""
+        stop_live()
+
+
+LOCAL = PytestRunner()
+
+
 def run_trees(runtime: Runtime, tree: TestTree, jobs: Sequence[TreeRun], workers: int,
-              on_line: Callable[[str], None] | None = None) -> list[tuple[dict[str, UpstreamTestOutcome], float, bool]]:
+              on_line: Callable[[str], None] | None = None,
+              runner: PytestRunner = LOCAL) -> list[tuple[dict[str, UpstreamTestOutcome], float, bool]]:
     """Run every job (split into ``workers`` shards when fewer jobs than that), ``workers`` pytest processes at a time;
-    (outcomes, seconds, read from the cache) per job, cached by what went into the job."""
+    (outcomes, seconds, read from the cache) per job, cached by what went into the job. ``runner``:
+    where a job that is not measured runs (a measured one, the release's baseline, always here: its
+    coverage data is read here by the impact rule)."""
+    workers = runner.workers or workers
     results: list[tuple[dict[str, UpstreamTestOutcome], float, bool] | None] = [None] * len(jobs)
     pending: list[tuple[int, str, list[TreeRun]]] = []
     for index, job in enumerate(jobs):
@@ -335,7 +369,7 @@ def run_trees(runtime: Runtime, tree: TestTree, jobs: Sequence[TreeRun], workers
         if on_line:
             on_line(f"{shard.label}: pytest on {len(shard.paths)} file(s)")
         work = cache_dir() / "work" / key / str(n)
-        found = _run_pytest(runtime, tree, shard, work)
+        found = _run_pytest(runtime, tree, shard, work) if shard.measure else runner.run(runtime, tree, shard, work)
         if shard.measure:
             kept = cache_dir() / "coverage" / key / f"{n}.sqlite"
             kept.parent.mkdir(parents=True, exist_ok=True)
@@ -355,6 +389,7 @@ def run_trees(runtime: Runtime, tree: TestTree, jobs: Sequence[TreeRun], workers
         except BaseException:  # Ctrl-C, SIGTERM, a failed job: no pytest is left running
             for future in futures:
                 future.cancel()
+            runner.stop()
             stop_live()
             raise
     for index, key, _ in pending:
@@ -455,10 +490,12 @@ def _counts(outcomes: dict[str, UpstreamTestOutcome]) -> tuple[int, int]:
 
 def check_builds(plans: Sequence[BuildPlan], all_patches: Sequence[PatchRef], runtime: Runtime,
                  workers: int = 2, only: Sequence[str] = (), later_releases: Sequence[str] = (),
-                 on_line: Callable[[str], None] | None = None, command: str = "", impact: bool = True) -> UpstreamTestRun:
+                 on_line: Callable[[str], None] | None = None, command: str = "", impact: bool = True,
+                 runner: PytestRunner = LOCAL) -> UpstreamTestRun:
     """Run the check on ``plans`` (one base); ``only``: node-id substrings that restrict the release's
     tests (CI runs a handful); ``later_releases``: whose tests/ to read for a changed test;
-    ``impact``: run on each build only the tests that reach a change (False: every test)."""
+    ``impact``: run on each build only the tests that reach a change (False: every test);
+    ``runner``: where the builds' jobs run (the release's baseline runs here)."""
     started = time.monotonic()
     bases = {plan.base for plan in plans}
     if len(bases) != 1:
@@ -531,7 +568,7 @@ def check_builds(plans: Sequence[BuildPlan], all_patches: Sequence[PatchRef], ru
     build_jobs = [TreeRun(f"build {plan.name}", Path(artifacts[plan.name].ref or "."), artifacts[plan.name].manifest.overlay_key
                           or "", run_sets[plan.name], tuple(sorted({n.split("::")[0] for n in run_sets[plan.name]})))
                   for plan in plans if plan.name in run_sets and run_sets[plan.name]]
-    build_results = dict(zip([j.label for j in build_jobs], run_trees(runtime, tree, build_jobs, workers, on_line)))
+    build_results = dict(zip([j.label for j in build_jobs], run_trees(runtime, tree, build_jobs, workers, on_line, runner)))
     for plan in plans:
         if plan.name in run_sets and f"build {plan.name}" not in build_results:
             build_results[f"build {plan.name}"] = ({}, 0.0, True)
@@ -563,7 +600,7 @@ def check_builds(plans: Sequence[BuildPlan], all_patches: Sequence[PatchRef], ru
         build_job = next((j for j in build_jobs if j.label == f"build {plan.name}"), None)
         differing = [n for n in to_run if outcomes[n].outcome != release_outcomes.get(n, _MISSING).outcome]
         changes = _attribute(plan, differing, outcomes, release_outcomes, by_stack, runtime, tree, workers,
-                             later_trees, base_tests, on_line)
+                             later_trees, base_tests, on_line, runner)
         passed, failed = _counts(outcomes)
         rows.append(UpstreamBuildTests(
             build=plan.name, patches=stack, key=job_key(runtime, tree, build_job) if build_job else "",
@@ -617,7 +654,8 @@ def _labelled(tree: TestTree, outcome: UpstreamTestOutcome) -> UpstreamTestOutco
 def _attribute(plan: BuildPlan, differing: list[str], outcomes: dict[str, UpstreamTestOutcome],
                release: dict[str, UpstreamTestOutcome], by_stack: dict[tuple[str, ...], dict[str, UpstreamTestOutcome]],
                runtime: Runtime, tree: TestTree, workers: int, later_trees: "_LaterTests",
-               base_tests: SourceTests, on_line: Callable[[str], None] | None) -> list[UpstreamTestChange]:
+               base_tests: SourceTests, on_line: Callable[[str], None] | None,
+               runner: PytestRunner = LOCAL) -> list[UpstreamTestChange]:
     """For each differing test, the first prefix of the stack on which the build's outcome appears."""
     if not differing:
         return []
@@ -636,7 +674,7 @@ def _attribute(plan: BuildPlan, differing: list[str], outcomes: dict[str, Upstre
         job = TreeRun(f"build {plan.name} first {k} patch(es)", Path(artifact.ref or "."),
                       artifact.manifest.overlay_key or "", tuple(differing),
                       tuple(sorted({n.split("::")[0] for n in differing})))
-        prefix_outcomes.append(run_trees(runtime, tree, [job], workers, on_line)[0][0])
+        prefix_outcomes.append(run_trees(runtime, tree, [job], workers, on_line, runner)[0][0])
     prefix_outcomes.append(outcomes)
     changes = []
     for nodeid in differing:

@@ -160,13 +160,16 @@ def write(run: UpstreamTestRun, results_root: Path) -> Path:
 
 
 def run_builds_test(loaded, builds: list[str] | None, only: list[str], later: list[str], jobs: int,
-                    results_root: Path, as_json: bool, run_all: bool = False) -> int:
+                    results_root: Path, as_json: bool, run_all: bool = False, target: str | None = None) -> int:
     """`kvrepro builds test`: vLLM's own tests on every build of ``loaded`` (a spec LoadedMatrix),
     recorded under ``results_root`` and printed (markdown, or --json); the exit code: 1 when a build
-    fails a test that passes on the release. ``run_all``: every test on every build, no impact rule."""
+    fails a test that passes on the release. ``run_all``: every test on every build, no impact rule.
+    ``target``: ``ray`` sends each build's pytest job to the cluster of ``ray:`` (default: the
+    matrix's ``target:`` when it is ray, else here)."""
     from rich.markup import escape
 
     from ..builds import prepare_runtime, upstream_tests
+    from ..errors import BadInputError
     from ..results.store import checked_root
     from .terminal import emit_json, err, out
 
@@ -175,11 +178,29 @@ def run_builds_test(loaded, builds: list[str] | None, only: list[str], later: li
     releases = list(later) if later else upstream_tests.newer_releases(plans[0].base)
     command = "kvrepro builds test" + "".join(f" --build {b}" for b in builds or []) + "".join(
         f" --only {o}" for o in only) + (" --all" if run_all else "")
-    with err.status("vLLM's own tests") as status:
-        runtime = prepare_runtime(plans[0].base, on_line=lambda line: status.update(escape(line[:120])))
-        run = upstream_tests.check_builds(plans, patches, runtime, workers=jobs, only=list(only),
-                                          later_releases=releases, command=command, impact=not run_all,
-                                          on_line=lambda line: err.print(escape(line[:160]), highlight=False))
+    target = target or ("ray" if loaded.matrix.target == "ray" else "local")
+    if target not in ("local", "sim", "ray"):
+        raise BadInputError(f"--target {target}: builds test runs here (local, sim) or on a Ray cluster (ray)")
+    if target == "ray":
+        command += " --target ray"
+    show = lambda line: err.print(escape(line[:200]), highlight=False)  # noqa: E731
+    runner = upstream_tests.LOCAL
+    if target == "ray":
+        from ..deploy.ray import load
+
+        load()
+        from ..deploy.ray.upstream import RayPytest
+
+        runner = RayPytest(loaded, plans[0].base, on_line=show)
+    try:
+        with err.status("vLLM's own tests") as status:
+            runtime = prepare_runtime(plans[0].base, on_line=lambda line: status.update(escape(line[:120])))
+            run = upstream_tests.check_builds(plans, patches, runtime, workers=jobs, only=list(only),
+                                              later_releases=releases, command=command, impact=not run_all,
+                                              on_line=show, runner=runner)
+    finally:
+        if runner is not upstream_tests.LOCAL:
+            runner.close()  # type: ignore[attr-defined]
     folder = write(run, checked_root(results_root))
     if as_json:
         emit_json(run)
