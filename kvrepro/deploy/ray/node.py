@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ... import scratch
 from ...records import BuildArtifact, NodeInfo, RunResult
@@ -160,3 +160,23 @@ def run_task(job: NodeRun, run: RunFunction) -> RunFiles:
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     return RunFiles(node=node, result=result, files=files)
+
+
+def cancel_with_grace(refs: list, still_running: Callable[[], list], grace_s: float) -> None:
+    """Cancel Ray tasks the gentle way (a running task gets a KeyboardInterrupt and stops its engine or
+    pytest), then kill the workers of those ``still_running()`` returns after ``grace_s``."""
+    import ray
+
+    for ref in refs:
+        ray.cancel(ref, force=False)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if not still_running():
+            return
+        time.sleep(0.2)
+    for ref in still_running():
+        try:
+            ray.cancel(ref, force=True)
+        except Exception:  # noqa: BLE001 - a task that ended meanwhile
+            pass
+

@@ -31,7 +31,7 @@ from ...secrets import redact
 from .. import get_target, node_engine, register
 from ..base import EngineHandle, RunFunction, ShippedFile, Target
 from .bundle import BundleRef, pack
-from .node import NodeRun, Placement, RunFiles, run_task
+from .node import NodeRun, Placement, RunFiles, cancel_with_grace, run_task
 from .settings import RaySpec, cluster_address, ray_settings
 
 # a task failed because its node or worker went away (not because of the run): INFRA, sent again
@@ -489,23 +489,15 @@ class RayTarget(Target):
         self._interrupted.set()
         with self._lock:
             refs = list(self._inflight.values())
-        for ref in refs:
+        for ref in refs:  # at once, in the caller's thread; the wait and the kill in the background
             ray.cancel(ref, force=False)
 
-        def force() -> None:
-            deadline = time.monotonic() + self.spec.cancel_grace_s
-            while time.monotonic() < deadline:
-                with self._lock:
-                    if not self._inflight:
-                        return
-                time.sleep(0.2)
+        def still_running() -> list:
             with self._lock:
-                left = list(self._inflight.values())
-            for ref in left:
-                try:
-                    ray.cancel(ref, force=True)
-                except Exception:  # noqa: BLE001
-                    pass
+                return list(self._inflight.values())
+
+        def force() -> None:
+            cancel_with_grace([], still_running, self.spec.cancel_grace_s)
             with self._lock:
                 keys = list(self._groups)
             for key in keys:  # what the killed tasks held

@@ -38,7 +38,7 @@ from ...builds.sdist import source_tests
 from ...errors import InfraError
 from ...records import NodeInfo, UpstreamTestOutcome
 from .bundle import COMPLETE, BundleRef, node_cache, pack, unpack, unpacked
-from .node import this_node
+from .node import cancel_with_grace, this_node
 
 
 @dataclass(frozen=True)
@@ -213,21 +213,12 @@ class RayPytest(upstream_tests.PytestRunner):
         self._stopping.set()
         with self._lock:
             refs = list(self._inflight)
-        for ref in refs:
-            ray.cancel(ref, force=False)
-        deadline = time.monotonic() + self.spec.cancel_grace_s
-        while time.monotonic() < deadline:
+
+        def still_running() -> list:
             with self._lock:
-                if not self._inflight:
-                    return
-            time.sleep(0.2)
-        with self._lock:
-            left = list(self._inflight)
-        for ref in left:
-            try:
-                ray.cancel(ref, force=True)
-            except Exception:  # noqa: BLE001 - a task that ended meanwhile
-                pass
+                return list(self._inflight)
+
+        cancel_with_grace(refs, still_running, self.spec.cancel_grace_s)
 
     def close(self) -> None:
         self.target.close()
