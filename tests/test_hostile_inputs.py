@@ -12,6 +12,7 @@ tells a hang from an answer; benchmarks/hostile_files.py measures time and memor
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT
+from conftest import ROOT, require
 
 GIB = 1 << 30
 HANG = 60  # a command that has not answered by then hangs (each answers in about a second)
@@ -317,7 +318,7 @@ def _silent_listener() -> tuple[socket.socket, int]:
 def test_an_address_that_is_not_ray_is_one_line_without_rays_warnings(tmp_path):
     """Case 9: a port that accepts TCP but is not Ray: one kvrepro line naming it (exit 3), not
     Ray's gcs_client warnings for half a minute first."""
-    pytest.importorskip("ray")
+    require(importlib.util.find_spec("ray") is not None, "the ray extra (pip install -e '.[ray]')")
     server, port = _silent_listener()
     try:
         matrix = _ray_matrix(tmp_path, f"127.0.0.1:{port}")
@@ -337,7 +338,7 @@ def test_an_address_that_is_not_ray_is_one_line_without_rays_warnings(tmp_path):
 def test_the_not_ray_check_accepts_a_real_loopback_ray(tmp_path):
     """The check that tells Ray from a port that is not (case 9) passes a real Ray head's GCS
     (one raylet on loopback, started with `ray start`), and refuses an HTTP/1 server."""
-    pytest.importorskip("ray")
+    require(importlib.util.find_spec("ray") is not None, "the ray extra (pip install -e '.[ray]')")
     from kvrepro.deploy.ray.localcluster import LocalCluster
     from kvrepro.deploy.ray.target import not_grpc
 

@@ -122,7 +122,9 @@ def test_no_private_name_is_imported_across_folders(tmp_path):
 def test_a_new_target_owns_its_section_of_the_matrix(monkeypatch, tmp_path):
     """A target (here a planted `k8s` module) declares the top-level section it owns and checks it:
     the spec keeps it as written, the target types it with file:line errors, and a key no target
-    owns is refused the same way. Neither spec/ nor matrix/ changes for it."""
+    owns is refused the same way. Neither spec/ nor matrix/ changes for it. The k8s target is planted
+    (no Kubernetes cluster runs here, and the point is a target kvrepro does not ship); the matrix
+    parsing and the deploy registry it goes through are the real ones."""
     import sys
     import types
 
