@@ -54,3 +54,52 @@ def test_tests_sharing_a_module_fixture_share_a_worker(request):
     for item in request.config.stash[COLLECTED]:
         if isinstance(item, pytest.Function) and uses_module_fixture(item) and group_of(item) != "exclusive":
             assert group_of(item) == item.module.__name__, item.nodeid
+
+
+GROUPED_MODULE = '''
+import time
+import pytest
+
+@pytest.fixture(scope="module")
+def made_once():
+    return object()
+
+@pytest.mark.parametrize("i", range(4))
+def test_shares(made_once, i):
+    time.sleep(0.3)
+
+@pytest.mark.exclusive
+@pytest.mark.parametrize("i", range(4))
+def test_machine_wide(i):
+    time.sleep(0.3)
+
+@pytest.mark.parametrize("i", range(6))
+def test_free(i):
+    time.sleep(0.3)
+'''
+
+
+def test_loadgroup_really_keeps_each_group_on_one_worker(tmp_path):
+    """The groups only mean something if xdist acts on them: pytest 9.2 with pytest-xdist 3.8 runs
+    `--dist loadgroup` as plain `load` (every xdist_group ignored, nothing fails), which put docker
+    and Ray tests side by side and made each module fixture once per worker. This runs our
+    conftest's grouping on two real workers and reads where each test ran."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_grouped.py").write_text(GROUPED_MODULE)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    exclusive: machine-wide\n    docker: daemon\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-v", "-p",
+                           "no:cacheprovider", "test_grouped.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    ran = re.findall(r"^\[(gw\d)\] .*PASSED test_grouped\.py::(test_\w+)\[\d\](@\S+)?", proc.stdout, re.M)
+    assert len(ran) == 14, proc.stdout[-3000:]
+    for test, group in (("test_shares", "@test_grouped"), ("test_machine_wide", "@exclusive")):
+        workers = {worker for worker, name, suffix in ran if name == test and suffix == group}
+        assert len(workers) == 1 and sum(name == test for _, name, _ in ran) == 4, (test, ran)
+    assert all(suffix == "" for _, name, suffix in ran if name == "test_free"), ran
