@@ -10,6 +10,11 @@ ratio only means something when the load was alike.
 
     python benchmarks/pytest_wallclock.py --log ci.log --slowest 20        # the 20 slowest of a CI log
     python benchmarks/pytest_wallclock.py --workers 3 tests/test_engine.py  # any tests, 3 workers
+    python benchmarks/pytest_wallclock.py --dists load,loadgroup tests/test_shadow_kv.py  # two distributions
+
+`--dists load,loadgroup` compares two xdist distributions on the same workers instead of serial
+and parallel: `load` is what `loadgroup` degrades to when xdist ignores the groups (pytest 9.2
+with pytest-xdist 3.8), so it measures what conftest.py's groups save (a module fixture made once).
 """
 
 from __future__ import annotations
@@ -56,17 +61,25 @@ def main() -> int:
     parser.add_argument("--log", type=Path, help="a pytest log with a --durations listing")
     parser.add_argument("--slowest", type=int, default=20)
     parser.add_argument("--workers", default="2")
+    parser.add_argument("--dists", help="two xdist distributions to compare (e.g. load,loadgroup) instead of "
+                                        "serial against loadgroup")
     args = parser.parse_args()
     tests = args.tests or (slowest_from_log(args.log, args.slowest) if args.log else [])
     if not tests:
         parser.error("name tests, or a CI log with --log")
     print(f"{len(tests)} tests; CPU cores: {os.cpu_count()}")
-    serial = timed_pytest(tests, "-n", "0")
-    parallel = timed_pytest(tests, "-n", args.workers, "--dist", "loadgroup")
-    for name, r in (("serial (-n 0)", serial), (f"-n {args.workers} --dist loadgroup", parallel)):
+    if args.dists:
+        first, second = args.dists.split(",")
+        runs = [(f"-n {args.workers} --dist {d}", timed_pytest(tests, "-n", args.workers, "--dist", d))
+                for d in (first, second)]
+    else:
+        runs = [("serial (-n 0)", timed_pytest(tests, "-n", "0")),
+                (f"-n {args.workers} --dist loadgroup", timed_pytest(tests, "-n", args.workers, "--dist", "loadgroup"))]
+    (_, serial), (_, parallel) = runs
+    for name, r in runs:
         print(f"{name:28} wall {r['wall']:7.1f} s  cpu {r['cpu']:7.1f} s  load {r['load'][0]:.1f} -> "
               f"{r['load'][1]:.1f}  {r['summary']}")
-    print(f"ratio serial/parallel wall: {serial['wall'] / parallel['wall']:.2f}")
+    print(f"ratio {runs[0][0]} / {runs[1][0]} wall: {serial['wall'] / parallel['wall']:.2f}")
     return 0 if serial["code"] == parallel["code"] == 0 else 1
 
 

@@ -84,6 +84,7 @@ def test_loadgroup_really_keeps_each_group_on_one_worker(tmp_path):
     `--dist loadgroup` as plain `load` (every xdist_group ignored, nothing fails), which put docker
     and Ray tests side by side and made each module fixture once per worker. This runs our
     conftest's grouping on two real workers and reads where each test ran."""
+    import os
     import re
     import shutil
     import subprocess
@@ -93,9 +94,10 @@ def test_loadgroup_really_keeps_each_group_on_one_worker(tmp_path):
     shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
     (tmp_path / "test_grouped.py").write_text(GROUPED_MODULE)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    exclusive: machine-wide\n    docker: daemon\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_ADDOPTS"))}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-v", "-p",
                            "no:cacheprovider", "test_grouped.py"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     ran = re.findall(r"^\[(gw\d)\] .*PASSED test_grouped\.py::(test_\w+)\[\d\](@\S+)?", proc.stdout, re.M)
     assert len(ran) == 14, proc.stdout[-3000:]
