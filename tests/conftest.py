@@ -30,6 +30,13 @@ def require(condition: bool, why: str) -> None:
 
 EXCLUSIVE_MARKERS = ("docker", "exclusive")
 COLLECTED = pytest.StashKey[list]()
+# every fixture that hands a test vLLM (the overlays, an engine, a built matrix) depends on this one
+ENGINE_FIXTURE = "runtime_python"
+
+
+def runs_an_engine(item) -> bool:
+    """Whether the test (or a fixture it uses) needs the vLLM runtime env: seconds to minutes each."""
+    return ENGINE_FIXTURE in getattr(item, "fixturenames", ())
 
 
 def uses_module_fixture(item) -> bool:
@@ -48,13 +55,18 @@ def pytest_collection_modifyitems(config, items):
     * one group per module for the tests of that module that use a module-scoped fixture, so the
       engine, wheel or history it makes is made once, not once per worker.
 
-    Every other test goes to whichever worker is free."""
+    Every other test goes to whichever worker is free. xdist hands the groups out largest first,
+    then single tests in collection order; on a worker, the tests that run an engine are put first,
+    so the run ends on short tests on both workers, not on one engine test (the 105 s triage run)
+    while the other worker idles. Serially (`-n 0`) the order is left as collected."""
     config.stash[COLLECTED] = list(items)  # before -k/-m deselect any: tests/test_xdist_groups.py checks them all
     for item in items:
         if any(item.get_closest_marker(name) for name in EXCLUSIVE_MARKERS):
             item.add_marker(pytest.mark.xdist_group("exclusive"))
         elif uses_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker sorts alike: xdist checks their collections agree
+        items.sort(key=lambda item: not runs_an_engine(item))  # stable: collection order within each part
 
 
 @contextlib.contextmanager

@@ -57,6 +57,7 @@ def test_tests_sharing_a_module_fixture_share_a_worker(request):
 
 
 GROUPED_MODULE = '''
+import os
 import time
 import pytest
 
@@ -75,7 +76,21 @@ def test_machine_wide(i):
 
 @pytest.mark.parametrize("i", range(6))
 def test_free(i):
+    started("free")
     time.sleep(0.3)
+
+@pytest.fixture
+def runtime_python():  # stands in for conftest's (the vLLM runtime env): marks a test that runs an engine
+    return None
+
+@pytest.mark.parametrize("i", range(2))
+def test_engine(runtime_python, i):
+    started("engine")
+    time.sleep(0.3)
+
+def started(kind):
+    with open(os.path.join(os.path.dirname(__file__), "started.log"), "a") as log:
+        log.write(f"{os.environ['PYTEST_XDIST_WORKER']} {kind}\\n")
 '''
 
 
@@ -83,7 +98,7 @@ def test_loadgroup_really_keeps_each_group_on_one_worker(tmp_path):
     """The groups only mean something if xdist acts on them: pytest 9.2 with pytest-xdist 3.8 runs
     `--dist loadgroup` as plain `load` (every xdist_group ignored, nothing fails), which put docker
     and Ray tests side by side and made each module fixture once per worker. This runs our
-    conftest's grouping on two real workers and reads where each test ran."""
+    conftest's grouping on two real workers and reads where, and in which order, each test ran."""
     import os
     import re
     import shutil
@@ -100,8 +115,14 @@ def test_loadgroup_really_keeps_each_group_on_one_worker(tmp_path):
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     ran = re.findall(r"^\[(gw\d)\] .*PASSED test_grouped\.py::(test_\w+)\[\d\](@\S+)?", proc.stdout, re.M)
-    assert len(ran) == 14, proc.stdout[-3000:]
+    assert len(ran) == 16, proc.stdout[-3000:]
     for test, group in (("test_shares", "@test_grouped"), ("test_machine_wide", "@exclusive")):
         workers = {worker for worker, name, suffix in ran if name == test and suffix == group}
         assert len(workers) == 1 and sum(name == test for _, name, _ in ran) == 4, (test, ran)
-    assert all(suffix == "" for _, name, suffix in ran if name == "test_free"), ran
+    assert all(suffix == "" for _, name, suffix in ran if name in ("test_free", "test_engine")), ran
+    # single tests that run an engine are handed out first: on each worker none follows a short one
+    started = [line.split() for line in (tmp_path / "started.log").read_text().splitlines()]
+    assert sorted(kind for _, kind in started) == ["engine"] * 2 + ["free"] * 6, started
+    for worker in {w for w, _ in started}:
+        kinds = [kind for w, kind in started if w == worker]
+        assert kinds == sorted(kinds), (worker, started)  # "engine" < "free"
