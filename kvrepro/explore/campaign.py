@@ -1,4 +1,4 @@
-"""A campaign: generated runs, one at a time, judged, deduplicated and recorded.
+"""A campaign: generated runs, one or several at a time, judged, deduplicated and recorded in order.
 
 Layout (next to matrix runs)::
 
@@ -8,8 +8,10 @@ Layout (next to matrix runs)::
 
 Each run is a one-build, one-repetition matrix made from the base matrix (the suite's way: the
 release and patch stack of ``--base``/``--patch``, no ``common:``, no ``expect:``) and run by the
-matrix runner on the sim target; one target serves the whole campaign, so the engine zygote (torch
-and vLLM imported once per release) is warm for every run after the first.
+matrix runner on the campaign's target (sim, or ray: each run a Ray task); one target serves the
+whole campaign, so the engine zygote (torch and vLLM imported once per release) is warm for every
+run after the first, and a Ray cluster gets the build once. ``--jobs N`` runs N at once; run i's
+spec is made from runs 0..i-N (:func:`run_campaign`), so timing never changes a campaign's runs.
 """
 
 from __future__ import annotations

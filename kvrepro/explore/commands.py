@@ -27,7 +27,6 @@ def explore(*, base: str | None, patch: list[str] | None, budget: str | None, se
     from .render import lines, run_line
 
     results_root = checked_root(results_root)
-    cat = load_catalogue(catalogue)
     if resume:
         state, folder = load_campaign(results_root, resume)
         if budget:  # a new budget for the resumed campaign (the rest is pinned)
@@ -48,8 +47,11 @@ def explore(*, base: str | None, patch: list[str] | None, budget: str | None, se
             base=base, patches=tuple(patch or ()), budget_runs=runs_, budget_seconds=seconds_, seed=seed,
             guided=not unguided, matrix=str(matrix) if matrix else "", requests=requests, minimize=not no_minimize,
             target=target or "")
-    shared = open_target(request)  # before a campaign folder exists: a target that cannot serve writes nothing
+    # before a campaign folder exists (a target that cannot serve writes nothing) and before the
+    # catalogue, whose check takes seconds: a wrong --target or a missing cluster is said at once
+    shared = open_target(request)
     try:
+        cat = load_catalogue(catalogue)
         if not resume:
             state, folder = new_campaign(results_root, replace(request, jobs=jobs or shared.free_slots()))
         err.print(f"campaign {state.campaign_id}: {folder} (target {shared.name}, up to "
