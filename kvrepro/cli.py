@@ -428,6 +428,7 @@ def explore_cmd(
                                      "minimized trace, no emitted pytest"),
     requests: int = typer.Option(200, "--requests", min=1, max=100000, help="request budget of each run"),
     resume: Optional[str] = typer.Option(None, "--resume", help="continue campaign ID (explore-...) or latest"),
+    target: Optional[str] = TargetOpt, jobs: Optional[int] = JobsOpt,  # ray: runs as Ray tasks (docs/explore.md)
     matrix: Path = typer.Option(None, "--matrix", "-m", help="the base matrix (default: the repository's matrix.yaml)"),
     catalogue: Optional[Path] = CatalogueOpt,
     ci: bool = typer.Option(False, "--ci", help="plain lines; exit 1 when a new (or regressed) failure is found"),

@@ -160,5 +160,10 @@ class Target(abc.ABC):
         """How many engines this target can run at once without them disturbing each other."""
         return 1
 
+    def free_slots(self) -> int:
+        """How many runs could start now, for work that runs one at a time unless told otherwise
+        (`explore`): one here; a cluster says what it has free."""
+        return 1
+
     def close(self) -> None:
         """Release target-wide resources (clients, leftovers)."""

@@ -1,6 +1,6 @@
 """`kvrepro explore`: a seeded campaign over the vocabulary kvrepro has, judged by every oracle.
 
-vocabulary (knobs) -> generator (seeded run specs, weighted by coverage) -> matrix runner (sim) ->
+vocabulary (knobs) -> generator (seeded run specs, weighted by coverage) -> matrix runner (sim; ray) ->
 judge (crash classifier, shadow KV, stall detector, request invariant; titles; the catalogue) ->
 coverage (what was reached; the weights) -> state (explore.json after every run; ``--resume``).
 docs/explore.md says what exists and what is next.

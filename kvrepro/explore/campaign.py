@@ -1,4 +1,4 @@
-"""A campaign: generated runs, one at a time, judged, deduplicated and recorded.
+"""A campaign: generated runs, one or several at a time, judged, deduplicated and recorded in order.
 
 Layout (next to matrix runs)::
 
@@ -8,8 +8,10 @@ Layout (next to matrix runs)::
 
 Each run is a one-build, one-repetition matrix made from the base matrix (the suite's way: the
 release and patch stack of ``--base``/``--patch``, no ``common:``, no ``expect:``) and run by the
-matrix runner on the sim target; one target serves the whole campaign, so the engine zygote (torch
-and vLLM imported once per release) is warm for every run after the first.
+matrix runner on the campaign's target (sim, or ray: each run a Ray task); one target serves the
+whole campaign, so the engine zygote (torch and vLLM imported once per release) is warm for every
+run after the first, and a Ray cluster gets the build once. ``--jobs N`` runs N at once; run i's
+spec is made from runs 0..i-N (:func:`run_campaign`), so timing never changes a campaign's runs.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from ..deploy import get_target
+from .. import stopping
+from ..deploy import check_environment, get_target, known_targets
 from ..deploy.base import Target
 from ..errors import BadInputError, KvreproError, SpecError
 from ..matrix import parse_matrix
@@ -90,16 +95,33 @@ def run_matrix_for(spec: RunSpec, data: dict[str, Any], request: CampaignRequest
     return loaded
 
 
-def check_request(request: CampaignRequest) -> None:
+def check_request(request: CampaignRequest) -> LoadedMatrix:
     """Bad input before anything is written: the release has an engine adapter, the patches are the
-    matrix's, the base matrix with run 0's (no) changes is valid."""
+    matrix's, the base matrix with run 0's (no) changes is valid, the target is one kvrepro has and
+    what it takes from the environment ($RAY_ADDRESS) is well formed. Returns run 0's matrix."""
     from ..versions import release
 
     if release(request.base) is None:
         raise BadInputError(f"--base {request.base}: no GPU-free engine adapter for this release; see "
                             "`kvrepro setup` and kvrepro/versions.py for the supported ones")
     path = Path(request.matrix) if request.matrix else DEFAULT_MATRIX
-    run_matrix_for(RunSpec(index=0), base_data(path), request, path)
+    loaded = run_matrix_for(RunSpec(index=0), base_data(path), request, path)
+    name = target_name(request, loaded)
+    if name not in known_targets():
+        raise BadInputError(f"--target {name}: not a target; known: {', '.join(known_targets())}")
+    check_environment(name, loaded.matrix)
+    return loaded
+
+
+def target_name(request: CampaignRequest, loaded: LoadedMatrix) -> str:
+    return request.target or loaded.matrix.target
+
+
+def open_target(request: CampaignRequest) -> Target:
+    """The campaign's target, opened before a campaign folder exists, so that a target that cannot
+    serve (no Ray cluster address: exit 2; a cluster not there: exit 3) is one line and writes nothing."""
+    loaded = check_request(request)
+    return get_target(target_name(request, loaded))(loaded)
 
 
 def new_campaign(root: Path, request: CampaignRequest) -> tuple[CampaignState, Path]:
@@ -248,75 +270,176 @@ def record_run(state: CampaignState, folder: Path, catalogue: Catalogue, spec: R
                      new_features=tuple(new))
 
 
+# targets whose one instance serves every run of the campaign (each run a shallow copy holding its
+# matrix): sim's engine zygote stays warm; ray's connection, build bundle and progress actor are made
+# once. Any other target is opened per run by the matrix runner.
+SHARED_TARGETS = ("sim", "ray")
+
+
+@dataclass
+class _Outcome:
+    """What one run gave, before it is judged and folded into the state (in the campaign's thread)."""
+
+    spec: RunSpec
+    loaded: LoadedMatrix | None = None
+    run: RunResult | None = None
+    run_id: str | None = None
+    record: RunRecord | None = None  # already decided: INVALID or INFRA
+    interrupted: bool = False  # not counted: a resume runs the spec again
+
+
+def _execute(spec: RunSpec, data: dict[str, Any], request: CampaignRequest, path: Path, target: Target | None,
+             name: str, folder: Path, progress: Progress, stop: threading.Event) -> _Outcome:
+    """One generated run through the matrix runner (in a worker thread when several run at once)."""
+    started = time.monotonic()
+    try:
+        loaded = run_matrix_for(spec, data, request, path)
+    except SpecError as exc:  # a composition the spec refuses: recorded, costs a run, never fatal
+        return _Outcome(spec, record=RunRecord(spec=spec, run_id=None, verdict="INVALID", seconds=0.0,
+                                               error=str(exc).strip().splitlines()[-1][:300]))
+    sibling = None
+    if target is not None:
+        sibling = copy.copy(target)
+        sibling.loaded = loaded
+    try:
+        matrix_run = run_matrix(loaded, MatrixOptions(target=name, repetitions=1, jobs=1,
+                                                      results_root=folder / RUNS_FOLDER),
+                                progress, stop, target=sibling)
+        runs = matrix_run.runs()
+    except KvreproError as exc:
+        return _Outcome(spec, record=RunRecord(spec=spec, run_id=None, verdict="INFRA",
+                                               seconds=time.monotonic() - started,
+                                               error=str(exc).strip().splitlines()[0][:300]))
+    if not runs or runs[0].verdict in (Verdict.INTERRUPTED, Verdict.INCOMPLETE, Verdict.DAMAGED):
+        if stop.is_set():
+            return _Outcome(spec, interrupted=True)
+    if not runs:
+        return _Outcome(spec, record=RunRecord(spec=spec, run_id=matrix_run.run_id, verdict="INFRA",
+                                               seconds=time.monotonic() - started, error="no repetition recorded"))
+    if runs[0].verdict is Verdict.INFRA:
+        return _Outcome(spec, record=RunRecord(spec=spec, run_id=matrix_run.run_id, verdict="INFRA",
+                                               seconds=runs[0].seconds, error=runs[0].title[:300]))
+    return _Outcome(spec, loaded=loaded, run=runs[0], run_id=matrix_run.run_id)
+
+
+def _may_start(state: CampaignState, index: int) -> bool:
+    r = state.request
+    if r.budget_runs is not None and index >= r.budget_runs:
+        return False
+    return not (r.budget_seconds is not None and state.elapsed_s >= r.budget_seconds)
+
+
 def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progress: Progress | None = None,
                  stop: threading.Event | None = None,
-                 on_run: Callable[[RunRecord], None] | None = None) -> CampaignState:
-    """Run until the budget is spent or ``stop`` is set; ``explore.json`` is rewritten after every run."""
+                 on_run: Callable[[RunRecord], None] | None = None, target: Target | None = None,
+                 jobs: int | None = None) -> CampaignState:
+    """Run until the budget is spent or ``stop`` is set; ``explore.json`` is rewritten after every run.
+
+    Up to ``jobs`` runs (default and at most: the request's pinned ``jobs``) run at once, on
+    ``target`` (default: opened here and closed at the end). Runs are recorded in index order.
+    The spec of run ``i`` is made when runs ``0 .. i - request.jobs`` are recorded, from the
+    weights they left (guided campaigns), and kept in ``state.pending`` until it is recorded: it
+    depends on the seed, the index and ``request.jobs`` only, never on which run happened to finish
+    first, and a resume runs the pending specs rather than remaking them. With ``jobs`` 1 that is
+    run ``i`` made from every run before it."""
     progress = progress or SilentProgress()
     stop = stop or threading.Event()
     request = state.request
     path = Path(request.matrix) if request.matrix else DEFAULT_MATRIX
     data = base_data(path)
     base_profile = str((data.get("load") or {}).get("profile", "partial-prefix"))
-    check_request(request)  # a resumed campaign's matrix may have changed since
+    loaded0 = check_request(request)  # a resumed campaign's matrix may have changed since
+    name = target_name(request, loaded0)
+    lag = max(1, request.jobs)
+    slots = max(1, min(jobs or lag, lag))
     lock = take_lock(folder, state.campaign_id)
-    shared: Target | None = None
+    owned = target is None
+    pool: ThreadPoolExecutor | None = None
     try:
-        state.status = "running"
-        save(state, folder)
-        while state.budget_left() and not stop.is_set():
-            spec = generate(request.seed, len(state.runs), base_profile, state.weights if request.guided else None,
-                            request.vocabulary)
-            progress.stage(f"run {spec.index}: {spec.describe()}")
-            started = time.monotonic()
+        if target is None:
+            target = get_target(name)(loaded0)
+        shared = target if name in SHARED_TARGETS else None
+        if shared is not None and slots > 1:
+            # the build once, before several runs would each make (ray: pack and ship) it at the same time
             try:
-                loaded = run_matrix_for(spec, data, request, path)
-            except SpecError as exc:  # a composition the spec refuses: recorded, costs a run, never fatal
-                record = RunRecord(spec=spec, run_id=None, verdict="INVALID", seconds=0.0,
-                                   error=str(exc).strip().splitlines()[-1][:300])
+                shared.prepare(loaded0.plans()[0])
+            except KvreproError:
+                pass  # each run records the build's failure as INFRA, as with one run at a time
+
+        def top_up() -> None:
+            # run i is made once runs 0..i-lag are recorded: at most `lag` made and not recorded
+            while len(state.pending) < lag:
+                index = len(state.runs) + len(state.pending)
+                state.pending.append(generate(request.seed, index, base_profile,
+                                              state.weights if request.guided else None, request.vocabulary))
+
+        def fold(outcome: _Outcome) -> RunRecord:
+            spec = outcome.spec
+            if outcome.record is not None:
+                record = outcome.record
             else:
-                if shared is None:
-                    shared = get_target("sim")(loaded)
-                target = copy.copy(shared)
-                target.loaded = loaded
-                try:
-                    matrix_run = run_matrix(loaded, MatrixOptions(target="sim", repetitions=1, jobs=1,
-                                                                  results_root=folder / RUNS_FOLDER),
-                                            progress, stop, target=target)
-                    runs = matrix_run.runs()
-                except KvreproError as exc:
-                    record = RunRecord(spec=spec, run_id=None, verdict="INFRA", seconds=time.monotonic() - started,
-                                       error=str(exc).strip().splitlines()[0][:300])
-                else:
-                    if not runs or runs[0].verdict in (Verdict.INTERRUPTED, Verdict.INCOMPLETE, Verdict.DAMAGED):
-                        if stop.is_set():
-                            break  # interrupted: the run is not counted, a resume makes it again
-                    if not runs:
-                        record = RunRecord(spec=spec, run_id=matrix_run.run_id, verdict="INFRA",
-                                           seconds=time.monotonic() - started, error="no repetition recorded")
-                    elif runs[0].verdict is Verdict.INFRA:
-                        record = RunRecord(spec=spec, run_id=matrix_run.run_id, verdict="INFRA",
-                                           seconds=runs[0].seconds, error=runs[0].title[:300])
-                    else:
-                        record = record_run(state, folder, catalogue, spec, loaded, runs[0], matrix_run.run_id)
-            state.elapsed_s += time.monotonic() - started
+                assert outcome.loaded is not None and outcome.run is not None
+                record = record_run(state, folder, catalogue, spec, outcome.loaded, outcome.run, str(outcome.run_id))
             state.runs.append(record)
+            state.pending.pop(0)
+            top_up()
             save(state, folder)
             if request.minimize and record.run_id:
                 _minimize_new(state, folder, record, progress, stop)
             if on_run is not None:
                 on_run(record)
+            return record
+
+        state.status = "running"
+        top_up()
+        save(state, folder)
+        pool = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="kvrepro-explore")
+        inflight: dict[int, Future] = {}
+        done: dict[int, _Outcome] = {}
+        while True:
+            while state.pending and state.pending[0].index in done and not done[state.pending[0].index].interrupted:
+                fold(done.pop(state.pending[0].index))
+            if stop.is_set():
+                break
+            for spec in list(state.pending):
+                if len(inflight) >= slots or not _may_start(state, spec.index):
+                    break
+                if spec.index in inflight or spec.index in done:
+                    continue
+                progress.stage(f"run {spec.index}: {spec.describe()}")
+                inflight[spec.index] = pool.submit(_execute, spec, data, request, path, shared, name, folder,
+                                                   progress, stop)
+            if not inflight:
+                break
+            ticked = time.monotonic()
+            wait(list(inflight.values()), timeout=0.5, return_when=FIRST_COMPLETED)
+            state.elapsed_s += time.monotonic() - ticked  # run time: while a run is in flight
+            for index in [i for i, f in inflight.items() if f.done()]:
+                done[index] = inflight.pop(index).result()
+        # stopped: the runs in flight end as interrupted (the target cancels them); what finished
+        # before the first gap is recorded, the rest stays pending for a resume
+        for index, future in list(inflight.items()):
+            done[index] = future.result()
+            inflight.pop(index)
+        while state.pending and state.pending[0].index in done and not done[state.pending[0].index].interrupted:
+            fold(done.pop(state.pending[0].index))
         state.status = "interrupted" if stop.is_set() and state.budget_left() else "complete"
     except BaseException:
+        stop.set()  # every run in flight records what it has and stops
         state.status = "interrupted"
         raise
     finally:
         try:
-            if shared is not None:
-                shared.close()
-            save(state, folder)
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+            with stopping.deferred():
+                save(state, folder)
         finally:
-            os.close(lock)
+            try:
+                if owned and target is not None:
+                    target.close()
+            finally:
+                os.close(lock)
     return state
 
 

@@ -4,6 +4,7 @@ Ctrl-C rule of kvrepro/stopping.py, its summary, and the exit code."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from rich.markup import escape
@@ -17,41 +18,59 @@ from ..results.store import checked_root
 def explore(*, base: str | None, patch: list[str] | None, budget: str | None, seed: int, unguided: bool,
             no_minimize: bool, requests: int,
             resume: str | None, matrix: Path | None, catalogue: Path | None, ci: bool, results_root: Path,
-            as_json: bool) -> int:
+            as_json: bool, target: str | None = None, jobs: int | None = None) -> int:
     """`explore` with its options, by name; the exit code."""
     from ..stopping import name, stop_on_signals
     from ..suite.run import load as load_catalogue
     from . import CampaignRequest, load_campaign, new_campaign, parse_budget, run_campaign, summary
+    from .campaign import open_target
     from .render import lines, run_line
 
     results_root = checked_root(results_root)
-    cat = load_catalogue(catalogue)
     if resume:
         state, folder = load_campaign(results_root, resume)
         if budget:  # a new budget for the resumed campaign (the rest is pinned)
             runs_, seconds_ = parse_budget(budget)
-            state.request = type(state.request)(**{**state.request.__dict__, "budget_runs": runs_,
-                                                   "budget_seconds": seconds_})
+            state.request = replace(state.request, budget_runs=runs_, budget_seconds=seconds_)
+        if target:  # another target serves the same runs: the specs do not depend on where they run
+            state.request = replace(state.request, target=target)
+        if jobs and jobs > state.request.jobs:
+            err.print(f"[yellow]note[/]: --jobs {jobs}: {state.campaign_id} was started with --jobs "
+                      f"{state.request.jobs}, which its runs' choices depend on; it runs at most "
+                      f"{state.request.jobs} at once", highlight=False)
+        request = state.request
     else:
         if not base or not budget:
             raise BadInputError("explore needs --base RELEASE and --budget RUNS|DURATION (or --resume ID)")
         runs_, seconds_ = parse_budget(budget)
-        state, folder = new_campaign(results_root, CampaignRequest(
+        request = CampaignRequest(
             base=base, patches=tuple(patch or ()), budget_runs=runs_, budget_seconds=seconds_, seed=seed,
-            guided=not unguided, matrix=str(matrix) if matrix else "", requests=requests, minimize=not no_minimize))
-    err.print(f"campaign {state.campaign_id}: {folder}", highlight=False)
-    stop = threading.Event()
-    with stop_on_signals(stop, lambda signum: err.print(f"[yellow]{name(signum)}: stopping after this run[/]")):
-        total = max(0, (state.request.budget_runs or 0) - len(state.runs))  # the runs this session makes
-        progress = terminal.progress_for(total, ci)
-        if ci:
-            def show(r):
-                terminal.plain(run_line(r))
-        else:
-            def show(r):
-                progress.progress.console.log(escape(run_line(r)))
-        with terminal.live(progress):
-            state = run_campaign(state, folder, cat, progress, stop, on_run=show)
+            guided=not unguided, matrix=str(matrix) if matrix else "", requests=requests, minimize=not no_minimize,
+            target=target or "")
+    # before a campaign folder exists (a target that cannot serve writes nothing) and before the
+    # catalogue, whose check takes seconds: a wrong --target or a missing cluster is said at once
+    shared = open_target(request)
+    try:
+        cat = load_catalogue(catalogue)
+        if not resume:
+            state, folder = new_campaign(results_root, replace(request, jobs=jobs or shared.free_slots()))
+        err.print(f"campaign {state.campaign_id}: {folder} (target {shared.name}, up to "
+                  f"{min(jobs or state.request.jobs, state.request.jobs)} runs at once)", highlight=False)
+        stop = threading.Event()
+        with stop_on_signals(stop, lambda signum: err.print(f"[yellow]{name(signum)}: stopping; runs in flight "
+                                                            "are cancelled, finished ones recorded[/]")):
+            total = max(0, (state.request.budget_runs or 0) - len(state.runs))  # the runs this session makes
+            progress = terminal.progress_for(total, ci)
+            if ci:
+                def show(r):
+                    terminal.plain(run_line(r))
+            else:
+                def show(r):
+                    progress.progress.console.log(escape(run_line(r)))
+            with terminal.live(progress):
+                state = run_campaign(state, folder, cat, progress, stop, on_run=show, target=shared, jobs=jobs)
+    finally:
+        shared.close()
     if as_json:
         terminal.emit_json(summary(state))
     else:

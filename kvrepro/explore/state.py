@@ -35,6 +35,10 @@ class CampaignRequest:
     duration_s: float = 90.0  # time budget of each run (under load)
     vocabulary: str = "all"  # all | load (generator.py: a generic randomised load, no engine knobs)
     minimize: bool = True  # shrink each new finding's trace and emit its pytest (findings.py)
+    target: str = ""  # where the runs run (sim, ray, ...); "": the base matrix's target
+    # runs in flight at once, pinned at the start: run i's spec is made from runs 0..i-jobs only
+    # (campaign.py), so the same seed and jobs make the same runs however the runs' timing falls
+    jobs: int = 1
 
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> "CampaignRequest":
@@ -113,6 +117,9 @@ class CampaignState:
     coverage: list[str] = field(default_factory=list)  # features reached, in the order first reached
     weights: dict[str, float] = field(default_factory=dict)
     findings: dict[str, FindingRecord] = field(default_factory=dict)
+    # runs made (their specs fixed) but not recorded yet, in index order: in flight, interrupted, or
+    # made ahead for a larger budget (campaign.py); a resume runs these specs, it does not remake them
+    pending: list[RunSpec] = field(default_factory=list)
 
     @property
     def new_findings(self) -> list[FindingRecord]:
@@ -129,7 +136,8 @@ class CampaignState:
                 "started": self.started, "elapsed_s": round(self.elapsed_s, 3),
                 "runs": [r.to_json() for r in self.runs], "coverage": list(self.coverage),
                 "weights": dict(sorted(self.weights.items())),
-                "findings": {k: dataclasses.asdict(f) for k, f in self.findings.items()}}
+                "findings": {k: dataclasses.asdict(f) for k, f in self.findings.items()},
+                "pending": [p.to_json() for p in self.pending]}
 
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> "CampaignState":
@@ -140,4 +148,5 @@ class CampaignState:
                    coverage=[str(c) for c in value.get("coverage") or ()],
                    weights={str(k): float(v) for k, v in (value.get("weights") or {}).items()},
                    findings={str(k): FindingRecord(**_known(FindingRecord, f))
-                             for k, f in (value.get("findings") or {}).items()})
+                             for k, f in (value.get("findings") or {}).items()},
+                   pending=[RunSpec.from_json(p) for p in value.get("pending") or ()])

@@ -251,6 +251,13 @@ class RayTarget(Target):
         shares = sum(int(n) for n in self._fitting.values())  # (roughly: one engine spans distinct nodes)
         return max(1, min(256, 2 * (shares // self.spec.nodes_per_engine)))
 
+    def free_slots(self) -> int:
+        """How many runs the cluster could start now: its free CPUs (and GPUs) over a run's share."""
+        if self.spec.nodes_per_engine > 1:
+            return max(1, self.max_parallel() // 2)
+        free = ray.available_resources()
+        return max(1, int(min(free.get(k, 0.0) / v for k, v in self._per_run().items())))
+
     # ------------------------------------------------------------------ builds
     def prepare(self, plan: BuildPlan) -> BuildArtifact:
         """Build on the driver (as `sim` does: the patches are checked to apply once, here), then
