@@ -348,6 +348,10 @@ class Exposure:
     # probe: divergent local hybrid hits handed to the connector, and those it then loaded past
     divergent_hits: int = 0
     divergent_loads: int = 0
+    # probe: partial-tail copy-on-writes, and local hits truncated to the block for a longer offload hit
+    cow_calls: int = 0
+    truncate_calls: int = 0
+    partial_hits: int = 0
     # injected offload-tier faults (engine.sim.offload_faults; the engine's `kvrepro-fault:` lines): failed
     # load and store jobs, and the requests a failed load ended with an error on purpose (policy `fail`)
     injected_load_faults: int = 0
@@ -378,6 +382,12 @@ PROBE_COUNTERS: dict[str, str] = {
                       "declaring supports_divergent_local_hybrid_hits) (probe)",
     "divergent_loads": "divergent hits whose offload lookup then found tokens to load: the request resumes past the "
                        "lagging Mamba state, which the connector must restore (probe)",
+    "cow_calls": "copy-on-writes of a shared partial tail block (SingleTypeKVCacheManager._apply_cow, 0.26.0+): "
+                 "a local hit ending inside a block was taken (probe)",
+    "truncate_calls": "local hits with a partial tail cut back to the block boundary because a longer offload hit "
+                      "supersedes them (KVCacheManager.truncate_computed_blocks, 0.27.0+) (probe)",
+    "partial_hits": "requests whose local hit ended inside a block, once each: full attention's copy-on-write or "
+                    "the truncation for a longer offload hit (probe)",
 }
 
 
@@ -566,6 +576,10 @@ class RunResult:
     # probe: divergent local hybrid hits handed to the connector, and those it then loaded past
     divergent_hits: int = 0
     divergent_loads: int = 0
+    # probe: partial-tail copy-on-writes, and local hits truncated to the block for a longer offload hit
+    cow_calls: int = 0
+    truncate_calls: int = 0
+    partial_hits: int = 0
     # injected offload-tier faults (Exposure): failed load and store jobs, requests failed on purpose
     injected_load_faults: int = 0
     injected_store_faults: int = 0

@@ -107,7 +107,7 @@ def test_counts_external_hits_and_triggers_and_keeps_behaviour(vllm_tree, tmp_pa
     # (32,16) and (16,48): hit with a local prefix -> trigger.
     # (blocks=None: no group layout to read, so the bug's state is never counted)
     none = {"state_calls": 0, "state_groups": {}, "deferred_lookups": 0, "loads_behind_deferred": 0,
-            "finished_unscheduled": 0, "divergent_hits": 0, "divergent_loads": 0}
+            "finished_unscheduled": 0, "divergent_hits": 0, "divergent_loads": 0, "cow_calls": 0, "truncate_calls": 0, "partial_hits": 0}
     assert counts == [
         {"external_hit_calls": 0, "trigger_calls": 0, **none},
         {"external_hit_calls": 0, "trigger_calls": 0, **none},
@@ -127,7 +127,8 @@ def test_counts_external_hits_and_triggers_and_keeps_behaviour(vllm_tree, tmp_pa
     assert "kvrepro-probe: counts external_hit_calls=3 trigger_calls=2" in proc.stderr
     # ... and at exit.
     assert re.fullmatch(r"kvrepro-probe: counts external_hit_calls=3 trigger_calls=2 state_calls=0 state_groups=- "
-                        r"deferred_lookups=0 loads_behind_deferred=0 finished_unscheduled=0 divergent_hits=0 divergent_loads=0 pid=\d+", proc.stderr.rstrip().splitlines()[-1])
+                        r"deferred_lookups=0 loads_behind_deferred=0 finished_unscheduled=0 divergent_hits=0 divergent_loads=0 "
+                        r"cow_calls=0 truncate_calls=0 partial_hits=0 pid=\d+", proc.stderr.rstrip().splitlines()[-1])
 
 
 # The bug's state: real KVCacheBlock / KVCacheBlocks from vLLM; the connector config is a stand-in
@@ -238,7 +239,57 @@ def test_counts_deferred_lookups_and_loads_admitted_behind_them(vllm_tree, tmp_p
         ("pass end", 1, 1, 2),
         ("load c", 1, 1, 3),     # a new pass: no deferral in it yet
     ]
-    assert re.search(r"deferred_lookups=1 loads_behind_deferred=1 finished_unscheduled=0 divergent_hits=0 divergent_loads=0 pid=\d+$", proc.stderr.rstrip())
+    assert re.search(r"deferred_lookups=1 loads_behind_deferred=1 finished_unscheduled=0 divergent_hits=0 divergent_loads=0 "
+                     r"cow_calls=0 truncate_calls=0 partial_hits=0 pid=\d+$", proc.stderr.rstrip())
+
+
+# vLLM's own _apply_cow (0.26.0's single_type_kv_cache_manager.py), called unbound on a stand-in manager
+# holding only what it reads (req_to_blocks, _pending_cow_copies) and real KVCacheBlocks: once with the
+# shared tail where the redirect expects it, once with the request one block short -- the assertion of
+# the apply-cow-mamba-deeper crash.
+COW_CALLS = """
+import json
+import kvrepro_probe
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler  # installs the wrappers
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SingleTypeKVCacheManager
+import types
+
+log = []
+source, cow = KVCacheBlock(block_id=1), KVCacheBlock(block_id=2)
+source.ref_cnt = 1
+manager = types.SimpleNamespace(req_to_blocks={"r": [source]}, _pending_cow_copies=[])
+FullAttentionManager._apply_cow(manager, "r", 0, source, cow)  # a subclass reaches the wrapped method
+log.append(["redirected", manager.req_to_blocks["r"][0] is cow and cow.ref_cnt == 1,
+            kvrepro_probe.counts()["cow_calls"]])
+full = FullAttentionManager.__new__(FullAttentionManager)  # a full-attention manager: a partial hit
+full.req_to_blocks, full._pending_cow_copies = {"r": [source]}, []
+source.ref_cnt = 1
+full._apply_cow("r", 0, source, KVCacheBlock(block_id=4))
+log.append(["full attention", kvrepro_probe.counts()["cow_calls"], kvrepro_probe.counts()["partial_hits"]])
+short = types.SimpleNamespace(req_to_blocks={"r": [source]}, _pending_cow_copies=[])
+try:
+    SingleTypeKVCacheManager._apply_cow(short, "r", 1, source, KVCacheBlock(block_id=3))
+    log.append(["returned", None, kvrepro_probe.counts()["cow_calls"]])
+except AssertionError:
+    log.append(["raised", "AssertionError", kvrepro_probe.counts()["cow_calls"]])
+log.append(["marked", getattr(SingleTypeKVCacheManager._apply_cow, "__kvrepro_probe__", False),
+            kvrepro_probe.counts()["truncate_calls"]])
+print("RESULTS " + json.dumps(log))
+"""
+
+
+def test_counts_copy_on_writes_and_keeps_their_behaviour(vllm_tree, tmp_path):
+    """cow_calls, the path counter of apply-cow-mamba-deeper: counted before vLLM's _apply_cow runs,
+    so the call that asserts is counted and reported before the assertion propagates unchanged."""
+    python, tree = vllm_tree
+    proc = run_py(python, COW_CALLS, [probe_dir(tmp_path), tree])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # partial_hits: once per request, from full attention's copy-on-write (the stand-in is not a manager)
+    assert parse_results(proc.stdout) == [["redirected", True, 1], ["full attention", 2, 1],
+                                          ["raised", "AssertionError", 3],
+                                          ["marked", True, 0]]  # 0.26.0 has no truncate_computed_blocks
+    assert re.search(r" cow_calls=3 truncate_calls=0 partial_hits=1 pid=\d+$", proc.stderr.rstrip())
 
 
 def test_installed_line_names_file_and_source_hash(vllm_tree, tmp_path):

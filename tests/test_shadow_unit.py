@@ -30,10 +30,10 @@ def shadow(*specs, blocks_per_chunk: int = 1) -> tuple[ShadowKV, io.StringIO]:
     return ShadowKV(config, blocks_per_chunk=blocks_per_chunk, stream=out), out
 
 
-def step(kv: ShadowKV, new=(), cached=(), finished=()):
+def step(kv: ShadowKV, new=(), cached=(), finished=(), copies=()):
     """One scheduler output: new = [(req, prompt, block ids per group, computed)],
-    cached = [(req, new block ids per group, computed)]."""
-    so = NS(finished_req_ids=set(finished), preempted_req_ids=set(),
+    cached = [(req, new block ids per group, computed)], copies = [(source, destination) block ids]."""
+    so = NS(finished_req_ids=set(finished), preempted_req_ids=set(), kv_cache_block_copies=list(copies),
             scheduled_new_reqs=[NS(req_id=r, prompt_token_ids=p, block_ids=b, num_computed_tokens=c)
                                 for r, p, b, c in new],
             scheduled_cached_reqs=NS(req_ids=[r for r, _, _ in cached], resumed_req_ids=set(),
@@ -67,6 +67,22 @@ def test_a_hit_on_blocks_of_other_tokens_is_stale_kv():
     assert "request r2 group 0 (full_attention) block index 0 (GPU block 1): positions 0-3" in line
     assert "stale KV: it holds positions 0-3 of request r1, 4 of 4 positions computed from other tokens" in line
     assert "the request got this block with its prefix hit" in line
+
+
+def test_a_partial_hit_reads_its_copy_on_write_block_and_without_the_copy_it_is_missing():
+    """A 6-token hit ends inside block 2 (blocks of 4): vLLM hands the request a private block 9 and
+    asks the runner to copy block 2 into it (kv_cache_block_copies). With the copy the hit checks out;
+    a scheduler output without it leaves block 9 never written, which is what the shadow must say."""
+    kv, out = shadow(FullAttentionSpec)
+    prefill(kv, "r1", ([1, 2, 3],))
+    step(kv, new=[("r2", PROMPT[:6] + [55, 56], ([1, 9],), 6)], copies=[(2, 9)])
+    kv.forward("r2", 6, 2, [])
+    assert (kv.checks, kv.violations) == (2, 0)
+    kv, out = shadow(FullAttentionSpec)
+    prefill(kv, "r1", ([1, 2, 3],))
+    step(kv, new=[("r2", PROMPT[:6] + [55, 56], ([1, 9],), 6)])
+    kv.forward("r2", 6, 2, [])
+    assert kv.violations == 1 and "full_attention/missing/hit" in kv.by_kind, out.getvalue()
 
 
 def test_store_and_load_move_contents_between_gpu_and_offloaded_chunks():

@@ -44,6 +44,7 @@ CASES = {
     "truncate-0.27.0.log": ("truncate-lagging-mamba", "0.28.0", None, "0.27.0"),
     "stall-skipped-waiting-0.28.0.log": ("skipped-waiting-deadlock", "0.31.0", None, "0.28.0"),
     "build-store-jobs-0.26.0.log": ("queued-abort-store-assert", "0.27.0", ("pr-49146",), "0.26.0"),
+    "apply-cow-0.26.0.log": ("apply-cow-mamba-deeper", "0.27.0", ("pr-48425",), "0.26.0"),
 }
 
 
@@ -108,12 +109,13 @@ def test_kv_transfer_config_is_read_without_evaluating_anything(catalogue):
 
 
 def test_an_unknown_crash_is_said_to_be_unknown(catalogue):
-    """The _apply_cow assertion has a signature but no catalogue entry: unknown, not forced onto the
-    KV-cache-manager entries of the same release."""
-    found = triage_file(DATA / "unknown-apply-cow-0.26.0.log", catalogue)
-    assert found.failure.kind == "crash" and found.failure.pattern == "kv_cache_apply_cow"
+    """#52807's alignment assertion (0.30.0+) has a signature but no catalogue entry: unknown, not forced
+    onto the entries of the same function (update_state_after_alloc's boundary assertion)."""
+    found = triage_file(DATA / "unknown-alignment-0.30.0.log", catalogue)
+    assert found.failure.kind == "crash" and found.failure.pattern == "offload_boundary_alignment"
+    assert found.base == "0.30.0"
     assert found.unknown and found.matches == () and found.near_misses == ()
-    proc = kvrepro("triage", str(DATA / "unknown-apply-cow-0.26.0.log"))
+    proc = kvrepro("triage", str(DATA / "unknown-alignment-0.30.0.log"))
     assert proc.returncode == 0 and "unknown: no catalogue entry fits" in proc.stdout
     assert max(len(line) for line in proc.stdout.splitlines()) <= 80
 

@@ -50,6 +50,8 @@ Mamba ``align`` helpers (``v1/worker/mamba_utils.preprocess_mamba`` and the alig
   the states after the scheduled tokens; after sampling, when the accepted length crosses a block
   boundary ``a``, the state after exactly ``a`` tokens is saved to block ``a // block_size - 1``
   (the block prefix caching will hash);
+* copy-on-write (vLLM 0.26.0+, a local hit ending inside a block): the scheduler's
+  ``kv_cache_block_copies`` give the private block the shared block's contents before the step;
 * offloading: ``GPULoadStoreSpec`` lists GPU blocks group after group (``group_sizes``), CPU specs
   list offloaded chunks of ``blocks_per_chunk`` GPU blocks, the first one entered at
   ``block_indices[g] % blocks_per_chunk`` (as vLLM's CPU offloading worker computes its copies);
@@ -256,6 +258,7 @@ class ShadowKV:
             self._hit_counted.discard(req_id)
         if so.finished_req_ids and self._seen:
             self._seen = {key for key in self._seen if key[0] not in so.finished_req_ids}
+        self._copy_on_write(getattr(so, "kv_cache_block_copies", None) or ())
         for req_id in getattr(so, "preempted_req_ids", None) or ():
             if req_id in self.requests:
                 self.requests[req_id].state_idx = None
@@ -279,6 +282,21 @@ class ShadowKV:
             elif new_ids is not None:
                 for mine, more in zip(req.blocks, new_ids, strict=False):
                     mine.extend(more)
+
+    def _copy_on_write(self, copies) -> None:
+        """A request continuing from a shared partial block (a prefix-match unit finer than the block,
+        vLLM 0.26.0+) gets a private copy of it: ``SchedulerOutput.kv_cache_block_copies``, (source,
+        destination) block ids that the runner's ``_update_states`` copies, every layer's bytes, right
+        after the finished requests go (``copy_kv_cache_blocks_inplace``, v1/worker/utils.py). Without
+        it the private block would read as never written."""
+        with self._lock:
+            for source, destination in ((int(c[0]), int(c[1])) for c in copies):
+                content = self.gpu.get(source)
+                self.gpu.pop(destination, None)
+                if content is not None:
+                    self.gpu[destination] = content.copy(f"{content.source}, copied on write from GPU block {source}")
+                    if (content.group, source) in self._holes:
+                        self._holes[(content.group, destination)] = self._holes[(content.group, source)]
 
     def sampled(self, req_id: str, tokens, seq_end: int) -> None:
         """After sampling: the accepted tokens become part of the request; Mamba saves the state

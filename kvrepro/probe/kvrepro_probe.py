@@ -44,6 +44,19 @@ only for a connector declaring ``supports_divergent_local_hybrid_hits``) and cou
 * ``divergent_loads``: those whose next offload lookup found tokens to load (the request then
   resumes past the lagging Mamba state, trusting the connector to restore it).
 
+And it wraps two KV-cache-manager steps of a local hit that ends inside a block (a prefix-match unit,
+``--prefix-match-unit``, finer than the block; vLLM 0.26.0+) and counts
+
+* ``cow_calls``: calls of ``SingleTypeKVCacheManager._apply_cow`` (0.26.0+): a request's shared partial
+  tail block was redirected to a private copy-on-write block (the path of vllm#46453's partial-hit form,
+  catalogue entry ``apply-cow-mamba-deeper``);
+* ``truncate_calls``: calls of ``KVCacheManager.truncate_computed_blocks`` (0.27.0+): an offload hit
+  longer than the local hit's partial tail made the scheduler cut the local hit back to the block
+  boundary in every group (the path of vllm#51468, entry ``truncate-lagging-mamba``);
+* ``partial_hits``: requests whose local hit ended inside a block and reached one of the two, counted
+  once each: full attention's copy-on-write (a Mamba group's is not counted again) or the truncation.
+  Whatever a release then does with such a hit, this says the geometry produced one.
+
 Counting happens BEFORE the original runs, so the call that crashes is counted. The wrapper
 returns what the original returns and re-raises what it raises.
 
@@ -63,7 +76,7 @@ never import vLLM pay for one string comparison per import and print nothing.
 Output, on stderr, flushed, one line each (kvrepro's classifier parses these exact formats)::
 
   kvrepro-probe: installed function=OffloadingConnectorScheduler.update_state_after_alloc file=<path> source_sha256=<hex>
-  kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M> state_calls=<K> state_groups=<kind>:<n>,... deferred_lookups=<D> loads_behind_deferred=<L> finished_unscheduled=<F> divergent_hits=<H> divergent_loads=<G> pid=<P>
+  kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M> state_calls=<K> state_groups=<kind>:<n>,... deferred_lookups=<D> loads_behind_deferred=<L> finished_unscheduled=<F> divergent_hits=<H> divergent_loads=<G> cow_calls=<C> truncate_calls=<T> partial_hits=<Q> pid=<P>
 
 (``pid`` because vLLM >= 0.33 no longer prefixes what a child process writes to stderr with
 its ``(EngineCore pid=N)`` tag: the API server's zero counts must not hide the EngineCore's.)
@@ -90,7 +103,8 @@ REPORT_INTERVAL_S = 2.0
 
 _lock = threading.Lock()
 _counts = {"external_hit_calls": 0, "trigger_calls": 0, "state_calls": 0, "deferred_lookups": 0,
-           "loads_behind_deferred": 0, "finished_unscheduled": 0, "divergent_hits": 0, "divergent_loads": 0}
+           "loads_behind_deferred": 0, "finished_unscheduled": 0, "divergent_hits": 0, "divergent_loads": 0,
+           "cow_calls": 0, "truncate_calls": 0, "partial_hits": 0}
 _deferred_this_pass: set = set()  # requests whose lookup returned None in the current scheduling pass
 _diverged: set = set()  # requests handed a divergent local hit, until their next offload lookup answers
 MANAGER_MODULE = "vllm.v1.core.kv_cache_manager"
@@ -99,6 +113,10 @@ DIVERGENT_METHOD = "get_computed_blocks_for_connector"
 LOOKUP_METHOD = "get_num_new_matched_tokens"
 PASS_END_METHOD = "build_connector_meta"
 FINISHED_METHOD = "request_finished"
+SINGLE_TYPE_MODULE = "vllm.v1.core.single_type_kv_cache_manager"
+# (module, class, method, the counter its calls add to): see the module docstring
+MANAGER_STEPS = ((SINGLE_TYPE_MODULE, "SingleTypeKVCacheManager", "_apply_cow", "cow_calls"),
+                 (MANAGER_MODULE, MANAGER_CLASS, "truncate_computed_blocks", "truncate_calls"))
 _state_groups: dict = {}  # kind of KV-cache group -> calls in which it held the bug's state
 _state = {
     "installed": False,
@@ -141,14 +159,16 @@ def report(force: bool = False) -> None:
         groups = ",".join(f"{kind}:{n}" for kind, n in sorted(_state_groups.items()))
         snapshot = (_counts["external_hit_calls"], _counts["trigger_calls"], _counts["state_calls"], groups,
                     _counts["deferred_lookups"], _counts["loads_behind_deferred"], _counts["finished_unscheduled"],
-                    _counts["divergent_hits"], _counts["divergent_loads"])
+                    _counts["divergent_hits"], _counts["divergent_loads"], _counts["cow_calls"],
+                    _counts["truncate_calls"], _counts["partial_hits"])
         if not force and snapshot == _state["last_reported"]:
             return
         _state["last_reported"] = snapshot
     _write(f"kvrepro-probe: counts external_hit_calls={snapshot[0]} trigger_calls={snapshot[1]} "
            f"state_calls={snapshot[2]} state_groups={snapshot[3] or '-'} deferred_lookups={snapshot[4]} "
            f"loads_behind_deferred={snapshot[5]} finished_unscheduled={snapshot[6]} divergent_hits={snapshot[7]} "
-           f"divergent_loads={snapshot[8]} pid={os.getpid()}")
+           f"divergent_loads={snapshot[8]} cow_calls={snapshot[9]} truncate_calls={snapshot[10]} "
+           f"partial_hits={snapshot[11]} pid={os.getpid()}")
 
 
 def _reporter_loop() -> None:
@@ -355,12 +375,43 @@ def _wrap_divergent_lookup() -> None:
     setattr(manager, DIVERGENT_METHOD, get_computed_blocks_for_connector)
 
 
+def _is_full_attention(manager) -> bool:
+    return any(c.__name__ == "FullAttentionManager" for c in type(manager).__mro__)
+
+
+def _wrap_manager_steps() -> None:
+    """Count the partial-hit copy-on-write and the truncation of a local hit (module docstring). Both
+    modules are imported before any connector (the scheduler imports the KV-cache manager); a release
+    without a method (before 0.26.0 / 0.27.0) loses only its count."""
+    for module_name, class_name, method, counter in MANAGER_STEPS:
+        owner = getattr(sys.modules.get(module_name), class_name, None)
+        original = getattr(owner, "__dict__", {}).get(method)
+        if original is None or getattr(original, "__kvrepro_probe__", False):
+            continue
+
+        def counted(*args, _original=original, _counter=counter, **kwargs):
+            with _lock:
+                _counts[_counter] += 1
+                if _counter == "truncate_calls" or _is_full_attention(args[0] if args else None):
+                    _counts["partial_hits"] += 1
+            try:
+                return _original(*args, **kwargs)
+            except BaseException:
+                report(force=True)
+                raise
+
+        functools.update_wrapper(counted, original)
+        counted.__kvrepro_probe__ = True
+        setattr(owner, method, counted)
+
+
 def _wrap_module(module) -> None:
     try:
         cls = getattr(module, TARGET_CLASS, None)
         if cls is not None:
             _wrap(cls)
             _wrap_divergent_lookup()
+            _wrap_manager_steps()
         else:
             _write(f"kvrepro-probe: not installed: {TARGET_MODULE} has no {TARGET_CLASS}")
     except Exception as exc:  # never break the import of vLLM itself
