@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT
 from kvrepro.classify.corruption import attribute
 from kvrepro.errors import BadInputError
-from kvrepro.explore.campaign import base_data, parse_budget, run_matrix_for
+from kvrepro.explore.campaign import base_data, parent_for, parse_budget, run_matrix_for
 from kvrepro.explore.coverage import credit, features
 from kvrepro.explore.generator import RunSpec, apply, generate
 from kvrepro.explore.judge import (KNOWN, NEW, REGRESSION, Failure, invariant_failures, judge_failure,
@@ -275,6 +275,11 @@ def test_a_two_run_campaign_on_0_26_0_counts_the_target_crash_against_the_catalo
     assert state.findings["crash:offload_update_state_after_alloc"].folder is None
     assert not list((root / state.campaign_id).glob("findings/*/draft-entry.yaml")) or state.new_findings
     assert state.coverage and first.new_features
+    # the engine reported the arcs of the code under test it ran (kvrepro/engine/arcs.py): the
+    # scheduler's and the connector's among them
+    assert first.arcs > 500, first
+    assert any(c.startswith("arc:v1/core/sched/scheduler.py:") for c in state.coverage)
+    assert any(c.startswith("arc:distributed/kv_transfer/kv_connector/v1/offloading/") for c in state.coverage)
     assert (root / state.campaign_id / "runs" / first.run_id).is_dir()
 
     proc = kvrepro("explore", "--resume", state.campaign_id, "--budget", "3", "--results", str(root), "--json", "--ci")
@@ -282,5 +287,5 @@ def test_a_two_run_campaign_on_0_26_0_counts_the_target_crash_against_the_catalo
     resumed = CampaignState.from_json(json.loads(proc.stdout)["state"])
     assert resumed.campaign_id == state.campaign_id and len(resumed.runs) == 3
     assert resumed.runs[:2] == state.runs
-    assert resumed.runs[2].spec == generate(1, 2, "partial-prefix", state.weights)
+    assert resumed.runs[2].spec == generate(1, 2, "partial-prefix", state.weights, parent=parent_for(state, 2))
     assert proc.returncode == (1 if resumed.new_findings else 0)

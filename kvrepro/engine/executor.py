@@ -52,7 +52,7 @@ from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
 from kvrepro import versions
 
-from . import faults
+from . import arcs, faults
 from . import shadow as shadow_kv
 from .config import SimKnobs
 
@@ -332,6 +332,8 @@ class SimExecutor(Executor):
         self.transfers: SimTransferWorker | None = None
         self.shadow: shadow_kv.ShadowKV | None = None
         self._start_flusher()
+        if arcs.enabled():  # explore's feedback: arcs of the code under test (kvrepro/engine/arcs.py)
+            arcs.ArcRecorder().install()
         # A GPU worker calls this after loading the model (UniProcExecutor._init_executor);
         # it aligns the attention block size with the Mamba page size for hybrid models.
         current_platform.update_block_size_for_backend(self.vllm_config)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import fcntl
 import os
+import random
 import re
 import shutil
 import threading
@@ -29,6 +30,7 @@ import yaml
 
 from ..deploy import get_target
 from ..deploy.base import Target
+from ..engine.arcs import ENV as ARCS_ENV
 from ..errors import BadInputError, KvreproError, SpecError
 from ..matrix import parse_matrix
 from ..matrix.runner import MatrixOptions, Progress, SilentProgress, run_matrix
@@ -36,7 +38,7 @@ from ..records import RunResult, Verdict
 from ..results import store as results
 from ..spec.matrix import DEFAULT_MATRIX, LoadedMatrix
 from ..suite.catalogue import Catalogue, build_key
-from .coverage import credit, features
+from .coverage import Targets, credit, features, in_target, patch_targets, points, run_arcs
 from .findings import minimize_finding
 from .generator import RunSpec, apply, generate
 from .judge import invariant_failures, judge_failure, run_failures
@@ -223,19 +225,46 @@ def _write_finding(folder: Path, state: CampaignState, judged: JudgedRecord, run
     return str(target.relative_to(folder))
 
 
+def campaign_targets(loaded: LoadedMatrix, patches: tuple[str, ...]) -> Targets:
+    """The lines the campaign's patches change (coverage.patch_targets); none without patches."""
+    texts = []
+    for name in patches:
+        try:
+            texts.append(loaded.patch_ref(name).path.read_text(errors="replace"))
+        except (OSError, KeyError):
+            continue  # the build step names an unreadable patch; here it only loses the aim
+    return patch_targets(texts)
+
+
+def parent_for(state: CampaignState, index: int) -> RunSpec | None:
+    """Guided campaigns: every other run (seeded) mutates the earlier run that reached most of the
+    target lines (ties: the one whose new features were worth most, then the earliest); the others
+    are drawn fresh by the weights. None before run 2: no run with changes has come back yet."""
+    done = [r for r in state.runs if r.run_id and r.verdict not in ("INVALID", "INFRA") and r.spec.index > 0]
+    if not state.request.guided or not done:
+        return None
+    if random.Random(f"kvrepro-explore-parent/{state.request.seed}/{index}").random() < 0.5:
+        return None
+    best = max(done, key=lambda r: (r.target_arcs, r.points, -r.spec.index))
+    return best.spec
+
+
 def record_run(state: CampaignState, folder: Path, catalogue: Catalogue, spec: RunSpec, loaded: LoadedMatrix,
-               run: RunResult, run_id: str) -> RunRecord:
+               run: RunResult, run_id: str, targets: Targets | None = None) -> RunRecord:
     """Judge one finished run and fold it into ``state``: findings, coverage, weights."""
     request = state.request
+    targets = targets or {}
     failures = run_failures(run) + invariant_failures(Path(run.run_dir) if run.run_dir else folder,
                                                       run.load.stopped_because if run.load else None)
     judged = [JudgedRecord.of(judge_failure(f, catalogue, request.base, request.patches, run)) for f in failures]
-    reached = features(run, [j.key for j in judged])
+    arcs = run_arcs(Path(run.run_dir) if run.run_dir else None)
+    reached = features(run, [j.key for j in judged]) | arcs
     seen = set(state.coverage)
     new = sorted(reached - seen)
     state.coverage.extend(new)
+    worth = points(new, targets)
     if request.guided:
-        state.weights = credit(state.weights, spec.keys(), len(new))
+        state.weights = credit(state.weights, spec.keys(), worth)
     for j in judged:
         known = state.findings.get(j.key)
         if known is not None:
@@ -245,7 +274,8 @@ def record_run(state: CampaignState, folder: Path, catalogue: Catalogue, spec: R
         state.findings[j.key] = FindingRecord(key=j.key, kind=j.kind, title=j.title, status=j.status, entry=j.entry,
                                               first_run=spec.index, folder=where)
     return RunRecord(spec=spec, run_id=run_id, verdict=run.label, seconds=run.seconds, failures=tuple(judged),
-                     new_features=tuple(new))
+                     new_features=tuple(new), arcs=len(arcs), target_arcs=sum(1 for a in arcs if in_target(targets, a)),
+                     points=worth)
 
 
 def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progress: Progress | None = None,
@@ -259,14 +289,16 @@ def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progr
     data = base_data(path)
     base_profile = str((data.get("load") or {}).get("profile", "partial-prefix"))
     check_request(request)  # a resumed campaign's matrix may have changed since
+    targets = campaign_targets(run_matrix_for(RunSpec(index=0), data, request, path), request.patches)
     lock = take_lock(folder, state.campaign_id)
     shared: Target | None = None
     try:
         state.status = "running"
         save(state, folder)
         while state.budget_left() and not stop.is_set():
-            spec = generate(request.seed, len(state.runs), base_profile, state.weights if request.guided else None,
-                            request.vocabulary)
+            index = len(state.runs)
+            spec = generate(request.seed, index, base_profile, state.weights if request.guided else None,
+                            request.vocabulary, parent_for(state, index))
             progress.stage(f"run {spec.index}: {spec.describe()}")
             started = time.monotonic()
             try:
@@ -279,6 +311,8 @@ def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progr
                     shared = get_target("sim")(loaded)
                 target = copy.copy(shared)
                 target.loaded = loaded
+                # the engine reports the arcs of the code under test it ran (feedback, coverage.py)
+                target.engine_env = {**getattr(shared, "engine_env", {}), ARCS_ENV: "1"}
                 try:
                     matrix_run = run_matrix(loaded, MatrixOptions(target="sim", repetitions=1, jobs=1,
                                                                   results_root=folder / RUNS_FOLDER),
@@ -298,7 +332,8 @@ def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progr
                         record = RunRecord(spec=spec, run_id=matrix_run.run_id, verdict="INFRA",
                                            seconds=runs[0].seconds, error=runs[0].title[:300])
                     else:
-                        record = record_run(state, folder, catalogue, spec, loaded, runs[0], matrix_run.run_id)
+                        record = record_run(state, folder, catalogue, spec, loaded, runs[0], matrix_run.run_id,
+                                            targets)
             state.elapsed_s += time.monotonic() - started
             state.runs.append(record)
             save(state, folder)

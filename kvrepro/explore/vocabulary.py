@@ -52,6 +52,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("engine.geometry", (None, {"offload_chunk_tokens": 32}, {"mamba_groups": 1},
                              {"offload_chunk_tokens": 64}),
          why="KV-cache groups and offload chunk (kvrepro/spec/geometry.py)"),
+    # after engine.geometry (changes apply in this order): merged into whatever geometry the run has
+    Knob("engine.geometry.hash_block_size", (None, 8),
+         why="the prefix-match unit (`--prefix-match-unit`, vLLM 0.26.0+) below the 16-token block: a local "
+             "hit may end inside a KV block (#51468's lagging-Mamba truncation needs it)"),
     # the family's events (load.events, docs/load.md): what a client does besides sending a request
     Knob("load.events", (
         None,
