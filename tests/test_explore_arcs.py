@@ -145,3 +145,28 @@ def test_the_prefix_match_unit_knob_makes_a_serve_flag_and_leaves_no_empty_geome
     assert apply(both, data)["engine"]["geometry"] == {"offload_chunk_tokens": 64, "hash_block_size": 8}
     none = apply(RunSpec(index=1, changes=(("engine.geometry.hash_block_size", None),)), data)
     assert "geometry" not in none["engine"]
+
+
+def test_a_quiet_hot_function_is_sampled_unless_it_holds_a_patched_line():
+    """The cost control: after QUIET_CALLS calls that add no arc a function is traced every
+    SAMPLE_EVERY-th call, so a branch taken once in between is missed; the patched lines' function
+    (``always``) is traced on every call, and the branch is seen."""
+    from kvrepro.engine.arcs import QUIET_CALLS, SAMPLE_EVERY
+
+    path = "/overlay/abc/vllm/v1/core/sched/scheduler.py"
+    name = "v1/core/sched/scheduler.py"
+    calls = [1] * (QUIET_CALLS + 3) + [-1]  # the -1 call is the 3rd after going quiet: not sampled
+    assert 3 % SAMPLE_EVERY
+    sampled, _ = _traced(path, calls)
+    assert (name, 2, 3) in sampled.arcs() and (name, 2, 5) not in sampled.arcs()
+    always = ArcRecorder(stream=io.StringIO(), always={name: [(4, 5)]})
+    namespace: dict = {}
+    exec(compile(SOURCE, path, "exec"), namespace)
+    previous = sys.gettrace()
+    sys.settrace(always._global)
+    try:
+        for x in calls:
+            namespace["decide"](x)
+    finally:
+        sys.settrace(previous)
+    assert (name, 2, 5) in always.arcs()

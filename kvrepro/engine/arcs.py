@@ -31,7 +31,11 @@ import threading
 
 TAG = "kvrepro-arcs:"
 ENV = "KVREPRO_SIM_ARCS"
+ALWAYS_ENV = "KVREPRO_SIM_ARCS_ALWAYS"
 REPORT_INTERVAL_S = 1.0
+QUIET_CALLS = 32  # a function's calls in a row that added no arc before it is only sampled
+SAMPLE_EVERY = 16  # then every this many calls is traced
+_SHIFT = 1 << 20  # an arc (a, b) is stored as a * _SHIFT + b (line numbers stay far below)
 # the code under test, as paths below the `vllm/` package folder (a folder ends with "/")
 TRACED = (
     "v1/core/sched/scheduler.py",
@@ -56,48 +60,77 @@ def traced_name(filename: str) -> str | None:
 
 
 class ArcRecorder:
-    """Records arcs of the traced files from the thread that installs it; reports new ones."""
+    """Records arcs of the traced files from the thread that installs it; reports new ones.
 
-    def __init__(self, stream=None):
+    Cost control (measured: benchmarks/arcs_overhead.py): a function whose last
+    :data:`QUIET_CALLS` traced calls added no arc is traced on every :data:`SAMPLE_EVERY`-th call
+    only; a function that holds one of ``always`` (the lines a campaign's patches change) is
+    traced on every call. So a rare arc of a hot function can be missed in a run; one of the
+    patched functions cannot."""
+
+    def __init__(self, stream=None, always: dict[str, list[tuple[int, int]]] | None = None):
         self.stream = stream if stream is not None else sys.stderr
+        self.always = always or {}
         self._names: dict[str, str | None] = {}
-        self._seen: set[tuple[str, int, int]] = set()
+        self._codes: dict[int, list] = {}  # id(code) -> [name, arcs as ints, quiet calls, calls, always, code]
         self._new: list[tuple[str, int, int]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
+    def _state(self, code, name: str) -> list:
+        lines = [line for _, _, line in code.co_lines() if line is not None] or [code.co_firstlineno]
+        lo, hi = min(lines + [code.co_firstlineno]), max(lines)
+        always = any(a <= hi and lo <= b for a, b in self.always.get(name, ()))
+        # keyed by id: hashing a code object hashes its bytecode; the state keeps the code alive,
+        # so its id is not reused
+        state = self._codes[id(code)] = [name, set(), 0, 0, always, code]
+        return state
+
     def _global(self, frame, event, arg):
         code = frame.f_code
-        filename = code.co_filename
+        filename = code.co_filename  # a str: its hash is cached, unlike a code object's
         try:
             name = self._names[filename]
         except KeyError:
             name = self._names[filename] = traced_name(filename)
         if name is None:
             return None
+        state = self._codes.get(id(code))
+        if state is None:
+            state = self._state(code, name)
+        if state[2] >= QUIET_CALLS and not state[4]:
+            state[3] += 1
+            if state[3] % SAMPLE_EVERY:
+                return None
+        name, seen, add = state[0], state[1], self._add
         entry = -code.co_firstlineno
         last = entry
-        seen, add = self._seen, self._add
+        grew = False
 
         def local(frame, event, arg):
-            nonlocal last
+            nonlocal last, grew
             if event == "line":
                 line = frame.f_lineno
-                if (name, last, line) not in seen:
-                    add((name, last, line))
+                key = last * _SHIFT + line
+                if key not in seen:
+                    add(seen, key, name, last, line)
+                    grew = True
                 last = line
             elif event == "return":
-                if (name, last, entry) not in seen:
-                    add((name, last, entry))
+                key = last * _SHIFT + entry
+                if key not in seen:
+                    add(seen, key, name, last, entry)
+                    grew = True
+                state[2] = 0 if grew else state[2] + 1
             return local
 
         return local
 
-    def _add(self, arc: tuple[str, int, int]) -> None:
+    def _add(self, seen: set, key: int, name: str, a: int, b: int) -> None:
         with self._lock:
-            if arc not in self._seen:
-                self._seen.add(arc)
-                self._new.append(arc)
+            if key not in seen:
+                seen.add(key)
+                self._new.append((name, a, b))
 
     def flush(self) -> None:
         with self._lock:
@@ -126,7 +159,31 @@ class ArcRecorder:
 
     def arcs(self) -> set[tuple[str, int, int]]:
         with self._lock:
-            return set(self._seen)
+            return {(state[0], *divmod_arc(key)) for state in self._codes.values() for key in state[1]}
+
+
+def divmod_arc(key: int) -> tuple[int, int]:
+    """An arc stored as ``a * _SHIFT + b`` back as (a, b); either may be negative (entry, exit)."""
+    a, b = divmod(key, _SHIFT)
+    if b > _SHIFT // 2:  # b was negative: divmod borrowed one from a
+        a, b = a + 1, b - _SHIFT
+    return a, b
+
+
+def always_from_env(text: str) -> dict[str, list[tuple[int, int]]]:
+    """``KVREPRO_SIM_ARCS_ALWAYS``: ``file:lo-hi,lo-hi;file:lo-hi`` (the lines a campaign's patches change)."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for part in text.split(";"):
+        name, _, ranges = part.strip().rpartition(":")
+        for r in ranges.split(","):
+            lo, _, hi = r.partition("-")
+            if name and lo.strip().isdigit() and hi.strip().isdigit():
+                out.setdefault(name, []).append((int(lo), int(hi)))
+    return out
+
+
+def always_to_env(ranges: dict[str, list[tuple[int, int]]]) -> str:
+    return ";".join(f"{name}:" + ",".join(f"{lo}-{hi}" for lo, hi in spans) for name, spans in sorted(ranges.items()))
 
 
 def enabled(environ=None) -> bool:

@@ -333,7 +333,7 @@ class SimExecutor(Executor):
         self.shadow: shadow_kv.ShadowKV | None = None
         self._start_flusher()
         if arcs.enabled():  # explore's feedback: arcs of the code under test (kvrepro/engine/arcs.py)
-            arcs.ArcRecorder().install()
+            arcs.ArcRecorder(always=arcs.always_from_env(os.environ.get(arcs.ALWAYS_ENV, ""))).install()
         # A GPU worker calls this after loading the model (UniProcExecutor._init_executor);
         # it aligns the attention block size with the Mamba page size for hybrid models.
         current_platform.update_block_size_for_backend(self.vllm_config)
