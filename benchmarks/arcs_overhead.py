@@ -8,7 +8,8 @@ every arc is new once, as in a campaign's run). Printed: the median CPU seconds 
 per replay (utime + stime from /proc, what the recorder adds; less sensitive to other load than wall
 time) and the median wall seconds the replay took, each on and off, and the ratios.
 
-    python benchmarks/arcs_overhead.py [--base 0.30.0] [--pairs 5] [--trace RUN/X/0/trace.jsonl]
+    python benchmarks/arcs_overhead.py [--recorder instrument|settrace] [--base 0.30.0] [--pairs 5]
+                                       [--trace RUN/X/0/trace.jsonl]
 
 Without --trace it records one first: `kvrepro matrix run` of matrix.yaml's engine and load on
 --base, 80 requests, one build without patches.
@@ -63,6 +64,9 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--requests", type=int, default=80, help="requests of the recorded trace (no --trace)")
     parser.add_argument("--trace", type=Path)
+    parser.add_argument("--recorder", choices=("instrument", "settrace"), default="instrument",
+                        help="instrument: branch probes compiled in (KVREPRO_SIM_ARCS=instrument, explore's); "
+                             "settrace: sys.settrace arcs (KVREPRO_SIM_ARCS=1)")
     args = parser.parse_args()
 
     from kvrepro.loadgen.trace import read_trace
@@ -76,7 +80,8 @@ def main() -> int:
         loaded = load_matrix(matrix)
         engines = {}
         for arcs in ("1", "0"):
-            os.environ["KVREPRO_SIM_ARCS"] = arcs  # the offline engine's environment is kvrepro's
+            # the offline engine's environment is kvrepro's
+            os.environ["KVREPRO_SIM_ARCS"] = ("instrument" if args.recorder == "instrument" else "1") if arcs == "1" else "0"
             engines[arcs] = OfflineEngine(loaded, "X", 0)
         os.environ.pop("KVREPRO_SIM_ARCS", None)
         cpu: dict[str, list[float]] = {"1": [], "0": []}
@@ -98,9 +103,9 @@ def main() -> int:
     on_cpu, off_cpu = statistics.median(cpu["1"]), statistics.median(cpu["0"])
     on_wall, off_wall = statistics.median(wall["1"]), statistics.median(wall["0"])
     load = os.getloadavg()[0]
-    print(json.dumps({"base": args.base, "requests": len(trace.requests), "pairs": args.pairs, "loadavg": load,
+    print(json.dumps({"recorder": args.recorder, "base": args.base, "requests": len(trace.requests), "pairs": args.pairs, "loadavg": load,
                       "cpu_on": cpu["1"], "cpu_off": cpu["0"], "wall_on": wall["1"], "wall_off": wall["0"]}))
-    print(f"vLLM {args.base}, a {len(trace.requests)}-request trace, {args.pairs} pairs, load average {load:.1f} "
+    print(f"recorder {args.recorder}; vLLM {args.base}, a {len(trace.requests)}-request trace, {args.pairs} pairs, load average {load:.1f} "
           f"(2 cores)")
     print(f"  arcs on : {on_cpu:6.2f} CPU s, {on_wall:6.2f} s wall per replay (median)")
     print(f"  arcs off: {off_cpu:6.2f} CPU s, {off_wall:6.2f} s wall per replay (median)")

@@ -113,6 +113,9 @@ def test_a_guided_campaign_mutates_the_run_that_came_closest():
     assert child == generate(3, 5, "partial-prefix", None, parent=spec)  # a pure function
     assert child.load_seed != spec.load_seed
     kept = set(spec.changes) & set(child.changes)
+    assert kept != set(child.changes) or len(child.changes) > len(spec.changes)  # something changed
+    for i in range(5, 60):  # never the parent again with other seeds
+        assert generate(3, i, "partial-prefix", {"load.concurrency=2": 99.0}, parent=spec).changes != spec.changes
     assert len(kept) >= len(spec.changes) - 2 and len(child.changes) <= len(spec.changes) + 2
     # which parent: none before a run with changes came back, none unguided; the most target arcs
     request = CampaignRequest(base="0.30.0", seed=1)
@@ -170,3 +173,45 @@ def test_a_quiet_hot_function_is_sampled_unless_it_holds_a_patched_line():
     finally:
         sys.settrace(previous)
     assert (name, 2, 5) in always.arcs()
+
+
+def test_instrumented_branches_report_both_ways_of_an_if_and_change_nothing_else(tmp_path):
+    """kvrepro/engine/branches.py on a real module file under a vllm/ path: the functions already
+    referenced run the instrumented code, give the same answers, and the probes name each branch."""
+    import importlib.util
+
+    from kvrepro.engine.branches import BranchRecorder
+
+    folder = tmp_path / "vllm" / "v1" / "core"
+    folder.mkdir(parents=True)
+    (folder / "kv_cache_manager.py").write_text(SOURCE + """
+
+class Manager:
+    def loop(self, items):
+        total = 0
+        for item in items:
+            if item < 0:
+                break
+            total += item
+        return total
+""")
+    spec = importlib.util.spec_from_file_location("fake_kv_cache_manager", folder / "kv_cache_manager.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    decide, manager = module.decide, module.Manager()  # held before instrumenting, as the engine holds them
+    out = io.StringIO()
+    recorder = BranchRecorder(stream=out)
+    recorder.install(modules={"fake": module})
+    assert "instrumented modules=1 functions=2 kept=0" in out.getvalue()
+    assert decide(1) == 1 and manager.loop([1, 2]) == 3
+    recorder.flush()
+    name = "v1/core/kv_cache_manager.py"
+    got = {arc for line in out.getvalue().splitlines() for arc in parse_line(line)}
+    # decide: entry, the if taken; loop (def at line 10): entry, the for's body, its end without a
+    # break, the if at 13 not taken
+    assert {(name, -1, 2), (name, 2, 3), (name, -10, 11), (name, 12, 13), (name, 12, -12), (name, 13, -13)} <= got
+    assert (name, 2, 5) not in got  # the else of decide: not taken yet
+    assert decide(-1) == 2 and manager.loop([1, -1, 5]) == 1
+    recorder.flush()
+    got = {arc for line in out.getvalue().splitlines() for arc in parse_line(line)}
+    assert {(name, 2, 5), (name, 13, 14)} <= got

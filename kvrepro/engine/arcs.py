@@ -32,6 +32,7 @@ import threading
 TAG = "kvrepro-arcs:"
 ENV = "KVREPRO_SIM_ARCS"
 ALWAYS_ENV = "KVREPRO_SIM_ARCS_ALWAYS"
+INSTRUMENT = "instrument"
 REPORT_INTERVAL_S = 1.0
 QUIET_CALLS = 32  # a function's calls in a row that added no arc before it is only sampled
 SAMPLE_EVERY = 16  # then every this many calls is traced
@@ -188,7 +189,13 @@ def always_to_env(ranges: dict[str, list[tuple[int, int]]]) -> str:
 
 def enabled(environ=None) -> bool:
     env = os.environ if environ is None else environ
-    return env.get(ENV, "").strip() in ("1", "true", "yes", "on")
+    return env.get(ENV, "").strip() in ("1", "true", "yes", "on", INSTRUMENT)
+
+
+def instrumented(environ=None) -> bool:
+    """``KVREPRO_SIM_ARCS=instrument``: branch probes compiled into the code (kvrepro/engine/branches.py)."""
+    env = os.environ if environ is None else environ
+    return env.get(ENV, "").strip() == INSTRUMENT
 
 
 def parse_line(line: str) -> list[tuple[str, int, int]]:

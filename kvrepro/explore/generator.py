@@ -123,7 +123,11 @@ def _mutate(rng: random.Random, index: int, parent: RunSpec, base_profile: str,
     profile = str(changes.get(PROFILE_PATH, base_profile))
     general = general_knobs() if vocabulary == ALL else [k for k in general_knobs() if k.path in LOAD_KNOBS]
     for k in _pick_knobs(rng, general + profile_knobs(profile), rng.randint(1, 2), weights):
-        value = _pick_value(rng, k, weights)
+        # another value than the parent's (or than the base's, None, for a knob the parent left
+        # alone): a mutation that changes nothing would only rerun the parent with other seeds
+        current = changes.get(k.path)
+        values = [v for v in k.values if v != current] or list(k.values)
+        value = copy.deepcopy(_weighted(rng, values, [_value_weight(weights, k, v) for v in values]))
         if k.path == PROFILE_PATH and value != profile:
             # another profile: the parent's settings of the old one mean nothing to it
             changes = {p: v for p, v in changes.items() if knob(p).profile is None}
