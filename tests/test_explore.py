@@ -56,7 +56,7 @@ def test_every_generated_run_is_a_valid_matrix_and_each_knob_is_used():
     """The spec's own validation (file:line errors) accepts every composition; the campaign would
     record an invalid one as INVALID, which would waste budget."""
     data = base_data(DEFAULT_MATRIX)
-    request = CampaignRequest(base="0.26.0", budget_runs=1)
+    request = CampaignRequest(base="0.30.0", budget_runs=1)  # engine.connector capable: 0.28.0+
     used = set()
     for seed in range(2):
         for index in range(60):

@@ -27,9 +27,12 @@ import sys
 import threading
 import types
 
-from .arcs import REPORT_INTERVAL_S, TAG, traced_name
+from .arcs import TAG, traced_name
 
 PROBES = "__kvrepro_branches__"
+# a scan of the probes costs well under a millisecond; often, so that an engine that dies of a
+# crash (no atexit then) has reported nearly everything it ran
+REPORT_INTERVAL_S = 0.2
 _installed: "BranchRecorder | None" = None  # this process's recorder (one per engine process)
 
 
