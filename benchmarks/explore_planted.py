@@ -15,8 +15,12 @@ campaign with the same seed:
 A campaign stops at its first run with a failure the row's `expect:` names (a prefix of the judge's
 failure key). Reported per bug and mode: found or not, the run that found it (run 0 is the base
 matrix as it is, the same in every mode), requests sent up to and including that run, seconds, and
-the first failure of any kind. A bug not found counts as budget + 1 runs (a lower bound, shown
-'>N'). The ratio is unguided (or generic) runs-to-find over guided's, per bug and on the median.
+the first failure of any kind, and the first run that executed a branch in the patched lines
+("reached": the campaign's branch probes, kvrepro/engine/branches.py; "never" says the planted
+code did not run, which tells "not reached" from "reached and harmless"). A bug not found counts as
+budget + 1 runs (a lower bound, shown '>N'). The ratio is unguided (or generic) runs-to-find over
+guided's, per bug and on the median. Each outcome is also printed on stderr as soon as it is known
+(`  outcome {...}`), so a benchmark cut short keeps what it measured.
 
 Done-when (issue 28): >= 80% found within 30 minutes each on 2 cores, guided >= 2x faster than
 unguided on the median. The full measurement:

@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT
 from kvrepro.classify.corruption import attribute
 from kvrepro.errors import BadInputError
-from kvrepro.explore.campaign import base_data, parent_for, parse_budget, run_matrix_for
+from kvrepro.explore.campaign import base_data, guided_weights, parent_for, parse_budget, run_matrix_for
 from kvrepro.explore.coverage import credit, features
 from kvrepro.explore.generator import RunSpec, apply, generate
 from kvrepro.explore.judge import (KNOWN, NEW, REGRESSION, Failure, invariant_failures, judge_failure,
@@ -287,5 +287,5 @@ def test_a_two_run_campaign_on_0_26_0_counts_the_target_crash_against_the_catalo
     resumed = CampaignState.from_json(json.loads(proc.stdout)["state"])
     assert resumed.campaign_id == state.campaign_id and len(resumed.runs) == 3
     assert resumed.runs[:2] == state.runs
-    assert resumed.runs[2].spec == generate(1, 2, "partial-prefix", state.weights, parent=parent_for(state, 2))
+    assert resumed.runs[2].spec == generate(1, 2, "partial-prefix", guided_weights(state), parent=parent_for(state, 2))
     assert proc.returncode == (1 if resumed.new_findings else 0)

@@ -215,3 +215,22 @@ class Manager:
     recorder.flush()
     got = {arc for line in out.getvalue().splitlines() for arc in parse_line(line)}
     assert {(name, 2, 5), (name, 13, 14)} <= got
+
+
+def test_guided_weights_favour_what_no_run_has_tried():
+    from kvrepro.explore.campaign import guided_weights
+    from kvrepro.explore.coverage import steering
+
+    weights = {"engine.sim.load_steps=4": 9.0, "engine.connector=\"offloading\"": 3.0}
+    out = steering(weights, ["engine.sim.load_steps=4", "engine.connector=\"offloading\""])
+    assert out["engine.connector=\"capable\""] == 9.0 and out["engine.sim.load_steps=1"] == 9.0
+    assert out["engine.connector=\"offloading\""] == 3.0  # tried: what it earned
+    assert steering({}, []) ["load.concurrency=2"] == 1.0  # nothing earned yet: all alike
+    tried = RunRecord(spec=RunSpec(index=1, changes=(("engine.connector", "capable"),)), run_id="r1",
+                      verdict="SURVIVED", seconds=1.0)
+    state = CampaignState(campaign_id="explore-x", request=CampaignRequest(base="0.30.0"), runs=[tried],
+                          weights={"load.concurrency=2": 5.0})
+    got = guided_weights(state)
+    assert got.get("engine.connector=\"capable\"", 1.0) == 1.0 and got["engine.connector=\"offloading\""] == 5.0
+    state.request = CampaignRequest(base="0.30.0", guided=False)
+    assert guided_weights(state) is None

@@ -39,7 +39,7 @@ from ..records import RunResult, Verdict
 from ..results import store as results
 from ..spec.matrix import DEFAULT_MATRIX, LoadedMatrix
 from ..suite.catalogue import Catalogue, build_key
-from .coverage import Targets, credit, features, in_target, patch_targets, points, run_arcs
+from .coverage import Targets, credit, features, in_target, patch_targets, points, run_arcs, steering
 from .findings import minimize_finding
 from .generator import RunSpec, apply, generate
 from .judge import invariant_failures, judge_failure, run_failures
@@ -237,6 +237,14 @@ def campaign_targets(loaded: LoadedMatrix, patches: tuple[str, ...]) -> Targets:
     return patch_targets(texts)
 
 
+def guided_weights(state: CampaignState) -> dict[str, float] | None:
+    """What the next run is drawn with: None unguided; guided, the credited weights with the
+    values no run has tried yet raised to the best (coverage.steering)."""
+    if not state.request.guided:
+        return None
+    return steering(state.weights, (key for r in state.runs for key in r.spec.keys()))
+
+
 def parent_for(state: CampaignState, index: int) -> RunSpec | None:
     """Guided campaigns: every other run (seeded) mutates the earlier run that reached most of the
     target lines (ties: the one whose new features were worth most, then the earliest); the others
@@ -298,8 +306,8 @@ def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progr
         save(state, folder)
         while state.budget_left() and not stop.is_set():
             index = len(state.runs)
-            spec = generate(request.seed, index, base_profile, state.weights if request.guided else None,
-                            request.vocabulary, parent_for(state, index))
+            spec = generate(request.seed, index, base_profile, guided_weights(state), request.vocabulary,
+                            parent_for(state, index))
             progress.stage(f"run {spec.index}: {spec.describe()}")
             started = time.monotonic()
             try:

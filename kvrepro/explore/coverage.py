@@ -130,6 +130,24 @@ def features(run: RunResult, failure_keys: Iterable[str] = ()) -> set[str]:
     return found
 
 
+def steering(weights: Mapping[str, float], tried: Iterable[str]) -> dict[str, float]:
+    """The weights a guided run is drawn with: the credited ones, and every ``knob=value`` the
+    campaign has not tried yet raised to the best credited weight (optimism toward the untried: a
+    value nobody ran cannot have earned points, and a campaign of a few runs must try it before it
+    reruns what was merely first to earn)."""
+    from .vocabulary import KNOBS
+
+    out = dict(weights)
+    top = max(out.values(), default=1.0)
+    done = set(tried)
+    for k in KNOBS:
+        for value in k.values:
+            key = k.key(value)
+            if key not in done:
+                out[key] = max(out.get(key, 1.0), top)
+    return out
+
+
 def credit(weights: Mapping[str, float], keys: Iterable[str], new_features: float) -> dict[str, float]:
     """``weights`` with each of ``keys`` raised by ``new_features`` points (weights start at 1)."""
     out = dict(weights)
