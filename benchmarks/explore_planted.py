@@ -13,10 +13,15 @@ campaign with the same seed:
             `vllm bench serve` itself is not used: its requests-to-crash is in requests_to_crash.py)
 
 A campaign stops at its first run with a failure the row's `expect:` names (a prefix of the judge's
-failure key). Reported per bug and mode: found or not, the run that found it (run 0 is the base
+failure key) that executed at least one branch in the planted patch's lines (the campaign's branch
+probes): a failure of a run that never ran the planted code is the release's own. Reported per bug and mode: found or not, the run that found it (run 0 is the base
 matrix as it is, the same in every mode), requests sent up to and including that run, seconds, and
-the first failure of any kind. A bug not found counts as budget + 1 runs (a lower bound, shown
-'>N'). The ratio is unguided (or generic) runs-to-find over guided's, per bug and on the median.
+the first failure of any kind, and the first run that executed a branch in the patched lines
+("reached": the campaign's branch probes, kvrepro/engine/branches.py; "never" says the planted
+code did not run, which tells "not reached" from "reached and harmless"). A bug not found counts as
+budget + 1 runs (a lower bound, shown '>N'). The ratio is unguided (or generic) runs-to-find over
+guided's, per bug and on the median. Each outcome is also printed on stderr as soon as it is known
+(`  outcome {...}`), so a benchmark cut short keeps what it measured.
 
 Done-when (issue 28): >= 80% found within 30 minutes each on 2 cores, guided >= 2x faster than
 unguided on the median. The full measurement:
@@ -102,6 +107,9 @@ class Outcome:
     found_key: str | None
     campaign: str
     verdicts: list[str] = field(default_factory=list)
+    reached_at_run: int | None = None  # first run that executed an arc in the patched lines (None: none did)
+    target_arcs: list[int] = field(default_factory=list)  # per run: arcs in the patched lines
+    arcs: list[int] = field(default_factory=list)  # per run: arcs of the code under test
 
 
 def explore_one(bug: PlantedBug, mode: str, matrix: Path, root: Path, budget: str, requests: int, seed: int,
@@ -133,18 +141,28 @@ def explore_one(bug: PlantedBug, mode: str, matrix: Path, root: Path, budget: st
         if keys and not first:
             first.append(keys[0])
         hit = next((k for k in keys if any(k.startswith(p) for p in bug.expect)), None)
+        if hit is not None and record.target_arcs == 0:
+            # the run never executed the planted lines: the failure is the release's own (measured:
+            # 0.30.0 as shipped corrupts with hash_block_size 8 and 2 MTP tokens), not the planted bug
+            print(f"  {bug.name} {mode} run {record.spec.index}: {hit} without reaching the planted lines: "
+                  "not counted", file=sys.stderr, flush=True)
+            hit = None
         if hit is not None and not found:
             found.update(key=hit, index=record.spec.index)
             stop.set()
         print(f"  {bug.name} {mode} run {record.spec.index}: {record.verdict} "
-              f"{', '.join(keys) or ''} ({record.seconds:.0f}s, {n} requests)", file=sys.stderr, flush=True)
+              f"{', '.join(keys) or ''} ({record.seconds:.0f}s, {n} requests, {record.arcs} arcs, "
+              f"{record.target_arcs} in the patched lines; {record.spec.describe()})", file=sys.stderr, flush=True)
 
     started = time.monotonic()
     state = run_campaign(state, folder, catalogue, stop=stop, on_run=on_run)
+    reached = [r.spec.index for r in state.runs if r.target_arcs > 0]
     return Outcome(bug=bug.name, mode=mode, found=bool(found), runs=len(state.runs),
                    found_at_run=found.get("index"), requests=sum(sent), seconds=round(time.monotonic() - started, 1),
                    first_failure=first[0] if first else None, found_key=found.get("key"),
-                   campaign=state.campaign_id, verdicts=[r.verdict for r in state.runs])
+                   campaign=state.campaign_id, verdicts=[r.verdict for r in state.runs],
+                   reached_at_run=reached[0] if reached else None, target_arcs=[r.target_arcs for r in state.runs],
+                   arcs=[r.arcs for r in state.runs])
 
 
 def runs_to_find(o: Outcome, budget_runs: int | None) -> float:
@@ -155,11 +173,14 @@ def runs_to_find(o: Outcome, budget_runs: int | None) -> float:
 
 
 def table(outcomes: list[Outcome], budget_runs: int | None) -> list[str]:
-    lines = [f"{'planted bug':34} {'mode':9} {'found':6} {'run':>4} {'requests':>8} {'s':>6}  first failure"]
+    lines = [f"{'planted bug':34} {'mode':9} {'found':6} {'run':>4} {'requests':>8} {'s':>6} {'reached':>7}  "
+             "first failure"]
     for o in outcomes:
         run = str(o.found_at_run) if o.found else f">{o.runs - 1}"
+        # reached: the first run that executed the patched lines (arcs, kvrepro/engine/arcs.py)
+        reached = str(o.reached_at_run) if o.reached_at_run is not None else "never"
         lines.append(f"{o.bug:34} {o.mode:9} {'yes' if o.found else 'no':6} {run:>4} {o.requests:>8} "
-                     f"{o.seconds:>6.0f}  {o.first_failure or '-'}")
+                     f"{o.seconds:>6.0f} {reached:>7}  {o.first_failure or '-'}")
     by = {(o.bug, o.mode): o for o in outcomes}
     bugs = list(dict.fromkeys(o.bug for o in outcomes))
     for mode in MODES:
@@ -210,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     outcomes.append(explore_one(bug, mode, matrix, args.results, args.budget, args.requests,
                                                 args.seed, catalogue))
+                    # each outcome as soon as it is known: a run cut short still leaves its numbers
+                    print("  outcome " + json.dumps(asdict(outcomes[-1])), file=sys.stderr, flush=True)
                 except KvreproError as exc:  # this bug cannot be explored (a build that fails): say so, go on
                     print(f"  {bug.name} {mode}: {str(exc).strip().splitlines()[0]}", file=sys.stderr, flush=True)
                     outcomes.append(Outcome(bug.name, mode, False, 0, None, 0, 0.0,

@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT
 from kvrepro.classify.corruption import attribute
 from kvrepro.errors import BadInputError
-from kvrepro.explore.campaign import base_data, parse_budget, run_matrix_for
+from kvrepro.explore.campaign import base_data, guided_weights, parent_for, parse_budget, run_matrix_for
 from kvrepro.explore.coverage import credit, features
 from kvrepro.explore.generator import RunSpec, apply, generate
 from kvrepro.explore.judge import (KNOWN, NEW, REGRESSION, Failure, invariant_failures, judge_failure,
@@ -56,7 +56,7 @@ def test_every_generated_run_is_a_valid_matrix_and_each_knob_is_used():
     """The spec's own validation (file:line errors) accepts every composition; the campaign would
     record an invalid one as INVALID, which would waste budget."""
     data = base_data(DEFAULT_MATRIX)
-    request = CampaignRequest(base="0.26.0", budget_runs=1)
+    request = CampaignRequest(base="0.30.0", budget_runs=1)  # engine.connector capable: 0.28.0+
     used = set()
     for seed in range(2):
         for index in range(60):
@@ -275,6 +275,11 @@ def test_a_two_run_campaign_on_0_26_0_counts_the_target_crash_against_the_catalo
     assert state.findings["crash:offload_update_state_after_alloc"].folder is None
     assert not list((root / state.campaign_id).glob("findings/*/draft-entry.yaml")) or state.new_findings
     assert state.coverage and first.new_features
+    # the engine reported the arcs of the code under test it ran (kvrepro/engine/arcs.py): the
+    # scheduler's and the connector's among them
+    assert first.arcs > 100, first
+    assert any(c.startswith("arc:v1/core/sched/scheduler.py:") for c in state.coverage)
+    assert any(c.startswith("arc:distributed/kv_transfer/kv_connector/v1/offloading/") for c in state.coverage)
     assert (root / state.campaign_id / "runs" / first.run_id).is_dir()
 
     proc = kvrepro("explore", "--resume", state.campaign_id, "--budget", "3", "--results", str(root), "--json", "--ci")
@@ -282,5 +287,5 @@ def test_a_two_run_campaign_on_0_26_0_counts_the_target_crash_against_the_catalo
     resumed = CampaignState.from_json(json.loads(proc.stdout)["state"])
     assert resumed.campaign_id == state.campaign_id and len(resumed.runs) == 3
     assert resumed.runs[:2] == state.runs
-    assert resumed.runs[2].spec == generate(1, 2, "partial-prefix", state.weights)
+    assert resumed.runs[2].spec == generate(1, 2, "partial-prefix", guided_weights(state), parent=parent_for(state, 2))
     assert proc.returncode == (1 if resumed.new_findings else 0)

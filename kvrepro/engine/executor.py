@@ -52,7 +52,7 @@ from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
 from kvrepro import versions
 
-from . import faults
+from . import arcs, faults
 from . import shadow as shadow_kv
 from .config import SimKnobs
 
@@ -332,6 +332,12 @@ class SimExecutor(Executor):
         self.transfers: SimTransferWorker | None = None
         self.shadow: shadow_kv.ShadowKV | None = None
         self._start_flusher()
+        if arcs.instrumented():  # explore's feedback: branches of the code under test (kvrepro/engine/branches.py)
+            from .branches import BranchRecorder
+
+            BranchRecorder().install()
+        elif arcs.enabled():  # the same by sys.settrace: exact arcs, about 3x the engine's CPU
+            arcs.ArcRecorder(always=arcs.always_from_env(os.environ.get(arcs.ALWAYS_ENV, ""))).install()
         # A GPU worker calls this after loading the model (UniProcExecutor._init_executor);
         # it aligns the attention block size with the Mamba page size for hybrid models.
         current_platform.update_block_size_for_backend(self.vllm_config)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import fcntl
 import os
+import random
 import re
 import shutil
 import threading
@@ -34,6 +35,8 @@ import yaml
 from .. import stopping
 from ..deploy import check_environment, get_target, known_targets
 from ..deploy.base import Target
+from ..engine.arcs import ENV as ARCS_ENV
+from ..engine.arcs import INSTRUMENT as ARCS_INSTRUMENT
 from ..errors import BadInputError, KvreproError, SpecError
 from ..matrix import parse_matrix
 from ..matrix.runner import MatrixOptions, Progress, SilentProgress, run_matrix
@@ -41,7 +44,7 @@ from ..records import RunResult, Verdict
 from ..results import store as results
 from ..spec.matrix import DEFAULT_MATRIX, LoadedMatrix
 from ..suite.catalogue import Catalogue, build_key
-from .coverage import credit, features
+from .coverage import Targets, credit, features, in_target, patch_targets, points, run_arcs, steering
 from .findings import minimize_finding
 from .generator import RunSpec, apply, generate
 from .judge import invariant_failures, judge_failure, run_failures
@@ -245,19 +248,54 @@ def _write_finding(folder: Path, state: CampaignState, judged: JudgedRecord, run
     return str(target.relative_to(folder))
 
 
+def campaign_targets(loaded: LoadedMatrix, patches: tuple[str, ...]) -> Targets:
+    """The lines the campaign's patches change (coverage.patch_targets); none without patches."""
+    texts = []
+    for name in patches:
+        try:
+            texts.append(loaded.patch_ref(name).path.read_text(errors="replace"))
+        except (OSError, KeyError):
+            continue  # the build step names an unreadable patch; here it only loses the aim
+    return patch_targets(texts)
+
+
+def guided_weights(state: CampaignState) -> dict[str, float] | None:
+    """What the next run is drawn with: None unguided; guided, the credited weights with the
+    values no run has tried yet raised to the best (coverage.steering)."""
+    if not state.request.guided:
+        return None
+    return steering(state.weights, (key for r in state.runs for key in r.spec.keys()))
+
+
+def parent_for(state: CampaignState, index: int) -> RunSpec | None:
+    """Guided campaigns: every other run (seeded) mutates the earlier run that reached most of the
+    target lines (ties: the one whose new features were worth most, then the earliest); the others
+    are drawn fresh by the weights. None before run 2: no run with changes has come back yet."""
+    done = [r for r in state.runs if r.run_id and r.verdict not in ("INVALID", "INFRA") and r.spec.index > 0]
+    if not state.request.guided or not done:
+        return None
+    if random.Random(f"kvrepro-explore-parent/{state.request.seed}/{index}").random() < 0.5:
+        return None
+    best = max(done, key=lambda r: (r.target_arcs, r.points, -r.spec.index))
+    return best.spec
+
+
 def record_run(state: CampaignState, folder: Path, catalogue: Catalogue, spec: RunSpec, loaded: LoadedMatrix,
-               run: RunResult, run_id: str) -> RunRecord:
+               run: RunResult, run_id: str, targets: Targets | None = None) -> RunRecord:
     """Judge one finished run and fold it into ``state``: findings, coverage, weights."""
     request = state.request
+    targets = targets or {}
     failures = run_failures(run) + invariant_failures(Path(run.run_dir) if run.run_dir else folder,
                                                       run.load.stopped_because if run.load else None)
     judged = [JudgedRecord.of(judge_failure(f, catalogue, request.base, request.patches, run)) for f in failures]
-    reached = features(run, [j.key for j in judged])
+    arcs = run_arcs(Path(run.run_dir) if run.run_dir else None)
+    reached = features(run, [j.key for j in judged]) | arcs
     seen = set(state.coverage)
     new = sorted(reached - seen)
     state.coverage.extend(new)
+    worth = points(new, targets)
     if request.guided:
-        state.weights = credit(state.weights, spec.keys(), len(new))
+        state.weights = credit(state.weights, spec.keys(), worth)
     for j in judged:
         known = state.findings.get(j.key)
         if known is not None:
@@ -267,7 +305,8 @@ def record_run(state: CampaignState, folder: Path, catalogue: Catalogue, spec: R
         state.findings[j.key] = FindingRecord(key=j.key, kind=j.kind, title=j.title, status=j.status, entry=j.entry,
                                               first_run=spec.index, folder=where)
     return RunRecord(spec=spec, run_id=run_id, verdict=run.label, seconds=run.seconds, failures=tuple(judged),
-                     new_features=tuple(new))
+                     new_features=tuple(new), arcs=len(arcs), target_arcs=sum(1 for a in arcs if in_target(targets, a)),
+                     points=worth)
 
 
 # targets whose one instance serves every run of the campaign (each run a shallow copy holding its
@@ -301,6 +340,9 @@ def _execute(spec: RunSpec, data: dict[str, Any], request: CampaignRequest, path
     if target is not None:
         sibling = copy.copy(target)
         sibling.loaded = loaded
+        # the engine reports the branches of the code under test it ran (feedback, coverage.py;
+        # kvrepro/engine/branches.py: probes compiled in, about 1.1x the engine's CPU)
+        sibling.engine_env = {**getattr(target, "engine_env", {}), ARCS_ENV: ARCS_INSTRUMENT}
     try:
         matrix_run = run_matrix(loaded, MatrixOptions(target=name, repetitions=1, jobs=1,
                                                       results_root=folder / RUNS_FOLDER),
@@ -352,6 +394,7 @@ def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progr
     name = target_name(request, loaded0)
     lag = max(1, request.jobs)
     slots = max(1, min(jobs or lag, lag))
+    targets = campaign_targets(loaded0, request.patches)
     lock = take_lock(folder, state.campaign_id)
     owned = target is None
     pool: ThreadPoolExecutor | None = None
@@ -370,8 +413,8 @@ def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progr
             # run i is made once runs 0..i-lag are recorded: at most `lag` made and not recorded
             while len(state.pending) < lag:
                 index = len(state.runs) + len(state.pending)
-                state.pending.append(generate(request.seed, index, base_profile,
-                                              state.weights if request.guided else None, request.vocabulary))
+                state.pending.append(generate(request.seed, index, base_profile, guided_weights(state),
+                                              request.vocabulary, parent_for(state, index)))
 
         def fold(outcome: _Outcome) -> RunRecord:
             spec = outcome.spec
@@ -379,7 +422,8 @@ def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progr
                 record = outcome.record
             else:
                 assert outcome.loaded is not None and outcome.run is not None
-                record = record_run(state, folder, catalogue, spec, outcome.loaded, outcome.run, str(outcome.run_id))
+                record = record_run(state, folder, catalogue, spec, outcome.loaded, outcome.run, str(outcome.run_id),
+                                    targets)
             state.runs.append(record)
             state.pending.pop(0)
             top_up()

@@ -82,17 +82,23 @@ def _pick_knobs(rng: random.Random, knobs: list[Knob], count: int, weights: Mapp
 
 
 def generate(seed: int, index: int, base_profile: str, weights: Mapping[str, float] | None = None,
-             vocabulary: str = ALL) -> RunSpec:
+             vocabulary: str = ALL, parent: RunSpec | None = None) -> RunSpec:
     """Run ``index`` of the campaign seeded ``seed`` over a base whose load profile is ``base_profile``.
 
     ``vocabulary`` :data:`LOAD`: only the base profile's load settings and the seeds change (a
     generic randomised load on the base engine, what a benchmark client with random settings
-    would send), the yardstick the planted-bug benchmark measures the full vocabulary against."""
+    would send), the yardstick the planted-bug benchmark measures the full vocabulary against.
+
+    ``parent`` (guided campaigns: the earlier run that came closest to the code under test,
+    campaign.py): the run keeps the parent's changes and changes 1-2 knobs more (AFL's mutation of a
+    corpus entry), so a composition that needed several knobs at once is not drawn apart again."""
     if vocabulary not in VOCABULARIES:
         raise ValueError(f"vocabulary {vocabulary!r}: one of {', '.join(VOCABULARIES)}")
     if index == 0:
         return RunSpec(index=0)
     rng = random.Random(f"kvrepro-explore/{seed}/{index}")
+    if parent is not None:
+        return _mutate(rng, index, parent, base_profile, weights, vocabulary)
     changes: list[tuple[str, Value]] = []
     profile = base_profile
     general = general_knobs() if vocabulary == ALL else [k for k in general_knobs() if k.path in LOAD_KNOBS]
@@ -109,10 +115,35 @@ def generate(seed: int, index: int, base_profile: str, weights: Mapping[str, flo
                    sim_seed=rng.randrange(SEED_RANGE))
 
 
+def _mutate(rng: random.Random, index: int, parent: RunSpec, base_profile: str,
+            weights: Mapping[str, float] | None, vocabulary: str) -> RunSpec:
+    """``parent``'s changes with 1-2 knobs set anew (a knob the parent left alone, or one of its own
+    given another value), and fresh seeds."""
+    changes = dict(parent.changes)
+    profile = str(changes.get(PROFILE_PATH, base_profile))
+    general = general_knobs() if vocabulary == ALL else [k for k in general_knobs() if k.path in LOAD_KNOBS]
+    for k in _pick_knobs(rng, general + profile_knobs(profile), rng.randint(1, 2), weights):
+        # another value than the parent's (or than the base's, None, for a knob the parent left
+        # alone): a mutation that changes nothing would only rerun the parent with other seeds
+        current = changes.get(k.path)
+        values = [v for v in k.values if v != current] or list(k.values)
+        value = copy.deepcopy(_weighted(rng, values, [_value_weight(weights, k, v) for v in values]))
+        if k.path == PROFILE_PATH and value != profile:
+            # another profile: the parent's settings of the old one mean nothing to it
+            changes = {p: v for p, v in changes.items() if knob(p).profile is None}
+            profile = str(value)
+        changes[k.path] = value
+    order = {k.path: i for i, k in enumerate(KNOBS)}
+    return RunSpec(index=index, changes=tuple(sorted(changes.items(), key=lambda c: order[c[0]])),
+                   load_seed=rng.randrange(SEED_RANGE), sim_seed=rng.randrange(SEED_RANGE))
+
+
 def _set(data: dict[str, Any], path: str, value: Value) -> None:
     *parents, last = path.split(".")
     node = data
     for part in parents:
+        if value is None and not isinstance(node.get(part), dict):
+            return  # nothing to remove (an empty engine.geometry would mean a generated model config)
         if not isinstance(node.get(part), dict):
             node[part] = {}
         node = node[part]

@@ -77,18 +77,24 @@ class RunRecord:
     failures: tuple[JudgedRecord, ...] = ()
     new_features: tuple[str, ...] = ()
     error: str | None = None  # why it could not be judged (an invalid composition, infrastructure)
+    arcs: int = 0  # arcs of the code under test the run executed (kvrepro/engine/arcs.py)
+    target_arcs: int = 0  # of them, arcs in the lines the campaign's patches change: 0 = not reached
+    points: float = 0.0  # what its new features credited (coverage.points)
 
     def to_json(self) -> dict[str, Any]:
         return {"spec": self.spec.to_json(), "run_id": self.run_id, "verdict": self.verdict,
                 "seconds": self.seconds, "failures": [dataclasses.asdict(f) for f in self.failures],
-                "new_features": list(self.new_features), "error": self.error}
+                "new_features": list(self.new_features), "error": self.error, "arcs": self.arcs,
+                "target_arcs": self.target_arcs, "points": round(self.points, 3)}
 
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> "RunRecord":
         return cls(spec=RunSpec.from_json(value["spec"]), run_id=value.get("run_id"), verdict=value["verdict"],
                    seconds=float(value.get("seconds") or 0.0),
                    failures=tuple(JudgedRecord(**_known(JudgedRecord, f)) for f in value.get("failures") or ()),
-                   new_features=tuple(value.get("new_features") or ()), error=value.get("error"))
+                   new_features=tuple(value.get("new_features") or ()), error=value.get("error"),
+                   arcs=int(value.get("arcs") or 0), target_arcs=int(value.get("target_arcs") or 0),
+                   points=float(value.get("points") or 0.0))
 
 
 @dataclass(frozen=True)

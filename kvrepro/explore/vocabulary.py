@@ -47,11 +47,19 @@ KNOBS: tuple[Knob, ...] = (
     Knob("engine.num_speculative_tokens", (1, 2, 3), why="MTP draft tokens per step"),
     Knob("engine.max_num_seqs", (2, 4, 8), why="requests scheduled per step"),
     Knob("engine.sim.num_gpu_blocks", (64, 96, 160), why="GPU KV pool: eviction pressure"),
+    Knob("engine.connector", ("offloading", "capable"),
+         why="capable: the OffloadingConnector declaring supports_divergent_local_hybrid_hits, the only way "
+             "the scheduler takes get_computed_blocks_for_connector and its divergent-hit reconcile (0.28.0+; "
+             "measured: the plain connector never runs them on 0.30.0)"),
     Knob("engine.sim.load_steps", (1, 2, 4), why="steps an offload load takes: async-load windows"),
     Knob("engine.sim.draft_acceptance_rate", (0.0, 0.7, 1.0), why="how many MTP drafts are accepted"),
     Knob("engine.geometry", (None, {"offload_chunk_tokens": 32}, {"mamba_groups": 1},
                              {"offload_chunk_tokens": 64}),
          why="KV-cache groups and offload chunk (kvrepro/spec/geometry.py)"),
+    # after engine.geometry (changes apply in this order): merged into whatever geometry the run has
+    Knob("engine.geometry.hash_block_size", (None, 8),
+         why="the prefix-match unit (`--prefix-match-unit`, vLLM 0.26.0+) below the 16-token block: a local "
+             "hit may end inside a KV block (#51468's lagging-Mamba truncation needs it)"),
     # the family's events (load.events, docs/load.md): what a client does besides sending a request
     Knob("load.events", (
         None,
