@@ -220,8 +220,7 @@ def test_rows():
     row = judge(null, "0.26.0", "0.26.0", (), [_run(Verdict.CRASH, outcome=Outcome.TARGET, signature=TARGET)])
     assert row.state == "OTHER" and row.matches is False  # another failure ended the run: not evidence
     stall = entry("skipped-waiting-deadlock")
-    four = [_run(Verdict.CORRUPT, rep=i, kv_defects={"mamba-null-state": 1}, loads_behind_deferred=80 + i)
-            for i in range(4)]
+    four = [_run(Verdict.SURVIVED, rep=i, loads_behind_deferred=80 + i) for i in range(4)]
     row = judge(stall, "0.31.0", "0.31.0", (), four)
     assert (row.state, row.expected, row.matches) == ("ABSENT", "fixed", True)  # the budget ran, 4 times
     assert row.detail == "path ran: loads_behind_deferred 80/81/82/83"
@@ -232,12 +231,37 @@ def test_rows():
     row = judge(stall, "0.31.0", "0.31.0", (), four[:1])
     # one clean run of a defect that shows in some runs only says little: absent_after 4
     assert (row.state, row.matches) == ("UNREACHED", False) and "1 of the 4 repetitions" in row.detail
+    # the same budget with wrong KV in one repetition: another failure, named, never ABSENT
+    corrupt = [*four[:3], _run(Verdict.CORRUPT, rep=3, loads_behind_deferred=83, kv_violations=7,
+                                kv_defects={"mamba-null-state": 5, "unknown": 2})]
+    row = judge(stall, "0.31.0", "0.31.0", (), corrupt)
+    assert (row.state, row.matches) == ("OTHER", False)
+    assert row.detail == "CORRUPT in 1/4 reps (rep 3: 7 KV violations, mamba-null-state x5, unknown x2)"
+    # a corruption entry whose own defect is in the corrupt run stays PRESENT
+    assert judge(null, "0.26.0", "0.26.0", (), corrupt).state == "PRESENT"
     # a corruption entry's path is the shadow KV's count of requests resumed from a hit, per group kind
     clean = _run(Verdict.SURVIVED, kv_hit_reads={"mamba": 3, "mamba+offload": 3})
     assert judge(null, "0.30.0", "0.30.0", (), [clean]).detail == "path ran: kv_hit_reads.mamba 3"
     blind = _run(Verdict.SURVIVED, kv_checks=9, kv_stored={"full_attention": 40})
     row = judge(null, "0.30.0", "0.30.0", (), [blind])
     assert row.state == "UNREACHED" and row.detail.endswith("kv_hit_reads.mamba 0; stored full_attention:40")
+
+
+def test_a_crash_entrys_corrupt_run_is_other_naming_the_corruption_not_absent():
+    """Issue 25: truncate-lagging-mamba's runs on 0.32.0/0.33.0 were CORRUPT (the shadow KV's then
+    missing copy-on-write model) and their rows said ABSENT: the crash path ran, the wrong KV went unseen."""
+    crash = entry("truncate-lagging-mamba")
+    seen = _run(Verdict.CORRUPT, truncate_calls=48, kv_checks=491, kv_violations=73,
+                kv_defects={"unknown": 54, "mamba-chunk-store-gap": 14, "fa-hole-below-mamba-hit": 5})
+    row = judge(crash, "0.33.0", "0.33.0", (), [seen])
+    assert (row.state, row.expected, row.matches) == ("OTHER", "fixed", False)
+    assert row.detail == ("CORRUPT in 1/1 reps (rep 0: 73 KV violations, unknown x54, mamba-chunk-store-gap x14, "
+                          "fa-hole-below-mamba-hit x5)")
+    # also when the path stayed below at_least: wrong KV is named before "the load went blind"
+    assert judge(crash, "0.33.0", "0.33.0", (), [dataclasses.replace(seen, truncate_calls=0)]).state == "OTHER"
+    clean = dataclasses.replace(seen, verdict=Verdict.UNREACHED, kv_violations=0, kv_defects={})
+    row = judge(crash, "0.33.0", "0.33.0", (), [clean])
+    assert (row.state, row.matches, row.detail) == ("ABSENT", True, "path ran: truncate_calls 48")
 
 
 # --- a real suite run, re-judged ------------------------------------------------------------------

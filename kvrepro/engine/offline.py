@@ -9,7 +9,7 @@ one by one and steps until each has finished before adding the next: exactly wha
 loop does when a client sends one request at a time (``load.concurrency: 1``, every replay).
 It prints one JSON line per job: ``{"job", "crashed", "crash_at", "exception", "function",
 "file", "statement", "requests_done", "trigger_calls", "kv_checks", "kv_violations",
-"kv_violations_by", "kv_records", "seconds"}`` (``kv_*``: the shadow KV's check of the job, each
+"kv_violations_by", "kv_records", "kv_copied", "seconds"}`` (``kv_*``: the shadow KV's check of the job, each
 violation with the index of its request; see ``_shadow_result``). With ``-`` it reads one job
 per line from stdin and answers each at once (the minimizer keeps one such process per build);
 its first line, ``{"ready": true, "engine": {...}}``, describes the engine it builds (settings
@@ -174,14 +174,15 @@ def _shadow_result(core) -> dict:
 
     shadow = getattr(core.model_executor, "shadow", None)
     if shadow is None:
-        return {"kv_checks": None, "kv_violations": 0, "kv_violations_by": {}, "kv_records": []}
+        return {"kv_checks": None, "kv_violations": 0, "kv_violations_by": {}, "kv_records": [], "kv_copied": 0}
     atexit.unregister(shadow.report)  # one shadow per job: do not keep them all alive until exit
     records = []
     for record in shadow.records:
         index = str(record.get("request", "")).rpartition("-")[2]
         records.append({**record, "request_index": int(index) if index.isdigit() else None})
     return {"kv_checks": shadow.checks, "kv_violations": shadow.violations,
-            "kv_violations_by": dict(shadow.by_kind), "kv_records": records}
+            "kv_violations_by": dict(shadow.by_kind), "kv_records": records,
+            "kv_copied": getattr(shadow, "copied", 0)}
 
 
 def _literal(value, imports: set[str]) -> str:

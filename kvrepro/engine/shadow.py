@@ -56,7 +56,15 @@ Mamba ``align`` helpers (``v1/worker/mamba_utils.preprocess_mamba`` and the alig
   list offloaded chunks of ``blocks_per_chunk`` GPU blocks, the first one entered at
   ``block_indices[g] % blocks_per_chunk`` (as vLLM's CPU offloading worker computes its copies);
   stores and loads copy contents at submission (the engine waits for a load before computing on
-  it, and vLLM flushes stores before their blocks are reused).
+  it, and vLLM flushes stores before their blocks are reused);
+* copy-on-write (vLLM 0.26.0+, a prefix-match unit below the block): the scheduler lists
+  ``kv_cache_block_copies`` (source, destination GPU block) and the runner copies each whole
+  block before the forward (``gpu_model_runner._update_states`` -> ``copy_kv_cache_blocks_inplace``:
+  0.29.0 :1234, 0.30.0 :1247, 0.33.0 :1208). A hit that ends inside a block gets a private copy
+  of the cached block, and a Mamba state cached at a unit boundary inside a block moves its cache
+  entry to a fresh block that only this copy fills (``allocate_new_blocks``, 0.30.0
+  single_type_kv_cache_manager.py:1890-1927); without the copy both read as another group's or
+  another prefix's data.
 
 Knobs (environment of the engine): ``KVREPRO_SIM_SHADOW_KV=0`` turns it off,
 ``KVREPRO_SIM_SHADOW_DESCRIBE=N`` describes the first N violations (default 5; the rest are
@@ -188,6 +196,7 @@ class ShadowKV:
         self.hit_reads: dict[str, int] = {}
         self.stored: dict[str, int] = {}
         self._hit_counted: set[str] = set()
+        self.copied = 0  # GPU blocks filled by the scheduler's copy-on-write copies
         self._write("installed groups=" + ",".join(f"{g.index}:{g.kind}/{g.block_size}" for g in self.groups))
         atexit.register(self.report, True)
 
@@ -258,7 +267,7 @@ class ShadowKV:
             self._hit_counted.discard(req_id)
         if so.finished_req_ids and self._seen:
             self._seen = {key for key in self._seen if key[0] not in so.finished_req_ids}
-        self._copy_on_write(getattr(so, "kv_cache_block_copies", None) or ())
+        self._copy_blocks(getattr(so, "kv_cache_block_copies", None) or ())
         for req_id in getattr(so, "preempted_req_ids", None) or ():
             if req_id in self.requests:
                 self.requests[req_id].state_idx = None
@@ -283,20 +292,33 @@ class ShadowKV:
                 for mine, more in zip(req.blocks, new_ids, strict=False):
                     mine.extend(more)
 
-    def _copy_on_write(self, copies) -> None:
-        """A request continuing from a shared partial block (a prefix-match unit finer than the block,
-        vLLM 0.26.0+) gets a private copy of it: ``SchedulerOutput.kv_cache_block_copies``, (source,
-        destination) block ids that the runner's ``_update_states`` copies, every layer's bytes, right
-        after the finished requests go (``copy_kv_cache_blocks_inplace``, v1/worker/utils.py). Without
-        it the private block would read as never written."""
+    def _copy_blocks(self, copies) -> None:
+        """The scheduler's copy-on-write copies (``SchedulerOutput.kv_cache_block_copies``, vLLM
+        0.26.0+): a prefix hit that ends inside a block, or a Mamba state cached at a prefix-match
+        unit inside a block, is copied whole into another GPU block before the step's forward
+        (the runner's ``copy_kv_cache_blocks_inplace``, after zeroing new blocks). All copies of a
+        step read their sources before any is written, as that batched index copy does."""
+        pairs = [(int(copy[0]), int(copy[1])) for copy in copies]
+        if not pairs:
+            return
         with self._lock:
-            for source, destination in ((int(c[0]), int(c[1])) for c in copies):
-                content = self.gpu.get(source)
-                self.gpu.pop(destination, None)
-                if content is not None:
-                    self.gpu[destination] = content.copy(f"{content.source}, copied on write from GPU block {source}")
-                    if (content.group, source) in self._holes:
-                        self._holes[(content.group, destination)] = self._holes[(content.group, source)]
+            self.copied += len(pairs)
+            sources = [self.gpu.get(src) for src, _ in pairs]
+            # a known hole (positions of the source left unfilled) travels with the bytes
+            holes = [{g.index: self._holes[(g.index, src)] for g in self.groups if (g.index, src) in self._holes}
+                     for src, _ in pairs]
+            for (src, dst), content, hole in zip(pairs, sources, holes):
+                for group in self.groups:  # the copy overwrites the block for every group
+                    self._holes.pop((group.index, dst), None)
+                for group_index, value in hole.items():
+                    self._holes[(group_index, dst)] = value
+                if content is None:
+                    self.gpu.pop(dst, None)
+                else:
+                    self.gpu[dst] = content.copy(f"{content.source}, copied from GPU block {src} "
+                                                 f"at step {self.step} (copy-on-write)")
+        if os.environ.get("KVREPRO_SIM_SHADOW_DEBUG"):
+            self._write(f"copies step={self.step} pairs={','.join(f'{s}->{d}' for s, d in pairs)}")
 
     def sampled(self, req_id: str, tokens, seq_end: int) -> None:
         """After sampling: the accepted tokens become part of the request; Mamba saves the state

@@ -78,6 +78,7 @@ class OfflineResult:
     kv_violations: int = 0
     kv_violations_by: dict[str, int] = field(default_factory=dict)
     kv_records: tuple[dict[str, Any], ...] = ()
+    kv_copied: int = 0  # GPU blocks the scheduler's copy-on-write copies filled (shadow KV)
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> "OfflineResult":

@@ -6,7 +6,8 @@ Rows (docs/suite.md):
 * ABSENT: none did, and the entry's path counter reached ``at_least`` in every repetition;
 * UNREACHED: none did, and the path counter stayed below it in some repetition, or fewer
   repetitions ran than the entry's ``absent_after`` (proves nothing);
-* OTHER: none did, and some repetition ended early on another failure (it may hide this one);
+* OTHER: none did, and some repetition ended early on another failure (it may hide this one), or
+  read wrong KV (CORRUPT: a corruption that is not this entry's is named, never hidden under ABSENT);
 * NOT TESTABLE: the entry says why the suite cannot test it here (no runs), or this release's
   ``vllm serve`` refused the entry's engine arguments (its configuration does not exist there);
 * INFRA: no repetition could be judged (build, engine start or load failed; or interrupted).
@@ -126,6 +127,14 @@ def judge(entry: Entry, build: str, release: str, patches: tuple[str, ...], runs
         r = early[0]
         known = next((p.name for p in known_patterns() if r.signature is not None and p.match(r.signature)), None)
         return row(OTHER, f"{r.label} in rep {r.rep}: {known or r.title}"[:160])
+    corrupt = [r for r in judged if r.verdict is Verdict.CORRUPT or r.kv_violations > 0]
+    if corrupt:
+        # wrong KV that is not this entry's: the path counter may have run, but a row that says
+        # ABSENT (or UNREACHED) must not make a corrupt build look clean
+        r = corrupt[0]
+        named = ", ".join(f"{name} x{n}" for name, n in sorted(r.kv_defects.items(), key=lambda kv: (-kv[1], kv[0])))
+        return row(OTHER, f"CORRUPT in {len(corrupt)}/{len(runs)} reps (rep {r.rep}: {r.kv_violations} KV "
+                          f"violations, {named or 'no defect named'})"[:160])
     counts = [counter(entry, r) for r in judged]
     shown = f"{entry.path_counter} {'/'.join(str(c) for c in counts)}"
     if len(judged) < entry.absent_after:  # a defect that shows in some runs only: one clean run says little
