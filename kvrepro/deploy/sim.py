@@ -123,6 +123,9 @@ class RedactingLog:
         self._thread.join(timeout)
 
 
+_HEALTH_POLL_S = 0.05  # how often a starting engine's /health is asked
+
+
 class ProcessEngine(EngineHandle):
     """An engine running as a child process in its own session, logging to a file."""
 
@@ -156,10 +159,11 @@ class ProcessEngine(EngineHandle):
                     return
             except requests.RequestException:
                 pass
+            # a refused connection costs next to nothing; each poll skipped is time the run waits
             if cancel is not None:
-                cancel.wait(0.2)
+                cancel.wait(_HEALTH_POLL_S)
             else:
-                time.sleep(0.2)
+                time.sleep(_HEALTH_POLL_S)
         raise InfraError(f"engine did not become healthy within {timeout:.0f}s "
                          f"(runs.start_timeout_s); last lines of {self.log_path}:\n{log_tail(self.log_path)}")
 
