@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvrepro.matrix.runner import longest_first
 from kvrepro.records import BuildArtifact, BuildPlan, Outcome, RunResult, Verdict
 
@@ -44,23 +46,25 @@ def test_each_repetition_orders_its_builds_by_the_time_their_runs_took():
     assert third == [("E", 2), ("B", 2), ("A", 2), ("C", 2), ("D", 2)]
 
 
-def test_a_run_frees_its_slot_when_its_load_ends(tmp_path, overlays):
-    """Four crash runs on two slots: the third engine starts while an earlier run is still being
-    stopped and judged (more than two runs in flight), yet never more than two engines start or
-    take load at once; the verdicts are what the matrix expects."""
+@pytest.mark.parametrize("jobs, reps", [(2, 2), (1, 1)], ids=["two-slots", "one-slot"])
+def test_a_run_frees_its_slot_when_its_load_ends(tmp_path, overlays, jobs, reps):
+    """Crash runs of A and C on two slots (and on one, as a suite runs each entry): the next engine
+    starts while an earlier run is still being stopped and judged (more runs in flight than slots),
+    yet never more than ``jobs`` engines start or take load at once; the verdicts are what the
+    matrix expects."""
     proc = subprocess.run([sys.executable, "-m", "kvrepro.cli", "matrix", "run", "--build", "A", "--build", "C",
-                           "--reps", "2", "--jobs", "2", "--json", "--results", str(tmp_path / "r")],
+                           "--reps", str(reps), "--jobs", str(jobs), "--json", "--results", str(tmp_path / "r")],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.loads(proc.stdout)
-    assert [r["label"] for b in run["builds"].values() for r in b["runs"]] == ["CRASH(target)"] * 4
+    assert [r["label"] for b in run["builds"].values() for r in b["runs"]] == ["CRASH(target)"] * 2 * reps
     spans = []
     for folder in (tmp_path / "r").glob("*/[AC]/[01]"):
         verdict = json.loads((folder / "verdict.json").read_text())
         begun = (folder / "manifest.json").stat().st_mtime
         load_ended = begun + verdict["engine_start_s"] + verdict["load"]["seconds"]
         spans.append((begun, load_ended, (folder / "verdict.json").stat().st_mtime))
-    assert len(spans) == 4
+    assert len(spans) == 2 * reps
 
     def most_at_once(intervals: list[tuple[float, float]]) -> int:
         edges = sorted([(t, 1) for t, _ in intervals] + [(t, -1) for _, t in intervals], key=lambda e: (e[0], e[1]))
@@ -70,8 +74,8 @@ def test_a_run_frees_its_slot_when_its_load_ends(tmp_path, overlays):
             peak = max(peak, now)
         return peak
 
-    # a run's tail (its engine's stop, its verdict) overlaps the next run: more than two in flight,
-    # at most twice the slots (two tails and two runs that started in their place)
-    assert 3 <= most_at_once([(b, v) for b, _, v in spans]) <= 4
-    # the engine's start and load of a run (its tail excluded): two slots; 50 ms for the files' clocks
-    assert most_at_once([(b + 0.05, e - 0.05) for b, e, _ in spans]) <= 2
+    # a run's tail (its engine's stop, its verdict) overlaps the next run: more runs in flight than
+    # slots, at most twice as many (tails and the runs that started in their place)
+    assert jobs < most_at_once([(b, v) for b, _, v in spans]) <= 2 * jobs
+    # the engine's start and load of a run (its tail excluded): ``jobs``; 50 ms for the files' clocks
+    assert most_at_once([(b + 0.05, e - 0.05) for b, e, _ in spans]) <= jobs

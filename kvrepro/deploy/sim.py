@@ -214,6 +214,8 @@ class _Zygote:
 class SimTarget(Target):
     """Runs each build's overlay in the shared runtime env (no GPU, no container)."""
 
+    starts_during_stop = True  # each engine on a port of its own, no GPU to share
+
     # added to every engine's environment: the `ray` target's node side names the run's placement
     # group here (its per-run copy of this target sets it; the shared zygote stays as it is)
     engine_env: dict[str, str] = {}

@@ -423,7 +423,7 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
                                              rep, progress, stop, options.replay)
             else:
                 result = run_one(loaded, target, artifact, run_dir, rep, progress, stop, options.replay, rule,
-                                 on_load_done=slot_free)
+                                 on_load_done=slot_free if target.starts_during_stop else None)
             results.write_json(run_dir / "verdict.json", result)
             recorded[artifact.plan.name].append(result)
             progress.run_finished(result)
@@ -432,10 +432,12 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
             """Runs ``work`` (an iterator: nothing is made per repetition before its turn) with at
             most ``jobs`` repetitions starting an engine or sending load at once.
 
-            A run frees its slot when its load ends (run_one's ``on_load_done``): its tail (the
-            engine's last counts, its stop, the verdict) is mostly waiting, so the next engine
-            starts meanwhile. At most ``2 * jobs`` runs are in flight, tails included."""
-            if jobs == 1:
+            On a target that allows it (``starts_during_stop``), a run frees its slot when its
+            load ends (run_one's ``on_load_done``): its tail (the engine's last counts, its stop,
+            the verdict) is mostly waiting, so the next engine starts meanwhile, even with one
+            slot (a suite runs each entry on one). At most ``2 * jobs`` runs are in flight, tails
+            included. Elsewhere a run holds its slot to its end."""
+            if jobs == 1 and not target.starts_during_stop:
                 for artifact, rep in work:
                     if stop.is_set():
                         return
