@@ -6,6 +6,8 @@ settled (docs/statistics.md, "Sequential stopping per run"). The same matrix is 
 both verdict lists are printed side by side, and the verdicts must be the same. Also printed: the median time from starting
 one engine (vLLM's own `vllm serve`, forked from the zygote) to its first healthy `/health`. Both are measured in this one run and printed
 side by side with their ratio to the goal, so a change in speed shows up as a change in ratio.
+One line per mode says where the wall time went (from the run records' file times): before the
+first run, the runs, after the last; and the shares of engine start, load and tail inside runs.
 
     python benchmarks/matrix_wallclock.py            # cached matrix + cold setup (downloads ~300 MB)
     python benchmarks/matrix_wallclock.py --no-cold  # cached matrix only
@@ -33,6 +35,33 @@ def kvrepro(*args: str, env: dict[str, str] | None = None) -> tuple[float, subpr
     return time.monotonic() - start, proc
 
 
+def phases(results: Path, started: float, ended: float) -> str:
+    """Where a matrix's wall time went, from its run records (file times, so a loaded machine
+    shifts every phase alike): before the first run (CLI, builds, the zygote's preload), the runs,
+    after the last (the report); and of the time inside runs, the shares of engine start (to a
+    healthy /health), load and tail (last counts, stop, verdict, files)."""
+    runs = []
+    for verdict_path in results.glob("*/*/[0-9]*/verdict.json"):
+        record = json.loads(verdict_path.read_text())
+        begun = (verdict_path.parent / "manifest.json").stat().st_mtime
+        load_s = (record.get("load") or {}).get("seconds") or 0.0
+        runs.append((begun, verdict_path.stat().st_mtime, record.get("engine_start_s") or 0.0, load_s))
+    if not runs:
+        return "no run records"
+    first, last = min(r[0] for r in runs), max(r[1] for r in runs)
+    inside = sum(end - begun for begun, end, _, _ in runs)
+    start = sum(r[2] for r in runs)
+    load = sum(r[3] for r in runs)
+    edges = sorted([(r[0], 1) for r in runs] + [(r[1], -1) for r in runs], key=lambda e: (e[0], e[1]))
+    now = peak = 0
+    for _, step in edges:
+        now += step
+        peak = max(peak, now)
+    return (f"before runs {first - started:5.1f} s, runs {last - first:5.1f} s, after {ended - last:4.1f} s; "
+            f"inside runs: start {start / inside:.0%}, load {load / inside:.0%}, tail {1 - (start + load) / inside:.0%}"
+            f" of {inside:.1f} s; at most {peak} runs in flight")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-cold", action="store_true", help="skip the from-scratch setup measurement")
@@ -44,9 +73,12 @@ def main() -> int:
         print(proc.stderr, file=sys.stderr)
         return 1
     measured = {}
+    breakdown = {}
     for mode, extra in (("settled", ()), ("full-load", ("--full-load",))):
         with tempfile.TemporaryDirectory() as tmp:
+            started = time.time()
             seconds, proc = kvrepro("matrix", "run", "--json", "--reps", str(args.reps), "--results", tmp, *extra)
+            breakdown[mode] = phases(Path(tmp), started, time.time())
         if proc.returncode not in (0, 1):
             print(proc.stderr, file=sys.stderr)
             return 1
@@ -77,6 +109,8 @@ def main() -> int:
           f"ratio {matrix_s / GOAL_MATRIX_S:.2f}   ({len(runs)} runs, {engine_s:.1f} s inside runs)")
     print(f"same with --full-load:             {full_s:7.1f} s   settled/full-load {matrix_s / full_s:.2f}   "
           f"({full_engine_s:.1f} s inside runs, ratio {engine_s / full_engine_s:.2f})")
+    for mode, text in breakdown.items():
+        print(f"  phases, {mode + ':':<11} {text}")
     print(f"engine start to healthy, median:   {median_start:7.1f} s   ratio to matrix {median_start / matrix_s:.2f}"
           f"   (min {starts[0] if starts else float('nan'):.1f} s, max {starts[-1] if starts else float('nan'):.1f} s)")
     print(f"setup, cache warm:                 {setup_s:7.1f} s   ratio to matrix {setup_s / matrix_s:.2f}")

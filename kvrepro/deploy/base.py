@@ -123,6 +123,9 @@ class Target(abc.ABC):
     #: True for a target that executes whole runs elsewhere (a cluster: `ray`): the runner then
     #: calls :meth:`run_remotely` instead of starting engines itself through :meth:`start`
     runs_remotely: bool = False
+    #: True for a target whose next engine may start while a finished run's engine is still being
+    #: stopped (no GPU, no fixed port: `sim`); the runner then frees a run's slot when its load ends
+    starts_during_stop: bool = False
 
     def __init__(self, loaded: LoadedMatrix):
         self.loaded = loaded

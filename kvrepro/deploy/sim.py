@@ -123,6 +123,9 @@ class RedactingLog:
         self._thread.join(timeout)
 
 
+_HEALTH_POLL_S = 0.05  # how often a starting engine's /health is asked
+
+
 class ProcessEngine(EngineHandle):
     """An engine running as a child process in its own session, logging to a file."""
 
@@ -156,10 +159,11 @@ class ProcessEngine(EngineHandle):
                     return
             except requests.RequestException:
                 pass
+            # a refused connection costs next to nothing; each poll skipped is time the run waits
             if cancel is not None:
-                cancel.wait(0.2)
+                cancel.wait(_HEALTH_POLL_S)
             else:
-                time.sleep(0.2)
+                time.sleep(_HEALTH_POLL_S)
         raise InfraError(f"engine did not become healthy within {timeout:.0f}s "
                          f"(runs.start_timeout_s); last lines of {self.log_path}:\n{log_tail(self.log_path)}")
 
@@ -209,6 +213,8 @@ class _Zygote:
 @register("sim")
 class SimTarget(Target):
     """Runs each build's overlay in the shared runtime env (no GPU, no container)."""
+
+    starts_during_stop = True  # each engine on a port of its own, no GPU to share
 
     # added to every engine's environment: the `ray` target's node side names the run's placement
     # group here (its per-run copy of this target sets it; the shared zygote stays as it is)

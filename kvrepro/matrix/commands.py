@@ -88,15 +88,34 @@ def exit_code(run: results.MatrixRun) -> int:
     return 0
 
 
+def _import_in_background(*modules: str) -> threading.Thread:
+    """Import the report's modules (scipy, matplotlib: ~2 s of CPU) on a thread of their own: they
+    are needed only once the runs are over, and until the engine zygote has preloaded vLLM's
+    dependencies (one core, several seconds) the other core has nothing else to do. A module
+    that fails to import here fails again, with its error, where it is used."""
+    import importlib
+
+    def load() -> None:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - reported by the import where the module is used
+                return
+
+    thread = threading.Thread(target=load, name="kvrepro-import-report", daemon=True)
+    thread.start()
+    return thread
+
+
 def run(matrix: Path, *, target: str | None, build: list[str] | None, reps: int | None, base_image: str | None,
         jobs: int | None, base: list[str] | None, adaptive: int | None, full_load: bool, ci: bool,
         junit: Path | None, results_root: Path, as_json: bool) -> int:
     """Build, run, classify, record, report; print the verdict table; the exit code. The options are
     `matrix run`'s, by name."""
     builds, bases = build, base
+    reporting = _import_in_background("kvrepro.report.render", "kvrepro.report.plots")
     from .. import stopping
     from ..report.outputs import check_junit, write_outputs
-    from ..report.render import matrix_json, matrix_table
     from .runner import MatrixOptions, run_matrix
 
     if adaptive is not None and reps is not None:
@@ -122,6 +141,9 @@ def run(matrix: Path, *, target: str | None, build: list[str] | None, reps: int 
         progress = terminal.progress_for(total, ci)
         with terminal.live(progress):
             finished = run_matrix(loaded, options, progress, stop)
+        reporting.join()
+        from ..report.render import matrix_json, matrix_table
+
         with stopping.ignored():  # every run is recorded: nothing may cut the table or the report short
             if as_json:
                 terminal.emit_json(matrix_json(finished))

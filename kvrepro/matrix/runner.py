@@ -13,7 +13,7 @@ import os
 import platform
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -146,11 +146,13 @@ _PROBE_SETTLE_S = 2.5
 
 def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_dir: Path, rep: int,
             progress: Progress, stop: threading.Event, replay: Any = None,
-            stop_rule: StopRule | None = None) -> RunResult:
+            stop_rule: StopRule | None = None, on_load_done: Callable[[], None] | None = None) -> RunResult:
     """One repetition of one build; writes manifest.json first and verdict.json last.
 
     ``replay`` (a :class:`~kvrepro.loadgen.trace.Trace`) is sent instead of the matrix's load.
-    ``stop_rule``: end the load once the engine's log settles the verdict (None: at the budget)."""
+    ``stop_rule``: end the load once the engine's log settles the verdict (None: at the budget).
+    ``on_load_done`` is called once the load has ended: what is left (the engine's last counts,
+    its stop, the verdict) needs little CPU, so the caller may start the next engine meanwhile."""
     matrix = loaded.matrix
     plan = artifact.plan
     engine_args = _engine_args(target)
@@ -221,6 +223,8 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
                             api_key=api_key, settled=is_settled)
         engine_exit = handle.exit_code()
         metrics_text = _fetch_metrics(handle)
+        if on_load_done is not None:
+            on_load_done()
         if metrics_text is not None:
             results.write_atomic(run_dir / "metrics.txt", metrics_text)
         if engine_exit is None and not stop.is_set():
@@ -300,6 +304,37 @@ def _decided(artifact: BuildArtifact, runs: list[RunResult], expect: str | None)
     return enough_runs(runs, expect)
 
 
+def longest_first(artifacts: list[BuildArtifact], recorded: dict[str, list[RunResult]],
+                  reps: Iterable[int]) -> Iterator[tuple[BuildArtifact, int]]:
+    """Every build's repetition ``rep`` before any build's next one; within one repetition the
+    builds whose recorded runs took longest go first (those with none yet, in matrix order, before
+    them all), so that a matrix ends on its short runs rather than one slot finishing a long run
+    alone. Ordered when the repetition's turn comes (a generator), from what is recorded then."""
+    for rep in reps:
+        def took(artifact: BuildArtifact) -> float:
+            runs = recorded.get(artifact.plan.name) or []
+            return -sum(r.seconds for r in runs) / len(runs) if runs else -float("inf")
+
+        for artifact in sorted(artifacts, key=took):  # stable: ties keep the matrix's order
+            yield artifact, rep
+
+
+def _once(release: Callable[[], None]) -> Callable[[], None]:
+    """``release``, callable any number of times but run once (a run frees its slot when its load
+    ends, or at its end when it never got that far)."""
+    lock = threading.Lock()
+    state = {"done": False}
+
+    def call() -> None:
+        with lock:
+            if state["done"]:
+                return
+            state["done"] = True
+        release()
+
+    return call
+
+
 def host_info() -> HostInfo:
     """Where kvrepro runs, for the report's "what ran" (no user names, no environment)."""
     return HostInfo(hostname=platform.node(), platform=platform.platform(terse=True),
@@ -371,7 +406,14 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
         if not stop.is_set() and not target.runs_remotely:
             target.warm_up(artifacts)  # the zygote ready before the first run, not inside its start
 
-        def one(artifact: BuildArtifact, rep: int) -> None:
+        def one(artifact: BuildArtifact, rep: int, slot_free: Callable[[], None] | None = None) -> None:
+            try:
+                one_run(artifact, rep, slot_free)
+            finally:
+                if slot_free is not None:
+                    slot_free()  # the run ended before its load did (or never started)
+
+        def one_run(artifact: BuildArtifact, rep: int, slot_free: Callable[[], None] | None) -> None:
             if stop.is_set():
                 return
             run_dir = folder.rep_dir(artifact.plan.name, rep)
@@ -380,33 +422,54 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
                 result = target.run_remotely(functools.partial(run_one, stop_rule=rule), loaded, artifact, run_dir,
                                              rep, progress, stop, options.replay)
             else:
-                result = run_one(loaded, target, artifact, run_dir, rep, progress, stop, options.replay, rule)
+                result = run_one(loaded, target, artifact, run_dir, rep, progress, stop, options.replay, rule,
+                                 on_load_done=slot_free if target.starts_during_stop else None)
             results.write_json(run_dir / "verdict.json", result)
             recorded[artifact.plan.name].append(result)
             progress.run_finished(result)
 
         def run_all(work: Iterable[tuple[BuildArtifact, int]]) -> None:
             """Runs ``work`` (an iterator: nothing is made per repetition before its turn) with at
-            most ``jobs`` repetitions in flight."""
-            if jobs == 1:
+            most ``jobs`` repetitions starting an engine or sending load at once.
+
+            On a target that allows it (``starts_during_stop``), a run frees its slot when its
+            load ends (run_one's ``on_load_done``): its tail (the engine's last counts, its stop,
+            the verdict) is mostly waiting, so the next engine starts meanwhile, even with one
+            slot (a suite runs each entry on one). At most ``2 * jobs`` runs are in flight, tails
+            included. Elsewhere a run holds its slot to its end."""
+            if jobs == 1 and not target.starts_during_stop:
                 for artifact, rep in work:
                     if stop.is_set():
                         return
                     one(artifact, rep)
                 return
-            pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="kvrepro-run")
+            pool = ThreadPoolExecutor(max_workers=2 * jobs, thread_name_prefix="kvrepro-run")
             running: set = set()
+            slots = threading.Semaphore(jobs)
+
+            def reap(block: bool) -> None:
+                nonlocal running
+                done, running = wait(running, timeout=None if block else 0, return_when=FIRST_COMPLETED)
+                for future in done:
+                    future.result()  # a bug in a run (not a verdict) ends the matrix, as before
+
+            pending = iter(work)
             try:
-                for a, rep in work:
-                    if stop.is_set():
-                        break
-                    if len(running) >= jobs:
-                        done, running = wait(running, return_when=FIRST_COMPLETED)
-                        for future in done:
-                            future.result()
+                while not stop.is_set():
+                    while not slots.acquire(timeout=0.05):
+                        reap(block=False)  # a finished run's error is raised here, as before
                         if stop.is_set():
                             break
-                    running.add(pool.submit(one, a, rep))
+                    if stop.is_set():
+                        break
+                    # the next run is taken only now that a slot is free: an order made from the
+                    # runs recorded so far (longest_first) sees every run that ended before it
+                    item = next(pending, None)
+                    if item is None:
+                        break
+                    while len(running) >= 2 * jobs:
+                        reap(block=True)
+                    running.add(pool.submit(one, *item, _once(slots.release)))
                 for future in list(running):
                     future.result()
             except BaseException:
@@ -430,7 +493,7 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
         else:
             # Repetition-major order: with N parallel slots the first results cover every build.
             first = options.first_rep
-            run_all((a, rep) for rep in range(first, first + reps) for a in artifacts)
+            run_all(longest_first(artifacts, recorded, range(first, first + reps)))
         folder.update(status="interrupted" if stop.is_set() else "complete", finished=time.time())
     except BaseException as exc:
         stop.set()
