@@ -11,6 +11,7 @@ ratio only means something when the load was alike.
     python benchmarks/pytest_wallclock.py --log ci.log --slowest 20        # the 20 slowest of a CI log
     python benchmarks/pytest_wallclock.py --workers 3 tests/test_engine.py  # any tests, 3 workers
     python benchmarks/pytest_wallclock.py --dists load,loadgroup tests/test_shadow_kv.py  # two distributions
+    python benchmarks/pytest_wallclock.py --zygotes tests/test_matrix_e2e.py     # own zygotes vs shared ones
 
 `--dists load,loadgroup` compares two xdist distributions on the same workers instead of serial
 and parallel: `load` is what `loadgroup` degrades to when xdist ignores the groups (pytest 9.2
@@ -42,12 +43,12 @@ def slowest_from_log(log: Path, count: int) -> list[str]:
     return found[:count]
 
 
-def timed_pytest(tests: list[str], *options: str) -> dict:
+def timed_pytest(tests: list[str], *options: str, env: dict[str, str] | None = None) -> dict:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     load_before = os.getloadavg()[0]
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *options, *tests],
-                          cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, CI="1"))
+                          cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, CI="1", **(env or {})))
     wall = time.monotonic() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     summary = (proc.stdout.strip().splitlines() or [""])[-1]
@@ -61,6 +62,9 @@ def main() -> int:
     parser.add_argument("--log", type=Path, help="a pytest log with a --durations listing")
     parser.add_argument("--slowest", type=int, default=20)
     parser.add_argument("--workers", default="2")
+    parser.add_argument("--zygotes", action="store_true",
+                        help="compare each command's own engine zygote (KVREPRO_TEST_OWN_ZYGOTES=1) against "
+                             "the session's shared ones (tests/conftest.py shares_zygotes), same workers")
     parser.add_argument("--dists", help="two xdist distributions to compare (e.g. load,loadgroup) instead of "
                                         "serial against loadgroup")
     args = parser.parse_args()
@@ -68,7 +72,11 @@ def main() -> int:
     if not tests:
         parser.error("name tests, or a CI log with --log")
     print(f"{len(tests)} tests; CPU cores: {os.cpu_count()}")
-    if args.dists:
+    if args.zygotes:
+        options = ("-n", args.workers, "--dist", "loadgroup")
+        runs = [("own zygote per command", timed_pytest(tests, *options, env={"KVREPRO_TEST_OWN_ZYGOTES": "1"})),
+                ("shared zygotes", timed_pytest(tests, *options))]
+    elif args.dists:
         first, second = args.dists.split(",")
         runs = [(f"-n {args.workers} --dist {d}", timed_pytest(tests, "-n", args.workers, "--dist", d))
                 for d in (first, second)]

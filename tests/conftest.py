@@ -81,6 +81,62 @@ def one_worker_at_a_time(tmp_path_factory, name: str):
         yield
 
 
+def stop_shared_zygotes(folder: Path) -> list[int]:
+    """SIGTERM every zygote that kvrepro commands started in ``folder`` (KVREPRO_SHARED_ZYGOTES) and
+    its engines (each zygote leads its own process group), SIGKILL what is left after 10 s; returns
+    the pids it found."""
+    import signal
+    import time
+
+    pids = []
+    for pid_file in folder.glob("*.pid"):
+        try:
+            pids.append(int(pid_file.read_text()))
+        except (OSError, ValueError):
+            continue
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
+        time.sleep(0.1)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    return pids
+
+
+@pytest.fixture(scope="session")
+def shared_zygote_folder(tmp_path_factory):
+    """This worker's folder of shared engine zygotes; they are stopped when the session ends."""
+    folder = tmp_path_factory.mktemp("zygotes")
+    yield folder
+    stop_shared_zygotes(folder)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shares_zygotes(request):
+    """A module marked ``shares_zygotes`` runs its kvrepro commands with KVREPRO_SHARED_ZYGOTES set
+    (kvrepro/deploy/sim.py): each runtime's engine zygote is started once for the whole session
+    and outlives each command, so a command forks its engines at once instead of importing torch
+    & co. again (~9 CPU s a command). Only modules that judge a run's outcome are marked: tests of
+    what a command leaves behind, of signals and of the zygote itself keep their own zygotes."""
+    # KVREPRO_TEST_OWN_ZYGOTES=1: every command its own zygote, as before (benchmarks/pytest_wallclock.py compares)
+    if request.node.get_closest_marker("shares_zygotes") is None or os.environ.get("KVREPRO_TEST_OWN_ZYGOTES"):
+        yield
+        return
+    from kvrepro.deploy.sim import SHARED_ZYGOTES_ENV
+
+    folder = request.getfixturevalue("shared_zygote_folder")
+    before = os.environ.get(SHARED_ZYGOTES_ENV)
+    os.environ[SHARED_ZYGOTES_ENV] = str(folder)
+    yield
+    if before is None:
+        os.environ.pop(SHARED_ZYGOTES_ENV, None)
+    else:
+        os.environ[SHARED_ZYGOTES_ENV] = before
+
+
 @pytest.fixture(scope="session")
 def default_matrix():
     from kvrepro.spec.matrix import load_matrix

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.shares_zygotes  # one engine zygote per runtime for the session (conftest.shares_zygotes)
+
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--requests", "300", "--calibrate", "2"]
 # The boundary fix removes the assertion but, on 0.26.0, leaves requests reading stale KV

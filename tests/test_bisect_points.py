@@ -12,6 +12,8 @@ from kvrepro.bisect.points import CommitPoint, PatchSetPoint, PointMatrices, Rel
 from kvrepro.builds import gitcommit
 from kvrepro.errors import SpecError
 
+pytestmark = pytest.mark.shares_zygotes  # one engine zygote per runtime for the session (conftest.shares_zygotes)
+
 
 def git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],

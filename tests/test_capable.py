@@ -25,6 +25,8 @@ from kvrepro.suite.run import SuiteBuild, check_entries, load as load_catalogue,
 from kvrepro.versions import (CAPABLE_CONNECTOR_CLASS, CAPABLE_CONNECTOR_MODULE, SUPPORTED_RELEASES,
                               divergent_hits_flag_problem)
 
+pytestmark = pytest.mark.shares_zygotes  # one engine zygote per runtime for the session (conftest.shares_zygotes)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -27,6 +27,8 @@ from kvrepro.records import LoadSummary, Outcome, RunResult, Signature, Verdict
 from kvrepro.spec.matrix import DEFAULT_MATRIX
 from kvrepro.suite.run import load as load_catalogue
 
+pytestmark = pytest.mark.shares_zygotes  # one engine zygote per runtime for the session (conftest.shares_zygotes)
+
 TARGET = Signature("AssertionError", "update_state_after_alloc",
                    "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py", 530,
                    "num_locally_computed_tokens <= num_locally_computed_gpu_blocks * tokens_per_block")

@@ -20,6 +20,8 @@ from kvrepro.explore.campaign import CampaignBusy, new_campaign, take_lock
 from kvrepro.explore.findings import violation_of
 from kvrepro.explore.state import CampaignRequest, CampaignState
 
+pytestmark = pytest.mark.shares_zygotes  # one engine zygote per runtime for the session (conftest.shares_zygotes)
+
 
 def kvrepro(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvrepro.cli", *args], cwd=ROOT, capture_output=True, text=True,

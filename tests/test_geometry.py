@@ -16,6 +16,8 @@ from kvrepro.loadgen.capacity import engine_capacity
 from kvrepro.spec.matrix import LoadSpec, load_matrix
 from kvrepro.versions import hybrid_kv_groups
 
+pytestmark = pytest.mark.shares_zygotes  # one engine zygote per runtime for the session (conftest.shares_zygotes)
+
 TEMPLATE = ROOT / "kvrepro" / "data" / "models" / "qwen3-next-tiny"
 EXAMPLE = ROOT / "examples" / "production-geometry.yaml"
 HEAD = 'base: "0.26.0"\nbuilds:\n  A: []\nengine:\n'

@@ -22,6 +22,8 @@ from conftest import ROOT
 from kvrepro.records import RequestEvents
 from kvrepro.spec.matrix import LoadEventSpec, LoadSpec, RunsSpec
 
+pytestmark = pytest.mark.shares_zygotes  # one engine zygote per runtime for the session (conftest.shares_zygotes)
+
 BAD_EVENTS = [
     ("- {at: 1, abort: queued, priority: 3}", "exactly one of abort, priority"),
     ("- {at: 1, abort: tokens}", "abort: tokens needs after_tokens"),

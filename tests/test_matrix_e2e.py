@@ -12,6 +12,9 @@ import sys
 from pathlib import Path
 
 import yaml
+import pytest
+
+pytestmark = pytest.mark.shares_zygotes  # one engine zygote per runtime for the session (conftest.shares_zygotes)
 
 ROOT = Path(__file__).resolve().parents[1]
 

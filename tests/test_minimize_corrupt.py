@@ -20,6 +20,8 @@ from kvrepro.spec.matrix import TargetSignature
 
 from conftest import require
 
+pytestmark = pytest.mark.shares_zygotes  # one engine zygote per runtime for the session (conftest.shares_zygotes)
+
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "tests" / "data" / "traces" / "minimized-B-corrupt.trace.jsonl"
 

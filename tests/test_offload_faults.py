@@ -24,6 +24,8 @@ from kvrepro import versions
 from kvrepro.records import LoadSummary, Verdict
 from kvrepro.spec.matrix import LoadSpec, OffloadFaultsSpec, RunsSpec
 
+pytestmark = pytest.mark.shares_zygotes  # one engine zygote per runtime for the session (conftest.shares_zygotes)
+
 BASE = "0.33.0"
 
 BAD_VALUES = [

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.shares_zygotes]  # conftest.shares_zygotes
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "kvrepro" / "probe" / "kvrepro_probe.py"

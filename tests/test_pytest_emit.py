@@ -24,6 +24,8 @@ from kvrepro.minimize.pytest_emit import EngineInfo
 from kvrepro.minimize.pytest_emit import _prompts_source, render
 from kvrepro.minimize.shrink import PytestCheck
 
+pytestmark = pytest.mark.shares_zygotes  # one engine zygote per runtime for the session (conftest.shares_zygotes)
+
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "tests" / "data" / "traces" / "minimized-A.trace.jsonl"
 

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import xmlschema
 import yaml
+import pytest
+
+pytestmark = pytest.mark.shares_zygotes  # one engine zygote per runtime for the session (conftest.shares_zygotes)
 
 ROOT = Path(__file__).resolve().parents[1]
 XSD = ROOT / "tests" / "data" / "junit" / "junit.xsd"

@@ -26,6 +26,8 @@ import yaml
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.shares_zygotes  # one engine zygote per runtime for the session (conftest.shares_zygotes)
+
 FIXTURES = ROOT / "tests" / "data" / "patches"
 ATTENTION_ONLY = ROOT / "tests" / "data" / "models" / "qwen3-next-attention-only"
 

@@ -21,6 +21,8 @@ from kvrepro.suite.catalogue import counter_value, expected_state
 from kvrepro.suite.judge import judge
 from kvrepro.suite.run import load
 
+pytestmark = pytest.mark.shares_zygotes  # one engine zygote per runtime for the session (conftest.shares_zygotes)
+
 ROOT = Path(__file__).resolve().parents[1]
 CATALOGUE = ROOT / "defects"
 

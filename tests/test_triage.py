@@ -21,6 +21,8 @@ from kvrepro.suite.run import load as load_catalogue
 from kvrepro.triage import reader, triage_file
 from kvrepro.triage.deployed import parse_repr
 
+pytestmark = pytest.mark.shares_zygotes  # one engine zygote per runtime for the session (conftest.shares_zygotes)
+
 DATA = ROOT / "tests" / "data" / "triage"
 SEED = DATA / "seed-0.26-dp4-offload-mtp.log"
 SECRETS = ("sk-prod-8f2c1d9e7a6b5c4d3e2f1a0b", "hf_QmXv7pLs9Kd2Rt4Yw8Nz3Bc6Fg1Hj5Mk0")

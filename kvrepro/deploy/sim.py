@@ -9,6 +9,8 @@ run can still read ``/metrics`` and see ``/health`` answer 503, as production mo
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import shutil
 import signal
@@ -70,14 +72,15 @@ def zygote_lesson(runtime: builds.Runtime) -> Path:
 
 def start_zygote(python: str, socket_path: str, env: dict[str, str], log_path: str,
                  timeout: float = 180.0, cancel: threading.Event | None = None,
-                 learned_path: str | None = None) -> subprocess.Popen:
-    """Start a zygote (for a deploy target) and wait until it accepts connections (or ``cancel``)."""
+                 learned_path: str | None = None, outlive: bool = False) -> subprocess.Popen:
+    """Start a zygote (for a deploy target) and wait until it accepts connections (or ``cancel``).
+    ``outlive``: a shared zygote (:data:`SHARED_ZYGOTES_ENV`), which whoever set that variable stops."""
     log = open(log_path, "ab")
     learned = ["--learned", learned_path] if learned_path else []
     proc = subprocess.Popen([python, "-m", "kvrepro.engine.zygote", "--socket", socket_path, *learned], env=env,
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True,
-                            preexec_fn=lifetime.child_hook())  # kvrepro#8: SIGTERM when kvrepro dies
+                            preexec_fn=None if outlive else lifetime.child_hook())  # kvrepro#8: SIGTERM when kvrepro dies
     log.close()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -187,6 +190,43 @@ class ProcessEngine(EngineHandle):
         self._log.close()
 
 
+# Set (to a folder) by whoever runs many short kvrepro commands in a row and stops what they leave
+# (kvrepro's own test session, tests/conftest.py): each runtime's zygote is started once in that
+# folder and outlives the command, so the next command forks its engines at once instead of
+# importing torch & co. again (~9 CPU s a command). Never set by kvrepro itself: a kvrepro command
+# must leave nothing running, and without the variable it does not.
+SHARED_ZYGOTES_ENV = "KVREPRO_SHARED_ZYGOTES"
+
+
+def _answers(socket_path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(socket_path))
+            return True
+        except OSError:
+            return False
+
+
+def shared_zygote(folder: Path, python: str, env: dict[str, str], learned_path: str) -> str:
+    """The socket of the shared zygote of ``python`` + ``env["PYTHONPATH"]`` in ``folder``, started
+    (detached, its pid in ``<key>.pid``) by the first command that needs it, under a file lock so
+    two commands never start two."""
+    key = hashlib.sha256(f"{python}\0{env.get('PYTHONPATH', '')}".encode()).hexdigest()[:16]
+    sock = folder / f"{key}.sock"
+    with (folder / f"{key}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _answers(sock):
+            sock.unlink(missing_ok=True)
+            # its own temp folder: a command's scratch folder is gone when that command ends
+            tmp = folder / f"{key}.tmp"
+            tmp.mkdir(exist_ok=True)
+            env = dict(env, TMPDIR=str(tmp), VLLM_RPC_BASE_PATH=str(tmp))
+            proc = start_zygote(python, str(sock), env, str(folder / f"{key}.log"),
+                                learned_path=learned_path, outlive=True)
+            (folder / f"{key}.pid").write_text(f"{proc.pid}\n")
+    return str(sock)
+
+
 class _Zygote:
     """One engine zygote per runtime (python + layers): builds of one release share it."""
 
@@ -239,6 +279,14 @@ class SimTarget(Target):
         build; without the zygote each run pays ~10 s of it. If it cannot start, engines start
         the ordinary way.
         """
+        shared = os.environ.get(SHARED_ZYGOTES_ENV)
+        if shared:
+            env = self._base_environment()
+            env["PYTHONPATH"] = runtime.pythonpath(paths.engine_import_root())
+            try:
+                return shared_zygote(Path(shared), str(runtime.python), env, str(zygote_lesson(runtime)))
+            except (OSError, RuntimeError) as exc:
+                self.on_line(f"shared engine zygote unavailable, starting this command's own: {exc}")
         with self._zygote_lock:
             zygote = self._zygotes.get(runtime.key)
             if zygote is None:

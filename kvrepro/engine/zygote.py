@@ -37,6 +37,7 @@ import select
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 
@@ -118,6 +119,8 @@ def _run_engine(conn: socket.socket, listen_path: str, request: dict, fds: list[
         env = request["env"]
         os.environ.clear()
         os.environ.update(env)
+        # the zygote's own TMPDIR may be another command's (a shared zygote): ask again
+        tempfile.tempdir = None
         os.chdir(request["cwd"])
         overlay_paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[0:0] = [p for p in overlay_paths if p not in sys.path]
@@ -275,6 +278,8 @@ def serve(socket_path: str, learned_path: str | None = None) -> int:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
                 _run_engine(conn, socket_path, request, fds, learn)
+            # one line per engine: a shared zygote's log shows which commands it served (tests/test_shared_zygote.py)
+            print(f"kvrepro zygote: forked engine {pid}", file=sys.stderr, flush=True)
             for fd in fds:
                 os.close(fd)
             children[pid] = conn

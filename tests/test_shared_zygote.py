@@ -1,0 +1,61 @@
+"""Shared engine zygotes (KVREPRO_SHARED_ZYGOTES, kvrepro/deploy/sim.py): a runtime's zygote is
+started once by the first command, outlives it, serves the next command's engines, and is stopped
+by whoever set the variable (here: conftest.stop_shared_zygotes, as the test session does).
+
+Real parts: two real `kvrepro matrix run` processes, real vLLM engines forked from one real zygote.
+The variable points at this test's own folder, not at the session's shared one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, stop_shared_zygotes
+from kvrepro.deploy.sim import SHARED_ZYGOTES_ENV
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def matrix_run_a(results: Path, zygotes: Path) -> dict:
+    env = dict(os.environ, **{SHARED_ZYGOTES_ENV: str(zygotes)})
+    proc = subprocess.run([sys.executable, "-m", "kvrepro.cli", "matrix", "run", "--build", "A", "--reps", "1",
+                           "--json", "--results", str(results)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)["builds"]["A"]["runs"][0]
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def test_two_commands_fork_their_engines_from_one_zygote_that_outlives_them_until_stopped(tmp_path, overlays):
+    zygotes = tmp_path / "zygotes"
+    zygotes.mkdir()
+    try:
+        first = matrix_run_a(tmp_path / "r1", zygotes)
+        pid_files = list(zygotes.glob("*.pid"))
+        assert len(pid_files) == 1, pid_files  # one runtime, one zygote
+        pid = int(pid_files[0].read_text())
+        assert alive(pid), "the shared zygote ended with the command that started it"
+
+        second = matrix_run_a(tmp_path / "r2", zygotes)
+        assert [p.read_text() for p in zygotes.glob("*.pid")] == [f"{pid}\n"]  # no second zygote
+        # both engines were forked by that zygote: its log names one fork per engine
+        forks = [line for line in (zygotes / pid_files[0].name.replace(".pid", ".log")).read_text().splitlines()
+                 if "forked engine" in line]
+        assert len(forks) == 2, forks
+        for run in (first, second):  # and a forked engine is the same engine: A still dies on the target
+            assert run["verdict"] == "CRASH" and run["outcome"] == "target", run
+    finally:
+        stopped = stop_shared_zygotes(zygotes)
+    assert stopped and not any(alive(p) for p in stopped)
