@@ -39,10 +39,16 @@ def runs_an_engine(item) -> bool:
     return ENGINE_FIXTURE in getattr(item, "fixturenames", ())
 
 
+# module-scoped but nothing to share between workers: every test has it (autouse), and it only
+# sets an environment variable, so it must not pin every module to one worker
+UNGROUPED_MODULE_FIXTURES = ("shares_zygotes",)
+
+
 def uses_module_fixture(item) -> bool:
     """Whether the test uses a module-scoped fixture (an engine, a wheel, a git history)."""
     info = getattr(item, "_fixtureinfo", None)
-    return bool(info) and any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values())
+    return bool(info) and any(defs and defs[-1].scope == "module" for name, defs in info.name2fixturedefs.items()
+                              if name not in UNGROUPED_MODULE_FIXTURES)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups off the items
