@@ -2,6 +2,7 @@
 
     python scripts/release_table.py [--reps N] [--jobs N] [--out docs/suite-release-table.md]
     python scripts/release_table.py --from results/suite-...   # render a recorded suite run again
+    python scripts/release_table.py --from results/suite-A --from results/suite-B   # B's entries replace A's
 
 Runs `kvrepro suite run --base <each release> --json` (one suite run, recorded under results/) and
 writes a Markdown table: one row per entry, one column per release; each cell is the row
@@ -66,21 +67,36 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--jobs", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--from", dest="recorded", default=None, help="a recorded suite run to render")
+    ap.add_argument("--from", dest="recorded", action="append", default=None,
+                    help="a recorded suite run to render; again: a later run's entries replace an earlier one's "
+                         "(an entry re-measured after a fix)")
     args = ap.parse_args()
     started = time.monotonic()
     if args.recorded:
-        cmd = [sys.executable, "-m", "kvrepro.cli", "suite", "report", args.recorded, "--json"]
+        suite = None
+        for recorded in args.recorded:
+            proc = subprocess.run([sys.executable, "-m", "kvrepro.cli", "suite", "report", recorded, "--json"],
+                                  cwd=ROOT, stdout=subprocess.PIPE, text=True)
+            if not proc.stdout.strip():
+                raise SystemExit(f"no suite output for {recorded} (exit {proc.returncode})")
+            later = json.loads(proc.stdout)
+            if suite is None:
+                suite = later
+                continue
+            replaced = {r["entry"] for r in later["rows"]}
+            suite["rows"] = [r for r in suite["rows"] if r["entry"] not in replaced] + later["rows"]
+            suite["suite_id"] += f"` + `{later['suite_id']}"
+            suite["seconds"] = (suite.get("seconds") or 0) + (later.get("seconds") or 0)
     else:
         cmd = [sys.executable, "-m", "kvrepro.cli", "suite", "run", "--json", "--ci", "--reps", str(args.reps)]
         for release in SUPPORTED:
             cmd += ["--base", release]
         if args.jobs:
             cmd += ["--jobs", str(args.jobs)]
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    if not proc.stdout.strip():
-        raise SystemExit(f"no suite output (exit {proc.returncode})")
-    suite = json.loads(proc.stdout)
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        if not proc.stdout.strip():
+            raise SystemExit(f"no suite output (exit {proc.returncode})")
+        suite = json.loads(proc.stdout)
     table = render(suite, suite.get("seconds") or (None if args.recorded else time.monotonic() - started))
     if args.out:
         args.out.write_text(table)
