@@ -143,6 +143,34 @@ def shares_zygotes(request):
         os.environ[SHARED_ZYGOTES_ENV] = before
 
 
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+@contextlib.contextmanager
+def local_ray_cluster(tmp_path_factory, nodes: int):
+    """``nodes`` raylets on 127.0.0.11.., one logical CPU each (the fake part: remote hosts are
+    loopback addresses); torn down (every process of it killed by pid, none by name) and checked
+    to have left nothing."""
+    from kvrepro.deploy.ray.localcluster import LocalCluster
+
+    cache = tmp_path_factory.mktemp("ray-node-cache")
+    os.environ["KVREPRO_RAY_NODE_CACHE"] = str(cache)  # inherited by the raylets and their workers
+    cluster = LocalCluster(nodes=nodes, cpus_per_node=1).start()
+    try:
+        yield cluster
+    finally:
+        os.environ.pop("KVREPRO_RAY_NODE_CACHE", None)
+        left = cluster.stop()
+        assert not left, f"processes of the test cluster still alive: {left}"
+        assert not cluster.processes()
+
+
 @pytest.fixture(scope="session")
 def default_matrix():
     from kvrepro.spec.matrix import load_matrix

@@ -16,11 +16,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, require
+from conftest import ROOT, local_ray_cluster, require
 from kvrepro.explore.coverage import credit
 from kvrepro.explore.generator import generate
 from kvrepro.explore.state import CampaignState
@@ -56,17 +55,8 @@ def cluster(tmp_path_factory, runtime_python):
     """Two raylets on 127.0.0.11-12, one logical CPU each; torn down (every process of it killed
     by pid, none by name) and checked to have left nothing."""
     require(HAVE_RAY, "ray is not installed (pip install 'kvrepro[ray]')")
-    from kvrepro.deploy.ray.localcluster import LocalCluster
-
-    cache = tmp_path_factory.mktemp("ray-node-cache")
-    os.environ["KVREPRO_RAY_NODE_CACHE"] = str(cache)  # inherited by the raylets and their workers
-    c = LocalCluster(nodes=2, cpus_per_node=1).start()
-    try:
+    with local_ray_cluster(tmp_path_factory, nodes=2) as c:
         yield c
-    finally:
-        os.environ.pop("KVREPRO_RAY_NODE_CACHE", None)
-        left = c.stop()
-        assert not left, f"processes of the test cluster still alive: {left}"
 
 
 def _engines_below(cluster) -> set[int]:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, require
+from conftest import ROOT, local_ray_cluster, require
 from test_docker_target import cpu_base, docker_host  # noqa: F401 (fixtures: the local dockerd, the CPU base)
 
 try:
@@ -64,18 +64,8 @@ def cluster(tmp_path_factory, overlays):
     """Three raylets on 127.0.0.11-13, one logical CPU each; torn down (every process of it killed
     by pid, none by name) and checked to have left nothing."""
     require(HAVE_RAY, "ray is not installed (pip install 'kvrepro[ray]')")
-    from kvrepro.deploy.ray.localcluster import LocalCluster
-
-    cache = tmp_path_factory.mktemp("ray-node-cache")
-    os.environ["KVREPRO_RAY_NODE_CACHE"] = str(cache)  # inherited by the raylets and their workers
-    c = LocalCluster(nodes=3, cpus_per_node=1).start()
-    try:
+    with local_ray_cluster(tmp_path_factory, nodes=3) as c:
         yield c
-    finally:
-        os.environ.pop("KVREPRO_RAY_NODE_CACHE", None)
-        left = c.stop()
-        assert not left, f"processes of the test cluster still alive: {left}"
-        assert not c.processes()
 
 
 def _node_addresses(address: str) -> list[str]:

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, planned_run, require
+from conftest import ROOT, alive, planned_run, require
 from kvrepro.deploy.docker.hosts import remove_quietly
 
 TOKEN = "hf_kvreproTestTokenDoNotLeak0123456789"
@@ -94,14 +94,6 @@ def children_of(pid: int) -> set[int]:
                 found.add(child)
                 todo.append(child)
     return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
 
 
 def wait_until(condition, limit: float, every: float = 0.25) -> bool:

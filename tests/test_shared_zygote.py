@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, stop_shared_zygotes
+from conftest import ROOT, alive, stop_shared_zygotes
 from kvrepro.deploy.sim import SHARED_ZYGOTES_ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -28,14 +28,6 @@ def matrix_run_a(results: Path, zygotes: Path) -> dict:
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)["builds"]["A"]["runs"][0]
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
 
 
 def test_two_commands_fork_their_engines_from_one_zygote_that_outlives_them_until_stopped(tmp_path, overlays):
