@@ -103,3 +103,17 @@ def test_a_request_the_load_aborted_is_an_end_not_a_broken_invariant(tmp_path):
         {"index": 1, "ok": True, "status": "aborted", "aborted": 0, "completion_tokens": 0, "error": None},
         {"index": 2, "ok": True, "completion_tokens": 0}]))
     assert [f.key for f in invariant_failures(tmp_path, "budget")] == ["invariant:ok-without-completion"]
+
+
+def test_an_emitted_test_named_by_a_relative_path_runs_that_file(tmp_path, monkeypatch):
+    """A campaign under the default `--results results` names its finding's test_finding.py by a
+    relative path, and the emitted test runs in its own folder: it must still run that file (it once
+    ran `results/.../test_finding.py` inside the finding's folder: exit 2, no such file)."""
+    from kvrepro.minimize.pytest_emit import run_emitted
+
+    finding = tmp_path / "results" / "finding"
+    finding.mkdir(parents=True)
+    (finding / "test_finding.py").write_text("assert 1 == 2, 'the bug'\n")
+    monkeypatch.chdir(tmp_path)
+    got = run_emitted(Path("results/finding/test_finding.py"), sys.executable, "")
+    assert (got.exit, got.exception) == (1, "AssertionError"), got.output

@@ -851,6 +851,7 @@ def run_emitted(path: Path, python: str, pythonpath: str, timeout: float = 600) 
     from .. import lifetime, scratch
 
     env.update(scratch.engine_env())  # its temporary files go where kvrepro's go (removed on exit)
+    path = path.resolve()  # it runs in its own folder: a path relative to ours would name the wrong file
     proc = subprocess.run([python, str(path)], env=env, cwd=str(path.parent), capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL,
                           preexec_fn=lifetime.child_hook(signal.SIGKILL))  # never outlives kvrepro
