@@ -10,6 +10,7 @@ nodes are loopback addresses of this one machine); the nodes advertise no GPUs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ import time
 import pytest
 
 from conftest import ROOT, local_ray_cluster, require
+from kvrepro.explore.campaign import guided_weights, parent_for
 from kvrepro.explore.coverage import credit
 from kvrepro.explore.generator import generate
 from kvrepro.explore.state import CampaignState
@@ -96,12 +98,16 @@ def test_a_campaign_on_ray_interrupted_and_resumed_makes_the_runs_and_verdicts_o
     assert sim.returncode == 0, sim.stderr[-3000:]
     on_sim = CampaignState.from_json(json.loads(sim.stdout)["state"])
     assert len(on_sim.runs) == 2 and on_sim.request.jobs == 2
-    # made ahead for a larger budget, by the jobs-2 rule: run 2 from run 0's weights (none: run 0
-    # changes no knob), run 3 from those of runs 0 and 1 (run 1 reached new features: its knobs credited)
-    run1 = on_sim.runs[1]
+    # made ahead for a larger budget, by the jobs-2 rule: run 2 from what run 0 left (run 0 changes
+    # no knob: no credit), run 3 from what runs 0 and 1 left (run 1's knobs credited with its points)
+    run0, run1 = on_sim.runs
     assert run1.new_features and [p.index for p in on_sim.pending] == [2, 3]
-    assert on_sim.pending[0] == generate(1, 2, "partial-prefix", {})
-    assert on_sim.pending[1] == generate(1, 3, "partial-prefix", credit({}, run1.spec.keys(), len(run1.new_features)))
+    after0 = dataclasses.replace(on_sim, runs=[run0], weights=credit({}, run0.spec.keys(), run0.points))
+    after1 = dataclasses.replace(on_sim, runs=[run0, run1], weights=credit(after0.weights, run1.spec.keys(), run1.points))
+    for pending, state in zip(on_sim.pending, (after0, after1)):
+        index = pending.index
+        assert pending == generate(1, index, "partial-prefix", guided_weights(state), state.request.vocabulary,
+                                   parent_for(state, index))
 
     root = tmp_path / "ray"
     env = _env(RAY_ADDRESS=cluster.address)

@@ -1311,6 +1311,7 @@ def test_run_materialises_nothing_per_repetition(tmp_path, monkeypatch):
         name = "sim"
         on_line = None
         runs_remotely = False  # the Target contract's: this one starts its engines itself
+        starts_during_stop = False  # ... and keeps a run's slot until its engine is stopped
 
         def __init__(self, loaded):
             pass
@@ -1330,7 +1331,8 @@ def test_run_materialises_nothing_per_repetition(tmp_path, monkeypatch):
         def close(self):
             pass
 
-    def fake_run_one(loaded, target, artifact, run_dir, rep, progress, stop_event, replay=None, stop_rule=None):
+    def fake_run_one(loaded, target, artifact, run_dir, rep, progress, stop_event, replay=None, stop_rule=None,
+                     on_load_done=None):
         started.append((artifact.plan.name, rep))
         if len(started) >= 6:
             stop.set()

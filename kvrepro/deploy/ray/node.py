@@ -69,6 +69,7 @@ class NodeRun:
     placement: Placement | None = None  # a multi-node engine's placement group, else None
     engine: str = "sim"  # ray.engine: the target that runs the engine on the node (its node-engine hooks)
     files: tuple[ShippedFile, ...] = ()  # the build's small files for that engine (NodeBuild.files)
+    engine_env: tuple[tuple[str, str], ...] = ()  # the driver target's extra engine environment (explore's probes)
 
 
 @dataclass(frozen=True)
@@ -149,8 +150,11 @@ def run_task(job: NodeRun, run: RunFunction) -> RunFiles:
         job.sink.started.remote(job.key, node)
     target = _local_target(job.loaded, job.engine)
     artifact = local_artifact(job, node, target)
+    extra = dict(job.engine_env)
     if job.placement is not None:
-        target.engine_env = job.placement.engine_env()  # this run's copy only
+        extra.update(job.placement.engine_env())
+    if extra:
+        target.engine_env = {**getattr(target, "engine_env", {}), **extra}  # this run's copy only
     run_dir = Path(tempfile.mkdtemp(prefix="ray-run-", dir=scratch.folder()))
     try:
         result = run(job.loaded, target, artifact, run_dir, job.rep, _NodeProgress(job.sink, job.key),

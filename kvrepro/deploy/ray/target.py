@@ -145,6 +145,9 @@ class RayTarget(Target):
     each of its ``ray.nodes_per_engine`` nodes."""
 
     runs_remotely = True
+    # added to every engine's environment on its node (as SimTarget.engine_env): a campaign's per-run
+    # copy sets explore's branch probes here, so a run on Ray reports what it reached as on sim
+    engine_env: dict[str, str] = {}
 
     def __init__(self, loaded):
         super().__init__(loaded)
@@ -314,7 +317,8 @@ class RayTarget(Target):
                     job = NodeRun(key=key, loaded=loaded, artifact=artifact, rep=rep,
                                   bundle=bundle[0] if bundle else None, bundle_data=[bundle[1]] if bundle else [],
                                   sink=self._sink, replay=replay, placement=placement, engine=self.spec.engine,
-                                  files=self._files.get(artifact.plan.name, ()))
+                                  files=self._files.get(artifact.plan.name, ()),
+                                  engine_env=tuple(sorted(self.engine_env.items())))
                     ref = self._submit(job, run, avoid)
                     try:
                         files: RunFiles = self._wait(ref)
