@@ -42,6 +42,13 @@ def test_each_class_goes_to_its_defect_and_an_unknown_one_stays_unknown():
     # a hole left by a request without an offload hit, served again: the other defect's
     assert match_class("full_attention/foreign/inherited").name == "fa-hole-below-mamba-hit"
     assert match_class("mamba/null-block/hit").name == NULL_STATE
+    # its prefix-match-unit face: the resume block is a fresh, unzeroed Mamba block (explore 0.26.0 findings
+    # 002-007, docs/defect-family.md 3.6); with an offload hit it stays mamba-chunk-store-gap's
+    for read in ("missing", "foreign", "wrong-state"):
+        assert match_class(f"mamba/{read}/hit").name == NULL_STATE
+        assert getattr(match_class(f"mamba+offload/{read}/hit"), "name", None) != NULL_STATE
+    # the same reads by a running request (seen only under concurrency, unexplained): no known defect
+    assert match_class("mamba/foreign/computed") is None and match_class("mamba/wrong-state/computed") is None
     assert match_class("full_attention+offload/foreign/hit").name == HOLE  # another group's data
     assert match_class("full_attention/foreign/hit").name == "fa-hole-below-mamba-hit"  # no offload hit
     # what neither hole produces: a load that put this request's own KV in the wrong place

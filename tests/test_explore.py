@@ -124,11 +124,12 @@ def test_titles_and_the_catalogue():
     assert judge_failure(gap[0], catalogue, "0.29.0", ()).status == REGRESSION  # 0.29.0 stores boundary states
 
     # a class no signature knows, next to a known defect's: named by its classes, hit and inherited folded
+    # (mamba/wrong-state/hit, once this example, is mamba-null-state's prefix-match-unit face now)
     corrupt = run_failures(_run(Verdict.CORRUPT, kv_defects={"fa-hole-below-boundary": 3, "unknown": 6},
-                                kv_violations_by={"mamba/wrong-state/hit": 4, "mamba/wrong-state/inherited": 2,
+                                kv_violations_by={"mamba+offload/foreign/hit": 4, "mamba+offload/foreign/inherited": 2,
                                                   "full_attention+offload/missing/hit": 3}))
     assert {f.key for f in corrupt} == {"corruption:fa-hole-below-boundary",
-                                        "corruption:unknown:mamba/wrong-state"}
+                                        "corruption:unknown:mamba+offload/foreign"}
     assert "(hit x4, inherited x2)" in next(f.title for f in corrupt if not f.signature)
     known = next(f for f in corrupt if f.signature)
     assert judge_failure(known, catalogue, "0.26.0", ("pr-52807",)).entry == "fa-hole-below-boundary"
