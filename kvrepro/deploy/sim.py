@@ -70,6 +70,16 @@ def zygote_lesson(runtime: builds.Runtime) -> Path:
     return paths.home() / "zygote" / f"{runtime.key}.preload"
 
 
+def _answers(socket_path: Path) -> bool:
+    """Whether a zygote accepts connections on ``socket_path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(socket_path))
+            return True
+        except OSError:
+            return False
+
+
 def start_zygote(python: str, socket_path: str, env: dict[str, str], log_path: str,
                  timeout: float = 180.0, cancel: threading.Event | None = None,
                  learned_path: str | None = None, outlive: bool = False) -> subprocess.Popen:
@@ -89,12 +99,8 @@ def start_zygote(python: str, socket_path: str, env: dict[str, str], log_path: s
             raise RuntimeError("interrupted while the engine zygote was starting")
         if proc.poll() is not None:
             raise RuntimeError(f"the engine zygote exited with code {proc.returncode}; see {log_path}")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            try:
-                probe.connect(socket_path)
-                return proc
-            except OSError:
-                pass
+        if _answers(Path(socket_path)):
+            return proc
         time.sleep(0.1)
     proc.terminate()
     raise RuntimeError(f"the engine zygote did not listen on {socket_path} within {timeout:.0f}s; see {log_path}")
@@ -196,15 +202,6 @@ class ProcessEngine(EngineHandle):
 # importing torch & co. again (~9 CPU s a command). Never set by kvrepro itself: a kvrepro command
 # must leave nothing running, and without the variable it does not.
 SHARED_ZYGOTES_ENV = "KVREPRO_SHARED_ZYGOTES"
-
-
-def _answers(socket_path: Path) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(str(socket_path))
-            return True
-        except OSError:
-            return False
 
 
 def shared_zygote(folder: Path, python: str, env: dict[str, str], learned_path: str) -> str:
