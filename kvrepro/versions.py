@@ -123,6 +123,14 @@ OFFLOAD_CHUNK_EXTRA_KEY = "block_size"
 # 0.28.0 :1243, 0.33.0 :1434). 0.25.1's CacheConfig has a `hash_block_size` field (config/cache.py:56)
 # but no serve flag for it. Every KV group's block size must be a multiple of it (the field's docs).
 PREFIX_MATCH_UNIT_FLAG = "--prefix-match-unit"
+
+# `vllm serve --data-parallel-size N` starts N API-server processes by default (0.25.1-0.33.0:
+# entrypoints/cli/serve.py, "Defaulting api_server_count to data_parallel_size"), each a *spawned*
+# interpreter that imports torch & co. again (~9 CPU s each, before the first /health). The code
+# under test is in the EngineCores; one API server routes to every rank (the X-data-parallel-rank
+# header included), so a geometry's DP ranks sit behind one, as its docs say, unless the matrix's
+# extra_args name the flag.
+API_SERVER_COUNT_FLAG = "--api-server-count"
 PREFIX_MATCH_UNIT_SINCE = "0.26.0"
 
 

@@ -78,6 +78,11 @@ def test_geometry_values_become_the_engines_and_its_flags():
     transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
     assert transfer == {"kv_connector_extra_config": {"block_size": 2128}}
     assert args[args.index("--data-parallel-size") + 1] == "4"
+    # the four ranks behind one API server: vLLM would spawn four, each importing torch again
+    assert args[args.index("--api-server-count") + 1] == "1"
+    own = engine.model_copy(update={"extra_args": ["--api-server-count=2"]})  # the matrix's own choice wins
+    assert own.serve_args("m", include_sim=True)[-1] == "--api-server-count=2"
+    assert "--api-server-count" not in own.serve_args("m", include_sim=True)
 
 
 def test_without_geometry_nothing_changes():

@@ -385,7 +385,11 @@ class EngineSpec(_Strict):
             args += ["--kv-transfer-config", json.dumps(transfer)]
         if self.geometry is not None:
             if self.geometry.data_parallel_size > 1:
+                from ..versions import API_SERVER_COUNT_FLAG
+
                 args += ["--data-parallel-size", str(self.geometry.data_parallel_size)]
+                if not any(a.split("=")[0] == API_SERVER_COUNT_FLAG for a in self.extra_args):
+                    args += [API_SERVER_COUNT_FLAG, "1"]  # one API server for every rank (versions.py says why)
             if self.geometry.hash_block_size is not None:
                 from ..versions import PREFIX_MATCH_UNIT_FLAG
 
