@@ -143,6 +143,18 @@ def shares_zygotes(request):
         os.environ[SHARED_ZYGOTES_ENV] = before
 
 
+@pytest.fixture
+def shared_zygotes_here(request, monkeypatch):
+    """One test of an unmarked module runs its kvrepro commands with the session's shared zygotes
+    (what ``shares_zygotes`` does for a whole module): for a test whose subject is not what a
+    command leaves running, in a module whose other tests check exactly that."""
+    if os.environ.get("KVREPRO_TEST_OWN_ZYGOTES"):
+        return
+    from kvrepro.deploy.sim import SHARED_ZYGOTES_ENV
+
+    monkeypatch.setenv(SHARED_ZYGOTES_ENV, str(request.getfixturevalue("shared_zygote_folder")))
+
+
 def alive(pid: int) -> bool:
     """Whether ``pid`` is a live process (a zombie is not)."""
     try:

@@ -1119,7 +1119,7 @@ def test_every_secret_option_of_the_real_parser_is_masked_in_every_spelling(runt
         assert "v4lue" not in redact(f"vllm serve m {underscored}=v4lue-one --port 1"), option
 
 
-def test_secret_in_any_spelling_reaches_no_file_and_no_output(tmp_path, overlays):
+def test_secret_in_any_spelling_reaches_no_file_and_no_output(tmp_path, overlays, shared_zygotes_here):
     """`--hf_token VALUE` and `--api_key=VALUE` in extra_args, `HF_TOKEN` and a `*_PASSWORD` in the
     environment: after `matrix run` (table and --json, --junit), `plan`, `validate --json`, `results
     show`, `report`: no file under results/, no JUnit file and no output holds any of them."""
@@ -1376,7 +1376,7 @@ def test_failed_requests_win_over_the_shadow_kv_only_when_the_load_did_not_test(
 
 
 @pytest.mark.slow
-def test_max_model_len_too_small_is_infra_not_corrupt(tmp_path, overlays):
+def test_max_model_len_too_small_is_infra_not_corrupt(tmp_path, overlays, shared_zygotes_here):
     """max_model_len 64: the engine refuses most prompts (HTTP 400) while B's shadow KV flags
     reads in the few that ran; the verdict is INFRA with the reason, exit 3."""
     matrix = small_matrix(tmp_path, builds={"B": ["pr-52807"]}, expect={"B": "CORRUPT"})
@@ -1393,7 +1393,7 @@ def test_max_model_len_too_small_is_infra_not_corrupt(tmp_path, overlays):
 
 
 @pytest.mark.slow
-def test_api_key_in_extra_args_is_sent_by_the_runner(tmp_path, overlays):
+def test_api_key_in_extra_args_is_sent_by_the_runner(tmp_path, overlays, shared_zygotes_here):
     """`--api-key K` in extra_args: vLLM then answers 401 to /v1/* without the key; the runner's
     /v1/models call and every request carry it, so the run tests the engine (A: CRASH(target), run
     complete, exit 0), where it used to end "interrupted". (The `--api_key=K` spelling is sent by

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, alive, stop_shared_zygotes
-from kvrepro.deploy.sim import SHARED_ZYGOTES_ENV
+from kvrepro.deploy.sim import SHARED_ZYGOTES_ENV, ZYGOTE_ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -51,3 +51,45 @@ def test_two_commands_fork_their_engines_from_one_zygote_that_outlives_them_unti
     finally:
         stopped = stop_shared_zygotes(zygotes)
     assert stopped and not any(alive(p) for p in stopped)
+
+
+def test_the_minimizers_offline_engine_forks_from_the_shared_zygote_and_crashes_alike(tmp_path, overlays,
+                                                                                   default_matrix, monkeypatch):
+    """`kvrepro minimize`'s oracle (kvrepro.engine.offline behind OfflineEngine) with the variable set:
+    forked by the shared zygote (its log names the fork; the engine's parent is the zygote, not the
+    thin client), and the shipped minimized A trace crashes it on the target assertion at the same
+    request as an engine started on its own."""
+    from kvrepro.loadgen.trace import read_trace
+    from kvrepro.minimize.shrink import OfflineEngine
+
+    job = list(read_trace(ROOT / "tests" / "data" / "traces" / "minimized-A.trace.jsonl").requests)
+    zygotes = tmp_path / "zygotes"
+    zygotes.mkdir()
+    monkeypatch.setenv(SHARED_ZYGOTES_ENV, str(zygotes))
+    try:
+        forked = OfflineEngine(default_matrix, "A", 0)
+        try:
+            (pid_file,) = zygotes.glob("*.pid")
+            zygote_pid = int(pid_file.read_text())
+            log = pid_file.with_suffix(".log").read_text()
+            (engine_pid,) = [int(line.split()[-1]) for line in log.splitlines() if "forked engine" in line]
+            stat = Path(f"/proc/{engine_pid}/stat").read_text()
+            assert int(stat[stat.rindex(")") + 2:].split()[1]) == zygote_pid  # ppid: the zygote itself
+            assert forked.env[ZYGOTE_ENV] == str(pid_file.with_suffix(".sock"))
+            by_zygote = forked.run(job)
+        finally:
+            forked.close()
+        assert not alive(engine_pid)  # closing the oracle ends the forked engine, the zygote stays
+        assert alive(zygote_pid)
+    finally:
+        stopped = stop_shared_zygotes(zygotes)
+    assert stopped and not any(alive(p) for p in stopped)
+    monkeypatch.delenv(SHARED_ZYGOTES_ENV)
+    alone = OfflineEngine(default_matrix, "A", 0)
+    try:
+        assert ZYGOTE_ENV not in alone.env  # without the variable: a plain `python -m kvrepro.engine.offline`
+        by_itself = alone.run(job)
+    finally:
+        alone.close()
+    assert by_zygote.crashed and by_zygote.function == "update_state_after_alloc", by_zygote
+    assert (by_zygote.crash_at, by_zygote.statement) == (by_itself.crash_at, by_itself.statement)

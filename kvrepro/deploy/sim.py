@@ -305,6 +305,14 @@ class SimTarget(Target):
                     self.on_line(f"engine zygote unavailable, starting engines directly: {exc}")
             return str(zygote.socket) if zygote.running() else None
 
+    def shared_zygote_socket(self, base: str) -> str | None:
+        """The shared zygote of ``base``'s runtime when :data:`SHARED_ZYGOTES_ENV` names a folder
+        (kvrepro's tests set it), else None. The minimizer's offline engines fork from it then;
+        without one they start on their own (one zygote of their own would cost them as much)."""
+        if not os.environ.get(SHARED_ZYGOTES_ENV):
+            return None
+        return self._zygote_socket(self.runtime(base))
+
     def warm_up(self, artifacts: list[BuildArtifact]) -> None:
         """The engine zygote of each release these builds run on, started (and preloaded with its
         kept lesson) before the first run: the first engine of every slot forks as warm as the rest."""

@@ -321,6 +321,13 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
+    zygote = os.environ.get("KVREPRO_ENGINE_ZYGOTE")  # kvrepro.engine.zygote.ENV_VAR (stdlib-only import here)
+    code = None
+    if zygote:  # forked from a zygote that has torch & co. imported (kvrepro/minimize/shrink.py says when)
+        from kvrepro.engine.zygote import delegate
+
+        code = delegate(zygote, sys.argv[1:], module="kvrepro.engine.offline")
+    if code is None:
+        code = main(sys.argv[1:])
     sys.stdout.flush()
     os._exit(code)

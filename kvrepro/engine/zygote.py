@@ -152,9 +152,18 @@ def _run_engine(conn: socket.socket, listen_path: str, request: dict, fds: list[
             except OSError:
                 pass
 
-        from kvrepro.engine.vllm_cli import run
+        module = request.get("module")
+        if module:  # `python -m MODULE ARGV` (the minimizer's kvrepro.engine.offline), run as its own __main__
+            import runpy
 
-        code = run(argv, on_settled=report_modules)
+            os.environ.pop(ENV_VAR, None)  # its __main__ must not hand itself to a zygote again
+            sys.argv = [module, *argv]
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            code = 0
+        else:
+            from kvrepro.engine.vllm_cli import run
+
+            code = run(argv, on_settled=report_modules)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
@@ -264,7 +273,7 @@ def serve(socket_path: str, learned_path: str | None = None) -> int:
                 write_learned(learned_path, request["learn"])
                 print(f"kvrepro zygote: learned {count} more modules to preload", file=sys.stderr, flush=True)
                 continue
-            learn = not learned["done"]
+            learn = not learned["done"] and not request.get("module")  # what `vllm serve` imports
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
@@ -316,15 +325,19 @@ def serve(socket_path: str, learned_path: str | None = None) -> int:
 
 # -- the thin client (python -m kvrepro.engine with KVREPRO_ENGINE_ZYGOTE set) ---------------
 
-def delegate(socket_path: str, argv: list[str]) -> int | None:
-    """Run the engine in the zygote; its exit code, or None if no zygote answered."""
+def delegate(socket_path: str, argv: list[str], module: str | None = None) -> int | None:
+    """Run the engine in the zygote; its exit code, or None if no zygote answered.
+
+    ``module``: None for ``python -m kvrepro.engine`` (vLLM's `vllm serve`), else the module the
+    forked child runs as ``python -m MODULE`` would (``kvrepro.engine.offline``: the minimizer's
+    engine on stdin/stdout)."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(socket_path)
     except OSError:
         conn.close()
         return None
-    request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
+    request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "module": module}
     _send(conn, request, fds=[0, 1, 2])
     reply, _ = _recv_line(conn)
     if reply is None or "pid" not in reply:

@@ -104,7 +104,8 @@ class OfflineEngine:
             raise InfraError(f"build {build} failed: {artifact.error}")
         self.overlay = artifact.ref
         args = loaded.matrix.engine.serve_args(str(loaded.model_dir()), include_sim=True)
-        env = self.target.environment(artifact, rep)
+        # forked from the shared zygote when there is one (tests): torch & co. are imported there already
+        env = self.target.environment(artifact, rep, self.target.shared_zygote_socket(plan.base))
         env["VLLM_LOGGING_LEVEL"] = "ERROR"
         runtime = self.target.runtime(plan.base)
         self.command = [str(runtime.python), "-m", "kvrepro.engine.offline", "-", *args]
