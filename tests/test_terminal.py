@@ -99,7 +99,7 @@ def test_progress_lines_carry_no_source_position(capsys):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_a_real_matrix_run_in_80_columns_logs_no_source_position(tmp_path, matrix_copy, overlays):
+def test_a_real_matrix_run_in_80_columns_logs_no_source_position(tmp_path, matrix_copy, overlays, shared_zygotes_here):
     """`kvrepro matrix run` (build A, one repetition: dies at the target assertion within a few
     requests) as a user runs it in an 80-column terminal: its progress lines and its table."""
     env = dict(os.environ, COLUMNS="80", LINES="40")
