@@ -68,6 +68,10 @@ class PlantedBug:
     expect: tuple[str, ...]  # failure-key prefixes that count as finding it
     upstream: str | None = None
     component: str | None = None
+    # branch probes (file:arc, as the campaign's coverage names them) whose execution means the
+    # planted line ran, for a change with no probe within the target margin (a straight-line
+    # statement far below its block's branch): the target arcs alone would say "never reached"
+    reach: tuple[str, ...] = ()
 
 
 def load_planted(folder: Path = PLANTED) -> list[PlantedBug]:
@@ -76,6 +80,7 @@ def load_planted(folder: Path = PLANTED) -> list[PlantedBug]:
     for row in rows:
         row = dict(row)
         row["expect"] = tuple(row.get("expect") or ())
+        row["reach"] = tuple(row.get("reach") or ())
         bugs.append(PlantedBug(**row))
     return bugs
 
@@ -131,8 +136,15 @@ def explore_one(bug: PlantedBug, mode: str, matrix: Path, root: Path, budget: st
     found: dict[str, object] = {}
     first: list[str] = []
     sent: list[int] = []
+    reached_runs: list[int] = []
 
     def on_run(record) -> None:
+        from kvrepro.explore.coverage import run_arcs
+
+        arcs = run_arcs(folder / "runs" / record.run_id) if record.run_id and bug.reach else set()
+        ran = record.target_arcs > 0 or any(f"arc:{probe}" in arcs for probe in bug.reach)
+        if ran:
+            reached_runs.append(record.spec.index)
         n = 0
         if record.run_id:
             try:
@@ -145,7 +157,7 @@ def explore_one(bug: PlantedBug, mode: str, matrix: Path, root: Path, budget: st
         if keys and not first:
             first.append(keys[0])
         hit = next((k for k in keys if any(k.startswith(p) for p in bug.expect)), None)
-        if hit is not None and record.target_arcs == 0:
+        if hit is not None and not ran:
             # the run never executed the planted lines: the failure is the release's own (measured:
             # 0.30.0 as shipped corrupts with hash_block_size 8 and 2 MTP tokens), not the planted bug
             print(f"  {bug.name} {mode} run {record.spec.index}: {hit} without reaching the planted lines: "
@@ -160,7 +172,7 @@ def explore_one(bug: PlantedBug, mode: str, matrix: Path, root: Path, budget: st
 
     started = time.monotonic()
     state = run_campaign(state, folder, catalogue, stop=stop, on_run=on_run)
-    reached = [r.spec.index for r in state.runs if r.target_arcs > 0]
+    reached = reached_runs
     return Outcome(bug=bug.name, mode=mode, found=bool(found), runs=len(state.runs),
                    found_at_run=found.get("index"), requests=sum(sent), seconds=round(time.monotonic() - started, 1),
                    first_failure=first[0] if first else None, found_key=found.get("key"),
