@@ -5,7 +5,9 @@ defect back into a later release, or a one-line mutation of the scheduler, the K
 the connector) is built on its release and explored three ways on the same budget, each a fresh
 campaign with the same seed:
 
-  guided    the full vocabulary, choices steered by coverage (`kvrepro explore`)
+  guided    the full vocabulary, choices steered by coverage, starting from the catalogue's entries
+            (the seed corpus, kvrepro/explore/generator.py; a find from a replayed entry or its
+            mutation names the entry: a revert of that entry's fix is found by construction)
   unguided  the full vocabulary, uniform choices (`kvrepro explore --unguided`)
   generic   a generic randomised load: the base matrix's engine as it is, only the default load
             profile's own settings, concurrency, max_tokens and the seeds drawn at random
@@ -66,6 +68,10 @@ class PlantedBug:
     expect: tuple[str, ...]  # failure-key prefixes that count as finding it
     upstream: str | None = None
     component: str | None = None
+    # branch probes (file:arc, as the campaign's coverage names them) whose execution means the
+    # planted line ran, for a change with no probe within the target margin (a straight-line
+    # statement far below its block's branch): the target arcs alone would say "never reached"
+    reach: tuple[str, ...] = ()
 
 
 def load_planted(folder: Path = PLANTED) -> list[PlantedBug]:
@@ -74,6 +80,7 @@ def load_planted(folder: Path = PLANTED) -> list[PlantedBug]:
     for row in rows:
         row = dict(row)
         row["expect"] = tuple(row.get("expect") or ())
+        row["reach"] = tuple(row.get("reach") or ())
         bugs.append(PlantedBug(**row))
     return bugs
 
@@ -110,6 +117,8 @@ class Outcome:
     reached_at_run: int | None = None  # first run that executed an arc in the patched lines (None: none did)
     target_arcs: list[int] = field(default_factory=list)  # per run: arcs in the patched lines
     arcs: list[int] = field(default_factory=list)  # per run: arcs of the code under test
+    # the catalogue entry the finding run replayed or descended from (guided's seed corpus); None: drawn
+    found_from: str | None = None
 
 
 def explore_one(bug: PlantedBug, mode: str, matrix: Path, root: Path, budget: str, requests: int, seed: int,
@@ -127,8 +136,15 @@ def explore_one(bug: PlantedBug, mode: str, matrix: Path, root: Path, budget: st
     found: dict[str, object] = {}
     first: list[str] = []
     sent: list[int] = []
+    reached_runs: list[int] = []
 
     def on_run(record) -> None:
+        from kvrepro.explore.coverage import run_arcs
+
+        arcs = run_arcs(folder / "runs" / record.run_id) if record.run_id and bug.reach else set()
+        ran = record.target_arcs > 0 or any(f"arc:{probe}" in arcs for probe in bug.reach)
+        if ran:
+            reached_runs.append(record.spec.index)
         n = 0
         if record.run_id:
             try:
@@ -141,14 +157,14 @@ def explore_one(bug: PlantedBug, mode: str, matrix: Path, root: Path, budget: st
         if keys and not first:
             first.append(keys[0])
         hit = next((k for k in keys if any(k.startswith(p) for p in bug.expect)), None)
-        if hit is not None and record.target_arcs == 0:
+        if hit is not None and not ran:
             # the run never executed the planted lines: the failure is the release's own (measured:
             # 0.30.0 as shipped corrupts with hash_block_size 8 and 2 MTP tokens), not the planted bug
             print(f"  {bug.name} {mode} run {record.spec.index}: {hit} without reaching the planted lines: "
                   "not counted", file=sys.stderr, flush=True)
             hit = None
         if hit is not None and not found:
-            found.update(key=hit, index=record.spec.index)
+            found.update(key=hit, index=record.spec.index, entry=record.spec.seed_entry)
             stop.set()
         print(f"  {bug.name} {mode} run {record.spec.index}: {record.verdict} "
               f"{', '.join(keys) or ''} ({record.seconds:.0f}s, {n} requests, {record.arcs} arcs, "
@@ -156,13 +172,13 @@ def explore_one(bug: PlantedBug, mode: str, matrix: Path, root: Path, budget: st
 
     started = time.monotonic()
     state = run_campaign(state, folder, catalogue, stop=stop, on_run=on_run)
-    reached = [r.spec.index for r in state.runs if r.target_arcs > 0]
+    reached = reached_runs
     return Outcome(bug=bug.name, mode=mode, found=bool(found), runs=len(state.runs),
                    found_at_run=found.get("index"), requests=sum(sent), seconds=round(time.monotonic() - started, 1),
                    first_failure=first[0] if first else None, found_key=found.get("key"),
                    campaign=state.campaign_id, verdicts=[r.verdict for r in state.runs],
                    reached_at_run=reached[0] if reached else None, target_arcs=[r.target_arcs for r in state.runs],
-                   arcs=[r.arcs for r in state.runs])
+                   arcs=[r.arcs for r in state.runs], found_from=found.get("entry"))
 
 
 def runs_to_find(o: Outcome, budget_runs: int | None) -> float:
@@ -180,7 +196,8 @@ def table(outcomes: list[Outcome], budget_runs: int | None) -> list[str]:
         # reached: the first run that executed the patched lines (arcs, kvrepro/engine/arcs.py)
         reached = str(o.reached_at_run) if o.reached_at_run is not None else "never"
         lines.append(f"{o.bug:34} {o.mode:9} {'yes' if o.found else 'no':6} {run:>4} {o.requests:>8} "
-                     f"{o.seconds:>6.0f} {reached:>7}  {o.first_failure or '-'}")
+                     f"{o.seconds:>6.0f} {reached:>7}  {o.first_failure or '-'}"
+                     + (f" (from catalogue entry {o.found_from})" if o.found_from else ""))
     by = {(o.bug, o.mode): o for o in outcomes}
     bugs = list(dict.fromkeys(o.bug for o in outcomes))
     for mode in MODES:

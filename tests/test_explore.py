@@ -16,9 +16,10 @@ import pytest
 from conftest import ROOT
 from kvrepro.classify.corruption import attribute
 from kvrepro.errors import BadInputError
-from kvrepro.explore.campaign import base_data, guided_weights, parent_for, parse_budget, run_matrix_for
+from kvrepro.explore.campaign import (base_data, campaign_corpus, guided_weights, next_spec, parent_for, parse_budget,
+                                     run_matrix_for)
 from kvrepro.explore.coverage import credit, features
-from kvrepro.explore.generator import RunSpec, apply, generate
+from kvrepro.explore.generator import RunSpec, apply, generate, replay
 from kvrepro.explore.judge import (KNOWN, NEW, REGRESSION, Failure, invariant_failures, judge_failure,
                                    run_failures)
 from kvrepro.explore.state import (CampaignRequest, CampaignState, FindingRecord, JudgedRecord, RunRecord)
@@ -290,5 +291,8 @@ def test_a_two_run_campaign_on_0_26_0_counts_the_target_crash_against_the_catalo
     resumed = CampaignState.from_json(json.loads(proc.stdout)["state"])
     assert resumed.campaign_id == state.campaign_id and len(resumed.runs) == 3
     assert resumed.runs[:2] == state.runs
-    assert resumed.runs[2].spec == generate(1, 2, "partial-prefix", guided_weights(state), parent=parent_for(state, 2))
+    # runs 1.. of a guided campaign replay the seed corpus (the catalogue's fragments) first
+    corpus = campaign_corpus(state.request, load_catalogue())
+    assert resumed.runs[2].spec == next_spec(state, 2, "partial-prefix", corpus) == replay(1, 2, corpus[1])
+    assert state.runs[1].spec.seed_entry == corpus[0].seed_entry
     assert proc.returncode == (1 if resumed.new_findings else 0)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -14,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from kvrepro.explore.generator import LOAD, LOAD_KNOBS, generate
+from kvrepro.explore.campaign import base_data
+from kvrepro.explore.generator import LOAD, LOAD_KNOBS, RunSpec, apply, generate
 from kvrepro.explore.vocabulary import PROFILE_PATH, knob
+from kvrepro.spec.matrix import DEFAULT_MATRIX
 
 _PATH = ROOT / "benchmarks" / "explore_planted.py"
 _spec = importlib.util.spec_from_file_location("explore_planted", _PATH)
@@ -54,6 +58,15 @@ def test_each_planted_patch_applies_to_its_release_and_does_what_its_header_says
                    sha256=hashlib.sha256(path.read_bytes()).hexdigest())
     assert apply_patch_stack(tmp_path, [ref]) is None
     assert check_expectations(tmp_path, header) == []
+    # a `reach:` probe is an `if` of the patched file above the changed line (not taken: the code
+    # after it, the planted line among it, ran)
+    changed = [int(m) for m in re.findall(r"^@@ -(\d+)", path.read_text(), re.M)]
+    for probe in bug.reach:
+        name, _, arc = probe.rpartition(":")
+        (rel,) = [r for r in touched_files(path) if str(r).endswith(name)]
+        line = int(arc.split(">")[0])
+        assert (tmp_path / rel).read_text().splitlines()[line - 1].strip().startswith("if "), probe
+        assert any(0 < start - line < 30 for start in changed), probe
 
 
 @pytest.mark.parametrize("bug", BUGS, ids=[b.name for b in BUGS])
@@ -98,3 +111,50 @@ def test_the_benchmark_table_counts_a_miss_as_budget_plus_one():
     ratio = next(x for x in lines if x.startswith("unguided / guided"))
     assert "3.00, 3.50; median 3.25" in ratio
     assert any(x.startswith("b ") and " no " in x and ">5" in x for x in lines)
+
+
+def test_a_guided_campaign_starts_from_the_catalogue_and_unguided_does_not():
+    """The seed corpus: each catalogue entry's engine and load fragment once (entries with one
+    fragment are one seed, named after both), replayed by runs 1..N with the entry's pinned seeds,
+    and a mutation of a replay keeps the entry's name; unguided and generic campaigns get none."""
+    from kvrepro.explore.campaign import campaign_corpus, next_spec
+    from kvrepro.explore.generator import replay, seed_corpus
+    from kvrepro.explore.state import CampaignRequest, CampaignState, RunRecord
+    from kvrepro.suite.run import load as load_catalogue
+
+    fragments = [("a", {"engine": {"block_size": 32, "geometry": {"hash_block_size": 16}}, "load": {"seed": 7},
+                        "runs": {"requests": 400}}),
+                 ("b", {"runs": {"requests": 200}}),  # the base matrix: no seed
+                 ("c", {"engine": {"geometry": {"hash_block_size": 16}, "block_size": 32}, "load": {"seed": 7}}),
+                 ("d", {"engine": {"connector": "capable"}, "load": {"schedule": "random"}})]
+    corpus = seed_corpus(fragments)
+    assert [s.seed_entry for s in corpus] == ["a+c", "d"]
+    assert dict(corpus[0].changes) == {"engine.block_size": 32, "engine.geometry.hash_block_size": 16}
+    assert corpus[0].load_seed == 7 and corpus[0].sim_seed is None
+    again = replay(1, 3, corpus[0])
+    assert again.index == 3 and again.changes == corpus[0].changes and again.load_seed == 7
+    assert again.sim_seed is not None and again == replay(1, 3, corpus[0])
+    data = base_data(DEFAULT_MATRIX)
+    out = apply(again, data)
+    assert out["engine"]["block_size"] == 32 and out["engine"]["geometry"] == {"hash_block_size": 16}
+    assert out["load"]["seed"] == 7 and out["engine"]["model"] == data["engine"]["model"]
+    child = generate(1, 9, "partial-prefix", None, parent=again)
+    assert child.seed_entry == "a+c" and child.changes != again.changes and "from a+c: " in child.describe()
+    assert RunSpec.from_json(json.loads(json.dumps(child.to_json()))) == child
+
+    catalogue = load_catalogue()
+    guided = CampaignRequest(base="0.30.0", seed=1)
+    real = campaign_corpus(guided, catalogue)
+    names = {n for s in real for n in s.seed_entry.split("+")}
+    assert {"truncate-lagging-mamba", "capable-connector-mamba-state", "mamba-chunk-store-gap"} <= names
+    assert real == campaign_corpus(guided, catalogue)  # the campaign seed's order, every time
+    state = CampaignState(campaign_id="explore-x", request=guided,
+                          runs=[RunRecord(spec=RunSpec(index=0), run_id="r0", verdict="SURVIVED", seconds=1.0)])
+    assert next_spec(state, 0, "partial-prefix", real) == RunSpec(index=0)
+    assert [next_spec(state, i, "partial-prefix", real).seed_entry for i in range(1, len(real) + 1)] == [
+        s.seed_entry for s in real]
+    assert next_spec(state, len(real) + 1, "partial-prefix", real).index == len(real) + 1
+    for request in (CampaignRequest(base="0.30.0", seed=1, guided=False),
+                    CampaignRequest(base="0.30.0", seed=1, vocabulary="load"),
+                    CampaignRequest(base="0.30.0", seed=1, corpus=False)):
+        assert campaign_corpus(request, catalogue) == ()

@@ -46,7 +46,7 @@ from ..spec.matrix import DEFAULT_MATRIX, LoadedMatrix
 from ..suite.catalogue import Catalogue, build_key
 from .coverage import Targets, credit, features, in_target, patch_targets, points, run_arcs, steering
 from .findings import minimize_finding
-from .generator import RunSpec, apply, generate
+from .generator import ALL, RunSpec, apply, generate, replay, seed_corpus
 from .judge import invariant_failures, judge_failure, run_failures
 from .state import CampaignRequest, CampaignState, FindingRecord, JudgedRecord, RunRecord
 
@@ -267,6 +267,27 @@ def guided_weights(state: CampaignState) -> dict[str, float] | None:
     return steering(state.weights, (key for r in state.runs for key in r.spec.keys()))
 
 
+def campaign_corpus(request: CampaignRequest, catalogue: Catalogue) -> tuple[RunSpec, ...]:
+    """The seed corpus a guided campaign starts from: every catalogue entry's engine and load
+    fragment (generator.seed_corpus), in an order shuffled by the campaign seed; none unguided,
+    with the generic load vocabulary, or with ``corpus`` off."""
+    if not (request.guided and request.corpus and request.vocabulary == ALL):
+        return ()
+    corpus = list(seed_corpus((e.name, e.fragment) for e in catalogue.entries))
+    random.Random(f"kvrepro-explore-corpus/{request.seed}").shuffle(corpus)
+    return tuple(corpus)
+
+
+def next_spec(state: CampaignState, index: int, base_profile: str, corpus: tuple[RunSpec, ...] = ()) -> RunSpec:
+    """Run ``index``'s spec: runs 1..len(corpus) replay the corpus (syzkaller runs its corpus
+    first), then guided runs mutate the closest run or draw fresh by the weights (generate)."""
+    request = state.request
+    if 0 < index <= len(corpus):
+        return replay(request.seed, index, corpus[index - 1])
+    return generate(request.seed, index, base_profile, guided_weights(state), request.vocabulary,
+                    parent_for(state, index))
+
+
 def parent_for(state: CampaignState, index: int) -> RunSpec | None:
     """Guided campaigns: every other run (seeded) mutates the earlier run that reached most of the
     target lines (ties: the one whose new features were worth most, then the earliest); the others
@@ -395,6 +416,7 @@ def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progr
     lag = max(1, request.jobs)
     slots = max(1, min(jobs or lag, lag))
     targets = campaign_targets(loaded0, request.patches)
+    corpus = campaign_corpus(request, catalogue)
     lock = take_lock(folder, state.campaign_id)
     owned = target is None
     pool: ThreadPoolExecutor | None = None
@@ -413,8 +435,7 @@ def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progr
             # run i is made once runs 0..i-lag are recorded: at most `lag` made and not recorded
             while len(state.pending) < lag:
                 index = len(state.runs) + len(state.pending)
-                state.pending.append(generate(request.seed, index, base_profile, guided_weights(state),
-                                              request.vocabulary, parent_for(state, index)))
+                state.pending.append(next_spec(state, index, base_profile, corpus))
 
         def fold(outcome: _Outcome) -> RunRecord:
             spec = outcome.spec

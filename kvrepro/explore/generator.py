@@ -9,13 +9,21 @@ weights): a resumed campaign makes the same runs the interrupted one would have.
 ``weights`` (guided campaigns, kvrepro/explore/coverage.py) map ``knob=value`` to a weight >= 1;
 a knob is chosen by its best value's weight and a value by its own weight. None: every choice
 uniform (``--unguided``).
+
+Guided campaigns also start from a *seed corpus* (syzkaller's corpus, AFL's seed inputs): the
+engine and load fragments of the known-defect catalogue's entries (:func:`seed_corpus`). A family
+of defects shares its preconditions, so a new member is likeliest near a known member's trigger:
+runs 1.. replay each entry once (:func:`replay`, with fresh seeds unless the entry pins its own)
+before the campaign goes on mutating whichever run came closest. A replayed entry or a mutation of
+one carries the entry's name (``RunSpec.seed_entry``): a finding that descends from a catalogue
+entry says so.
 """
 
 from __future__ import annotations
 
 import copy
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,24 +45,87 @@ class RunSpec:
     changes: tuple[tuple[str, Value], ...] = ()
     load_seed: int | None = None
     sim_seed: int | None = None
+    seed_entry: str | None = None  # the catalogue entry this run replays or descends from (seed corpus)
 
     def keys(self) -> list[str]:
-        """The ``knob=value`` names of this run's changes (what coverage credits)."""
-        return [knob(path).key(value) for path, value in self.changes]
+        """The ``knob=value`` names of this run's changes (what coverage credits); a seed corpus
+        entry's settings outside the vocabulary are named the same way."""
+        return [f"{path}={value_text(value)}" for path, value in self.changes]
 
     def describe(self) -> str:
-        if not self.changes:
-            return "base matrix as is"
-        return ", ".join(f"{path}={value_text(value)}" for path, value in self.changes)
+        text = ", ".join(f"{path}={value_text(value)}" for path, value in self.changes) or "base matrix as is"
+        return f"from {self.seed_entry}: {text}" if self.seed_entry else text
 
     def to_json(self) -> dict[str, Any]:
         return {"index": self.index, "changes": [[p, v] for p, v in self.changes],
-                "load_seed": self.load_seed, "sim_seed": self.sim_seed}
+                "load_seed": self.load_seed, "sim_seed": self.sim_seed, "seed_entry": self.seed_entry}
 
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> "RunSpec":
         return cls(index=int(value["index"]), changes=tuple((str(p), v) for p, v in value.get("changes") or ()),
-                   load_seed=value.get("load_seed"), sim_seed=value.get("sim_seed"))
+                   load_seed=value.get("load_seed"), sim_seed=value.get("sim_seed"),
+                   seed_entry=value.get("seed_entry"))
+
+
+def _order(path: str) -> int:
+    # changes apply in vocabulary order (profile first, engine.geometry before its own keys); a corpus
+    # entry's settings outside the vocabulary come after, in the entry's order (sorted() is stable)
+    for i, k in enumerate(KNOBS):
+        if k.path == path:
+            return i
+    return len(KNOBS)
+
+
+def _profile_setting(path: str) -> bool:
+    """A load profile's own setting (it means nothing to another profile)."""
+    try:
+        return knob(path).profile is not None
+    except KeyError:
+        return path.startswith("load.") and path.split(".", 1)[1] not in LoadSpec.model_fields
+
+
+def _flatten(prefix: str, data: Mapping[str, Any]) -> list[tuple[str, Value]]:
+    out: list[tuple[str, Value]] = []
+    for key, value in data.items():
+        path = f"{prefix}.{key}"
+        if isinstance(value, Mapping) and value:
+            out.extend(_flatten(path, value))
+        else:
+            out.append((path, copy.deepcopy(value)))
+    return out
+
+
+def seed_corpus(fragments: Iterable[tuple[str, Mapping[str, Any]]]) -> tuple[RunSpec, ...]:
+    """The seed corpus of ``(entry name, matrix fragment)`` pairs (the catalogue's ``matrix:``): each
+    fragment's ``engine:`` and ``load:`` settings as changes (leaves, so a mutation can change one
+    and keep the rest; ``runs:`` is the campaign's own), its pinned seeds as the spec's. A fragment
+    that changes nothing (the base matrix: run 0) is left out, and entries with the same fragment
+    are one seed."""
+    out: dict[tuple[Any, ...], RunSpec] = {}
+    for name, fragment in fragments:
+        changes = [c for part in ("engine", "load") if isinstance(fragment.get(part), Mapping)
+                   for c in _flatten(part, fragment[part])]
+        seeds = dict(changes)
+        load_seed, sim_seed = seeds.get("load.seed"), seeds.get("engine.sim.seed")
+        changes = [(p, v) for p, v in changes if p not in ("load.seed", "engine.sim.seed")]
+        changes.sort(key=lambda c: _order(c[0]))
+        key = (value_text(changes), load_seed, sim_seed)
+        if not changes and load_seed is None and sim_seed is None:
+            continue
+        if key in out:  # entries that share a trigger: one seed, named after all of them
+            name = f"{out[key].seed_entry}+{name}"
+        out[key] = RunSpec(index=-1, changes=tuple(changes), load_seed=load_seed, sim_seed=sim_seed, seed_entry=name)
+    return tuple(out.values())
+
+
+def replay(seed: int, index: int, entry: RunSpec) -> RunSpec:
+    """Run ``index``: the corpus ``entry`` as it is, with its own seeds where it pins them, fresh ones
+    (a pure function of the campaign seed and index) where it does not."""
+    rng = random.Random(f"kvrepro-explore/{seed}/{index}")
+    load_seed, sim_seed = rng.randrange(SEED_RANGE), rng.randrange(SEED_RANGE)
+    return RunSpec(index=index, changes=entry.changes, seed_entry=entry.seed_entry,
+                   load_seed=entry.load_seed if entry.load_seed is not None else load_seed,
+                   sim_seed=entry.sim_seed if entry.sim_seed is not None else sim_seed)
 
 
 def _weighted(rng: random.Random, items: list[Any], weights: list[float]) -> Any:
@@ -109,8 +180,7 @@ def generate(seed: int, index: int, base_profile: str, weights: Mapping[str, flo
         changes.append((k.path, value))
     for k in _pick_knobs(rng, profile_knobs(profile), rng.randint(0, 2), weights):
         changes.append((k.path, _pick_value(rng, k, weights)))
-    order = {k.path: i for i, k in enumerate(KNOBS)}
-    changes.sort(key=lambda c: order[c[0]])
+    changes.sort(key=lambda c: _order(c[0]))
     return RunSpec(index=index, changes=tuple(changes), load_seed=rng.randrange(SEED_RANGE),
                    sim_seed=rng.randrange(SEED_RANGE))
 
@@ -130,12 +200,12 @@ def _mutate(rng: random.Random, index: int, parent: RunSpec, base_profile: str,
         value = copy.deepcopy(_weighted(rng, values, [_value_weight(weights, k, v) for v in values]))
         if k.path == PROFILE_PATH and value != profile:
             # another profile: the parent's settings of the old one mean nothing to it
-            changes = {p: v for p, v in changes.items() if knob(p).profile is None}
+            changes = {p: v for p, v in changes.items() if not _profile_setting(p)}
             profile = str(value)
         changes[k.path] = value
-    order = {k.path: i for i, k in enumerate(KNOBS)}
-    return RunSpec(index=index, changes=tuple(sorted(changes.items(), key=lambda c: order[c[0]])),
-                   load_seed=rng.randrange(SEED_RANGE), sim_seed=rng.randrange(SEED_RANGE))
+    return RunSpec(index=index, changes=tuple(sorted(changes.items(), key=lambda c: _order(c[0]))),
+                   load_seed=rng.randrange(SEED_RANGE), sim_seed=rng.randrange(SEED_RANGE),
+                   seed_entry=parent.seed_entry)
 
 
 def _set(data: dict[str, Any], path: str, value: Value) -> None:

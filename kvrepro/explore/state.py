@@ -39,6 +39,9 @@ class CampaignRequest:
     # runs in flight at once, pinned at the start: run i's spec is made from runs 0..i-jobs only
     # (campaign.py), so the same seed and jobs make the same runs however the runs' timing falls
     jobs: int = 1
+    # guided campaigns start from the catalogue's entries (generator.seed_corpus); False: from the
+    # base matrix alone, the same as unguided (what the corpus adds is measured against it)
+    corpus: bool = True
 
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> "CampaignRequest":
