@@ -21,10 +21,10 @@ import time
 import pytest
 
 from conftest import ROOT, local_ray_cluster, require
-from kvrepro.explore.campaign import guided_weights, parent_for
+from kvrepro.explore.campaign import campaign_corpus, next_spec
 from kvrepro.explore.coverage import credit
-from kvrepro.explore.generator import generate
 from kvrepro.explore.state import CampaignState
+from kvrepro.suite.run import load as load_catalogue
 
 try:
     import ray  # noqa: F401
@@ -99,15 +99,17 @@ def test_a_campaign_on_ray_interrupted_and_resumed_makes_the_runs_and_verdicts_o
     on_sim = CampaignState.from_json(json.loads(sim.stdout)["state"])
     assert len(on_sim.runs) == 2 and on_sim.request.jobs == 2
     # made ahead for a larger budget, by the jobs-2 rule: run 2 from what run 0 left (run 0 changes
-    # no knob: no credit), run 3 from what runs 0 and 1 left (run 1's knobs credited with its points)
+    # no knob: no credit), run 3 from what runs 0 and 1 left (run 1's knobs credited with its points);
+    # runs 1-3 of a guided campaign replay the seed corpus (the catalogue's fragments) in its order
     run0, run1 = on_sim.runs
     assert run1.new_features and [p.index for p in on_sim.pending] == [2, 3]
+    corpus = campaign_corpus(on_sim.request, load_catalogue())
+    assert len(corpus) >= 3 and run1.spec.seed_entry == corpus[0].seed_entry
     after0 = dataclasses.replace(on_sim, runs=[run0], weights=credit({}, run0.spec.keys(), run0.points))
     after1 = dataclasses.replace(on_sim, runs=[run0, run1], weights=credit(after0.weights, run1.spec.keys(), run1.points))
     for pending, state in zip(on_sim.pending, (after0, after1)):
-        index = pending.index
-        assert pending == generate(1, index, "partial-prefix", guided_weights(state), state.request.vocabulary,
-                                   parent_for(state, index))
+        assert pending == next_spec(state, pending.index, "partial-prefix", corpus)
+        assert pending.seed_entry == corpus[pending.index - 1].seed_entry
 
     root = tmp_path / "ray"
     env = _env(RAY_ADDRESS=cluster.address)
