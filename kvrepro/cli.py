@@ -424,6 +424,7 @@ def explore_cmd(
     budget: Optional[str] = typer.Option(None, "--budget", help="runs (20) or run time (90s, 30m, 2h)"),
     seed: int = typer.Option(0, "--seed", help="the campaign's seed: same seed, same runs"),
     unguided: bool = typer.Option(False, "--unguided", help="uniform choices: no steering by coverage"),
+    no_corpus: bool = typer.Option(False, "--no-corpus", help="guided, without replaying the catalogue's entries first"),
     no_minimize: bool = typer.Option(False, "--no-minimize", help="keep new findings' traces as recorded: no "
                                      "minimized trace, no emitted pytest"),
     requests: int = typer.Option(200, "--requests", min=1, max=100000, help="request budget of each run"),

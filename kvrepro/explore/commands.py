@@ -16,7 +16,7 @@ from ..results.store import checked_root
 
 
 def explore(*, base: str | None, patch: list[str] | None, budget: str | None, seed: int, unguided: bool,
-            no_minimize: bool, requests: int,
+            no_minimize: bool, requests: int, no_corpus: bool = False,
             resume: str | None, matrix: Path | None, catalogue: Path | None, ci: bool, results_root: Path,
             as_json: bool, target: str | None = None, jobs: int | None = None) -> int:
     """`explore` with its options, by name; the exit code."""
@@ -46,7 +46,7 @@ def explore(*, base: str | None, patch: list[str] | None, budget: str | None, se
         request = CampaignRequest(
             base=base, patches=tuple(patch or ()), budget_runs=runs_, budget_seconds=seconds_, seed=seed,
             guided=not unguided, matrix=str(matrix) if matrix else "", requests=requests, minimize=not no_minimize,
-            target=target or "")
+            target=target or "", corpus=not no_corpus)
     # before a campaign folder exists (a target that cannot serve writes nothing) and before the
     # catalogue, whose check takes seconds: a wrong --target or a missing cluster is said at once
     shared = open_target(request)

@@ -381,7 +381,12 @@ class RayTarget(Target):
                 return None
             done, _ = ray.wait([ready], timeout=0.5)
             if done:
-                ray.get(done[0])
+                try:
+                    ray.get(done[0])
+                except rex.TaskPlacementGroupRemoved:
+                    if stop.is_set() or self._interrupted.is_set():  # a stop came during the wait and
+                        return None  # removed the group (interrupt's force thread): interrupted, no traceback
+                    raise _Unplaceable(f"INFRA: placement group {name} was removed before it was placed")
                 break
             if not said:
                 said = True
