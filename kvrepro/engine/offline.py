@@ -321,11 +321,11 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    zygote = os.environ.get("KVREPRO_ENGINE_ZYGOTE")  # kvrepro.engine.zygote.ENV_VAR (stdlib-only import here)
+    from kvrepro.engine.zygote import ENV_VAR, delegate  # stdlib only, like this module's imports
+
+    zygote = os.environ.get(ENV_VAR)
     code = None
     if zygote:  # forked from a zygote that has torch & co. imported (kvrepro/minimize/shrink.py says when)
-        from kvrepro.engine.zygote import delegate
-
         code = delegate(zygote, sys.argv[1:], module="kvrepro.engine.offline")
     if code is None:
         code = main(sys.argv[1:])

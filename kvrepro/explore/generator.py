@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..spec.matrix import LoadSpec
-from .vocabulary import KNOBS, PROFILE_PATH, Knob, Value, general_knobs, knob, profile_knobs, value_text
+from .vocabulary import KNOBS, PROFILE_PATH, Knob, Value, general_knobs, knob, profile_knobs, setting_key, value_text
 
 MAX_CHANGES = 4
 SEED_RANGE = 2**31
@@ -50,10 +50,10 @@ class RunSpec:
     def keys(self) -> list[str]:
         """The ``knob=value`` names of this run's changes (what coverage credits); a seed corpus
         entry's settings outside the vocabulary are named the same way."""
-        return [f"{path}={value_text(value)}" for path, value in self.changes]
+        return [setting_key(path, value) for path, value in self.changes]
 
     def describe(self) -> str:
-        text = ", ".join(f"{path}={value_text(value)}" for path, value in self.changes) or "base matrix as is"
+        text = ", ".join(setting_key(path, value) for path, value in self.changes) or "base matrix as is"
         return f"from {self.seed_entry}: {text}" if self.seed_entry else text
 
     def to_json(self) -> dict[str, Any]:
@@ -67,13 +67,13 @@ class RunSpec:
                    seed_entry=value.get("seed_entry"))
 
 
+_POSITION = {k.path: i for i, k in enumerate(KNOBS)}
+
+
 def _order(path: str) -> int:
     # changes apply in vocabulary order (profile first, engine.geometry before its own keys); a corpus
     # entry's settings outside the vocabulary come after, in the entry's order (sorted() is stable)
-    for i, k in enumerate(KNOBS):
-        if k.path == path:
-            return i
-    return len(KNOBS)
+    return _POSITION.get(path, len(KNOBS))
 
 
 def _profile_setting(path: str) -> bool:

@@ -31,7 +31,7 @@ class Knob:
 
     def key(self, value: Value) -> str:
         """How a (knob, value) pair is named in weights and coverage: ``engine.sim.load_steps=4``."""
-        return f"{self.path}={value_text(value)}"
+        return setting_key(self.path, value)
 
 
 def value_text(value: Value) -> str:
@@ -83,6 +83,11 @@ KNOBS: tuple[Knob, ...] = (
     Knob("load.documents", (2, 6, 12), profile="shared_prefix"),
     Knob("load.document_tokens", (200, 400, 800), profile="shared_prefix"),
 )
+
+
+def setting_key(path: str, value: Value) -> str:
+    """``path=value`` as weights and coverage name it, for a knob or a corpus entry's own setting."""
+    return f"{path}={value_text(value)}"
 
 
 def knob(path: str) -> Knob:
