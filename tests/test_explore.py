@@ -266,10 +266,14 @@ def test_a_two_run_campaign_on_0_26_0_counts_the_target_crash_against_the_catalo
     root = tmp_path / "results"
     proc = kvrepro("explore", "--base", "0.26.0", "--budget", "2", "--requests", "30", "--seed", "1",
                    "--results", str(root), "--json", "--ci", "--no-minimize")  # minimizing: test_explore_findings.py
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     state = CampaignState.from_json(result["state"])
     assert len(state.runs) == 2 and state.status == "complete"
+    # run 1 replays a corpus entry at concurrency 2, whose interleaving varies: a new finding there
+    # (seen once in CI) is --ci's exit 1, and the target crash of run 0 must still never be one
+    assert proc.returncode == (1 if state.new_findings else 0), state.new_findings
+    assert "crash:offload_update_state_after_alloc" not in [f.key for f in state.new_findings]
     first = state.runs[0]
     assert first.verdict == "CRASH(target)", first
     assert ("crash:offload_update_state_after_alloc", "known", "offload-boundary-assert") in [
