@@ -30,13 +30,13 @@ def shadow(*specs, blocks_per_chunk: int = 1) -> tuple[ShadowKV, io.StringIO]:
     return ShadowKV(config, blocks_per_chunk=blocks_per_chunk, stream=out), out
 
 
-def step(kv: ShadowKV, new=(), cached=(), finished=(), copies=()):
+def step(kv: ShadowKV, new=(), cached=(), finished=(), copies=(), resumed=()):
     """One scheduler output: new = [(req, prompt, block ids per group, computed)],
     cached = [(req, new block ids per group, computed)], copies = [(source, destination) block ids]."""
     so = NS(finished_req_ids=set(finished), preempted_req_ids=set(), kv_cache_block_copies=list(copies),
             scheduled_new_reqs=[NS(req_id=r, prompt_token_ids=p, block_ids=b, num_computed_tokens=c)
                                 for r, p, b, c in new],
-            scheduled_cached_reqs=NS(req_ids=[r for r, _, _ in cached], resumed_req_ids=set(),
+            scheduled_cached_reqs=NS(req_ids=[r for r, _, _ in cached], resumed_req_ids=set(resumed),
                                      new_block_ids=[b for _, b, _ in cached],
                                      num_computed_tokens=[c for _, _, c in cached]))
     kv.update_requests(so)
@@ -200,3 +200,20 @@ def test_the_paths_that_ran_are_counted_whatever_was_found_there():
     assert exposure.kv_hit_reads == {"full_attention": 3, "mamba": 3, "full_attention+offload": 1, "mamba+offload": 1}
     assert exposure.kv_stored == {"full_attention": 2, "mamba": 1}
     assert read_exposure("kvrepro-shadow: counts checks=1 violations=0 by=-\n").kv_hit_reads == {}  # older engines
+
+
+def test_a_resumed_requests_new_prefix_hit_is_its_hit_region():
+    """A request preempted and resumed by vLLM (``resumed_req_ids``) comes back with a new block
+    table and ``num_computed_tokens`` from its new prefix hit. A wrong block in that hit is a
+    ``.../hit`` read, not one of its own computed positions (the 0.26.0 explore lead of 2026-12-02:
+    one preemption, one ``full_attention/foreign/computed``)."""
+    kv, out = shadow(FullAttentionSpec, FullAttentionSpec)
+    step(kv, new=[("r1", PROMPT, ([1, 2, 3], [11, 12, 13]), 0)])  # a first hit of 0
+    kv.forward("r1", 0, 10, [])
+    kv.sampled("r1", [7], 10)
+    # r2 writes group 0's KV into block 5, which r1 then gets back as a group-1 hit block
+    step(kv, new=[("r2", [1, 2, 3, 4, 5, 6], ([5, 6], [15, 16]), 0)])
+    kv.forward("r2", 0, 6, [])
+    step(kv, cached=[("r1", ([1, 2, 4], [5, 12, 14]), 8)], resumed=["r1"])
+    kv.forward("r1", 8, 3, [])
+    assert kv.by_kind == {"full_attention/foreign/hit": 1}, out.getvalue()

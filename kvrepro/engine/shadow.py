@@ -281,13 +281,16 @@ class ShadowKV:
             req.hit = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", None) or set()
-        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+        computed_now = list(getattr(cached, "num_computed_tokens", None) or [])
+        for i, (req_id, new_ids) in enumerate(zip(cached.req_ids, cached.new_block_ids, strict=True)):
             req = self.requests.get(req_id)
             if req is None:
                 continue
             if req_id in resumed:
                 req.blocks = [list(ids) for ids in new_ids]
                 req.state_idx = None
+                if i < len(computed_now):  # resumed after preemption: its new prefix hit is what it holds
+                    req.hit = computed_now[i]
             elif new_ids is not None:
                 for mine, more in zip(req.blocks, new_ids, strict=False):
                     mine.extend(more)
