@@ -600,3 +600,18 @@ def test_engine_that_served_then_died_without_cause_is_a_crash_of_unknown_cause(
     # the same death line in a log of an engine that never served stays a failed start
     never = classify_log(log.split("\n")[-1] + "\n")
     assert never.outcome is Outcome.INFRA and never.title.startswith("engine did not start")
+
+
+def test_the_apply_cow_face_with_an_offload_hit_is_the_same_signature_under_its_own_title():
+    """The second assert of ``_apply_cow`` (``req_blocks[block_idx] is source_block``, 0.26.0 :397) is
+    the same defect reached with an offload hit (docs/defect-family.md 3.15); its log is run 2 of
+    explore-20261202-155324-aa7f on 0.26.0, trimmed, which the campaign called new before the
+    pattern knew the statement. It must match ``kv_cache_apply_cow`` in full, titled by its own text."""
+    result = classify_file(LOGS / "apply-cow-source.log")
+    pattern = match_pattern(result.signature)
+    assert pattern is not None and pattern.name == "kv_cache_apply_cow"
+    assert pattern.match(result.signature) == "full"
+    assert result.title == "AssertionError in _apply_cow: req_blocks[block_idx] is source_block"
+    # the first face keeps its own title
+    first = classify_file(LOGS / "apply-cow.log")
+    assert first.title == "AssertionError in _apply_cow: block_idx < len(req_blocks)"

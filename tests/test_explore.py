@@ -141,6 +141,27 @@ def test_titles_and_the_catalogue():
     stalled = _run(Verdict.STALL, loads_behind_deferred=2)
     assert judge_failure(stall[0], catalogue, "0.28.0", (), stalled).entry == "skipped-waiting-deadlock"
     assert judge_failure(stall[0], catalogue, "0.31.0", (), stalled).status == REGRESSION
+    # three stall entries are present on 0.30.0 and this run reached the paths of two: a replay of
+    # recompute-failed-load-stall's load (explore-20261202-155324-862d run 8) is that entry's stall
+    faulted = _run(Verdict.STALL, offload_load_jobs=40, injected_load_faults=12)
+    seeded = judge_failure(stall[0], catalogue, "0.30.0", (), faulted, "recompute-failed-load-stall")
+    assert (seeded.status, seeded.entry) == (KNOWN, "recompute-failed-load-stall")
+    assert judge_failure(stall[0], catalogue, "0.30.0", (), faulted, "mtp-async-load-deadlock").entry == \
+        "mtp-async-load-deadlock"
+    # a seed entry that does not claim this build does not win over one that does
+    assert judge_failure(stall[0], catalogue, "0.33.0", (), faulted, "mtp-async-load-deadlock").entry == \
+        "recompute-failed-load-stall"
+
+    # #52807's own alignment assert on E's stack, with a prefix-match unit finer than the block
+    # (explore-20261202-155325-3cda run 2): the catalogue's boundary-fix-unaligned-hit; 0.30.0 has #49502
+    alignment = Signature("AssertionError", "update_state_after_alloc",
+                          "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py", 1,
+                          "num_locally_computed_tokens % tokens_per_block == 0")
+    aligned = run_failures(_run(Verdict.CRASH, outcome=Outcome.OTHER_CRASH, signature=alignment))
+    assert [f.key for f in aligned] == ["crash:offload_boundary_alignment"]
+    on_e = judge_failure(aligned[0], catalogue, "0.26.0", e_stack)
+    assert (on_e.status, on_e.entry, on_e.expected) == (KNOWN, "boundary-fix-unaligned-hit", "present")
+    assert judge_failure(aligned[0], catalogue, "0.30.0", ()).status == REGRESSION
     assert run_failures(_run()) == []
 
 

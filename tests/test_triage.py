@@ -47,6 +47,7 @@ CASES = {
     "stall-skipped-waiting-0.28.0.log": ("skipped-waiting-deadlock", "0.31.0", None, "0.28.0"),
     "build-store-jobs-0.26.0.log": ("queued-abort-store-assert", "0.27.0", ("pr-49146",), "0.26.0"),
     "apply-cow-0.26.0.log": ("apply-cow-mamba-deeper", "0.27.0", ("pr-48425",), "0.26.0"),
+    "boundary-fix-0.26.0.log": ("boundary-fix-unaligned-hit", "0.30.0", None, "0.26.0"),
 }
 
 
@@ -111,14 +112,19 @@ def test_kv_transfer_config_is_read_without_evaluating_anything(catalogue):
 
 
 def test_an_unknown_crash_is_said_to_be_unknown(catalogue):
-    """#52807's alignment assertion (0.30.0+) has a signature but no catalogue entry: unknown, not forced
-    onto the entries of the same function (update_state_after_alloc's boundary assertion)."""
+    """#52807's alignment assertion on 0.30.0: its one entry (boundary-fix-unaligned-hit, a 0.26.0 stack
+    without #49502) says 0.30.0 is fixed, so the crash is unknown there, with that entry as the near
+    miss that says why, and not forced onto the entries of the same function (update_state_after_alloc's
+    boundary assertion)."""
     found = triage_file(DATA / "unknown-alignment-0.30.0.log", catalogue)
     assert found.failure.kind == "crash" and found.failure.pattern == "offload_boundary_alignment"
     assert found.base == "0.30.0"
-    assert found.unknown and found.matches == () and found.near_misses == ()
+    assert found.unknown and found.matches == ()
+    assert {m.entry: m.why_not for m in found.near_misses} == {
+        "boundary-fix-unaligned-hit": ("fixed from 0.30.0 on, and 0.30.0 is that or later",)}
     proc = kvrepro("triage", str(DATA / "unknown-alignment-0.30.0.log"))
     assert proc.returncode == 0 and "unknown: no catalogue entry fits" in proc.stdout
+    assert "no entry with its crash signature offload_boundary_alignment claims" in " ".join(proc.stdout.split())
     assert max(len(line) for line in proc.stdout.splitlines()) <= 80
 
 

@@ -32,6 +32,10 @@ class Pattern:
     title), then the single lines of it that Python 3.11/3.12 print for a wrapped statement when
     the source is not available. Leave it empty to match any statement of the function.
 
+    ``other_statements`` are further whole statements of the same check (the next ``assert`` on the
+    same state, which a variant of the defect reaches instead): each matches as "full" and titles
+    the crash with its own text, so one defect keeps one signature and every face its true title.
+
     ``message`` is an optional regex searched in the exception's message.
 
     ``never_target``: this crash shares the target's site but is a different bug (typically an
@@ -46,14 +50,17 @@ class Pattern:
     why: str
     title: str = "{exception} in {function}: {expression}"
     expressions: tuple[str, ...] = ()
+    other_statements: tuple[str, ...] = ()
     message: str | None = None
     upstream: tuple[str, ...] = ()
     test_log: str | None = None  # file name under tests/data/logs/
     never_target: bool = False
     _canon: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
+    _other: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_canon", tuple(canonical(e) for e in self.expressions))
+        object.__setattr__(self, "_other", tuple(canonical(e) for e in self.other_statements))
 
     def match(self, sig: Signature, message: str = "") -> str | None:
         """How this pattern matches: "full", "fragment" (one line of the statement), "any" (the
@@ -67,7 +74,7 @@ class Pattern:
         if not self._canon:
             return "any"
         got = canonical(sig.expression)
-        if got == self._canon[0]:
+        if got == self._canon[0] or (got and got in self._other):
             return "full"
         if got and got in self._canon[1:]:
             return "fragment"
@@ -75,6 +82,8 @@ class Pattern:
 
     def render_title(self, sig: Signature) -> str:
         expression = self.expressions[0] if self.expressions else sig.expression
+        if self._other and canonical(sig.expression) in self._other:
+            expression = sig.expression
         return self.title.format(exception=sig.exception, function=_short(sig.function), file=sig.file,
                                  line=sig.line, expression=expression)
 

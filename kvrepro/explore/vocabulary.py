@@ -46,7 +46,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("load.max_tokens", (4, 8, 16), why="decode steps per request: MTP drafts and finish timing"),
     Knob("engine.num_speculative_tokens", (1, 2, 3), why="MTP draft tokens per step"),
     Knob("engine.max_num_seqs", (2, 4, 8), why="requests scheduled per step"),
-    Knob("engine.sim.num_gpu_blocks", (64, 96, 160), why="GPU KV pool: eviction pressure"),
+    # not 64: with the default geometry and max_model_len 1024 vLLM refuses to start on 64 blocks
+    # (_check_enough_kv_cache_memory), 7 of the first 62 runs of a 30-minute campaign on 0.26.0 lost
+    # that way (explore-20261202-155324-aa7f); 80 is cross-group-eviction-assert's measured pressure
+    Knob("engine.sim.num_gpu_blocks", (80, 96, 160), why="GPU KV pool: eviction pressure"),
     Knob("engine.connector", ("offloading", "capable"),
          why="capable: the OffloadingConnector declaring supports_divergent_local_hybrid_hits, the only way "
              "the scheduler takes get_computed_blocks_for_connector and its divergent-hit reconcile (0.28.0+; "

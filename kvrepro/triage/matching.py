@@ -60,7 +60,7 @@ def _release_state(entry: Entry, release: str) -> tuple[str, str]:
     if state == "present":
         return "present", f"{release} is a release it is present in ({', '.join(_release_keys(entry.present_in))})"
     if state == "fixed":
-        return "fixed", f"fixed from {min(fixed, key=version_tuple)} on, and {release} is later"
+        return "fixed", f"fixed from {min(fixed, key=version_tuple)} on, and {release} is that or later"
     mine = version_tuple(release)
     if fixed and all(version_tuple(f) > mine for f in fixed):  # type: ignore[operator]
         present = _release_keys(entry.present_in)

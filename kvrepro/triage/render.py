@@ -64,6 +64,8 @@ def plain(t: Triage) -> list[str]:
                 lines += _match_lines(m, i)
         else:
             why = (" (no crash signature knows it)" if f.kind == "crash" and not f.pattern else
+                   f" (no entry with its crash signature {f.pattern} claims this deployment)"
+                   if f.kind == "crash" and t.near_misses else
                    f" (its crash signature {f.pattern} is in no entry)" if f.kind == "crash" else "")
             lines += _wrap("no catalogue entry fits: this failure is not a known defect" + why, "  ", "unknown: ")
         if t.near_misses:
