@@ -15,7 +15,7 @@ from kvrepro.engine.arcs import ArcRecorder, parse_line, traced_name
 from kvrepro.explore.campaign import base_data, parent_for, run_matrix_for
 from kvrepro.explore.coverage import TARGET_POINTS, in_target, patch_targets, points, run_arcs
 from kvrepro.explore.generator import RunSpec, apply, generate
-from kvrepro.explore.state import CampaignRequest, CampaignState, RunRecord
+from kvrepro.explore.state import CampaignRequest, CampaignState, JudgedRecord, RunRecord
 from kvrepro.spec.matrix import DEFAULT_MATRIX
 
 PLANTED = ROOT / "benchmarks" / "planted"
@@ -128,6 +128,13 @@ def test_a_guided_campaign_mutates_the_run_that_came_closest():
     state.runs += [near, far]
     parents = [parent_for(state, i) for i in range(3, 23)]
     assert set(parents) == {None, spec}  # every other run, seeded
+    # a run that failed is no parent, however close it came: its children fail the same way
+    stalled = RunRecord(spec=RunSpec(index=3, changes=(("load.concurrency", 4),)), run_id="r3", verdict="STALL",
+                        seconds=30.0, target_arcs=50, points=9.0,
+                        failures=(JudgedRecord(key="stall", kind="stall", title="STALL", status="known",
+                                               entry="recompute-failed-load-stall"),))
+    state.runs.append(stalled)
+    assert {parent_for(state, i) for i in range(4, 24)} == {None, spec}
     assert 4 <= parents.count(spec) <= 16
     unguided = CampaignState(campaign_id="explore-y", request=CampaignRequest(base="0.30.0", guided=False),
                              runs=state.runs)
