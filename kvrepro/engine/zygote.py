@@ -24,6 +24,30 @@ ended up importing, and the zygote imports them before the next fork. With ``--l
 what was learned is also kept in FILE (one module a line) and preloaded from the start by the
 next zygote of the same runtime: without it the first engine of every slot (forked before any
 engine had reported) imported those modules itself, 12-15 s to healthy against 4 s for the rest.
+
+Build zygotes: vLLM itself once per build, not once per engine (kvrepro issue 27). Importing a
+build's `vllm serve` path costs ~2 CPU s, and each build runs several engines (a matrix's
+repetitions, a bisection's probes). So the zygote forks, per build (its ``PYTHONPATH``: the
+content-addressed overlay first), a *build zygote* that puts the overlay on ``sys.path``, imports
+:data:`SERVE_PRELOAD` (and, once the first engine has reported them, the vLLM modules it imported),
+and then forks that build's engines; the zygote hands each request over with its fds. What must
+stay each engine's own:
+
+* output: what the import printed (the platform plugin's lines) is captured and written at the
+  start of each engine's own log, after one ``kvrepro zygote: forked from build zygote`` line;
+  the probe's ``installed`` line is printed when its target module is imported, which a build
+  zygote never does (:data:`_ENGINE_ONLY`), so it comes from each engine's own API server;
+* settings: the environment variables the import read are recorded with their values; an engine
+  whose environment differs in one of them is forked by the zygote and imports vLLM itself. kvrepro's
+  engine modules that read per-run ``KVREPRO_SIM_*`` settings (executor, shadow, faults, arcs) are
+  never imported there (:data:`_IMPORT_SAFE_OWN`), and the probe starts its counts from zero in
+  every forked process;
+* failure: a build whose serve path does not import is remembered; its engines import vLLM
+  themselves and their logs show the real error, as without build zygotes;
+* lifetime: build zygotes are the zygote's children in its process group, die with it, and stop
+  their engines on SIGTERM; at most :data:`BUILD_ZYGOTES_MAX` per zygote.
+
+``KVREPRO_BUILD_ZYGOTES=0`` in an engine's environment turns this off for that engine.
 """
 
 from __future__ import annotations
@@ -62,8 +86,11 @@ SERVE_PRELOAD = ("vllm.entrypoints.cli.main", "vllm.entrypoints.openai.api_serve
 # Never imported in a build zygote: the probe's target lives here (kvrepro_probe.TARGET_MODULE), and the
 # probe prints its `installed` line, which the classifier reads from each engine's own log, when it wraps.
 _ENGINE_ONLY = ("vllm.distributed.kv_transfer",)
-# Live build zygotes per runtime zygote, least recently used retired first: a matrix runs up to 5 builds
-# of one release at once (A-E), each wants its own; every one holds ~MB_PER_BUILD_ZYGOTE of its own.
+# Live build zygotes per runtime zygote, least recently used retired first (a retired one exits when its
+# engines have). 6: the default matrix's 5 builds of one release stay warm through all repetitions, plus
+# one (a bisection's next probe, a test's patched build). Each holds ~220 MB of its own (private dirty,
+# measured on 0.26.0: vLLM's modules and the pages the fork copied), so 6 stay under 1.5 GB; a suite's
+# ~10 releases are other runtimes or other overlays, run one after another: the oldest retire.
 BUILD_ZYGOTES_MAX = 6
 # "0" in an engine's environment: that engine is forked by the runtime zygote and imports vLLM itself
 # (benchmarks/matrix_wallclock.py --build-zygotes compares both ways in one run).
@@ -226,15 +253,24 @@ def read_learned(path: str | None) -> list[str]:
 
 def write_learned(path: str | None, names: list[str]) -> None:
     """Keep what was learned, added to what was there (atomically: several zygotes may write)."""
+    merged = sorted(set(read_learned(path)) | {n for n in names if n.split(".")[0] not in _OWN_ROOTS})
+    _write_lines(path, merged, "modules a kvrepro engine zygote preloads (learned from its engines)")
+
+
+def _serve_lesson(learned_path: str | None) -> str | None:
+    """Where the vLLM modules a build zygote imports are kept: beside the runtime's lesson."""
+    return f"{learned_path}.vllm" if learned_path else None
+
+
+def _write_lines(path: str | None, names: list[str], title: str) -> None:
     if not path:
         return
-    merged = sorted(set(read_learned(path)) | {n for n in names if n.split(".")[0] not in _OWN_ROOTS})
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write("# modules a kvrepro engine zygote preloads (learned from its engines)\n")
-            fh.writelines(name + "\n" for name in merged)
+            fh.write(f"# {title}\n")
+            fh.writelines(name + "\n" for name in names)
         os.replace(tmp, path)
     except OSError:  # a read-only cache only costs the next zygote the lesson
         try:
@@ -516,7 +552,9 @@ def serve(socket_path: str, learned_path: str | None = None) -> int:
     broken: dict[str, str] = {}  # PYTHONPATHs whose vLLM did not import: their engines import it themselves
     stopping = {"flag": False}
     learned = {"done": False}  # the first engine still reports: a build may import more than the last lesson
-    lesson = {"serve": None}  # vLLM modules the first engine imported: what later build zygotes preload
+    # vLLM modules the first engine imported: what build zygotes preload, kept beside the runtime's lesson
+    # so that the next zygote's first build zygotes import them too
+    lesson = {"serve": read_learned(_serve_lesson(learned_path))}
 
     def on_signal(signum, frame):
         stopping["flag"] = True
@@ -573,7 +611,7 @@ def serve(socket_path: str, learned_path: str | None = None) -> int:
             except OSError:
                 pass
         parent_side, child_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        modules = list(dict.fromkeys([*SERVE_PRELOAD, *(lesson["serve"] or ())]))
+        modules = list(dict.fromkeys([*SERVE_PRELOAD, *lesson["serve"]]))
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -633,8 +671,11 @@ def serve(socket_path: str, learned_path: str | None = None) -> int:
                 continue
             if "learn" in request:
                 conn.close()
-                if request.get("serve") and lesson["serve"] is None:
-                    lesson["serve"] = [n for n in request["serve"] if not n.startswith(_ENGINE_ONLY)]
+                if request.get("serve") and not learned["done"]:
+                    reported = [n for n in request["serve"] if not n.startswith(_ENGINE_ONLY)]
+                    lesson["serve"] = list(dict.fromkeys([*lesson["serve"], *reported]))
+                    _write_lines(_serve_lesson(learned_path), lesson["serve"],
+                                 "vLLM modules a kvrepro build zygote imports (learned from its engines)")
                 if learned["done"]:
                     continue
                 learned["done"] = True
@@ -644,7 +685,7 @@ def serve(socket_path: str, learned_path: str | None = None) -> int:
                 continue
             module = request.get("module")
             # what `vllm serve` imports: the runtime's modules once, vLLM's serve path once
-            learn = not module and (not learned["done"] or lesson["serve"] is None)
+            learn = not module and not learned["done"]
             env = request.get("env") or {}
             key = env.get("PYTHONPATH", "")
             if module or not key or env.get(BUILD_ZYGOTES_ENV) == "0" or key in broken:
