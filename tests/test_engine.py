@@ -423,6 +423,9 @@ import vllm
 def main():
     print(f"engine pid {{os.getpid()}} ppid {{os.getppid()}}: knob at import {{vllm.KNOB}}, "
           f"now {{os.environ.get('FAKE_VLLM_KNOB')}}, argv {{sys.argv[1:]}}", flush=True)
+    if "wait" in sys.argv:  # an engine that serves until stopped
+        import time
+        time.sleep(600)
 '''
 
 
@@ -544,3 +547,43 @@ def test_build_zygotes_beyond_the_cap_retire_the_least_recently_used(runtime_pyt
         zygote.send_signal(signal.SIGTERM)
         assert zygote.wait(timeout=60) == 0
     assert tree and not any(alive(pid) for pid in tree)
+
+
+def test_a_sigkilled_zygote_takes_its_build_zygote_and_its_engines_with_it(runtime_python, tmp_path):
+    """SIGKILL of the runtime zygote (nobody can clean up after it): its build zygote gets its
+    parent-death signal and stops its engine, and the engine's client sees the end (real processes
+    and signals; vLLM a stand-in, ``_fake_overlay``)."""
+    from kvrepro.deploy.sim import start_zygote
+    from kvrepro.engine.zygote import BUILD_ZYGOTES_ENV, ENV_VAR
+
+    overlay = _fake_overlay(tmp_path / "good")
+    socket_path = str(tmp_path / "zygote.sock")
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", ENV_VAR, BUILD_ZYGOTES_ENV)}
+    zygote = start_zygote(str(runtime_python), socket_path, dict(base, PYTHONPATH=str(ROOT)),
+                          str(tmp_path / "zygote.log"))
+    env = dict(base, PYTHONPATH=f"{overlay}{os.pathsep}{ROOT}", FAKE_VLLM_KNOB="a", **{ENV_VAR: socket_path})
+    client = subprocess.Popen([str(runtime_python), "-m", "kvrepro.engine", "serve", "wait"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        while not any("engine pid" in line for line in lines):
+            line = client.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        assert any("forked from build zygote" in line for line in lines), lines
+        tree = _descendants(zygote.pid)
+        assert len(tree) == 2, tree  # the build zygote and its engine
+        zygote.kill()
+        zygote.wait()
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in tree) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in tree), [pid for pid in tree if alive(pid)]
+        assert client.wait(timeout=30) != 0  # its engine ended without a clean exit
+    finally:
+        if client.poll() is None:
+            client.kill()
+        if zygote.poll() is None:
+            zygote.kill()
+        client.wait()
+        client.stdout.close()
