@@ -11,6 +11,11 @@ first run, the runs, after the last; and the shares of engine start, load and ta
 
     python benchmarks/matrix_wallclock.py            # cached matrix + cold setup (downloads ~300 MB)
     python benchmarks/matrix_wallclock.py --no-cold  # cached matrix only
+    python benchmarks/matrix_wallclock.py --no-cold --build-zygotes  # and the settled matrix once more with
+        # KVREPRO_BUILD_ZYGOTES=0 (each engine imports vLLM itself; kvrepro/engine/zygote.py), run first
+
+With ``--build-zygotes`` each matrix's CPU seconds (kvrepro and every process it waited for) are
+printed too: the load of other work on the machine moves wall times, not these.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -66,6 +72,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-cold", action="store_true", help="skip the from-scratch setup measurement")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--build-zygotes", action="store_true",
+                        help="also run the settled matrix without build zygotes (KVREPRO_BUILD_ZYGOTES=0), first")
     args = parser.parse_args()
 
     setup_s, proc = kvrepro("setup")  # makes sure the cache is warm before timing the matrix
@@ -74,10 +82,18 @@ def main() -> int:
         return 1
     measured = {}
     breakdown = {}
-    for mode, extra in (("settled", ()), ("full-load", ("--full-load",))):
+    cpu = {}
+    modes = [("settled", (), {}), ("full-load", ("--full-load",), {})]
+    if args.build_zygotes:
+        modes.insert(0, ("no-build-zygotes", (), {"KVREPRO_BUILD_ZYGOTES": "0"}))
+    for mode, extra, variables in modes:
         with tempfile.TemporaryDirectory() as tmp:
             started = time.time()
-            seconds, proc = kvrepro("matrix", "run", "--json", "--reps", str(args.reps), "--results", tmp, *extra)
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            seconds, proc = kvrepro("matrix", "run", "--json", "--reps", str(args.reps), "--results", tmp, *extra,
+                                    env=dict(os.environ, **variables) if variables else None)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu[mode] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
             breakdown[mode] = phases(Path(tmp), started, time.time())
         if proc.returncode not in (0, 1):
             print(proc.stderr, file=sys.stderr)
@@ -113,6 +129,21 @@ def main() -> int:
         print(f"  phases, {mode + ':':<11} {text}")
     print(f"engine start to healthy, median:   {median_start:7.1f} s   ratio to matrix {median_start / matrix_s:.2f}"
           f"   (min {starts[0] if starts else float('nan'):.1f} s, max {starts[-1] if starts else float('nan'):.1f} s)")
+    if args.build_zygotes:
+        off_s, off_run = measured["no-build-zygotes"]
+        off_runs = [r for b in off_run["builds"].values() for r in b["runs"]]
+        off_starts = sorted(r["engine_start_s"] for r in off_runs if r.get("engine_start_s") is not None)
+        off_median = off_starts[len(off_starts) // 2] if off_starts else float("nan")
+        off_verdicts = {n: " ".join(r["label"] for r in b["runs"]) for n, b in off_run["builds"].items()}
+        off_same = all(sorted(verdicts[n].split()) == sorted(off_verdicts.get(n, "").split()) for n in verdicts)
+        print(f"build zygotes off (run first):     {off_s:7.1f} s   on/off {matrix_s / off_s:.2f}   CPU "
+              f"{cpu['no-build-zygotes']:.1f} s -> {cpu['settled']:.1f} s (on/off {cpu['settled'] / cpu['no-build-zygotes']:.2f})")
+        print(f"  engine start median off -> on:   {off_median:7.1f} s -> {median_start:.1f} s   "
+              f"verdicts {'the same' if off_same else 'DIFFER'}: "
+              + "; ".join(f"{n} {v}" for n, v in off_verdicts.items()))
+        same_all = off_same
+    else:
+        same_all = True
     print(f"setup, cache warm:                 {setup_s:7.1f} s   ratio to matrix {setup_s / matrix_s:.2f}")
     if cold_s is not None:
         print(f"setup from scratch:                {cold_s:7.1f} s   ratio to matrix {cold_s / matrix_s:.2f}")
@@ -123,7 +154,7 @@ def main() -> int:
         print(f"  {name}: {v:<60} | {full_verdicts.get(name, '-')}   requests:stopped {stopped}")
         if defects[name] or full_defects.get(name):
             print(f"     defects named: {', '.join(defects[name]) or '-'} | {', '.join(full_defects.get(name, [])) or '-'}")
-    return 0 if same else 1
+    return 0 if same and same_all else 1
 
 
 if __name__ == "__main__":

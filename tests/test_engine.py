@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import ROOT
+from conftest import ROOT, alive
 from kvrepro import paths
 
 MODEL_DIR = ROOT / "kvrepro" / "data" / "models" / "qwen3-next-tiny"
@@ -409,3 +409,181 @@ def test_plugin_names_the_platform_only_when_asked():
     entry = next(text for rel, text in dist_info_files().items() if rel.endswith("entry_points.txt"))
     assert "[vllm.platform_plugins]" in entry and "kvrepro.engine.plugin:register" in entry
     assert callable(plugin.register)  # the entry point names a function the engine side has
+
+
+# -- build zygotes (kvrepro/engine/zygote.py): vLLM of one build imported once per runtime zygote --------
+
+_FAKE_VLLM_INIT = '''import os
+KNOB = os.environ.get("FAKE_VLLM_KNOB")  # read at import, as vLLM reads its logging settings
+print(f"fake vllm imported by pid {os.getpid()} with knob {KNOB}", flush=True)
+'''
+_FAKE_VLLM_MAIN = '''import os, sys
+import vllm
+{broken}
+def main():
+    print(f"engine pid {{os.getpid()}} ppid {{os.getppid()}}: knob at import {{vllm.KNOB}}, "
+          f"now {{os.environ.get('FAKE_VLLM_KNOB')}}, argv {{sys.argv[1:]}}", flush=True)
+    if "wait" in sys.argv:  # an engine that serves until stopped
+        import time
+        time.sleep(600)
+'''
+
+
+def _fake_overlay(folder: Path, broken: bool = False) -> Path:
+    """A two-module stand-in for a build's overlay: ``vllm`` (reads a variable at import and says so)
+    and ``vllm.entrypoints.cli.main`` (what `vllm serve` runs). The real vLLM's build zygote is
+    exercised end to end in tests/test_shared_zygote.py; this one shows the zygote's own rules fast."""
+    cli = folder / "vllm" / "entrypoints" / "cli"
+    cli.mkdir(parents=True)
+    (folder / "vllm" / "__init__.py").write_text(_FAKE_VLLM_INIT)
+    (folder / "vllm" / "entrypoints" / "__init__.py").write_text("")
+    (cli / "__init__.py").write_text("")
+    (cli / "main.py").write_text(_FAKE_VLLM_MAIN.format(
+        broken='raise RuntimeError("this overlay is broken on purpose")' if broken else ""))
+    return folder
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def test_build_zygote_forks_engines_of_one_build_and_each_keeps_its_own_import_time_settings(runtime_python,
+                                                                                             tmp_path):
+    """Real runtime zygote, real build zygotes, real forks and signals; vLLM is a two-module stand-in
+    (``_fake_overlay``). Engines of one build with the same import-time environment fork from one build
+    zygote, and their output starts with what its import printed; an engine whose environment differs
+    in a variable read at import imports vLLM itself; a build whose vLLM does not import runs its
+    engines the ordinary way, each showing the real error; stopping the zygote leaves nothing."""
+    from kvrepro.deploy.sim import start_zygote
+    from kvrepro.engine.zygote import BUILD_ZYGOTES_ENV, ENV_VAR
+
+    good = _fake_overlay(tmp_path / "good")
+    broken = _fake_overlay(tmp_path / "broken", broken=True)
+    socket_path = str(tmp_path / "zygote.sock")
+    log = tmp_path / "zygote.log"
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", ENV_VAR, BUILD_ZYGOTES_ENV)}
+    zygote = start_zygote(str(runtime_python), socket_path, dict(base, PYTHONPATH=str(ROOT)), str(log))
+
+    def engine(overlay: Path, knob: str, **extra: str) -> subprocess.CompletedProcess:
+        env = dict(base, PYTHONPATH=f"{overlay}{os.pathsep}{ROOT}", FAKE_VLLM_KNOB=knob, **{ENV_VAR: socket_path},
+                   **extra)
+        return subprocess.run([str(runtime_python), "-m", "kvrepro.engine", "serve", knob], env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    try:
+        first, second = engine(good, "a"), engine(good, "a")
+        other = engine(good, "b")
+        own = engine(good, "a", **{BUILD_ZYGOTES_ENV: "0"})
+        broken_runs = [engine(broken, "a"), engine(broken, "a")]
+        tree = _descendants(zygote.pid)
+        text = log.read_text()
+        (started,) = [line for line in text.splitlines() if "started build zygote" in line and str(good) in line]
+        build_pid = int(started.split()[5])
+        assert build_pid in tree  # still running between engines, under the runtime zygote
+    finally:
+        zygote.send_signal(signal.SIGTERM)
+        assert zygote.wait(timeout=60) == 0
+    assert not any(alive(pid) for pid in tree), [pid for pid in tree if alive(pid)]
+
+    for run in (first, second):
+        assert run.returncode == 0, run.stderr
+        assert f"forked from build zygote {build_pid}" in run.stdout
+        # the import's own output, printed once in the build zygote, is in each engine's output
+        assert f"fake vllm imported by pid {build_pid} with knob a" in run.stdout
+        assert f"ppid {build_pid}: knob at import a, now a, argv ['serve', 'a']" in run.stdout
+    assert first.stdout.split("engine pid")[1] != second.stdout.split("engine pid")[1]  # two engines
+    # a variable vLLM read at import differs: imported afresh, with this engine's value
+    assert other.returncode == 0 and "forked from build zygote" not in other.stdout
+    assert "knob at import b, now b" in other.stdout
+    assert "FAKE_VLLM_KNOB differ from build zygote" in text
+    assert own.returncode == 0 and "forked from build zygote" not in own.stdout and "knob at import a" in own.stdout
+    for run in broken_runs:  # the engine's own output names the real error, as without build zygotes
+        assert run.returncode == 1 and "RuntimeError: this overlay is broken on purpose" in run.stderr, run.stderr
+        assert "forked from build zygote" not in run.stdout + run.stderr
+    assert text.count("could not import vLLM") == 1  # tried once per build, not once per engine
+    assert not Path(socket_path).exists()
+
+
+def test_build_zygotes_beyond_the_cap_retire_the_least_recently_used(runtime_python, tmp_path):
+    """At most BUILD_ZYGOTES_MAX build zygotes run per runtime zygote: the next build retires the one
+    used longest ago, which exits once its engines are gone (real processes; vLLM a stand-in)."""
+    from kvrepro.deploy.sim import start_zygote
+    from kvrepro.engine.zygote import BUILD_ZYGOTES_ENV, BUILD_ZYGOTES_MAX, ENV_VAR
+
+    socket_path = str(tmp_path / "zygote.sock")
+    log = tmp_path / "zygote.log"
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", ENV_VAR, BUILD_ZYGOTES_ENV)}
+    zygote = start_zygote(str(runtime_python), socket_path, dict(base, PYTHONPATH=str(ROOT)), str(log))
+    overlays = [_fake_overlay(tmp_path / f"build{i}") for i in range(BUILD_ZYGOTES_MAX + 1)]
+    try:
+        for overlay in [*overlays[:-1], overlays[0], overlays[-1]]:  # build0 used again: build1 is the oldest
+            env = dict(base, PYTHONPATH=f"{overlay}{os.pathsep}{ROOT}", FAKE_VLLM_KNOB="a", **{ENV_VAR: socket_path})
+            run = subprocess.run([str(runtime_python), "-m", "kvrepro.engine", "serve"], env=env,
+                                 capture_output=True, text=True, timeout=300)
+            assert run.returncode == 0 and "forked from build zygote" in run.stdout, run.stdout + run.stderr
+        started = {line.split()[7]: int(line.split()[5]) for line in log.read_text().splitlines()
+                   if "started build zygote" in line}
+        assert len(started) == BUILD_ZYGOTES_MAX + 1
+        deadline = time.monotonic() + 30
+        while alive(started[str(overlays[1])]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(started[str(overlays[1])])  # retired: it had no engine left
+        assert all(alive(started[str(o)]) for o in overlays if o != overlays[1])
+        tree = _descendants(zygote.pid)
+    finally:
+        zygote.send_signal(signal.SIGTERM)
+        assert zygote.wait(timeout=60) == 0
+    assert tree and not any(alive(pid) for pid in tree)
+
+
+def test_a_sigkilled_zygote_takes_its_build_zygote_and_its_engines_with_it(runtime_python, tmp_path):
+    """SIGKILL of the runtime zygote (nobody can clean up after it): its build zygote gets its
+    parent-death signal and stops its engine, and the engine's client sees the end (real processes
+    and signals; vLLM a stand-in, ``_fake_overlay``)."""
+    from kvrepro.deploy.sim import start_zygote
+    from kvrepro.engine.zygote import BUILD_ZYGOTES_ENV, ENV_VAR
+
+    overlay = _fake_overlay(tmp_path / "good")
+    socket_path = str(tmp_path / "zygote.sock")
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", ENV_VAR, BUILD_ZYGOTES_ENV)}
+    zygote = start_zygote(str(runtime_python), socket_path, dict(base, PYTHONPATH=str(ROOT)),
+                          str(tmp_path / "zygote.log"))
+    env = dict(base, PYTHONPATH=f"{overlay}{os.pathsep}{ROOT}", FAKE_VLLM_KNOB="a", **{ENV_VAR: socket_path})
+    client = subprocess.Popen([str(runtime_python), "-m", "kvrepro.engine", "serve", "wait"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        while not any("engine pid" in line for line in lines):
+            line = client.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        assert any("forked from build zygote" in line for line in lines), lines
+        tree = _descendants(zygote.pid)
+        assert len(tree) == 2, tree  # the build zygote and its engine
+        zygote.kill()
+        zygote.wait()
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in tree) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in tree), [pid for pid in tree if alive(pid)]
+        assert client.wait(timeout=30) != 0  # its engine ended without a clean exit
+    finally:
+        if client.poll() is None:
+            client.kill()
+        if zygote.poll() is None:
+            zygote.kill()
+        client.wait()
+        client.stdout.close()

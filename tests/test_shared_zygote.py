@@ -93,3 +93,61 @@ def test_the_minimizers_offline_engine_forks_from_the_shared_zygote_and_crashes_
         alone.close()
     assert by_zygote.crashed and by_zygote.function == "update_state_after_alloc", by_zygote
     assert (by_zygote.crash_at, by_zygote.statement) == (by_itself.crash_at, by_itself.statement)
+
+
+def test_engines_of_one_build_fork_from_one_build_zygote_and_judge_as_engines_that_import_vllm(tmp_path, overlays):
+    """Build zygotes (kvrepro/engine/zygote.py): the runtime zygote forks one child per build that
+    imports the build's vLLM once; both engines of build A fork from it, and each engine's own log
+    still has what the classifier and a reader need (the plugin's lines, the probe's `installed` line
+    from the engine's own process, the EngineCore). The same runs with KVREPRO_BUILD_ZYGOTES=0 (each
+    engine imports vLLM itself) give the same verdicts. Stopping the zygotes leaves no process.
+    Real parts: real `kvrepro matrix run` commands, real vLLM engines; only the GPU is faked."""
+    from conftest import stop_shared_zygotes as stop
+    from kvrepro.engine.zygote import BUILD_ZYGOTES_ENV
+
+    zygotes = tmp_path / "zygotes"
+    zygotes.mkdir()
+
+    def run_a(results: Path, **variables: str) -> list[dict]:
+        env = dict(os.environ, **{SHARED_ZYGOTES_ENV: str(zygotes)}, **variables)
+        proc = subprocess.run([sys.executable, "-m", "kvrepro.cli", "matrix", "run", "--build", "A", "--reps", "2",
+                               "--jobs", "1", "--json", "--results", str(results)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout)["builds"]["A"]["runs"]
+
+    try:
+        forked = run_a(tmp_path / "forked")
+        (pid_file,) = zygotes.glob("*.pid")
+        zygote_pid = int(pid_file.read_text())
+        log = pid_file.with_suffix(".log").read_text()
+        (started,) = [line for line in log.splitlines() if "started build zygote" in line]
+        build_pid = int(started.split()[5])
+        assert alive(build_pid)  # it stays for the next engine of A, as the shared zygote does
+        own = run_a(tmp_path / "own", **{BUILD_ZYGOTES_ENV: "0"})
+        tree = {build_pid} | {int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == zygote_pid}
+    finally:
+        stopped = stop(zygotes)
+    assert stopped and not any(alive(p) for p in [*stopped, *tree])
+
+    for run in forked:
+        text = Path(run["run_dir"], "engine.log").read_text(errors="replace")
+        assert f"kvrepro zygote: forked from build zygote {build_pid}" in text
+        assert "Platform plugin kvrepro_sim is activated" in text  # printed by the build zygote's import
+        probe = [line for line in text.splitlines() if "kvrepro-probe: installed" in line]
+        assert len(probe) == 1 and probe[0].startswith("(APIServer pid=")  # from this engine, not the zygote
+        assert "(EngineCore" in text and "Sim executor: no GPU" in text
+    for run in own:
+        text = Path(run["run_dir"], "engine.log").read_text(errors="replace")
+        assert "forked from build zygote" not in text and "kvrepro-probe: installed" in text
+    assert [(r["verdict"], r["outcome"]) for r in forked] == [(r["verdict"], r["outcome"]) for r in own] \
+        == [("CRASH", "target")] * 2
+    assert all(r["trigger_count"] >= 1 for r in forked + own)  # the probe counted in every engine
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[1])

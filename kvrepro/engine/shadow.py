@@ -86,8 +86,14 @@ from dataclasses import dataclass, field
 
 TAG = "kvrepro-shadow:"
 REPORT_INTERVAL_S = 0.5
-_DESCRIBE = os.environ.get("KVREPRO_SIM_SHADOW_DESCRIBE", "").strip()
-MAX_DESCRIBED = int(_DESCRIBE) if _DESCRIBE.isdigit() else 5  # described one by one; the rest counted
+DESCRIBE_ENV = "KVREPRO_SIM_SHADOW_DESCRIBE"
+
+
+def max_described(environ=None) -> int:
+    """Violations described one by one (the rest counted): read when the shadow KV is made, not at
+    import, since an engine forked from a build zygote (kvrepro/engine/zygote.py) may share imports."""
+    value = (os.environ if environ is None else environ).get(DESCRIBE_ENV, "").strip()
+    return int(value) if value.isdigit() else 5
 MAX_RECORDS = 1000  # violations kept as data (ShadowKV.records); the rest are counted
 _ROOT_HASH = 0x6B7672
 
@@ -173,6 +179,7 @@ class ShadowKV:
         self.step = 0
         self.checks = 0
         self.violations = 0
+        self._max_described = max_described()
         self._stream = stream
         self._lock = threading.Lock()
         self._last_reported: tuple | None = None
@@ -251,7 +258,7 @@ class ShadowKV:
             self.records.append({"step": self.step, "request": req_id, "group": group_index,
                                  "group_kind": self.groups[group_index].kind, "block_index": key[2],
                                  "offload": loaded, "kind": cls.split("/", 1)[0], "class": cls, "text": text})
-        if self.violations <= MAX_DESCRIBED:
+        if self.violations <= self._max_described:
             self._write(f"violation step={self.step} class={cls} {text}")
             self.report(force=True)
 

@@ -24,6 +24,30 @@ ended up importing, and the zygote imports them before the next fork. With ``--l
 what was learned is also kept in FILE (one module a line) and preloaded from the start by the
 next zygote of the same runtime: without it the first engine of every slot (forked before any
 engine had reported) imported those modules itself, 12-15 s to healthy against 4 s for the rest.
+
+Build zygotes: vLLM itself once per build, not once per engine (kvrepro issue 27). Importing a
+build's `vllm serve` path costs ~2 CPU s, and each build runs several engines (a matrix's
+repetitions, a bisection's probes). So the zygote forks, per build (its ``PYTHONPATH``: the
+content-addressed overlay first), a *build zygote* that puts the overlay on ``sys.path``, imports
+:data:`SERVE_PRELOAD` (and, once the first engine has reported them, the vLLM modules it imported),
+and then forks that build's engines; the zygote hands each request over with its fds. What must
+stay each engine's own:
+
+* output: what the import printed (the platform plugin's lines) is captured and written at the
+  start of each engine's own log, after one ``kvrepro zygote: forked from build zygote`` line;
+  the probe's ``installed`` line is printed when its target module is imported, which a build
+  zygote never does (:data:`_ENGINE_ONLY`), so it comes from each engine's own API server;
+* settings: the environment variables the import read are recorded with their values; an engine
+  whose environment differs in one of them is forked by the zygote and imports vLLM itself. kvrepro's
+  engine modules that read per-run ``KVREPRO_SIM_*`` settings (executor, shadow, faults, arcs) are
+  never imported there (:data:`_IMPORT_SAFE_OWN`), and the probe starts its counts from zero in
+  every forked process;
+* failure: a build whose serve path does not import is remembered; its engines import vLLM
+  themselves and their logs show the real error, as without build zygotes;
+* lifetime: build zygotes are the zygote's children in its process group, die with it, and stop
+  their engines on SIGTERM; at most :data:`BUILD_ZYGOTES_MAX` per zygote.
+
+``KVREPRO_BUILD_ZYGOTES=0`` in an engine's environment turns this off for that engine.
 """
 
 from __future__ import annotations
@@ -54,6 +78,29 @@ DEFAULT_PRELOAD = (
 )
 _OWN_ROOTS = ("vllm", "kvrepro", "kvrepro_probe", "__main__", "__mp_main__")
 _MAX_MESSAGE = 1 << 20
+
+# Build zygotes (see the module docstring). What one imports before its first engine's lesson is in:
+# vLLM's `vllm serve` path, down to the EngineCore.
+SERVE_PRELOAD = ("vllm.entrypoints.cli.main", "vllm.entrypoints.openai.api_server", "vllm.v1.engine.core",
+                 "vllm.v1.engine.async_llm", "vllm.v1.core.sched.scheduler")
+# Never imported in a build zygote: the probe's target lives here (kvrepro_probe.TARGET_MODULE), and the
+# probe prints its `installed` line, which the classifier reads from each engine's own log, when it wraps.
+_ENGINE_ONLY = ("vllm.distributed.kv_transfer",)
+# Live build zygotes per runtime zygote, least recently used retired first (a retired one exits when its
+# engines have). 6: the default matrix's 5 builds of one release stay warm through all repetitions, plus
+# one (a bisection's next probe, a test's patched build). Each holds ~220 MB of its own (private dirty,
+# measured on 0.26.0: vLLM's modules and the pages the fork copied), so 6 stay under 1.5 GB; a suite's
+# ~10 releases are other runtimes or other overlays, run one after another: the oldest retire.
+BUILD_ZYGOTES_MAX = 6
+# "0" in an engine's environment: that engine is forked by the runtime zygote and imports vLLM itself
+# (benchmarks/matrix_wallclock.py --build-zygotes compares both ways in one run).
+BUILD_ZYGOTES_ENV = "KVREPRO_BUILD_ZYGOTES"
+# kvrepro's own modules that may be imported in a build zygote: they read nothing of a run's own at
+# import (the plugin reads KVREPRO_SIM when vLLM calls it; the probe counts from zero in each fork). The
+# engine's others (executor, shadow, arcs, faults) read per-run KVREPRO_SIM_* settings and are imported
+# by each engine itself; a build zygote that imported one fails, and its engines import vLLM themselves.
+_IMPORT_SAFE_OWN = ("kvrepro", "kvrepro.engine", "kvrepro.engine.zygote", "kvrepro.engine.plugin",
+                    "kvrepro.engine.platform", "kvrepro.lifetime", "kvrepro_probe")
 
 
 def _send(conn: socket.socket, payload: dict, fds: list[int] | None = None) -> None:
@@ -106,8 +153,19 @@ def _foreign_modules(exclude_dirs: list[str]) -> list[str]:
 
 # -- the forked engine ----------------------------------------------------------------------
 
-def _run_engine(conn: socket.socket, listen_path: str, request: dict, fds: list[int], learn: bool) -> None:
-    """In the child: become the engine process the client asked for, then exit."""
+def _serve_modules() -> list[str]:
+    """The vLLM modules this engine imported, in import order: what a build zygote preloads."""
+    return [name for name, module in list(sys.modules.items())
+            if module is not None and (name == "vllm" or name.startswith("vllm."))
+            and not name.startswith(_ENGINE_ONLY)]
+
+
+def _run_engine(conn: socket.socket, listen_path: str, request: dict, fds: list[int], learn: bool,
+                replay: bytes = b"") -> None:
+    """In the child: become the engine process the client asked for, then exit.
+
+    ``replay``: what vLLM printed while a build zygote imported it (its plugin and platform lines),
+    written first so that this engine's own log reads as if it had imported vLLM itself."""
     code = 1
     try:
         os.setsid()
@@ -116,6 +174,7 @@ def _run_engine(conn: socket.socket, listen_path: str, request: dict, fds: list[
         for fd in fds:
             if fd > 2:
                 os.close(fd)
+        _write_all(1, replay)
         env = request["env"]
         os.environ.clear()
         os.environ.update(env)
@@ -148,7 +207,7 @@ def _run_engine(conn: socket.socket, listen_path: str, request: dict, fds: list[
             try:
                 with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                     s.connect(listen_path)
-                    _send(s, {"learn": _foreign_modules(overlay_paths)})
+                    _send(s, {"learn": _foreign_modules(overlay_paths), "serve": _serve_modules()})
             except OSError:
                 pass
 
@@ -194,21 +253,283 @@ def read_learned(path: str | None) -> list[str]:
 
 def write_learned(path: str | None, names: list[str]) -> None:
     """Keep what was learned, added to what was there (atomically: several zygotes may write)."""
+    merged = sorted(set(read_learned(path)) | {n for n in names if n.split(".")[0] not in _OWN_ROOTS})
+    _write_lines(path, merged, "modules a kvrepro engine zygote preloads (learned from its engines)")
+
+
+def _serve_lesson(learned_path: str | None) -> str | None:
+    """Where the vLLM modules a build zygote imports are kept: beside the runtime's lesson."""
+    return f"{learned_path}.vllm" if learned_path else None
+
+
+def _write_lines(path: str | None, names: list[str], title: str) -> None:
     if not path:
         return
-    merged = sorted(set(read_learned(path)) | {n for n in names if n.split(".")[0] not in _OWN_ROOTS})
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write("# modules a kvrepro engine zygote preloads (learned from its engines)\n")
-            fh.writelines(name + "\n" for name in merged)
+            fh.write(f"# {title}\n")
+            fh.writelines(name + "\n" for name in names)
         os.replace(tmp, path)
     except OSError:  # a read-only cache only costs the next zygote the lesson
         try:
             os.unlink(tmp)
         except OSError:
             pass
+
+
+class _Engines:
+    """The engines one zygote (runtime or build) forked: each one's client connection, until it exits."""
+
+    def __init__(self) -> None:
+        self.conns: dict[int, socket.socket] = {}
+
+    def reap(self, others: "dict[int, object] | None" = None) -> list[int]:
+        """Tell the clients of engines that ended their exit codes; the pids of ``others`` that ended."""
+        ended = []
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = self.conns.pop(pid, None)
+            if conn is not None:
+                try:
+                    _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+                except OSError:
+                    pass
+                conn.close()
+            elif others is not None and pid in others:
+                ended.append(pid)
+        return ended
+
+    def fork(self, conn: socket.socket, listen_path: str, request: dict, fds: list[int], learn: bool,
+             closing: list, replay: bytes = b"") -> int:
+        """Fork one engine for ``conn``'s client; ``closing``: this zygote's sockets and fds (other clients'
+        stdin/stdout/stderr waiting for a build zygote) the engine must not hold: a client's output ends
+        only when no process holds its pipe."""
+        parent = os.getpid()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            from kvrepro import lifetime  # kvrepro#8: the engine dies with the zygote
+
+            lifetime.die_with_parent(signal.SIGTERM, expected_parent=parent)
+            _close(closing)
+            for other in self.conns.values():
+                other.close()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            _run_engine(conn, listen_path, request, fds, learn, replay)
+        # one line per engine: a shared zygote's log shows which commands it served (tests/test_shared_zygote.py)
+        print(f"kvrepro zygote: forked engine {pid}", file=sys.stderr, flush=True)
+        for fd in fds:
+            os.close(fd)
+        self.conns[pid] = conn
+        try:
+            _send(conn, {"pid": pid})
+        except OSError:
+            pass
+        return pid
+
+    def stop(self, grace: float, extra: "list[int] | tuple" = ()) -> None:
+        """SIGTERM every engine (and ``extra`` children), SIGKILL the groups of those still there after ``grace``."""
+        pending = set(self.conns) | set(extra)
+        for pid in pending:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while pending and time.monotonic() < deadline:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid:
+                pending.discard(pid)
+            else:
+                time.sleep(0.05)
+        for pid in pending:
+            try:
+                if pid in self.conns:
+                    os.killpg(pid, signal.SIGKILL)  # the engine and what it started (it called setsid)
+                else:
+                    os.kill(pid, signal.SIGKILL)  # a build zygote (its engines get their parent-death signal)
+            except ProcessLookupError:
+                pass
+
+
+# -- build zygotes: vLLM of one build imported once, engines of that build forked from it --------
+
+def _close(items) -> None:
+    """Close sockets and raw fds (a forked child's copies of what is not its own)."""
+    for item in items:
+        try:
+            if isinstance(item, int):
+                os.close(item)
+            else:
+                item.close()
+        except OSError:
+            pass
+
+
+def _differing(reads: dict, env: dict) -> list[str]:
+    """The variables read while vLLM was imported whose value in ``env`` differs: none for a match."""
+    return sorted(k for k, v in reads.items() if env.get(k) != v)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class _RecordingEnviron(type(os.environ)):  # type: ignore[misc]
+    """os.environ that notes every variable read (and its value, None when unset): a later engine may
+    use what was imported with these values only if its own environment has the same ones."""
+
+    reads: dict = {}
+
+    def __getitem__(self, key):
+        try:
+            value = super().__getitem__(key)
+        except KeyError:
+            _RecordingEnviron.reads.setdefault(key, None)
+            raise
+        _RecordingEnviron.reads.setdefault(key, value)
+        return value
+
+
+def _import_build(modules: list[str]) -> tuple[bool, int, dict, bytes, str]:
+    """Import ``modules`` (vLLM's serve path) here, with fds 1 and 2 captured: (the serve path imported,
+    modules imported, variables read, what was printed, the first error)."""
+    capture = os.memfd_create("kvrepro-build-zygote-imports")
+    saved = os.dup(1), os.dup(2)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(capture, 1)
+    os.dup2(capture, 2)
+    environ_class = type(os.environ)
+    _RecordingEnviron.reads = {}
+    os.environ.__class__ = _RecordingEnviron
+    count, error = 0, ""
+    try:
+        for name in modules:
+            if name.startswith(_ENGINE_ONLY) or name in sys.modules:
+                continue
+            try:
+                importlib.import_module(name)
+                count += 1
+            except BaseException as exc:  # noqa: BLE001 - the engine will meet it again, in its own log
+                if not error:
+                    error = f"{name}: {type(exc).__name__}: {exc}"
+    finally:
+        os.environ.__class__ = environ_class
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+    size = os.lseek(capture, 0, os.SEEK_END)
+    printed = os.pread(capture, size, 0) if size else b""
+    os.close(capture)
+    own = sorted(n for n in sys.modules if n.split(".")[0] in ("kvrepro", "kvrepro_probe") and n not in _IMPORT_SAFE_OWN)
+    if own and not error:  # kvrepro's engine modules read their KVREPRO_* settings as they run, not here
+        error = f"vLLM's import pulled in {', '.join(own[:3])}, whose settings are each engine's own"
+    ok = SERVE_PRELOAD[0] in sys.modules and not own
+    return ok, count, dict(_RecordingEnviron.reads), printed, error
+
+
+def _build_zygote(control: socket.socket, listen_path: str, env: dict, modules: list[str]) -> None:
+    """In the child of a runtime zygote: import the build's vLLM, then fork that build's engines as the
+    runtime zygote hands them over on ``control``, until it says retire (then: until they are gone),
+    SIGTERM, or the runtime zygote goes."""
+    code = 0
+    try:
+        # stays in the runtime zygote's process group: whoever stops that group (tests' stop_shared_zygotes)
+        # stops this one too, and it stops its engines (each in a session of its own)
+        stopping = {"flag": False}
+        signal.signal(signal.SIGTERM, lambda *_: stopping.update(flag=True))
+        signal.signal(signal.SIGINT, lambda *_: stopping.update(flag=True))
+        os.environ.clear()
+        os.environ.update(env)
+        tempfile.tempdir = None
+        overlay_paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[0:0] = [p for p in overlay_paths if p not in sys.path]
+        importlib.invalidate_caches()
+        started = time.monotonic()
+        ok, count, reads, printed, error = _import_build(modules)
+        seconds = time.monotonic() - started
+        _write_all(2, printed)
+        if not ok:
+            _send_control(control, {"failed": error or "vLLM's serve path did not import"})
+            return
+        _send_control(control, {"ready": reads, "modules": count, "seconds": round(seconds, 2)})
+        print(f"kvrepro zygote: build zygote {os.getpid()} imported {count} vLLM modules in {seconds:.1f} s "
+              f"for {overlay_paths[0] if overlay_paths else '?'}", file=sys.stderr, flush=True)
+        header = (f"kvrepro zygote: forked from build zygote {os.getpid()}, which imported this build's vLLM "
+                  f"({count} modules, {seconds:.1f} s); what that import printed:\n").encode()
+        engines = _Engines()
+        retiring = False
+        while not stopping["flag"] and not (retiring and not engines.conns):
+            engines.reap()
+            try:
+                ready, _, _ = select.select([control], [], [], 0.1)
+            except InterruptedError:
+                continue
+            if not ready:
+                continue
+            try:
+                message, fds = _recv_control(control)
+            except OSError:
+                message, fds = None, []
+            if message is None:  # the runtime zygote is gone: so are its engines
+                break
+            if message.get("retire"):
+                retiring = True
+                continue
+            conn = socket.socket(fileno=fds[0])
+            engines.fork(conn, listen_path, message["request"], fds[1:], bool(message.get("learn")),
+                         closing=[control], replay=header + printed)
+        engines.stop(grace=4.0)
+    except BaseException:  # noqa: BLE001 - in a forked child: say why, never return into the parent's loop
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _send_control(sock: socket.socket, payload: dict, fds: list[int] | None = None) -> None:
+    """One message on a SOCK_SEQPACKET pair: one JSON document, with its fds."""
+    socket.send_fds(sock, [json.dumps(payload).encode()], fds or [])
+
+
+def _recv_control(sock: socket.socket) -> tuple[dict | None, list[int]]:
+    data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MESSAGE, 8)
+    if not data:
+        return None, list(fds)
+    return json.loads(data), list(fds)
+
+
+class _BuildZygote:
+    """The runtime zygote's view of one build zygote: its pid, its control socket, what it read."""
+
+    def __init__(self, pid: int, control: socket.socket):
+        self.pid = pid
+        self.control = control
+        self.reads: dict | None = None  # until it has imported vLLM
+        self.pending: list[tuple[socket.socket, dict, list[int], bool]] = []
+        self.retired = False
 
 
 def serve(socket_path: str, learned_path: str | None = None) -> int:
@@ -225,37 +546,119 @@ def serve(socket_path: str, learned_path: str | None = None) -> int:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
     listener.listen(64)
-    children: dict[int, socket.socket] = {}
-    zygote_pid = os.getpid()
+    engines = _Engines()
+    builds: dict[str, _BuildZygote] = {}  # by PYTHONPATH (the overlay first), least recently used first
+    by_pid: dict[int, _BuildZygote] = {}  # every build zygote still running, retired ones too
+    broken: dict[str, str] = {}  # PYTHONPATHs whose vLLM did not import: their engines import it themselves
     stopping = {"flag": False}
     learned = {"done": False}  # the first engine still reports: a build may import more than the last lesson
+    # vLLM modules the first engine imported: what build zygotes preload, kept beside the runtime's lesson
+    # so that the next zygote's first build zygotes import them too
+    lesson = {"serve": read_learned(_serve_lesson(learned_path))}
 
     def on_signal(signum, frame):
         stopping["flag"] = True
 
+    def sockets() -> list:
+        """What a forked child must close: the listener, clients' connections, build zygotes' control
+        sockets, and the connections and stdio fds of engines waiting for their build zygote."""
+        waiting = [item for b in by_pid.values() for conn, _r, fds, _l in b.pending for item in (conn, *fds)]
+        return [listener, *engines.conns.values(), *(b.control for b in by_pid.values()), *waiting]
+
+    def direct(conn, request, fds, learn, also=()) -> None:
+        engines.fork(conn, socket_path, request, fds, learn, closing=[*sockets(), *also])
+
+    def drain(build: _BuildZygote, route) -> None:
+        """Route the engines waiting for ``build``; each fork closes the waiting ones after it too."""
+        waiting, build.pending = build.pending, []
+        for i, (conn, request, fds, learn) in enumerate(waiting):
+            rest = [item for c, _r, f, _l in waiting[i + 1:] for item in (c, *f)]
+            route(conn, request, fds, learn, rest)
+
+    def hand_over(build: _BuildZygote, conn, request, fds, learn, also=()) -> None:
+        differ = _differing(build.reads or {}, request["env"])
+        if differ:  # imported with another value of a variable vLLM reads at import: not this engine's
+            print(f"kvrepro zygote: this engine's {', '.join(differ[:3])} differ from build zygote "
+                  f"{build.pid}'s; it imports vLLM itself", file=sys.stderr, flush=True)
+            direct(conn, request, fds, learn, also)
+            return
+        try:
+            _send_control(build.control, {"request": request, "learn": learn}, [conn.fileno(), *fds])
+        except OSError:
+            direct(conn, request, fds, learn, also)
+            return
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+
+    def forget(build: _BuildZygote, why: str | None) -> None:
+        """A build zygote that failed or went away: its waiting engines start the ordinary way."""
+        key = next((k for k, b in builds.items() if b is build), None)
+        if key is not None:
+            del builds[key]
+            if why:
+                broken[key] = why
+        drain(build, direct)
+
+    def start_build(key: str, request: dict, own: list) -> _BuildZygote:
+        """Fork the build zygote of ``key`` (``own``: the connection and fds of the request that asks)."""
+        if len(builds) >= BUILD_ZYGOTES_MAX:  # retire the least recently used; it goes when its engines have
+            oldest_key = next(iter(builds))
+            oldest = builds.pop(oldest_key)
+            oldest.retired = True
+            try:
+                _send_control(oldest.control, {"retire": True})
+            except OSError:
+                pass
+        parent_side, child_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        modules = list(dict.fromkeys([*SERVE_PRELOAD, *lesson["serve"]]))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            from kvrepro import lifetime  # kvrepro#8: a build zygote dies with its runtime zygote
+
+            lifetime.die_with_parent(signal.SIGTERM, expected_parent=zygote_pid)
+            _close([*sockets(), *own])
+            parent_side.close()
+            _build_zygote(child_side, socket_path, request["env"], modules)
+        child_side.close()
+        build = _BuildZygote(pid, parent_side)
+        builds[key] = by_pid[pid] = build
+        print(f"kvrepro zygote: started build zygote {pid} for {key.split(os.pathsep)[0]} "
+              f"({len(modules)} modules to import)", file=sys.stderr, flush=True)
+        return build
+
+    zygote_pid = os.getpid()
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
         while not stopping["flag"]:
-            while children:
-                try:
-                    pid, status = os.waitpid(-1, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if pid == 0:
-                    break
-                conn = children.pop(pid, None)
-                if conn is not None:
-                    try:
-                        _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
-                    except OSError:
-                        pass
-                    conn.close()
+            for pid in engines.reap(by_pid):
+                build = by_pid.pop(pid)
+                forget(build, None)
+                build.control.close()
+            controls = [b.control for b in by_pid.values()]
             try:
-                ready, _, _ = select.select([listener], [], [], 0.1)
+                ready, _, _ = select.select([listener, *controls], [], [], 0.1)
             except InterruptedError:
                 continue
-            if not ready:
+            for build in [b for b in by_pid.values() if b.control in ready]:
+                try:
+                    message, _ = _recv_control(build.control)
+                except OSError:
+                    message = None
+                if message is None or "failed" in message:
+                    why = (message or {}).get("failed")
+                    if why:
+                        print(f"kvrepro zygote: build zygote {build.pid} could not import vLLM ({why}); "
+                              "engines of that build import it themselves", file=sys.stderr, flush=True)
+                    forget(build, why)
+                    continue
+                if "ready" in message:
+                    build.reads = message["ready"]
+                    drain(build, lambda *item, b=build: hand_over(b, *item))
+            if listener not in ready:
                 continue
             conn, _ = listener.accept()
             try:
@@ -268,55 +671,41 @@ def serve(socket_path: str, learned_path: str | None = None) -> int:
                 continue
             if "learn" in request:
                 conn.close()
+                if request.get("serve") and not learned["done"]:
+                    reported = [n for n in request["serve"] if not n.startswith(_ENGINE_ONLY)]
+                    lesson["serve"] = list(dict.fromkeys([*lesson["serve"], *reported]))
+                    _write_lines(_serve_lesson(learned_path), lesson["serve"],
+                                 "vLLM modules a kvrepro build zygote imports (learned from its engines)")
+                if learned["done"]:
+                    continue
                 learned["done"] = True
                 count = preload(request["learn"])
                 write_learned(learned_path, request["learn"])
                 print(f"kvrepro zygote: learned {count} more modules to preload", file=sys.stderr, flush=True)
                 continue
-            learn = not learned["done"] and not request.get("module")  # what `vllm serve` imports
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                from kvrepro import lifetime  # kvrepro#8: the engine dies with the zygote
-
-                lifetime.die_with_parent(signal.SIGTERM, expected_parent=zygote_pid)
-                listener.close()
-                for other in children.values():
-                    other.close()
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
-                _run_engine(conn, socket_path, request, fds, learn)
-            # one line per engine: a shared zygote's log shows which commands it served (tests/test_shared_zygote.py)
-            print(f"kvrepro zygote: forked engine {pid}", file=sys.stderr, flush=True)
-            for fd in fds:
-                os.close(fd)
-            children[pid] = conn
-            try:
-                _send(conn, {"pid": pid})
-            except OSError:
-                pass
-    finally:
-        for pid in list(children):
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 5
-        while children and time.monotonic() < deadline:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid:
-                children.pop(pid, None)
+            module = request.get("module")
+            # what `vllm serve` imports: the runtime's modules once, vLLM's serve path once
+            learn = not module and not learned["done"]
+            env = request.get("env") or {}
+            key = env.get("PYTHONPATH", "")
+            if module or not key or env.get(BUILD_ZYGOTES_ENV) == "0" or key in broken:
+                direct(conn, request, fds, learn)
+                continue
+            build = builds.pop(key, None)
+            if build is None:
+                build = start_build(key, request, [conn, *fds])
+            builds[key] = build  # most recently used last
+            if build.reads is None:
+                build.pending.append((conn, request, fds, learn))
             else:
-                time.sleep(0.05)
-        for pid in children:
-            try:
-                os.killpg(pid, signal.SIGKILL)  # the engine and what it started (it called setsid)
-            except ProcessLookupError:
-                pass
+                hand_over(build, conn, request, fds, learn)
+    finally:
+        for build in by_pid.values():  # stopping: engines still waiting for their build zygote are not started
+            for conn, _request, fds, _learn in build.pending:
+                conn.close()
+                for fd in fds:
+                    os.close(fd)
+        engines.stop(grace=6.0, extra=list(by_pid))
         listener.close()
         if os.path.exists(socket_path):
             os.unlink(socket_path)
