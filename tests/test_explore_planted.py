@@ -166,32 +166,3 @@ def test_a_guided_campaign_starts_from_the_catalogue_and_unguided_does_not():
                     CampaignRequest(base="0.30.0", seed=1, vocabulary="load"),
                     CampaignRequest(base="0.30.0", seed=1, corpus=False)):
         assert campaign_corpus(request, catalogue) == ()
-
-
-def test_a_corpus_replay_runs_its_whole_load_and_a_generated_run_may_settle_early(monkeypatch, tmp_path):
-    """The stopping rule bounds the target's state per trigger call; a replay asks its entry's
-    question, so it runs to its request count (revert-51468's replay was settled UNREACHED at request
-    173 of 400 before). The matrix runner is replaced by one that records its options: nothing runs."""
-    import threading
-
-    from kvrepro.errors import InfraError
-    from kvrepro.explore import campaign
-    from kvrepro.explore.generator import replay, seed_corpus
-    from kvrepro.explore.state import CampaignRequest
-    from kvrepro.matrix.runner import SilentProgress
-
-    seen = []
-
-    def fake_run_matrix(loaded, options, progress, stop, target=None):
-        seen.append((loaded.matrix.runs.requests, options.full_load))
-        raise InfraError("recorded, not run")
-
-    monkeypatch.setattr(campaign, "run_matrix", fake_run_matrix)
-    request = CampaignRequest(base="0.28.0", requests=60)
-    (entry,) = seed_corpus([("t", {"engine": {"block_size": 32}, "runs": {"requests": 400}})])
-    data = base_data(DEFAULT_MATRIX)
-    for spec in (replay(1, 1, entry), generate(1, 12, "partial-prefix")):
-        out = campaign._execute(spec, data, request, DEFAULT_MATRIX, None, "sim", tmp_path, SilentProgress(),
-                                threading.Event())
-        assert out.record is not None and out.record.verdict == "INFRA"
-    assert seen == [(400, True), (60, False)]

@@ -372,12 +372,8 @@ def _execute(spec: RunSpec, data: dict[str, Any], request: CampaignRequest, path
         # kvrepro/engine/branches.py: probes compiled in, about 1.1x the engine's CPU)
         sibling.engine_env = {**getattr(target, "engine_env", {}), ARCS_ENV: ARCS_INSTRUMENT}
     try:
-        # a corpus replay runs its entry's whole load: the stopping rule bounds the target's state per
-        # trigger call, which says nothing of the entry's own trigger (truncate-lagging-mamba's replay
-        # on 0.28.0 + revert-51468 was settled UNREACHED at request 173 of its 400; planted, docs/explore.md)
         matrix_run = run_matrix(loaded, MatrixOptions(target=name, repetitions=1, jobs=1,
-                                                      results_root=folder / RUNS_FOLDER,
-                                                      full_load=spec.requests is not None),
+                                                      results_root=folder / RUNS_FOLDER),
                                 progress, stop, target=sibling)
         runs = matrix_run.runs()
     except KvreproError as exc:
