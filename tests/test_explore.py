@@ -6,14 +6,12 @@ connector; the model executor faked: no GPU here)."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
-import yaml
 
 from conftest import ROOT
 from kvrepro.classify.corruption import attribute
@@ -285,21 +283,10 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, says):
 def test_a_two_run_campaign_on_0_26_0_counts_the_target_crash_against_the_catalogue(tmp_path, runtime_python):
     """Run 0 is the base matrix, which crashes 0.26.0 on the target within a few requests: it must be
     KNOWN (offload-boundary-assert), never a finding; --ci then exits 0. A resume with a larger
-    budget continues the same campaign (run 2 is the one the generator makes for index 2).
-
-    The catalogue is a copy whose entries measure at most 30 requests, so the corpus replays (which run
-    their entry's own count, up to 1200) stay as short as the test's runs; what they replay is the same."""
+    budget continues the same campaign (run 2 is the one the generator makes for index 2)."""
     root = tmp_path / "results"
-    defects = tmp_path / "defects"
-    shutil.copytree(ROOT / "defects", defects)
-    for path in defects.glob("*.yaml"):
-        entry = yaml.safe_load(path.read_text())
-        if isinstance((entry.get("matrix") or {}).get("runs"), dict):
-            entry["matrix"]["runs"]["requests"] = min(30, entry["matrix"]["runs"].get("requests", 30))
-        path.write_text(yaml.safe_dump(entry, sort_keys=False))
     proc = kvrepro("explore", "--base", "0.26.0", "--budget", "2", "--requests", "30", "--seed", "1",
-                   "--catalogue", str(defects), "--results", str(root), "--json", "--ci",
-                   "--no-minimize")  # minimizing: test_explore_findings.py
+                   "--results", str(root), "--json", "--ci", "--no-minimize")  # minimizing: test_explore_findings.py
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     state = CampaignState.from_json(result["state"])
@@ -324,16 +311,13 @@ def test_a_two_run_campaign_on_0_26_0_counts_the_target_crash_against_the_catalo
     assert any(c.startswith("arc:distributed/kv_transfer/kv_connector/v1/offloading/") for c in state.coverage)
     assert (root / state.campaign_id / "runs" / first.run_id).is_dir()
 
-    proc = kvrepro("explore", "--resume", state.campaign_id, "--budget", "3", "--catalogue", str(defects),
-                   "--results", str(root), "--json", "--ci")
+    proc = kvrepro("explore", "--resume", state.campaign_id, "--budget", "3", "--results", str(root), "--json", "--ci")
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     resumed = CampaignState.from_json(json.loads(proc.stdout)["state"])
     assert resumed.campaign_id == state.campaign_id and len(resumed.runs) == 3
     assert resumed.runs[:2] == state.runs
     # runs 1.. of a guided campaign replay the seed corpus (the catalogue's fragments) first
-    corpus = campaign_corpus(state.request, load_catalogue(defects))
-    assert corpus[0].requests == 30  # the copy's count, not the entry's 400
-    assert [c.seed_entry for c in corpus] == [c.seed_entry for c in campaign_corpus(state.request, load_catalogue())]
+    corpus = campaign_corpus(state.request, load_catalogue())
     assert resumed.runs[2].spec == next_spec(state, 2, "partial-prefix", corpus) == replay(1, 2, corpus[1])
     assert state.runs[1].spec.seed_entry == corpus[0].seed_entry
     assert proc.returncode == (1 if resumed.new_findings else 0)

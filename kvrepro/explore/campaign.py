@@ -89,8 +89,7 @@ def run_matrix_for(spec: RunSpec, data: dict[str, Any], request: CampaignRequest
         raise BadInputError(f"--patch {', '.join(unknown)}: not declared under patches: in {path}; "
                             f"declared: {', '.join(out.get('patches') or {})}")
     runs = dict(out.get("runs") or {})
-    # a corpus replay runs at least as many requests as its entry was measured with (generator.seed_corpus)
-    runs.update(repetitions=1, requests=max(request.requests, spec.requests or 0), duration_s=request.duration_s)
+    runs.update(repetitions=1, requests=request.requests, duration_s=request.duration_s)
     out.update(base=request.base, common=[], builds={BUILD: list(request.patches)}, expect={}, runs=runs)
     text = (f"# kvrepro explore: run {spec.index} ({spec.describe()}), over {path}\n"
             + yaml.safe_dump(out, sort_keys=False))
@@ -197,7 +196,7 @@ def _draft_entry(judged: JudgedRecord, loaded: LoadedMatrix, request: CampaignRe
     """A catalogue entry to start from (defects/<name>.yaml): what reached it and where it showed."""
     data = yaml.safe_load(loaded.text) or {}
     fragment = {k: data[k] for k in ("engine", "load") if k in data}
-    fragment["runs"] = {"requests": max(request.requests, spec.requests or 0), "repetitions": 1}
+    fragment["runs"] = {"requests": request.requests, "repetitions": 1}
     entry = {
         "name": _slug(judged.key)[:63],
         "kind": judged.kind if judged.kind != "invariant" else "crash",

@@ -46,9 +46,6 @@ class RunSpec:
     load_seed: int | None = None
     sim_seed: int | None = None
     seed_entry: str | None = None  # the catalogue entry this run replays or descends from (seed corpus)
-    # a corpus replay's request count: the entry's own (``runs.requests``) where it needs more than the
-    # campaign's --requests (truncate-lagging-mamba's trigger comes at 200-400 requests); None: the campaign's
-    requests: int | None = None
 
     def keys(self) -> list[str]:
         """The ``knob=value`` names of this run's changes (what coverage credits); a seed corpus
@@ -57,22 +54,17 @@ class RunSpec:
 
     def describe(self) -> str:
         text = ", ".join(setting_key(path, value) for path, value in self.changes) or "base matrix as is"
-        if self.requests:
-            text += f" ({self.requests} requests)"
         return f"from {self.seed_entry}: {text}" if self.seed_entry else text
 
     def to_json(self) -> dict[str, Any]:
-        out = {"index": self.index, "changes": [[p, v] for p, v in self.changes],
-               "load_seed": self.load_seed, "sim_seed": self.sim_seed, "seed_entry": self.seed_entry}
-        if self.requests is not None:  # absent in campaigns recorded before replays had their own count
-            out["requests"] = self.requests
-        return out
+        return {"index": self.index, "changes": [[p, v] for p, v in self.changes],
+                "load_seed": self.load_seed, "sim_seed": self.sim_seed, "seed_entry": self.seed_entry}
 
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> "RunSpec":
         return cls(index=int(value["index"]), changes=tuple((str(p), v) for p, v in value.get("changes") or ()),
                    load_seed=value.get("load_seed"), sim_seed=value.get("sim_seed"),
-                   seed_entry=value.get("seed_entry"), requests=value.get("requests"))
+                   seed_entry=value.get("seed_entry"))
 
 
 _POSITION = {k.path: i for i, k in enumerate(KNOBS)}
@@ -106,10 +98,9 @@ def _flatten(prefix: str, data: Mapping[str, Any]) -> list[tuple[str, Value]]:
 def seed_corpus(fragments: Iterable[tuple[str, Mapping[str, Any]]]) -> tuple[RunSpec, ...]:
     """The seed corpus of ``(entry name, matrix fragment)`` pairs (the catalogue's ``matrix:``): each
     fragment's ``engine:`` and ``load:`` settings as changes (leaves, so a mutation can change one
-    and keep the rest), its pinned seeds as the spec's, and its ``runs.requests`` as the replay's
-    request count (the campaign runs at least its own --requests; mutations run the campaign's). A
-    fragment that changes nothing (the base matrix: run 0) is left out, and entries with the same
-    fragment are one seed, at the largest of their request counts."""
+    and keep the rest; ``runs:`` is the campaign's own), its pinned seeds as the spec's. A fragment
+    that changes nothing (the base matrix: run 0) is left out, and entries with the same fragment
+    are one seed."""
     out: dict[tuple[Any, ...], RunSpec] = {}
     for name, fragment in fragments:
         changes = [c for part in ("engine", "load") if isinstance(fragment.get(part), Mapping)
@@ -121,14 +112,9 @@ def seed_corpus(fragments: Iterable[tuple[str, Mapping[str, Any]]]) -> tuple[Run
         key = (value_text(changes), load_seed, sim_seed)
         if not changes and load_seed is None and sim_seed is None:
             continue
-        runs = fragment.get("runs")
-        requests = runs.get("requests") if isinstance(runs, Mapping) else None
-        requests = int(requests) if isinstance(requests, int) and requests > 0 else None
         if key in out:  # entries that share a trigger: one seed, named after all of them
             name = f"{out[key].seed_entry}+{name}"
-            requests = max((r for r in (requests, out[key].requests) if r), default=None)
-        out[key] = RunSpec(index=-1, changes=tuple(changes), load_seed=load_seed, sim_seed=sim_seed, seed_entry=name,
-                           requests=requests)
+        out[key] = RunSpec(index=-1, changes=tuple(changes), load_seed=load_seed, sim_seed=sim_seed, seed_entry=name)
     return tuple(out.values())
 
 
@@ -139,7 +125,7 @@ def replay(seed: int, index: int, entry: RunSpec) -> RunSpec:
     load_seed, sim_seed = rng.randrange(SEED_RANGE), rng.randrange(SEED_RANGE)
     return RunSpec(index=index, changes=entry.changes, seed_entry=entry.seed_entry,
                    load_seed=entry.load_seed if entry.load_seed is not None else load_seed,
-                   sim_seed=entry.sim_seed if entry.sim_seed is not None else sim_seed, requests=entry.requests)
+                   sim_seed=entry.sim_seed if entry.sim_seed is not None else sim_seed)
 
 
 def _weighted(rng: random.Random, items: list[Any], weights: list[float]) -> Any:
