@@ -432,7 +432,8 @@ def main():
 def _fake_overlay(folder: Path, broken: bool = False) -> Path:
     """A two-module stand-in for a build's overlay: ``vllm`` (reads a variable at import and says so)
     and ``vllm.entrypoints.cli.main`` (what `vllm serve` runs). The real vLLM's build zygote is
-    exercised end to end in tests/test_shared_zygote.py; this one shows the zygote's own rules fast."""
+    exercised end to end in tests/test_shared_zygote.py; this one shows the zygote's own rules fast
+    (the cap test needs seven builds: seven real vLLM imports would cost ~20 CPU s and ~1.5 GB)."""
     cli = folder / "vllm" / "entrypoints" / "cli"
     cli.mkdir(parents=True)
     (folder / "vllm" / "__init__.py").write_text(_FAKE_VLLM_INIT)

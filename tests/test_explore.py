@@ -144,12 +144,12 @@ def test_titles_and_the_catalogue():
     # three stall entries are present on 0.30.0 and this run reached the paths of two: a replay of
     # recompute-failed-load-stall's load (explore-20261202-155324-862d run 8) is that entry's stall
     faulted = _run(Verdict.STALL, offload_load_jobs=40, injected_load_faults=12)
-    seeded = judge_failure(stall[0], catalogue, "0.30.0", (), faulted, "recompute-failed-load-stall")
+    seeded = judge_failure(stall[0], catalogue, "0.30.0", (), faulted, ("recompute-failed-load-stall",))
     assert (seeded.status, seeded.entry) == (KNOWN, "recompute-failed-load-stall")
-    assert judge_failure(stall[0], catalogue, "0.30.0", (), faulted, "mtp-async-load-deadlock").entry == \
+    assert judge_failure(stall[0], catalogue, "0.30.0", (), faulted, ("mtp-async-load-deadlock",)).entry == \
         "mtp-async-load-deadlock"
     # a seed entry that does not claim this build does not win over one that does
-    assert judge_failure(stall[0], catalogue, "0.33.0", (), faulted, "mtp-async-load-deadlock").entry == \
+    assert judge_failure(stall[0], catalogue, "0.33.0", (), faulted, ("mtp-async-load-deadlock",)).entry == \
         "recompute-failed-load-stall"
 
     # #52807's own alignment assert on E's stack, with a prefix-match unit finer than the block

@@ -87,15 +87,15 @@ from dataclasses import dataclass, field
 TAG = "kvrepro-shadow:"
 REPORT_INTERVAL_S = 0.5
 DESCRIBE_ENV = "KVREPRO_SIM_SHADOW_DESCRIBE"
-
-
-def max_described(environ=None) -> int:
-    """Violations described one by one (the rest counted): read when the shadow KV is made, not at
-    import, since an engine forked from a build zygote (kvrepro/engine/zygote.py) may share imports."""
-    value = (os.environ if environ is None else environ).get(DESCRIBE_ENV, "").strip()
-    return int(value) if value.isdigit() else 5
 MAX_RECORDS = 1000  # violations kept as data (ShadowKV.records); the rest are counted
 _ROOT_HASH = 0x6B7672
+
+
+def max_described() -> int:
+    """Violations described one by one (the rest counted): read when the shadow KV is made, not at
+    import, since an engine forked from a build zygote (kvrepro/engine/zygote.py) may share imports."""
+    value = os.environ.get(DESCRIBE_ENV, "").strip()
+    return int(value) if value.isdigit() else 5
 
 
 def _extend(prefix_hash: int, token: int) -> int:

@@ -314,7 +314,7 @@ def record_run(state: CampaignState, folder: Path, catalogue: Catalogue, spec: R
     failures = run_failures(run) + invariant_failures(Path(run.run_dir) if run.run_dir else folder,
                                                       run.load.stopped_because if run.load else None)
     judged = [JudgedRecord.of(judge_failure(f, catalogue, request.base, request.patches, run,
-                                                     spec.seed_entry)) for f in failures]
+                                                     spec.seed_entries)) for f in failures]
     arcs = run_arcs(Path(run.run_dir) if run.run_dir else None)
     reached = features(run, [j.key for j in judged]) | arcs
     seen = set(state.coverage)

@@ -32,6 +32,7 @@ from .vocabulary import KNOBS, PROFILE_PATH, Knob, Value, general_knobs, knob, p
 
 MAX_CHANGES = 4
 SEED_RANGE = 2**31
+SEED_JOIN = "+"  # between the names of catalogue entries that share one seed (RunSpec.seed_entries)
 ALL, LOAD = "all", "load"
 VOCABULARIES = (ALL, LOAD)
 LOAD_KNOBS = ("load.concurrency", "load.max_tokens")  # the general knobs a generic load changes
@@ -46,6 +47,11 @@ class RunSpec:
     load_seed: int | None = None
     sim_seed: int | None = None
     seed_entry: str | None = None  # the catalogue entry this run replays or descends from (seed corpus)
+
+    @property
+    def seed_entries(self) -> tuple[str, ...]:
+        """The catalogue entries named by ``seed_entry`` (entries sharing one fragment are one seed)."""
+        return tuple(self.seed_entry.split(SEED_JOIN)) if self.seed_entry else ()
 
     def keys(self) -> list[str]:
         """The ``knob=value`` names of this run's changes (what coverage credits); a seed corpus
@@ -113,7 +119,7 @@ def seed_corpus(fragments: Iterable[tuple[str, Mapping[str, Any]]]) -> tuple[Run
         if not changes and load_seed is None and sim_seed is None:
             continue
         if key in out:  # entries that share a trigger: one seed, named after all of them
-            name = f"{out[key].seed_entry}+{name}"
+            name = f"{out[key].seed_entry}{SEED_JOIN}{name}"
         out[key] = RunSpec(index=-1, changes=tuple(changes), load_seed=load_seed, sim_seed=sim_seed, seed_entry=name)
     return tuple(out.values())
 

@@ -161,21 +161,20 @@ def invariant_failures(run_dir: Path, stopped_because: str | None) -> list[Failu
 
 
 def judge_failure(failure: Failure, catalogue: Catalogue, release: str, patches: tuple[str, ...],
-                  run: RunResult | None = None, seeded_from: str | None = None) -> Judged:
+                  run: RunResult | None = None, seeded_from: tuple[str, ...] = ()) -> Judged:
     """Count ``failure`` against the catalogue entry with its signature that expects it on this build;
     an entry that says the build is fixed makes it a regression; no entry with the signature: new.
 
     Several entries share a signature (every stall is ``stall``): those whose path counter ``run``
     reached come first, so a stall with loads behind a deferred lookup counts against the
     skipped-waiting deadlock rather than another stall of the same release. Within that, the
-    entries a seed-corpus run replays or descends from (``seeded_from``, names joined by ``+``)
+    entries a seed-corpus run replays or descends from (``seeded_from``: RunSpec.seed_entries)
     come first: a stall of recompute-failed-load-stall's own load is that entry's, not whichever
     stall entry the catalogue lists first."""
     if failure.signature is None:
         return Judged(failure, NEW)
-    seeded = set((seeded_from or "").split("+")) - {""}
     candidates = [e for e in catalogue.entries if e.signature == failure.signature and e.kind == failure.kind]
-    candidates.sort(key=lambda e: e.name not in seeded)  # stable: catalogue order otherwise
+    candidates.sort(key=lambda e: e.name not in seeded_from)  # stable: catalogue order otherwise
     if not candidates:
         return Judged(failure, NEW)
     reached = [e for e in candidates if run is not None and e.path_counter and counter_value(run, e.path_counter) > 0]
