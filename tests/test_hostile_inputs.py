@@ -406,6 +406,33 @@ def test_an_unsupported_base_is_bad_input_before_anything_is_recorded(tmp_path, 
     assert not results.exists() or not any(results.iterdir())
 
 
+def test_an_early_exit_waits_for_the_background_import_before_finalizing(tmp_path):
+    """`matrix run` imports the report's modules (numpy, scipy) on a thread while it works. A run
+    that ends at once (bad input, exit 2) must not finalize the interpreter under that thread: in
+    a C extension's init CPython then aborts (SIGABRT, "PyThreadState_Get ... the GIL is released",
+    seen once in CI) instead of exiting 2. The child makes ``scipy``'s import last 3 s (a meta-path
+    finder that sleeps, so the race is not left to chance) and reports at exit (atexit runs after
+    interpreter shutdown has joined the non-daemon threads) whether the import thread still runs."""
+    code = ("import atexit, sys, threading, time\n"
+            "class SlowScipy:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'scipy':\n"
+            "            time.sleep(3)\n"
+            "        return None\n"
+            "sys.meta_path.insert(0, SlowScipy())\n"
+            "atexit.register(lambda: print('ALIVE', [t.name for t in threading.enumerate()\n"
+            "                                        if t.name == 'kvrepro-import-report'], file=sys.stderr))\n"
+            "from kvrepro.cli import main\n"
+            "sys.argv = ['kvrepro'] + sys.argv[1:]\n"
+            "main()\n")
+    results = tmp_path / "results"
+    proc = subprocess.run([sys.executable, "-c", code, "matrix", "run", "--base", "9.9.9", "--results", str(results),
+                           "--ci"], cwd=ROOT, capture_output=True, text=True, timeout=HANG)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "not a vLLM release kvrepro supports" in proc.stderr and "Traceback" not in proc.stderr
+    assert "ALIVE []" in proc.stderr, proc.stderr[-2000:]  # joined before finalization
+
+
 # ------------------------------------------------------------------ 8. --entry X --entry X
 
 def test_an_entry_named_twice_runs_once():

@@ -10,7 +10,8 @@ issue 25) while vLLM itself was right.
 The first tests drive the shadow KV with stand-ins shaped like vLLM's ``SchedulerOutput`` (the
 layouts are pinned). The last runs two recorded requests through vLLM 0.30.0's real EngineCore on
 the offline engine (kvrepro/engine/offline.py); faked there, because no GPU is here: the model and
-the offload data movement (kvrepro/engine/executor.py). It needs the runtime env and 0.30.0's wheel.
+the offload data movement (kvrepro/engine/executor.py). It needs the runtime env; 0.30.0's wheel is
+downloaded from PyPI on first use, as any build's is.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import pytest
 
 from kvrepro.engine.shadow import ShadowKV
 
-from conftest import require
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "tests" / "data" / "traces" / "partial-tail-cow.trace.jsonl"
@@ -110,8 +110,6 @@ def test_partial_tail_hits_on_vllm_0_30_0_are_copied_and_check_out_clean(runtime
     from kvrepro.loadgen.trace import read_trace
     from kvrepro.suite.run import SuiteBuild, entry_matrix, load
 
-    wheels = Path.home() / ".cache" / "kvrepro" / "wheels" / "0.30.0"
-    require(wheels.is_dir() and any(wheels.glob("*.whl")), f"vLLM 0.30.0's wheel in {wheels}")
     entry = next(e for e in load().entries if e.name == "truncate-lagging-mamba")
     engine = OfflineEngine(entry_matrix(entry, [SuiteBuild("0.30.0")]), entry.name, 0)
     try:

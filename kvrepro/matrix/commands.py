@@ -92,7 +92,13 @@ def _import_in_background(*modules: str) -> threading.Thread:
     """Import the report's modules (scipy, matplotlib: ~2 s of CPU) on a thread of their own: they
     are needed only once the runs are over, and until the engine zygote has preloaded vLLM's
     dependencies (one core, several seconds) the other core has nothing else to do. A module
-    that fails to import here fails again, with its error, where it is used."""
+    that fails to import here fails again, with its error, where it is used.
+
+    Not a daemon thread: a command that ends early (bad input, exit 2 or 3 in a second) would
+    otherwise finalize the interpreter while this thread is inside a C extension's module init
+    (numpy, scipy), and CPython aborts on that ("PyThreadState_Get: ... the GIL is released",
+    SIGABRT instead of the documented exit code; seen once in CI). Interpreter shutdown joins a
+    non-daemon thread first, which costs an early exit at most the import's remaining seconds."""
     import importlib
 
     def load() -> None:
@@ -102,7 +108,7 @@ def _import_in_background(*modules: str) -> threading.Thread:
             except Exception:  # noqa: BLE001 - reported by the import where the module is used
                 return
 
-    thread = threading.Thread(target=load, name="kvrepro-import-report", daemon=True)
+    thread = threading.Thread(target=load, name="kvrepro-import-report")
     thread.start()
     return thread
 
