@@ -407,29 +407,37 @@ def test_an_unsupported_base_is_bad_input_before_anything_is_recorded(tmp_path, 
 
 
 def test_an_early_exit_waits_for_the_background_import_before_finalizing(tmp_path):
-    """`matrix run` imports the report's modules (numpy, scipy) on a thread while it works. A run
-    that ends at once (bad input, exit 2) must not finalize the interpreter under that thread: in
-    a C extension's init CPython then aborts (SIGABRT, "PyThreadState_Get ... the GIL is released",
-    seen once in CI) instead of exiting 2. The child makes ``scipy``'s import last 3 s (a meta-path
-    finder that sleeps, so the race is not left to chance) and reports at exit (atexit runs after
-    interpreter shutdown has joined the non-daemon threads) whether the import thread still runs."""
+    """`matrix run` imports the report's modules (numpy, scipy) on a thread once its input checked
+    out. A run that ends soon after (here: target ray without Ray, exit 3) must not finalize the
+    interpreter under that thread: in a C extension's init CPython then aborts (SIGABRT,
+    "PyThreadState_Get ... the GIL is released", seen once in CI) instead of exiting 3. The child
+    refuses `ray` (as an environment without the extra would), makes ``scipy``'s import last 3 s (a
+    meta-path finder that sleeps, so the race is not left to chance), and reports at exit (atexit
+    runs after interpreter shutdown has joined the non-daemon threads) whether that thread still runs."""
+    data = yaml.safe_load((ROOT / "matrix.yaml").read_text())
+    data.update(target="ray", ray={"address": "127.0.0.1:1"})
+    matrix = tmp_path / "matrix.yaml"
+    matrix.write_text(yaml.safe_dump(data, sort_keys=False))
+    (tmp_path / "builds").symlink_to(ROOT / "builds")
     code = ("import atexit, sys, threading, time\n"
-            "class SlowScipy:\n"
+            "class Finder:\n"
             "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'ray' or name.startswith('ray.'):\n"
+            "            raise ModuleNotFoundError(\"No module named 'ray'\", name='ray')\n"
             "        if name == 'scipy':\n"
             "            time.sleep(3)\n"
             "        return None\n"
-            "sys.meta_path.insert(0, SlowScipy())\n"
+            "sys.meta_path.insert(0, Finder())\n"
             "atexit.register(lambda: print('ALIVE', [t.name for t in threading.enumerate()\n"
             "                                        if t.name == 'kvrepro-import-report'], file=sys.stderr))\n"
             "from kvrepro.cli import main\n"
             "sys.argv = ['kvrepro'] + sys.argv[1:]\n"
             "main()\n")
-    results = tmp_path / "results"
-    proc = subprocess.run([sys.executable, "-c", code, "matrix", "run", "--base", "9.9.9", "--results", str(results),
-                           "--ci"], cwd=ROOT, capture_output=True, text=True, timeout=HANG)
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    assert "not a vLLM release kvrepro supports" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, "-c", code, "matrix", "run", "-m", str(matrix), "--results",
+                           str(tmp_path / "results"), "--ci"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=HANG)
+    assert proc.returncode == 3, (proc.returncode, proc.stderr[-2000:])
+    assert "pip install 'kvrepro[ray]'" in proc.stderr and "Traceback" not in proc.stderr
     assert "ALIVE []" in proc.stderr, proc.stderr[-2000:]  # joined before finalization
 
 

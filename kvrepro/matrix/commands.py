@@ -119,7 +119,6 @@ def run(matrix: Path, *, target: str | None, build: list[str] | None, reps: int 
     """Build, run, classify, record, report; print the verdict table; the exit code. The options are
     `matrix run`'s, by name."""
     builds, bases = build, base
-    reporting = _import_in_background("kvrepro.report.render", "kvrepro.report.plots")
     from .. import stopping
     from ..report.outputs import check_junit, write_outputs
     from .runner import MatrixOptions, run_matrix
@@ -142,6 +141,7 @@ def run(matrix: Path, *, target: str | None, build: list[str] | None, reps: int 
                   "recorded (Ctrl-C again to stop at once)[/]")
 
     check(loaded, target)  # before a run folder exists: a typo leaves nothing behind
+    reporting = _import_in_background("kvrepro.report.render", "kvrepro.report.plots")  # bad input never waits for it
     # SIGTERM (a CI runner cancelling the job, `kill`) is a Ctrl-C: engines stopped, runs kept
     with stopping.stop_on_signals(stop, on_first):
         progress = terminal.progress_for(total, ci)

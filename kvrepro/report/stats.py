@@ -27,9 +27,17 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from scipy import stats as _sp
-
 from ..records import Outcome, RunResult, Verdict
+
+
+def _sp():
+    """scipy.stats, imported on first use: importing it costs about 1.5 CPU seconds, which every
+    command that reaches this module only through another (``suite list``, a bad-input exit of
+    ``matrix run``) would otherwise pay without computing anything."""
+    from scipy import stats
+
+    return stats
+
 
 FAILED = (Verdict.CRASH, Verdict.CORRUPT)  # the bug showed: the engine died or served wrong KV
 PASSED = (Verdict.SURVIVED,)  # the bug's path ran and the engine got through it
@@ -97,7 +105,7 @@ class Rate:
         """Wilson score interval: good coverage at small n, never outside [0, 1]."""
         if self.trials == 0:
             return (0.0, 1.0)
-        z = float(_sp.norm.ppf(1 - (1 - confidence) / 2))
+        z = float(_sp().norm.ppf(1 - (1 - confidence) / 2))
         n, p = self.trials, self.crashes / self.trials
         centre = (p + z * z / (2 * n)) / (1 + z * z / n)
         half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
@@ -110,7 +118,7 @@ class Rate:
         """Exact (conservative) binomial interval from the beta distribution."""
         if self.trials == 0:
             return (0.0, 1.0)
-        ci = _sp.binomtest(self.crashes, self.trials).proportion_ci(confidence_level=confidence, method="exact")
+        ci = _sp().binomtest(self.crashes, self.trials).proportion_ci(confidence_level=confidence, method="exact")
         return (float(ci.low), float(ci.high))
 
     def zero_event_upper(self, confidence: float = CONFIDENCE) -> float | None:
@@ -147,8 +155,8 @@ class StateRate:
             return None
         alpha = 1 - confidence
         k = self.failures
-        low = 0.0 if k == 0 else float(_sp.chi2.ppf(alpha / 2, 2 * k)) / 2
-        high = float(_sp.chi2.ppf(1 - alpha / 2, 2 * k + 2)) / 2
+        low = 0.0 if k == 0 else float(_sp().chi2.ppf(alpha / 2, 2 * k)) / 2
+        high = float(_sp().chi2.ppf(1 - alpha / 2, 2 * k + 2)) / 2
         return (1000 * low / self.occurrences, 1000 * high / self.occurrences)
 
 
@@ -164,7 +172,7 @@ def fisher_one_sided(a_crash: int, a_n: int, b_crash: int, b_n: int) -> float:
     if a_n == 0 or b_n == 0 or a_crash + b_crash == 0:
         return 1.0
     table = [[a_crash, a_n - a_crash], [b_crash, b_n - b_crash]]
-    return float(_sp.fisher_exact(table, alternative="greater").pvalue)
+    return float(_sp().fisher_exact(table, alternative="greater").pvalue)
 
 
 def fisher_raised(a_crash: int, a_n: int, b_crash: int, b_n: int) -> float:
@@ -259,7 +267,7 @@ def _contrast(cells: Sequence[tuple[Rate, float]], confidence: float = CONFIDENC
     if any(r.trials == 0 for r, _ in cells):
         return None
     m = sum(1 for _, c in cells if c)
-    z = float(_sp.norm.ppf(1 - (1 - confidence) / 2))
+    z = float(_sp().norm.ppf(1 - (1 - confidence) / 2))
     estimate = sum(c * r.crashes / r.trials for r, c in cells)
     adjusted = [((r.crashes + 2 / m) / (r.trials + 4 / m), r.trials + 4 / m, c) for r, c in cells]
     centre = sum(c * p for p, _, c in adjusted)

@@ -889,12 +889,12 @@ def parse_matrix(text: str, path: Path, check_load_settings: Callable[[LoadSpec]
         data = {}
     if not isinstance(data, dict):
         raise SpecError(f"{path}:1: the top level must be a mapping (base:, patches:, builds:, ...)")
-    lines = line_index(text)
     try:
         context = {key: check for key, check in ((LOAD_SETTINGS_CHECK, check_load_settings),
                                                  (TARGET_SETTINGS_CHECK, check_target_settings)) if check}
         matrix = Matrix.model_validate(data, context=context or None)
     except ValidationError as exc:
+        lines = line_index(text)  # only a problem needs line numbers: a second parse of the text
         problems = []
         for err in exc.errors():
             loc = tuple(err["loc"])
