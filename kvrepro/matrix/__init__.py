@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from ..deploy import check_settings as check_target_settings
 from ..loadgen.profiles import check_settings
@@ -25,9 +26,11 @@ def load_matrix(path: str | Path) -> LoadedMatrix:
     return _load_shape(path, check_load_settings=check_settings, check_target_settings=check_target_settings)
 
 
-def parse_matrix(text: str, path: Path) -> LoadedMatrix:
-    """Check matrix ``text`` (read from ``path``) whole; raise SpecError naming file:line and field."""
-    return _parse_shape(text, path, check_load_settings=check_settings, check_target_settings=check_target_settings)
+def parse_matrix(text: str, path: Path, data: dict[str, Any] | None = None) -> LoadedMatrix:
+    """Check matrix ``text`` (read from ``path``) whole; raise SpecError naming file:line and field.
+    ``data``: what ``text`` parses to, when the caller wrote it from that (not parsed again)."""
+    return _parse_shape(text, path, check_load_settings=check_settings, check_target_settings=check_target_settings,
+                        data=data)
 
 
 __all__ = ["load_matrix", "parse_matrix"]

@@ -114,7 +114,7 @@ def entry_matrix(entry: Entry | EntrySpec, builds: list[SuiteBuild]) -> LoadedMa
     data.update(base=bases[0] if len(bases) == 1 else bases, common=[], builds={entry.name: stack}, expect={})
     text = (f"# kvrepro suite: defect {entry.name}, merged over {path}\n"
             + yaml.safe_dump(data, sort_keys=False))
-    loaded = parse_matrix(text, path)
+    loaded = parse_matrix(text, path, data=data)  # text is data's dump: no second parse
     loaded.own_text = False
     return loaded
 
