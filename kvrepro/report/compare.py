@@ -65,10 +65,7 @@ def compare(before: MatrixRun, after: MatrixRun) -> Comparison:
         ra, rb = stats.rate(a_runs), stats.rate(b_runs)
         p = None
         if ra.trials and rb.trials:
-            table = [[ra.crashes, ra.trials - ra.crashes], [rb.crashes, rb.trials - rb.crashes]]
-            from scipy.stats import fisher_exact  # on first use: ~1.5 CPU s to import (stats._sp)
-
-            p = float(fisher_exact(table).pvalue)
+            p = stats.fisher_two_sided(ra.crashes, ra.trials, rb.crashes, rb.trials)
         changes.append(BuildChange(name, summary(a_runs), summary(b_runs), tuple(r.label for r in a_runs),
                                    tuple(r.label for r in b_runs), ra, rb, p))
     return Comparison(before, after, tuple(changes))

@@ -175,6 +175,13 @@ def fisher_one_sided(a_crash: int, a_n: int, b_crash: int, b_n: int) -> float:
     return float(_sp().fisher_exact(table, alternative="greater").pvalue)
 
 
+def fisher_two_sided(a_crash: int, a_n: int, b_crash: int, b_n: int) -> float:
+    """P(a difference at least this large by chance): Fisher's exact test, two-sided, for "the
+    two runs' failure rates differ" (``kvrepro results compare``)."""
+    table = [[a_crash, a_n - a_crash], [b_crash, b_n - b_crash]]
+    return float(_sp().fisher_exact(table).pvalue)
+
+
 def fisher_raised(a_crash: int, a_n: int, b_crash: int, b_n: int) -> float:
     """The other side: P(B fails this often or more by chance), for "the patch brought a failure in"."""
     return fisher_one_sided(b_crash, b_n, a_crash, a_n)
