@@ -17,18 +17,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, one_worker_at_a_time, require
+from conftest import ROOT, require
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    """A wheel built from the repository the way `pip wheel .` builds one (setup.py's build step)."""
+    """A wheel built from the repository as `kvrepro images ci` builds one: `pip wheel .` (setup.py's
+    build step), under the checkout's wheel lock (the CI image test may be building one beside it)."""
+    from kvrepro.deploy.docker.ciimage import build_kvrepro_wheel
+
     out = tmp_path_factory.mktemp("wheel")
-    with one_worker_at_a_time(tmp_path_factory, "wheel-build"):  # pip builds in the checkout's build/
-        proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out),
-                               str(ROOT)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (found,) = out.glob("kvrepro-*.whl")
+    found = build_kvrepro_wheel(out, on_line=lambda line: None)
+    assert list(out.glob("kvrepro-*.whl")) == [found]
     return found
 
 

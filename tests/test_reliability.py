@@ -729,6 +729,19 @@ def requests_sent(results: Path) -> int:
     return sum(len(p.read_text().splitlines()) for p in results.rglob("load.jsonl"))
 
 
+def probe_mid_load(bisection: Path, sent_before: int) -> bool:
+    """The newest probe of `bisection` still says "running" and has sent requests since `sent_before`
+    was counted (over the whole bisection folder): its load is under way now."""
+    runs = sorted(bisection.glob("probes/*/run.json"), key=lambda p: p.stat().st_mtime)
+    if not runs:
+        return False
+    try:
+        running = json.loads(runs[-1].read_text()).get("status") == "running"
+    except ValueError:  # caught mid-write
+        return False
+    return running and requests_sent(bisection) > sent_before
+
+
 @pytest.mark.parametrize("sig, delay", [(signal.SIGINT, 0.15), (signal.SIGINT, 0.4), (signal.SIGINT, 0.8),
                                         (signal.SIGINT, 1.5), (signal.SIGTERM, 0.4), (signal.SIGHUP, 0.8)],
                          ids=["INT-0.15", "INT-0.4", "INT-0.8", "INT-1.5", "TERM-0.4", "HUP-0.8"])
@@ -897,6 +910,11 @@ def test_bisection_signals_lock_and_resume(tmp_path, overlays):
     assert "still running" in text and f"pid {first.pid}" in text, text
     assert len([ln for ln in text.splitlines() if ln.strip()]) <= 2, text  # one line (rich may wrap it)
 
+    # SIGKILL lands while a probe is sending its load (else a probe that finished while `second` ran
+    # leaves nothing to abort: seen in CI, ['complete', 'complete', 'interrupted'])
+    sent = requests_sent(results)
+    assert wait_until(lambda: probe_mid_load(folder, sent) or first.poll() is not None, 600)
+    assert first.poll() is None, first.stderr_text()[-3000:]
     first.watch()
     first.send_signal(signal.SIGKILL)
     first.finish()

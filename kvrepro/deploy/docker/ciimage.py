@@ -9,6 +9,7 @@ context, fetched on this machine through its package clients (pip, apt).
 
 from __future__ import annotations
 
+import fcntl
 import shutil
 import subprocess
 import sys
@@ -45,11 +46,19 @@ def _run(cmd: list[str], cwd: Path, what: str, on_line: OnLine) -> None:
 
 
 def build_kvrepro_wheel(dest: Path, on_line: OnLine) -> Path:
-    """A wheel of the checkout this kvrepro runs from (an installed kvrepro has none: pass --wheel)."""
+    """A wheel of the checkout this kvrepro runs from (an installed kvrepro has none: pass --wheel).
+
+    pip builds in the checkout's own build/ folder, so two builds at once (two `images ci`, or a
+    test building the wheel beside one) would mix their files: they take turns on a lock there,
+    held for the wheel only, not for the image build that follows."""
     if not (paths.SOURCE_ROOT / "pyproject.toml").is_file():
         raise BadInputError("kvrepro runs from an installed package, not a checkout: pass --wheel PATH/kvrepro-*.whl")
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(dest), str(paths.SOURCE_ROOT)],
-         dest, "building the kvrepro wheel", on_line)
+    build = paths.SOURCE_ROOT / "build"
+    build.mkdir(exist_ok=True)
+    with open(build / ".kvrepro-wheel.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(dest), str(paths.SOURCE_ROOT)],
+             dest, "building the kvrepro wheel", on_line)
     return next(dest.glob("kvrepro-*.whl"))
 
 
