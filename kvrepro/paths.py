@@ -32,6 +32,12 @@ def runtimes_dir() -> Path:
     return home() / "runtimes"
 
 
+def pycache_prefix() -> Path:
+    """Where engine processes keep their byte code (``PYTHONPYCACHEPREFIX``): outside the overlays,
+    whose unpatched files are hard links shared by every build, so no overlay gets a __pycache__."""
+    return home() / "pycache"
+
+
 def shipped_project() -> Path:
     """The folder holding the project kvrepro ships: the default matrix.yaml, its patches in builds/
     and the known-defect catalogue in defects/. An installed wheel carries a copy as package data

@@ -359,7 +359,7 @@ class SimTarget(Target):
         env = scrubbed_environ()
         # byte-code cache outside the (shared, hard-linked) overlays, so restarts skip compiling
         env.pop("PYTHONDONTWRITEBYTECODE", None)
-        env["PYTHONPYCACHEPREFIX"] = str(paths.home() / "pycache")
+        env["PYTHONPYCACHEPREFIX"] = str(paths.pycache_prefix())
         # vLLM's IPC sockets and other temporary files under kvrepro's temp folder (kvrepro/scratch.py)
         env.update(scratch.engine_env())
         return env

@@ -60,7 +60,7 @@ def serve_flags(base: str, on_line: Callable[[str], None] | None = None) -> set[
         on_line(f"reading vLLM {base}'s `vllm serve` flags (once per release)")
     env = scrubbed_environ()
     env.update(PYTHONPATH=runtime.pythonpath(tree), VLLM_LOGGING_LEVEL="ERROR",
-               PYTHONPYCACHEPREFIX=str(paths.home() / "pycache"))
+               PYTHONPYCACHEPREFIX=str(paths.pycache_prefix()))
     try:
         proc = subprocess.run([str(runtime.python), "-c", versions.SERVE_FLAGS_SCRIPT], env=env, capture_output=True, text=True,
                               timeout=300, cwd=str(tree))
