@@ -280,6 +280,37 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, says):
     assert not root.exists()
 
 
+def test_a_resumed_campaign_is_judged_against_the_catalogue_it_was_started_with(tmp_path):
+    """The catalogue folder is pinned in explore.json (was: a resume without --catalogue judged its
+    runs against the default one, so a crash NEW in the first session became KNOWN in the second).
+    An explicit --catalogue still wins, with a note; a pinned folder that is gone is one line, exit 2,
+    before any engine starts, and explore.json is left as it was."""
+    from kvrepro.explore import new_campaign
+    from kvrepro.explore.commands import resumed_catalogue
+
+    own = tmp_path / "my-defects"
+    own.mkdir()
+    (own / "one.yaml").write_text((ROOT / "defects" / "offload-boundary-assert.yaml").read_text())
+    root = tmp_path / "results"
+    state, folder = new_campaign(root, CampaignRequest(base="0.26.0", budget_runs=1, catalogue=str(own.resolve())))
+    assert CampaignState.from_json(json.loads((folder / "explore.json").read_text())).request.catalogue == str(
+        own.resolve())
+
+    assert resumed_catalogue(state.campaign_id, str(own.resolve()), None) == (own.resolve(), None)
+    other, note = resumed_catalogue(state.campaign_id, str(own.resolve()), ROOT / "defects")
+    assert other == (ROOT / "defects").resolve() and str(own.resolve()) in note and str(other) in note
+    assert resumed_catalogue(state.campaign_id, "", None) == (None, None)  # recorded before it was pinned
+
+    (own / "one.yaml").unlink()
+    own.rmdir()
+    before = (folder / "explore.json").read_text()
+    proc = kvrepro("explore", "--resume", state.campaign_id, "--results", str(root))
+    assert proc.returncode == 2, proc.stderr
+    said = " ".join(proc.stderr.split())
+    assert f"{own.resolve()}, is gone; pass --catalogue FOLDER" in said and "Traceback" not in proc.stderr, said
+    assert (folder / "explore.json").read_text() == before
+
+
 def test_a_two_run_campaign_on_0_26_0_counts_the_target_crash_against_the_catalogue(tmp_path, runtime_python):
     """Run 0 is the base matrix, which crashes 0.26.0 on the target within a few requests: it must be
     KNOWN (offload-boundary-assert), never a finding; --ci then exits 0. A resume with a larger
@@ -291,6 +322,7 @@ def test_a_two_run_campaign_on_0_26_0_counts_the_target_crash_against_the_catalo
     result = json.loads(proc.stdout)
     state = CampaignState.from_json(result["state"])
     assert len(state.runs) == 2 and state.status == "complete"
+    assert state.request.catalogue == str((ROOT / "defects").resolve())  # the default here, pinned
     # run 1 replays a corpus entry at concurrency 2, whose interleaving varies: a new finding there
     # (seen once in CI) is --ci's exit 1, and the target crash of run 0 must still never be one
     assert proc.returncode == (1 if state.new_findings else 0), state.new_findings

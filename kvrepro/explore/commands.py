@@ -9,10 +9,29 @@ from pathlib import Path
 
 from rich.markup import escape
 
+from .. import paths
 from ..errors import BadInputError
 from ..report import terminal
 from ..report.terminal import err, out
 from ..results.store import checked_root
+
+
+def resumed_catalogue(campaign_id: str, pinned: str, given: Path | None) -> tuple[Path | None, str | None]:
+    """The catalogue a resumed campaign is judged against, and a note for the user: the one it was
+    started with, or ``--catalogue`` when given (its earlier runs stay as they were judged). A pinned
+    folder that is gone is bad input naming it (exit 2); None: the default (a campaign from before)."""
+    if given is not None:
+        given = given.resolve()
+        if pinned and Path(pinned) != given:
+            return given, (f"{campaign_id} was judged against the catalogue in {pinned} so far; its runs "
+                           f"from now on are judged against {given}")
+        return given, None
+    if not pinned:
+        return None, None
+    if not Path(pinned).is_dir():
+        raise BadInputError(f"--resume {campaign_id}: the catalogue it is judged against, {pinned}, is gone; "
+                            "pass --catalogue FOLDER")
+    return Path(pinned), None
 
 
 def explore(*, base: str | None, patch: list[str] | None, budget: str | None, seed: int, unguided: bool,
@@ -38,6 +57,10 @@ def explore(*, base: str | None, patch: list[str] | None, budget: str | None, se
             err.print(f"[yellow]note[/]: --jobs {jobs}: {state.campaign_id} was started with --jobs "
                       f"{state.request.jobs}, which its runs' choices depend on; it runs at most "
                       f"{state.request.jobs} at once", highlight=False)
+        catalogue, note = resumed_catalogue(state.campaign_id, state.request.catalogue, catalogue)
+        if note:
+            err.print(f"[yellow]note[/]: {escape(note)}", highlight=False)
+        state.request = replace(state.request, catalogue=str(catalogue) if catalogue else "")
         request = state.request
     else:
         if not base or not budget:
@@ -46,7 +69,8 @@ def explore(*, base: str | None, patch: list[str] | None, budget: str | None, se
         request = CampaignRequest(
             base=base, patches=tuple(patch or ()), budget_runs=runs_, budget_seconds=seconds_, seed=seed,
             guided=not unguided, matrix=str(matrix) if matrix else "", requests=requests, minimize=not no_minimize,
-            target=target or "", corpus=not no_corpus)
+            target=target or "", corpus=not no_corpus,
+            catalogue=str((catalogue or paths.default_catalogue()).resolve()))
     # before a campaign folder exists (a target that cannot serve writes nothing) and before the
     # catalogue, whose check takes seconds: a wrong --target or a missing cluster is said at once
     shared = open_target(request)

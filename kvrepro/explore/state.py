@@ -42,6 +42,9 @@ class CampaignRequest:
     # guided campaigns start from the catalogue's entries (generator.seed_corpus); False: from the
     # base matrix alone, the same as unguided (what the corpus adds is measured against it)
     corpus: bool = True
+    # the catalogue folder its failures are judged against (absolute), so a resume judges its runs
+    # as the first session did; "": a campaign recorded before it was pinned (the default then)
+    catalogue: str = ""
 
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> "CampaignRequest":
