@@ -47,11 +47,12 @@ def test_each_repetition_orders_its_builds_by_the_time_their_runs_took():
 
 
 @pytest.mark.parametrize("jobs, reps", [(2, 2), (1, 1)], ids=["two-slots", "one-slot"])
-def test_a_run_frees_its_slot_when_its_load_ends(tmp_path, overlays, jobs, reps):
+def test_a_run_frees_its_slot_when_its_load_ends(tmp_path, overlays, jobs, reps, shared_zygotes_here):
     """Crash runs of A and C on two slots (and on one, as a suite runs each entry): the next engine
     starts while an earlier run is still being stopped and judged (more runs in flight than slots),
     yet never more than ``jobs`` engines start or take load at once; the verdicts are what the
-    matrix expects."""
+    matrix expects. (The engines fork from the worker's shared zygote: what is timed here is the
+    runner's slots, not a zygote's start.)"""
     proc = subprocess.run([sys.executable, "-m", "kvrepro.cli", "matrix", "run", "--build", "A", "--build", "C",
                            "--reps", str(reps), "--jobs", str(jobs), "--json", "--results", str(tmp_path / "r")],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)

@@ -101,7 +101,7 @@ def test_the_copies_of_a_step_read_every_source_before_writing():
 # --------------------------------------------------------------------------- with vLLM
 
 
-def test_partial_tail_hits_on_vllm_0_30_0_are_copied_and_check_out_clean(runtime_python):
+def test_partial_tail_hits_on_vllm_0_30_0_are_copied_and_check_out_clean(runtime_python, shared_zygotes_here):
     """Requests 0 and 2 of the suite's CORRUPT 0.33.0 run (results/suite-20261202-091654-92ef), one
     at a time on vLLM 0.30.0 with the truncate-lagging-mamba entry's engine: the second one's hit
     ends inside a block (208 tokens on 32-token blocks), so vLLM queues copies; with them applied
