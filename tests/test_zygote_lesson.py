@@ -57,3 +57,24 @@ def test_a_zygote_preloads_the_last_lesson_and_keeps_a_new_one(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     assert not Path(sock).exists()
+
+
+def test_a_zygote_heap_is_frozen_for_the_engines_it_forks_unless_turned_off(tmp_path):
+    """freeze_heap() (called by the zygote after its preload and by each build zygote after its
+    vLLM import) leaves the preloaded objects in the collector's permanent generation, which a
+    forked child inherits: its full collections skip them. KVREPRO_ZYGOTE_GC_FREEZE=0 turns it off."""
+    code = ("import gc, os, sys\n"
+            "from kvrepro.engine import zygote\n"
+            "zygote.preload(['json', 'colorsys'])\n"
+            "zygote.freeze_heap()\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    sys.stdout.write(str(gc.get_freeze_count())); sys.stdout.flush(); os._exit(0)\n"
+            "os.waitpid(pid, 0)\n")
+    import os
+
+    for setting, frozen in (("1", True), ("0", False)):
+        env = dict(os.environ, KVREPRO_ZYGOTE_GC_FREEZE=setting)
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert (int(proc.stdout) > 1000) is frozen, (setting, proc.stdout)

@@ -95,6 +95,8 @@ BUILD_ZYGOTES_MAX = 6
 # "0" in an engine's environment: that engine is forked by the runtime zygote and imports vLLM itself
 # (benchmarks/matrix_wallclock.py --build-zygotes compares both ways in one run).
 BUILD_ZYGOTES_ENV = "KVREPRO_BUILD_ZYGOTES"
+# "0" in the zygote's environment: no gc.freeze() before forking (benchmarks/zygote_gc_freeze.py compares)
+GC_FREEZE_ENV = "KVREPRO_ZYGOTE_GC_FREEZE"
 # kvrepro's own modules that may be imported in a build zygote: they read nothing of a run's own at
 # import (the plugin reads KVREPRO_SIM when vLLM calls it; the probe counts from zero in each fork). The
 # engine's others (executor, shadow, arcs, faults) read per-run KVREPRO_SIM_* settings and are imported
@@ -124,6 +126,24 @@ def _recv_line(conn: socket.socket, with_fds: bool = False) -> tuple[dict | None
             return None, fds
         buf += chunk
     return json.loads(buf), fds
+
+
+def freeze_heap() -> None:
+    """Move everything imported so far into the collector's permanent generation before forking.
+
+    A zygote's heap is about 630,000 tracked objects (torch & co.; more with a build's vLLM). Each
+    forked engine process (API server, EngineCore) runs full collections over it: vLLM's own
+    ``freeze_gc_heap`` at the end of its start-up (gc.collect(2): measured 0.3 CPU s over that
+    heap) and whatever automatic gen-2 collections come before, and each traversal also writes
+    every object's header, copying the zygote's pages into the child. Frozen objects are skipped
+    by every later collection in the zygote and in every child (CPython's gc.freeze(), made for
+    pre-fork servers); they are modules and what they hold, never garbage."""
+    if os.environ.get(GC_FREEZE_ENV, "1") == "0":
+        return
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 def preload(names) -> int:
@@ -470,6 +490,7 @@ def _build_zygote(control: socket.socket, listen_path: str, env: dict, modules: 
         if not ok:
             _send_control(control, {"failed": error or "vLLM's serve path did not import"})
             return
+        freeze_heap()  # this build's vLLM too: its engines' collections skip it
         _send_control(control, {"ready": reads, "modules": count, "seconds": round(seconds, 2)})
         print(f"kvrepro zygote: build zygote {os.getpid()} imported {count} vLLM modules in {seconds:.1f} s "
               f"for {overlay_paths[0] if overlay_paths else '?'}", file=sys.stderr, flush=True)
@@ -539,6 +560,7 @@ def serve(socket_path: str, learned_path: str | None = None) -> int:
     known = read_learned(learned_path)
     if known:
         count += preload(known)
+    freeze_heap()
     print(f"kvrepro zygote: preloaded {count} modules in {time.monotonic() - started:.1f} s; "
           f"listening on {socket_path}", file=sys.stderr, flush=True)
     if os.path.exists(socket_path):
@@ -680,6 +702,7 @@ def serve(socket_path: str, learned_path: str | None = None) -> int:
                     continue
                 learned["done"] = True
                 count = preload(request["learn"])
+                freeze_heap()
                 write_learned(learned_path, request["learn"])
                 print(f"kvrepro zygote: learned {count} more modules to preload", file=sys.stderr, flush=True)
                 continue
