@@ -130,24 +130,16 @@ class Outcome:
 
 
 def rerun_on_release(bug: PlantedBug, spec, matrix: Path, root: Path, requests: int, seed: int, catalogue) -> list[str]:
-    """The failure keys of ``spec`` (the same changes and seeds) run once on ``bug.base`` as released:
-    a one-run campaign of the same matrix without the planted patch, whose pending run is ``spec``."""
-    from kvrepro.explore import CampaignRequest, new_campaign, run_campaign
+    """The failure keys (and ``verdict:V``) of ``spec``, the same changes and seeds, run once on
+    ``bug.base`` as released: the same matrix without the planted patch (kvrepro.explore.rerun_spec)."""
+    from kvrepro.explore import CampaignRequest, rerun_spec
 
-    request = CampaignRequest(base=bug.base, patches=(), budget_runs=spec.index + 1, seed=seed, guided=False,
-                              matrix=str(matrix), requests=requests, minimize=False, corpus=False)
-    state, _folder = new_campaign(root, request)
-    state.pending = [spec]
-    stop = threading.Event()
-    keys: list[str] = []
-
-    def on_run(record) -> None:
-        keys.extend(f.key for f in record.failures)
-        keys.append(f"verdict:{record.verdict}")
-        stop.set()  # the one run asked for; the campaign would go on drawing
-
-    run_campaign(state, _folder, catalogue, stop=stop, on_run=on_run)
-    return keys
+    request = CampaignRequest(base=bug.base, patches=(), seed=seed, guided=False, matrix=str(matrix),
+                              requests=requests, minimize=False, corpus=False)
+    record = rerun_spec(root, request, spec, catalogue)
+    if record is None:
+        return []
+    return [*(f.key for f in record.failures), f"verdict:{record.verdict}"]
 
 
 def explore_one(bug: PlantedBug, mode: str, matrix: Path, root: Path, budget: str, requests: int, seed: int,
@@ -194,23 +186,21 @@ def explore_one(bug: PlantedBug, mode: str, matrix: Path, root: Path, budget: st
             print(f"  {bug.name} {mode} run {record.spec.index}: {hit} without reaching the planted lines: "
                   "not counted", file=sys.stderr, flush=True)
             hit = None
-        if hit is not None and not found:
+        if hit is not None and not found:  # the first counted find ends the campaign; later ones are not rerun
             # differential: the same run on the release as shipped. A stall key names no defect (every
             # stall is "stall"), and 0.31.0 as shipped stalls under recompute-failed-load-stall's load,
             # executing the planted admission code on the way: without this, that stall would count
-            started = time.monotonic()
+            rerun_started = time.monotonic()
             there = rerun_on_release(bug, record.spec, matrix, root, requests, seed, catalogue)
-            confirm_seconds[0] += time.monotonic() - started
+            confirm_seconds[0] += time.monotonic() - rerun_started
             own = hit in there
             confirmations.append(f"run {record.spec.index}: {hit} -> {'the same' if own else 'not'} on "
                                  f"{bug.base} as released ({', '.join(there)})")
             print(f"  {bug.name} {mode} {confirmations[-1]}" + (": not counted" if own else ""),
                   file=sys.stderr, flush=True)
-            if own:
-                hit = None
-        if hit is not None and not found:
-            found.update(key=hit, index=record.spec.index, entry=record.spec.seed_entry)
-            stop.set()
+            if not own:
+                found.update(key=hit, index=record.spec.index, entry=record.spec.seed_entry)
+                stop.set()
         print(f"  {bug.name} {mode} run {record.spec.index}: {record.verdict} "
               f"{', '.join(keys) or ''} ({record.seconds:.0f}s, {n} requests, {record.arcs} arcs, "
               f"{record.target_arcs} in the patched lines; {record.spec.describe()})", file=sys.stderr, flush=True)

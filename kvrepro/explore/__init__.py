@@ -6,8 +6,8 @@ coverage (what was reached; the weights) -> state (explore.json after every run;
 docs/explore.md says what exists and what is next.
 """
 
-from .campaign import load_campaign, new_campaign, parse_budget, run_campaign, summary
+from .campaign import load_campaign, new_campaign, parse_budget, rerun_spec, run_campaign, summary
 from .state import CampaignRequest, CampaignState
 
-__all__ = ["CampaignRequest", "CampaignState", "load_campaign", "new_campaign", "parse_budget", "run_campaign",
+__all__ = ["CampaignRequest", "CampaignState", "load_campaign", "new_campaign", "parse_budget", "rerun_spec", "run_campaign",
            "summary"]

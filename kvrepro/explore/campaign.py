@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -512,6 +512,25 @@ def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progr
             finally:
                 os.close(lock)
     return state
+
+
+def rerun_spec(root: Path, request: CampaignRequest, spec: RunSpec, catalogue: Catalogue,
+               stop: threading.Event | None = None) -> RunRecord | None:
+    """``spec`` run once more, as it was drawn (its changes and seeds), under ``request`` (another
+    build, say: the release without a campaign's patches), recorded as a one-run campaign under
+    ``root``. The spec goes in as the campaign's pending run, as a resume would run it; None if the
+    run was interrupted before it was recorded."""
+    state, folder = new_campaign(root, replace(request, budget_runs=spec.index + 1))
+    state.pending = [spec]
+    stop = stop or threading.Event()
+    got: list[RunRecord] = []
+
+    def on_run(record: RunRecord) -> None:
+        got.append(record)
+        stop.set()  # the one run asked for; the campaign would go on drawing the next
+
+    run_campaign(state, folder, catalogue, stop=stop, on_run=on_run)
+    return got[0] if got else None
 
 
 def _minimize_new(state: CampaignState, folder: Path, record: RunRecord, progress: Progress,
