@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -153,6 +156,77 @@ def shared_zygotes_here(request, monkeypatch):
     from kvrepro.deploy.sim import SHARED_ZYGOTES_ENV
 
     monkeypatch.setenv(SHARED_ZYGOTES_ENV, str(request.getfixturevalue("shared_zygote_folder")))
+
+
+# The thin client of kvrepro/engine/zygote.py (stdlib only on this side): hands its argv, environment,
+# working directory and stdio to the zygote, which forks and runs MODULE as `python -m` would.
+_ZYGOTE_CLIENT = """
+import sys
+from kvrepro.engine.zygote import delegate
+code = delegate(sys.argv[1], sys.argv[3:], module=sys.argv[2])
+if code is None:
+    sys.stderr.write("kvrepro-tests: no zygote answered\\n")
+    sys.exit(199)
+sys.exit(code)
+"""
+_NO_ZYGOTE = 199
+
+
+class RuntimeScripts:
+    """``python -c CODE ARGS`` / ``python -m MODULE ARGS`` in the default release's runtime env, forked
+    from this worker's shared engine zygote: torch & co. are imported there once, so a script that
+    imports vLLM pays ~2 CPU s instead of ~7. What the script sees is what every engine kvrepro
+    runs sees (the zygote never imports vLLM or the probe; its environment, working directory and
+    stdio are the caller's). ``-c CODE`` runs as a module written to a folder of its own that is
+    added to PYTHONPATH (so ``sys.argv[0]`` is that file, not ``-c``). Without a shared zygote
+    (KVREPRO_TEST_OWN_ZYGOTES=1), or if it does not answer, the script runs in a fresh
+    interpreter as before; ``forked`` counts the scripts that did fork (tests/test_shared_zygote.py)."""
+
+    def __init__(self, python: Path, zygote: str | None, folder: Path):
+        self.python, self.zygote, self.folder, self.forked = Path(python), zygote, folder, 0
+
+    def run(self, python: Path | str, args: list[str], *, env: dict[str, str], timeout: float,
+            input: str | None = None, cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+        plain = dict(env=env, capture_output=True, text=True, timeout=timeout, input=input, cwd=cwd)
+        if self.zygote is None or Path(python) != self.python or args[0] not in ("-c", "-m"):
+            return subprocess.run([str(python), *args], **plain)
+        env = dict(env)
+        if args[0] == "-c":
+            code = args[1]
+            module = "kvrepro_test_script_" + hashlib.sha256(code.encode()).hexdigest()[:16]
+            (self.folder / f"{module}.py").write_text(code)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(self.folder)) if p)
+        else:
+            module = args[1]
+        proc = subprocess.run([sys.executable, "-I", "-c", _ZYGOTE_CLIENT, self.zygote, module, *args[2:]],
+                              **dict(plain, env=env))
+        if proc.returncode == _NO_ZYGOTE and "kvrepro-tests: no zygote answered" in proc.stderr:
+            return subprocess.run([str(python), *args], **plain)
+        self.forked += 1
+        return proc
+
+
+@pytest.fixture(scope="session")
+def runtime_scripts(default_matrix, runtime_python, shared_zygote_folder, tmp_path_factory) -> RuntimeScripts:
+    """This worker's :class:`RuntimeScripts`, on the same shared zygote the `shares_zygotes` modules'
+    engines fork from (started here if none of them has yet)."""
+    folder = tmp_path_factory.mktemp("runtime-scripts")
+    if os.environ.get("KVREPRO_TEST_OWN_ZYGOTES"):
+        return RuntimeScripts(runtime_python, None, folder)
+    from kvrepro.deploy.sim import SHARED_ZYGOTES_ENV, SimTarget
+
+    before = os.environ.get(SHARED_ZYGOTES_ENV)
+    os.environ[SHARED_ZYGOTES_ENV] = str(shared_zygote_folder)
+    target = SimTarget(default_matrix)
+    try:
+        socket_path = target.shared_zygote_socket(default_matrix.matrix.base)
+    finally:
+        target.close()
+        if before is None:
+            os.environ.pop(SHARED_ZYGOTES_ENV, None)
+        else:
+            os.environ[SHARED_ZYGOTES_ENV] = before
+    return RuntimeScripts(runtime_python, socket_path, folder)
 
 
 def alive(pid: int) -> bool:

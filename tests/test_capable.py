@@ -97,11 +97,11 @@ def test_the_new_entries_load_with_their_claims():
 # --- against vLLM's own code -------------------------------------------------------------------
 
 
-def _run(python: Path, code: str, path: list[Path]) -> subprocess.CompletedProcess:
+def _run(scripts, python: Path, code: str, path: list[Path]) -> subprocess.CompletedProcess:
+    """``code`` in the runtime env, forked from the worker's shared zygote (conftest's runtime_scripts)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = os.pathsep.join(str(p) for p in path)
-    return subprocess.run([str(python), "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=180)
+    return scripts.run(python, ["-c", textwrap.dedent(code)], env=env, timeout=180)
 
 
 FACTORY = """
@@ -119,10 +119,11 @@ print("RESULT " + json.dumps({{"name": found.__name__, "subclass": issubclass(fo
 
 
 @pytest.mark.vllm
-def test_vllms_connector_factory_loads_the_capable_connector_from_its_module_path(runtime_python, overlays):
+def test_vllms_connector_factory_loads_the_capable_connector_from_its_module_path(runtime_python, runtime_scripts,
+                                                                                overlays):
     # build E carries pr-50344: the declaration exists and its default is False
-    proc = _run(runtime_python, FACTORY.format(cls=CAPABLE_CONNECTOR_CLASS, module=CAPABLE_CONNECTOR_MODULE),
-                [overlays["E"], ROOT])
+    proc = _run(runtime_scripts, runtime_python,
+                FACTORY.format(cls=CAPABLE_CONNECTOR_CLASS, module=CAPABLE_CONNECTOR_MODULE), [overlays["E"], ROOT])
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
     assert result == {"name": CAPABLE_CONNECTOR_CLASS, "subclass": True, "capable": True, "plain": False}
@@ -157,12 +158,12 @@ print("RESULT " + json.dumps({{"calls": out, "marked": getattr(method, "__kvrepr
 
 
 @pytest.mark.vllm
-def test_the_probe_counts_divergent_hits_handed_to_the_connector(runtime_python, overlays, tmp_path):
+def test_the_probe_counts_divergent_hits_handed_to_the_connector(runtime_python, runtime_scripts, overlays, tmp_path):
     probe = tmp_path / "probe"
     probe.mkdir()
     (probe / "kvrepro_probe.py").write_bytes((ROOT / "kvrepro" / "probe" / "kvrepro_probe.py").read_bytes())
     env_path = [overlays["E"]]
-    proc = _run(runtime_python, DIVERGENT.format(probe_dir=str(probe)), env_path)
+    proc = _run(runtime_scripts, runtime_python, DIVERGENT.format(probe_dir=str(probe)), env_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
     assert result["marked"] is True

@@ -58,7 +58,8 @@ def managed_containers(host) -> list:
     return host.client.containers.list(all=True, filters=L.MANAGED_FILTER, ignore_removed=True)
 
 
-def test_docker_verdicts_match_sim_for_a_and_d(tmp_path, docker_host, cpu_base, overlays, runtime_python):
+def test_docker_verdicts_match_sim_for_a_and_d(tmp_path, docker_host, cpu_base, overlays, runtime_python,
+                                               runtime_scripts):
     matrix = docker_matrix(tmp_path / "m", cpu_base)
     secret = "hf_" + "e2e" * 10
     env = dict(os.environ, HF_TOKEN=secret)
@@ -102,8 +103,8 @@ def test_docker_verdicts_match_sim_for_a_and_d(tmp_path, docker_host, cpu_base, 
         assert match, f"no probe line in {run_dir / 'engine.log'}"
         built = json.loads((run_dir.parent / "build.json").read_text())
         source_root = docker_dir() / "builds" / built["manifest"]["key"][:16]
-        proc = subprocess.run([str(runtime_python), "-c", SOURCE_HASH], capture_output=True, text=True,
-                              env=dict(os.environ, PYTHONPATH=str(source_root)), timeout=600)
+        proc = runtime_scripts.run(runtime_python, ["-c", SOURCE_HASH],
+                                   env=dict(os.environ, PYTHONPATH=str(source_root)), timeout=600)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert match.group(1) == proc.stdout.strip().splitlines()[-1], build
         labels = built["manifest"]["image"]["labels"]

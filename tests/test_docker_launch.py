@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -73,14 +72,13 @@ SCENARIOS = {"single": _single, "nnodes": _nnodes, "data_parallel": _data_parall
 
 
 @pytest.fixture(scope="module")
-def vllm(runtime_python: Path, pristine_vllm: Path) -> dict:
+def vllm(runtime_python: Path, runtime_scripts, pristine_vllm: Path) -> dict:
     """Every scenario's argvs parsed by vLLM's own `vllm serve` parser, in one subprocess
     (importing vLLM takes most of the time), plus the parser's option strings."""
     argvs = {name: [list(n.argv) for n in build()] for name, build in SCENARIOS.items()}
     flat = [argv for name in SCENARIOS for argv in argvs[name]]
     env = dict(os.environ, PYTHONPATH=str(pristine_vllm), VLLM_LOGGING_LEVEL="ERROR")
-    proc = subprocess.run([str(runtime_python), "-c", _PARSE], input=json.dumps(flat), text=True,
-                          capture_output=True, env=env, timeout=600)
+    proc = runtime_scripts.run(runtime_python, ["-c", _PARSE], input=json.dumps(flat), env=env, timeout=600)
     assert proc.returncode == 0, f"vLLM's parser rejected an argv:\n{proc.stderr[-3000:]}"
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
     result = json.loads(line[len("RESULT "):])

@@ -146,15 +146,15 @@ def test_each_base_release_has_its_own_vllm_cache_and_patch_stacks_share_it():
     assert vllm_cache_root(other) == paths.home() / "vllm-cache" / "0.30.0"
 
 
-def test_vllm_bench_serve_from_the_builds_own_vllm_completes(served_d, runtime_python):
+def test_vllm_bench_serve_from_the_builds_own_vllm_completes(served_d, runtime_python, runtime_scripts):
     artifact, handle, target = served_d
     env = target.environment(artifact, 0)
     env.pop("KVREPRO_ENGINE_ZYGOTE", None)
-    cmd = [str(runtime_python), "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+    cmd = ["-m", "vllm.entrypoints.cli.main", "bench", "serve",
            "--base-url", handle.base_url, "--model", "qwen3-next-tiny", "--tokenizer", str(MODEL_DIR),
            "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "8",
            "--num-prompts", "20", "--max-concurrency", "4", "--seed", "0"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = runtime_scripts.run(runtime_python, cmd, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert "Successful requests:" in out
@@ -382,13 +382,12 @@ print("RESULTS " + json.dumps([steps(1), steps(3), steps(3, flush=[1])]))
 """
 
 
-def test_sim_transfers_finish_loads_after_load_steps_and_stores_after_one(runtime_python, overlays):
+def test_sim_transfers_finish_loads_after_load_steps_and_stores_after_one(runtime_python, runtime_scripts, overlays):
     """engine.sim.load_steps: a load is reported that many steps after it was submitted, a store
     one step after; a flush (wait) finishes the named jobs at once. Default 1: both next step."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = os.pathsep.join([str(overlays["A"]), str(ROOT)])
-    proc = subprocess.run([str(runtime_python), "-c", TRANSFERS], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = runtime_scripts.run(runtime_python, ["-c", TRANSFERS], env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULTS "))
     default, slow, flushed = json.loads(line[len("RESULTS "):])

@@ -4,7 +4,6 @@ and what vLLM builds from them (KV-cache groups, block, offload chunk) is what w
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -158,7 +157,7 @@ print("GROUPS " + json.dumps(out))
 
 
 @pytest.mark.vllm
-def test_vllms_own_grouping_agrees_with_the_layer_plans(runtime_python, pristine_vllm):
+def test_vllms_own_grouping_agrees_with_the_layer_plans(runtime_python, runtime_scripts, pristine_vllm):
     """vLLM 0.26.0's get_kv_cache_groups on the layer counts layer_plan chooses."""
     from kvrepro.builds import prepare_runtime
     from kvrepro.secrets import scrubbed_environ
@@ -170,8 +169,7 @@ def test_vllms_own_grouping_agrees_with_the_layer_plans(runtime_python, pristine
         counts.append((plan.linear_layers, plan.full_layers + draft))
     env = scrubbed_environ()
     env.update(PYTHONPATH=prepare_runtime("0.26.0").pythonpath(pristine_vllm), VLLM_LOGGING_LEVEL="ERROR")
-    proc = subprocess.run([str(runtime_python), "-c", _GROUPS_SCRIPT, json.dumps(counts)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = runtime_scripts.run(runtime_python, ["-c", _GROUPS_SCRIPT, json.dumps(counts)], env=env, timeout=300)
     line = [x for x in proc.stdout.splitlines() if x.startswith("GROUPS ")]
     assert line, proc.stderr[-3000:]
     built = json.loads(line[0].removeprefix("GROUPS "))

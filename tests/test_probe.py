@@ -1,7 +1,9 @@
 """Tests of the probe (kvrepro/probe/kvrepro_probe.py) against vLLM's real scheduler module.
 
 Each case runs in its own python process, because the probe installs an import hook and wraps
-a class for the life of the process. The wrapped method is the real
+a class for the life of the process: forked from the worker's shared engine zygote (conftest's
+``runtime_scripts``), as every engine kvrepro runs is, so torch & co. are imported already and vLLM
+and the probe are not. The wrapped method is the real
 ``OffloadingConnectorScheduler.update_state_after_alloc`` of the vLLM tree named by
 ``KVREPRO_TEST_OVERLAY_A``. Faked: the ``self``/``request`` objects handed to it, which are
 minimal stand-ins (a real scheduler needs a full engine config; the engine tests drive the real
@@ -29,23 +31,24 @@ SCHEDULER_REL = "vllm/distributed/kv_transfer/kv_connector/v1/offloading/schedul
 
 
 @pytest.fixture(scope="module")
-def vllm_tree(runtime_python, overlays) -> tuple[str, Path]:
-    """(python, dir holding vllm/): the runtime env and build A's overlay, made by kvrepro.builds."""
+def vllm_tree(runtime_python, overlays, runtime_scripts) -> tuple[tuple, Path]:
+    """((python, its script runner), dir holding vllm/): the runtime env and build A's overlay, made
+    by kvrepro.builds."""
     root = overlays["A"]
     assert (root / SCHEDULER_REL).is_file(), f"{root} has no {SCHEDULER_REL}"
-    return str(runtime_python), root
+    return (str(runtime_python), runtime_scripts), root
 
 
-def run_py(python: str, code: str, path: list[Path], timeout: float = 120,
+def run_py(python: tuple, code: str, path: list[Path], timeout: float = 120,
            plugins: bool = True) -> subprocess.CompletedProcess:
+    executable, scripts = python
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = os.pathsep.join(str(p) for p in path)
     if not plugins:
         # an overlay carries kvrepro's vLLM plugin, which activates the probe as vLLM loads plugins;
         # VLLM_PLUGINS naming no installed plugin keeps vLLM from loading it
         env["VLLM_PLUGINS"] = "kvrepro-test-no-plugin"
-    return subprocess.run([python, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return scripts.run(executable, ["-c", textwrap.dedent(code)], env=env, timeout=timeout)
 
 
 def probe_dir(tmp_path: Path) -> Path:

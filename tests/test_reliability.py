@@ -1098,7 +1098,7 @@ print("ABBREV " + json.dumps(parser.allow_abbrev))
 """
 
 
-def test_every_secret_option_of_the_real_parser_is_masked_in_every_spelling(runtime_python):
+def test_every_secret_option_of_the_real_parser_is_masked_in_every_spelling(runtime_python, runtime_scripts):
     """vLLM 0.26.0's own `vllm serve` parser (make_arg_parser, in the runtime env): every option
     whose destination names a secret and takes a value is masked by kvrepro in every spelling the
     parser accepts (-/_, =VALUE or a separate VALUE, every value of a nargs="+" option), so a
@@ -1113,8 +1113,8 @@ def test_every_secret_option_of_the_real_parser_is_masked_in_every_spelling(runt
     runtime = prepare_runtime("0.26.0")
     env = {**os.environ, "PYTHONPATH": runtime.pythonpath(tree), "VLLM_LOGGING_LEVEL": "ERROR",
            "PYTHONPYCACHEPREFIX": str(paths.home() / "pycache")}
-    proc = subprocess.run([str(runtime_python), "-c", WALK_PARSER, json.dumps(sorted(SECRET_WORDS))], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=str(tree))
+    proc = runtime_scripts.run(runtime_python, ["-c", WALK_PARSER, json.dumps(sorted(SECRET_WORDS))], env=env,
+                               timeout=600, cwd=str(tree))
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("WALKED ")]
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
     walked = json.loads(line[-1].removeprefix("WALKED "))
@@ -1513,7 +1513,7 @@ def test_disk_full_is_failed_not_interrupted_and_never_exit_0(tmp_path, overlays
     matrix = small_matrix(tmp_path, builds={"A": []}, expect={"A": "CRASH(target)"})
     data = yaml.safe_load(matrix.read_text())
     data["engine"]["extra_args"] = []
-    data["runs"].update(repetitions=1, requests=30)
+    data["runs"].update(repetitions=2, requests=30)  # two runs of A: the report draws its survival figure
     matrix.write_text(yaml.safe_dump(data, sort_keys=False))
     roomy = in_namespace(_inode_budget_script("/tmp/kvrepro-inodes", 1000, matrix))
     assert roomy.returncode == 0 and "Traceback" not in roomy.stderr, roomy.stderr[-3000:]

@@ -151,3 +151,42 @@ def _parent(pid: int) -> int | None:
     except OSError:
         return None
     return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+RUNTIME_SCRIPT = """
+import json, os, sys
+preloaded = "torch" in sys.modules  # before this script imports anything heavy
+first = {"vllm": "vllm" in sys.modules, "probe": "kvrepro_probe" in sys.modules}
+import vllm
+print(json.dumps({"preloaded": preloaded, "first": first, "argv": sys.argv[1:], "cwd": os.getcwd(),
+                  "marker": os.environ.get("KVREPRO_TEST_MARKER"), "stdin": sys.stdin.read(),
+                  "vllm": os.path.dirname(vllm.__file__), "parent": os.getppid()}))
+print("to stderr", file=sys.stderr)
+sys.exit(3)
+"""
+
+
+def test_runtime_scripts_fork_from_the_workers_zygote_and_run_as_a_fresh_interpreter_would(
+        tmp_path, runtime_python, runtime_scripts, pristine_vllm):
+    """conftest's ``runtime_scripts`` (what tests/test_probe.py and others run their vLLM scripts
+    with): forked from the worker's shared zygote (torch already imported there, vLLM and the probe
+    not), with the caller's argv, environment, working directory, stdin, stdout, stderr and exit code;
+    and the same script in a fresh interpreter gives the same answer but for the preload."""
+    if os.environ.get("KVREPRO_TEST_OWN_ZYGOTES"):
+        pytest.skip("KVREPRO_TEST_OWN_ZYGOTES: every script runs in a fresh interpreter")
+    env = dict(os.environ, PYTHONPATH=str(pristine_vllm), KVREPRO_TEST_MARKER="m1")
+    forked_before = runtime_scripts.forked
+    proc = runtime_scripts.run(runtime_python, ["-c", RUNTIME_SCRIPT, "a b", "c"], env=env, timeout=300,
+                               input="from stdin", cwd=tmp_path)
+    assert runtime_scripts.forked == forked_before + 1, proc.stderr[-2000:]
+    fresh = subprocess.run([str(runtime_python), "-c", RUNTIME_SCRIPT, "a b", "c"], env=env, input="from stdin",
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    got, plain = json.loads(proc.stdout.splitlines()[-1]), json.loads(fresh.stdout.splitlines()[-1])
+    assert proc.returncode == fresh.returncode == 3, (proc.stderr[-2000:], fresh.stderr[-2000:])
+    assert proc.stderr.strip().splitlines()[-1] == "to stderr" == fresh.stderr.strip().splitlines()[-1]
+    assert got["preloaded"] and not plain["preloaded"]  # the fork is what saves the import
+    assert got["parent"] != os.getpid()  # forked by the zygote, not started by this test
+    for key in ("first", "argv", "cwd", "marker", "stdin", "vllm"):
+        assert got[key] == plain[key], (key, got, plain)
+    assert got["first"] == {"vllm": False, "probe": False}
+    assert got["argv"] == ["a b", "c"] and got["marker"] == "m1" and got["vllm"] == str(pristine_vllm / "vllm")

@@ -119,3 +119,36 @@ def test_adaptive_rounds_stop_each_build_by_the_rule():
     assert not _decided(ok, _runs(Verdict.VACUOUS, 9), "SURVIVED")  # nothing counted yet: go on
     assert not _decided(broken, [], "CRASH(target)") and _decided(broken, _runs(Verdict.INFRA, 1), "CRASH(target)")
     assert _decided(ok, _runs(Verdict.VACUOUS, 3), "VACUOUS")
+
+
+def test_every_number_matches_scipy_stats_on_every_small_table():
+    """The report computes its quantiles with scipy.special and Fisher's test with exact integer
+    sums (scipy.stats costs about 1.3 CPU s to import); scipy.stats itself is the oracle here, on
+    every table of up to 12 runs a side and every count up to 40 failures."""
+    from scipy import stats
+
+    from kvrepro.report.stats import fisher_two_sided
+
+    for a_n in range(0, 13):
+        for b_n in range(0, 13):
+            for a in range(a_n + 1):
+                for b in range(b_n + 1):
+                    table = [[a, a_n - a], [b, b_n - b]]
+                    if a_n and b_n and a + b:
+                        want = stats.fisher_exact(table, alternative="greater").pvalue
+                        assert fisher_one_sided(a, a_n, b, b_n) == pytest.approx(want, rel=1e-9), table
+                    assert fisher_two_sided(a, a_n, b, b_n) == pytest.approx(stats.fisher_exact(table).pvalue,
+                                                                             rel=1e-9), table
+    for n in range(1, 41):
+        for k in range(n + 1):
+            ci = stats.binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")
+            assert Rate(k, n).clopper_pearson() == pytest.approx((ci.low, ci.high), rel=1e-9, abs=1e-12), (k, n)
+    for k in range(41):
+        low, high = StateRate(k, 1000).interval()
+        want_low = 0.0 if k == 0 else stats.chi2.ppf(0.025, 2 * k) / 2
+        assert (low, high) == pytest.approx((want_low, stats.chi2.ppf(0.975, 2 * k + 2) / 2), rel=1e-9), k
+    lo, hi = Rate(2, 7).wilson()
+    z = stats.norm.ppf(0.975)
+    p, n = 2 / 7, 7
+    centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    assert (lo, hi) == pytest.approx((centre - half, centre + half), rel=1e-12)

@@ -141,7 +141,11 @@ def run(matrix: Path, *, target: str | None, build: list[str] | None, reps: int 
                   "recorded (Ctrl-C again to stop at once)[/]")
 
     check(loaded, target)  # before a run folder exists: a typo leaves nothing behind
-    reporting = _import_in_background("kvrepro.report.render", "kvrepro.report.plots")  # bad input never waits for it
+    # bad input never waits for it; matplotlib only where the report may draw a curve (report/render.py)
+    from ..report.render import MIN_TIMED_RUNS
+
+    figure = loaded.matrix.runs.count(reps, adaptive) >= MIN_TIMED_RUNS
+    reporting = _import_in_background("kvrepro.report.render", *(["kvrepro.report.plots"] if figure else []))
     # SIGTERM (a CI runner cancelling the job, `kill`) is a Ctrl-C: engines stopped, runs kept
     with stopping.stop_on_signals(stop, on_first):
         progress = terminal.progress_for(total, ci)

@@ -24,9 +24,7 @@ from matplotlib.ticker import FuncFormatter  # noqa: E402
 from scipy import stats as _sp  # noqa: E402
 
 from ..records import RunResult, Verdict  # noqa: E402
-
-# runs that say nothing about how long the engine lives under load
-_NOT_TIMED = (Verdict.INFRA, Verdict.INTERRUPTED, Verdict.INCOMPLETE, Verdict.DAMAGED)
+from .render import NOT_TIMED  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -42,7 +40,7 @@ class Curve:
 
 def survival_curve(label: str, runs: list[RunResult], axis: str) -> Curve | None:
     """``axis`` is "requests" or "seconds"; None when no run of the build was timed."""
-    timed = [r for r in runs if r.verdict not in _NOT_TIMED]
+    timed = [r for r in runs if r.verdict not in NOT_TIMED]
     if not timed:
         return None
     value = (lambda r: float(r.requests)) if axis == "requests" else (lambda r: float(r.load_seconds))

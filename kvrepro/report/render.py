@@ -40,6 +40,13 @@ TONE = {"CRASH": "bad", "CORRUPT": "bad", "SURVIVED": "good", "VACUOUS": "warn",
 REPORT_MD = "report.md"
 REPORT_HTML = "report.html"
 SURVIVAL_PNG = "survival.png"
+# runs that say nothing about how long the engine lives under load (the survival curves leave them out)
+NOT_TIMED = (Verdict.INFRA, Verdict.INTERRUPTED, Verdict.INCOMPLETE, Verdict.DAMAGED)
+# A Kaplan-Meier "curve" of one run is that run's verdict drawn as a step: the report draws the
+# survival figure when some build has at least this many timed runs. Drawing it (and importing
+# matplotlib and scipy.stats for it) costs about 3 CPU s, more than a one-repetition `matrix run`
+# spends on everything else of its own.
+MIN_TIMED_RUNS = 2
 
 
 def verdict_label(run: RunResult) -> str:

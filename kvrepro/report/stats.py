@@ -18,7 +18,13 @@ report says so, so that nobody ships a fix on a 1-of-1 coincidence. What is comp
   2/m failures and 4/m runs to each cell of an m-cell contrast, which stays sensible at 0/3 and 3/3);
 * the adaptive-repetition stopping rule (:func:`decisive`) stated in docs/statistics.md.
 
-scipy does the distributions; the code here only says which question each number answers.
+scipy does the distributions; the code here only says which question each number answers. The
+quantiles come from ``scipy.special`` (the functions scipy.stats' ``norm``, ``beta`` and ``chi2``
+call themselves), not from ``scipy.stats``: importing scipy.stats costs about 1.3 CPU seconds,
+scipy.special about 0.4, and every command that writes a report pays it (measured in
+benchmarks/cli_start.py). Fisher's exact test is the hypergeometric tail summed in exact integer
+arithmetic (``math.comb``): what ``scipy.stats.fisher_exact`` computes, without its import;
+tests/test_stats.py checks both against scipy.stats on every small table.
 """
 
 from __future__ import annotations
@@ -30,13 +36,46 @@ from dataclasses import dataclass
 from ..records import Outcome, RunResult, Verdict
 
 
-def _sp():
-    """scipy.stats, imported on first use: importing it costs about 1.5 CPU seconds, which every
-    command that reaches this module only through another (``suite list``, a bad-input exit of
-    ``matrix run``) would otherwise pay without computing anything."""
-    from scipy import stats
+def _special():
+    """scipy.special, imported on first use: a command that reaches this module only through
+    another (``suite list``, a bad-input exit of ``matrix run``) computes nothing with it."""
+    from scipy import special
 
-    return stats
+    return special
+
+
+def _normal_quantile(q: float) -> float:
+    return float(_special().ndtri(q))  # scipy.stats.norm.ppf
+
+
+def _chi2_quantile(q: float, df: float) -> float:
+    return 2 * float(_special().gammaincinv(df / 2, q))  # scipy.stats.chi2.ppf
+
+
+def _beta_quantile(q: float, a: float, b: float) -> float:
+    return float(_special().betaincinv(a, b, q))  # scipy.stats.beta.ppf
+
+
+def _hypergeometric(table: Sequence[Sequence[int]]) -> tuple[int, list[int]]:
+    """The 2x2 table's top-left count and the weights comb(r1, x) * comb(r2, c1 - x) of every
+    top-left count x its margins allow, from x = lo upwards (proportional to the probabilities)."""
+    (a, b), (c, d) = table
+    r1, r2, c1 = a + b, c + d, a + c
+    lo, hi = max(0, c1 - r2), min(r1, c1)
+    return a - lo, [math.comb(r1, x) * math.comb(r2, c1 - x) for x in range(lo, hi + 1)]
+
+
+def _fisher_greater(table: Sequence[Sequence[int]]) -> float:
+    """scipy.stats.fisher_exact(table, alternative="greater"): P(top-left count >= observed)."""
+    at, weights = _hypergeometric(table)
+    return sum(weights[at:]) / sum(weights)
+
+
+def _fisher_two_sided(table: Sequence[Sequence[int]]) -> float:
+    """scipy.stats.fisher_exact(table): the probability of every table of these margins no more
+    likely than the observed one (exact, so ties are ties without scipy's 1e-7 tolerance)."""
+    at, weights = _hypergeometric(table)
+    return min(1.0, sum(w for w in weights if w <= weights[at]) / sum(weights))
 
 
 FAILED = (Verdict.CRASH, Verdict.CORRUPT)  # the bug showed: the engine died or served wrong KV
@@ -105,7 +144,7 @@ class Rate:
         """Wilson score interval: good coverage at small n, never outside [0, 1]."""
         if self.trials == 0:
             return (0.0, 1.0)
-        z = float(_sp().norm.ppf(1 - (1 - confidence) / 2))
+        z = _normal_quantile(1 - (1 - confidence) / 2)
         n, p = self.trials, self.crashes / self.trials
         centre = (p + z * z / (2 * n)) / (1 + z * z / n)
         half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
@@ -118,8 +157,11 @@ class Rate:
         """Exact (conservative) binomial interval from the beta distribution."""
         if self.trials == 0:
             return (0.0, 1.0)
-        ci = _sp().binomtest(self.crashes, self.trials).proportion_ci(confidence_level=confidence, method="exact")
-        return (float(ci.low), float(ci.high))
+        k, n, alpha = self.crashes, self.trials, 1 - confidence
+        # what scipy.stats.binomtest(k, n).proportion_ci(method="exact") computes
+        low = 0.0 if k == 0 else _beta_quantile(alpha / 2, k, n - k + 1)
+        high = 1.0 if k == n else _beta_quantile(1 - alpha / 2, k + 1, n - k)
+        return (low, high)
 
     def zero_event_upper(self, confidence: float = CONFIDENCE) -> float | None:
         """With no failure in n runs, the largest failure rate not ruled out: 1 - alpha^(1/n).
@@ -155,8 +197,8 @@ class StateRate:
             return None
         alpha = 1 - confidence
         k = self.failures
-        low = 0.0 if k == 0 else float(_sp().chi2.ppf(alpha / 2, 2 * k)) / 2
-        high = float(_sp().chi2.ppf(1 - alpha / 2, 2 * k + 2)) / 2
+        low = 0.0 if k == 0 else _chi2_quantile(alpha / 2, 2 * k) / 2
+        high = _chi2_quantile(1 - alpha / 2, 2 * k + 2) / 2
         return (1000 * low / self.occurrences, 1000 * high / self.occurrences)
 
 
@@ -172,14 +214,14 @@ def fisher_one_sided(a_crash: int, a_n: int, b_crash: int, b_n: int) -> float:
     if a_n == 0 or b_n == 0 or a_crash + b_crash == 0:
         return 1.0
     table = [[a_crash, a_n - a_crash], [b_crash, b_n - b_crash]]
-    return float(_sp().fisher_exact(table, alternative="greater").pvalue)
+    return _fisher_greater(table)
 
 
 def fisher_two_sided(a_crash: int, a_n: int, b_crash: int, b_n: int) -> float:
     """P(a difference at least this large by chance): Fisher's exact test, two-sided, for "the
     two runs' failure rates differ" (``kvrepro results compare``)."""
     table = [[a_crash, a_n - a_crash], [b_crash, b_n - b_crash]]
-    return float(_sp().fisher_exact(table).pvalue)
+    return _fisher_two_sided(table)
 
 
 def fisher_raised(a_crash: int, a_n: int, b_crash: int, b_n: int) -> float:
@@ -274,7 +316,7 @@ def _contrast(cells: Sequence[tuple[Rate, float]], confidence: float = CONFIDENC
     if any(r.trials == 0 for r, _ in cells):
         return None
     m = sum(1 for _, c in cells if c)
-    z = float(_sp().norm.ppf(1 - (1 - confidence) / 2))
+    z = _normal_quantile(1 - (1 - confidence) / 2)
     estimate = sum(c * r.crashes / r.trials for r, c in cells)
     adjusted = [((r.crashes + 2 / m) / (r.trials + 4 / m), r.trials + 4 / m, c) for r, c in cells]
     centre = sum(c * p for p, _, c in adjusted)

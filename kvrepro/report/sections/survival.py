@@ -7,7 +7,7 @@ from typing import Any
 
 from ...results.store import MatrixRun, write_atomic
 from ..pages import Block, Heading, Image, Para
-from ..render import SURVIVAL_PNG, build_key
+from ..render import MIN_TIMED_RUNS, NOT_TIMED, SURVIVAL_PNG, build_key
 from . import SectionContext
 
 ORDER = 50
@@ -15,6 +15,13 @@ DETAILS = False
 
 
 def _survival_blocks(run: MatrixRun, out_dir: Path | None) -> list[Block]:
+    timed = max((sum(r.verdict not in NOT_TIMED for r in b.runs) for b in run.builds), default=0)
+    if timed == 0:
+        return []
+    if timed < MIN_TIMED_RUNS:
+        return [Heading(2, "Time to crash"),
+                Para(f"No curve: a build needs {MIN_TIMED_RUNS} timed runs (repetitions) for one, and every "
+                     "build here has one; where each run ended is in the verdict table.")]
     from ..plots import survival_curve, survival_figure
 
     by_axis: dict[str, list[Any]] = {"requests": [], "seconds": []}
