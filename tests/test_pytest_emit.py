@@ -172,19 +172,23 @@ def _pytest_folder(tmp_path: Path) -> Path:
     return folder
 
 
-def _pytest_on(run: tuple, path, tmp_path) -> subprocess.CompletedProcess:
-    """The emitted test under a plain pytest with one build's python and vllm/ (``run``), as upstream would."""
+def _pytest_on(scripts, run: tuple, path, tmp_path) -> subprocess.CompletedProcess:
+    """The emitted test under a plain pytest with one build's python and vllm/ (``run``), as upstream
+    would, forked from the worker's shared zygote (conftest's runtime_scripts: torch imported there,
+    vLLM not). That the file needs nothing of kvrepro is checked where nothing of it is loaded: its
+    imports statically, and a fresh interpreter of the runtime env (the kvrepro-import test below);
+    `kvrepro minimize` itself confirms the file in a fresh interpreter (pytest_check)."""
     python, pythonpath = run
     env = {"PATH": "/usr/bin:/bin", "VLLM_PLUGINS": "", "VLLM_LOGGING_LEVEL": "ERROR",
            "PYTHONPATH": f"{pythonpath}:{_pytest_folder(tmp_path)}"}
-    return subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=600)
+    return scripts.run(python, ["-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)], cwd=tmp_path, env=env,
+                       timeout=600)
 
 
 @pytest.mark.parametrize("build, outcome", [("A", "1 failed"), ("D", "1 passed")])
-def test_under_pytest_it_fails_on_a_and_passes_on_d(emitted, build, outcome, tmp_path):
+def test_under_pytest_it_fails_on_a_and_passes_on_d(emitted, build, outcome, tmp_path, runtime_scripts):
     path, _, runs = emitted
-    proc = _pytest_on(runs[build], path, tmp_path)
+    proc = _pytest_on(runtime_scripts, runs[build], path, tmp_path)
     assert outcome in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
     if build == "A":
         assert "AssertionError" in proc.stdout and "update_state_after_alloc" in proc.stdout
@@ -308,9 +312,9 @@ def test_the_corruption_test_passes_on_e(emitted_corruption):
     assert summary.pytest_check["E"] == PytestCheck(ok=True, result="passes", exit=0)
 
 
-def test_under_pytest_the_corruption_test_fails_on_b_with_the_message(emitted_corruption, tmp_path):
+def test_under_pytest_the_corruption_test_fails_on_b_with_the_message(emitted_corruption, tmp_path, runtime_scripts):
     path, _, runs = emitted_corruption
-    proc = _pytest_on(runs["B"], path, tmp_path)
+    proc = _pytest_on(runtime_scripts, runs["B"], path, tmp_path)
     assert "1 failed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "AssertionError: a forward read wrong KV" in proc.stdout
     assert "[full_attention+offload] step " in proc.stdout and "(GPU block " in proc.stdout
@@ -367,8 +371,9 @@ def test_the_queued_abort_test_fails_on_0_26_0_and_passes_with_pr_49146(emitted_
     assert summary.pytest_check["fixed"] == PytestCheck(ok=True, result="passes", exit=0), summary.pytest_check
 
 
-def test_under_pytest_the_queued_abort_test_fails_in_build_store_jobs(emitted_queued_abort, tmp_path):
+def test_under_pytest_the_queued_abort_test_fails_in_build_store_jobs(emitted_queued_abort, tmp_path,
+                                                                      runtime_scripts):
     path, _, runs = emitted_queued_abort
-    proc = _pytest_on(runs["released"], path, tmp_path)
+    proc = _pytest_on(runtime_scripts, runs["released"], path, tmp_path)
     assert "1 failed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "_build_store_jobs" in proc.stdout and "len(offload_keys) == len(offload_block_ids)" in proc.stdout

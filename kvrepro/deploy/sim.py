@@ -23,7 +23,6 @@ from dataclasses import replace
 import time
 from pathlib import Path
 
-import requests
 
 from .. import builds, lifetime, paths, scratch, versions
 from ..errors import InfraError, KvreproError, describe_os_error
@@ -155,6 +154,8 @@ class ProcessEngine(EngineHandle):
         return self.proc.poll()
 
     def wait_healthy(self, timeout: float, cancel: threading.Event | None = None) -> None:
+        import requests  # here, not at the top: every kvrepro command imports this module (~60 ms)
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if cancel is not None and cancel.is_set():
