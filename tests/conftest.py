@@ -78,6 +78,65 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: not runs_an_engine(item))  # stable: collection order within each part
 
 
+# What the suite downloads on a machine whose kvrepro cache is empty (besides the default release,
+# which `kvrepro setup` fetches before pytest starts): found in KVREPRO_HOME after a whole run on an
+# empty one (2026-12-04). A release missing here is simply downloaded by the test that needs it.
+PREFETCH_WHEELS = ("0.30.0", "0.31.0", "0.25.1", "0.27.0", "0.28.0", "0.33.0")
+PREFETCH_SDISTS = ("0.26.0", "0.30.0", "0.27.0", "0.28.0")
+_PREFETCH = """
+import signal, sys
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: no half download left in the cache
+from kvrepro.builds.sdist import fetch_sdist
+from kvrepro.builds.wheel import fetch_wheel
+wheels, sdists = sys.argv[1].split(","), sys.argv[2].split(",")
+for i in range(max(len(wheels), len(sdists))):
+    for fetch, names in ((fetch_wheel, wheels), (fetch_sdist, sdists)):
+        if i < len(names):
+            try:
+                fetch(names[i])
+            except Exception as exc:  # the test that needs it downloads it again and says why
+                print(f"prefetch {names[i]}: {exc}", file=sys.stderr)
+"""
+PREFETCHER = pytest.StashKey[subprocess.Popen]()
+
+
+def pytest_sessionstart(session):
+    """On a machine whose cache lacks them, download the vLLM wheels and sdists the suite uses while
+    the first tests run (network time under CPU time, instead of a test waiting for its download),
+    in a process of the controlling pytest (it has nothing else to do under xdist). The downloads
+    write to a temporary name and rename (kvrepro.builds.wheel/sdist), so a test fetching the same
+    file at once only downloads it twice. KVREPRO_TEST_PREFETCH=0 turns it off."""
+    from kvrepro.builds.sdist import sdists_dir
+    from kvrepro.builds.wheel import cached_wheel
+
+    if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("KVREPRO_TEST_PREFETCH") == "0":
+        return
+    wheels = [v for v in PREFETCH_WHEELS if cached_wheel(v) is None]
+    sdists = [v for v in PREFETCH_SDISTS if not (sdists_dir() / v / f"vllm-{v}.tar.gz.sha256").exists()]
+    if wheels or sdists:
+        session.config.stash[PREFETCHER] = subprocess.Popen(
+            [sys.executable, "-c", _PREFETCH, ",".join(wheels), ",".join(sdists)], start_new_session=True,
+            stdout=subprocess.DEVNULL)
+
+
+def pytest_sessionfinish(session):
+    """Whatever the prefetch has not finished when the tests have (an interrupted run) is stopped."""
+    import signal
+
+    proc = session.config.stash.get(PREFETCHER, None)
+    if proc is None:
+        return
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 @contextlib.contextmanager
 def one_worker_at_a_time(tmp_path_factory, name: str):
     """Hold a lock shared by this run's xdist workers (their base temp folders share a parent), so

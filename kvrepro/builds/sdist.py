@@ -94,6 +94,9 @@ def fetch_sdist(release: str) -> tuple[Path, str]:
         except (urllib.error.URLError, OSError) as exc:
             os.unlink(tmp.name)
             raise SetupError(f"downloading {url} failed ({exc}); check that the package index is reachable") from None
+        except BaseException:  # a signal mid-download: no half file left in the cache
+            os.unlink(tmp.name)
+            raise
     if digest.hexdigest() != expected:
         os.unlink(tmp.name)
         raise SetupError(f"{url}: sha256 {digest.hexdigest()} is not the index's {expected}; not used")
