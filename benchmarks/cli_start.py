@@ -57,21 +57,6 @@ def cpu_seconds(checkout: Path, args: list[str], scratch: Path) -> float:
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def stop_zygotes(folder: Path) -> None:
-    """SIGTERM each shared zygote the commands started (each leads its process group), then SIGKILL."""
-    import signal
-    import time
-
-    pids = [int(p.read_text()) for p in folder.glob("*.pid")]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.killpg(pid, sig)
-            except ProcessLookupError:
-                pass
-        time.sleep(3)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", default="HEAD~1", help="the earlier commit (default HEAD~1)")
@@ -94,7 +79,9 @@ def main() -> int:
                 rows.append({"command": label, "before_cpu_s": round(before, 3), "after_cpu_s": round(after, 3),
                              "ratio": round(before / after, 2) if after else None, "rounds": args.rounds})
         finally:
-            stop_zygotes(Path(tmp) / "zygotes")
+            from kvrepro.deploy.sim import stop_shared_zygotes
+
+            stop_shared_zygotes(Path(tmp) / "zygotes")
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], check=False)
     load = os.getloadavg()[0]
     if args.json:

@@ -114,9 +114,11 @@ def pytest_sessionstart(session):
     wheels = [v for v in PREFETCH_WHEELS if cached_wheel(v) is None]
     sdists = [v for v in PREFETCH_SDISTS if not (sdists_dir() / v / f"vllm-{v}.tar.gz.sha256").exists()]
     if wheels or sdists:
-        session.config.stash[PREFETCHER] = subprocess.Popen(
+        from kvrepro import lifetime
+
+        session.config.stash[PREFETCHER] = subprocess.Popen(  # SIGTERM too if pytest itself is killed
             [sys.executable, "-c", _PREFETCH, ",".join(wheels), ",".join(sdists)], start_new_session=True,
-            stdout=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, preexec_fn=lifetime.child_hook())
 
 
 def pytest_sessionfinish(session):
@@ -149,34 +151,11 @@ def one_worker_at_a_time(tmp_path_factory, name: str):
         yield
 
 
-def stop_shared_zygotes(folder: Path) -> list[int]:
-    """SIGTERM every zygote that kvrepro commands started in ``folder`` (KVREPRO_SHARED_ZYGOTES) and
-    its engines (each zygote leads its own process group), SIGKILL what is left after 10 s; returns
-    the pids it found."""
-    import signal
-    import time
-
-    pids = []
-    for pid_file in folder.glob("*.pid"):
-        try:
-            pids.append(int(pid_file.read_text()))
-        except (OSError, ValueError):
-            continue
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
-        time.sleep(0.1)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)
-    return pids
-
-
 @pytest.fixture(scope="session")
 def shared_zygote_folder(tmp_path_factory):
     """This worker's folder of shared engine zygotes; they are stopped when the session ends."""
+    from kvrepro.deploy.sim import stop_shared_zygotes
+
     folder = tmp_path_factory.mktemp("zygotes")
     yield folder
     stop_shared_zygotes(folder)
@@ -274,17 +253,13 @@ def runtime_scripts(default_matrix, runtime_python, shared_zygote_folder, tmp_pa
         return RuntimeScripts(runtime_python, None, folder)
     from kvrepro.deploy.sim import SHARED_ZYGOTES_ENV, SimTarget
 
-    before = os.environ.get(SHARED_ZYGOTES_ENV)
-    os.environ[SHARED_ZYGOTES_ENV] = str(shared_zygote_folder)
-    target = SimTarget(default_matrix)
-    try:
-        socket_path = target.shared_zygote_socket(default_matrix.matrix.base)
-    finally:
-        target.close()
-        if before is None:
-            os.environ.pop(SHARED_ZYGOTES_ENV, None)
-        else:
-            os.environ[SHARED_ZYGOTES_ENV] = before
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(SHARED_ZYGOTES_ENV, str(shared_zygote_folder))
+        target = SimTarget(default_matrix)
+        try:
+            socket_path = target.shared_zygote_socket(default_matrix.matrix.base)
+        finally:
+            target.close()
     return RuntimeScripts(runtime_python, socket_path, folder)
 
 

@@ -1,6 +1,6 @@
 """Shared engine zygotes (KVREPRO_SHARED_ZYGOTES, kvrepro/deploy/sim.py): a runtime's zygote is
 started once by the first command, outlives it, serves the next command's engines, and is stopped
-by whoever set the variable (here: conftest.stop_shared_zygotes, as the test session does).
+by whoever set the variable (here: kvrepro.deploy.sim.stop_shared_zygotes, as the test session does).
 
 Real parts: two real `kvrepro matrix run` processes, real vLLM engines forked from one real zygote.
 The variable points at this test's own folder, not at the session's shared one."""
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, alive, stop_shared_zygotes
-from kvrepro.deploy.sim import SHARED_ZYGOTES_ENV, ZYGOTE_ENV
+from conftest import ROOT, alive
+from kvrepro.deploy.sim import SHARED_ZYGOTES_ENV, ZYGOTE_ENV, stop_shared_zygotes
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -102,7 +102,7 @@ def test_engines_of_one_build_fork_from_one_build_zygote_and_judge_as_engines_th
     from the engine's own process, the EngineCore). The same runs with KVREPRO_BUILD_ZYGOTES=0 (each
     engine imports vLLM itself) give the same verdicts. Stopping the zygotes leaves no process.
     Real parts: real `kvrepro matrix run` commands, real vLLM engines; only the GPU is faked."""
-    from conftest import stop_shared_zygotes as stop
+    from kvrepro.deploy.sim import stop_shared_zygotes as stop
     from kvrepro.engine.zygote import BUILD_ZYGOTES_ENV
 
     zygotes = tmp_path / "zygotes"

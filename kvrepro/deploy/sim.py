@@ -9,6 +9,7 @@ run can still read ``/metrics`` and see ``/health`` answer 503, as production mo
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -223,6 +224,28 @@ def shared_zygote(folder: Path, python: str, env: dict[str, str], learned_path: 
                                 learned_path=learned_path, outlive=True)
             (folder / f"{key}.pid").write_text(f"{proc.pid}\n")
     return str(sock)
+
+
+def stop_shared_zygotes(folder: Path) -> list[int]:
+    """For whoever set :data:`SHARED_ZYGOTES_ENV`: SIGTERM every zygote that kvrepro commands started
+    in ``folder`` and its engines (each zygote leads its own process group), SIGKILL what is left
+    after 10 s; returns the pids it found."""
+    pids = []
+    for pid_file in folder.glob("*.pid"):
+        try:
+            pids.append(int(pid_file.read_text()))
+        except (OSError, ValueError):
+            continue
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
+        time.sleep(0.1)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    return pids
 
 
 class _Zygote:

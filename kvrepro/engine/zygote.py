@@ -472,7 +472,7 @@ def _build_zygote(control: socket.socket, listen_path: str, env: dict, modules: 
     SIGTERM, or the runtime zygote goes."""
     code = 0
     try:
-        # stays in the runtime zygote's process group: whoever stops that group (tests' stop_shared_zygotes)
+        # stays in the runtime zygote's process group: whoever stops that group (kvrepro.deploy.sim.stop_shared_zygotes)
         # stops this one too, and it stops its engines (each in a session of its own)
         stopping = {"flag": False}
         signal.signal(signal.SIGTERM, lambda *_: stopping.update(flag=True))
