@@ -226,6 +226,19 @@ def shared_zygote(folder: Path, python: str, env: dict[str, str], learned_path: 
     return str(sock)
 
 
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has exited: reaped here when it is this process's child (a zygote a test
+    process started itself), or a zombie its own parent has yet to reap."""
+    with contextlib.suppress(ChildProcessError):
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rindex(")") + 2] in "ZX"
+
+
 def stop_shared_zygotes(folder: Path) -> list[int]:
     """For whoever set :data:`SHARED_ZYGOTES_ENV`: SIGTERM every zygote that kvrepro commands started
     in ``folder`` and its engines (each zygote leads its own process group), SIGKILL what is left
@@ -240,7 +253,7 @@ def stop_shared_zygotes(folder: Path) -> list[int]:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGTERM)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
+    while time.monotonic() < deadline and not all(map(_gone, pids)):
         time.sleep(0.1)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
