@@ -32,6 +32,14 @@ def runtimes_dir() -> Path:
     return home() / "runtimes"
 
 
+def vllm_cache(release: str) -> Path:
+    """vLLM's cache folder (``VLLM_CACHE_ROOT``) for processes of one vLLM release: the sim's engines
+    (kvrepro.deploy.sim.vllm_cache_root) and vLLM's own tests (kvrepro.builds.upstream_tests) learn
+    the same per-model-file answers there (``modelinfos``), one folder per release so that releases
+    never evict each other's."""
+    return home() / "vllm-cache" / release.replace("/", "_")
+
+
 def pycache_prefix() -> Path:
     """Where engine processes keep their byte code (``PYTHONPYCACHEPREFIX``): outside the overlays,
     whose unpatched files are hard links shared by every build, so no overlay gets a __pycache__."""

@@ -235,6 +235,33 @@ def test_a_pytest_that_dies_part_way_is_resumed_and_the_test_it_died_in_is_an_er
     assert outcomes == {"test_before": "passed", "test_dies": "error", "test_after": "passed"}
     assert "pytest exited -9" in found["tests/test_dying.py::test_dies"].message
 
+def test_what_a_job_learns_about_model_classes_is_shared_with_the_releases_later_jobs_and_engines(tmp_path,
+                                                                                                  monkeypatch):
+    """vLLM inspects a model class in a fresh interpreter (~8 CPU s) unless its VLLM_CACHE_ROOT holds the
+    answer: each job starts from, and adds to, its release's folder, the one the sim's engines use."""
+    from kvrepro import paths
+    from kvrepro.builds import upstream_tests
+    from kvrepro.deploy.sim import vllm_cache_root
+    from kvrepro.records import BuildPlan
+
+    monkeypatch.setenv("KVREPRO_HOME", str(tmp_path / "home"))
+    tree = tmp_path / "overlay"
+    (tree / "vllm-0.26.0.dist-info").mkdir(parents=True)
+    shared = upstream_tests.shared_modelinfos(tree)
+    assert shared == vllm_cache_root(BuildPlan(name="A", base="0.26.0", patches=())) / "modelinfos" == paths.vllm_cache("0.26.0") / "modelinfos"
+    assert upstream_tests.shared_modelinfos(tmp_path / "no-dist-info") is None
+    learnt = tmp_path / "work" / "vllm-cache" / "modelinfos"
+    learnt.mkdir(parents=True)
+    (learnt / "vllm-model_executor-models-qwen3_next-Qwen3NextForCausalLM.json").write_text('{"hash": "1"}')
+    upstream_tests.publish_modelinfos(learnt, shared)
+    (learnt / "vllm-model_executor-models-qwen3_next-Qwen3NextForCausalLM.json").write_text('{"hash": "2"}')
+    upstream_tests.publish_modelinfos(learnt, shared)  # a newer answer replaces the file whole
+    assert [(p.name, p.read_text()) for p in shared.iterdir()] == [
+        ("vllm-model_executor-models-qwen3_next-Qwen3NextForCausalLM.json", '{"hash": "2"}')]
+    upstream_tests.publish_modelinfos(tmp_path / "nothing-learnt", shared)  # a job that learnt nothing
+    assert len(list(shared.iterdir())) == 1
+
+
 # a handful of 0.26.0's own tests: the one the fixture patch breaks and three it must not touch
 HANDFUL = [
     "tests/v1/core/test_kv_cache_utils.py::test_hash_block_tokens",

@@ -31,6 +31,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -212,11 +213,11 @@ def _run_pytest(runtime: Runtime, tree: TestTree, job: TreeRun, work: Path) -> d
         "PYTHONPYCACHEPREFIX": str(paths.pycache_prefix()),
     })
     env.pop("PYTHONDONTWRITEBYTECODE", None)
-    # vLLM inspects a model class in a fresh process (a whole second vLLM import: 20 s idle, minutes
+    # vLLM inspects a model class in a fresh process (a whole second vLLM import: ~8 CPU s, minutes
     # under load) unless VLLM_CACHE_ROOT/modelinfos holds the answer, keyed by the model file's hash;
-    # every job starts with what earlier jobs learnt
-    shared_infos = cache_dir() / "modelinfos"
-    if shared_infos.is_dir():
+    # every job starts with what earlier jobs and the release's engines learnt, and adds what it learns
+    shared_infos = shared_modelinfos(job.vllm_root)
+    if shared_infos is not None and shared_infos.is_dir():
         shutil.copytree(shared_infos, work / "vllm-cache" / "modelinfos", dirs_exist_ok=True)
     if job.select is not None:
         listing = work / "select.txt"
@@ -262,6 +263,7 @@ def _run_pytest(runtime: Runtime, tree: TestTree, job: TreeRun, work: Path) -> d
         env["KVREPRO_UPSTREAM_DONE"] = str(done)
         if job.measure:  # keep the first process's coverage data
             cmd[cmd.index("run") + 1:cmd.index("run") + 1] = ["--append"] if "--append" not in cmd else []
+    publish_modelinfos(work / "vllm-cache" / "modelinfos", shared_infos)
     phases = _read_phases(report)
     if not phases and proc.returncode not in (0, 5):
         tail = (work / "pytest.log").read_text(errors="replace").strip().splitlines()[-5:]
@@ -273,6 +275,28 @@ def _run_pytest(runtime: Runtime, tree: TestTree, job: TreeRun, work: Path) -> d
 
 
 MAX_ATTEMPTS = 3  # pytest processes per job when one dies part-way
+
+
+def shared_modelinfos(vllm_root: Path) -> Path | None:
+    """The release's ``modelinfos`` folder (:func:`kvrepro.paths.vllm_cache`) for a vLLM tree, from
+    its ``vllm-<version>.dist-info``; None for a tree without one."""
+    versions_found = sorted(p.name[len("vllm-"):-len(".dist-info")] for p in vllm_root.glob("vllm-*.dist-info"))
+    return paths.vllm_cache(versions_found[0]) / "modelinfos" if versions_found else None
+
+
+def publish_modelinfos(learnt: Path, shared: Path | None) -> None:
+    """Copy what a job's vLLM wrote into the release's shared folder, each file replaced whole (jobs
+    and engines of the release run at once; vLLM checks each entry's hash when it reads it)."""
+    if shared is None or not learnt.is_dir():
+        return
+    try:
+        shared.mkdir(parents=True, exist_ok=True)
+        for info in learnt.glob("*.json"):
+            staged = shared / f".{info.name}.{os.getpid()}.{threading.get_ident()}"
+            shutil.copy2(info, staged)
+            os.replace(staged, shared / info.name)
+    except OSError:  # a read-only or full cache: the next job inspects again, as before
+        pass
 
 
 def _read_phases(report: Path) -> dict[str, list[dict]]:

@@ -43,7 +43,7 @@ def vllm_cache_root(plan: BuildPlan) -> Path:
     One folder shared by every release made each release switch (a suite, a release table, a
     bisection over releases) pay that on every engine start; one folder per base pays it once.
     """
-    return paths.home() / "vllm-cache" / plan.base.replace("/", "_")
+    return paths.vllm_cache(plan.base)
 
 
 def free_port() -> int:

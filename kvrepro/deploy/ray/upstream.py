@@ -63,6 +63,9 @@ class PytestTask:
     tests_data: list = field(default_factory=list)
     overlay: BundleRef | None = None
     overlay_data: list = field(default_factory=list)
+    # what the driver's vLLM learnt about the release's model classes (file name -> bytes, a few kB):
+    # a node's first job then inspects none of them again (~8 CPU s each)
+    modelinfos: tuple[tuple[str, bytes], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,12 @@ def pytest_task(task: PytestTask) -> PytestResult:
         _RUNTIMES[task.base] = upstream_tests.test_runtime(prepare_runtime(task.base), source_tests(task.base))
     work = node_cache(node.node_id) / "upstream-work" / task.key
     shutil.rmtree(work, ignore_errors=True)
+    if task.modelinfos:
+        shipped = work / "shipped-modelinfos"
+        shipped.mkdir(parents=True)
+        for name, data in task.modelinfos:
+            (shipped / Path(name).name).write_bytes(data)
+        upstream_tests.publish_modelinfos(shipped, upstream_tests.shared_modelinfos(vllm_root))
     found = upstream_tests.run_pytest(_RUNTIMES[task.base], replace(task.tree, root=tests),
                                       replace(task.job, vllm_root=vllm_root), work)
     return PytestResult(node=node, outcomes=tuple(found.values()), seconds=round(time.monotonic() - started, 1))
@@ -175,8 +184,11 @@ class RayPytest(upstream_tests.PytestRunner):
         base = self.base
         tests, tests_ref = self._tree(tree)
         overlay, overlay_ref = self._overlay(job, base)
+        infos = upstream_tests.shared_modelinfos(job.vllm_root)
+        shipped = tuple((p.name, p.read_bytes()) for p in sorted(infos.glob("*.json"))) if infos is not None else ()
         task = PytestTask(base=base, tree=tree, job=job, key=upstream_tests.job_key(runtime, tree, job) + f"-{work.name}",
-                          tests=tests, tests_data=[tests_ref], overlay=overlay, overlay_data=[overlay_ref])
+                          tests=tests, tests_data=[tests_ref], overlay=overlay, overlay_data=[overlay_ref],
+                          modelinfos=shipped)
         ref = ray.remote(pytest_task).options(num_cpus=self.spec.cpus_per_run, max_retries=0,
                                               retry_exceptions=False).remote(task)
         with self._lock:
