@@ -1,8 +1,10 @@
 """A sim engine inspects its model classes in its own process (kvrepro/engine/model_info.py).
 
-Against vLLM 0.26.0's own registry, in the runtime env: the inspection a sim engine makes with an
-empty ``VLLM_CACHE_ROOT`` starts no interpreter and leaves the same ``modelinfos`` files, byte for
-byte, as vLLM's own fresh-interpreter inspection; without ``KVREPRO_SIM=1`` vLLM's is left in place.
+Against vLLM 0.26.0's own registry and plugin loading, in the runtime env: once vLLM has called
+kvrepro's plugin with ``KVREPRO_SIM=1``, the inspection with an empty ``VLLM_CACHE_ROOT`` starts no
+interpreter and leaves the same ``modelinfos`` files, byte for byte, as vLLM's own fresh-interpreter
+inspection (whether vLLM's registry was imported before the plugin ran or after); without the flag
+vLLM's is left in place.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ ARCHS = ("Qwen3NextForCausalLM", "Qwen3NextMTP")
 
 INSPECT = """
 import json, os, subprocess, sys
-from kvrepro.engine import model_info
 {before}
-installed = model_info.install()
+from vllm.platforms import current_platform
+platform = type(current_platform).__name__  # vLLM calls the plugins' register() here
 from vllm.model_executor.models import registry
+from kvrepro.engine import model_info
 started = []
 real_run = subprocess.run
 def watching(cmd, *a, **kw):
@@ -34,7 +37,7 @@ def watching(cmd, *a, **kw):
     return real_run(cmd, *a, **kw)
 subprocess.run = watching
 infos = {{arch: registry.ModelRegistry._try_inspect_model_cls(arch) is not None for arch in {archs!r}}}
-print("RESULT " + json.dumps({{"installed": installed, "here": registry._run_in_subprocess is model_info.run_here,
+print("RESULT " + json.dumps({{"platform": platform, "here": registry._run_in_subprocess is model_info.run_here,
     "infos": infos, "started": started}}))
 """
 
@@ -60,7 +63,7 @@ def vllm_way(runtime_python, runtime_scripts, overlays, tmp_path_factory) -> dic
     cache = tmp_path_factory.mktemp("vllm-cache")
     result = _inspect(runtime_scripts, runtime_python, overlays["A"], cache, sim=False, archs=ARCHS[:1])
     # without the sim flag nothing changes: vLLM starts its registry interpreter for the class
-    assert result["installed"] is False and result["here"] is False
+    assert result["platform"] != "SimCpuPlatform" and result["here"] is False
     assert result["infos"] == {ARCHS[0]: True}
     assert len(result["started"]) == 1 and "vllm.model_executor.models.registry" in result["started"][0]
     return _files(cache)
@@ -71,7 +74,7 @@ def vllm_way(runtime_python, runtime_scripts, overlays, tmp_path_factory) -> dic
 def test_a_sim_engine_inspects_here_and_writes_what_vllms_own_subprocess_writes(
         runtime_python, runtime_scripts, overlays, tmp_path, before, vllm_way):
     sim_way = _inspect(runtime_scripts, runtime_python, overlays["A"], tmp_path / "sim", sim=True, before=before)
-    assert sim_way["installed"] is True and sim_way["here"] is True
+    assert sim_way["platform"] == "SimCpuPlatform" and sim_way["here"] is True
     assert sim_way["infos"] == dict.fromkeys(ARCHS, True)
     assert sim_way["started"] == []  # no interpreter started
     ours = _files(tmp_path / "sim")

@@ -8,19 +8,17 @@ nothing: measured ~9 CPU s per class, twice per engine (the model and its MTP dr
 first time each release runs on a machine (empty cache, a new Docker volume, a Ray node's own
 cache). Here the same ``fn`` runs in the engine's process, where vLLM is imported already (and,
 forked from a zygote, the model module too). Everything else is vLLM's: the cache lookup before it,
-the file it writes after it, what its caller does with an error. Only with ``KVREPRO_SIM=1``:
-an image that carries kvrepro but runs on its GPUs keeps vLLM's isolation.
+the file it writes after it, what its caller does with an error. The plugin installs it when it
+names the sim platform (``KVREPRO_SIM=1``: the API server, EngineCore, the offline engine, a Docker
+container's ``vllm serve``); an image that carries kvrepro but runs on its GPUs keeps vLLM's isolation.
 """
 
 from __future__ import annotations
 
 import importlib.abc
-import os
 import sys
 from collections.abc import Callable
 from typing import TypeVar
-
-from .plugin import ENV_FLAG
 
 REGISTRY = "vllm.model_executor.models.registry"
 _T = TypeVar("_T")
@@ -63,13 +61,11 @@ class _AfterRegistryImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def install(environ=os.environ) -> bool:
-    """Run vLLM's model inspections in this process from now on (sim engines only); True if set."""
-    if environ.get(ENV_FLAG, "") != "1":
-        return False
+def install() -> None:
+    """Run vLLM's model inspections in this process from now on: at once if vLLM's registry is
+    imported, else right after vLLM imports it."""
     module = sys.modules.get(REGISTRY)
     if module is not None:
         _patch(module)
     elif not any(isinstance(f, _AfterRegistryImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterRegistryImport())
-    return True

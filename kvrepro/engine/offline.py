@@ -273,9 +273,6 @@ def build_engine_factory(serve_args: list[str]):
     vLLM's own argument parsing, the platform kvrepro's plugin names (KVREPRO_SIM=1), the
     executor that platform picks, statistics on as the server has them."""
     os.environ.setdefault("KVREPRO_SIM", "1")
-    from .model_info import install
-
-    install()
     try:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
     except ImportError:  # older layouts

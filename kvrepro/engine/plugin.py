@@ -8,7 +8,8 @@ EngineCore process, any worker. Two things happen there:
   ``PYTHONPATH`` folders, and this hook runs in every vLLM process before the scheduler module
   is imported, which is what the probe needs to wrap it;
 * the platform is named: :class:`kvrepro.engine.platform.SimCpuPlatform` when ``KVREPRO_SIM=1``,
-  otherwise nothing, so an image that carries the plugin still runs on its GPUs unchanged.
+  otherwise nothing, so an image that carries the plugin still runs on its GPUs unchanged; with
+  it, vLLM's model-class inspection runs in the process (:mod:`kvrepro.engine.model_info`).
 
 The entry point is declared by a hand-written ``kvrepro_sim-<version>.dist-info`` that kvrepro
 puts next to each build's ``vllm/`` (``kvrepro.builds.plugin_dist``); nothing is pip-installed.
@@ -49,4 +50,9 @@ def activate_probe():
 
 def register() -> str | None:
     activate_probe()
-    return platform_for(os.environ)
+    platform = platform_for(os.environ)
+    if platform is not None:  # no CUDA here: vLLM's model-class inspection runs in this process
+        from .model_info import install
+
+        install()
+    return platform

@@ -19,9 +19,6 @@ def run(argv: list[str], on_settled: Callable[[], None] | None = None) -> int:
         threading.Thread(target=_call_when_settled, args=(on_settled,), daemon=True,
                          name="kvrepro-imports-settled").start()
     sys.argv = ["vllm", *argv]
-    from .model_info import install
-
-    install()  # model classes inspected here, not in a fresh interpreter (sim engines only)
     from vllm.entrypoints.cli.main import main
 
     try:

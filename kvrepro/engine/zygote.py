@@ -102,7 +102,7 @@ GC_FREEZE_ENV = "KVREPRO_ZYGOTE_GC_FREEZE"
 # engine's others (executor, shadow, arcs, faults) read per-run KVREPRO_SIM_* settings and are imported
 # by each engine itself; a build zygote that imported one fails, and its engines import vLLM themselves.
 _IMPORT_SAFE_OWN = ("kvrepro", "kvrepro.engine", "kvrepro.engine.zygote", "kvrepro.engine.plugin",
-                    "kvrepro.engine.platform", "kvrepro.lifetime", "kvrepro_probe")
+                    "kvrepro.engine.platform", "kvrepro.engine.model_info", "kvrepro.lifetime", "kvrepro_probe")
 
 
 def _send(conn: socket.socket, payload: dict, fds: list[int] | None = None) -> None:
