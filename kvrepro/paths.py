@@ -46,6 +46,13 @@ def pycache_prefix() -> Path:
     return home() / "pycache"
 
 
+def keep_byte_code(env: dict[str, str]) -> None:
+    """``env`` (changed in place) for a process of a build's vLLM: byte code written, in
+    :func:`pycache_prefix`, so the next process of that build, engine or test, does not compile again."""
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = str(pycache_prefix())
+
+
 def shipped_project() -> Path:
     """The folder holding the project kvrepro ships: the default matrix.yaml, its patches in builds/
     and the known-defect catalogue in defects/. An installed wheel carries a copy as package data

@@ -208,11 +208,10 @@ def _run_pytest(runtime: Runtime, tree: TestTree, job: TreeRun, work: Path) -> d
         "CUDA_VISIBLE_DEVICES": "",
         "VLLM_CACHE_ROOT": str(work / "vllm-cache"),
         "HF_HUB_CACHE": str(offline_hub()),
-        # byte code where the engines keep theirs (vLLM's, torch's, the test tree's), never in the tree
-        # every build shares: without it each run compiled every vLLM module again (~12 CPU s)
-        "PYTHONPYCACHEPREFIX": str(paths.pycache_prefix()),
     })
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    # byte code where the engines keep theirs (vLLM's, torch's, the test tree's), never in the tree
+    # every build shares: without it each run compiled every vLLM module again (~12 CPU s)
+    paths.keep_byte_code(env)
     # vLLM inspects a model class in a fresh process (a whole second vLLM import: ~8 CPU s, minutes
     # under load) unless VLLM_CACHE_ROOT/modelinfos holds the answer, keyed by the model file's hash;
     # every job starts with what earlier jobs and the release's engines learnt, and adds what it learns

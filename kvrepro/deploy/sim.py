@@ -232,11 +232,7 @@ def _gone(pid: int) -> bool:
     with contextlib.suppress(ChildProcessError):
         if os.waitpid(pid, os.WNOHANG)[0] == pid:
             return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat[stat.rindex(")") + 2] in "ZX"
+    return lifetime.process_start(pid) is None
 
 
 def stop_shared_zygotes(folder: Path) -> list[int]:
@@ -394,9 +390,7 @@ class SimTarget(Target):
     @staticmethod
     def _base_environment() -> dict[str, str]:
         env = scrubbed_environ()
-        # byte-code cache outside the (shared, hard-linked) overlays, so restarts skip compiling
-        env.pop("PYTHONDONTWRITEBYTECODE", None)
-        env["PYTHONPYCACHEPREFIX"] = str(paths.pycache_prefix())
+        paths.keep_byte_code(env)  # outside the (shared, hard-linked) overlays, so restarts skip compiling
         # vLLM's IPC sockets and other temporary files under kvrepro's temp folder (kvrepro/scratch.py)
         env.update(scratch.engine_env())
         return env

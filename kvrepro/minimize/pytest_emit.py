@@ -847,12 +847,10 @@ class EmittedRun:
 def run_emitted(path: Path, python: str, pythonpath: str, timeout: float = 600) -> EmittedRun:
     """Run the emitted file as a script with a build's vLLM (see :class:`EmittedRun`)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVREPRO_", "VLLM_"))}
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env.update(PYTHONPATH=pythonpath, VLLM_PLUGINS="", VLLM_LOGGING_LEVEL="ERROR")
     from .. import lifetime, paths, scratch
 
-    # the build's byte code where its engines keep theirs (compiled once, not on every run)
-    env.update(PYTHONPATH=pythonpath, VLLM_PLUGINS="", VLLM_LOGGING_LEVEL="ERROR",
-               PYTHONPYCACHEPREFIX=str(paths.pycache_prefix()))
+    paths.keep_byte_code(env)  # the build's byte code where its engines keep theirs (compiled once)
 
     env.update(scratch.engine_env())  # its temporary files go where kvrepro's go (removed on exit)
     path = path.resolve()  # it runs in its own folder: a path relative to ours would name the wrong file
