@@ -10,6 +10,7 @@ which the report must name as the cause. Nothing is faked there.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -329,3 +330,115 @@ def test_builds_test_runs_upstream_tests_and_names_the_patch_that_broke_one(tmp_
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert again.returncode == 1, again.stderr[-2000:]
     assert all(b["cached"] for b in json.loads(again.stdout)["builds"])
+
+
+class _Index:
+    """A package index on loopback (real HTTP, PEP 691 JSON, what kvrepro/builds/sdist.py reads) that
+    lists the sdists given, or answers 503 for all; it counts the requests."""
+
+    def __init__(self, sdists: dict[str, str] | None):
+        import http.server
+        import threading
+
+        index = self
+        self.requests: list[str] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                index.requests.append(self.path)
+                if sdists is None:
+                    self.send_error(503)
+                    return
+                body = json.dumps({"files": [{"filename": f"vllm-{release}.tar.gz", "url": "http://127.0.0.1:9/x",
+                                              "hashes": {"sha256": digest}} for release, digest in sdists.items()]})
+                self.send_response(200)
+                self.send_header("Content-Type", "application/vnd.pypi.simple.v1+json")
+                self.end_headers()
+                self.wfile.write(body.encode())
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/simple"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_bad_later_release_is_refused_in_one_line_before_anything_runs(tmp_path):
+    """`--later` (and `--results`) were checked only at the end of a run (`--later` for a test that
+    differs on a build): a typo found there cost the whole run, recorded nowhere. Now: a non-version,
+    a release not newer than the base, or one the index does not list is exit 2 at once, and nothing
+    is set up (the kvrepro home stays empty). The index is a real HTTP server on loopback (no network
+    here to ask PyPI)."""
+    matrix = _fixture_matrix(tmp_path)
+    index = _Index({"0.27.0": "0" * 64})
+    home = tmp_path / "home"
+    env = {**os.environ, "KVREPRO_HOME": str(home), "KVREPRO_INDEX_URL": index.url}
+    try:
+        for later, expected in (("9.9.9", "the package index lists no vLLM 9.9.9 sdist"),
+                                ("abc", "--later abc: not a vLLM version"),
+                                ("0.25.1", "--later 0.25.1: not newer than the base 0.26.0")):
+            asked = len(index.requests)
+            proc = subprocess.run([sys.executable, "-m", "kvrepro.cli", "builds", "test", "--matrix", str(matrix),
+                                   "--results", str(tmp_path / "results"), "--later", "0.27.0", "--later", later],
+                                  capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+            assert proc.returncode == 2, proc.stderr
+            (line,) = proc.stderr.strip().splitlines()
+            assert line.startswith("error: ") and expected in line, line
+            assert "Traceback" not in proc.stderr and not proc.stdout
+            # 0.27.0 is listed and asked for; a bad version or an older release never reaches the index
+            assert len(index.requests) - asked == (2 if later == "9.9.9" else 1)
+        # the same for a --results that is a file (it was checked only when the run was written)
+        (tmp_path / "a-file").write_text("")
+        proc = subprocess.run([sys.executable, "-m", "kvrepro.cli", "builds", "test", "--matrix", str(matrix),
+                               "--results", str(tmp_path / "a-file")], capture_output=True, text=True, cwd=tmp_path,
+                              env=env, timeout=120)
+        assert proc.returncode == 2 and "is a file, not a folder" in proc.stderr, proc.stderr
+        assert not list(home.rglob("*")), "a refused --later or --results set something up"
+        assert not (tmp_path / "results").exists()
+    finally:
+        index.close()
+
+
+def test_a_newer_release_that_cannot_be_read_is_named_in_the_run_not_fatal(tmp_path, monkeypatch):
+    """A newer release's tests/ that cannot be had when a differing test asks for it (the index down,
+    here a real loopback server answering 503) is named in that test's `later` sentence, asked for
+    once per run, and the run goes on; a release in the cache (a real sdist tarball, made here) is
+    still read. Before, the error ended `builds test` after all its pytest jobs, recording nothing."""
+    from kvrepro.builds import sdist, upstream_tests
+
+    monkeypatch.setenv("KVREPRO_HOME", str(tmp_path / "home"))
+    index = _Index(None)
+    monkeypatch.setattr(sdist, "INDEX_URL", index.url)
+    later, base = tmp_path / "later", tmp_path / "base"
+    _write(base, "tests/unit/test_x.py", "def test_new():\n    assert 1 == 1\n\n\ndef test_unrelated():\n    assert False\n")
+    _write(later, "tests/unit/test_x.py", "LIMIT = 3\n\n\ndef test_new():\n    assert min(4, LIMIT) == 3\n\n\n"
+                                          "def test_unrelated():\n    assert False\n")
+    folder = tmp_path / "home" / "sdists" / "0.27.0"
+    folder.mkdir(parents=True)
+    tarball = folder / "vllm-0.27.0.tar.gz"
+    import hashlib
+    import tarfile
+
+    with tarfile.open(tarball, "w:gz") as tar:
+        tar.add(later / "tests", arcname="vllm-0.27.0/tests")
+    (folder / "vllm-0.27.0.tar.gz.sha256").write_text(hashlib.sha256(tarball.read_bytes()).hexdigest() + "\n")
+    try:
+        lines: list[str] = []
+        trees = upstream_tests._LaterTests(["0.26.5", "0.27.0"], lines.append)
+        base_tests = sdist.SourceTests("0.26.0", base, "0" * 64)
+        changed = trees.first_change(base_tests, "tests/unit/test_x.py::test_new")
+        same = trees.first_change(base_tests, "tests/unit/test_x.py::test_unrelated")
+        assert changed.startswith("changed in vllm 0.27.0: ") and "LIMIT" in changed, changed
+        assert same == "unchanged in vllm 0.27.0; not read: vllm 0.26.5 (sdist unavailable)", same
+        assert changed.endswith("; not read: vllm 0.26.5 (sdist unavailable)")
+        assert len(index.requests) == 1, index.requests  # the unreadable release is not asked for again
+        assert sum("0.26.5's tests/ not read" in line and "503" in line for line in lines) == 1, lines
+        # an index that cannot be reached does not refuse --later: the tree is read when needed
+        upstream_tests.check_later_releases("0.26.0", ["0.26.5"])
+    finally:
+        index.close()

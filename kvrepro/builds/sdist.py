@@ -57,6 +57,25 @@ def sdists_dir() -> Path:
     return paths.home() / "sdists"
 
 
+class NotOnIndex(SetupError):
+    """The index answered and lists no sdist of the release (as against an index not reached)."""
+
+
+def on_index(release: str) -> bool | None:
+    """Whether the release's sdist is cached or listed on the index; None when the index cannot be
+    read now (so a caller can tell a release that does not exist from a network that is down)."""
+    folder = sdists_dir() / release
+    if (folder / f"vllm-{release}.tar.gz.sha256").exists():
+        return True
+    try:
+        _index_entry(release)
+    except NotOnIndex:
+        return False
+    except SetupError:
+        return None
+    return True
+
+
 def _index_entry(release: str) -> tuple[str, str]:
     """(url, sha256) of ``vllm-<release>.tar.gz`` on the index."""
     request = urllib.request.Request(f"{INDEX_URL.rstrip('/')}/vllm/",
@@ -71,7 +90,7 @@ def _index_entry(release: str) -> tuple[str, str]:
     for entry in files:
         if entry.get("filename") == wanted and entry.get("hashes", {}).get("sha256"):
             return entry["url"], entry["hashes"]["sha256"]
-    raise SetupError(f"the package index {INDEX_URL} has no source distribution {wanted} with a sha256; "
+    raise NotOnIndex(f"the package index {INDEX_URL} has no source distribution {wanted} with a sha256; "
                      f"check that vLLM {release} exists (`pip index versions vllm`)")
 
 

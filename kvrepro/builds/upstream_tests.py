@@ -45,7 +45,7 @@ from ..records import (
 )
 from . import overlay, patching, upstream_copy, upstream_impact
 from .runtime import Runtime, ensure_layer
-from .sdist import SourceTests, publish_staged, source_tests
+from .sdist import SourceTests, on_index, publish_staged, source_tests
 
 # The scheduler, the KV-cache manager and the KV connectors: what kvrepro's builds patch.
 ROOTS = ("tests/v1/core", "tests/v1/kv_connector/unit")
@@ -75,6 +75,29 @@ def newer_releases(base: str) -> list[str]:
     """The supported releases after ``base`` (kvrepro/versions.py), oldest first."""
     releases = list(versions.SUPPORTED_RELEASES)
     return releases[releases.index(base) + 1:] if base in releases else []
+
+
+def check_later_releases(base: str, releases: Sequence[str]) -> None:
+    """``--later``: each a version newer than ``base`` whose sdist exists; raises BadInputError.
+
+    Checked before any test runs because the newer trees are read only at the end, for a test that
+    differs on a build: a typo found there used to end a run of minutes or hours with nothing recorded.
+    An index that cannot be reached now is not bad input; the tree is read when needed and a failure
+    then is written into the run (:class:`_LaterTests`)."""
+    from packaging.version import InvalidVersion, Version
+
+    for release in releases:
+        try:
+            newer = Version(release) > Version(base)
+        except InvalidVersion:
+            raise BadInputError(f"--later {release}: not a vLLM version; give a release newer than {base}, "
+                                f"e.g. --later {versions.newest()}") from None
+        if not newer:
+            raise BadInputError(f"--later {release}: not newer than the base {base}; give a later release, "
+                                f"e.g. --later {versions.newest()}")
+        if on_index(release) is False:
+            raise BadInputError(f"--later {release}: the package index lists no vLLM {release} sdist; "
+                                "`pip index versions vllm` lists the releases")
 
 
 def cache_dir() -> Path:
@@ -657,19 +680,40 @@ class _LaterTests:
     def __init__(self, releases: Sequence[str], on_line: Callable[[str], None] | None):
         self.releases = list(releases)
         self.on_line = on_line
+        self.unread: dict[str, str] = {}  # release -> why its tests/ could not be had (asked once)
+
+    def _tree(self, release: str) -> SourceTests | None:
+        if release in self.unread:
+            return None
+        try:
+            return source_tests(release)
+        except SetupError as exc:  # the index down, a bad download: the run's outcomes are still recorded
+            self.unread[release] = str(exc)
+            if self.on_line:
+                self.on_line(f"vLLM {release}'s tests/ not read: {exc}")
+            return None
 
     def first_change(self, base_tests: SourceTests, nodeid: str) -> str:
-        """What the first newer release that changed the test changed, or that none did."""
-        unchanged = []
+        """What the first newer release that changed the test changed, or that none did, and which
+        releases could not be read (the sentence says so rather than the run failing)."""
+        unchanged, found = [], ""
         for release in self.releases:
-            if self.on_line:
+            if self.on_line and release not in self.unread:
                 self.on_line(f"reading {nodeid.split('::')[-1]} in the vLLM {release} sdist")
-            diff = upstream_copy.later_change(base_tests.root, source_tests(release).root, nodeid)
+            later = self._tree(release)
+            if later is None:
+                continue
+            diff = upstream_copy.later_change(base_tests.root, later.root, nodeid)
             if diff:
-                return f"changed in vllm {release}: " + " | ".join(diff)
+                found = f"changed in vllm {release}: " + " | ".join(diff)
+                break
             if diff == []:
                 unchanged.append(release)
-        return f"unchanged in vllm {', '.join(unchanged)}" if unchanged else "not in the newer releases read"
+        if not found:
+            found = f"unchanged in vllm {', '.join(unchanged)}" if unchanged else "not in the newer releases read"
+        # an unread release before the first change means "first" is not known: the sentence says which
+        unread = [release for release in self.releases if release in self.unread]
+        return found + (f"; not read: vllm {', '.join(unread)} (sdist unavailable)" if unread else "")
 
 
 def _labelled(tree: TestTree, outcome: UpstreamTestOutcome) -> UpstreamTestOutcome:

@@ -173,9 +173,11 @@ def run_builds_test(loaded, builds: list[str] | None, only: list[str], later: li
     from ..results.store import checked_root
     from .terminal import emit_json, err, out
 
+    results_root = checked_root(results_root)  # before the run, not after minutes of pytest
     plans = loaded.plans(builds)
     patches = [loaded.patch_ref(name) for name in loaded.matrix.patches]
     releases = list(later) if later else upstream_tests.newer_releases(plans[0].base)
+    upstream_tests.check_later_releases(plans[0].base, later)
     command = "kvrepro builds test" + "".join(f" --build {b}" for b in builds or []) + "".join(
         f" --only {o}" for o in only) + (" --all" if run_all else "")
     target = target or ("ray" if loaded.matrix.target == "ray" else "local")
@@ -201,7 +203,7 @@ def run_builds_test(loaded, builds: list[str] | None, only: list[str], later: li
     finally:
         if runner is not upstream_tests.LOCAL:
             runner.close()  # type: ignore[attr-defined]
-    folder = write(run, checked_root(results_root))
+    folder = write(run, results_root)
     if as_json:
         emit_json(run)
     else:
