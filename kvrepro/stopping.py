@@ -14,6 +14,14 @@ nothing it started left running.
   the first signal only sets a stop event: running repetitions are recorded, engines stopped, the
   rest marked interrupted; a second one raises :class:`Interrupted` to stop at once.
 
+A raised :class:`Interrupted` can be lost: CPython runs a signal handler at the next bytecode
+boundary, and when that falls inside a weakref callback or a ``__del__`` (importlib's module-lock
+callback, mid-import, is one) the exception goes to ``sys.unraisablehook`` (by default a
+traceback on stderr) and the program goes on. So the handlers also record the signal
+(:func:`last_signal`), the hook drops such an exception without a traceback, and the record is
+what counts: :func:`stop_on_signals` raises at once when a stop came before it, and the program
+exits 130, not 0, when a command returns after one (``kvrepro.report.terminal.run_program``).
+
 Only this module is imported before the handlers are in place, so it imports nothing heavy.
 """
 
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -79,6 +88,14 @@ def install_default() -> None:
 
     for sig in SIGNALS:
         signal.signal(sig, handler)
+    default_hook = sys.unraisablehook
+
+    def unraisable(info) -> None:
+        if isinstance(info.exc_value, Interrupted):
+            return  # a lost stop: recorded above, acted on later (module docstring); not a traceback
+        default_hook(info)
+
+    sys.unraisablehook = unraisable
 
 
 def ignore() -> None:
@@ -117,6 +134,8 @@ def stop_on_signals(stop: threading.Event, on_first: Callable[[int], None] | Non
 
     previous = {sig: signal.signal(sig, handler) for sig in SIGNALS}
     try:
+        if _last["signum"] is not None:  # a stop came before and its Interrupted was lost (module docstring)
+            raise Interrupted(_last["signum"])
         yield
     finally:
         for sig, old in previous.items():

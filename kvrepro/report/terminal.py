@@ -162,7 +162,10 @@ def run_program(app: Any) -> None:
     stopping.install_default()  # SIGINT, SIGTERM, SIGHUP: one line, exit 130 (kvrepro/stopping.py)
     try:
         code = app(standalone_mode=False)  # usage errors come here, to be one line (_usage_error)
-        sys.exit(code if isinstance(code, int) else 0)
+        code = code if isinstance(code, int) else 0
+        if code == 0 and stopping.last_signal() is not None:  # a stop whose Interrupted was lost (stopping.py)
+            code = stopping.EXIT_CODE
+        sys.exit(code)
     except ClickException as exc:
         _usage_error(exc)
     except KvreproError as exc:
