@@ -163,7 +163,7 @@ def run_program(app: Any) -> None:
     try:
         code = app(standalone_mode=False)  # usage errors come here, to be one line (_usage_error)
         code = code if isinstance(code, int) else 0
-        if code == 0 and stopping.last_signal() is not None:  # a stop whose Interrupted was lost (stopping.py)
+        if stopping.last_signal() is not None:  # stopped, even where the Interrupted was lost (stopping.py)
             code = stopping.EXIT_CODE
         sys.exit(code)
     except ClickException as exc:
