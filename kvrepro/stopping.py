@@ -20,7 +20,9 @@ callback, mid-import, is one) the exception goes to ``sys.unraisablehook`` (by d
 traceback on stderr) and the program goes on. So the handlers also record the signal
 (:func:`last_signal`), the hook drops such an exception without a traceback, and the record is
 what counts: :func:`stop_on_signals` raises at once when a stop came before it, and the program
-exits 130 whatever code a command returns after one (``kvrepro.report.terminal.run_program``).
+exits 130 whatever code a command returns after one (``kvrepro.report.terminal.run_program``), or
+whatever error comes out of it (a library may turn the Interrupted into its own: pydantic-core,
+interrupted while it built a validator, raised a SchemaError).
 
 Only this module is imported before the handlers are in place, so it imports nothing heavy.
 """

@@ -161,7 +161,16 @@ def run_program(app: Any) -> None:
 
     stopping.install_default()  # SIGINT, SIGTERM, SIGHUP: one line, exit 130 (kvrepro/stopping.py)
     try:
-        code = app(standalone_mode=False)  # usage errors come here, to be one line (_usage_error)
+        try:
+            code = app(standalone_mode=False)  # usage errors come here, to be one line (_usage_error)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException:
+            # a stop signal's Interrupted raised inside a library's callback may come out as the
+            # library's own error (pydantic-core building a validator: SchemaError): stopped is stopped
+            if stopping.last_signal() is not None:
+                sys.exit(stopping.EXIT_CODE)
+            raise
         code = code if isinstance(code, int) else 0
         if stopping.last_signal() is not None:  # stopped, even where the Interrupted was lost (stopping.py)
             code = stopping.EXIT_CODE
