@@ -335,7 +335,10 @@ class SimTarget(Target):
                         str(zygote.folder / "zygote.log"), cancel=self._interrupted,
                         learned_path=str(zygote_lesson(runtime))).result()  # kvrepro#8
                 except RuntimeError as exc:
-                    self.on_line(f"engine zygote unavailable, starting engines directly: {exc}")
+                    if self._interrupted.is_set():  # stopping: no engine starts, directly or not
+                        self.on_line("engine zygote not started: stopping")
+                    else:
+                        self.on_line(f"engine zygote unavailable, starting engines directly: {exc}")
             return str(zygote.socket) if zygote.running() else None
 
     def shared_zygote_socket(self, base: str) -> str | None:
