@@ -1,0 +1,97 @@
+"""Random stop signals to kvrepro's long commands: each must end with exit 130, no traceback, and
+nothing of its session left running (docs/signals-and-cleanup.md).
+
+The tests send signals at a few chosen moments; this sends them at random ones, which is how the two
+lost-stop bugs of 2026-12-04 were found (a handler run inside importlib's weakref callback, and one
+inside pydantic-core's validator building). A run takes a few seconds a signal.
+
+    python scripts/signal_stress.py                       # 20 signals over every command, seed 1
+    python scripts/signal_stress.py --seed 7 --count 40 --commands matrix,suite --max-delay 1.2
+
+Exit 0 when every signal was handled by the rule, 1 otherwise (each bad case printed with its stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRIAGE_LOG = ROOT / "tests" / "data" / "triage" / "seed-0.26-dp4-offload-mtp.log"
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def commands(results: str) -> dict[str, list[str]]:
+    kvrepro = [sys.executable, "-m", "kvrepro.cli"]
+    return {
+        "matrix": [*kvrepro, "matrix", "run", "--reps", "1", "--build", "A", "--build", "E", "--results", results],
+        "suite": [*kvrepro, "suite", "run", "--base", "0.26.0", "--entry", "offload-boundary-assert", "--reps", "1",
+                  "--results", results],
+        "explore": [*kvrepro, "explore", "--base", "0.26.0", "--budget", "4", "--results", results],
+        "triage": [*kvrepro, "triage", str(TRIAGE_LOG), "--run", "--results", results],
+        "bisect": [*kvrepro, "bisect", "patches", "--results", results],
+    }
+
+
+def session_left(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--count", type=int, default=20)
+    parser.add_argument("--commands", default="matrix,suite,explore,triage,bisect")
+    parser.add_argument("--min-delay", type=float, default=0.05)
+    parser.add_argument("--max-delay", type=float, default=6.0)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    bad = 0
+    with tempfile.TemporaryDirectory(prefix="kvrepro-signal-stress-") as results:
+        table = commands(results)
+        names = args.commands.split(",")
+        unknown = [name for name in names if name not in table]
+        if unknown:
+            print(f"--commands: unknown {', '.join(unknown)}; known: {', '.join(table)}", file=sys.stderr)
+            return 2
+        for i in range(args.count):
+            name, sig = rng.choice(names), rng.choice(SIGNALS)
+            delay = rng.uniform(args.min_delay, args.max_delay)
+            proc = subprocess.Popen(table[name], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)
+            time.sleep(delay)
+            proc.send_signal(sig)
+            try:
+                _, err = proc.communicate(timeout=180)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                _, err = proc.communicate()
+                err += "\n(no exit within 180 s of the signal)"
+            time.sleep(1.0)  # what it stopped has a moment to go (the rule's bound is seconds)
+            left = session_left(proc.pid)
+            ok = proc.returncode == 130 and "Traceback" not in err and "Exception ignored" not in err and not left
+            last = err.strip().splitlines()[-1][:80] if err.strip() else ""
+            print(f"{i:3d} {name:8s} {sig.name:7s} at {delay:4.2f} s: exit {proc.returncode}, "
+                  f"{'processes left' if left else 'nothing left'}  {'ok' if ok else 'BAD'}  {last}", flush=True)
+            if not ok:
+                bad += 1
+                print("    " + err[-1500:].replace("\n", "\n    "), flush=True)
+                if left:
+                    os.killpg(proc.pid, signal.SIGKILL)
+    print(f"{args.count - bad} of {args.count} signals handled by the rule (seed {args.seed})")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
