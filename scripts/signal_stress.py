@@ -1,5 +1,6 @@
 """Random stop signals to kvrepro's long commands: each must end with exit 130, no traceback, and
-nothing of its session left running (docs/signals-and-cleanup.md).
+nothing of its session left running (docs/signals-and-cleanup.md). `load replay` and `minimize`
+work on a run of build A that the script records first.
 
 The tests send signals at a few chosen moments; this sends them at random ones, which is how the two
 lost-stop bugs of 2026-12-04 were found (a handler run inside importlib's weakref callback, and one
@@ -28,9 +29,19 @@ TRIAGE_LOG = ROOT / "tests" / "data" / "triage" / "seed-0.26-dp4-offload-mtp.log
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def commands(results: str) -> dict[str, list[str]]:
+def recorded_run(results: str) -> tuple[str, str]:
+    """A run of build A (it crashes) to replay and minimize: (its run id, its trace)."""
+    subprocess.run([sys.executable, "-m", "kvrepro.cli", "matrix", "run", "--reps", "1", "--build", "A",
+                    "--results", results], cwd=ROOT, capture_output=True, check=True)
+    (trace,) = Path(results).glob("*/A/0/trace.jsonl")
+    return trace.parents[2].name, str(trace)
+
+
+def commands(results: str, run_id: str, trace: str) -> dict[str, list[str]]:
     kvrepro = [sys.executable, "-m", "kvrepro.cli"]
     return {
+        "replay": [*kvrepro, "load", "replay", trace, "--build", "A", "--results", results],
+        "minimize": [*kvrepro, "minimize", run_id, "--build", "A", "--fixed", "E", "--results", results],
         "matrix": [*kvrepro, "matrix", "run", "--reps", "1", "--build", "A", "--build", "E", "--results", results],
         "suite": [*kvrepro, "suite", "run", "--base", "0.26.0", "--entry", "offload-boundary-assert", "--reps", "1",
                   "--results", results],
@@ -52,14 +63,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--count", type=int, default=20)
-    parser.add_argument("--commands", default="matrix,suite,explore,triage,bisect")
+    parser.add_argument("--commands", default="matrix,suite,explore,triage,bisect,replay,minimize")
     parser.add_argument("--min-delay", type=float, default=0.05)
     parser.add_argument("--max-delay", type=float, default=6.0)
     args = parser.parse_args()
     rng = random.Random(args.seed)
     bad = 0
     with tempfile.TemporaryDirectory(prefix="kvrepro-signal-stress-") as results:
-        table = commands(results)
+        table = commands(results, *recorded_run(results))
         names = args.commands.split(",")
         unknown = [name for name in names if name not in table]
         if unknown:
