@@ -233,7 +233,11 @@ def test_connection_refused_is_engine_death(engine, tmp_path):
                        alive=lambda: True, on_progress=progress)
     assert summary.stopped_because == "engine_dead"
     assert time.monotonic() - start < 5
-    assert any(r["status"] == "error" and "Connection" in r["error"] for r in lines(tmp_path / "r.jsonl"))
+    # a connection-level failure, not an answer: refused (a new connection) or, when a request was
+    # in flight on a kept connection as the server shut down, that connection closed (seen in CI)
+    errors = [r["error"] for r in lines(tmp_path / "r.jsonl") if r["status"] == "error"]
+    assert errors and all(e.startswith(("ClientConnectorError", "ConnectionRefusedError", "ServerDisconnectedError",
+                                        "ClientOSError", "ConnectionResetError")) for e in errors), errors
 
 
 def test_process_exit_is_seen_even_while_requests_hang(engine, tmp_path):
