@@ -78,6 +78,12 @@ def last_signal() -> int | None:
     return _last["signum"]
 
 
+def exit_code(code: int) -> int:
+    """The program's exit code for a command that ended with ``code``: :data:`EXIT_CODE` once a stop
+    signal came, even where its Interrupted was lost (module docstring)."""
+    return EXIT_CODE if _last["signum"] is not None else code
+
+
 def install_default() -> None:
     """Every signal raises :class:`Interrupted` in the main thread, with one line."""
 
@@ -158,5 +164,5 @@ def ignored() -> Iterator[None]:
             signal.signal(sig, old)
 
 
-__all__ = ["EXIT_CODE", "Interrupted", "SIGNALS", "deferred", "ignore", "ignored", "install_default", "last_signal",
-           "name", "quiet_until_ready", "stop_on_signals"]
+__all__ = ["EXIT_CODE", "Interrupted", "SIGNALS", "deferred", "exit_code", "ignore", "ignored", "install_default",
+           "last_signal", "name", "quiet_until_ready", "stop_on_signals"]

@@ -59,6 +59,28 @@ def session_left(pgid: int) -> bool:
     return True
 
 
+def one(argv: list[str], sig: signal.Signals, delay: float) -> tuple[int, str, bool]:
+    """Start ``argv`` in its own session, send ``sig`` after ``delay``: (exit code, stderr, whether
+    any process of its session is left). Its session is killed whatever happens here."""
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        time.sleep(delay)
+        proc.send_signal(sig)
+        try:
+            _, err = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate()
+            err += "\n(no exit within 180 s of the signal)"
+        time.sleep(1.0)  # what it stopped has a moment to go (the rule's bound is seconds)
+        return proc.returncode, err, session_left(proc.pid)
+    finally:  # this script stopped (Ctrl-C, SIGTERM) or a command left something: nothing stays
+        if session_left(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=1)
@@ -67,42 +89,35 @@ def main() -> int:
     parser.add_argument("--min-delay", type=float, default=0.05)
     parser.add_argument("--max-delay", type=float, default=6.0)
     args = parser.parse_args()
+    names = args.commands.split(",")
+    unknown = sorted(set(names) - set(commands("", "", "")))
+    if unknown:
+        parser.error(f"--commands: unknown {', '.join(unknown)}; known: {', '.join(commands('', '', ''))}")
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # stopped like Ctrl-C: the command under test is killed
+        signal.signal(sig, signal.default_int_handler)
     rng = random.Random(args.seed)
     bad = 0
     with tempfile.TemporaryDirectory(prefix="kvrepro-signal-stress-") as results:
-        table = commands(results, *recorded_run(results))
-        names = args.commands.split(",")
-        unknown = [name for name in names if name not in table]
-        if unknown:
-            print(f"--commands: unknown {', '.join(unknown)}; known: {', '.join(table)}", file=sys.stderr)
-            return 2
+        needs_run = {"replay", "minimize"} & set(names)
+        table = commands(results, *(recorded_run(results) if needs_run else ("", "")))
         for i in range(args.count):
             name, sig = rng.choice(names), rng.choice(SIGNALS)
             delay = rng.uniform(args.min_delay, args.max_delay)
-            proc = subprocess.Popen(table[name], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    start_new_session=True)
-            time.sleep(delay)
-            proc.send_signal(sig)
-            try:
-                _, err = proc.communicate(timeout=180)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                _, err = proc.communicate()
-                err += "\n(no exit within 180 s of the signal)"
-            time.sleep(1.0)  # what it stopped has a moment to go (the rule's bound is seconds)
-            left = session_left(proc.pid)
-            ok = proc.returncode == 130 and "Traceback" not in err and "Exception ignored" not in err and not left
+            code, err, left = one(table[name], sig, delay)
+            ok = code == 130 and "Traceback" not in err and "Exception ignored" not in err and not left
             last = err.strip().splitlines()[-1][:80] if err.strip() else ""
-            print(f"{i:3d} {name:8s} {sig.name:7s} at {delay:4.2f} s: exit {proc.returncode}, "
+            print(f"{i:3d} {name:8s} {sig.name:7s} at {delay:4.2f} s: exit {code}, "
                   f"{'processes left' if left else 'nothing left'}  {'ok' if ok else 'BAD'}  {last}", flush=True)
             if not ok:
                 bad += 1
                 print("    " + err[-1500:].replace("\n", "\n    "), flush=True)
-                if left:
-                    os.killpg(proc.pid, signal.SIGKILL)
     print(f"{args.count - bad} of {args.count} signals handled by the rule (seed {args.seed})")
     return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the command under test is killed already (one())
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -61,11 +61,17 @@ class NotOnIndex(SetupError):
     """The index answered and lists no sdist of the release (as against an index not reached)."""
 
 
+def _cached(release: str) -> tuple[Path, str] | None:
+    """(the cached sdist, its sha256) when a download of it finished, else None."""
+    final = sdists_dir() / release / f"vllm-{release}.tar.gz"
+    sidecar = final.with_name(final.name + ".sha256")
+    return (final, sidecar.read_text().strip()) if final.exists() and sidecar.exists() else None
+
+
 def on_index(release: str) -> bool | None:
     """Whether the release's sdist is cached or listed on the index; None when the index cannot be
     read now (so a caller can tell a release that does not exist from a network that is down)."""
-    folder = sdists_dir() / release
-    if (folder / f"vllm-{release}.tar.gz.sha256").exists():
+    if _cached(release) is not None:
         return True
     try:
         _index_entry(release)
@@ -96,11 +102,12 @@ def _index_entry(release: str) -> tuple[str, str]:
 
 def fetch_sdist(release: str) -> tuple[Path, str]:
     """(the cached ``vllm-<release>.tar.gz``, its sha256), downloaded and hash-checked on first use."""
+    cached = _cached(release)
+    if cached is not None:
+        return cached
     folder = sdists_dir() / release
     final = folder / f"vllm-{release}.tar.gz"
     sidecar = final.with_name(final.name + ".sha256")
-    if final.exists() and sidecar.exists():
-        return final, sidecar.read_text().strip()
     url, expected = _index_entry(release)
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=folder, prefix=".download-", delete=False) as tmp:

@@ -680,7 +680,7 @@ class _LaterTests:
     def __init__(self, releases: Sequence[str], on_line: Callable[[str], None] | None):
         self.releases = list(releases)
         self.on_line = on_line
-        self.unread: dict[str, str] = {}  # release -> why its tests/ could not be had (asked once)
+        self.unread: set[str] = set()  # releases whose tests/ could not be had (asked once)
 
     def _tree(self, release: str) -> SourceTests | None:
         if release in self.unread:
@@ -688,7 +688,7 @@ class _LaterTests:
         try:
             return source_tests(release)
         except SetupError as exc:  # the index down, a bad download: the run's outcomes are still recorded
-            self.unread[release] = str(exc)
+            self.unread.add(release)
             if self.on_line:
                 self.on_line(f"vLLM {release}'s tests/ not read: {exc}")
             return None

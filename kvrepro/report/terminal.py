@@ -163,18 +163,13 @@ def run_program(app: Any) -> None:
     try:
         try:
             code = app(standalone_mode=False)  # usage errors come here, to be one line (_usage_error)
-        except (SystemExit, KeyboardInterrupt):
-            raise
-        except BaseException:
+        except Exception:
             # a stop signal's Interrupted raised inside a library's callback may come out as the
             # library's own error (pydantic-core building a validator: SchemaError): stopped is stopped
-            if stopping.last_signal() is not None:
-                sys.exit(stopping.EXIT_CODE)
-            raise
-        code = code if isinstance(code, int) else 0
-        if stopping.last_signal() is not None:  # stopped, even where the Interrupted was lost (stopping.py)
+            if stopping.last_signal() is None:
+                raise
             code = stopping.EXIT_CODE
-        sys.exit(code)
+        sys.exit(stopping.exit_code(code if isinstance(code, int) else 0))
     except ClickException as exc:
         _usage_error(exc)
     except KvreproError as exc:
