@@ -49,6 +49,7 @@ CASES = {
     "apply-cow-0.26.0.log": ("apply-cow-mamba-deeper", "0.27.0", ("pr-48425",), "0.26.0"),
     "boundary-fix-0.26.0.log": ("boundary-fix-unaligned-hit", "0.30.0", None, "0.26.0"),
     # the catalogue grown from the tracker (issue 45 item 5): one composed log per member
+    "mamba-external-kv-0.22.1.log": ("mamba-align-external-hit-assert", "0.25.1", None, "0.25.1"),
     "sliding-window-0.25.1.log": ("sliding-window-unaligned-load-assert", "0.27.0", None, "0.25.1"),
     "simple-offload-dcp-0.29.0.log": ("simple-offload-dcp-hybrid-assert", "0.30.0", None, "0.29.0"),
     "tiering-final-store-0.26.0.log": ("tiering-final-store-keyerror", "0.27.0", ("pr-49671",), "0.26.0"),
