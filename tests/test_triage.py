@@ -53,6 +53,7 @@ CASES = {
     "sliding-window-0.25.1.log": ("sliding-window-unaligned-load-assert", "0.27.0", None, "0.25.1"),
     "simple-offload-dcp-0.29.0.log": ("simple-offload-dcp-hybrid-assert", "0.30.0", None, "0.29.0"),
     "tiering-final-store-0.26.0.log": ("tiering-final-store-keyerror", "0.27.0", ("pr-49671",), "0.26.0"),
+    "tiering-mtp-store-0.26.0.log": ("tiering-mtp-store-assert", "0.27.0", None, "0.26.0"),
     "no-connector-stall-0.22.1.log": ("no-connector-waiting-stall", None, None, "0.25.1"),
     "chunked-local-startup-0.26.0.log": ("chunked-local-offload-startup-assert", "0.28.0", None, "0.26.0"),
     "multiconnector-store-0.26.0.log": ("multiconnector-keys-lag-store-assert", "0.30.0", None, "0.26.0"),
