@@ -615,3 +615,13 @@ def test_the_apply_cow_face_with_an_offload_hit_is_the_same_signature_under_its_
     # the first face keeps its own title
     first = classify_file(LOGS / "apply-cow.log")
     assert first.title == "AssertionError in _apply_cow: block_idx < len(req_blocks)"
+
+
+def test_a_cut_statement_matches_a_pattern_naming_its_printed_line():
+    """Python prints only the first line of an assert whose message is wrapped (`assert x == 0, (`):
+    without the build's source the classifier marks the statement cut, and a pattern that names that
+    printed line as a fragment still knows the crash (a report's traceback, vllm#45407)."""
+    result = classify_file(LOGS / "simple-offload-group-alignment.log")
+    assert "statement cut" in result.signature.expression
+    assert match_pattern(result.signature).name == "simple_offload_group_alignment"
+    assert result.title == "AssertionError in update_state_after_alloc: num_external_tokens % g_block_size == 0"

@@ -218,6 +218,8 @@ TOUCHED = {
     "pr-50344.patch": [CONNECTOR_BASE, MULTI_CONNECTOR, NIXL_CONNECTOR, CORE_SCHEDULER],
     "decoy-docstring.patch": ["vllm/logger.py"],
     "pr-44409.patch": [COORDINATOR],
+    "pr-42554.patch": [CORE_SCHEDULER],
+    "pr-49671.patch": [SCHEDULER],
 }
 
 

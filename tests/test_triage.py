@@ -48,6 +48,15 @@ CASES = {
     "build-store-jobs-0.26.0.log": ("queued-abort-store-assert", "0.27.0", ("pr-49146",), "0.26.0"),
     "apply-cow-0.26.0.log": ("apply-cow-mamba-deeper", "0.27.0", ("pr-48425",), "0.26.0"),
     "boundary-fix-0.26.0.log": ("boundary-fix-unaligned-hit", "0.30.0", None, "0.26.0"),
+    # the catalogue grown from the tracker (issue 45 item 5): one composed log per member
+    "mamba-external-kv-0.22.1.log": ("mamba-align-external-hit-assert", "0.25.1", None, "0.25.1"),
+    "sliding-window-0.25.1.log": ("sliding-window-unaligned-load-assert", "0.27.0", None, "0.25.1"),
+    "simple-offload-dcp-0.29.0.log": ("simple-offload-dcp-hybrid-assert", "0.30.0", None, "0.29.0"),
+    "tiering-final-store-0.26.0.log": ("tiering-final-store-keyerror", "0.27.0", ("pr-49671",), "0.26.0"),
+    "tiering-mtp-store-0.26.0.log": ("tiering-mtp-store-assert", "0.27.0", None, "0.26.0"),
+    "no-connector-stall-0.22.1.log": ("no-connector-waiting-stall", None, None, "0.25.1"),
+    "chunked-local-startup-0.26.0.log": ("chunked-local-offload-startup-assert", "0.28.0", None, "0.26.0"),
+    "multiconnector-store-0.26.0.log": ("multiconnector-keys-lag-store-assert", "0.30.0", None, "0.26.0"),
 }
 
 
@@ -56,7 +65,10 @@ def test_names_the_right_entry_first_with_its_fix(name, catalogue):
     best, fixed, backport, base = CASES[name]
     found = triage_file(DATA / name, catalogue)
     assert found.best is not None and found.best.entry == best, [m.entry for m in found.matches]
-    assert found.best.fixed_in_releases[0] == fixed
+    if fixed is None:  # no merged upstream fix
+        assert found.best.fixed_in_releases == ()
+    else:
+        assert found.best.fixed_in_releases[0] == fixed
     if backport is not None:
         assert backport in found.best.backports
     assert found.base == base
@@ -135,7 +147,8 @@ def test_json_lists_matches_best_first_without_secrets():
     assert data["best"] == "offload-boundary-assert" and data["unknown"] is False
     assert [m["entry"] for m in data["matches"]][0] == "offload-boundary-assert"
     assert "https://github.com/vllm-project/vllm/pull/52807" in data["matches"][0]["upstream"]
-    assert data["minimal_clean_set"] == ["pr-48425", "pr-49146"]  # #49118 (queued aborts) is on 0.26.0 too
+    # #49118 (queued aborts) and #49635 (multi-tier final store) are on 0.26.0 too
+    assert data["minimal_clean_set"] == ["pr-48425", "pr-49146", "pr-49671"]
     assert not any(s in proc.stdout for s in SECRETS)
     plain = kvrepro("triage", str(SEED))
     assert max(len(line) for line in plain.stdout.splitlines()) <= 80, plain.stdout
@@ -149,13 +162,14 @@ def test_emit_writes_a_matrix_that_validates(tmp_path):
     assert not any(s in text for s in SECRETS)
     data = yaml.safe_load(text)
     assert data["base"] == "0.26.0" and data["common"] == []
-    assert data["builds"] == {"as-deployed": [], "upstream-fix": ["pr-52807"], "minimal-clean-set": ["pr-48425", "pr-49146"]}
+    assert data["builds"] == {"as-deployed": [], "upstream-fix": ["pr-52807"], "minimal-clean-set": ["pr-48425", "pr-49146", "pr-49671"]}
     assert data["engine"]["geometry"] == {"block_size": 2128, "offload_chunk_tokens": 2128, "mamba_groups": 3,
                                           "full_attention_groups": 1, "num_speculative_tokens": 1,
                                           "data_parallel_size": 4}
     assert data["expect"] == {"as-deployed": "CRASH(target)", "upstream-fix": "CORRUPT",
                               "minimal-clean-set": "SURVIVED|UNREACHED"}
-    assert sorted(p.name for p in (out / "builds").iterdir()) == ["pr-48425.patch", "pr-49146.patch", "pr-52807.patch"]
+    assert sorted(p.name for p in (out / "builds").iterdir()) == ["pr-48425.patch", "pr-49146.patch", "pr-49671.patch",
+                                                                  "pr-52807.patch"]
     valid = kvrepro("matrix", "validate", "-m", str(out / "matrix.yaml"), "--json")
     assert valid.returncode == 0, valid.stderr
     assert json.loads(valid.stdout)["builds"] == ["as-deployed", "upstream-fix", "minimal-clean-set"]
@@ -204,7 +218,7 @@ def test_bad_input_is_one_line_and_exit_2(name, says, tmp_path):
 
 def test_run_reproduces_the_seed_crash_and_the_clean_set_is_clean(tmp_path, runtime_python):
     """The seed's production configuration as a log, reproduced in one command: `as-deployed` dies on
-    the target assertion, the minimal clean set (pr-48425 + pr-49146 on 0.26.0) serves its requests clean.
+    the target assertion, the minimal clean set (pr-48425 + pr-49146 + pr-49671 on 0.26.0) serves its requests clean.
     One repetition per build (the emitted matrix's runs.repetitions)."""
     require(runtime_python.exists(), "the vLLM runtime env")
     out = tmp_path / "repro"

@@ -73,7 +73,7 @@ class Pattern:
             return None
         if not self._canon:
             return "any"
-        got = canonical(sig.expression)
+        got = canonical(_shown_part(sig.expression))
         if got == self._canon[0] or (got and got in self._other):
             return "full"
         if got and got in self._canon[1:]:
@@ -86,6 +86,16 @@ class Pattern:
             expression = sig.expression
         return self.title.format(exception=sig.exception, function=_short(sig.function), file=sig.file,
                                  line=sig.line, expression=expression)
+
+
+_CUT = " ... (statement cut;"
+
+
+def _shown_part(expression: str) -> str:
+    """What the traceback printed of a statement it cut (the classifier marks the cut, naming the
+    file and line): the printed first line is a fragment a pattern can name (`assert x == 0, (`, the
+    line Python prints of an assert whose message is wrapped onto the next lines)."""
+    return expression.split(_CUT, 1)[0] if _CUT in expression else expression
 
 
 def _short(function: str) -> str:

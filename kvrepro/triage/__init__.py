@@ -100,7 +100,12 @@ def triage_file(path: Path, catalogue: Catalogue, release: str | None = None) ->
 
 def _failure(path: Path, cls: Classification, tb: Traceback | None, stall: Stall | None,
              file_line: Callable[[int], int]) -> Failure:
-    if cls.outcome in (Outcome.TARGET, Outcome.OTHER_CRASH):
+    # an engine that failed to start is infra to a matrix (the build proves nothing), but one that
+    # died in vLLM's own code on a known signature (the offloading connector refusing a model's KV
+    # spec, vllm#51150) is the defect a production log reports
+    known_start_crash = (cls.outcome is Outcome.INFRA and cls.signature is not None
+                         and match_pattern(cls.signature) is not None)
+    if cls.outcome in (Outcome.TARGET, Outcome.OTHER_CRASH) or known_start_crash:
         if tb is not None and not tb.complete:
             raise BadInputError(f"{path}:{file_line(tb.first_line)}: the traceback there is cut off before its exception "
                                 "line; paste the whole traceback (through the 'SomeError: ...' line)")
