@@ -366,10 +366,10 @@ def test_secrets_never_reach_titles():
     assert "hf_abc" not in result.title and "hf_abc" not in repr(result.signature)
 
 
-def test_large_log_is_linear(tmp_path):
-    """Logs of long runs reach 100+ MB; noise lines must cost little (substring pre-check)."""
-    import time
-
+def test_a_large_log_with_an_absurd_line_still_gives_its_crash(tmp_path):
+    """Logs of long runs reach 100+ MB of access lines, and a line of megabytes: the crash after them
+    is found. How fast is benchmarks/triage_large_log.py's question (a timed assertion here failed
+    whenever the machine was loaded)."""
     path = tmp_path / "big.log"
     noise = '(APIServer pid=1) INFO:     172.17.0.1:40001 - "POST /v1/completions HTTP/1.1" 200 OK\n' * 1000
     with open(path, "w") as fh:
@@ -377,10 +377,8 @@ def test_large_log_is_linear(tmp_path):
             fh.write(noise)
         fh.write("(APIServer pid=1) " + "x" * 2_000_000 + "\n")  # one absurd line
         fh.write(read("serve-0.26-target.log"))
-    start = time.monotonic()
     result = classify_file(path)
     assert result.title == TARGET_TITLE
-    assert time.monotonic() - start < 10
 
 
 # --------------------------------------------------------------------------- line splitting

@@ -19,7 +19,7 @@ import pytest
 
 from kvrepro.loadgen import http, run_load
 from kvrepro.loadgen.runner import new_event_loop
-from kvrepro.spec.matrix import LoadSpec, RunsSpec
+from kvrepro.spec.matrix import LoadEventSpec, LoadSpec, RunsSpec
 
 LOAD = LoadSpec(profile="shared_prefix", concurrency=3, documents=2, document_tokens=30, min_prefix_tokens=1,
                 suffix_tokens=(0, 3), max_tokens=2, vocab_size=100)
@@ -117,10 +117,12 @@ class _Server:
     ``idle_close_s``: it closes a keep-alive connection idle that long (as uvicorn does after 5 s).
     ``drop_every``: the Nth request on a connection is read whole, then the connection is closed
     without an answer (a server closing a reused connection as the request goes out).
-    ``trace_path``: on each POST, the number of request lines in that trace file is noted."""
+    ``trace_path``: on each POST, the number of request lines in that trace file is noted.
+    ``drop_path``: a request for a path starting with it is read whole and never answered (the
+    connection closed), as an engine that dies with that request in flight."""
 
     def __init__(self, close_every: int = 0, trickle_s: float = 0.0, idle_close_s: float | None = None,
-                 drop_every: int = 0, trace_path=None):
+                 drop_every: int = 0, trace_path=None, drop_path: str | None = None):
         self.connections = 0
         self.requests = 0
         self.posts = 0  # POSTs received whole, answered or not
@@ -155,7 +157,7 @@ class _Server:
             def _answer(self, body: bytes = b""):
                 outer.requests += 1
                 self.served += 1
-                if drop_every and self.served % drop_every == 0:
+                if drop_path and self.path.startswith(drop_path) or drop_every and self.served % drop_every == 0:
                     outer.dropped += 1
                     self.close_connection = True  # no answer: the client sees the connection close
                     return
@@ -392,6 +394,22 @@ def test_a_run_sends_each_request_once_when_the_server_drops_answers(tmp_path):
         assert summary.requests_failed == server.dropped >= 3
         records = [json.loads(line) for line in (tmp_path / "l.jsonl").read_text().splitlines()]
         assert len(records) == 10 and sum(not r["ok"] for r in records) == summary.requests_failed
+    finally:
+        server.close()
+
+
+def test_a_prefix_cache_reset_the_engine_never_answers_is_a_line_of_the_record_not_a_traceback(tmp_path):
+    """A load event's POST /reset_prefix_cache in flight when the engine dies (here: the server reads
+    it and closes the connection unanswered) ends as a reset line with the error; the run goes on to
+    its budget instead of the worker's exception ending the whole command (a suite run died so)."""
+    server = _Server(drop_path="/reset_prefix_cache")
+    try:
+        load = LOAD.model_copy(update={"concurrency": 1, "events": [LoadEventSpec(at=2, reset_prefix_cache="local")]})
+        summary = run_load(server.url, load, _runs(requests=4), tmp_path / "l.jsonl", seed=0, alive=lambda: True)
+        assert summary.stopped_because == "budget" and summary.requests_sent == 4
+        lines = [json.loads(line) for line in (tmp_path / "l.jsonl").read_text().splitlines()]
+        (reset,) = [r for r in lines if r.get("event") == "reset_prefix_cache"]
+        assert reset["success"] is False and reset["status"] is None and reset["error"]
     finally:
         server.close()
 

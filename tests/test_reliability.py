@@ -1337,7 +1337,8 @@ def bomb_text(levels: int = 9, width: int = 9) -> str:
 
 
 def test_alias_bomb_refused_fast_with_bounded_memory(tmp_path):
-    """9 levels x 9 aliases (9^9 values): refused in well under a second, a few MB at most."""
+    """9 levels x 9 aliases (9^9 values): refused before expanding, a few MB at most (expanded, the
+    bomb takes hours and gigabytes: the 30 s bound tells the two apart on a loaded machine)."""
     import tracemalloc
 
     from kvrepro.errors import SpecError
@@ -1350,7 +1351,7 @@ def test_alias_bomb_refused_fast_with_bounded_memory(tmp_path):
     elapsed = time.monotonic() - started
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert elapsed < 1.0 and peak < 20 << 20, (elapsed, peak)
+    assert elapsed < 30 and peak < 20 << 20, (elapsed, peak)
     (tmp_path / "matrix.yaml").write_text(bomb_text())
     one_clear_line(kvrepro("matrix", "validate", "-m", str(tmp_path / "matrix.yaml"), timeout=60), 2,
                    f"{tmp_path / 'matrix.yaml'}:", "aliases here expand to more than 100,000 values")

@@ -412,9 +412,16 @@ class _Run:
         path = "/reset_prefix_cache" + ("?reset_external=true" if external else "")
         deadline = time.monotonic() + _RESET_PATIENCE_S
         attempts = 0
+        error: str | None = None
         while True:
             attempts += 1
-            resp = await self.client.post(path, b"", dict(self.auth))
+            try:
+                resp = await self.client.post(path, b"", dict(self.auth))
+            except http.HttpError as exc:
+                # the engine died (or stopped answering) with the reset in flight: a line of the
+                # record, like a request's failure; the requests around it tell the run's end
+                error = str(exc)[:_ERROR_CHARS]
+                break
             if resp.status == 404:
                 raise InfraError(f"POST {self.base_url}/reset_prefix_cache: 404; vLLM serves it only with "
                                  "VLLM_SERVER_DEV_MODE=1 in the engine's environment (the GPU-free engine has it)")
@@ -426,7 +433,8 @@ class _Run:
                 break
             await asyncio.sleep(_TICK_S)
         line = {"event": "reset_prefix_cache", "before_index": index, "external": external,
-                "status": resp.status, "success": success, "attempts": attempts, "at": round(time.time(), 6)}
+                "status": None if error else resp.status, "success": False if error else success,
+                "attempts": attempts, "at": round(time.time(), 6), **({"error": error} if error else {})}
         self.out.write(json.dumps(line) + "\n")
         self.out.flush()
 
