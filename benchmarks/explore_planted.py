@@ -76,6 +76,8 @@ class PlantedBug:
     # planted line ran, for a change with no probe within the target margin (a straight-line
     # statement far below its block's branch): the target arcs alone would say "never reached"
     reach: tuple[str, ...] = ()
+    # issue 48's leak-style bugs: leak | double-free | stranded (None: the earlier planted bugs)
+    family: str | None = None
 
 
 def load_planted(folder: Path = PLANTED) -> list[PlantedBug]:

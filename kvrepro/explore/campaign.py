@@ -199,7 +199,8 @@ def _draft_entry(judged: JudgedRecord, loaded: LoadedMatrix, request: CampaignRe
     fragment["runs"] = {"requests": request.requests, "repetitions": 1}
     entry = {
         "name": _slug(judged.key)[:63],
-        "kind": judged.kind if judged.kind != "invariant" else "crash",
+        # an engine invariant has a catalogue kind of its own; the load's request invariant has none
+        "kind": judged.kind if judged.kind != "invariant" else ("invariant" if judged.signature else "crash"),
         "title": f"DRAFT: {judged.title}",
         "signature": judged.signature or "TODO: a signature name from `kvrepro signatures` (add one under "
                                          "kvrepro/classify/signatures/ first)",
