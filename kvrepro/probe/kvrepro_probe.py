@@ -536,7 +536,7 @@ def _check_block_pool(scheduler) -> list:
                         f"{','.join(f'{g}:{n}' for g, n in sorted(by_group.items()))}); free {queue.num_free_blocks}"))
         in_queue = set(ids)
         lost = [b for b in pool.blocks if not b.is_null and b.ref_cnt == 0 and b.block_id not in in_queue]
-        wrong = [b for b in walked if b.is_null or b.ref_cnt != 0]
+        wrong = [b for b in walked if b.is_null or b.ref_cnt > 0]  # a negative one is a double free's
         if lost or wrong or queue.num_free_blocks != len(walked):
             out.append(("free-queue",
                         f"free count {queue.num_free_blocks}, {len(walked)} blocks in the free queue; "
