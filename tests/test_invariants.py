@@ -129,3 +129,15 @@ def test_explore_judges_each_broken_invariant_by_its_name():
     assert [(f.kind, f.key, f.signature) for f in failures] == [
         (INVARIANT, "invariant:block-leak", "block-leak"), (INVARIANT, "invariant:request-stranded", "request-stranded")]
     assert failures[0].title.startswith("INVARIANT block-leak at 1 of 5 quiescent point(s): 54 of 95 blocks")
+
+
+def test_a_wrong_cached_block_the_shadow_kv_caught_being_read_is_that_corruption_not_a_second_failure():
+    from kvrepro.explore.judge import engine_invariant_failures
+    from kvrepro.records import Outcome, RunResult, Verdict
+
+    fields = dict(build="b", rep=0, outcome=Outcome.NONE, title="", trigger_count=0, external_hit_calls=0,
+                  requests=8, seconds=1.0, invariant_checks=8, invariants_broken={"prefix-cache-content": 3})
+    read = RunResult(verdict=Verdict.CORRUPT, kv_violations=2, **fields)
+    unread = RunResult(verdict=Verdict.UNREACHED, **fields)
+    assert engine_invariant_failures(read) == []
+    assert [f.key for f in engine_invariant_failures(unread)] == ["invariant:prefix-cache-content"]

@@ -43,6 +43,10 @@ INVARIANTS: dict[str, Invariant] = {i.name: i for i in (
     Invariant("prefix-cache-hash", "a prefix-cache entry names a block that no longer carries its hash",
               "BlockPool.cached_block_hash_to_block maps a hash to a block whose own hash differs: a lookup "
               "would hand out another prefix's KV"),
+    Invariant("prefix-cache-content", "a prefix-cache entry's block holds other KV than its hash names",
+              "a block vLLM cached (BlockPool.cache_full_blocks) for a request's first n tokens does not hold, "
+              "by the GPU-free engine's shadow KV, the attention KV or Mamba state of those tokens: the next "
+              "prefix hit on it reads wrong KV (checked where the shadow KV runs)"),
     Invariant("request-stranded", "a finished request still held by the scheduler or the KV-cache manager",
               "a queue, reservation (e.g. Scheduler._inflight_prefills) or per-request map (a group's "
               "req_to_blocks) still refers to a request after it ended"),
@@ -52,6 +56,10 @@ INVARIANTS: dict[str, Invariant] = {i.name: i for i in (
     Invariant("offload-pinned", "offloaded chunks pinned by a load or half-written, with no transfer in flight",
               "the offloading manager holds chunks with a reference (a load never completed) or not ready (a "
               "store never completed): they can never be evicted or loaded"),
+    Invariant("never-at-rest", "vLLM keeps stepping with no request to run",
+              "has_requests() stayed true for 1,000 steps after every request ended (a finished request never "
+              "released from Scheduler.requests, a connector job never reported): the engine spins and never "
+              "comes to rest, so the checks above cannot run"),
     Invariant("probe-error", "an invariant could not be checked on this release",
               "the probe met a layout it does not know (another vLLM release): the check says nothing; a bug "
               "in kvrepro's probe, not in vLLM"),

@@ -199,9 +199,11 @@ def _after_fork_in_child() -> None:
             _diverged.clear()
             _state["last_reported"] = None
         with _inv_lock:
-            _invariants.update(checks=0, busy=False, last_reported=None)
+            _invariants.update(checks=0, busy=False, last_reported=None, idle_steps=0)
             _broken.clear()
             _seen_requests.clear()
+            _cached_expect.clear()
+            _prefixes.clear()
         _start_reporter()
 
 
@@ -428,9 +430,13 @@ def _wrap_manager_steps() -> None:
 # (kvrepro/classify/invariants.py says what each means); INVARIANT_CHECKS below is the table.
 
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
+INVARIANTS_ENV = "KVREPRO_PROBE_INVARIANTS"  # "0": not checked (the cost benchmark's other engine)
 INVARIANT_DESCRIBED = 3
+# steps vLLM may go on stepping with nothing running or waiting before "never-at-rest": a store or a
+# load in flight ends within a few steps (engine.sim.load_steps, an injected latency's tail)
+NEVER_AT_REST_STEPS = 1000
 _inv_lock = threading.Lock()
-_invariants = {"checks": 0, "busy": False, "installed": False, "last_reported": None}
+_invariants = {"checks": 0, "busy": False, "installed": False, "last_reported": None, "idle_steps": 0}
 _broken: dict = {}  # invariant name -> quiescent checks it failed
 _seen_requests: set = set()  # ids the scheduler was given (add_request): what "a request" is below
 # attributes that refer to a finished request by design, not as a leftover: none known yet; a false
@@ -613,18 +619,135 @@ def _check_offload(scheduler) -> list:
     return out
 
 
+# -- the prefix cache against what the blocks hold (the GPU-free engine's shadow KV) ------------------
+#
+# When vLLM caches a full block (BlockPool.cache_full_blocks) the block's hash names the first n tokens
+# of the request that caches it; the shadow KV (kvrepro/engine/shadow.py, the sim engine only) knows
+# what the block holds by the same token prefix's identity. At rest, every block still cached must hold
+# exactly that: attention KV whose last slot was computed from those n tokens, or the Mamba state after
+# them. The identity is the shadow KV's own (its _extend over the tokens): nothing of vLLM's hashing is
+# re-done. Without a shadow KV (a GPU, a Docker image without it) this check says nothing.
+
+POOL_MODULE = "vllm.v1.core.block_pool"
+SHADOW_MODULE = "kvrepro.engine.shadow"
+_cached_expect: dict = {}  # block id -> (group, request id, tokens its hash covers, shadow identity)
+_prefixes: dict = {}  # request id -> the shadow identities of its token prefixes, grown on demand
+
+
+def _shadow():
+    module = sys.modules.get(SHADOW_MODULE)
+    return getattr(getattr(module, "ShadowKV", None), "current", None), module
+
+
+def _identity(module, request, n: int):
+    hashes = _prefixes.setdefault(request.request_id, [module._ROOT_HASH])
+    tokens = request.all_token_ids
+    while len(hashes) <= n and len(hashes) <= len(tokens):
+        hashes.append(module._extend(hashes[-1], tokens[len(hashes) - 1]))
+    return hashes[n] if n < len(hashes) else None
+
+
+def _note_cached(request, blocks, num_cached_blocks: int, num_full_blocks: int, block_size: int, group: int) -> None:
+    shadow, module = _shadow()
+    if shadow is None:
+        return
+    for i in range(num_cached_blocks, min(num_full_blocks, len(blocks))):
+        block = blocks[i]
+        if block.is_null or block.block_hash is None:
+            continue
+        n = (i + 1) * block_size
+        identity = _identity(module, request, n)
+        if identity is not None:
+            _cached_expect[block.block_id] = (group, request.request_id, n, identity)
+
+
+def _check_prefix_content(scheduler) -> list:
+    shadow, _ = _shadow()
+    if shadow is None or not _cached_expect:
+        return []
+    pools = _pools(scheduler)
+    wrong = []
+    for block_id, (group, rid, n, identity) in list(_cached_expect.items()):
+        block = next((p.blocks[block_id] for p in pools if block_id < len(p.blocks)), None)
+        if block is None or block.block_hash is None:
+            del _cached_expect[block_id]  # evicted since: no longer a prefix-cache entry
+            continue
+        kind = shadow.groups[group].kind if group < len(shadow.groups) else "other"
+        content = shadow.gpu.get(block_id)
+        if kind in ("full_attention", "sliding_window"):
+            ok = (content is not None and content.group == group and bool(content.slots)
+                  and content.slots[-1] == identity)
+        elif kind == "mamba":
+            ok = content is not None and content.group == group and identity in (content.states or ())
+        else:
+            continue
+        if not ok:
+            wrong.append((block_id, group, rid, n, content.source if content is not None and content.source
+                          else "nothing (never written)"))
+    _prefixes.clear()  # at rest: every request that cached a block has ended
+    if not wrong:
+        return []
+    b, g, rid, n, held = wrong[0]
+    return [("prefix-cache-content",
+             f"{len(wrong)} block(s) in the prefix cache hold other KV than the prefix their hash names (block {b}, "
+             f"group {g} ({shadow.groups[g].kind}), cached for the first {n} tokens of request {rid}, holds: {held})")]
+
+
+def _wrap_pool() -> None:
+    """Wrap BlockPool.cache_full_blocks: which prefix each newly cached block's hash names."""
+    cls = getattr(sys.modules.get(POOL_MODULE), "BlockPool", None)
+    original = getattr(cls, "__dict__", {}).get("cache_full_blocks")
+    if original is None or getattr(original, "__kvrepro_probe__", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def cache_full_blocks(*args, **kwargs):
+        result = original(*args, **kwargs)
+        try:
+            a = signature.bind(*args, **kwargs).arguments
+            _note_cached(a["request"], a["blocks"], a["num_cached_blocks"], a["num_full_blocks"], a["block_size"],
+                         a["kv_cache_group_id"])
+        except Exception:
+            pass  # the probe must never take its host down; this check then says nothing
+        return result
+
+    cache_full_blocks.__kvrepro_probe__ = True
+    setattr(cls, "cache_full_blocks", cache_full_blocks)
+
+
 # the checks, in order; each returns [(invariant name, words)]
-INVARIANT_CHECKS = (_check_block_pool, _check_requests, _check_offload)
+INVARIANT_CHECKS = (_check_block_pool, _check_requests, _check_offload, _check_prefix_content)
 
 
-def check_invariants(scheduler) -> list:
-    """Run every check on ``scheduler`` at rest; log and count what broke. Returns [(name, words)]."""
+def _why_busy(scheduler) -> str:
+    """What keeps vLLM stepping with no request running or waiting (has_requests()'s other terms)."""
+    held = [f"{rid} ({getattr(getattr(r, 'status', None), 'name', '?')})"
+            for rid, r in list(getattr(scheduler, "requests", {}).items())[:3]]
+    cs = getattr(getattr(scheduler, "connector", None), "connector_scheduler", None)
+    jobs = getattr(cs, "_jobs", None) or {}
+    return (f"vLLM's has_requests() stayed true for {NEVER_AT_REST_STEPS} steps with no request running or "
+            f"waiting: {len(getattr(scheduler, 'requests', {}))} request(s) still in Scheduler.requests "
+            f"{', '.join(held) or ''}; {len(getattr(scheduler, 'finished_req_ids', ()) or ())} finished id(s) "
+            f"pending; {len(jobs)} connector job(s) in flight (of requests "
+            f"{', '.join(sorted({str(getattr(j, 'req_id', '?')) for j in list(jobs.values())[:3]}))})")
+
+
+def check_invariants(scheduler, found=None) -> list:
+    """Run every check on ``scheduler`` at rest (or record ``found``, already decided); log and count
+    what broke. Returns [(name, words)]."""
+    if found is not None:
+        return _record(list(found))
     found = []
     for check in INVARIANT_CHECKS:
         try:
             found.extend(check(scheduler))
         except Exception as exc:  # an unknown layout (another release): that check says nothing
             found.append(("probe-error", f"{check.__name__}: {type(exc).__name__}: {exc}"))
+    return _record(found)
+
+
+def _record(found: list) -> list:
     with _inv_lock:
         _invariants["checks"] += 1
         n = _invariants["checks"]
@@ -655,6 +778,8 @@ def _wrap_scheduler() -> None:
     """Wrap Scheduler.add_request (the ids it is given) and update_from_output (after each step:
     at rest now, and busy since the last check? then check). The scheduler module is imported
     before any connector (it creates it); a release without these loses only the invariants."""
+    if os.environ.get(INVARIANTS_ENV, "1").strip().lower() in ("0", "off", "no", "false"):
+        return  # benchmarks/invariants_overhead.py measures the engine without them
     cls = getattr(sys.modules.get(SCHEDULER_MODULE), "Scheduler", None)
     add = getattr(cls, "__dict__", {}).get("add_request")
     step_end = getattr(cls, "__dict__", {}).get("update_from_output")
@@ -675,13 +800,26 @@ def _wrap_scheduler() -> None:
     def update_from_output(self, *args, **kwargs):
         result = step_end(self, *args, **kwargs)
         try:
-            if _invariants["busy"] and not self.has_requests():
-                _invariants["busy"] = False
-                check_invariants(self)
+            if not self.has_requests():
+                _invariants["idle_steps"] = 0
+                if _invariants["busy"]:
+                    _invariants["busy"] = False
+                    check_invariants(self)
+            elif self.has_unfinished_requests():
+                _invariants["idle_steps"] = 0
+                if len(_prefixes) > 64:  # a load that never rests: forget the prefixes of ended requests
+                    for rid in [r for r in _prefixes if r not in self.requests]:
+                        del _prefixes[rid]
+            else:
+                # nothing running or waiting, yet vLLM goes on stepping: something it waits for
+                _invariants["idle_steps"] = _invariants.get("idle_steps", 0) + 1
+                if _invariants["idle_steps"] == NEVER_AT_REST_STEPS:
+                    check_invariants(self, [("never-at-rest", _why_busy(self))])
         except Exception:
             pass  # the probe must never take its host down
         return result
 
+    _wrap_pool()  # imported by the scheduler module (through the KV-cache manager) before its class
     add_request.__kvrepro_probe__ = True
     update_from_output.__kvrepro_probe__ = True
     setattr(cls, "add_request", add_request)
