@@ -524,14 +524,26 @@ def _check_block_pool(scheduler) -> list:
         queue = pool.free_block_queue
         walked = queue.get_all_free_blocks()
         ids = [b.block_id for b in walked]
-        twice = sorted({i for i in ids if ids.count(i) > 1})
-        negative = [b for b in pool.blocks if not b.is_null and b.ref_cnt < 0]
+        in_queue = set(ids)
+        twice = []
+        if len(in_queue) != len(ids):
+            seen: set = set()
+            twice = sorted({i for i in ids if i in seen or seen.add(i)})
+        negative, held, lost = [], [], []
+        for b in pool.blocks:
+            if b.is_null:
+                continue
+            if b.ref_cnt < 0:
+                negative.append(b)
+            elif b.ref_cnt > 0:
+                held.append(b)
+            elif b.block_id not in in_queue:
+                lost.append(b)
         if twice or negative:
             out.append(("block-double-free",
                         f"{len(negative)} block(s) with a negative reference count ({_ids(negative)}), "
                         f"{len(twice)} listed twice in the free queue ({','.join(map(str, twice[:8]))}): freed "
                         f"more often than allocated"))
-        held = [b for b in pool.blocks if not b.is_null and b.ref_cnt > 0]
         if held:
             by_group: dict = {}
             for b in held:
@@ -540,8 +552,6 @@ def _check_block_pool(scheduler) -> list:
                         f"{len(held)} of {pool.num_gpu_blocks - 1} blocks still referenced with no request in the "
                         f"engine (blocks {_ids(held)}; by KV group of their hash: "
                         f"{','.join(f'{g}:{n}' for g, n in sorted(by_group.items()))}); free {queue.num_free_blocks}"))
-        in_queue = set(ids)
-        lost = [b for b in pool.blocks if not b.is_null and b.ref_cnt == 0 and b.block_id not in in_queue]
         wrong = [b for b in walked if b.is_null or b.ref_cnt > 0]  # a negative one is a double free's
         if lost or wrong or queue.num_free_blocks != len(walked):
             out.append(("free-queue",
@@ -630,7 +640,7 @@ def _check_offload(scheduler) -> list:
 
 POOL_MODULE = "vllm.v1.core.block_pool"
 SHADOW_MODULE = "kvrepro.engine.shadow"
-_cached_expect: dict = {}  # block id -> (group, request id, tokens its hash covers, shadow identity)
+_cached_expect: dict = {}  # block id -> (group, request id, tokens its hash covers, shadow identity, the hash)
 _prefixes: dict = {}  # request id -> the shadow identities of its token prefixes, grown on demand
 
 
@@ -658,7 +668,7 @@ def _note_cached(request, blocks, num_cached_blocks: int, num_full_blocks: int, 
         n = (i + 1) * block_size
         identity = _identity(module, request, n)
         if identity is not None:
-            _cached_expect[block.block_id] = (group, request.request_id, n, identity)
+            _cached_expect[block.block_id] = (group, request.request_id, n, identity, block.block_hash)
 
 
 def _check_prefix_content(scheduler) -> list:
@@ -667,10 +677,12 @@ def _check_prefix_content(scheduler) -> list:
         return []
     pools = _pools(scheduler)
     wrong = []
-    for block_id, (group, rid, n, identity) in list(_cached_expect.items()):
+    for block_id, (group, rid, n, identity, key) in list(_cached_expect.items()):
         block = next((p.blocks[block_id] for p in pools if block_id < len(p.blocks)), None)
-        if block is None or block.block_hash is None:
-            del _cached_expect[block_id]  # evicted since: no longer a prefix-cache entry
+        if block is None or block.block_hash != key:
+            # evicted since, or carrying another entry now (a copy-on-write moves a block's hashes to
+            # the copy: BlockPool.move_block_hashes): not the entry this expectation is about
+            del _cached_expect[block_id]
             continue
         kind = shadow.groups[group].kind if group < len(shadow.groups) else "other"
         content = shadow.gpu.get(block_id)
