@@ -23,11 +23,10 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from arcs_overhead import _cpu_seconds, _matrix, _record_trace  # noqa: E402
+from arcs_overhead import _matrix, _record_trace, replay_pairs  # noqa: E402
 
 ENV = "KVREPRO_PROBE_INVARIANTS"
 
@@ -42,34 +41,12 @@ def main() -> int:
 
     from kvrepro.loadgen.trace import read_trace
     from kvrepro.matrix import load_matrix
-    from kvrepro.minimize.shrink import OfflineEngine
 
     with tempfile.TemporaryDirectory(prefix="kvrepro-invariants-") as tmp:
         folder = Path(tmp)
         matrix = _matrix(args.base, folder, args.requests)
         trace = read_trace(args.trace or _record_trace(matrix, folder))
-        loaded = load_matrix(matrix)
-        engines = {}
-        for on in ("1", "0"):
-            os.environ[ENV] = on  # the offline engine's environment is kvrepro's
-            engines[on] = OfflineEngine(loaded, "X", 0)
-        os.environ.pop(ENV, None)
-        cpu: dict[str, list[float]] = {"1": [], "0": []}
-        wall: dict[str, list[float]] = {"1": [], "0": []}
-        done: dict[str, list[int]] = {"1": [], "0": []}
-        try:
-            for _ in range(args.pairs):
-                for on, engine in engines.items():
-                    before, started = _cpu_seconds(engine.proc.pid), time.monotonic()
-                    result = engine.run(trace.requests)
-                    wall[on].append(time.monotonic() - started)
-                    cpu[on].append(_cpu_seconds(engine.proc.pid) - before)
-                    done[on].append(result.requests_done)
-        finally:
-            for engine in engines.values():
-                engine.close()
-    if done["1"] != done["0"]:  # the checks must not change what the engine does
-        raise SystemExit(f"requests done differ: invariants on {done['1']}, off {done['0']}")
+        cpu, wall = replay_pairs(load_matrix(matrix), trace, ENV, {"1": "1", "0": "0"}, args.pairs)
     on_cpu, off_cpu = statistics.median(cpu["1"]), statistics.median(cpu["0"])
     on_wall, off_wall = statistics.median(wall["1"]), statistics.median(wall["0"])
     load = os.getloadavg()[0]
