@@ -26,7 +26,10 @@ of any kind, and the first run that executed a branch in the patched lines ("rea
 campaign's branch probes, kvrepro/engine/branches.py; "never" says the planted code did not run,
 which tells "not reached" from "reached and harmless"). A bug not found counts as
 budget + 1 runs (a lower bound, shown '>N'). The ratio is unguided (or generic) runs-to-find over
-guided's, per bug and on the median. Each outcome is also printed on stderr as soon as it is known
+guided's, per bug and on the median. Per bug and oracle (crash, shadow-kv, stall, request-invariant,
+and each engine invariant at quiescent points by its name, kvrepro/classify/invariants.py): the first
+run that executed the planted lines and failed that oracle, so the table says which oracle sees
+which bug (issue 48's leaks, double frees and stranded reservations: `--family`). Each outcome is also printed on stderr as soon as it is known
 (`  outcome {...}`), so a benchmark cut short keeps what it measured.
 
 Done-when (issue 28): >= 80% found within 30 minutes each on 2 cores, guided >= 2x faster than
