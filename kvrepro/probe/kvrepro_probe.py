@@ -520,6 +520,10 @@ def _check_block_pool(scheduler) -> list:
     """Per pool: the free queue holds exactly the blocks with no reference, each once, and its count
     says so; at rest no block is referenced (free + cached = the pool less its null block)."""
     out = []
+    # blocks a finished request returns once the steps still writing them are processed (async
+    # scheduling with a KV connector: Scheduler.deferred_frees, drained by update_from_output): held
+    # by vLLM on purpose until the next step with tokens, not leaked
+    deferred = {id(b) for _, blocks in list(getattr(scheduler, "deferred_frees", ()) or ()) for b in blocks}
     for pool in _pools(scheduler):
         queue = pool.free_block_queue
         walked = queue.get_all_free_blocks()
@@ -535,7 +539,7 @@ def _check_block_pool(scheduler) -> list:
                 continue
             if b.ref_cnt < 0:
                 negative.append(b)
-            elif b.ref_cnt > 0:
+            elif b.ref_cnt > 0 and id(b) not in deferred:
                 held.append(b)
             elif b.block_id not in in_queue:
                 lost.append(b)
