@@ -70,6 +70,22 @@ sched._inflight_prefills.clear()
 cs._jobs[7] = NS(req_id="r2", is_store=True)
 cs.manager._policy.chunks["k"] = NS(ref_cnt=1, is_ready=True)
 check("offload left")
+cs._jobs.clear()
+cs.manager._policy.chunks.clear()
+# after each step: busy since the last check and at rest -> checked once; stepping with nothing to run
+# (a finished request vLLM never lets go of) -> never-at-rest after NEVER_AT_REST_STEPS steps, once
+sched.has_requests = lambda: False
+sched.has_unfinished_requests = lambda: False
+p._invariants["busy"] = True
+before = p._invariants["checks"]
+p.after_step(sched)
+p.after_step(sched)
+steps["after a step at rest"] = p._invariants["checks"] - before
+sched.has_requests = lambda: True
+sched.requests = {"r2": NS(status=NS(name="FINISHED_STOPPED"))}
+for _ in range(p.NEVER_AT_REST_STEPS + 5):
+    p.after_step(sched)
+steps["stepping with nothing to run"] = p._broken.get("never-at-rest", 0)
 p.report_invariants(force=True)
 print("RESULTS " + json.dumps(steps))
 """
@@ -99,12 +115,16 @@ def test_each_check_names_what_is_not_at_rest_on_vllms_block_pool(tree, tmp_path
         "freed twice": ["block-double-free"],
         "reservation left": ["request-stranded"],
         "offload left": ["offload-pinned", "offload-stranded"],
+        "after a step at rest": 1,
+        "stepping with nothing to run": 1,
     }
+    assert "never-at-rest check=9 vLLM's has_requests() stayed true for 1000 steps" in proc.stderr
+    assert "1 request(s) still in Scheduler.requests r2 (FINISHED_STOPPED)" in proc.stderr
     # what the probe logged reads back as the run's record, and as explore's failures
     exposure = read_exposure(proc.stderr)
-    assert exposure.invariant_checks == 7
+    assert exposure.invariant_checks == 9
     assert exposure.invariants_broken == {"block-leak": 2, "request-stranded": 2, "block-double-free": 1,
-                                          "offload-pinned": 1, "offload-stranded": 1}
+                                          "offload-pinned": 1, "offload-stranded": 1, "never-at-rest": 1}
     assert exposure.first_broken.startswith("block-leak: 2 of 7 blocks still referenced")
 
 

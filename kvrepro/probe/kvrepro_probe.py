@@ -790,6 +790,26 @@ def report_invariants(force: bool = False) -> None:
     _write(f"kvrepro-probe: invariants checks={snapshot[0]} broken={snapshot[1] or '-'} pid={os.getpid()}")
 
 
+def after_step(scheduler) -> None:
+    """What the wrapped update_from_output does after each step: at rest (and busy since the last
+    check) check everything; with nothing to run but vLLM still stepping, count the steps."""
+    if not scheduler.has_requests():
+        _invariants["idle_steps"] = 0
+        if _invariants["busy"]:
+            _invariants["busy"] = False
+            check_invariants(scheduler)
+    elif scheduler.has_unfinished_requests():
+        _invariants["idle_steps"] = 0
+        if len(_prefixes) > 64:  # a load that never rests: forget the prefixes of ended requests
+            for rid in [r for r in _prefixes if r not in scheduler.requests]:
+                del _prefixes[rid]
+    else:
+        # nothing running or waiting, yet vLLM goes on stepping: something it waits for
+        _invariants["idle_steps"] = _invariants.get("idle_steps", 0) + 1
+        if _invariants["idle_steps"] == NEVER_AT_REST_STEPS:
+            check_invariants(scheduler, [("never-at-rest", _why_busy(scheduler))])
+
+
 def _wrap_scheduler() -> None:
     """Wrap Scheduler.add_request (the ids it is given) and update_from_output (after each step:
     at rest now, and busy since the last check? then check). The scheduler module is imported
@@ -816,21 +836,7 @@ def _wrap_scheduler() -> None:
     def update_from_output(self, *args, **kwargs):
         result = step_end(self, *args, **kwargs)
         try:
-            if not self.has_requests():
-                _invariants["idle_steps"] = 0
-                if _invariants["busy"]:
-                    _invariants["busy"] = False
-                    check_invariants(self)
-            elif self.has_unfinished_requests():
-                _invariants["idle_steps"] = 0
-                if len(_prefixes) > 64:  # a load that never rests: forget the prefixes of ended requests
-                    for rid in [r for r in _prefixes if r not in self.requests]:
-                        del _prefixes[rid]
-            else:
-                # nothing running or waiting, yet vLLM goes on stepping: something it waits for
-                _invariants["idle_steps"] = _invariants.get("idle_steps", 0) + 1
-                if _invariants["idle_steps"] == NEVER_AT_REST_STEPS:
-                    check_invariants(self, [("never-at-rest", _why_busy(self))])
+            after_step(self)
         except Exception:
             pass  # the probe must never take its host down
         return result
