@@ -61,7 +61,7 @@ def minimize_finding(campaign: Path, finding: FindingRecord, run_id: str,
     folder = results.inside(campaign, campaign / str(finding.folder))
     if finding.kind not in (CRASH, CORRUPTION):
         got = MinimizedFinding(ok=False, note=f"not minimized: kvrepro minimize shrinks crashes and corruptions, "
-                                             f"this is a {finding.kind}")
+                                             f"this is {'an' if finding.kind[0] in 'aeiou' else 'a'} {finding.kind}")
     else:
         violation = violation_of(finding.key) if finding.kind == CORRUPTION else None
         try:
