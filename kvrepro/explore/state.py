@@ -122,7 +122,7 @@ class FindingRecord:
 class CampaignState:
     campaign_id: str
     request: CampaignRequest
-    status: str = "running"  # running | interrupted | complete
+    status: str = "running"  # running | complete | interrupted (a signal) | stopped (by its caller) | failed
     started: float | None = None
     elapsed_s: float = 0.0  # seconds spent in runs, over every session (the DURATION budget)
     runs: list[RunRecord] = field(default_factory=list)
