@@ -45,6 +45,10 @@ MAX_BASES = 16
 MAX_EXTRA_ARGS = 256
 MAX_HOSTS = 64
 MAX_MATRIX_BYTES = 1 << 20
+# KV geometry: production hybrid models run attention blocks of a few thousand tokens (2,128 for
+# Qwen3.5 with Mamba `align`); these bounds refuse what no deployment has (a block of 2^40 tokens)
+MAX_BLOCK_SIZE = 1 << 16
+MAX_OFFLOAD_CHUNK_TOKENS = 1 << 20
 
 
 _NAMED_CORRUPT = re.compile(r"^CORRUPT\((?P<names>[^()]*)\)$")
@@ -213,11 +217,11 @@ class GeometrySpec(_Strict):
     (``--kv-transfer-config`` extra config), the MTP tokens and ``--data-parallel-size``.
     """
 
-    block_size: int | None = Field(None, ge=1, description="GPU KV block in tokens (--block-size); "
-                                   "default: engine.block_size")
+    block_size: int | None = Field(None, ge=1, le=MAX_BLOCK_SIZE, description="GPU KV block in tokens "
+                                   "(--block-size); default: engine.block_size")
     offload_chunk_tokens: int | None = Field(
-        None, ge=1, description="the OffloadingConnector's offload chunk in tokens, a multiple of block_size; "
-                                "default: one block")
+        None, ge=1, le=MAX_OFFLOAD_CHUNK_TOKENS,
+        description="the OffloadingConnector's offload chunk in tokens, a multiple of block_size; default: one block")
     mamba_groups: int = Field(2, ge=0, le=64, description="KV-cache groups of Gated-DeltaNet (Mamba `align`) layers")
     full_attention_groups: int = Field(1, ge=1, le=64, description="KV-cache groups of full-attention layers "
                                        "(the MTP draft layer joins them)")
@@ -257,7 +261,7 @@ class EngineSpec(_Strict):
         description="a model directory with config.json, or the name of a config shipped in kvrepro/data/models",
     )
     served_model_name: str | None = None
-    block_size: int = Field(16, ge=1)
+    block_size: int = Field(16, ge=1, le=MAX_BLOCK_SIZE)
     enable_prefix_caching: bool = True
     mamba_cache_mode: Literal["align", "all", "none"] = "align"
     speculative_method: Literal["mtp", "eagle", "eagle3", "none"] = "mtp"

@@ -9,9 +9,12 @@ from typing import Any
 
 from rich.markup import escape
 
+from ..untrusted import quote
+
 from ..report import terminal
 from ..report.terminal import err, out
 from ..results import store as results
+from ..secrets import redact
 
 
 def target_of(found: Any) -> dict[str, str] | None:
@@ -39,7 +42,7 @@ def triage(log: Path, *, emit: Path | None, run: bool, release: str | None, jobs
         terminal.emit_json(triage_render.as_json(found))
     elif not as_json:
         for line in triage_render.plain(found):
-            out.print(escape(line), highlight=False, soft_wrap=True)
+            out.print(escape(redact(line)), highlight=False, soft_wrap=True)
     if emit is None and not run:
         return 0
     if not found.matches:
@@ -54,7 +57,7 @@ def triage(log: Path, *, emit: Path | None, run: bool, release: str | None, jobs
     data, notes = build_matrix(found, entry, list(cat.entries), target_of(found))
     folder = emit or (results.checked_root(results_root) / f"triage-{results.new_run_id()}")
     path = write_matrix(folder, data, found, entry, notes)
-    err.print(f"wrote {path}", highlight=False)
+    err.print(escape(f"wrote {quote(path, 240)}"), highlight=False)
     if not run:
         return 0
     stop = threading.Event()
@@ -68,5 +71,5 @@ def triage(log: Path, *, emit: Path | None, run: bool, release: str | None, jobs
     else:
         out.print(matrix_table(matrix_result))
         for line in what_it_proved(items):
-            out.print(escape(line), highlight=False, soft_wrap=True)
+            out.print(escape(redact(line)), highlight=False, soft_wrap=True)
     return 0 if all(p.as_expected for p in items) else 1

@@ -50,6 +50,7 @@ class ConfigReader:
         self.mamba_mode_logged: str | None = None
         self.attention_block: int | None = None
         self.engines: set[str] = set()
+        self.lines: dict[str, int] = {}  # where each value came from: "args", "attention_block", "mamba_mode"
 
     def feed(self, number: int, line: LogLine) -> None:
         if line.stream:
@@ -61,6 +62,7 @@ class ConfigReader:
             if (m := _VERSION.search(body)) is not None:
                 self.release, self.release_line = m["v"].lstrip("v"), number
         elif "non-default args" in body and self.args is None:
+            self.lines["args"] = number
             self._read_args(body)
         elif "Initializing a V1 LLM engine" in body and self.engine_release is None:
             if (m := _ENGINE_VERSION.search(body)) is not None:
@@ -71,8 +73,11 @@ class ConfigReader:
         elif "Mamba cache" in body:
             if (m := _MAMBA_MODE.search(body)) is not None:
                 self.mamba_mode_logged = m["m"] or m["p"]
+                self.lines["mamba_mode"] = number
         elif "attention block size" in body and (m := _ATTN_BLOCK.search(body)) is not None:
-            self.attention_block = int(m["n"])
+            n = m["n"]
+            self.attention_block = int(n) if len(n) <= 40 else 10 ** 40  # beyond any bound, within int()'s limit
+            self.lines["attention_block"] = number
 
     def _read_args(self, body: str) -> None:
         text = body.split("non-default args:", 1)[1].strip()[:MAX_ARGS_CHARS]
@@ -131,6 +136,10 @@ class ConfigReader:
             speculative_method=method,
             num_speculative_tokens=_int(spec.get("num_speculative_tokens")) if spec else None,
             scheduling_policy=_str(args.get("scheduling_policy")) or "fcfs",
+            lines={"block_size": self.lines.get("attention_block") if self.attention_block else self.lines.get("args"),
+                   "mamba_cache_mode": self.lines.get("mamba_mode") if self.mamba_mode_logged else self.lines.get("args"),
+                   **{k: self.lines["args"] for k in ("offload_chunk_tokens", "num_speculative_tokens",
+                                                      "data_parallel_size", "model") if "args" in self.lines}},
         )
 
 
