@@ -1,0 +1,303 @@
+"""Issue 44, hardening round four: a log is data, never a program. A hostile corpus of our own:
+crafted production logs (newline, YAML, quote and control-character injection in every value
+triage reads; values out of matrix.yaml's bounds; code-loading options), folders full of links
+for `triage --emit` and `kvrepro init`, bombs, FIFOs, huge numbers and secrets in every spelling.
+
+Each case checks the promise of docs/reliability.md ("Trust boundary"): no file outside the
+target folder, no code from the input runs, one line and a documented exit code. Real parts
+throughout: real files, links, FIFOs (os.mkfifo), gzip/bz2/xz streams, the `kvrepro` command as
+a process where the exit code and the one line matter; in-process calls (triage_file,
+build_matrix, write_matrix) where only the data matters, to keep the corpus cheap. Memory is
+measured by benchmarks/hostile_logs.py, never asserted as a time here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT
+from kvrepro.errors import BadInputError
+from kvrepro.suite.run import load as load_catalogue
+from kvrepro.triage import triage_file
+from kvrepro.triage.emit import build_matrix, write_matrix
+from kvrepro.triage.commands import target_of
+from kvrepro.untrusted import LinkInTheWay, WriteFolder, quote
+
+DATA = ROOT / "tests" / "data" / "triage"
+SEED = DATA / "seed-0.26-dp4-offload-mtp.log"
+HANG = 120
+
+
+def kvrepro(*args: str, cwd: Path = ROOT, timeout: float = HANG, stdin=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvrepro.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, stdin=stdin)
+
+
+def one_line(proc: subprocess.CompletedProcess, code: int, *words: str) -> str:
+    """Exit ``code``, exactly one line on stderr, no traceback, holding ``words``, at most ~300 chars."""
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == code, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    assert len(lines[0]) < 600, lines[0][:600]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def catalogue():
+    return load_catalogue()
+
+
+# the seed log's args, as a dict: hostile logs are this with values replaced, printed by repr() as
+# vLLM prints its non-default args (so a newline in a value is the two characters \n in the log,
+# which the args reader turns back into a newline: the injection the hole took)
+SEED_ARGS = {
+    "model_tag": "Qwen/Qwen3.5-397B-A17B-FP8", "host": "0.0.0.0", "model": "Qwen/Qwen3.5-397B-A17B-FP8",
+    "max_model_len": 262144, "enable_prefix_caching": True, "mamba_cache_mode": "align",
+    "tensor_parallel_size": 4, "data_parallel_size": 4, "kv_offloading_size": 384.0,
+    "kv_offloading_backend": "native", "speculative_config": {"method": "mtp", "num_speculative_tokens": 1},
+}
+
+
+def seed_log(path: Path, args: dict | None = None, *, replace: dict[str, str] | None = None,
+             args_text: str | None = None) -> Path:
+    """The seed log with its args line's dict replaced (``args``, or ``args_text`` verbatim) and
+    any other text replaced (``replace``: old -> new)."""
+    lines = SEED.read_text().splitlines(keepends=True)
+    head, _, _ = lines[1].partition("non-default args: ")
+    lines[1] = head + "non-default args: " + (args_text if args_text is not None else repr(args or SEED_ARGS)) + "\n"
+    text = "".join(lines)
+    for old, new in (replace or {}).items():
+        assert old in text, old
+        text = text.replace(old, new)
+    path.write_text(text)
+    return path
+
+
+# values that would be YAML, a comment's end, a document marker or a terminal escape if written raw
+INJECTIONS = [
+    "x\npatches:\n  evil: {file: /tmp/evil.patch, outside_matrix_folder: true}\nbuilds:\n  as-deployed: [evil]\n#",
+    "x\rbuilds: {as-deployed: [evil]}",
+    "x\x85builds: {as-deployed: [evil]}",
+    "x\u2028builds: {as-deployed: [evil]}\u2029engine: {extra_args: [--worker-extension-cls, evil.W]}",
+    "x'\"# \n---\nbase: 0.30.0\n...\n%YAML 1.1\n!!python/object/apply:os.system [touch /tmp/pwned]",
+    "&a [*a, *a]\n\x1b[2J\x1b]0;title\x07",
+    "m" * 5000,
+]
+
+
+def _emit(tmp_path: Path, log: Path, catalogue) -> tuple[Path, dict]:
+    found = triage_file(log, catalogue)
+    # a value no entry's requirements fit (a Mamba cache mode 'align\nbuilds: ...') matches nothing,
+    # and triage stops there; the seed's entry stands in to check what emitting it would do
+    entry = next(e for e in catalogue.entries if e.name == (found.best.entry if found.best else
+                                                            "offload-boundary-assert"))
+    data, notes = build_matrix(found, entry, list(catalogue.entries), target_of(found))
+    out = tmp_path / "emit"
+    path = write_matrix(out, data, found, entry, notes)
+    return path, data
+
+
+def _assert_only_data(path: Path, meant: dict) -> None:
+    """matrix.yaml is the data meant, shipped patches only, and a header of one-line comments."""
+    text = path.read_text()
+    assert yaml.safe_load(text) == meant
+    header = text.split("\n\n", 1)[0].splitlines()
+    assert header and all(line.startswith("# ") for line in header), header
+    assert not any(c in text for c in "\r\x85\u2028\u2029\x1b\x07")
+    shipped = yaml.safe_load((ROOT / "matrix.yaml").read_text())["patches"]
+    assert all(shipped[name] == spec for name, spec in meant["patches"].items())
+    assert {p.name for p in (path.parent / "builds").iterdir()} == {s["file"] for s in meant["patches"].values()}
+    assert "extra_args" not in meant["engine"] or meant["engine"]["extra_args"] == []
+    assert set(meant) == {"base", "target", "patches", "common", "builds", "target_signature", "engine", "load",
+                          "runs", "expect"}
+
+
+@pytest.mark.parametrize("field", ["model_tag", "model", "kv_connector", "speculative_method"])
+@pytest.mark.parametrize("value", INJECTIONS, ids=range(len(INJECTIONS)))
+def test_no_log_value_becomes_yaml(tmp_path, catalogue, field, value):
+    """The hole (issue 44): a value read from the args line with newlines and YAML in it. The
+    emitted matrix holds exactly what triage meant; the value shows on one quoted comment line."""
+    args = dict(SEED_ARGS)
+    if field == "kv_connector":  # still an offloading connector by its name, so that the entry matches
+        value = "OffloadingConnector" + value
+        args["kv_transfer_config"] = {"kv_connector": value, "kv_role": "kv_both"}
+        args.pop("kv_offloading_size")
+    elif field == "speculative_method":
+        value = "mtp" + value
+        args["speculative_config"] = {"method": value, "num_speculative_tokens": 1}
+    else:
+        args[field] = value
+    path, data = _emit(tmp_path, seed_log(tmp_path / "evil.log", args), catalogue)
+    _assert_only_data(path, data)
+    header = path.read_text().split("\n\n", 1)[0]
+    assert quote(value) in header or field == "model" and args["model_tag"] != value  # model_tag wins
+
+
+def test_a_log_file_name_and_a_banner_are_one_line_too(tmp_path, catalogue):
+    name = "prod\nbuilds: {as-deployed: [evil]}\n#.log"
+    log = seed_log(tmp_path / name, replace={"vLLM API server version 0.26.0": "vLLM API server version 0.26.0'\"#:{"})
+    path, data = _emit(tmp_path, log, catalogue)
+    _assert_only_data(path, data)
+
+
+@pytest.mark.parametrize("where, value, field, line", [
+    ("block_size", 1 << 40, "block_size", 6),  # the attention block info line wins over the args
+    ("args:block_size", -16, "block_size", 2),
+    ("chunk", 1e308, "offload_chunk_tokens", 2),
+    ("mtp", 1_000_000, "num_speculative_tokens", 2),
+    ("dp", -3, "data_parallel_size", 2),
+    ("mamba", "align\nbuilds: {}", "mamba_cache_mode", 2),
+])
+def test_log_values_out_of_the_matrix_bounds_name_the_line(tmp_path, catalogue, where, value, field, line):
+    """The same bounds matrix.yaml has (engine.geometry, engine), with the log's line: nothing written."""
+    args = dict(SEED_ARGS)
+    replace = {}
+    if where == "block_size":
+        replace = {"Setting attention block size to 2128 tokens": f"Setting attention block size to {value} tokens"}
+    elif where == "args:block_size":
+        args["block_size"] = value
+        replace = {"Setting attention block size to 2128 tokens": "Setting attention block size tokens"}
+    elif where == "chunk":
+        args["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config":
+                                      {"block_size": value}}
+    elif where == "mtp":
+        args["speculative_config"] = {"method": "mtp", "num_speculative_tokens": value}
+    elif where == "dp":
+        args["data_parallel_size"] = value
+    elif where == "mamba":
+        args["mamba_cache_mode"] = value
+        replace = {"Mamba cache mode is set to 'align'": "Mamba cache mode is set",
+                   "Prefix caching in Mamba cache 'align' mode": "Prefix caching in Mamba cache mode"}
+    log = seed_log(tmp_path / "bounds.log", args, replace=replace)
+    with pytest.raises(BadInputError) as exc:
+        _emit(tmp_path, log, catalogue)
+    message = str(exc.value)
+    assert message.startswith(f"{log}:{line}: {field} "), message
+    assert "\n" not in message and len(message) < 400, message
+    assert not (tmp_path / "emit" / "matrix.yaml").exists()
+
+
+def test_code_loading_options_in_the_log_never_reach_the_engine(tmp_path, catalogue):
+    """worker_extension_cls, kv_connector_module_path, a chat template, trust_remote_code: read as
+    data for the triage, never in the emitted matrix (which takes only geometry from the log)."""
+    args = {**SEED_ARGS, "worker_extension_cls": "evil.Ext", "chat_template": "/tmp/evil.jinja",
+            "trust_remote_code": True, "logits_processors": ["evil.LP"],
+            "kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_connector_module_path": "evil.conn",
+                                   "kv_role": "kv_both"}}
+    path, data = _emit(tmp_path, seed_log(tmp_path / "code.log", args), catalogue)
+    _assert_only_data(path, data)
+    text = path.read_text()
+    assert "evil" not in text
+
+
+def test_a_catalogue_fragment_cannot_smuggle_code_or_patches_either(tmp_path, catalogue):
+    """Belt and braces behind the catalogue's own checks: whatever built the data, write_matrix
+    refuses a patch that is not the shipped one and an engine option that loads code."""
+    found = triage_file(SEED, catalogue)
+    entry = next(e for e in catalogue.entries if e.name == found.best.entry)
+    data, notes = build_matrix(found, entry, list(catalogue.entries), target_of(found))
+    bad_patch = {**data, "patches": {**data["patches"], "pr-48425": {"file": "../../x.patch", "upstream": "x",
+                                                                     "outside_matrix_folder": True}}}
+    bad_args = {**data, "engine": {**data["engine"], "extra_args": ["--worker_extension_cls=evil.W"]}}
+    bad_model = {**data, "engine": {**data["engine"], "model": "/tmp/evil-model"}}
+    for bad, words in ((bad_patch, "not one of the shipped"), (bad_args, "loads code"), (bad_model, "not a model")):
+        with pytest.raises(BadInputError, match=words):
+            write_matrix(tmp_path / "x", bad, found, entry, notes)
+        assert not (tmp_path / "x" / "matrix.yaml").exists()
+
+
+# ------------------------------------------------------------------ links around the target folder
+
+def _outside(tmp_path: Path) -> Path:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    return outside
+
+
+def test_emit_never_writes_through_a_link(tmp_path):
+    """--emit DIR with a dangling DIR/builds/*.patch link, DIR/builds a link, DIR a link: nothing
+    outside DIR; the first is replaced inside DIR, the others refused (exit 2)."""
+    outside = _outside(tmp_path)
+    dangling = tmp_path / "dangling"
+    (dangling / "builds").mkdir(parents=True)
+    (dangling / "builds" / "pr-48425.patch").symlink_to(outside / "pwned")
+    (dangling / "matrix.yaml.d").mkdir()
+    proc = kvrepro("triage", str(SEED), "--emit", str(dangling))
+    assert proc.returncode == 0, proc.stderr
+    assert not (dangling / "builds" / "pr-48425.patch").is_symlink()
+    assert (dangling / "builds" / "pr-48425.patch").read_bytes() == (ROOT / "builds" / "pr-48425.patch").read_bytes()
+    linked_sub = tmp_path / "linked-sub"
+    linked_sub.mkdir()
+    (linked_sub / "builds").symlink_to(outside)
+    one_line(kvrepro("triage", str(SEED), "--emit", str(linked_sub)), 2, "builds: a symbolic link")
+    linked = tmp_path / "linked"
+    linked.symlink_to(outside)
+    one_line(kvrepro("triage", str(SEED), "--emit", str(linked)), 2, "a symbolic link", "give the folder itself")
+    dangling_matrix = tmp_path / "dm"
+    dangling_matrix.mkdir()
+    (dangling_matrix / "matrix.yaml").symlink_to(outside / "matrix.yaml")
+    one_line(kvrepro("triage", str(SEED), "--emit", str(dangling_matrix)), 2, "already holds a matrix.yaml")
+    assert list(outside.iterdir()) == []
+
+
+def test_emit_into_a_place_that_cannot_be_written_says_emit():
+    line = one_line(kvrepro("triage", str(SEED), "--emit", "/sys/kernel/kvrepro-test"), 3, "--emit /sys/kernel/")
+    assert "--results" not in line and "give --emit a folder you can write" in line
+
+
+def test_init_never_writes_through_a_link(tmp_path):
+    """`kvrepro init DIR`: dangling links where its files go are "already there" (and replaced
+    inside DIR with --force), a linked builds/ or DIR a link to elsewhere is refused."""
+    outside = _outside(tmp_path)
+    project = tmp_path / "p"
+    (project / "builds").mkdir(parents=True)
+    (project / "matrix.yaml").symlink_to(outside / "matrix.yaml")
+    (project / "builds" / "pr-52807.patch").symlink_to(outside / "x.patch")
+    one_line(kvrepro("init", str(project)), 2, "already exists", "--force")
+    assert kvrepro("init", str(project), "--force").returncode == 0
+    assert not (project / "matrix.yaml").is_symlink() and (project / "matrix.yaml").stat().st_size > 0
+    linked = tmp_path / "etc"
+    linked.symlink_to(outside)
+    one_line(kvrepro("init", str(linked)), 2, "a symbolic link", "give the folder itself")
+    sub = tmp_path / "q"
+    sub.mkdir()
+    (sub / "builds").symlink_to(outside)
+    one_line(kvrepro("init", str(sub)), 2, "q/builds: a symbolic link")
+    assert list(outside.iterdir()) == []
+
+
+def test_write_folder_refuses_every_way_out(tmp_path):
+    outside = _outside(tmp_path)
+    folder = tmp_path / "f"
+    with WriteFolder(folder) as out:
+        out.write("a/b/c.txt", "x")
+        (folder / "a" / "link").symlink_to(outside)
+        with pytest.raises(LinkInTheWay):
+            out.write("a/link/c.txt", "x")
+        (folder / "d").symlink_to(outside / "d")
+        with pytest.raises(FileExistsError):
+            out.write("d", "x")
+        assert out.exists("d") and not out.exists("zz/y")
+        with pytest.raises(LinkInTheWay):
+            out.exists("a/link/nothing")
+        out.write("d", "y", replace=True)
+        with pytest.raises(BadInputError):
+            out.write("../escape", "x")
+    assert (folder / "d").read_text() == "y" and not (folder / "d").is_symlink()
+    assert list(outside.iterdir()) == []
+
+
+def test_quote_is_one_bounded_line():
+    assert quote("a\nb\r\u2028\x1b[0m") == "a\\nb\\r\\u2028\\x1b[0m"
+    assert quote("v" * 1000).endswith("... (1,000 characters)") and len(quote("v" * 1000)) < 110
+    assert quote(10 ** 5000).startswith("a number of about 5,0")
+    assert quote(-16) == "-16"
