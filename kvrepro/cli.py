@@ -184,12 +184,16 @@ def classify_cmd(
     as_json: bool = JsonOpt,
 ) -> None:
     """Find the fatal traceback in an engine log and name its crash signature."""
+    from rich.markup import escape
+
     from .classify.commands import check_log_arguments, classify_command
     from .spec.matrix import default_target_signature
 
     check_log_arguments(log, source)
     target = load_matrix(matrix).matrix.target_signature if matrix else default_target_signature()
     found = classify_command(log, source, target)
+    for notice in found.notices:  # one line each, whatever the terminal's width
+        err.print("[yellow]note[/]: " + escape(notice), highlight=False, soft_wrap=True)
     show(as_json, found.as_json, *found.lines())
 
 

@@ -39,11 +39,13 @@ catalogue (kvrepro/suite/catalogue.py), ``classify`` (kvrepro/classify/logfile.p
 from __future__ import annotations
 
 import errno
+import io
 import os
 import secrets
 import stat
 from pathlib import Path
 from types import TracebackType
+from typing import Any, BinaryIO
 
 from .errors import BadInputError
 
@@ -114,6 +116,118 @@ def read_bytes(path: str | Path, limit: int, follow: bool = False) -> bytes:
 def read_text(path: str | Path, limit: int, follow: bool = False) -> str:
     """:func:`read_bytes` decoded as UTF-8 (UnicodeDecodeError, a ValueError, if it is not)."""
     return read_bytes(path, limit, follow).decode("utf-8")
+
+
+# -- lines of bounded length ----------------------------------------------------------------------
+
+# no line vLLM or kvrepro's engine writes comes near this (the longest, the non-default args and
+# the engine's config line, are a few KB); a longer "line" is a binary blob, a base64 payload or a
+# hostile file, and reading it whole made `classify` of a 13 MB gzip holding one 3 GB line reach
+# 17.6 GB RSS (issue 44). docs/reliability.md states the bound; benchmarks/hostile_logs.py measures it.
+LINE_LIMIT = 1 << 20
+
+
+class LineCutter:
+    """Cuts every line of a byte stream to at most ``limit`` bytes (its newline kept), block by
+    block, in O(1) Python steps per ``limit`` bytes (it jumps from newline to newline with
+    ``rfind`` over windows of ``limit`` bytes, so a log of short lines costs a few calls per MB).
+
+    Line numbers are kept (no newline is added or removed). The first cut lines are remembered as
+    (line number, bytes the whole line had) in :attr:`cuts`; :attr:`cut_count` counts them all."""
+
+    KEEP = 3
+
+    def __init__(self, limit: int = LINE_LIMIT):
+        self.limit = limit
+        self.run = 0  # bytes of the current line passed on so far
+        self.cutting = False  # dropping the rest of the current line
+        self.newlines = 0  # newlines in the blocks fed before this one
+        self.cuts: list[tuple[int, int]] = []
+        self.cut_count = 0
+        self._cut_line = 0
+        self._cut_bytes = 0
+
+    def feed(self, data: bytes) -> bytes:
+        out: list[bytes] = []
+        pos, size = 0, len(data)
+        while pos < size:
+            if self.cutting:
+                j = data.find(b"\n", pos)
+                if j < 0:
+                    self._cut_bytes += size - pos
+                    break
+                self._cut_bytes += j - pos
+                self._end_cut()
+                pos = j  # the newline is passed on below, as a line of its own end
+                self.run = 0
+                continue
+            room = self.limit - self.run
+            end = min(size, pos + room + 1)
+            k = data.rfind(b"\n", pos, end)
+            if k >= 0:
+                out.append(data[pos:k + 1])
+                self.run = 0
+                pos = k + 1
+            elif pos + room >= size:
+                out.append(data[pos:])
+                self.run += size - pos
+                pos = size
+            else:
+                out.append(data[pos:pos + room])
+                self.cutting = True
+                self._cut_line = self.newlines + data.count(b"\n", 0, pos) + 1
+                self._cut_bytes = self.limit
+                pos += room
+        self.newlines += data.count(b"\n")
+        return b"".join(out) if len(out) != 1 else out[0]
+
+    def _end_cut(self) -> None:
+        self.cutting = False
+        self.cut_count += 1
+        if len(self.cuts) < self.KEEP:
+            self.cuts.append((self._cut_line, self._cut_bytes))
+
+    def close(self) -> None:
+        """The stream ended: a line being cut (no newline after it) is counted."""
+        if self.cutting:
+            self._end_cut()
+
+    def notices(self, path: object) -> list[str]:
+        """One line per remembered cut (and one for the rest): what a command says on stderr."""
+        lines = [f"{quote(path, 200)}:{line}: a line of {length:,} bytes, cut to its first {self.limit:,} (no "
+                 "vLLM log line is that long; docs/reliability.md)" for line, length in self.cuts]
+        if self.cut_count > len(self.cuts):
+            lines.append(f"{quote(path, 200)}: {self.cut_count - len(self.cuts):,} more line(s) over {self.limit:,} "
+                         "bytes cut the same way")
+        return lines
+
+
+class CutLines(io.RawIOBase):
+    """A readable binary stream whose lines are cut by a :class:`LineCutter` (for a TextIOWrapper:
+    every line it yields is then bounded, whatever the file holds)."""
+
+    def __init__(self, raw: BinaryIO, cutter: LineCutter, block: int = 1 << 16):
+        self._raw = raw
+        self.cutter = cutter
+        self._block = block
+        self._pending = b""
+        self._eof = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._pending and not self._eof:
+            data = self._raw.read(self._block)
+            if not data:
+                self._eof = True
+                self.cutter.close()
+                break
+            self._pending = self.cutter.feed(data)
+        n = min(len(buffer), len(self._pending))
+        buffer[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
 
 
 # -- quoting an input in a message ----------------------------------------------------------------
@@ -283,5 +397,5 @@ class WriteFolder:
         return shown
 
 
-__all__ = ["LinkInTheWay", "UnreadableFile", "WriteFolder", "one_line", "open_regular", "quote", "read_bytes",
+__all__ = ["LINE_LIMIT", "CutLines", "LineCutter", "LinkInTheWay", "UnreadableFile", "WriteFolder", "one_line", "open_regular", "quote", "read_bytes",
            "read_text"]

@@ -28,6 +28,19 @@ def target_of(found: Any) -> dict[str, str] | None:
             **({"expression": pattern.expressions[0]} if pattern.expressions else {})}
 
 
+def check_release(release: str | None) -> None:
+    """--release, before the log is read: bad input naming --release (not the log), exit 2."""
+    from ..errors import BadInputError
+    from ..versions import SUPPORTED_RELEASES, nearest_supported
+
+    if release is None:
+        return
+    if len(release) > 40 or nearest_supported(release) is None:
+        raise BadInputError(f"--release {quote(release, 40)}: not a vLLM release kvrepro can triage (it runs "
+                            f"{SUPPORTED_RELEASES[0]}-{SUPPORTED_RELEASES[-1]} and reads logs of releases near "
+                            "them); give the release the log's server ran, e.g. --release 0.26.0")
+
+
 def triage(log: Path, *, emit: Path | None, run: bool, release: str | None, jobs: int | None,
            catalogue: Path | None, results_root: Path, as_json: bool) -> int:
     from ..report.render import matrix_table
@@ -36,6 +49,7 @@ def triage(log: Path, *, emit: Path | None, run: bool, release: str | None, jobs
     from . import render as triage_render
     from . import triage_file
 
+    check_release(release)
     cat = load_catalogue(catalogue)
     found = triage_file(log, cat, release)
     if as_json and not run:

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..classify.lines import LogLine
 from ..secrets import is_secret_flag, remember
+from ..untrusted import quote
 from .records import DeployedConfig
 
 _VERSION = re.compile(r"vLLM API server version (?P<v>\S+)")
@@ -59,14 +60,14 @@ class ConfigReader:
                 self.engines.add(m["dp"] or "0")
         body = line.body
         if "vLLM API server version" in body and self.release is None:
-            if (m := _VERSION.search(body)) is not None:
-                self.release, self.release_line = m["v"].lstrip("v"), number
+            if (m := _VERSION.search(body)) is not None:  # quoted: a 200 MB "version" is 80 characters here
+                self.release, self.release_line = quote(m["v"].lstrip("v"), 40), number
         elif "non-default args" in body and self.args is None:
             self.lines["args"] = number
             self._read_args(body)
         elif "Initializing a V1 LLM engine" in body and self.engine_release is None:
             if (m := _ENGINE_VERSION.search(body)) is not None:
-                self.engine_release = m["v"]
+                self.engine_release = quote(m["v"], 40)
         elif "Resolved architecture" in body and self.architecture is None:
             if (m := _ARCH.search(body)) is not None:
                 self.architecture = m["a"]
