@@ -8,6 +8,13 @@ results files (``results.write_atomic``), the run's copy of matrix.yaml, engine 
 variables and every value that was ``remember``-ed: loading a matrix remembers the values given
 to secret-looking engine flags (``engine.extra_args: [--hf-token, hf_...]``), so one redaction
 covers every place such a value could be copied to.
+
+Text kvrepro did not write (a production log read by `triage`, a record copied from elsewhere)
+spells secrets its own ways, and ``redact`` masks those too (issue 44): a password in a URL
+(``redis://user:PW@host``), an HTTP header (``X-Api-Key: K``, ``Authorization: Bearer T``) and a
+key/value pair whose key names a secret in any case (``ApiKey``, ``apiKey``, ``api_key``,
+``"access-token": "..."``, ``password=...``); :func:`is_secret_key` is the same test for a key
+in data (camelCase split, ``-``/``_``/``.`` alike).
 """
 
 from __future__ import annotations
@@ -33,6 +40,19 @@ _SECRET_FLAG = re.compile(r"(?:^|[-_.])" + _WORDS + r"$", re.I)
 _FLAG_VALUE_TEXT = re.compile(
     r"""(--[A-Za-z0-9_.-]*""" + _WORDS + r"""(?![A-Za-z0-9])['"]?"""
     r"""(?:=|\s+|['"]?,\s*['"]))(?!\*\*\*)([^\s'",\]]+)""", re.I)
+# a key that names a secret, as text: api_key, ApiKey, X-Api-Key, access-token, client_secret, passwd
+_KEY_NAME = (r"(?:[A-Za-z0-9]*[-_.])?(?:x[-_.])?(?:api[-_.]?key|access[-_.]?key|secret[-_.]?key|private[-_.]?key"
+             r"|auth[-_.]?token|access[-_.]?token|refresh[-_.]?token|id[-_.]?token|session[-_.]?token|bearer[-_.]?token"
+             r"|hf[-_.]?token|api[-_.]?token|client[-_.]?secret|secret|password|passwd|passphrase|credentials?"
+             r"|authorization|proxy[-_.]?authorization)")
+# KEY: VALUE, KEY=VALUE, 'KEY': 'VALUE', "KEY": "VALUE", a header's value after Bearer/Basic/Token
+_KEY_VALUE_TEXT = re.compile(
+    r"""(?<![A-Za-z0-9_.-])(["']?)""" + _KEY_NAME + r"""\1(\s*[:=]\s*)"""
+    r"""(?:(["'])(?!\*\*\*)([^"'\n]{1,4096})\3|((?:(?:Bearer|Basic|Token)\s+)?)(?!\*\*\*)([^\s,;'"}\])]{1,4096}))""",
+    re.I)
+# scheme://user:PASSWORD@host
+_URL_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]{0,31}://[^\s/@:'\"]{0,256}:)(?!\*\*\*@)([^\s/@'\"]{1,256})@")
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 _remembered: set[str] = set()
 # option strings of `vllm serve` (normalised: no leading dashes, '_' as '-') whose destination
 # names a secret, read from the release's own parser (validate.serve_flags), and how many values
@@ -82,6 +102,20 @@ def is_secret_flag(arg: str) -> bool:
         return False
     name = _flag_name(arg)
     return bool(_registered(name)) or bool(_SECRET_FLAG.search(name))
+
+
+def is_secret_key(key: str) -> bool:
+    """A key in data (a dict read from a log, a header name) that names a secret: ``hf_token``,
+    ``api_key``, ``ApiKey``, ``apiKey``, ``X-Api-Key``, ``clientSecret``, ``password``."""
+    if not key or len(key) > 200:
+        return False
+    snake = _CAMEL.sub("_", key)
+    return is_secret_flag("--" + snake.replace("_", "-")) or re.fullmatch(_KEY_NAME, snake, re.I) is not None
+
+
+def url_passwords(text: str) -> list[str]:
+    """The passwords of ``scheme://user:PASSWORD@host`` URLs in ``text``."""
+    return [m.group(2) for m in _URL_PASSWORD.finditer(text)]
 
 
 def _takes_many(arg: str) -> bool:
@@ -186,7 +220,19 @@ def redact(text: str, extra_values: list[str] | None = None) -> str:
         if value:
             text = text.replace(value, "***")
     text = _FLAG_VALUE_TEXT.sub(lambda m: m.group(1) + "***", text)
+    text = _URL_PASSWORD.sub(lambda m: m.group(1) + "***@", text)
+    text = _KEY_VALUE_TEXT.sub(_masked_value, text)
     return _SECRET_VALUE.sub("***", text)
+
+
+def _masked_value(m: re.Match[str]) -> str:
+    whole = m.group(0)
+    if m.group(4) is not None:  # a quoted value: keep its quotes
+        start, end = m.span(4)
+    else:
+        start, end = m.span(6)
+    base = m.start(0)
+    return whole[:start - base] + "***" + whole[end - base:]
 
 
 def redact_value(value):

@@ -301,3 +301,55 @@ def test_quote_is_one_bounded_line():
     assert quote("v" * 1000).endswith("... (1,000 characters)") and len(quote("v" * 1000)) < 110
     assert quote(10 ** 5000).startswith("a number of about 5,0")
     assert quote(-16) == "-16"
+
+
+# ------------------------------------------------------------------ secrets in every spelling
+
+SECRET_VALUES = ("AKcamel-5f1e2d3c4b5a", "PWurl-9a8b7c6d5e4f", "XKheader-1a2b3c4d5e", "BTbearer-0f9e8d7c6b",
+                 "AKeq-7e6d5c4b3a21", "sk-prod-8f2c1d9e7a6b5c4d3e2f1a0b")
+
+
+def _secret_log(tmp_path: Path) -> Path:
+    args = {**SEED_ARGS, "api_key": [SECRET_VALUES[5]],
+            "kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                   "kv_connector_extra_config": {
+                                       "ApiKey": SECRET_VALUES[0], "redis_url": f"redis://user:{SECRET_VALUES[1]}@h:6379",
+                                       "headers": {"X-Api-Key": SECRET_VALUES[2]}}}}
+    crash = "(EngineCore_DP2 pid=247) ERROR 08-19 19:52:31 [core.py:1332] EngineCore encountered a fatal error."
+    return seed_log(tmp_path / "secrets.log", args, replace={crash: crash + "\n(APIServer pid=1) ERROR upstream "
+                    f"said 401 to Authorization: Bearer {SECRET_VALUES[3]} (apiKey={SECRET_VALUES[4]})"})
+
+
+def test_secrets_in_every_spelling_reach_no_output_and_no_file(tmp_path):
+    """camelCase ApiKey, a URL's password, an X-Api-Key header, a Bearer token, apiKey=...: masked
+    in triage's plain output, --json and the emitted matrix.yaml (issue 44)."""
+    log = _secret_log(tmp_path)
+    plain = kvrepro("triage", str(log))
+    as_json = kvrepro("triage", str(log), "--json")
+    emitted = kvrepro("triage", str(log), "--emit", str(tmp_path / "out"))
+    for proc in (plain, as_json, emitted):
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        for secret in SECRET_VALUES:
+            assert secret not in proc.stdout + proc.stderr, secret
+    assert "redis://user:***@h:6379" in as_json.stdout and '"ApiKey": "***"' in as_json.stdout
+    files = "".join(p.read_text() for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert not any(secret in files for secret in SECRET_VALUES)
+
+
+@pytest.mark.parametrize("text, masked", [
+    ("{'ApiKey': 'abc123'}", "{'ApiKey': '***'}"),
+    ('"apiKey": "zzz"', '"apiKey": "***"'),
+    ("redis://user:PW123@host:6379/0", "redis://user:***@host:6379/0"),
+    ("X-Api-Key: k-9876", "X-Api-Key: ***"),
+    ("Authorization: Bearer eyJhbGci", "Authorization: Bearer ***"),
+    ("password=hunter2", "password=***"),
+    ("'client_secret': 'cs'", "'client_secret': '***'"),
+    ("accessToken=tok", "accessToken=***"),
+    # what must stay: kvrepro's own words that look alike
+    ("max_num_batched_tokens: 2048", None), ("build_key: 0.26.0+pr-1", None), ("http://host:8000/v1", None),
+    ("num_speculative_tokens=1", None), ("sort_keys=True", None), ("ssh://git@github.com", None),
+])
+def test_redact_knows_every_spelling_and_leaves_lookalikes(text, masked):
+    from kvrepro.secrets import redact
+
+    assert redact(text) == (masked if masked is not None else text)

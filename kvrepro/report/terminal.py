@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from ..records import BisectStep, RunResult, to_jsonable
-from ..secrets import redact
+from ..secrets import redact, redact_value
 
 # log_path=False: a progress line ends in what it says, not in the logger's source position (terminal.py:40)
 out = Console(log_path=False)
@@ -23,7 +23,9 @@ err = Console(stderr=True, log_path=False)
 
 def emit_json(value: Any) -> None:
     # one redaction for everything kvrepro hands on, --json included
-    sys.stdout.write(redact(json.dumps(to_jsonable(value), indent=2)) + "\n")
+    # each string redacted before it is JSON-escaped (a secret holding a quote or a non-ASCII
+    # character is not found in the escaped text), then the text as a whole
+    sys.stdout.write(redact(json.dumps(redact_value(to_jsonable(value)), indent=2)) + "\n")
 
 
 def plain(text: str) -> None:

@@ -13,8 +13,9 @@ What vLLM prints at start-up, in its own words:
   'align' mode ...`` and ``Setting attention block size to N tokens ...``: what vLLM chose, which
   wins over what the args asked for.
 
-Secret-looking values (``hf_token``, ``api_key``, a connector's ``...key``) are replaced by
-``***`` as they are read, and remembered so that ``secrets.redact`` masks them anywhere else.
+Secret-looking values (``hf_token``, ``api_key``, a connector's ``...key``, ``ApiKey``, an
+``X-Api-Key`` header, a URL's password) are replaced by ``***`` as they are read, and remembered
+so that ``secrets.redact`` masks them anywhere else.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import re
 from typing import Any
 
 from ..classify.lines import LogLine
-from ..secrets import is_secret_flag, remember
+from ..secrets import is_secret_key, redact, remember, url_passwords
 from ..untrusted import quote
 from .records import DeployedConfig
 
@@ -218,8 +219,11 @@ def mask_secrets(value: Any, key: str = "") -> Any:
         return {k: mask_secrets(v, k) for k, v in value.items()}
     if isinstance(value, list):
         return [mask_secrets(v, key) for v in value]
-    if key and value not in (None, "", False) and is_secret_flag("--" + key.replace("_", "-")):
+    if key and value not in (None, "", False) and is_secret_key(key):  # ApiKey, X-Api-Key, hf_token, ...
         remember([str(value)])
         return MASK
+    if isinstance(value, str) and (passwords := url_passwords(value)):  # redis://user:PW@host
+        remember(passwords)
+        return redact(value)
     return value
 
