@@ -353,3 +353,58 @@ def test_redact_knows_every_spelling_and_leaves_lookalikes(text, masked):
     from kvrepro.secrets import redact
 
     assert redact(text) == (masked if masked is not None else text)
+
+
+# ------------------------------------------------------------------ explore --resume
+
+def _campaign(tmp_path: Path, runs: int = 0, budget: int = 1_000_000):
+    from kvrepro.explore import new_campaign
+    from kvrepro.explore.campaign import save
+    from kvrepro.explore.state import CampaignRequest, RunRecord
+    from kvrepro.explore.generator import RunSpec
+
+    root = tmp_path / "results"
+    state, folder = new_campaign(root, CampaignRequest(base="0.26.0", budget_runs=budget))
+    state.runs = [RunRecord(spec=RunSpec(index=i), run_id=f"r{i}", verdict="SURVIVED", seconds=1.0) for i in range(runs)]
+    state.status = "interrupted"
+    save(state, folder)
+    return root, state, folder
+
+
+def test_resume_refuses_a_campaign_without_the_schema_marker_and_pinned_options_given_again(tmp_path):
+    """A campaign folder of another kvrepro (no schema marker), --base other than the pinned one,
+    a --budget already spent: one line each, exit 2, explore.json untouched, no engine started."""
+    import json
+
+    root, state, folder = _campaign(tmp_path, runs=3)
+    before = (folder / "explore.json").read_text()
+    cid = state.campaign_id
+    one_line(kvrepro("explore", "--resume", cid, "--base", "0.30.0", "--results", str(root)), 2,
+             "--base 0.30.0 with --resume", "pinned at its start")
+    one_line(kvrepro("explore", "--resume", cid, "--budget", "2", "--results", str(root)), 2,
+             "has made 3 runs already", "whole budget")
+    assert (folder / "explore.json").read_text() == before
+    foreign = json.loads(before)
+    del foreign["schema"]
+    (folder / "explore.json").write_text(json.dumps(foreign))
+    one_line(kvrepro("explore", "--resume", cid, "--results", str(root)), 2, "no schema marker",
+             "start a new campaign")
+
+
+@pytest.mark.parametrize("text, runs, seconds", [("20", 20, None), ("90s", None, 90.0), ("10d", None, 864_000.0),
+                                                 ("1000000", 1_000_000, None)])
+def test_budgets_within_the_limits(text, runs, seconds):
+    from kvrepro.explore.campaign import parse_budget
+
+    assert parse_budget(text) == (runs, seconds)
+
+
+@pytest.mark.parametrize("text, says", [("99999999h", "at most 30d"), ("1000001", "at most 1,000,000 runs"),
+                                        ("9" * 5000, "give a number of runs"), ("0", "give a number of runs"),
+                                        ("1e9s", "give a number of runs")])
+def test_budgets_beyond_the_limits_are_bad_input(text, says):
+    from kvrepro.explore.campaign import parse_budget
+
+    with pytest.raises(BadInputError, match=says) as exc:
+        parse_budget(text)
+    assert len(str(exc.value)) < 200

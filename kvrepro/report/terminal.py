@@ -55,7 +55,7 @@ def run_line(result: RunResult) -> str:
 class RichProgress:
     """Shows builds, runs and each running engine's requests (on stderr, so --json stays clean)."""
 
-    def __init__(self, total_runs: int):
+    def __init__(self, total_runs: int | None):  # None: not known ahead (a duration budget)
         self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                                  MofNCompleteColumn(), TimeElapsedColumn(), console=err, transient=False)
         self.runs = self.progress.add_task("runs", total=total_runs)
@@ -87,7 +87,7 @@ class RichProgress:
 class PlainProgress:
     """--ci: one plain line per stage and per finished run on stderr; no bars, no live display."""
 
-    def __init__(self, total_runs: int):
+    def __init__(self, total_runs: int | None):  # None: not known ahead (a duration budget)
         self.total = total_runs
         self.done = 0
 
@@ -105,10 +105,10 @@ class PlainProgress:
 
     def run_finished(self, result: RunResult) -> None:
         self.done += 1
-        plain(f"[{self.done}/{self.total}] " + run_line(result))
+        plain(f"[{self.done}{'' if self.total is None else f'/{self.total}'}] " + run_line(result))
 
 
-def progress_for(total_runs: int, ci: bool) -> RichProgress | PlainProgress:
+def progress_for(total_runs: int | None, ci: bool) -> RichProgress | PlainProgress:
     return PlainProgress(total_runs) if ci else RichProgress(total_runs)
 
 
