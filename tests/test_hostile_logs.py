@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT
+from conftest import ROOT, require
 from kvrepro.errors import BadInputError
 from kvrepro.suite.run import load as load_catalogue
 from kvrepro.triage import triage_file
@@ -408,3 +408,70 @@ def test_budgets_beyond_the_limits_are_bad_input(text, says):
     with pytest.raises(BadInputError, match=says) as exc:
         parse_budget(text)
     assert len(str(exc.value)) < 200
+
+
+# ------------------------------------------------------------------ the sdist cache
+
+def _fake_sdist(home: Path, release: str = "0.26.0", payload: bytes = b"def test_x():\n    pass\n") -> Path:
+    """A cached sdist as fetch_sdist leaves one (the file and its sha256 sidecar), made here: the
+    cache is real files, the index is not asked (the sidecar says the download checked out)."""
+    import hashlib
+    import io
+    import tarfile
+
+    folder = home / "sdists" / release
+    folder.mkdir(parents=True)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        info = tarfile.TarInfo(f"vllm-{release}/tests/test_x.py")
+        info.size = len(payload)
+        tar.addfile(info, io.BytesIO(payload))
+    final = folder / f"vllm-{release}.tar.gz"
+    final.write_bytes(buf.getvalue())
+    (folder / f"vllm-{release}.tar.gz.sha256").write_text(hashlib.sha256(buf.getvalue()).hexdigest() + "\n")
+    return final
+
+
+def test_a_truncated_cached_sdist_is_a_damaged_cache_and_is_refetched_next_time(tmp_path, monkeypatch):
+    """`builds test` reads the release's tests/ from the cached sdist: cut off since it was
+    downloaded, it is "damaged cache" (SetupError: exit 3), removed, so the next run fetches it."""
+    from kvrepro.builds import sdist
+    from kvrepro.errors import SetupError
+
+    monkeypatch.setenv("KVREPRO_HOME", str(tmp_path))
+    final = _fake_sdist(tmp_path)
+    assert sdist.source_tests("0.26.0").tests.joinpath("test_x.py").is_file()  # whole: unpacked
+
+    final2 = _fake_sdist(tmp_path, "0.27.0")
+    final2.write_bytes(final2.read_bytes()[: final2.stat().st_size // 2])
+    with pytest.raises(SetupError, match="damaged cache: .*vllm-0.27.0.tar.gz: sha256 .* \\(cut off or changed since\\)"
+                                         ".*run the command again to re-fetch it") as exc:
+        sdist.source_tests("0.27.0")
+    assert "\n" not in str(exc.value) and SetupError.exit_code == 3
+    assert not final2.exists() and not final2.with_name(final2.name + ".sha256").exists()
+    assert sdist._cached("0.27.0") is None  # the next run fetches it again
+
+
+def test_a_full_disk_while_unpacking_names_the_folder(tmp_path):
+    """A real tmpfs of 64 KiB as $KVREPRO_HOME (a private mount namespace): the sdist's tests do not
+    fit; the error names the folder that could not be written, not only "No space left"."""
+    import shutil as _shutil
+
+    require(_shutil.which("unshare") is not None and os.geteuid() == 0, "needs root and unshare(1) for a private "
+            "tmpfs mount")
+    home = tmp_path / "home"
+    home.mkdir()
+    script = (f"mount -t tmpfs -o size=64k tmpfs {home} && {sys.executable} -c '"
+              "import os, sys; from pathlib import Path\n"
+              "sys.path.insert(0, sys.argv[1]); sys.path.insert(0, str(Path(sys.argv[1]) / \"tests\"))\n"
+              "from test_hostile_logs import _fake_sdist\n"
+              "from kvrepro.builds.sdist import source_tests\n"
+              "from kvrepro.errors import SetupError\n"
+              "_fake_sdist(Path(os.environ[\"KVREPRO_HOME\"]), payload=b\"x\" * (256 * 1024))\n"
+              "try:\n    source_tests(\"0.26.0\")\nexcept SetupError as exc:\n    print(exc)\n"
+              f"' {ROOT}")
+    proc = subprocess.run(["unshare", "-m", "sh", "-ec", script], capture_output=True, text=True, timeout=HANG,
+                          env={**os.environ, "KVREPRO_HOME": str(home)}, cwd=ROOT)
+    said = proc.stdout.strip()
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert said.startswith(f"{home}/sdists/0.26.0: cannot write the sdist cache: No space left on device"), said
