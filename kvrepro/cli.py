@@ -216,6 +216,12 @@ def setup_cmd(matrix: Path = MatrixOpt, as_json: bool = JsonOpt) -> None:
     with err.status("setting up") as status:
         done = setup_matrix(loaded, on_line=lambda line: status.update(line[:120]))
     show(as_json, done, *setup_lines(done))
+    failed = [name for name, b in done["builds"].items() if not b["ok"]]
+    if failed:  # a build whose patch does not apply is not set up: infrastructure, exit 3 (never 0)
+        err.print(f"[red]error:[/] {len(failed)} of {len(done['builds'])} build(s) not built ({', '.join(failed)}); "
+                  "fix their patches (the lines above say which did not apply) and run setup again",
+                  highlight=False, soft_wrap=True)
+        raise typer.Exit(3)
 
 
 @app.command("init")

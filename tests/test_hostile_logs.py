@@ -475,3 +475,40 @@ def test_a_full_disk_while_unpacking_names_the_folder(tmp_path):
     said = proc.stdout.strip()
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert said.startswith(f"{home}/sdists/0.26.0: cannot write the sdist cache: No space left on device"), said
+
+
+# ------------------------------------------------------------------ setup and patches that do not apply
+
+def _matrix_with(tmp_path: Path, patches: dict, builds: dict) -> Path:
+    import shutil as _shutil
+
+    data = yaml.safe_load((ROOT / "matrix.yaml").read_text())
+    data["patches"].update(patches)
+    data["builds"] = builds
+    data.pop("expect", None)
+    _shutil.copytree(ROOT / "builds", tmp_path / "builds")
+    path = tmp_path / "matrix.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("builds, says", [
+    ({"T": ["decoy-docstring", "decoy-docstring"]}, "patch 'decoy-docstring' twice in the stack"),
+    ({"T": ["pr-49146"]}, "patch 'pr-49146' twice in common: and the build"),
+])
+def test_validate_refuses_a_patch_twice_in_a_stack(tmp_path, builds, says):
+    path = _matrix_with(tmp_path, {}, builds)
+    proc = kvrepro("matrix", "validate", "-m", str(path))
+    assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_setup_exits_3_when_a_builds_patch_does_not_apply(tmp_path, runtime_python):
+    """A `reverse: true` revert of a change 0.26.0 does not have: setup says the build failed (and
+    which), exit 3 (it exited 0 after printing it)."""
+    data = yaml.safe_load((ROOT / "matrix.yaml").read_text())
+    path = _matrix_with(tmp_path, {"undecoy": {**data["patches"]["decoy-docstring"], "reverse": True}},
+                        {"A": [], "R": ["undecoy"]})
+    proc = kvrepro("setup", "-m", str(path), timeout=900)
+    assert proc.returncode == 3, (proc.stdout + proc.stderr)[-3000:]
+    assert "build A: ok" in proc.stdout and "build R: failed" in proc.stdout, proc.stdout[-3000:]
+    assert "1 of 2 build(s) not built (R)" in " ".join(proc.stderr.split()) and "Traceback" not in proc.stderr

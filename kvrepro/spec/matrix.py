@@ -650,6 +650,12 @@ class Matrix(_Strict):
                     known = ", ".join(sorted(self.patches)) or "(none declared)"
                     raise FieldError(where + (i,), f"unknown patch {name[:80]!r}; declared patches: {known}")
         for b, stack in self.builds.items():
+            whole = [*self.common, *stack]
+            twice = next((name for i, name in enumerate(whole) if name in whole[:i]), None)
+            if twice is not None:
+                where = "common: and the build" if twice in self.common and twice in stack else "the stack"
+                raise FieldError(("builds", b), f"patch {twice[:80]!r} twice in {where}; a patch applies once "
+                                  "(the second would fail, or revert the first): list it once")
             if len(self.common) + len(stack) > MAX_STACK:
                 raise FieldError(("builds", b), f"common: + this build make {len(self.common) + len(stack)} "
                                   f"patches in one stack; at most {MAX_STACK}")
