@@ -512,3 +512,44 @@ def test_setup_exits_3_when_a_builds_patch_does_not_apply(tmp_path, runtime_pyth
     assert proc.returncode == 3, (proc.stdout + proc.stderr)[-3000:]
     assert "build A: ok" in proc.stdout and "build R: failed" in proc.stdout, proc.stdout[-3000:]
     assert "1 of 2 build(s) not built (R)" in " ".join(proc.stderr.split()) and "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------ what --run proved
+
+def test_an_attention_only_log_expects_no_hybrid_corruption(tmp_path, catalogue):
+    """tests/data/triage/build-store-jobs-0.26.0.log (DeepSeek, attention only) --run expected
+    upstream-fix to be CORRUPT, and got VACUOUS: the expectation counted the catalogue's hybrid holes
+    (fa-hole-below-mamba-hit, mamba-null-state: their signatures need a Mamba group) on a matrix
+    with no Mamba group. The hybrid seed log still expects them."""
+    found = triage_file(DATA / "build-store-jobs-0.26.0.log", catalogue)
+    entry = next(e for e in catalogue.entries if e.name == found.best.entry)
+    data, _ = build_matrix(found, entry, list(catalogue.entries), target_of(found))
+    assert data["engine"]["geometry"]["mamba_groups"] == 0
+    assert data["expect"] == {"as-deployed": "CRASH(target)", "upstream-fix": "SURVIVED|UNREACHED",
+                              "minimal-clean-set": "SURVIVED|UNREACHED"}
+    seed = triage_file(SEED, catalogue)
+    seed_entry = next(e for e in catalogue.entries if e.name == seed.best.entry)
+    assert build_matrix(seed, seed_entry, list(catalogue.entries), target_of(seed))[0]["expect"]["upstream-fix"] \
+        == "CORRUPT"
+
+
+def test_vacuous_proves_nothing_and_is_never_called_not_clean():
+    """The words of `triage --run`: a build expected clean whose runs neither crashed nor read wrong
+    KV is clean when the entry's own path counter ran (the suite's ABSENT), and "proves nothing"
+    when it did not: never "NOT clean" (measured: build-store-jobs --run, 2026-12-04, upstream-fix
+    VACUOUS with finished_unscheduled 8: clean, exit 0)."""
+    from kvrepro.triage.run import Proof, what_it_proved
+
+    lines = what_it_proved([
+        Proof("upstream-fix", ("VACUOUS",), "SURVIVED|UNREACHED", True, "ABSENT", "path ran: finished_unscheduled 8"),
+        Proof("minimal-clean-set", ("VACUOUS",), "SURVIVED|UNREACHED", False, "UNREACHED",
+              "path below 1: finished_unscheduled 0"),
+        Proof("minimal-clean-set", ("CORRUPT",), "SURVIVED|UNREACHED", False, "OTHER", ""),
+        Proof("upstream-fix", ("VACUOUS",), "CORRUPT", False, "", ""),
+    ])
+    assert lines[0].endswith("is clean (no crash, no wrong KV); the failure's path ran (path ran: "
+                             "finished_unscheduled 8)")
+    assert lines[1].endswith("proves nothing: the failure's path never ran (path below 1: finished_unscheduled 0)")
+    assert lines[2].endswith("is NOT clean: CORRUPT")
+    assert lines[3].endswith("proves nothing: the trigger path never ran (VACUOUS)")
+    assert not any("NOT clean" in line for line in lines[:2] + lines[3:])

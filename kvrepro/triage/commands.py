@@ -79,7 +79,7 @@ def triage(log: Path, *, emit: Path | None, run: bool, release: str | None, jobs
         progress = terminal.RichProgress(len(data["builds"]))
         with progress.progress:
             matrix_result = run_emitted(path, results.checked_root(results_root), progress, stop, jobs)
-    items = proofs(matrix_result)
+    items = proofs(matrix_result, entry)
     if as_json:  # one document: the triage and what the run proved
         terminal.emit_json({**triage_render.as_json(found), "run": matrix_result.run_id, "proofs": items})
     else:

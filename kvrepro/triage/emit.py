@@ -150,7 +150,7 @@ def build_matrix(triage: Triage, entry: Entry, entries: list[Entry], pattern_tar
         # balancing the revisits rarely meet on one rank (docs/geometry.md)
         data["load"]["dp_routing"] = "affinity"
     runs = data.setdefault("runs", {})
-    runs["repetitions"] = 1
+    runs["repetitions"] = entry.absent_after  # the repetitions a fixed build needs to show ABSENT (1 mostly)
     runs["start_timeout_s"] = max(float(runs.get("start_timeout_s", 120)), 120.0 * dp)
     runs["duration_s"] = max(float(runs.get("duration_s", 120)), 900.0)
     if pattern_target:
@@ -170,7 +170,9 @@ def build_matrix(triage: Triage, entry: Entry, entries: list[Entry], pattern_tar
     used = [p for stack in builds.values() for p in stack]
     data["patches"] = {name: spec for name, spec in (data.get("patches") or {}).items() if name in used}
     data.update(base=base, common=[], builds=builds)
-    data["expect"] = {name: _plain_expect(expected_verdict(entries, base, tuple(stack), entry))
+    # an attention-only deployment has no Mamba group, so no hybrid hole can be expected of it
+    groups = ("mamba", "full_attention") if geometry["mamba_groups"] else ("full_attention",)
+    data["expect"] = {name: _plain_expect(expected_verdict(entries, base, tuple(stack), entry, groups))
                       for name, stack in builds.items()}
     return data, notes
 
