@@ -553,3 +553,109 @@ def test_vacuous_proves_nothing_and_is_never_called_not_clean():
     assert lines[2].endswith("is NOT clean: CORRUPT")
     assert lines[3].endswith("proves nothing: the trigger path never ran (VACUOUS)")
     assert not any("NOT clean" in line for line in lines[:2] + lines[3:])
+
+
+# ------------------------------------------------------------------ reading: FIFOs, pipes, encodings, bombs
+
+def _seed_bytes() -> bytes:
+    return SEED.read_bytes()
+
+
+@pytest.mark.parametrize("kind", ["gzip", "bzip2", "xz", "zstd", "utf-16", "cr-only"])
+def test_every_way_a_log_comes_is_read_as_the_same_log(tmp_path, catalogue, kind):
+    """Compressed (by magic bytes, whatever the name), UTF-16, \\r-only line ends: the same triage
+    as the plain seed log (they were "binary", or one long line, before)."""
+    import bz2
+    import gzip
+    import lzma
+
+    raw = _seed_bytes()
+    path = tmp_path / "incident.log"
+    if kind == "gzip":
+        path.write_bytes(gzip.compress(raw))
+    elif kind == "bzip2":
+        path.write_bytes(bz2.compress(raw))
+    elif kind == "xz":
+        path.write_bytes(lzma.compress(raw))
+    elif kind == "zstd":
+        import shutil as _shutil
+
+        require(_shutil.which("zstd") is not None, "the zstd program")
+        subprocess.run(["zstd", "-q", "-f", "-o", str(path), str(SEED)], check=True)
+    elif kind == "utf-16":
+        path.write_bytes(raw.decode().encode("utf-16"))
+    else:
+        path.write_bytes(raw.replace(b"\n", b"\r"))
+    plain, found = triage_file(SEED, catalogue), triage_file(path, catalogue)
+    assert (found.best.entry, found.failure.line, found.lines, found.config.block_size) == \
+        (plain.best.entry, plain.failure.line, plain.lines, plain.config.block_size)
+    if kind in ("utf-16", "cr-only"):
+        assert any("read as" in w for w in found.warnings), found.warnings
+
+
+def test_a_truncated_compressed_log_says_where(tmp_path):
+    import gzip
+
+    cut = tmp_path / "cut.log.gz"
+    cut.write_bytes(gzip.compress(_seed_bytes() * 40)[:4000])
+    line = one_line(kvrepro("triage", str(cut)), 2, "damaged gzip data at byte 4,000 of 4,000", "lines)",
+                    "the file ends inside the gzip data")
+    assert "after 0 bytes" not in line
+
+
+def test_a_fifo_is_refused_at_once_and_a_pipe_is_read(tmp_path):
+    fifo = tmp_path / "incident.log"
+    os.mkfifo(fifo)
+    one_line(kvrepro("triage", str(fifo), timeout=60), 2, "a FIFO (named pipe)", "pipe it in")
+    for name in ("-", "/dev/stdin"):
+        with open(SEED, "rb") as fh:
+            piped = subprocess.run(["sh", "-c", f'cat "$1" | "$2" -m kvrepro.cli triage {name} --json', "sh", str(SEED),
+                                    sys.executable], capture_output=True, text=True, timeout=HANG, cwd=ROOT, stdin=fh)
+        assert piped.returncode == 0, piped.stderr[-2000:]
+        assert '"best": "offload-boundary-assert"' in piped.stdout
+
+
+def test_a_line_bomb_is_cut_and_said_and_the_lines_after_it_keep_their_numbers(tmp_path, catalogue):
+    """64 MiB on one line (a 64 KiB gzip) before the traceback: cut to 1 MiB with a warning naming
+    its line, the crash found at its own line. Memory: benchmarks/hostile_logs.py (flat RSS)."""
+    import zlib
+
+    lines = _seed_bytes().split(b"\n")
+    packer = zlib.compressobj(6, zlib.DEFLATED, 31)
+    body = [packer.compress(b"\n".join(lines[:18]) + b"\n(APIServer pid=1) ERROR ")]
+    body += [packer.compress(b"A" * (1 << 20)) for _ in range(64)]
+    body += [packer.compress(b"\n" + b"\n".join(lines[18:])), packer.flush()]
+    bomb = tmp_path / "bomb.log.gz"
+    bomb.write_bytes(b"".join(body))
+    found, plain = triage_file(bomb, catalogue), triage_file(SEED, catalogue)
+    assert found.best.entry == plain.best.entry and found.failure.line == plain.failure.line + 1
+    assert any(w.startswith(f"{bomb}:19: a line of 67,108,888 bytes, cut to its first 1,048,576") for w in found.warnings)
+
+
+def test_huge_numbers_and_versions_are_one_short_line(tmp_path):
+    digits = "9" * 100_000
+    version = seed_log(tmp_path / "v.log", replace={"vLLM API server version 0.26.0": f"vLLM API server version {digits}"})
+    line = one_line(kvrepro("triage", str(version)), 2, "is not a release kvrepro can triage", "(100,000 characters)")
+    assert len(line) < 400
+    one_line(kvrepro("triage", str(SEED), "--release", digits), 2, "--release 99999", "(100,000 characters)")
+    one_line(kvrepro("triage", str(SEED), "--release", "junk"), 2, "--release junk: not a vLLM release")
+    numbers = seed_log(tmp_path / "n.log", args_text="{'tensor_parallel_size': " + digits + ", 'block_size': 1e999999}")
+    proc = kvrepro("triage", str(numbers), "--json")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stdout) < 20_000  # the 100,000 digits are not echoed
+
+
+def test_a_binary_a_zip_and_an_empty_log_are_one_line(tmp_path):
+    import zipfile
+
+    binary = tmp_path / "core"
+    binary.write_bytes(os.urandom(1 << 16))
+    one_line(kvrepro("triage", str(binary)), 2, "not a text log (binary data")
+    archive = tmp_path / "logs.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("vllm.log", _seed_bytes())
+    one_line(kvrepro("triage", str(archive)), 2, "a zip archive, not a log", "unpack it")
+    empty = tmp_path / "empty.log"
+    empty.write_bytes(b"")
+    one_line(kvrepro("triage", str(empty)), 2, "is empty")
+    one_line(kvrepro("triage", "/dev/zero"), 2, "character device")
