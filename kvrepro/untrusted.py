@@ -43,11 +43,13 @@ import io
 import os
 import secrets
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO
 
-from .errors import BadInputError
+from .errors import BadInputError, InfraError
 
 
 class UnreadableFile(OSError):
@@ -264,6 +266,25 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 class LinkInTheWay(BadInputError):
     """A symbolic link where kvrepro would write (exit 2): it is never written through."""
+
+
+@contextmanager
+def writing(what: str, exists: str, prefix: str = "") -> Iterator[None]:
+    """One line, and the exit code, for what writing into a user's folder meets: a link in the way
+    (2, ``prefix`` before it: ``--emit``), a file where one is to be made (2, ``exists``: what to do),
+    a file where a folder is needed (2), a disk or permission problem (3, naming ``what``)."""
+    try:
+        yield
+    except LinkInTheWay as exc:
+        raise LinkInTheWay(f"{prefix}{exc}") from None
+    except FileExistsError as exc:
+        raise BadInputError(f"{quote(exc.filename or what, 200)}: already exists; {exists}") from None
+    except NotADirectoryError as exc:
+        raise BadInputError(f"{quote(exc.filename or what, 200)}: a file stands where a folder is needed; move it, "
+                            "or choose another folder") from None
+    except OSError as exc:
+        raise InfraError(f"{what}: cannot write {quote(exc.filename or '', 200)}: {exc.strerror or exc}; give "
+                         f"{prefix}a folder you can write (e.g. under your home or the project)") from None
 
 
 class WriteFolder:

@@ -22,6 +22,8 @@ import pytest
 import yaml
 
 from conftest import ROOT, require
+from test_hostile_inputs import kvrepro as _kvrepro
+from test_hostile_inputs import one_line as _one_line
 from kvrepro.errors import BadInputError
 from kvrepro.suite.run import load as load_catalogue
 from kvrepro.triage import triage_file
@@ -34,21 +36,15 @@ SEED = DATA / "seed-0.26-dp4-offload-mtp.log"
 HANG = 120
 
 
-def kvrepro(*args: str, cwd: Path = ROOT, timeout: float = HANG, stdin=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvrepro.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, stdin=stdin)
+def kvrepro(*args: str, timeout: float = HANG) -> subprocess.CompletedProcess:
+    return _kvrepro(*args, timeout=timeout)
 
 
 def one_line(proc: subprocess.CompletedProcess, code: int, *words: str) -> str:
-    """Exit ``code``, exactly one line on stderr, no traceback, holding ``words``, at most ~300 chars."""
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == code, (proc.returncode, proc.stderr[-3000:])
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert len(lines) == 1, proc.stderr[-3000:]
-    for word in words:
-        assert word in lines[0], (word, lines[0])
-    assert len(lines[0]) < 600, lines[0][:600]
-    return lines[0]
+    """test_hostile_inputs.one_line (exit ``code``, one line, no traceback, ``words``), and short."""
+    line = _one_line(proc, code, *words)
+    assert len(line) < 600, line[:600]
+    return line
 
 
 @pytest.fixture(scope="module")
@@ -223,35 +219,46 @@ def _outside(tmp_path: Path) -> Path:
     return outside
 
 
-def test_emit_never_writes_through_a_link(tmp_path):
+def _seed_matrix(catalogue):
+    found = triage_file(SEED, catalogue)
+    entry = next(e for e in catalogue.entries if e.name == found.best.entry)
+    data, notes = build_matrix(found, entry, list(catalogue.entries), target_of(found))
+    return found, entry, data, notes
+
+
+def test_emit_never_writes_through_a_link(tmp_path, catalogue):
     """--emit DIR with a dangling DIR/builds/*.patch link, DIR/builds a link, DIR a link: nothing
-    outside DIR; the first is replaced inside DIR, the others refused (exit 2)."""
+    outside DIR; the first is replaced inside DIR, the others refused (exit 2: LinkInTheWay is
+    bad input, one line through kvrepro's error handling, as the first case shows end to end)."""
     outside = _outside(tmp_path)
     dangling = tmp_path / "dangling"
     (dangling / "builds").mkdir(parents=True)
     (dangling / "builds" / "pr-48425.patch").symlink_to(outside / "pwned")
-    (dangling / "matrix.yaml.d").mkdir()
     proc = kvrepro("triage", str(SEED), "--emit", str(dangling))
     assert proc.returncode == 0, proc.stderr
     assert not (dangling / "builds" / "pr-48425.patch").is_symlink()
     assert (dangling / "builds" / "pr-48425.patch").read_bytes() == (ROOT / "builds" / "pr-48425.patch").read_bytes()
+    found, entry, data, notes = _seed_matrix(catalogue)
     linked_sub = tmp_path / "linked-sub"
     linked_sub.mkdir()
     (linked_sub / "builds").symlink_to(outside)
-    one_line(kvrepro("triage", str(SEED), "--emit", str(linked_sub)), 2, "builds: a symbolic link")
+    with pytest.raises(LinkInTheWay, match=r"^--emit .*linked-sub/builds: a symbolic link"):
+        write_matrix(linked_sub, data, found, entry, notes)
     linked = tmp_path / "linked"
     linked.symlink_to(outside)
-    one_line(kvrepro("triage", str(SEED), "--emit", str(linked)), 2, "a symbolic link", "give the folder itself")
+    with pytest.raises(LinkInTheWay, match=r"^--emit .*linked: a symbolic link \(to .*outside\).*give the folder itself"):
+        write_matrix(linked, data, found, entry, notes)
     dangling_matrix = tmp_path / "dm"
     dangling_matrix.mkdir()
     (dangling_matrix / "matrix.yaml").symlink_to(outside / "matrix.yaml")
-    one_line(kvrepro("triage", str(SEED), "--emit", str(dangling_matrix)), 2, "already holds a matrix.yaml")
-    assert list(outside.iterdir()) == []
+    with pytest.raises(BadInputError, match="already holds a matrix.yaml"):
+        write_matrix(dangling_matrix, data, found, entry, notes)
+    assert list(outside.iterdir()) == [] and LinkInTheWay.exit_code == 2
 
 
 def test_emit_into_a_place_that_cannot_be_written_says_emit():
     line = one_line(kvrepro("triage", str(SEED), "--emit", "/sys/kernel/kvrepro-test"), 3, "--emit /sys/kernel/")
-    assert "--results" not in line and "give --emit a folder you can write" in line
+    assert "--results" not in line and "give --emit a folder you can write" in line, line
 
 
 def test_init_never_writes_through_a_link(tmp_path):
@@ -632,20 +639,24 @@ def test_a_line_bomb_is_cut_and_said_and_the_lines_after_it_keep_their_numbers(t
     assert any(w.startswith(f"{bomb}:19: a line of 67,108,888 bytes, cut to its first 1,048,576") for w in found.warnings)
 
 
-def test_huge_numbers_and_versions_are_one_short_line(tmp_path):
+def test_huge_numbers_and_versions_are_one_short_line(tmp_path, catalogue):
+    from kvrepro.triage import render
+    from kvrepro.triage.commands import check_release
+
     digits = "9" * 100_000
     version = seed_log(tmp_path / "v.log", replace={"vLLM API server version 0.26.0": f"vLLM API server version {digits}"})
     line = one_line(kvrepro("triage", str(version)), 2, "is not a release kvrepro can triage", "(100,000 characters)")
     assert len(line) < 400
-    one_line(kvrepro("triage", str(SEED), "--release", digits), 2, "--release 99999", "(100,000 characters)")
-    one_line(kvrepro("triage", str(SEED), "--release", "junk"), 2, "--release junk: not a vLLM release")
+    for release, says in ((digits, "--release 99999"), ("junk", "--release junk: not a vLLM release")):
+        with pytest.raises(BadInputError, match=says) as exc:
+            check_release(release)
+        assert len(str(exc.value)) < 300
     numbers = seed_log(tmp_path / "n.log", args_text="{'tensor_parallel_size': " + digits + ", 'block_size': 1e999999}")
-    proc = kvrepro("triage", str(numbers), "--json")
-    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert len(proc.stdout) < 20_000  # the 100,000 digits are not echoed
+    shown = render.plain(triage_file(numbers, catalogue))
+    assert all(len(line) <= 80 for line in shown) and digits[:100] not in "".join(shown)
 
 
-def test_a_binary_a_zip_and_an_empty_log_are_one_line(tmp_path):
+def test_a_binary_a_zip_and_an_empty_log_are_one_line(tmp_path, catalogue):
     import zipfile
 
     binary = tmp_path / "core"
@@ -654,8 +665,9 @@ def test_a_binary_a_zip_and_an_empty_log_are_one_line(tmp_path):
     archive = tmp_path / "logs.zip"
     with zipfile.ZipFile(archive, "w") as z:
         z.writestr("vllm.log", _seed_bytes())
-    one_line(kvrepro("triage", str(archive)), 2, "a zip archive, not a log", "unpack it")
     empty = tmp_path / "empty.log"
     empty.write_bytes(b"")
-    one_line(kvrepro("triage", str(empty)), 2, "is empty")
-    one_line(kvrepro("triage", "/dev/zero"), 2, "character device")
+    for path, says in ((archive, "a zip archive, not a log; unpack it"), (empty, "is empty"),
+                       (Path("/dev/zero"), "character device")):
+        with pytest.raises(BadInputError, match=says):
+            triage_file(path, catalogue)

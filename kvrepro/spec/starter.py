@@ -16,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import paths
-from ..errors import BadInputError, InfraError
-from ..untrusted import WriteFolder, quote
+from ..errors import BadInputError
+from ..untrusted import WriteFolder, quote, writing
 from ..records import StarterProject
 
 
@@ -43,25 +43,16 @@ def write_starter(folder: Path, with_catalogue: bool = False, force: bool = Fals
     if folder.exists() and not folder.is_dir() and not folder.is_symlink():
         raise BadInputError(f"{quote(folder, 200)}: is a file; give a folder to write the starter project into")
     relative = [rel for source in sources for rel in _files_of(source)]
-    try:
-        with WriteFolder(folder) as out:
-            if not force:
-                taken = [rel for rel in relative if out.exists(rel)]  # a dangling link is taken too
-                if taken:
-                    more = f" (and {len(taken) - 1} more)" if len(taken) > 1 else ""
-                    raise BadInputError(f"{quote(folder / taken[0], 200)}: already exists{more}; pass --force to "
-                                        "overwrite with the shipped files, or init another folder")
-            for rel in relative:
-                out.write(rel, (shipped / rel).read_bytes(), replace=force)
-    except FileExistsError as exc:  # made since the check above
-        raise BadInputError(f"{quote(exc.filename or folder, 200)}: already exists; pass --force to overwrite with "
-                            "the shipped files, or init another folder") from None
-    except NotADirectoryError as exc:
-        raise BadInputError(f"{quote(exc.filename or folder, 200)}: a file stands where a folder is needed; move it "
-                            "or init another folder") from None
-    except OSError as exc:
-        raise InfraError(f"{quote(folder, 200)}: cannot write the starter project: {quote(exc.filename or '', 200)}: "
-                         f"{exc.strerror or exc}; give a folder you can write") from None
+    with writing(quote(folder, 200), "pass --force to overwrite with the shipped files, or init another folder"), \
+            WriteFolder(folder) as out:
+        if not force:
+            taken = [rel for rel in relative if out.exists(rel)]  # a dangling link is taken too
+            if taken:
+                more = f" (and {len(taken) - 1} more)" if len(taken) > 1 else ""
+                raise BadInputError(f"{quote(folder / taken[0], 200)}: already exists{more}; pass --force to "
+                                    "overwrite with the shipped files, or init another folder")
+        for rel in relative:
+            out.write(rel, (shipped / rel).read_bytes(), replace=force)
     at = "" if folder.resolve() == Path.cwd().resolve() else f"cd {folder} && "
     steps = (f"{at}kvrepro matrix validate",
              f"{at}kvrepro matrix run --build A --reps 1",

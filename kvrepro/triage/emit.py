@@ -34,11 +34,11 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from ..errors import BadInputError, InfraError
+from ..errors import BadInputError
 from ..secrets import redact
 from ..spec.matrix import DEFAULT_MATRIX, SHIPPED_MODELS, EngineSpec, GeometrySpec
 from ..spec.yamltext import StrictLoader
-from ..untrusted import LinkInTheWay, WriteFolder, one_line, quote
+from ..untrusted import WriteFolder, one_line, quote, writing
 from ..suite.catalogue import Entry
 from ..versions import KERNEL_BLOCK_ALIGNMENT
 from .matching import expected_verdict, upstream_fix
@@ -244,23 +244,11 @@ def write_matrix(folder: Path, data: dict[str, Any], triage: Triage, entry: Entr
     _shipped_only(data)
     text = matrix_text(data, header_lines(triage, entry, notes))
     source_builds = DEFAULT_MATRIX.parent / "builds"
-    try:
-        with WriteFolder(folder) as out:
-            if out.exists("matrix.yaml"):
-                raise BadInputError(f"--emit {quote(folder, 200)}: already holds a matrix.yaml; give a new folder "
-                                    "(nothing overwritten)")
-            for spec in data["patches"].values():
-                out.write(Path("builds") / spec["file"], (source_builds / spec["file"]).read_bytes(), replace=True)
-            return out.write("matrix.yaml", text)
-    except LinkInTheWay as exc:
-        raise LinkInTheWay(f"--emit {exc}") from None
-    except FileExistsError:
-        raise BadInputError(f"--emit {quote(folder, 200)}: already holds a matrix.yaml; give a new folder "
-                            "(nothing overwritten)") from None
-    except NotADirectoryError as exc:
-        raise BadInputError(f"--emit {quote(folder, 200)}: {quote(exc.filename or folder, 200)}: a file stands "
-                            "where a folder is needed; give --emit a new folder") from None
-    except OSError as exc:
-        raise InfraError(f"--emit {quote(folder, 200)}: cannot write {quote(exc.filename or folder, 200)}: "
-                         f"{exc.strerror or exc}; give --emit a folder you can write (e.g. under your home "
-                         "or the project)") from None
+    with writing(f"--emit {quote(folder, 200)}", "give --emit a new folder (nothing overwritten)", prefix="--emit "), \
+            WriteFolder(folder) as out:
+        if out.exists("matrix.yaml"):
+            raise BadInputError(f"--emit {quote(folder, 200)}: already holds a matrix.yaml; give a new folder "
+                                "(nothing overwritten)")
+        for spec in data["patches"].values():
+            out.write(Path("builds") / spec["file"], (source_builds / spec["file"]).read_bytes(), replace=True)
+        return out.write("matrix.yaml", text)
