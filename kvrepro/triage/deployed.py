@@ -78,7 +78,8 @@ class ConfigReader:
                 self.lines["mamba_mode"] = number
         elif "attention block size" in body and (m := _ATTN_BLOCK.search(body)) is not None:
             n = m["n"]
-            self.attention_block = int(n) if len(n) <= 40 else 10 ** 40  # beyond any bound, within int()'s limit
+            # int() refuses more than 4,300 digits; a number that long is kept by its size alone
+            self.attention_block = int(n) if len(n) <= 4000 else 10 ** (len(n) - 1)
             self.lines["attention_block"] = number
 
     def _read_args(self, body: str) -> None:

@@ -123,7 +123,7 @@ def build_matrix(triage: Triage, entry: Entry, entries: list[Entry], pattern_tar
         chunk = block
     dp = min(MAX_DP, max(1, cfg.data_parallel_size))
     if cfg.data_parallel_size > MAX_DP:
-        notes.append(f"data parallel size {cfg.data_parallel_size} reproduced with {MAX_DP} ranks")
+        notes.append(f"data parallel size {quote(cfg.data_parallel_size)} reproduced with {MAX_DP} ranks")
     mtp = cfg.num_speculative_tokens if cfg.speculative_method and cfg.num_speculative_tokens else 0
     if cfg.speculative_method and (cfg.speculative_method or "").lower() != "mtp":
         notes.append(f"speculative method {quote(cfg.speculative_method)}: the GPU-free engine drafts with MTP only; "
