@@ -74,7 +74,8 @@ def main() -> None:
                                  timed([command, str(path)], env, opts.timeout, checkout)))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"{'command':22} {'log':32} {'seed s':>7} {'seed MiB':>8} {'bomb s':>7} {'bomb MiB':>8} {'ratio':>6} {'exit':>4}")
+    print(f"{'command':22} {'log':32} {'seed s':>7} {'seed MiB':>8} {'bomb s':>7} {'bomb MiB':>8} {'ratio':>6} "
+          f"{'exit':>4}")
     for command, name, (b_s, b_mb, _), (h_s, h_mb, code) in rows:
         print(f"{command:22} {name:32} {b_s:7.1f} {b_mb:8.0f} {h_s:7.1f} {h_mb:8.0f} {h_mb / b_mb:6.2f} {code:4d}")
     print(json.dumps({"goal": f"peak RSS at most {GOAL_RATIO}x the seed log's", "load": os.getloadavg(), "rows": [

@@ -431,7 +431,8 @@ def explore_cmd(
     base: Optional[str] = typer.Option(None, "--base", help="the vLLM release to explore (e.g. 0.26.0)"),
     patch: Optional[list[str]] = typer.Option(None, "--patch", help="a patch from the matrix's patches: on the "
                                               "base, in order (repeatable)"),
-    budget: Optional[str] = typer.Option(None, "--budget", help="runs (20) or run time (90s, 30m, 2h)"),
+    budget: Optional[str] = typer.Option(None, "--budget", help="runs (20) or run time (90s, 30m, 2h, 1d); "
+                                         "on --resume, the campaign's whole budget"),
     seed: int = typer.Option(0, "--seed", help="the campaign's seed: same seed, same runs"),
     unguided: bool = typer.Option(False, "--unguided", help="uniform choices: no steering by coverage"),
     no_corpus: bool = typer.Option(False, "--no-corpus", help="guided, without replaying the catalogue's entries first"),

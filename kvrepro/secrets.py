@@ -48,7 +48,8 @@ _KEY_NAME = (r"(?:[A-Za-z0-9]*[-_.])?(?:x[-_.])?(?:api[-_.]?key|access[-_.]?key|
 # KEY: VALUE, KEY=VALUE, 'KEY': 'VALUE', "KEY": "VALUE", a header's value after Bearer/Basic/Token
 _KEY_VALUE_TEXT = re.compile(
     r"""(?<![A-Za-z0-9_.-])(["']?)""" + _KEY_NAME + r"""\1(\s*[:=]\s*)"""
-    r"""(?:(["'])(?!\*\*\*)([^"'\n]{1,4096})\3|((?:(?:Bearer|Basic|Token)\s+)?)(?!\*\*\*)([^\s,;'"}\])]{1,4096}))""",
+    r"""(?:(["'])(?!\*\*\*)([^"'\n]{1,4096})\3|((?:(?:Bearer|Basic|Token)\s+)?)"""
+    r"""(?!\*\*\*|(?:null|true|false|None|True|False)\b)([^\s,;'"{}\[\]()]{1,4096}))""",
     re.I)
 # scheme://user:PASSWORD@host
 _URL_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]{0,31}://[^\s/@:'\"]{0,256}:)(?!\*\*\*@)([^\s/@'\"]{1,256})@")
@@ -111,6 +112,12 @@ def is_secret_key(key: str) -> bool:
         return False
     snake = _CAMEL.sub("_", key)
     return is_secret_flag("--" + snake.replace("_", "-")) or re.fullmatch(_KEY_NAME, snake, re.I) is not None
+
+
+def _names_a_secret(key: str) -> bool:
+    """Narrower than is_secret_key, for keys of kvrepro's own records too: only the spellings
+    _KEY_NAME knows (api_key, ApiKey, hf_token, password), not every ``*_key`` (overlay_key)."""
+    return len(key) <= 200 and re.fullmatch(_KEY_NAME, _CAMEL.sub("_", key), re.I) is not None
 
 
 def url_passwords(text: str) -> list[str]:
@@ -235,12 +242,16 @@ def _masked_value(m: re.Match[str]) -> str:
     return whole[:start - base] + "***" + whole[end - base:]
 
 
-def redact_value(value):
-    """A JSON-like value (dicts, lists, strings) with every string redacted."""
+def redact_value(value, key: str = ""):
+    """A JSON-like value (dicts, lists, strings) with every string redacted, and every value under
+    a key that names a secret (``ApiKey``, ``hf_token``: :func:`is_secret_key`) masked whole."""
+    if key and value not in (None, "", False, True, "***") and not isinstance(value, (dict, list, tuple)) \
+            and _names_a_secret(key):
+        return "***"
     if isinstance(value, str):
         return redact(value)
     if isinstance(value, dict):
-        return {k: redact_value(v) for k, v in value.items()}
+        return {k: redact_value(v, k if isinstance(k, str) else "") for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [redact_value(v) for v in value]
+        return [redact_value(v, key) for v in value]
     return value

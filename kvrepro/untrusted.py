@@ -39,7 +39,6 @@ catalogue (kvrepro/suite/catalogue.py), ``classify`` (kvrepro/classify/logfile.p
 from __future__ import annotations
 
 import errno
-import io
 import os
 import secrets
 import stat
@@ -47,7 +46,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Any, BinaryIO
 
 from .errors import BadInputError, InfraError
 
@@ -202,34 +200,6 @@ class LineCutter:
             lines.append(f"{quote(path, 200)}: {self.cut_count - len(self.cuts):,} more line(s) over {self.limit:,} "
                          "bytes cut the same way")
         return lines
-
-
-class CutLines(io.RawIOBase):
-    """A readable binary stream whose lines are cut by a :class:`LineCutter` (for a TextIOWrapper:
-    every line it yields is then bounded, whatever the file holds)."""
-
-    def __init__(self, raw: BinaryIO, cutter: LineCutter, block: int = 1 << 16):
-        self._raw = raw
-        self.cutter = cutter
-        self._block = block
-        self._pending = b""
-        self._eof = False
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        while not self._pending and not self._eof:
-            data = self._raw.read(self._block)
-            if not data:
-                self._eof = True
-                self.cutter.close()
-                break
-            self._pending = self.cutter.feed(data)
-        n = min(len(buffer), len(self._pending))
-        buffer[:n] = self._pending[:n]
-        self._pending = self._pending[n:]
-        return n
 
 
 # -- quoting an input in a message ----------------------------------------------------------------
@@ -418,5 +388,5 @@ class WriteFolder:
         return shown
 
 
-__all__ = ["LINE_LIMIT", "CutLines", "LineCutter", "LinkInTheWay", "UnreadableFile", "WriteFolder", "one_line", "open_regular", "quote", "read_bytes",
-           "read_text"]
+__all__ = ["LINE_LIMIT", "LineCutter", "LinkInTheWay", "UnreadableFile", "WriteFolder", "one_line", "open_regular",
+           "quote", "read_bytes", "read_text", "writing"]

@@ -246,7 +246,7 @@ def test_emit_never_writes_through_a_link(tmp_path, catalogue):
         write_matrix(linked_sub, data, found, entry, notes)
     linked = tmp_path / "linked"
     linked.symlink_to(outside)
-    with pytest.raises(LinkInTheWay, match=r"^--emit .*linked: a symbolic link \(to .*outside\).*give the folder itself"):
+    with pytest.raises(LinkInTheWay, match=r"^--emit .*linked: a symbolic link \(to .*outside\).*the folder itself"):
         write_matrix(linked, data, found, entry, notes)
     dangling_matrix = tmp_path / "dm"
     dangling_matrix.mkdir()
@@ -320,7 +320,8 @@ def _secret_log(tmp_path: Path) -> Path:
     args = {**SEED_ARGS, "api_key": [SECRET_VALUES[5]],
             "kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                                    "kv_connector_extra_config": {
-                                       "ApiKey": SECRET_VALUES[0], "redis_url": f"redis://user:{SECRET_VALUES[1]}@h:6379",
+                                       "ApiKey": SECRET_VALUES[0],
+                                       "redis_url": f"redis://user:{SECRET_VALUES[1]}@h:6379",
                                        "headers": {"X-Api-Key": SECRET_VALUES[2]}}}}
     crash = "(EngineCore_DP2 pid=247) ERROR 08-19 19:52:31 [core.py:1332] EngineCore encountered a fatal error."
     return seed_log(tmp_path / "secrets.log", args, replace={crash: crash + "\n(APIServer pid=1) ERROR upstream "
@@ -372,7 +373,8 @@ def _campaign(tmp_path: Path, runs: int = 0, budget: int = 1_000_000):
 
     root = tmp_path / "results"
     state, folder = new_campaign(root, CampaignRequest(base="0.26.0", budget_runs=budget))
-    state.runs = [RunRecord(spec=RunSpec(index=i), run_id=f"r{i}", verdict="SURVIVED", seconds=1.0) for i in range(runs)]
+    state.runs = [RunRecord(spec=RunSpec(index=i), run_id=f"r{i}", verdict="SURVIVED", seconds=1.0)
+                  for i in range(runs)]
     state.status = "interrupted"
     save(state, folder)
     return root, state, folder
@@ -636,7 +638,8 @@ def test_a_line_bomb_is_cut_and_said_and_the_lines_after_it_keep_their_numbers(t
     bomb.write_bytes(b"".join(body))
     found, plain = triage_file(bomb, catalogue), triage_file(SEED, catalogue)
     assert found.best.entry == plain.best.entry and found.failure.line == plain.failure.line + 1
-    assert any(w.startswith(f"{bomb}:19: a line of 67,108,888 bytes, cut to its first 1,048,576") for w in found.warnings)
+    cut = f"{bomb}:19: a line of 67,108,888 bytes, cut to its first 1,048,576"
+    assert any(w.startswith(cut) for w in found.warnings), found.warnings
 
 
 def test_huge_numbers_and_versions_are_one_short_line(tmp_path, catalogue):
@@ -644,7 +647,8 @@ def test_huge_numbers_and_versions_are_one_short_line(tmp_path, catalogue):
     from kvrepro.triage.commands import check_release
 
     digits = "9" * 100_000
-    version = seed_log(tmp_path / "v.log", replace={"vLLM API server version 0.26.0": f"vLLM API server version {digits}"})
+    banner = "vLLM API server version"
+    version = seed_log(tmp_path / "v.log", replace={f"{banner} 0.26.0": f"{banner} {digits}"})
     line = one_line(kvrepro("triage", str(version)), 2, "is not a release kvrepro can triage", "(100,000 characters)")
     assert len(line) < 400
     for release, says in ((digits, "--release 99999"), ("junk", "--release junk: not a vLLM release")):

@@ -224,7 +224,8 @@ def _zstd_blocks(path: str | Path, fd: int, size: int | None, info: LogInfo) -> 
         problem = proc.stderr.read(400).decode("utf-8", errors="replace").strip() if proc.stderr else ""
         if proc.wait() != 0:
             info.raw_bytes = os.lseek(fd, 0, os.SEEK_CUR)
-            raise _Damaged(f"zstd said: {quote(problem.splitlines()[-1] if problem else 'exit ' + str(proc.returncode))}")
+            said = problem.splitlines()[-1] if problem else f"exit {proc.returncode}"
+            raise _Damaged(f"zstd said: {quote(said)}")
         info.raw_bytes = size
     finally:
         if proc.poll() is None:
@@ -291,9 +292,10 @@ def _text_blocks(path: str | Path, fd: int, size: int | None, info: LogInfo, req
         info.cutter.close()
     except _Damaged as exc:
         of = f" of {size:,}" if size is not None else ""
+        tool = _TOOL.get(kind or "", "cat")
         raise NotTextLog(f"{shown}: damaged {kind} data at byte {info.raw_bytes:,}{of} (after {info.out_bytes:,} "
                          f"bytes of log, {info.out_lines:,} lines): {exc.detail}; give the whole file, or decompress "
-                         f"what is left of it (`{_TOOL.get(kind or '', 'cat')} LOG > part.log`) and give that") from None
+                         f"what is left of it (`{tool} LOG > part.log`) and give that") from None
 
 
 def _counted(blocks: Iterator[bytes], info: LogInfo) -> Iterator[bytes]:

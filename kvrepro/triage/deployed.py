@@ -139,8 +139,8 @@ class ConfigReader:
             speculative_method=method,
             num_speculative_tokens=_int(spec.get("num_speculative_tokens")) if spec else None,
             scheduling_policy=_str(args.get("scheduling_policy")) or "fcfs",
-            lines={"block_size": self.lines.get("attention_block") if self.attention_block else self.lines.get("args"),
-                   "mamba_cache_mode": self.lines.get("mamba_mode") if self.mamba_mode_logged else self.lines.get("args"),
+            lines={"block_size": self.lines.get("attention_block" if self.attention_block else "args"),
+                   "mamba_cache_mode": self.lines.get("mamba_mode" if self.mamba_mode_logged else "args"),
                    **{k: self.lines["args"] for k in ("offload_chunk_tokens", "num_speculative_tokens",
                                                       "data_parallel_size", "model") if "args" in self.lines}},
         )

@@ -214,7 +214,8 @@ def header_lines(triage: Triage, entry: Entry, notes: list[str]) -> list[str]:
         f"as deployed: vLLM {q(cfg.release, 'release not in the log')}, {q(cfg.model, 'model not in the log')}"
         f" ({q(cfg.architecture, 'architecture not in the log')}), DP{q(cfg.data_parallel_size, '1')}"
         f" x TP{q(cfg.tensor_parallel_size, '1')}, {q(cfg.kv_connector, 'no KV connector')},"
-        f" Mamba cache mode {q(cfg.mamba_cache_mode, 'none')}, block {q(cfg.block_size, 'default')}, speculative {spec}",
+        f" Mamba cache mode {q(cfg.mamba_cache_mode, 'none')}, block {q(cfg.block_size, 'default')},"
+        f" speculative {spec}",
         "builds: as-deployed (the release as shipped), upstream-fix (the backport of the fix upstream names",
         "first), minimal-clean-set (the smallest backport stack after which defects/ expects no defect present)",
         "scaled for the GPU-free engine as kvrepro/triage/emit.py says (pool, dimensions; TP not modelled)",
