@@ -675,3 +675,23 @@ def test_a_binary_a_zip_and_an_empty_log_are_one_line(tmp_path, catalogue):
                        (Path("/dev/zero"), "character device")):
         with pytest.raises(BadInputError, match=says):
             triage_file(path, catalogue)
+
+
+def test_every_value_triage_shows_is_one_printable_line(tmp_path, catalogue):
+    """The same injections in every value triage reads and prints (args, the exception's message,
+    the backend, the scheduling policy): the plain output is lines of at most 80 columns with no
+    control character, and the JSON output parses to the same values (JSON escapes them)."""
+    import json
+
+    from kvrepro.triage import render
+
+    evil = INJECTIONS[0] + INJECTIONS[3] + "\x1b[31m"
+    args = {**SEED_ARGS, "model_tag": evil, "kv_offloading_backend": evil, "scheduling_policy": evil,
+            "speculative_config": {"method": "mtp" + evil, "num_speculative_tokens": 1}}
+    raw = "x\u2028y\x1b[31m\x07z\x85w\rv"  # a line may hold these raw (only \n ends one)
+    log = seed_log(tmp_path / "evil.log", args, replace={"] AssertionError\n": f"] AssertionError: {raw} {evil!r}\n"})
+    found = triage_file(log, catalogue)
+    lines = render.plain(found)
+    assert all(len(line) <= 80 and line.isprintable() for line in lines), [ln for ln in lines if not ln.isprintable()]
+    assert repr(evil)[:20] in found.failure.exception_line  # the message was read (as the log has it)
+    assert json.loads(json.dumps(render.as_json(found)))["config"]["model"] == evil

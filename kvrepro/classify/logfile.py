@@ -342,9 +342,11 @@ def open_log_bytes(path: str | Path, require_text: bool = True) -> Iterator[tupl
     damaged stream may raise while read)."""
     fd, size = _open_source(path)
     info = LogInfo(path=str(path), size=size)
+    blocks = _text_blocks(path, fd, size, info, require_text)
     try:
-        yield LogStream(_text_blocks(path, fd, size, info, require_text)), info
+        yield LogStream(blocks), info
     finally:
+        blocks.close()  # a reader that stopped early: the zstd process (if any) goes now, not at GC
         os.close(fd)
 
 
