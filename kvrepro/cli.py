@@ -454,7 +454,8 @@ def explore_cmd(
 
 @app.command("triage")
 def triage_cmd(
-    log: Path = typer.Argument(..., help="a vLLM server log (plain or .gz; DP-prefixed, docker timestamps, ANSI ok)"),
+    log: Path = typer.Argument(..., help="a vLLM server log (plain, .gz, .bz2, .xz, .zst, UTF-16; - for a pipe; "
+                                         "DP-prefixed, docker timestamps, ANSI ok)"),
     emit: Optional[Path] = typer.Option(None, "--emit", help="write a matrix.yaml reproducing the configuration "
                                         "(and its patches under builds/) into this new folder"),
     run: bool = typer.Option(False, "--run", help="run that matrix (--emit's folder, else one under --results) "
