@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+from collections.abc import Callable
 
 _SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|PASSPHRASE|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL|AUTH"
                           r"|(?:^|_)KEYS?(?:$|_))", re.I)
@@ -227,9 +228,50 @@ def redact(text: str, extra_values: list[str] | None = None) -> str:
         if value:
             text = text.replace(value, "***")
     text = _FLAG_VALUE_TEXT.sub(lambda m: m.group(1) + "***", text)
-    text = _URL_PASSWORD.sub(lambda m: m.group(1) + "***@", text)
-    text = _KEY_VALUE_TEXT.sub(_masked_value, text)
+    text = _on_lines_with(_hits(text, ("://",)), text, _mask_url_passwords)
+    text = _on_lines_with(_hits(text, _KEY_WORDS), text, lambda line: _KEY_VALUE_TEXT.sub(_masked_value, line))
     return _SECRET_VALUE.sub("***", text)
+
+
+# what a line must hold for the two patterns above to match it, found with str.find (C speed), so
+# that a log of megabytes is scanned once and the patterns, which may start at any word, run on
+# those lines only: 10 MB of access lines took 1.5 CPU s with the patterns over the whole text
+# (an IGNORECASE alternation alone takes 0.5 s), 0.05 s this way
+_KEY_WORDS = ("key", "token", "secret", "passw", "passphrase", "credential", "authorization")
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")  # keeps every index
+
+
+def _hits(text: str, words: tuple[str, ...]) -> list[int]:
+    low = text.translate(_ASCII_LOWER)
+    found = []
+    for word in words:
+        i = low.find(word)
+        while i >= 0:
+            found.append(i)
+            i = low.find(word, i + 1)
+    return sorted(found)
+
+
+def _mask_url_passwords(line: str) -> str:
+    return _URL_PASSWORD.sub(lambda m: m.group(1) + "***@", line)
+
+
+def _on_lines_with(hits: list[int], text: str, change: Callable[[str], str]) -> str:
+    """``text`` with ``change`` applied to each line that holds one of ``hits`` (positions)."""
+    parts: list[str] = []
+    done = 0
+    for at in hits:
+        if at < done:
+            continue  # on a line already changed
+        start = text.rfind("\n", 0, at) + 1
+        end = text.find("\n", at)
+        end = len(text) if end < 0 else end
+        parts += [text[done:start], change(text[start:end])]
+        done = end
+    if not parts:
+        return text
+    parts.append(text[done:])
+    return "".join(parts)
 
 
 def _masked_value(m: re.Match[str]) -> str:
