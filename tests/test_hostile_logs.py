@@ -204,11 +204,21 @@ def test_a_catalogue_fragment_cannot_smuggle_code_or_patches_either(tmp_path, ca
     bad_patch = {**data, "patches": {**data["patches"], "pr-48425": {"file": "../../x.patch", "upstream": "x",
                                                                      "outside_matrix_folder": True}}}
     bad_args = {**data, "engine": {**data["engine"], "extra_args": ["--worker_extension_cls=evil.W"]}}
+    module = {**data, "engine": {**data["engine"], "extra_args": [
+        "--kv-transfer-config", '{"kv_connector_module_path": "evil", "kv_connector_extra_config": {}}']}}
+    spec_module = {**data, "engine": {**data["engine"], "extra_args": [
+        '--kv-transfer-config={"kv_connector_extra_config": {"spec_module_path": "evil.spec"}}']}}
     bad_model = {**data, "engine": {**data["engine"], "model": "/tmp/evil-model"}}
-    for bad, words in ((bad_patch, "not one of the shipped"), (bad_args, "loads code"), (bad_model, "not a model")):
+    for bad, words in ((bad_patch, "not one of the shipped"), (bad_args, "loads code"),
+                       (module, "names code to load .*kv_connector_module_path"),
+                       (spec_module, "names code to load .*spec_module_path"), (bad_model, "not a model")):
         with pytest.raises(BadInputError, match=words):
             write_matrix(tmp_path / "x", bad, found, entry, notes)
         assert not (tmp_path / "x" / "matrix.yaml").exists()
+    # the catalogue's multi-tier entries name vLLM's own spec by name: that is data, and emitted
+    tiering = {**data, "engine": {**data["engine"], "extra_args": [
+        "--kv-transfer-config", '{"kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec"}}']}}
+    assert write_matrix(tmp_path / "t", tiering, found, entry, notes).is_file()
 
 
 # ------------------------------------------------------------------ links around the target folder

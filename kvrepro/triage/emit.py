@@ -28,6 +28,8 @@ full-attention group), the family the catalogue's defects were reported on.
 from __future__ import annotations
 
 import copy
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +52,27 @@ MAX_DP = 16
 # `vllm serve` options that make the engine import, load or run code or read a file named by the
 # value (normalised: no dashes, '_' as '-'); an emitted matrix never has one (module docstring)
 CODE_LOADING_FLAGS = frozenset({
-    "worker-extension-cls", "worker-cls", "kv-transfer-config", "kv-events-config", "chat-template",
+    "worker-extension-cls", "worker-cls", "chat-template",
     "trust-remote-code", "tokenizer", "logits-processors", "logits-processor-pattern", "tool-parser-plugin",
     "reasoning-parser-plugin", "io-processor-plugin", "middleware", "model-loader-extra-config", "load-format",
     "speculative-config", "config", "hf-overrides", "allowed-local-media-path", "code-revision", "ssl-keyfile",
     "ssl-certfile", "ssl-ca-certs", "model-impl", "compilation-config", "structured-outputs-config",
 })
+
+
+# JSON-valued options that load code only through some keys (kv_connector_module_path, an offloading
+# spec's spec_module_path, a class by name): their JSON is read, and refused when it has such a key
+# (the catalogue's multi-tier entries pass --kv-transfer-config with spec_name: TieringOffloadingSpec)
+JSON_CONFIG_FLAGS = frozenset({"kv-transfer-config", "kv-events-config"})
+_CODE_KEY = re.compile(r"module_path|_cls$|_class$|^class_name$", re.I)
+
+
+def _code_keys(value: Any) -> list[str]:
+    if isinstance(value, dict):
+        return [k for k in value if _CODE_KEY.search(str(k))] + [c for v in value.values() for c in _code_keys(v)]
+    if isinstance(value, list):
+        return [c for v in value for c in _code_keys(v)]
+    return []
 
 
 def checked_log_values(triage: Triage) -> None:
@@ -190,9 +207,21 @@ def _shipped_only(data: dict[str, Any]) -> None:
             raise BadInputError(f"patch {quote(name)}: not one of the shipped matrix's patches; a triaged matrix "
                                 "names only those")
     engine = data.get("engine") or {}
-    for arg in engine.get("extra_args") or []:
-        name = str(arg).lstrip("-").split("=", 1)[0].split(".", 1)[0].replace("_", "-").lower()
-        if str(arg).startswith("--") and name in CODE_LOADING_FLAGS:
+    args = [str(a) for a in engine.get("extra_args") or []]
+    for i, arg in enumerate(args):
+        name = arg.lstrip("-").split("=", 1)[0].split(".", 1)[0].replace("_", "-").lower()
+        if not arg.startswith("--"):
+            continue
+        if name in JSON_CONFIG_FLAGS:
+            text = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+            try:
+                keys = _code_keys(json.loads(text)) if "." not in arg.split("=", 1)[0] else [arg]
+            except ValueError:
+                keys = ["(not JSON)"]
+            if keys:
+                raise BadInputError(f"engine.extra_args: {quote(arg)} names code to load ({quote(', '.join(keys))}); "
+                                    "a triaged matrix never passes it to the engine")
+        elif name in CODE_LOADING_FLAGS:
             raise BadInputError(f"engine.extra_args: {quote(arg)} loads code or files; a triaged matrix never "
                                 "passes it to the engine (the catalogue fragment must not either)")
     model = str(engine.get("model", ""))
