@@ -40,6 +40,7 @@ from __future__ import annotations
 import io
 import math
 import re
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from ..records import PROBE_COUNTERS, REQUEST_ID_PREFIX, Exposure
@@ -92,8 +93,9 @@ class _ShadowCounts(NamedTuple):
     stored: dict[str, int]
 
 
-def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
-    """Exposure evidence from an engine log and, optionally, a ``/metrics`` scrape."""
+def read_exposure(log_text: str | Iterable[str], metrics_text: str | None = None) -> Exposure:
+    """Exposure evidence from an engine log (its text, or its lines as a stream) and, optionally,
+    a ``/metrics`` scrape."""
     sha: str | None = None
     seen = shadow_seen = False
     last: dict[tuple[str, str], _ProbeCounts] = {}  # (stream, pid) -> that process's last counts
@@ -107,7 +109,8 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
     fault_counts: dict[tuple[str, str], tuple[int, int, int]] = {}  # (stream, pid) -> last counts line
     invariants: dict[tuple[str, str], tuple[int, dict[str, int]]] = {}  # (stream, pid) -> last line
     first_broken: str | None = None
-    for number, raw in enumerate(io.StringIO(log_text, newline="\n"), start=1):
+    lines = io.StringIO(log_text, newline="\n") if isinstance(log_text, str) else log_text
+    for number, raw in enumerate(lines, start=1):
         if _TAG not in raw and _SHADOW_TAG not in raw and _FAULT_TAG not in raw:
             continue
         line = split_line(number, raw)

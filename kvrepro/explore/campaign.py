@@ -44,29 +44,42 @@ from ..records import RunResult, Verdict
 from ..results import store as results
 from ..spec.matrix import DEFAULT_MATRIX, LoadedMatrix
 from ..suite.catalogue import Catalogue, build_key
+from ..untrusted import quote
 from .coverage import Targets, credit, features, in_target, patch_targets, points, run_arcs, steering
 from .findings import minimize_finding
 from .generator import ALL, RunSpec, apply, generate, replay, seed_corpus
 from .judge import invariant_failures, judge_failure, run_failures
-from .state import CampaignRequest, CampaignState, FindingRecord, JudgedRecord, RunRecord
+from .state import CAMPAIGN_SCHEMA, CampaignRequest, CampaignState, FindingRecord, JudgedRecord, RunRecord
 
 STATE_FILE = "explore.json"
 LOCK_FILE = "explore.lock"
 RUNS_FOLDER = "runs"
 FINDINGS_FOLDER = "findings"
 BUILD = "explore"
-_DURATION = re.compile(r"^(?P<n>\d+(?:\.\d+)?)(?P<unit>s|m|h)$")
+_DURATION = re.compile(r"^(?P<n>\d{1,12}(?:\.\d{1,6})?)(?P<unit>s|m|h|d)$")
+# a campaign's budget at most (kvrepro's limits, docs/reliability.md): a million runs, 30 days of run time
+MAX_BUDGET_RUNS = 1_000_000
+MAX_BUDGET_SECONDS = 30 * 86_400.0
 
 
 def parse_budget(text: str) -> tuple[int | None, float | None]:
-    """``--budget``: ``20`` runs, or a duration ``90s``, ``30m``, ``2h`` (run time, resumes included)."""
+    """``--budget``: ``20`` runs, or a duration ``90s``, ``30m``, ``2h``, ``2d`` (run time, resumes
+    included); at most MAX_BUDGET_RUNS runs or MAX_BUDGET_SECONDS (bad input beyond, exit 2)."""
     text = text.strip().lower()
-    if text.isdigit() and int(text) > 0:
+    shown = quote(text, 40)
+    if text.isdigit() and len(text) <= 12 and int(text) > 0:
+        if int(text) > MAX_BUDGET_RUNS:
+            raise BadInputError(f"--budget {shown}: at most {MAX_BUDGET_RUNS:,} runs (a limit of kvrepro's, "
+                                "docs/reliability.md)")
         return int(text), None
     m = _DURATION.match(text)
     if m and float(m["n"]) > 0:
-        return None, float(m["n"]) * {"s": 1, "m": 60, "h": 3600}[m["unit"]]
-    raise BadInputError(f"--budget {text!r}: give a number of runs (20) or a duration (90s, 30m, 2h)")
+        seconds = float(m["n"]) * {"s": 1, "m": 60, "h": 3600, "d": 86_400}[m["unit"]]
+        if seconds > MAX_BUDGET_SECONDS:
+            raise BadInputError(f"--budget {shown}: at most {MAX_BUDGET_SECONDS / 86_400:.0f}d of run time (a limit "
+                                "of kvrepro's, docs/reliability.md)")
+        return None, seconds
+    raise BadInputError(f"--budget '{shown}': give a number of runs (20) or a duration (90s, 30m, 2h, 1d)")
 
 
 def base_data(path: Path) -> dict[str, Any]:
@@ -183,9 +196,20 @@ def load_campaign(root: Path, campaign_id: str) -> tuple[CampaignState, Path]:
         raise BadInputError(f"--resume {campaign_id}: no {STATE_FILE} in {folder}; give an explore-... id "
                             f"under {root}/ or `latest`")
     try:
-        return CampaignState.from_json(results.read_json(path)), folder
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise BadInputError(f"{path}: cannot read it ({exc}); the campaign cannot resume") from None
+        data = results.read_json(path)
+    except (OSError, ValueError) as exc:
+        raise BadInputError(f"{path}: cannot read it ({quote(exc, 160)}); the campaign cannot resume") from None
+    schema = data.get("schema") if isinstance(data, dict) else None
+    if schema != CAMPAIGN_SCHEMA or isinstance(schema, bool):
+        what = "no schema marker" if schema is None else f"schema {quote(schema, 20)}"
+        raise BadInputError(f"{path}: {what}; this kvrepro resumes campaigns of schema {CAMPAIGN_SCHEMA} (this one "
+                            "was written by another kvrepro, or by hand): start a new campaign, or resume it with "
+                            "the kvrepro that wrote it")
+    try:
+        return CampaignState.from_json(data), folder
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise BadInputError(f"{path}: not a campaign this kvrepro wrote ({quote(exc, 160)}); the campaign cannot "
+                            "resume") from None
 
 
 def _slug(text: str) -> str:
