@@ -97,6 +97,9 @@ RELEASES: tuple[Release, ...] = (
     Release("0.32.0", rpc_answers={**_WARM_UP, **_KV_LAYOUTS}),
     Release("0.33.0", rpc_answers={**_WARM_UP, **_KV_LAYOUTS},
             notes="pins torch 2.14.0, whose wheel on the index is the CUDA build; runs on 2.13.0 CPU"),
+    Release("0.34.0", rpc_answers={**_WARM_UP, **_KV_LAYOUTS},
+            notes="pins torch 2.14.0 (runs on 2.13.0 CPU); its CPU platform refuses x86 without Triton, "
+                  "which the sim platform answers as a GPU host (kvrepro/engine/platform.py)"),
 )
 SUPPORTED_RELEASES: tuple[str, ...] = tuple(r.version for r in RELEASES)
 
