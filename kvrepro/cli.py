@@ -43,6 +43,7 @@ minimize_commands = _LazyModule("kvrepro.minimize.commands")
 suite_commands = _LazyModule("kvrepro.suite.commands")
 report_outputs = _LazyModule("kvrepro.report.outputs")
 triage_commands = _LazyModule("kvrepro.triage.commands")
+release_commands = _LazyModule("kvrepro.release.commands")
 
 
 def load_matrix(path: Path) -> Any:
@@ -57,7 +58,7 @@ def _exit(code: int) -> None:
 
 
 # `kvrepro --help` lists commands in the order of the work, whatever order they are defined in
-COMMAND_ORDER = ("setup", "init", "matrix", "suite", "bisect", "minimize", "triage", "explore", "results", "report",
+COMMAND_ORDER = ("setup", "init", "matrix", "suite", "release", "bisect", "minimize", "triage", "explore", "results", "report",
                  "classify", "signatures", "load", "engine", "hosts", "images", "clean")
 
 
@@ -485,6 +486,24 @@ def builds_test(
 
     _exit(run_builds_test(load_matrix(matrix), build, list(only or []), list(later or []), jobs, results_root,
                           as_json, run_all, target))
+
+
+release_app = _group("release", "Release day: validate a new vLLM release; try a later one without a code change.")
+
+
+@release_app.command("port")
+def release_port(
+    release: str = typer.Argument(..., help="a vLLM release: one of kvrepro/versions.py, or a newer one (unported)"),
+    requests: int = typer.Option(100, "--requests", min=1, max=100000, help="requests of the one run"),
+    ci: bool = typer.Option(False, "--ci", help="plain lines, no progress bars"),
+    results_root: Path = ResultsOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """The porting checklist of kvrepro/versions.py as a command: fetch the wheel, read it against the table,
+    run it once with the settings it gets; name what it needs (a new worker RPC, a platform check, an
+    executor interface, a renamed identifier in a signature) with the vLLM file:line, and the table entry.
+    Exit 0 it runs without a code change, 1 it needs a porting step, 2 bad input, 3 no wheel."""
+    _exit(release_commands.port(**locals()))
 
 
 def main() -> None:

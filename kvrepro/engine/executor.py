@@ -441,7 +441,12 @@ class SimExecutor(Executor):
         import vllm
 
         self._vllm_version = getattr(vllm, "__version__", "?")
-        entry = versions.release(self._vllm_version) or versions.Release(self._vllm_version)
+        try:
+            entry = versions.settings_for(self._vllm_version)  # an unported release: the newest entry's settings
+        except versions.UnsupportedRelease:
+            entry = versions.Release(self._vllm_version)
+        if entry.unported_from:
+            logger.warning("kvrepro-sim: %s", versions.unported_note(self._vllm_version))
         self._rpc_answers = entry.worker_rpc_answers()
         self.knobs = SimKnobs.from_env()
         self.fault_settings = faults.FaultSettings.from_env()
