@@ -506,6 +506,32 @@ def release_port(
     _exit(release_commands.port(**locals()))
 
 
+@release_app.command("check")
+def release_check(
+    release: str = typer.Argument(..., help="the vLLM release that landed (a known one, or a newer one: unported)"),
+    budget: str = typer.Option("5m", "--budget", help="the explore campaign's budget: runs (20) or time (5m)"),
+    seed: int = typer.Option(0, "--seed", help="the explore campaign's seed"),
+    repo: Optional[Path] = typer.Option(None, "--repo", help="a vLLM git checkout: bisect each changed crash or "
+                                        "corruption verdict to the commit"),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, max=64, help="engines at once in the suite"),
+    reps: Optional[int] = typer.Option(None, "--reps", min=1, max=1000, help="suite repetitions per entry and build"),
+    test_jobs: int = typer.Option(2, "--test-jobs", min=1, max=16, help="pytest processes at once"),
+    only: Optional[list[str]] = typer.Option(None, "--only", help="only these test files or node ids of the release"),
+    skip: Optional[list[str]] = typer.Option(None, "--skip", help="skip a stage: port, suite, tests, explore, bisect"),
+    catalogue: Optional[Path] = CatalogueOpt,
+    ci: bool = typer.Option(False, "--ci", help="plain lines, no progress bars"),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="also write JUnit XML here"),
+    results_root: Path = ResultsOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """The release-day pipeline: fetch the wheel and sdist, port check, the whole suite on the release with
+    the previous one beside it, the release's own unit tests with each catalogue entry's upstream tests, an
+    explore campaign, and what changed since the previous release (bisected with --repo). Exit 0 nothing
+    changed that needs a person, 1 something does (a row differs from the catalogue, a porting step, a new
+    finding, a test regression), 2 bad input, 3 a stage could not run, 130 interrupted."""
+    _exit(release_commands.check(**locals()))
+
+
 def main() -> None:
     from .report.terminal import run_program
 

@@ -365,7 +365,7 @@ def nearest_supported(version: str) -> str | None:
 
 
 # -- offload-tier faults (engine.sim.offload_faults; docs/faults.md) -------------------------------
-# Read from the ten release wheels (0.25.1-0.33.0):
+# Read from the release wheels (0.25.1-0.33.0; 0.34.0 below):
 # * The OffloadingConnector's worker asserts that every finished transfer succeeded ("we currently do
 #   not support job failures"), in OffloadingConnectorWorker.get_finished of
 #   distributed/kv_transfer/kv_connector/v1/offloading/worker.py. A failed store has no other way
@@ -382,6 +382,13 @@ def nearest_supported(version: str) -> str | None:
 #   0.26.0), which a hybrid model's groups break; 0.31.0+ refuse block-level errors with several
 #   groups (RuntimeError in _handle_invalid_blocks). So the GPU-free engine reports a failed load as
 #   failed_recving, from FAILED_LOAD_REPORT_FROM on.
+# * 0.34.0: the worker no longer asserts; a failed transfer is marked completed unsuccessfully
+#   (``mark_completed(job_id, success=False)``, worker.py:306-307) and a failed *load* becomes the
+#   request's failed_recving (:308-315, take_failed_recving :337), after which the connector never
+#   looks the request up in the tier again (offloading/scheduler.py:376-378, :1411, :2480-2487). The
+#   GPU-free engine then reports an injected load failure to the connector as a copy would
+#   (TransferResult(success=False)) and lets vLLM's own code do the rest (kvrepro/engine/executor.py).
+#   What the scheduler does with a failed *store* there has not been read: store faults stay refused.
 FAILED_LOAD_REPORT_FROM = "0.30.0"
 OFFLOAD_TRANSFER_ASSERT_LINE: dict[str, int] = {  # worker.py line of `assert transfer_result.success`
     "0.25.1": 319, "0.26.0": 343, "0.27.0": 361, "0.27.1": 361, "0.28.0": 361, "0.29.0": 277,
@@ -401,6 +408,10 @@ def offload_fault_problem(version: str, kind: str) -> str | None:
     line = OFFLOAD_TRANSFER_ASSERT_LINE.get(version)
     where = f"{OFFLOAD_WORKER_FILE}:{line}" if line else OFFLOAD_WORKER_FILE
     if kind == "store":
+        if line is None and reports_failed_loads(version):
+            return (f"vLLM {version}'s OffloadingConnector worker marks a failed store completed unsuccessfully "
+                    f"({OFFLOAD_WORKER_FILE}:306-307 in 0.34.0), but what its scheduler does with that has not been "
+                    "read for kvrepro: store faults are not injected yet; remove store_fail_rate/store_fail_at")
         return (f"vLLM {version} has no store failure path: the OffloadingConnector worker asserts "
                 f"transfer_result.success ({where}), so a failed store kills the engine; remove store_fail_rate/"
                 "store_fail_at (no release 0.25.1-0.33.0 has one)")
