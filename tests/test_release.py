@@ -163,6 +163,13 @@ def test_a_release_check_reports_what_changed_and_exits_by_it(tmp_path):
     assert "| `recompute-failed-load-stall` | stall | PRESENT | ABSENT | newly fixed | fixed |" in report
     assert "`tests/v1/core/test_x.py::test_y`: passed -> skipped" in report and "3 new in 0.34.0" in report
     assert exit_code(check) == 0
+    # a release test that passed and now fails is a regression; a fix's upstream test from an older
+    # release, or a test that needs a model config this machine lacks, is reported, not counted
+    for nodeid, message, counted in (
+            ("tests/v1/core/test_x.py::test_z", "AssertionError: assert 3 == 4", True),
+            ("vllm 0.30.0 tests/v1/kv_connector/unit/test_a.py::test_b", "TypeError: MagicMock", False),
+            ("tests/v1/core/test_x.py::test_w", "ValidationError: Invalid repository ID or local directory", False)):
+        assert changes.TestChange(nodeid, "passed", "failed", message).regression is counted
     junit = changes.junit_xml(check)
     assert 'name="recompute-failed-load-stall on 0.34.0"' in junit and "<failure" not in junit
     # a row that differs from the catalogue, or a test that passed and now fails: a person is needed
