@@ -188,7 +188,7 @@ def hybrid_kv_groups(layers_by_kind: dict[str, int]) -> dict[str, int]:
 # -- the capable connector (engine.connector: capable; kvrepro/engine/capable.py) -----------------
 # An OffloadingConnector subclass that declares `supports_divergent_local_hybrid_hits`, loaded by
 # vLLM's connector factory from a module path (KVConnectorFactory.get_connector_class: the module path
-# wins over the registry, 0.25.1-0.33.0 factory.py:102-120).
+# wins over the registry, 0.25.1-0.34.0 factory.py:102-120).
 CAPABLE_CONNECTOR_CLASS = "CapableOffloadingConnector"
 CAPABLE_CONNECTOR_MODULE = "kvrepro.engine.capable"
 # The scheduler reads the declaration from 0.28.0 (#50344: Scheduler._get_local_prefix_cache_hit,

@@ -236,7 +236,7 @@ def test_a_planted_next_release_runs_unported_or_names_the_rpc_it_needs(runtime_
         outcomes = {}
         for release in ("0.35.0", "0.35.1"):
             proc = subprocess.run([sys.executable, "-m", "kvrepro.cli", "release", "port", release, "--ci", "--json",
-                                   "--requests", "40", "--results", str(tmp_path / "results")],
+                                   "--requests", "10", "--results", str(tmp_path / "results")],
                                   capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
             outcomes[release] = (proc.returncode, json.loads(proc.stdout) if proc.stdout.strip() else None, proc.stderr)
     finally:
