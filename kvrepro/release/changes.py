@@ -156,6 +156,8 @@ def markdown(check: Any) -> str:
                   "|---|---|---|---|---|---|"]
         lines += [f"| `{e.entry}` | {e.kind} | {e.before} | {e.after} | {e.what} | {e.expected or 'no claim'} |"
                   for e in c.changed_entries]
+    elif not check.stages["suite"].detail.get("rows"):
+        lines.append(f"The suite did not run ({check.stages['suite'].status}): nothing is known about the entries.")
     else:
         lines.append("No catalogue entry changed its row.")
     lines += ["", "### Rows that differ from the catalogue", ""]
@@ -166,7 +168,10 @@ def markdown(check: Any) -> str:
               or ["None (known failures only, or none)."])
     lines += ["", f"### vLLM tests that changed outcome ({c.tests_added} new in {check.release}, "
                   f"{c.tests_removed} gone)", ""]
-    lines += ([f"- `{t['nodeid']}`: {t['before']} -> {t['after']}" + (f" ({_cell(t['message'])})" if t['message'] else "")
+    ran_tests = bool(check.stages["tests"].detail.get("runs"))
+    if not ran_tests:
+        lines.append(f"The tests did not run ({check.stages['tests'].status}).")
+    lines += [] if not ran_tests else ([f"- `{t['nodeid']}`: {t['before']} -> {t['after']}" + (f" ({_cell(t['message'])})" if t['message'] else "")
                + (" (needs what this machine lacks)" if TestChange(**t).not_here else "")
                + (" (a fix's upstream test from an older release)" if TestChange(**t).fix_test else "")
                for t in c.tests] or ["None of the tests both releases have changed outcome."])
