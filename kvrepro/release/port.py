@@ -65,8 +65,9 @@ class PortResult:
         return f'Release("{self.release}", rpc_answers={answers}),{extra}'
 
     def engine_row(self) -> str:
-        """The row of docs/engine.md's release table."""
-        return f"| {self.release} | {self.verdict or 'INFRA'} | {self.title[:60]} | {self.requests} |"
+        """The row of docs/engine.md's release table (release, verdict, requests; the counts are the
+        run's folder's)."""
+        return f"| {self.release} | {self.verdict or 'INFRA'} | {self.requests} requests, run {self.run_id} |"
 
     def as_json(self) -> dict[str, Any]:
         reading = self.reading
@@ -95,6 +96,8 @@ class PortResult:
         elif self.ported:
             out.append("  runs without a code change" + (f"; make it a table entry: {self.table_entry()}"
                                                           if self.unported else ""))
+        if self.verdict:
+            out.append(f"  docs/engine.md release table row: {self.engine_row()}")
         if self.reading is not None:
             shown = [f for f in self.reading.findings if self.needs is None or f.where != self.needs.where]
             if shown:
