@@ -53,6 +53,12 @@ def _mini_tree(root: Path, *, rpc: str, raise_text: str | None, limit_name: str)
            "class CpuPlatform:\n    @classmethod\n    def check_and_update_config(cls, vllm_config):\n"
            "        x86 = triton = True\n" + check + "        if vllm_config is None:\n"
            "            raise ValueError('no config')\n")
+    _write(root, "vllm/platforms/interface.py", """
+        class Platform:
+            @classmethod
+            def _find_non_ssm_backends(cls, vllm_config):
+                return []
+    """)
     _write(root, "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py", f"""
         class OffloadingConnectorScheduler:
             def update_state_after_alloc(self, request, blocks, num_external_tokens):
@@ -84,6 +90,10 @@ def test_the_static_reading_names_each_step_with_the_vllm_file_and_line(tmp_path
     assert reading.signatures["offload_update_state_after_alloc"] == "renamed"
     # the sim executor defines every abstract method of this base: no executor-interface finding for it
     assert not [f for f in reading.findings if "Executor." in f.what]
+    # kvrepro's platform overrides _find_non_ssm_backend; this vLLM (as 0.31.0+) calls _find_non_ssm_backends
+    (stale,) = [f for f in reading.findings if "overrides nothing" in f.what]
+    assert stale.step == porting.EXECUTOR_INTERFACE and "SimCpuPlatform._find_non_ssm_backend" in stale.what
+    assert stale.where == "vllm/platforms/interface.py:4" and "_find_non_ssm_backends" in stale.fix
     # compared with itself, nothing new: the raise and the RPC are the earlier release's too
     same = porting.read_release("0.35.0", before, "0.34.0", before)
     assert not same.by_step(porting.WORKER_RPC) and not same.by_step(porting.PLATFORM_CHECK)

@@ -225,6 +225,44 @@ def _engine_imports(tree_root: Path) -> list[Finding]:
     return found
 
 
+_OVERRIDES = (  # kvrepro's subclass, its file, vLLM's classes it overrides (file, class) in lookup order
+    ("SimCpuPlatform", _ENGINE / "platform.py",
+     (("vllm/platforms/cpu.py", "CpuPlatform"), ("vllm/platforms/interface.py", "Platform"))),
+    ("SimExecutor", _SIM_EXECUTOR, ((_EXECUTOR_BASE, "Executor"),)),
+)
+
+
+def _class_methods(module: ast.Module | None, name: str) -> dict[str, int]:
+    for node in ast.walk(module) if module is not None else ():
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return {i.name: i.lineno for i in node.body if isinstance(i, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return {}
+
+
+def _stale_overrides(tree_root: Path) -> list[Finding]:
+    """Methods kvrepro's platform and executor override that the release's classes no longer have: vLLM
+    renamed or dropped them, so the override is never called (a silent change of behaviour)."""
+    found = []
+    for ours, file, bases in _OVERRIDES:
+        mine = _class_methods(_parse(file), ours)
+        theirs: dict[str, tuple[str, int]] = {}
+        for rel, cls in reversed(bases):
+            theirs.update({m: (rel, line) for m, line in _class_methods(_parse(tree_root / rel), cls).items()})
+        if not theirs:
+            continue
+        for method, line in mine.items():
+            if method.startswith("__") or method in theirs:
+                continue
+            near = closest(method, list(theirs), cutoff=0.9)
+            if near is None:
+                continue  # our own helper (no vLLM method of a name this close): not an override
+            rel, their_line = theirs[near]
+            found.append(Finding(EXECUTOR_INTERFACE, f"{ours}.{method} overrides nothing in this release: vLLM has "
+                                 f"{near} instead, so the override is never called", f"{rel}:{their_line}",
+                                 f"override {near} in kvrepro/engine/{file.name} (line {line}), by the interface"))
+    return found
+
+
 def _platform_raises(tree_root: Path) -> dict[str, int]:
     """``raise`` statements of the CPU platform's check_and_update_config: one-line text -> line."""
     module = _parse(tree_root / _CPU_PLATFORM)
@@ -331,6 +369,7 @@ def read_release(release: str, tree_root: Path, before: str | None = None,
     reading.findings += _unanswered_rpcs(tree_root, settings, before_root)
     reading.findings += _abstract_methods(tree_root)
     reading.findings += _engine_imports(tree_root)
+    reading.findings += _stale_overrides(tree_root)
     reading.findings += _new_platform_checks(tree_root, before_root, before)
     reading.findings += _signatures(tree_root, before_root, before, reading)
     return reading
@@ -395,7 +434,7 @@ def diagnose(log_text: str, settings: versions.Release | None = None) -> Finding
     return None
 
 
-def closest(name: str, names: list[str]) -> str | None:
-    """The RPC name a new one most likely renames (for the finding's advice)."""
-    match = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+def closest(name: str, names: list[str], cutoff: float = 0.6) -> str | None:
+    """The name in ``names`` that ``name`` most likely is, renamed (None: none close enough)."""
+    match = difflib.get_close_matches(name, names, n=1, cutoff=cutoff)
     return match[0] if match else None
