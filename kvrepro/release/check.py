@@ -73,8 +73,8 @@ class ReleaseCheck:
         return {"release": self.release, "previous": self.previous, "unported": self.unported,
                 "label": versions.label(self.release), "status": self.status, "seconds": round(self.seconds, 1),
                 "folder": str(self.folder), "command": self.command,
-                "stages": {n: {"status": s.status, "seconds": round(s.seconds, 1), "summary": s.summary,
-                               **to_jsonable(s.detail)} for n, s in self.stages.items()},
+                "stages": {n: {**to_jsonable(s.detail), "status": s.status, "seconds": round(s.seconds, 1),
+                               "summary": s.summary} for n, s in self.stages.items()},
                 "changes": to_jsonable(self.changes) if self.changes else None}
 
 
@@ -180,7 +180,7 @@ def _suite(check: ReleaseCheck, results_root: Path, jobs: int | None, reps: int 
         with terminal.live(progress):
             suite = run_suite(catalogue, entries, builds, results_root, reps, jobs, progress, stop, command)
         rows = [r for r in suite.rows]
-        stage.detail.update(suite_id=suite.suite_id, path=str(suite.path), status=suite.status,
+        stage.detail.update(suite_id=suite.suite_id, path=str(suite.path), suite_status=suite.status,
                             rows=[{"entry": r.entry, "build": r.build, "state": r.state, "expected": r.expected,
                                    "matches": r.matches, "detail": r.detail, "run_dirs": list(r.run_dirs)}
                                   for r in rows])
