@@ -266,3 +266,26 @@ def test_a_planted_next_release_runs_unported_or_names_the_rpc_it_needs(runtime_
     assert "'get_kv_cache_layouts_supported'" in stopped["needs"]["what"]
     # the static reading saw it too, before the run
     assert any("get_kv_cache_layouts_supported" in f["what"] for f in stopped["read"])
+
+
+def test_every_catalogue_entry_has_a_newest_release_cell_that_agrees_with_its_reading():
+    """Every entry of defects/ says what the newest release does (a `# 0.34.0 (state; ...)` comment with
+    the file:line it was read at), and its present_in / fixed_in give that state: `present` and `fixed`
+    as written, `no claim` where the ranges make none (an unported release inherits none of these)."""
+    import re
+
+    from kvrepro.suite.catalogue import expected_state
+    from kvrepro.suite.run import load as load_catalogue
+
+    newest = versions.newest()
+    for entry in load_catalogue(None).entries:
+        text = entry.file.read_text()
+        cell = re.search(rf"^# {re.escape(newest)} \((?P<state>[^;]+);", text, re.M)
+        assert cell, f"{entry.file.name}: no `# {newest} (state; ...)` comment"
+        said = cell["state"].split(" (")[0].split(",")[0].strip()
+        expected = expected_state(entry, newest)
+        if said.startswith("no claim"):
+            assert expected is None, (entry.name, expected)
+            continue
+        assert said == expected, (entry.name, said, expected)
+        assert re.search(r":\d+", text[cell.start():cell.start() + 900]), f"{entry.name}: no file:line"
