@@ -43,6 +43,7 @@ minimize_commands = _LazyModule("kvrepro.minimize.commands")
 suite_commands = _LazyModule("kvrepro.suite.commands")
 report_outputs = _LazyModule("kvrepro.report.outputs")
 triage_commands = _LazyModule("kvrepro.triage.commands")
+release_commands = _LazyModule("kvrepro.release.commands")
 
 
 def load_matrix(path: Path) -> Any:
@@ -57,7 +58,7 @@ def _exit(code: int) -> None:
 
 
 # `kvrepro --help` lists commands in the order of the work, whatever order they are defined in
-COMMAND_ORDER = ("setup", "init", "matrix", "suite", "bisect", "minimize", "triage", "explore", "results", "report",
+COMMAND_ORDER = ("setup", "init", "matrix", "suite", "release", "bisect", "minimize", "triage", "explore", "results", "report",
                  "classify", "signatures", "load", "engine", "hosts", "images", "clean")
 
 
@@ -497,6 +498,50 @@ def builds_test(
 
     _exit(run_builds_test(load_matrix(matrix), build, list(only or []), list(later or []), jobs, results_root,
                           as_json, run_all, target))
+
+
+release_app = _group("release", "Release day: validate a new vLLM release; try a later one without a code change.")
+
+
+@release_app.command("port")
+def release_port(
+    release: str = typer.Argument(..., help="a vLLM release: one of kvrepro/versions.py, or a newer one (unported)"),
+    requests: int = typer.Option(100, "--requests", min=1, max=100000, help="requests of the one run"),
+    ci: bool = typer.Option(False, "--ci", help="plain lines, no progress bars"),
+    results_root: Path = ResultsOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """The porting checklist of kvrepro/versions.py as a command: fetch the wheel, read it against the table,
+    run it once with the settings it gets; name what it needs (a new worker RPC, a platform check, an
+    executor interface, a renamed identifier in a signature) with the vLLM file:line, and the table entry.
+    Exit 0 it runs without a code change, 1 it needs a porting step, 2 bad input, 3 no wheel."""
+    _exit(release_commands.port(**locals()))
+
+
+@release_app.command("check")
+def release_check(
+    release: str = typer.Argument(..., help="the vLLM release that landed (a known one, or a newer one: unported)"),
+    budget: str = typer.Option("5m", "--budget", help="the explore campaign's budget: runs (20) or time (5m)"),
+    seed: int = typer.Option(0, "--seed", help="the explore campaign's seed"),
+    repo: Optional[Path] = typer.Option(None, "--repo", help="a vLLM git checkout: bisect each changed crash or "
+                                        "corruption verdict to the commit"),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, max=64, help="engines at once in the suite"),
+    reps: Optional[int] = typer.Option(None, "--reps", min=1, max=1000, help="suite repetitions per entry and build"),
+    test_jobs: int = typer.Option(2, "--test-jobs", min=1, max=16, help="pytest processes at once"),
+    only: Optional[list[str]] = typer.Option(None, "--only", help="only these test files or node ids of the release"),
+    skip: Optional[list[str]] = typer.Option(None, "--skip", help="skip a stage: port, suite, tests, explore, bisect"),
+    catalogue: Optional[Path] = CatalogueOpt,
+    ci: bool = typer.Option(False, "--ci", help="plain lines, no progress bars"),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="also write JUnit XML here"),
+    results_root: Path = ResultsOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """The release-day pipeline: fetch the wheel and sdist, port check, the whole suite on the release with
+    the previous one beside it, the release's own unit tests with each catalogue entry's upstream tests, an
+    explore campaign, and what changed since the previous release (bisected with --repo). Exit 0 nothing
+    changed that needs a person, 1 something does (a row differs from the catalogue, a porting step, a new
+    finding, a test regression), 2 bad input, 3 a stage could not run, 130 interrupted."""
+    _exit(release_commands.check(**locals()))
 
 
 def main() -> None:

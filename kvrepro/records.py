@@ -757,7 +757,9 @@ class RunInfo:
     @property
     def base_text(self) -> str:
         """The release(s) for a title: ``0.26.0`` or ``0.26.0, 0.30.0``."""
-        return self.base if isinstance(self.base, str) else ", ".join(self.base)
+        from .versions import label
+
+        return label(self.base) if isinstance(self.base, str) else ", ".join(label(b) for b in self.base)
 
     @property
     def default_base(self) -> str:

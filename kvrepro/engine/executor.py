@@ -29,12 +29,18 @@ Faked, because this machine has no GPU:
   the model class's own GDN state shapes for linear attention), after vLLM's
   ``update_block_size_for_backend`` has aligned the hybrid block size. Supported: configs with
   ``layer_types`` of ``full_attention`` / ``linear_attention`` (Qwen3-Next style).
+* **Device memory for the offloading worker** (0.34.0+): vLLM's connector worker turns each
+  transfer's GPU blocks into device pointers before it submits the job
+  (``resolve_device_pointers``, ``offloading/worker.py`` 0.34.0:242-272). The sim gives it KV caches
+  whose pointer for block ``b`` is ``b`` (:class:`_BlockIndexMemory`), so the transfer worker
+  reads the block ids back from the pointers (:func:`_device_blocks`).
 * **Memory**: ``determine_available_memory`` reports enough for ``max_num_seqs`` requests of
   ``max_model_len``; ``--num-gpu-blocks-override`` then sets the pool, as on a GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import sys
@@ -58,6 +64,8 @@ from .config import SimKnobs
 
 logger = init_logger("vllm.kvrepro_engine.executor")
 COUNTS_INTERVAL_S = 2.0
+# ModelRunnerOutput.req_id_to_index: every release to 0.33.0; 0.34.0 dropped it (outputs.py 0.34.0:267-309)
+_HAS_REQ_INDEX = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
 FLUSH_INTERVAL_S = 0.5  # the runner waits a little longer than this before stopping an engine
 
 
@@ -97,9 +105,12 @@ class SimTransferWorker(OffloadingWorker):
     ``TransferResult(success=False)``: vLLM's own connector decides what that does (it asserts)."""
 
     def __init__(self, shadow: "shadow_kv.ShadowKV | None" = None, load_steps: int = 1,
-                 plan: "faults.FaultPlan | None" = None, owner_of=None) -> None:
+                 plan: "faults.FaultPlan | None" = None, owner_of=None, reports_failed_loads: bool = False) -> None:
         self.shadow = shadow  # shadow KV: copies block contents as the real transfers would
         self.blocks_per_chunk = 1  # GPU blocks per CPU block: the connector worker's (set by the executor)
+        # the connector worker turns a failed load into failed_recving itself (0.34.0+: take_failed_recving,
+        # offloading/worker.py 0.34.0:306-316): the failure is reported to it as a copy reports one
+        self.reports_failed_loads = reports_failed_loads
         self.load_steps = max(1, int(load_steps))
         self.plan = plan
         self.owner_of = owner_of or (lambda job_id: None)  # the request a load job is for (connector worker)
@@ -134,6 +145,7 @@ class SimTransferWorker(OffloadingWorker):
     def submit_store(self, job_id, src_spec, dst_spec) -> bool:
         # what vLLM's CPU worker checks before it copies, failing in its form (transfer_checks.py)
         transfer_checks.check("store", src_spec, dst_spec, self.blocks_per_chunk)
+        src_spec = _device_blocks(src_spec)
         fail, steps = self._plan("store", job_id, src_spec)
         if self.shadow is not None and not fail:  # shadow KV (kvrepro/engine/shadow.py)
             self.shadow.store(job_id, src_spec, dst_spec)
@@ -141,8 +153,11 @@ class SimTransferWorker(OffloadingWorker):
             self._submitted[job_id] = _InFlight("store", steps, fail)
         return True
 
-    def submit_load(self, job_id, src_spec, dst_spec) -> bool:
+    def submit_load(self, job_id, src_spec, dst_spec, expedited: bool = False) -> bool:
+        # expedited (0.34.0+): a sync load the connector waits for within the step (wait() below);
+        # here every load is equally fast
         transfer_checks.check("load", src_spec, dst_spec, self.blocks_per_chunk)
+        dst_spec = _device_blocks(dst_spec)
         fail, steps = self._plan("load", job_id, dst_spec)
         if self.shadow is not None:  # shadow KV (kvrepro/engine/shadow.py)
             (self.shadow.load_failed if fail else self.shadow.load)(job_id, src_spec, dst_spec)
@@ -165,10 +180,12 @@ class SimTransferWorker(OffloadingWorker):
             for job in done.values():
                 self.completed[job.kind] += 1
                 if job.failed and job.kind == "load" and job.request is not None:
-                    self._failed_loads.add(job.request)
+                    if not self.reports_failed_loads:
+                        self._failed_loads.add(job.request)
                     if self.plan is not None:
                         self.plan.failed_requests.add(job.request)
-        return [TransferResult(job_id=job_id, success=not (done[job_id].failed and done[job_id].kind == "store"))
+        return [TransferResult(job_id=job_id, success=not (done[job_id].failed
+                                                           and (done[job_id].kind == "store" or self.reports_failed_loads)))
                 for job_id in sorted(done)]
 
     def take_failed_loads(self) -> set[str]:
@@ -180,6 +197,87 @@ class SimTransferWorker(OffloadingWorker):
     def in_flight(self) -> int:
         with self._lock:
             return len(self._submitted) + len(self._done)
+
+
+@dataclass(frozen=True)
+class _DeviceBlocks:
+    """A transfer's GPU blocks as the shadow KV and the fault plan read them (GPULoadStoreSpec's fields)."""
+
+    block_ids: tuple[int, ...]
+    group_sizes: tuple[int, ...]
+    block_indices: tuple[int, ...]
+
+
+def _device_blocks(spec):
+    """``spec`` itself, or for vLLM's DevicePointers (0.34.0+) the block ids they point at: the sim's
+    KV caches put block ``b`` at address ``b`` (:class:`_BlockIndexMemory`); pointers are laid out
+    group after group, data reference after data reference, so the first reference of each group
+    lists its blocks."""
+    ptrs = getattr(spec, "ptrs", None)
+    if ptrs is None:
+        return spec
+    ids: list[int] = []
+    offset = 0
+    for size, refs in zip(spec.group_block_counts, spec.group_data_ref_counts, strict=True):
+        ids.extend(int(p) for p in ptrs[offset:offset + size])
+        offset += size * refs
+    return _DeviceBlocks(tuple(ids), tuple(spec.group_block_counts), tuple(spec.block_indices))
+
+
+class _BlockIndexMemory:
+    """Stands for a KV-cache tensor of shape (num_blocks, page) in vLLM's CanonicalKVCaches: block
+    ``b`` starts at address ``b`` (base 0, row stride 1), the only two things
+    ``resolve_device_pointers`` asks of it. No memory behind it: the sim moves no bytes."""
+
+    def data_ptr(self) -> int:
+        return 0
+
+    def stride(self, dim: int = 0) -> int:
+        return 1
+
+
+def _block_index_caches(kv_cache_config):
+    """vLLM's CanonicalKVCaches over :class:`_BlockIndexMemory`, one data reference per offloaded
+    group (the groups the connector worker's register_kv_caches would select)."""
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import get_offloading_group_ids
+
+        group_ids = get_offloading_group_ids(kv_cache_config)
+    except ImportError:
+        group_ids = tuple(range(len(kv_cache_config.kv_cache_groups)))
+    tensors, refs = [], []
+    for i, group_id in enumerate(group_ids):
+        page = kv_cache_config.kv_cache_groups[group_id].kv_cache_spec.page_size_bytes
+        tensors.append(CanonicalKVCacheTensor(tensor=_BlockIndexMemory(), page_size_bytes=page))
+        refs.append([CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=page)])
+    return CanonicalKVCaches(tensors=tensors, group_data_refs=refs)
+
+
+def _v2_connector_steps(vllm_config, connector):
+    """vLLM's own ``ActiveKVConnector`` (runner V2) around ``connector``, when the release has no
+    runner-V1 mixin; None when it has one (or there is no connector: the V2 no-op connector then)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm.v1.worker.kv_connector_model_runner_mixin") is not None:
+        return None
+    from vllm.v1.worker.gpu.kv_connector import NO_OP_KV_CONNECTOR, ActiveKVConnector
+
+    if connector is None:
+        return NO_OP_KV_CONNECTOR
+
+    class SimActiveKVConnector(ActiveKVConnector):
+        """ActiveKVConnector without ``register_kv_caches`` (a GPU worker's tensors; the sim installed
+        its transfer worker and block-index memory on the connector already, _make_worker_connector)."""
+
+        def __init__(self) -> None:  # noqa: D107 (the fields ActiveKVConnector.__init__ sets, 0.34.0)
+            self.vllm_config = vllm_config
+            self.kv_connector = connector
+            self._pending_load_kwargs = None
+            self._disabled = False
+
+    return SimActiveKVConnector()
 
 
 @dataclass
@@ -208,6 +306,9 @@ class SimRunner:
         self.requests: dict[str, _ReqState] = {}
         self._pending: tuple | None = None  # (req ids, sampled, kv connector output)
         self._drafts: dict[str, list[int]] = {}
+        # the connector's per-step calls: vLLM's runner-V1 mixin where the release has it (to 0.33.0),
+        # else its runner V2's ActiveKVConnector (0.34.0+); None: the mixin's static methods are used
+        self.kv_steps = _v2_connector_steps(vllm_config, connector)
 
     def _token(self, state: _ReqState, position: int) -> int:
         return (state.key * 1_000_003 + position * 7_919) % self.vocab_size
@@ -232,10 +333,13 @@ class SimRunner:
 
     def execute_model(self, so):
         from vllm.forward_context import set_forward_context
-        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin as Mixin
 
         if self.transfers is not None:
             self.transfers.begin_step()
+        if self.kv_steps is not None:
+            return self._execute_v2(so)
+        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin as Mixin
+
         if self.connector is not None:
             self.connector.handle_preemptions(so.kv_connector_metadata)
         num_computed = self._update_states(so)
@@ -251,6 +355,25 @@ class SimRunner:
             req_ids, sampled = self._forward(so, num_computed)
         self._report_failed_loads(kv_out)
         self._pending = (req_ids, sampled, kv_out)
+        return None
+
+    def _execute_v2(self, so):
+        """The connector lifecycle of vLLM's model runner V2 (``v1/worker/gpu/model_runner.py``, the
+        only GPU runner from 0.34.0): ``pre_forward`` (preemptions, metadata, sync loads) and
+        ``finish_forward`` around the forward here; ``post_forward`` (async loads, saves, transfer
+        results) in :meth:`sample_tokens`, as the runner does (0.34.0:2124-2166, 2322-2325)."""
+        from vllm.forward_context import set_forward_context
+
+        num_computed = self._update_states(so)
+        if not so.total_num_scheduled_tokens:
+            output = self.kv_steps.no_forward(so)
+            self._report_failed_loads(output.kv_connector_output)
+            return output
+        with set_forward_context(None, self.vllm_config):
+            self.kv_steps.pre_forward(so)
+            req_ids, sampled = self._forward(so, num_computed)
+        self.kv_steps.finish_forward()
+        self._pending = (req_ids, sampled, so.finished_req_ids)
         return None
 
     def _report_failed_loads(self, kv_out) -> None:
@@ -297,12 +420,13 @@ class SimRunner:
         assert self._pending is not None, "sample_tokens() without a preceding execute_model()"
         req_ids, sampled, kv_out = self._pending
         self._pending = None
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=kv_out,
-        )
+        if self.kv_steps is not None:  # runner V2: transfer results collected after the forward (see _execute_v2)
+            kv_out = self.kv_steps.post_forward(kv_out, defer_finalize=bool(self.num_spec))
+            self._report_failed_loads(kv_out)
+            if self.num_spec:
+                self.kv_steps.finalize_step()  # after the drafter ran, as the runner does
+        index = {"req_id_to_index": {req_id: i for i, req_id in enumerate(req_ids)}} if _HAS_REQ_INDEX else {}
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, kv_connector_output=kv_out, **index)
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         if not self._drafts:
@@ -323,7 +447,12 @@ class SimExecutor(Executor):
         import vllm
 
         self._vllm_version = getattr(vllm, "__version__", "?")
-        entry = versions.release(self._vllm_version) or versions.Release(self._vllm_version)
+        try:
+            entry = versions.settings_for(self._vllm_version)  # an unported release: the newest entry's settings
+        except versions.UnsupportedRelease:
+            entry = versions.Release(self._vllm_version)
+        if entry.unported_from:
+            logger.warning("kvrepro-sim: %s", versions.unported_note(self._vllm_version))
         self._rpc_answers = entry.worker_rpc_answers()
         self.knobs = SimKnobs.from_env()
         self.fault_settings = faults.FaultSettings.from_env()
@@ -479,7 +608,8 @@ class SimExecutor(Executor):
         worker_side = getattr(connector, "connector_worker", None)
         if worker_side is not None and hasattr(worker_side, "worker"):
             transfers = SimTransferWorker(self.shadow, self.knobs.load_steps, self._make_fault_plan(),
-                                          owner_of=lambda job_id: (getattr(worker_side, "_load_jobs", None) or {}).get(job_id))
+                                          owner_of=lambda job_id: (getattr(worker_side, "_load_jobs", None) or {}).get(job_id),
+                                          reports_failed_loads=hasattr(worker_side, "take_failed_recving"))
             spec = getattr(worker_side, "spec", None)
             if getattr(spec, "blocks_per_chunk", None):
                 self._chunk_blocks = int(spec.blocks_per_chunk)  # what the connector really uses
@@ -490,6 +620,8 @@ class SimExecutor(Executor):
                 # the connector worker notes each load job's request before submitting it
                 self.shadow.load_owner = lambda job_id: (getattr(worker_side, "_load_jobs", None) or {}).get(job_id)
             worker_side.worker = transfers
+            if hasattr(type(worker_side), "_init_worker"):  # 0.34.0+: transfers are submitted as device pointers
+                worker_side._kv_caches = _block_index_caches(kv_cache_config)
         else:
             raise RuntimeError(
                 f"KV connector {type(connector).__name__}: the sim engine simulates the "

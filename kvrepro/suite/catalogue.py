@@ -193,7 +193,7 @@ class EntrySpec(_Strict):
     def _keys(cls, v: list[str]) -> list[str]:
         for key in v:
             release, _ = parse_build_key(key)
-            if (problem := unsupported(release)) is not None:
+            if (problem := unsupported(release, unported_ok=False)) is not None:
                 raise ValueError(f"{key!r}: {problem}")
         return v
 
