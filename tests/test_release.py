@@ -289,3 +289,20 @@ def test_every_catalogue_entry_has_a_newest_release_cell_that_agrees_with_its_re
             continue
         assert said == expected, (entry.name, said, expected)
         assert re.search(r":\d+", text[cell.start():cell.start() + 900]), f"{entry.name}: no file:line"
+
+
+def test_a_signature_whose_statement_is_not_an_assert_is_found_or_renamed(tmp_path):
+    """A KeyError's signature names the statement that raised (an assignment, not an assert's
+    condition): the port check finds it in the release's function, follows a rename of one of its
+    identifiers, and says absent when the function no longer has it (vllm#49635's statement)."""
+    from kvrepro.classify.patterns import Pattern
+
+    pattern = Pattern(name="t", exception="KeyError", function="prepare_store", file="m.py",
+                      expressions=("state = self._req_state[req_context.req_id]",), why="test")
+    src = tmp_path / "m.py"
+    for body, want in (("state = self._req_state[req_context.req_id]", ("found", 3, {})),
+                       ("state = self._req_state[ctx.req_id]", ("renamed", 3, {"ctx": "req_context"})),
+                       ("state = None", ("absent", None, {}))):
+        src.write_text(f"class C:\n    def prepare_store(self, req_context):\n        {body}\n")
+        got = porting.signature_statement(tmp_path, pattern)
+        assert got == want, (body, got)

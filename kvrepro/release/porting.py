@@ -315,7 +315,16 @@ def signature_statement(tree_root: Path, pattern) -> tuple[str, int | None, dict
     if not pattern.expressions:
         return "absent", None, {}
     wanted_text = pattern.expressions[0]
-    wanted = ast.parse(canonical(wanted_text), mode="eval").body
+    try:  # an assert's condition, or (a KeyError's, an IndexError's) the statement that raised
+        wanted, is_statement = ast.parse(canonical(wanted_text), mode="eval").body, False
+    except SyntaxError:
+        try:
+            body = ast.parse(canonical(wanted_text), mode="exec").body
+        except SyntaxError:
+            return "absent", None, {}
+        if len(body) != 1:
+            return "absent", None, {}
+        wanted, is_statement = body[0], True
     wanted_shape, wanted_names = _shape(wanted)
     module = _parse(tree_root / pattern.file)
     shaped: list[tuple[int, dict[str, str]]] = []
@@ -323,7 +332,10 @@ def signature_statement(tree_root: Path, pattern) -> tuple[str, int | None, dict
         if func.name != pattern.function:
             continue
         for node in ast.walk(func):
-            test = node.test if isinstance(node, ast.Assert) else None
+            if is_statement:
+                test = node if isinstance(node, ast.stmt) and not isinstance(node, ast.FunctionDef) else None
+            else:
+                test = node.test if isinstance(node, ast.Assert) else None
             if test is None:
                 continue
             if canonical(ast.unparse(test)) == canonical(wanted_text):
