@@ -226,8 +226,10 @@ class SimRunner:
     def _token(self, state: _ReqState, position: int) -> int:
         return (state.key * 1_000_003 + position * 7_919) % self.vocab_size
 
-    def _update_states(self, so) -> dict[str, int]:
-        """Like GPUModelRunner._update_states: forget finished requests, learn new ones."""
+    def _update_states(self, so) -> tuple[dict[str, int], dict[str, list[int]]]:
+        """Like GPUModelRunner._update_states: forget finished requests, learn new ones. Returns
+        each scheduled request's computed tokens (as the GPU will compute from them) and the drafts
+        proposed in the previous step (what an asynchronous step verifies)."""
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
         num_computed: dict[str, int] = {}
@@ -244,7 +246,8 @@ class SimRunner:
             self.shadow.update_requests(so)
         if self.async_scheduling:
             self._async_update(so, num_computed)
-        return num_computed
+        prev_drafts, self._drafts = self._drafts, {}
+        return num_computed, prev_drafts
 
     def _async_update(self, so, num_computed: dict[str, int]) -> None:
         """What the V1 GPU model runner does with an asynchronous scheduler's output (module
@@ -276,8 +279,7 @@ class SimRunner:
             self.transfers.begin_step()
         if self.connector is not None:
             self.connector.handle_preemptions(so.kv_connector_metadata)
-        num_computed = self._update_states(so)
-        prev_drafts, self._drafts = self._drafts, {}
+        num_computed, prev_drafts = self._update_states(so)
         if not so.total_num_scheduled_tokens:
             self._prev_batch, self._rejected = set(), {}
             if self.connector is None:

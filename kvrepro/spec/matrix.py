@@ -332,6 +332,12 @@ class EngineSpec(_Strict):
                                   "remove it here and say it there")
         return self
 
+    @field_validator("async_scheduling", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare on/off as a boolean
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
     @model_validator(mode="after")
     def _async_in_one_place(self) -> "EngineSpec":
         for i, arg in enumerate(self.extra_args):
