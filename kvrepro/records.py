@@ -352,6 +352,7 @@ class Exposure:
     cow_calls: int = 0
     truncate_calls: int = 0
     partial_hits: int = 0
+    lookups_in_flight: int = 0  # probe: lookups while the request's own transfers were in flight (#46014)
     # injected offload-tier faults (engine.sim.offload_faults; the engine's `kvrepro-fault:` lines): failed
     # load and store jobs, and the requests a failed load ended with an error on purpose (policy `fail`)
     injected_load_faults: int = 0
@@ -393,6 +394,9 @@ PROBE_COUNTERS: dict[str, str] = {
                       "supersedes them (KVCacheManager.truncate_computed_blocks, 0.27.0+) (probe)",
     "partial_hits": "requests whose local hit ended inside a block, once each: full attention's copy-on-write or "
                     "the truncation for a longer offload hit (probe)",
+    "lookups_in_flight": "offload lookups of a request whose own transfer jobs were still in flight: a preempted "
+                         "request re-admitted before its flushed stores were reported done (#46014's window; "
+                         "#46231 defers the lookup) (probe)",
 }
 
 
@@ -585,6 +589,7 @@ class RunResult:
     cow_calls: int = 0
     truncate_calls: int = 0
     partial_hits: int = 0
+    lookups_in_flight: int = 0  # probe: lookups while the request's own transfers were in flight (#46014)
     # injected offload-tier faults (Exposure): failed load and store jobs, requests failed on purpose
     injected_load_faults: int = 0
     injected_store_faults: int = 0

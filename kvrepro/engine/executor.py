@@ -16,7 +16,20 @@ Faked, because this machine has no GPU:
   scheduled draft token is accepted with probability ``KVREPRO_SIM_ACCEPTANCE_RATE`` (seeded
   by ``KVREPRO_SIM_SEED``); accepted drafts plus one new token are returned, so the scheduler
   rolls back rejected drafts itself. After sampling, one draft per speculative slot is
-  proposed through ``take_draft_token_ids`` (the synchronous-scheduling path).
+  proposed: through ``take_draft_token_ids`` with synchronous scheduling; with asynchronous
+  scheduling kept by the runner for the next step (below).
+* **Asynchronous scheduling** (vLLM's default on a GPU with MTP, ``engine.async_scheduling``):
+  the executor supports it as vLLM's GPU executors do (``supports_async_scheduling``; EngineCore
+  then runs its batch queue of ``max_concurrent_batches`` = 2 and the ``AsyncScheduler``), and the
+  runner does what the V1 GPU model runner does with the scheduler's lag of one step
+  (``gpu_model_runner._update_states`` / ``_prepare_input_ids``, 0.26.0 :1340-1380, :1511-1541,
+  :1787-1890): the scheduler sends ``-1`` placeholders for draft tokens and a
+  ``num_computed_tokens`` that counts the previous step's drafts as accepted; for a request that
+  ran in the previous step, the runner takes its own drafts of that step and lowers
+  ``num_computed_tokens`` by that step's rejected drafts (``prev_num_draft_len`` minus accepted);
+  a request that was not in the previous step takes its tokens from the scheduler
+  (``all_token_ids``). The executor answers at once (a done Future): a GPU's stream runs a step's
+  kernels after the previous step's, so every read and write happens in call order, as here.
 * **The offload data movement** (``SimTransferWorker``, vLLM's ``OffloadingWorker``
   interface): no bytes move; every store job the connector submits is reported finished by
   the next step's ``get_finished()``, every load job ``KVREPRO_SIM_LOAD_STEPS`` steps after it
@@ -309,12 +322,19 @@ class SimRunner:
         # the connector's per-step calls: vLLM's runner-V1 mixin where the release has it (to 0.33.0),
         # else its runner V2's ActiveKVConnector (0.34.0+); None: the mixin's static methods are used
         self.kv_steps = _v2_connector_steps(vllm_config, connector)
+        # asynchronous scheduling (module docstring): the scheduler runs one step behind the runner
+        self.async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+        self._prev_batch: set[str] = set()  # requests the last step ran (the runner's persistent batch)
+        self._rejected: dict[str, int] = {}  # drafts each of them had rejected in that step
+        self.async_stats = {"corrections": 0, "resyncs": 0, "draft_fills": 0, "mismatches": 0}
 
     def _token(self, state: _ReqState, position: int) -> int:
         return (state.key * 1_000_003 + position * 7_919) % self.vocab_size
 
-    def _update_states(self, so) -> dict[str, int]:
-        """Like GPUModelRunner._update_states: forget finished requests, learn new ones."""
+    def _update_states(self, so) -> tuple[dict[str, int], dict[str, list[int]]]:
+        """Like GPUModelRunner._update_states: forget finished requests, learn new ones. Returns
+        each scheduled request's computed tokens (as the GPU will compute from them) and the drafts
+        proposed in the previous step (what an asynchronous step verifies)."""
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
         num_computed: dict[str, int] = {}
@@ -329,7 +349,32 @@ class SimRunner:
             num_computed[req_id] = computed
         if self.shadow is not None:
             self.shadow.update_requests(so)
-        return num_computed
+        if self.async_scheduling:
+            self._async_update(so, num_computed)
+        prev_drafts, self._drafts = self._drafts, {}
+        return num_computed, prev_drafts
+
+    def _async_update(self, so, num_computed: dict[str, int]) -> None:
+        """What the V1 GPU model runner does with an asynchronous scheduler's output (module
+        docstring): a request of the previous step gets ``num_computed_tokens`` lowered by the drafts
+        that step rejected (the scheduler counted them as accepted); a cached request that was not
+        in the previous step takes its tokens from the scheduler's ``all_token_ids``."""
+        cached = so.scheduled_cached_reqs
+        all_tokens = getattr(cached, "all_token_ids", None) or {}
+        for req_id in cached.req_ids:
+            state = self.requests.get(req_id)
+            if req_id in self._prev_batch:
+                rejected = self._rejected.get(req_id, 0)
+                if rejected:
+                    num_computed[req_id] -= rejected
+                    self.async_stats["corrections"] += 1
+            elif state is not None and req_id in all_tokens:
+                tokens = list(all_tokens[req_id])
+                if tokens != state.tokens:
+                    state.tokens = tokens
+                    self.async_stats["resyncs"] += 1
+                    if self.shadow is not None:
+                        self.shadow.resync(req_id, tokens)
 
     def execute_model(self, so):
         from vllm.forward_context import set_forward_context
@@ -342,8 +387,9 @@ class SimRunner:
 
         if self.connector is not None:
             self.connector.handle_preemptions(so.kv_connector_metadata)
-        num_computed = self._update_states(so)
+        num_computed, prev_drafts = self._update_states(so)
         if not so.total_num_scheduled_tokens:
+            self._prev_batch, self._rejected = set(), {}
             if self.connector is None:
                 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
@@ -352,7 +398,7 @@ class SimRunner:
             self._report_failed_loads(output.kv_connector_output)
             return output
         with set_forward_context(None, self.vllm_config), Mixin.maybe_get_kv_connector_output(so) as kv_out:
-            req_ids, sampled = self._forward(so, num_computed)
+            req_ids, sampled = self._forward(so, num_computed, prev_drafts)
         self._report_failed_loads(kv_out)
         self._pending = (req_ids, sampled, kv_out)
         return None
@@ -385,14 +431,36 @@ class SimRunner:
         if failed and kv_out is not None:
             kv_out.failed_recving = set(getattr(kv_out, "failed_recving", None) or ()) | failed
 
-    def _forward(self, so, num_computed: dict[str, int]):
+    def _spec_tokens(self, so, req_id: str, prev_drafts: dict[str, list[int]]) -> list[int]:
+        """The draft tokens this step verifies: the scheduler's; with asynchronous scheduling the
+        scheduler sends ``-1`` placeholders and the runner puts in the drafts it proposed for the
+        request in the previous step (a request that was not in it keeps the placeholders, which
+        the rejection sampler rejects: ``_prepare_input_ids`` copies drafts for previous-step
+        requests only)."""
+        spec = list(so.scheduled_spec_decode_tokens.get(req_id) or [])
+        if not self.async_scheduling or not spec or req_id not in self._prev_batch:
+            return spec
+        proposed = prev_drafts.get(req_id) or []
+        if proposed:
+            self.async_stats["draft_fills"] += 1
+        return [proposed[i] if i < len(proposed) else draft for i, draft in enumerate(spec)]
+
+    def _forward(self, so, num_computed: dict[str, int], prev_drafts: dict[str, list[int]] | None = None):
         req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = []
-        self._drafts = {}
+        prev_drafts = prev_drafts or {}
+        rejected: dict[str, int] = {}
         for req_id in req_ids:
             state = self.requests[req_id]
-            spec = so.scheduled_spec_decode_tokens.get(req_id) or []
+            spec = self._spec_tokens(so, req_id, prev_drafts)
             seq_end = num_computed[req_id] + so.num_scheduled_tokens[req_id] - len(spec)
+            if self.async_scheduling and spec and seq_end != state.num_tokens:
+                # a decode's first position is its last sampled token: anything else means the
+                # runner's view of the request and the scheduler's disagree (a kvrepro bug)
+                self.async_stats["mismatches"] += 1
+                if self.async_stats["mismatches"] <= 3:
+                    logger.warning("kvrepro-sim: async scheduling: request %s decodes from %d tokens but holds %d",
+                                   req_id, seq_end, state.num_tokens)
             if self.shadow is not None:  # before the forward: is its context really in the KV cache?
                 self.shadow.forward(req_id, num_computed[req_id], so.num_scheduled_tokens[req_id], spec)
             if seq_end < state.num_tokens:
@@ -409,11 +477,13 @@ class SimRunner:
                 new = (new + 1) % self.vocab_size  # a rejected draft is replaced by another token
             tokens.append(new)
             state.tokens.extend(tokens)
+            rejected[req_id] = len(spec) - accepted
             if self.shadow is not None:
                 self.shadow.sampled(req_id, tokens, seq_end)
             sampled.append(tokens)
             if self.num_spec:
                 self._drafts[req_id] = [self._token(state, state.num_tokens + i) for i in range(self.num_spec)]
+        self._prev_batch, self._rejected = set(req_ids), rejected
         return req_ids, sampled
 
     def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
@@ -431,8 +501,12 @@ class SimRunner:
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         if not self._drafts:
             return None
-        drafts, self._drafts = self._drafts, {}
-        return DraftTokenIds(req_ids=list(drafts), draft_token_ids=list(drafts.values()))
+        drafts = self._drafts
+        if not self.async_scheduling:
+            self._drafts = {}
+        # with asynchronous scheduling the runner keeps them for its next step (the GPU's drafts
+        # stay on the device; EngineCore asks only for structured output)
+        return DraftTokenIds(req_ids=list(drafts), draft_token_ids=[list(d) for d in drafts.values()])
 
 
 class SimExecutor(Executor):
@@ -440,6 +514,13 @@ class SimExecutor(Executor):
 
     uses_ray = False
     supports_pp = False
+
+    @classmethod
+    def supports_async_scheduling(cls) -> bool:
+        """As vLLM's GPU executors (UniProcExecutor, MultiprocExecutor) answer in every supported
+        release: vLLM then enables asynchronous scheduling where a GPU would (config/vllm.py
+        0.26.0:1059-1107) and the platform keeps that decision (kvrepro/engine/platform.py)."""
+        return True
 
     def _init_executor(self) -> None:
         from vllm.platforms import current_platform
@@ -477,9 +558,15 @@ class SimExecutor(Executor):
         self._specs = self._build_kv_cache_specs()
         logger.info(
             "Sim executor: no GPU; fake model (draft acceptance rate %.2f, seed %d, step delay "
-            "%.1f ms) and fake offload data movement (stores finish one step later, loads %d).",
+            "%.1f ms) and fake offload data movement (stores finish one step later, loads %d); "
+            "asynchronous scheduling %s.",
             self.knobs.acceptance_rate, self.knobs.seed, self.knobs.step_delay_ms, self.knobs.load_steps,
+            "on (batch queue of %d)" % self.vllm_config.max_concurrent_batches if self.async_scheduling else "off",
         )
+
+    @property
+    def async_scheduling(self) -> bool:
+        return bool(getattr(self.vllm_config.scheduler_config, "async_scheduling", False))
 
     # -- what a worker would report ------------------------------------------------------
 
@@ -575,10 +662,11 @@ class SimExecutor(Executor):
         spec = vc.speculative_config
         logger.info(
             "kvrepro-sim: geometry kv_cache_groups=%s block_size=%d offload_chunk_tokens=%s num_gpu_blocks=%d "
-            "num_speculative_tokens=%d data_parallel_rank=%d data_parallel_size=%d",
+            "num_speculative_tokens=%d data_parallel_rank=%d data_parallel_size=%d async_scheduling=%s",
             groups, block, block * self._chunk_blocks if self.connector is not None else "-",
             kv_cache_config.num_blocks, spec.num_speculative_tokens if spec is not None else 0,
             getattr(parallel, "data_parallel_rank", 0), getattr(parallel, "data_parallel_size", 1),
+            "on" if self.async_scheduling else "off",
         )
 
     def _blocks_per_chunk(self) -> int:
@@ -723,6 +811,11 @@ class SimExecutor(Executor):
                     *counts, os.getpid())
         if self.fault_plan is not None:
             logger.info("%s", self.fault_plan.counts_line())
+        if self.runner is not None and self.runner.async_scheduling:
+            stats = self.runner.async_stats
+            logger.info("kvrepro-sim: async counts corrections=%d draft_fills=%d resyncs=%d mismatches=%d pid=%d",
+                        stats["corrections"], stats["draft_fills"], stats["resyncs"], stats["mismatches"],
+                        os.getpid())
 
     def _start_flusher(self) -> None:
         """Write changed counts (this executor's, the probe's, the shadow KV's) every

@@ -27,8 +27,12 @@ make the engine differ from a GPU node or could not run here:
   made with Triton reported present (:meth:`SimCpuPlatform._as_gpu_host`); nothing else in the
   engine sees that answer.
 
-Asynchronous scheduling stays off as on every CPU platform (a GPU with MTP would enable it; the
-scheduler/connector allocation path under test is the same code in both modes).
+* **Asynchronous scheduling.** The CPU platform turns it off ("not required on CPU",
+  platforms/cpu.py 0.26.0:142-144); a GPU platform leaves vLLM's own decision
+  (``VllmConfig.__post_init__``, config/vllm.py 0.26.0:1021-1107, made before the platform's
+  ``check_and_update_config`` in every supported release: on with MTP unless the executor cannot,
+  and the sim executor can). That decision is kept, so EngineCore schedules as the GPU node does;
+  ``--async-scheduling`` / ``--no-async-scheduling`` (``engine.async_scheduling``) set it as there.
 """
 
 from __future__ import annotations
@@ -47,9 +51,11 @@ class SimCpuPlatform(CpuPlatform):
         cache_config = vllm_config.cache_config
         configured_dtype = cache_config.mamba_ssm_cache_dtype
         start_method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+        decided_async = vllm_config.scheduler_config.async_scheduling  # vLLM's decision, as on a GPU
         with cls._as_gpu_host():
             super().check_and_update_config(vllm_config)
         cache_config.mamba_ssm_cache_dtype = configured_dtype
+        vllm_config.scheduler_config.async_scheduling = decided_async
         if start_method is None:
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
         else:

@@ -24,6 +24,11 @@ waiting-queue stall of vllm#57841:
 * ``deferred_lookups``: lookups that returned ``None`` ("ask again later": a chunk the request
   needs is being loaded for another request, or its own transfers are in flight); the scheduler
   then parks the request, holding no blocks, in its skipped-waiting queue;
+* ``lookups_in_flight``: lookups of a request whose own transfer jobs were still in flight (a
+  request preempted while its stores ran, re-admitted before they were reported done: under
+  asynchronous scheduling the next pass is scheduled before the step that reports them is
+  processed). vllm#46231 defers them (``None``); without it a load joins the stores and
+  ``update_state_after_alloc`` asserts ``not req_status.transfer_jobs`` (vllm#46014);
 * ``loads_behind_deferred``: offload loads admitted (``update_state_after_alloc`` with
   ``num_external_tokens > 0``) in a scheduling pass after another request's lookup was deferred
   earlier in the same pass. The scheduler walks its waiting queues in order and re-queues what it
@@ -76,7 +81,7 @@ never import vLLM pay for one string comparison per import and print nothing.
 Output, on stderr, flushed, one line each (kvrepro's classifier parses these exact formats)::
 
   kvrepro-probe: installed function=OffloadingConnectorScheduler.update_state_after_alloc file=<path> source_sha256=<hex>
-  kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M> state_calls=<K> state_groups=<kind>:<n>,... deferred_lookups=<D> loads_behind_deferred=<L> finished_unscheduled=<F> divergent_hits=<H> divergent_loads=<G> cow_calls=<C> truncate_calls=<T> partial_hits=<Q> pid=<P>
+  kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M> state_calls=<K> state_groups=<kind>:<n>,... deferred_lookups=<D> loads_behind_deferred=<L> finished_unscheduled=<F> divergent_hits=<H> divergent_loads=<G> cow_calls=<C> truncate_calls=<T> partial_hits=<Q> lookups_in_flight=<I> pid=<P>
 
 (``pid`` because vLLM >= 0.33 no longer prefixes what a child process writes to stderr with
 its ``(EngineCore pid=N)`` tag: the API server's zero counts must not hide the EngineCore's.)
@@ -104,7 +109,7 @@ REPORT_INTERVAL_S = 2.0
 _lock = threading.Lock()
 _counts = {"external_hit_calls": 0, "trigger_calls": 0, "state_calls": 0, "deferred_lookups": 0,
            "loads_behind_deferred": 0, "finished_unscheduled": 0, "divergent_hits": 0, "divergent_loads": 0,
-           "cow_calls": 0, "truncate_calls": 0, "partial_hits": 0}
+           "cow_calls": 0, "truncate_calls": 0, "partial_hits": 0, "lookups_in_flight": 0}
 _deferred_this_pass: set = set()  # requests whose lookup returned None in the current scheduling pass
 _diverged: set = set()  # requests handed a divergent local hit, until their next offload lookup answers
 MANAGER_MODULE = "vllm.v1.core.kv_cache_manager"
@@ -162,7 +167,7 @@ def report(force: bool = False) -> None:
         snapshot = (_counts["external_hit_calls"], _counts["trigger_calls"], _counts["state_calls"], groups,
                     _counts["deferred_lookups"], _counts["loads_behind_deferred"], _counts["finished_unscheduled"],
                     _counts["divergent_hits"], _counts["divergent_loads"], _counts["cow_calls"],
-                    _counts["truncate_calls"], _counts["partial_hits"])
+                    _counts["truncate_calls"], _counts["partial_hits"], _counts["lookups_in_flight"])
         if not force and snapshot == _state["last_reported"]:
             return
         _state["last_reported"] = snapshot
@@ -170,7 +175,7 @@ def report(force: bool = False) -> None:
            f"state_calls={snapshot[2]} state_groups={snapshot[3] or '-'} deferred_lookups={snapshot[4]} "
            f"loads_behind_deferred={snapshot[5]} finished_unscheduled={snapshot[6]} divergent_hits={snapshot[7]} "
            f"divergent_loads={snapshot[8]} cow_calls={snapshot[9]} truncate_calls={snapshot[10]} "
-           f"partial_hits={snapshot[11]} pid={os.getpid()}")
+           f"partial_hits={snapshot[11]} lookups_in_flight={snapshot[12]} pid={os.getpid()}")
 
 
 def _reporter_loop() -> None:
@@ -311,9 +316,17 @@ def _wrap_queue_methods(cls) -> None:
 
         @functools.wraps(lookup)
         def get_num_new_matched_tokens(self, request, *args, **kwargs):
+            try:  # the request's own transfer jobs still in flight (#46014's window), read before the lookup
+                status = (getattr(self, "_req_status", None) or {}).get(getattr(request, "request_id", None))
+                in_flight = bool(getattr(status, "transfer_jobs", None))
+            except Exception:
+                in_flight = False
             result = lookup(self, request, *args, **kwargs)
             try:
                 request_id = getattr(request, "request_id", None)
+                if in_flight:
+                    with _lock:
+                        _counts["lookups_in_flight"] += 1
                 if isinstance(result, tuple) and result and result[0] is None:
                     with _lock:
                         _counts["deferred_lookups"] += 1

@@ -284,6 +284,10 @@ class EngineSpec(_Strict):
     kv_load_failure_policy: Literal["fail", "recompute"] | None = Field(
         None, description="vLLM's KVTransferConfig.kv_load_failure_policy (what a failed offload load does: fail "
                           "the request, or recompute its KV); default: vLLM's own (fail)")
+    async_scheduling: Literal["auto", "on", "off"] = Field(
+        "auto", description="vLLM's asynchronous scheduling: auto = what vLLM decides for the release and this "
+                            "engine on a GPU (on with MTP in every supported release; the GPU-free engine keeps "
+                            "that decision, docs/engine.md), on = --async-scheduling, off = --no-async-scheduling")
 
     @model_validator(mode="before")
     @classmethod
@@ -330,6 +334,20 @@ class EngineSpec(_Strict):
             if arg.split("=", 1)[0] in GEOMETRY_FLAGS:
                 raise FieldError(f"engine.extra_args.{i}", f"{arg.split('=', 1)[0]} is set by engine.geometry; "
                                   "remove it here and say it there")
+        return self
+
+    @field_validator("async_scheduling", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare on/off as a boolean
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
+    @model_validator(mode="after")
+    def _async_in_one_place(self) -> "EngineSpec":
+        for i, arg in enumerate(self.extra_args):
+            if self.async_scheduling != "auto" and arg.split("=", 1)[0] in ("--async-scheduling", "--no-async-scheduling"):
+                raise FieldError(f"engine.extra_args.{i}", f"{arg} and engine.async_scheduling: {self.async_scheduling} "
+                                  "both set asynchronous scheduling; say it in engine.async_scheduling only")
         return self
 
     @property
@@ -398,6 +416,8 @@ class EngineSpec(_Strict):
                 from ..versions import PREFIX_MATCH_UNIT_FLAG
 
                 args += [PREFIX_MATCH_UNIT_FLAG, str(self.geometry.hash_block_size)]
+        if self.async_scheduling != "auto":
+            args += ["--async-scheduling" if self.async_scheduling == "on" else "--no-async-scheduling"]
         if include_sim:
             args += ["--num-gpu-blocks-override", str(self.sim.num_gpu_blocks)]
         return args + list(self.extra_args)
