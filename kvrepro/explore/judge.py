@@ -3,7 +3,7 @@
 Titles are what deduplication compares (syzkaller's idea): a crash by its signature (the signature
 pattern's name when kvrepro knows it, else exception, function and file), a corruption by its
 defect (kvrepro/classify/corruptions/; ``unknown`` classes by the violation class itself), a stall
-with the counters that tell stalls apart, an invariant by which one broke. The key is the title
+by where the engine waits (the probe's stall-state), an invariant by which one broke. The key is the title
 without counts, so the same failure seen in two runs is one finding.
 
 The engine's own invariants at its quiescent points (block-pool accounting, requests stranded in
@@ -109,10 +109,21 @@ def run_failures(run: RunResult) -> list[Failure]:
     found.extend(engine_invariant_failures(run))
     stalled = run.verdict is Verdict.STALL or (run.load is not None and run.load.stopped_because == "stall")
     if stalled:
-        found.append(Failure(STALL, "stall", f"STALL (deferred_lookups {run.deferred_lookups}, loads_behind_deferred "
-                             f"{run.loads_behind_deferred}, offload loads {run.offload_load_jobs}, "
-                             f"requests {run.load.requests_ok if run.load else '?'} ok)", "stall"))
+        found.append(stall_failure(run))
     return found
+
+
+def stall_failure(run: RunResult) -> Failure:
+    """A stall, keyed by where the engine waits (the probe's stall-state: the request a scheduling
+    pass could not allocate for, what it was refused against, what the others hold while they wait),
+    so two different stalls of one release are two failures; ``stall`` alone when the probe never saw
+    the engine idle with work (a stall elsewhere: the API server, a transfer thread)."""
+    where = run.stall_where
+    key = f"stall:{where}" if where else "stall"
+    counts = (f"deferred_lookups {run.deferred_lookups}, loads_behind_deferred {run.loads_behind_deferred}, "
+              f"offload loads {run.offload_load_jobs}, requests {run.load.requests_ok if run.load else '?'} ok")
+    title = f"STALL at {where} ({counts})" if where else f"STALL ({counts})"
+    return Failure(STALL, key, title[:400], "stall")
 
 
 PREFIX_CONTENT = "prefix-cache-content"
