@@ -48,6 +48,7 @@ from ..untrusted import quote
 from .coverage import Targets, credit, features, in_target, patch_targets, points, run_arcs, steering
 from .findings import minimize_finding
 from .generator import ALL, RunSpec, apply, generate, replay, seed_corpus
+from ..classify.failures import ending
 from . import origin
 from .judge import invariant_failures, judge_failure, run_failures
 from .state import (CAMPAIGN_SCHEMA, CampaignRequest, CampaignState, FindingRecord, JudgedRecord, ReplayRecord,
@@ -503,7 +504,7 @@ def _replay(spec: RunSpec, build: str, data: dict[str, Any], request: CampaignRe
         return ReplayRecord(key, build, str(outcome.run_id), run.label, time.monotonic() - started,
                             error=f"not judged: {_error_line(exc)}")
     return ReplayRecord(key, build, str(outcome.run_id), run.label, time.monotonic() - started,
-                        keys=tuple(dict.fromkeys(f.key for f in failures)))
+                        keys=tuple(dict.fromkeys(f.key for f in failures)), ended_by=ending(run))
 
 
 def _settle_origins(state: CampaignState, folder: Path, data: dict[str, Any], path: Path, target: Target | None,
@@ -615,6 +616,7 @@ def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progr
                 # whose failures these are: the spec again on the base without the patches (origin.py)
                 state.replay_queue.append(record.spec.index)
                 _settle_origins(state, folder, data, path, shared, name, progress, stop, eager=True)
+                record = state.runs[-1]  # its failures now say whose they are
             if request.minimize and record.run_id:
                 _minimize_new(state, folder, record, progress, stop)
             if on_run is not None:

@@ -9,8 +9,9 @@ without the patches (and on X with them once more, for flakiness), and each of i
   never in the base's replays of the same specs: the patch's, *new* whatever its catalogue title;
 * ``base``: a replay on the base without the patches failed the same way (the same key: for a stall,
   the same place the engine waits, judge.stall_failure): already in the base;
-* ``undecided``: neither (not replayed yet, the replay share spent, a replay that could not be judged,
-  or a failure its own replay with the patches did not show again), with the counts.
+* ``undecided``: neither (not replayed yet, the replay share spent, a replay that could not be judged
+  or that ended early on a failure the run did not have, or a failure its own replay with the
+  patches did not show again), with the counts.
 
 The replay of a spec serves every failure its run showed (a stall with a leak and a stranded request:
 one replay), and a spec is replayed once however many runs made it (:func:`spec_key`). The base's
@@ -50,12 +51,16 @@ def decide(with_failed: int, without_failed: int, without_runs: int) -> str:
     return UNDECIDED
 
 
-def run_counts(key: str, replays: dict[str, ReplayRecord]) -> tuple[int, int, int, int]:
+def run_counts(key: str, replays: dict[str, ReplayRecord], run_keys: frozenset[str] = frozenset()
+               ) -> tuple[int, int, int, int]:
     """(with_failed, with_runs, without_failed, without_runs) of one failing run's ``key``: the run
-    itself and its spec's replays that could be judged."""
+    itself and its spec's replays that could be judged. A base replay that ended early on a failure
+    the run (keys ``run_keys``) did not have does not count as a run without ``key``: it never got
+    as far (0.26.0's target crash ends a load before the corruption a fix exposes)."""
     patched, base = replays.get(PATCHED_BUILD), replays.get(BASE_BUILD)
     with_ok = patched is not None and patched.judged
-    base_ok = base is not None and base.judged
+    base_ok = base is not None and base.judged and (
+        key in base.keys or base.ended_by is None or base.ended_by in run_keys)
     return (1 + int(with_ok and key in patched.keys), 1 + int(with_ok),
             int(base_ok and key in base.keys), int(base_ok))
 
@@ -84,8 +89,9 @@ def refresh(state: CampaignState) -> list[str]:
             continue
         replays = state.replays.get(spec_key(record.spec), {})
         failures = []
+        keys = frozenset(f.key for f in record.failures)
         for f in record.failures:
-            counts = run_counts(f.key, replays)
+            counts = run_counts(f.key, replays, keys)
             got = totals.setdefault(f.key, [0, 0, 0, 0])
             for n, c in enumerate(counts):
                 got[n] += c

@@ -153,6 +153,10 @@ class ReplayRecord:
     seconds: float
     keys: tuple[str, ...] = ()
     error: str | None = None
+    # the failure that ended it before its load was spent (classify.failures.ending); None: it ran its
+    # course. A base replay cut short by a failure the campaign's run did not have says nothing of
+    # what that run showed later (origin.run_counts)
+    ended_by: str | None = None
 
     @property
     def judged(self) -> bool:
