@@ -801,6 +801,9 @@ class SuiteEntryRecord:
     run: str | None = None
     reps: int | None = None
     error: str | None = None
+    # `suite run --patch`: the same entry on the releases without the stack, run when the stack's
+    # runs failed, so that its failures the base does not show read as introduced by the stack
+    base_run: str | None = None
 
 
 @dataclass(frozen=True)

@@ -214,3 +214,23 @@ def test_a_campaign_replays_each_failing_spec_once_and_names_the_patchs_failures
     assert done.replay_s == 2.0 * len(asked) and len(done.replay_queue) == 5 - len({i for i, _ in asked})
     # the campaign's own runs are those a campaign without patches would make (the replays are apart)
     assert [r.spec.index for r in done.runs] == [0, 1, 2, 3, 4] and made == [0, 1, 2, 3, 4]
+
+
+def test_a_base_replay_cut_short_by_another_failure_says_nothing_of_what_came_later():
+    """The base stalls at the release's own place before the patch's leak could show: undecided, not
+    the patch's; the base stalling at the same place as the run did still counts for the leak."""
+    s1, s2 = _spec(1), _spec(2)
+    state = _state([(s1, [_judged(LEAK)]), (s2, [_judged(RECOMPUTE), _judged(LEAK)])])
+    state.replays = {
+        origin.spec_key(s1): {"base": ReplayRecord(origin.spec_key(s1), "base", "b1", "STALL", 1.0, (RECOMPUTE,),
+                                                   ended_by=RECOMPUTE),
+                              "patched": _replay(s1, "patched", LEAK)},
+        origin.spec_key(s2): {"base": ReplayRecord(origin.spec_key(s2), "base", "b2", "STALL", 1.0, (RECOMPUTE,),
+                                                   ended_by=RECOMPUTE),
+                              "patched": _replay(s2, "patched", RECOMPUTE, LEAK)}}
+    origin.refresh(state)
+    assert [j.origin for j in state.runs[0].failures] == ["undecided"]
+    assert [j.origin for j in state.runs[1].failures] == ["base", "patch"]
+    leak = state.findings[LEAK]
+    assert (leak.origin, leak.with_failed, leak.with_runs, leak.without_failed, leak.without_runs) == (
+        "patch", 4, 4, 0, 1)
