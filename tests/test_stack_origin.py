@@ -62,12 +62,13 @@ def test_the_base_build_is_the_stack_every_other_contains():
 def test_the_matrix_report_has_the_section_and_the_json(tmp_path):
     from test_report import DEFAULT, EXPECT, make_run
 
-    from kvrepro.report import document, pages
+    from kvrepro.report import pages
     from kvrepro.report.render import matrix_json
+    from kvrepro.report.sections import SectionContext, introduced
 
     run = make_run(tmp_path, DEFAULT, EXPECT)
-    md = pages.to_markdown(document.document(run))
-    assert "## Introduced by each build's stack" in md
+    md = pages.to_markdown(introduced.blocks(run, SectionContext()))
+    assert "## Introduced by each build's stack" in md and "| C | A | `crash:" in md
     rows = matrix_json(run)["introduced"]
     # C crashes as A does: already in the base; B and D survive: nothing to say
     assert [(r["build"], r["base_build"], r["origin"], r["with"], r["without"]) for r in rows] == [
