@@ -6,11 +6,13 @@ keys it (kvrepro/classify/failures.py: a crash by its signature, a corruption by
 where the engine waits, an invariant by its name), so a stall of the stack and another stall of the
 base are two failures, not one "STALL" each. Per build and failure key:
 
-* ``introduced``: the build showed it and the base, in every run that could show it, did not;
+* ``introduced``: the build showed it in at least two runs and the base, in every run that could
+  show it (at least one), did not (explore's rule, kvrepro/explore/origin.py);
 * ``in the base``: the base showed it too;
-* ``undecided``: the base has no run that could show it (not run, not judged, or each of its runs
-  ended first on a failure the build's runs did not have: 0.26.0's target crash ends build A's load
-  before the wrong KV its fixes expose on B).
+* ``undecided``: the build showed it once only, or the base has no run that could show it (not run,
+  not judged, or each of its runs ended first on a failure the build's repetition with the same
+  seeds did not have: 0.26.0's target crash ends build A's load before the wrong KV its fixes
+  expose on B).
 
 Each with its counts and Fisher's exact p (one-sided: the stack raised the rate by chance), the
 statistics per failure kind the report prints next to the patch effects.
@@ -53,7 +55,7 @@ class StackFailure:
 
     def counts(self) -> str:
         base = f"{self.without_failed}/{self.without_runs}" if self.base_build else "not run"
-        p = f", p = {self.p_value:.2g}" if self.p_value is not None and self.origin == INTRODUCED else ""
+        p = f", p = {self.p_value:.2g}" if self.p_value is not None else ""
         return f"{self.with_failed}/{self.with_runs} with the stack, {base} on {self.base_build or 'the base'}{p}"
 
 
@@ -67,22 +69,26 @@ def compare(build: str, runs: Sequence[RunResult], base_build: str | None,
     mine = judged(runs)
     theirs = judged(base_runs)
     per_run = [{f.key: f for f in all_failures(r)} for r in mine]
-    base_keys = [({f.key for f in all_failures(r)}, ending(r)) for r in theirs]
     shown = {k: f for keys in per_run for k, f in keys.items()}
-    own_keys = set(shown)
+    # repetition i of both builds ran the same load and seeds: a base run is held against its own
+    # repetition's failures (against every one of the build's when that repetition is missing)
+    by_rep = {r.rep: set(keys) for r, keys in zip(mine, per_run)}
+    base_keys = [({f.key for f in all_failures(r)}, ending(r), by_rep.get(r.rep, set(shown))) for r in theirs]
     out = []
     for key, failure in sorted(shown.items()):
         with_failed = sum(1 for keys in per_run if key in keys)
-        # a base run cut short by a failure the stack's runs never had could not show this one
-        usable = [keys for keys, ended in base_keys if key in keys or ended is None or ended in own_keys]
+        # a base run cut short by a failure its repetition with the stack never had could not show this one
+        usable = [keys for keys, ended, own in base_keys if key in keys or ended is None or ended in own]
         without_failed = sum(1 for keys in usable if key in keys)
-        if base_build is None or not usable:
-            origin, p = UNDECIDED, None
-        elif without_failed:
-            origin, p = IN_BASE, None
-        else:
-            origin = INTRODUCED
+        p = None
+        if base_build is not None and usable and not without_failed:
             p = stats.fisher_raised(without_failed, len(usable), with_failed, len(mine))
+        if without_failed:
+            origin = IN_BASE
+        elif p is not None and with_failed >= 2:  # explore's rule: twice with the stack, never without
+            origin = INTRODUCED
+        else:
+            origin = UNDECIDED
         out.append(StackFailure(build, base_build, key, failure.kind, failure.title, with_failed, len(mine),
                                 without_failed, len(usable), origin, p))
     return out
