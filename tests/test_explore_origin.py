@@ -21,8 +21,8 @@ from kvrepro.explore.state import (CampaignRequest, CampaignState, FindingRecord
                                    RunRecord)
 from kvrepro.suite.run import load as load_catalogue
 
-RECOMPUTE = "stall:refused:WAITING@skipped_waiting+self-reserved+async-load/reserved-by-self"
-LEAK_STALL = "stall:refused:WAITING@waiting|blocks-held-by-no-request"
+RECOMPUTE = "stall:refused:WAITING+self-reserved+async-load/reserved-by-self"
+LEAK_STALL = "stall:refused:WAITING|blocks-held-by-no-request"
 LEAK = "invariant:block-leak"
 
 

@@ -10,8 +10,8 @@ import pytest
 from kvrepro.records import LoadSummary, Outcome, RunResult, Signature, Verdict
 from kvrepro.report import stack
 
-X = "refused:WAITING@waiting|blocks-held-by-no-request"
-Y = "refused:WAITING@skipped_waiting+self-reserved+async-load/reserved-by-self"
+X = "refused:WAITING|blocks-held-by-no-request"
+Y = "refused:WAITING+self-reserved+async-load/reserved-by-self"
 
 
 def _r(verdict: Verdict, rep: int = 0, where: str | None = None, **fields) -> RunResult:

@@ -886,9 +886,9 @@ def _wrap_scheduler() -> None:
 #
 #   kvrepro-probe: stall-state idle_steps=<N> where=<key> <words>
 #
-# The key names no request id and no count (two runs of one stall give one key): the request the
-# scheduling pass could not allocate for (KVCacheManager.allocate_slots returned None: its status,
-# the scheduler containers holding it, whether it holds blocks, loads from the connector, reserves
+# The key names no request id, no count and no queue (two runs of one stall give one key): the request
+# the scheduling pass could not allocate for (KVCacheManager.allocate_slots returned None: its status,
+# whether it holds blocks, loads from the connector, reserves
 # for itself as an in-flight prefill), whose reservation it was refused against (its own, ended
 # requests', live others'), whether blocks are referenced by no live request, and which other
 # requests hold something while they wait (loads done and never promoted, loads in flight, blocks).
@@ -955,12 +955,19 @@ def _holds_blocks(scheduler, rid: str) -> bool:
     return False
 
 
-def _request_class(scheduler, request, containers: dict, inflight: set) -> str:
-    """``STATUS@queue[+queue][/load-done|/load-in-flight][+holds-blocks][+self-reserved]``."""
+def _queues_of(rid: str, containers: dict) -> str:
+    return "+".join(sorted(name for name, ids in containers.items() if rid in ids)) or "no queue"
+
+
+def _request_class(scheduler, request, inflight: set) -> str:
+    """``STATUS[/load-done|/load-in-flight][+holds-blocks][+self-reserved]``: what a request waits with.
+    Not the queue it is in (the words say it): which of the waiting queues holds a request is the
+    release's bookkeeping (``skipped_waiting`` in 0.30.0, ``kv_holding_waiting``/``deferred_waiting``
+    from 0.31.0) and moves with the order requests came in, not with what blocks it; the measured
+    stranded reservation on 0.30.0 gave two keys for one stall by it."""
     rid = request.request_id
     status = getattr(getattr(request, "status", None), "name", "?")
-    where = "+".join(sorted(name for name, ids in containers.items() if rid in ids)) or "no-queue"
-    text = f"{status}@{where}"
+    text = status
     if status == "WAITING_FOR_REMOTE_KVS":
         done = rid in (getattr(scheduler, "finished_recving_kv_req_ids", ()) or ())
         text += "/load-done" if done else "/load-in-flight"
@@ -990,20 +997,21 @@ def stall_state(scheduler, refused=None) -> tuple:
     live = {rid: r for rid, r in list(getattr(scheduler, "requests", {}).items())
             if not str(getattr(getattr(r, "status", None), "name", "")).startswith("FINISHED")}
     inflight = {getattr(r, "request_id", None) for r in list(getattr(scheduler, "_inflight_prefills", ()) or ())}
-    classes = {rid: _request_class(scheduler, r, containers, inflight) for rid, r in live.items()}
+    classes = {rid: _request_class(scheduler, r, inflight) for rid, r in live.items()}
     unheld = _unheld_blocks(scheduler)
     parts, words = [], []
     blocker = refused[-1] if refused else None
     if blocker is not None:
         request, new, external, reserved, free = blocker
         rid = request.request_id
-        cls = classes.get(rid) or _request_class(scheduler, request, containers, inflight)
+        cls = classes.get(rid) or _request_class(scheduler, request, inflight)
         key = "refused:" + cls + ("+async-load" if external > 0 else "")
         if reserved > 0:
             by = sorted({"self" if r == rid else ("other" if r in live else "ended") for r in inflight})
             key += "/reserved-by-" + "+".join(by)
         parts.append(key)
-        words.append(f"allocation refused for request {rid} ({cls}, {getattr(request, 'num_computed_tokens', '?')} of "
+        words.append(f"allocation refused for request {rid} ({cls} in {_queues_of(rid, containers)}, "
+                     f"{getattr(request, 'num_computed_tokens', '?')} of "
                      f"{getattr(request, 'num_tokens', '?')} tokens computed): {new} new tokens, {external} from the "
                      f"connector, {reserved} blocks reserved by in-flight prefills "
                      f"({', '.join(sorted(str(r) for r in inflight)[:3]) or 'none'}), {free} free")
@@ -1020,7 +1028,8 @@ def stall_state(scheduler, refused=None) -> tuple:
     if unheld:
         parts.append("blocks-held-by-no-request")
     words.append(f"{len(live)} unfinished request(s): " + ", ".join(
-        f"{rid} {c}" for rid, c in sorted(classes.items())[:6]) + ("..." if len(classes) > 6 else ""))
+        f"{rid} {c} in {_queues_of(rid, containers)}" for rid, c in sorted(classes.items())[:6])
+        + ("..." if len(classes) > 6 else ""))
     if unheld:
         words.append(f"{unheld} block(s) referenced with no live request holding them")
     return "|".join(parts), "; ".join(words)
