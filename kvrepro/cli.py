@@ -440,11 +440,16 @@ def explore_cmd(
     no_minimize: bool = typer.Option(False, "--no-minimize", help="keep new findings' traces as recorded: no "
                                      "minimized trace, no emitted pytest"),
     requests: int = typer.Option(200, "--requests", min=1, max=100000, help="request budget of each run"),
+    replay_share: Optional[float] = typer.Option(
+        None, "--replay-share", min=0.0, max=10.0, help="with --patch: each failing run is replayed on the base "
+        "without the patches (and with them again) to tell the patch's failures from the base's; the replays "
+        "take at most this share of the budget, on top of it (default 0.5; 0: none, every failure undecided)"),
     resume: Optional[str] = typer.Option(None, "--resume", help="continue campaign ID (explore-...) or latest"),
     target: Optional[str] = TargetOpt, jobs: Optional[int] = JobsOpt,  # ray: runs as Ray tasks (docs/explore.md)
     matrix: Path = typer.Option(None, "--matrix", "-m", help="the base matrix (default: the repository's matrix.yaml)"),
     catalogue: Optional[Path] = CatalogueOpt,
-    ci: bool = typer.Option(False, "--ci", help="plain lines; exit 1 when a new (or regressed) failure is found"),
+    ci: bool = typer.Option(False, "--ci", help="plain lines; exit 1 when a new (or regressed) failure is found "
+                            "(with --patch: one the patches introduce, the base not showing it)"),
     results_root: Path = ResultsOpt,
     as_json: bool = JsonOpt,
 ) -> None:
