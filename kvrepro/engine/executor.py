@@ -410,14 +410,15 @@ class SimRunner:
         results) in :meth:`sample_tokens`, as the runner does (0.34.0:2124-2166, 2322-2325)."""
         from vllm.forward_context import set_forward_context
 
-        num_computed = self._update_states(so)
+        num_computed, prev_drafts = self._update_states(so)
         if not so.total_num_scheduled_tokens:
+            self._prev_batch, self._rejected = set(), {}
             output = self.kv_steps.no_forward(so)
             self._report_failed_loads(output.kv_connector_output)
             return output
         with set_forward_context(None, self.vllm_config):
             self.kv_steps.pre_forward(so)
-            req_ids, sampled = self._forward(so, num_computed)
+            req_ids, sampled = self._forward(so, num_computed, prev_drafts)
         self.kv_steps.finish_forward()
         self._pending = (req_ids, sampled, so.finished_req_ids)
         return None
