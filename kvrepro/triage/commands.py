@@ -47,6 +47,10 @@ def triage(log: Path, *, emit: Path | None, run: bool, release: str | None, jobs
             terminal.emit_json(triage_render.as_json(found))
         err.print("nothing to reproduce: the failure matches no catalogue entry")
         return 1
+    if found.base is None:
+        err.print(f"{log}: the log's release ({found.config.release or 'not in the log'}) is not one kvrepro runs or is "
+                  "near: say the release to reproduce on with --release X.Y.Z", highlight=False)
+        return 2
     from .emit import build_matrix, write_matrix
     from .run import proofs, run_emitted, what_it_proved
 

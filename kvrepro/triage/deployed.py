@@ -25,31 +25,37 @@ from typing import Any
 
 from ..classify.lines import LogLine
 from ..secrets import is_secret_flag, remember
+from . import sources
 from .records import DeployedConfig
 
-_VERSION = re.compile(r"vLLM API server version (?P<v>\S+)")
-_ENGINE_VERSION = re.compile(r"Initializing a V1 LLM engine \(v(?P<v>[^)\s]+)\)")
 _ARCH = re.compile(r"Resolved architecture: (?P<a>\w+)")
 _MAMBA_MODE = re.compile(r"Mamba cache mode is set to '(?P<m>\w+)'|Prefix caching in Mamba cache '(?P<p>\w+)' mode")
 _ATTN_BLOCK = re.compile(r"Setting attention block size to (?P<n>\d+) tokens")
 _ENGINE_STREAM = re.compile(r"^EngineCore(?:_DP(?P<dp>\d+))?\b")
 MAX_ARGS_CHARS = 1 << 20
 MASK = "***"
+# what a pasted report's own configuration sources are called where a default is inferred from them
+_COMPLETE_SOURCES = ("vllm serve", "the API server command", "the docker command", "the pod's")
 
 
 class ConfigReader:
-    """Feed log lines; :meth:`config` is what they said."""
+    """Feed log lines (:meth:`feed`), and a pasted report's whole text (:meth:`feed_text`);
+    :meth:`config` is what they said, each part with the line it came from."""
 
-    def __init__(self) -> None:
-        self.release: str | None = None
-        self.release_line: int | None = None
-        self.engine_release: str | None = None
+    def __init__(self, whole_text: bool = False) -> None:
+        self.whole_text = whole_text  # feed_text will read multi-line sources: single lines skip them
+        self.version: tuple[int, str, int, str] | None = None  # (rank, version, line, what said it)
+        self.other_versions: dict[str, str] = {}  # another version a less trusted source gives -> where
+        self.nightly: tuple[int, str] | None = None
         self.args: dict[str, Any] | None = None
+        self.args_line: int | None = None
         self.args_problem: str | None = None
-        self.architecture: str | None = None
-        self.mamba_mode_logged: str | None = None
-        self.attention_block: int | None = None
+        self.architecture: tuple[int, str] | None = None
+        self.mamba_mode_logged: tuple[int, str] | None = None
+        self.attention_block: tuple[int, int] | None = None
         self.engines: set[str] = set()
+        self.found: list[sources.Found] = []
+        self.engine_line: tuple[int, dict[str, Any]] | None = None
 
     def feed(self, number: int, line: LogLine) -> None:
         if line.stream:
@@ -57,22 +63,41 @@ class ConfigReader:
             if m:
                 self.engines.add(m["dp"] or "0")
         body = line.body
-        if "vLLM API server version" in body and self.release is None:
-            if (m := _VERSION.search(body)) is not None:
-                self.release, self.release_line = m["v"].lstrip("v"), number
-        elif "non-default args" in body and self.args is None:
-            self._read_args(body)
-        elif "Initializing a V1 LLM engine" in body and self.engine_release is None:
-            if (m := _ENGINE_VERSION.search(body)) is not None:
-                self.engine_release = m["v"]
-        elif "Resolved architecture" in body and self.architecture is None:
+        if "non-default args" in body:
+            if self.args is None:
+                self._read_args(body)
+                self.args_line = number
+            return
+        if (hit := sources.find_version(body)) is not None:
+            self._version(number, hit)
+            if "with config:" in body and self.engine_line is None:
+                self.engine_line = (number, sources.engine_line_config(body))
+        elif "vllm-openai:" in body and self.nightly is None and (tag := sources.nightly_image(body)):
+            self.nightly = (number, tag)
+        if "Resolved architecture" in body and self.architecture is None:
             if (m := _ARCH.search(body)) is not None:
-                self.architecture = m["a"]
+                self.architecture = (number, m["a"])
         elif "Mamba cache" in body:
             if (m := _MAMBA_MODE.search(body)) is not None:
-                self.mamba_mode_logged = m["m"] or m["p"]
+                self.mamba_mode_logged = (number, m["m"] or m["p"])
         elif "attention block size" in body and (m := _ATTN_BLOCK.search(body)) is not None:
-            self.attention_block = int(m["n"])
+            self.attention_block = (number, int(m["n"]))
+        elif not self.whole_text and line.header is None and ("--" in body or "vllm" in body):
+            self.found.extend(sources.read_text([(number, body)]))
+
+    def feed_text(self, numbered: list[tuple[int, str]]) -> None:
+        """A pasted report's lines (normalised): command lines over several lines, argument lists,
+        JSON connector configs, engine-argument calls, flags in prose."""
+        self.found.extend(sources.read_text(numbered))
+
+    def _version(self, number: int, hit: tuple[str, int, str]) -> None:
+        version, rank, what = hit
+        if self.version is None or rank < self.version[0]:
+            if self.version is not None and self.version[1] != version:
+                self.other_versions[self.version[1]] = f"line {self.version[2]}: {self.version[3]}"
+            self.version = (rank, version, number, what)
+        elif version != self.version[1]:
+            self.other_versions.setdefault(version, f"line {number}: {what}")
 
     def _read_args(self, body: str) -> None:
         text = body.split("non-default args:", 1)[1].strip()[:MAX_ARGS_CHARS]
@@ -88,10 +113,48 @@ class ConfigReader:
 
     @property
     def vllm_lines_seen(self) -> bool:
-        return bool(self.release or self.engine_release or self.args is not None or self.engines)
+        return bool(self.version or self.args is not None or self.engines or self.found or self.nightly)
 
     def config(self) -> DeployedConfig:
-        args = self.args or {}
+        args: dict[str, Any] = {}
+        origin: dict[str, str] = {}
+        problems: list[str] = []
+        if self.args:
+            args.update(self.args)
+            origin.update((k, f"line {self.args_line}: the non-default args line") for k in self.args)
+        for item in self.found:
+            problems.extend(f"line {item.line}: {p}" for p in item.problems)
+            for key, value in mask_secrets(item.args).items():
+                if key not in args:
+                    args[key], origin[key] = value, f"line {item.line}: {item.what}"
+                elif args[key] != value and not isinstance(value, dict):
+                    problems.append(f"line {item.line}: {item.what} gives {key} {value!r}; {origin[key]} gives "
+                                    f"{args[key]!r} (kept)")
+        if self.engine_line is not None:
+            number, values = self.engine_line
+            for key, value in values.items():
+                if key not in args:
+                    args[key], origin[key] = value, f"line {number}: the engine's config line"
+        # a complete argument list also says what it leaves at vLLM's default
+        default_from = None
+        if self.args is not None and self.args_problem is None:
+            default_from = f"line {self.args_line}: the non-default args line"
+        else:
+            complete = [f for f in self.found if f.what.startswith(_COMPLETE_SOURCES) and not f.problems]
+            if complete:
+                default_from = f"line {complete[0].line}: {complete[0].what}"
+
+        src: dict[str, str] = {}
+        mamba_default = False
+
+        def note(name: str, *keys: str) -> None:
+            for key in keys:
+                if key in origin:
+                    src[name] = origin[key]
+                    return
+            if default_from is not None:
+                src[name] = f"{default_from} leaves it at vLLM's default"
+
         spec = _as_dict(args.get("speculative_config"))
         transfer = _as_dict(args.get("kv_transfer_config"))
         settings: dict[str, object] = {}
@@ -103,23 +166,67 @@ class ConfigReader:
             connector = str(transfer.get("kv_connector") or connector or "") or None
             settings.update({k: v for k, v in transfer.items() if k in ("kv_connector", "kv_role",
                                                                         "kv_connector_extra_config")})
+        note("kv_connector", "kv_offloading_size", "kv_transfer_config")
         extra = _as_dict(transfer.get("kv_connector_extra_config")) if transfer else {}
         chunk = extra.get("block_size")
         prefix = args.get("enable_prefix_caching")
-        mode = self.mamba_mode_logged or _str(args.get("mamba_cache_mode"))
+        note("prefix_caching", "enable_prefix_caching")
+        mode = self.mamba_mode_logged[1] if self.mamba_mode_logged else _str(args.get("mamba_cache_mode"))
+        if self.mamba_mode_logged:
+            src["mamba_cache_mode"] = f"line {self.mamba_mode_logged[0]}: vLLM's Mamba cache mode line"
+        elif "mamba_cache_mode" in origin:
+            src["mamba_cache_mode"] = origin["mamba_cache_mode"]
+        elif default_from is not None:
+            # vLLM chooses the default by the model: align for a hybrid one with prefix caching,
+            # none for others; never all, which must be asked for
+            src["mamba_cache_mode"] = f"{default_from} leaves it at vLLM's default (align or none by the model)"
+            mamba_default = True
         if mode == "none" or prefix is False:
             mode = None  # no Mamba prefix caching: no Mamba cache mode that matters here
-        block = self.attention_block or _int(args.get("block_size"))
+            if prefix is False and "prefix_caching" in src:
+                src["mamba_cache_mode"] = src["prefix_caching"]
+        block = self.attention_block[1] if self.attention_block else _int(args.get("block_size"))
+        if self.attention_block:
+            src["block_size"] = f"line {self.attention_block[0]}: vLLM's attention block size line"
+        elif "block_size" in origin:
+            src["block_size"] = origin["block_size"]
         method = _str(spec.get("method")) if spec else None
+        note("speculative_method", "speculative_config")
+        if spec and "num_speculative_tokens" in spec:
+            src["num_speculative_tokens"] = origin.get("speculative_config", "")
+        note("scheduling_policy", "scheduling_policy")
+        note("tensor_parallel_size", "tensor_parallel_size")
+        note("pipeline_parallel_size", "pipeline_parallel_size")
+        note("data_parallel_size", "data_parallel_size")
+        dp = _int(args.get("data_parallel_size"))
+        if dp is None and len(self.engines) > 1:
+            dp = len(self.engines)
+            src["data_parallel_size"] = f"the log holds the lines of {dp} DP engines (at least DP{dp})"
+        model = _str(args.get("model_tag") or args.get("model"))
+        if model:
+            src["model"] = origin.get("model_tag") or origin.get("model", "")
+        release = None
+        if self.version is not None:
+            _, release, number, what = self.version
+            src["release"] = f"line {number}: {what}"
+        version_note = None
+        if self.other_versions:
+            version_note = "; ".join(f"{v} at {where}" for v, where in self.other_versions.items())
+            version_note = f"other versions in the text: {version_note}"
+        elif release is None and self.nightly is not None:
+            version_note = (f"line {self.nightly[0]}: the image vllm/vllm-openai:{self.nightly[1]} is a build whose "
+                            "release the tag does not say")
+        if self.architecture:
+            src["architecture"] = f"line {self.architecture[0]}: vLLM's resolved-architecture line"
         return DeployedConfig(
-            release=self.release or self.engine_release,
-            release_line=self.release_line,
+            release=release,
+            release_line=self.version[2] if self.version else None,
             args=args,
             args_problem=self.args_problem,
-            model=_str(args.get("model_tag") or args.get("model")),
-            architecture=self.architecture,
+            model=model,
+            architecture=self.architecture[1] if self.architecture else None,
             tensor_parallel_size=_int(args.get("tensor_parallel_size")) or 1,
-            data_parallel_size=_int(args.get("data_parallel_size")) or max(1, len(self.engines)),
+            data_parallel_size=dp or max(1, len(self.engines)),
             pipeline_parallel_size=_int(args.get("pipeline_parallel_size")) or 1,
             engines_seen=len(self.engines),
             prefix_caching=prefix is not False,
@@ -131,6 +238,10 @@ class ConfigReader:
             speculative_method=method,
             num_speculative_tokens=_int(spec.get("num_speculative_tokens")) if spec else None,
             scheduling_policy=_str(args.get("scheduling_policy")) or "fcfs",
+            sources={k: v for k, v in src.items() if v},
+            problems=tuple(problems),
+            version_note=version_note,
+            mamba_mode_default=mamba_default and mode is None,
         )
 
 

@@ -49,6 +49,12 @@ LINE_KEYWORDS = (
     b"Application startup complete", b"ERROR", b"CRITICAL", b": error: ", b"died", b"EngineDead",
     b"EngineCore encountered", b"[shutdown] ", b"Shutting down",
 )
+# where a report says its version and configuration other than vLLM's start-up lines
+# (kvrepro/triage/sources.py): a command line, collect_env / pip output, an image tag, a dump
+SOURCE_KEYWORDS = (b"vllm serve", b"vllm.entrypoints", b"vllm-openai", b"vLLM Version", b"Dumping input data",
+                   b"LLM engine (v", b"--kv-transfer-config", b"--kv-offloading", b"--speculative-config",
+                   b"vllm==")
+LINE_KEYWORDS = LINE_KEYWORDS + SOURCE_KEYWORDS
 # needed once (classify takes an answered request as proof the server was up); after the first,
 # the gigabytes of access lines are skipped
 FIRST_ONLY_KEYWORDS = (b'" 200',)
@@ -275,6 +281,30 @@ def _count_lines(path: Path) -> tuple[int, str]:
         count += 1
     last = tail.rstrip(b"\n").rsplit(b"\n", 1)[-1]
     return count, last.decode("utf-8", errors="replace")
+
+
+def read_all(path: Path, stats: ReadStats) -> Iterator[tuple[int, str]]:
+    """(line number, line) for every line of a small plain file: a report pasted from a tracker,
+    whose frames and quoted errors carry none of the keywords. Same refusals as
+    :func:`read_selected` (a binary file)."""
+    fh = _open(path)
+    try:
+        data = _read_block(fh, path, stats)
+        if b"\x00" in data[:65536]:
+            raise BadInputError(_binary(path))
+        chunks = [data]
+        while chunk := _read_block(fh, path, stats):
+            chunks.append(chunk)
+    finally:
+        fh.close()
+    body = b"".join(chunks)
+    stats.bytes_read = len(body)
+    lines = body.decode("utf-8", errors="replace").split("\n")
+    if lines and not lines[-1]:
+        lines.pop()
+    stats.lines = stats.selected = len(lines)
+    stats.last_line = lines[-1] if lines else ""
+    yield from enumerate((line[:MAX_LINE] for line in lines), start=1)
 
 
 def _python_selected(path: Path, stats: ReadStats) -> Iterator[tuple[int, str]]:

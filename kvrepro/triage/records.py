@@ -8,14 +8,31 @@ from dataclasses import dataclass, field
 from ..records import Signature
 
 
+# the fields of DeployedConfig a log may or may not say; `sources` names the line each came from
+READ_FIELDS = ("release", "model", "architecture", "tensor_parallel_size", "data_parallel_size",
+               "pipeline_parallel_size", "prefix_caching", "mamba_cache_mode", "block_size", "kv_connector",
+               "speculative_method", "num_speculative_tokens", "scheduling_policy")
+# each catalogue facet and the fields that say it
+FACET_FIELDS = {"connector": "kv_connector", "mamba_cache_mode": "mamba_cache_mode",
+                "speculative": "speculative_method", "prefix_caching": "prefix_caching",
+                "scheduling_policy": "scheduling_policy"}
+NOT_IN_LOG = "not in the log"
+
+
 @dataclass(frozen=True)
 class DeployedConfig:
-    """The configuration a log shows, as vLLM printed it (secrets masked).
+    """The configuration a log shows (secrets masked), and where it shows each part.
 
     ``args`` are vLLM's ``non-default args`` (the dict it prints at start-up), with nested configs
-    (``KVTransferConfig(...)``) as dicts carrying ``__class__``. Fields after it are derived from
-    those args and from vLLM's own info lines (the Mamba cache mode and attention block size it
-    chose for a hybrid model); None where the log does not say.
+    (``KVTransferConfig(...)``) as dicts carrying ``__class__``, completed by what a pasted report
+    gives instead (its command line, a connector JSON, an ``LLM(...)`` call, flags in its text).
+    Fields after it are derived from those args and from vLLM's own info lines (the Mamba cache
+    mode and attention block size it chose for a hybrid model).
+
+    ``sources`` maps each field of READ_FIELDS the log says to where (``line 12: vllm serve``;
+    ``line 3: the non-default args line sets no kv_transfer_config`` for a default a complete
+    argument list implies). A field missing from it was not in the log: its value here is vLLM's
+    default, used to build a reproduction (emit) and never shown or compared as read.
     """
 
     release: str | None = None
@@ -37,26 +54,50 @@ class DeployedConfig:
     speculative_method: str | None = None
     num_speculative_tokens: int | None = None
     scheduling_policy: str = "fcfs"
+    sources: dict[str, str] = field(default_factory=dict)
+    problems: tuple[str, ...] = ()  # what the log gave but could not be read (a variable, bad JSON)
+    version_note: str | None = None  # e.g. a nightly image: a build whose release no line says
+    mamba_mode_default: bool = False  # a complete argument list leaves the mode to vLLM: align or none
 
     @property
     def hybrid(self) -> bool:
         return self.mamba_cache_mode is not None
 
+    def known(self, name: str) -> bool:
+        return name in self.sources
+
+    def source(self, name: str) -> str:
+        return self.sources.get(name, NOT_IN_LOG)
+
     def facets(self) -> dict[str, str]:
-        """The configuration in catalogue terms (suite.catalogue.TRIAGE_FACETS)."""
+        """The configuration in catalogue terms (suite.catalogue.TRIAGE_FACETS); ``unknown`` for a
+        facet the log does not say."""
         connector = (self.kv_connector or "").lower()
         kind = ("none" if not connector else "offloading" if "offloading" in connector
                 else "lmcache" if "lmcache" in connector else "nixl" if "nixl" in connector else "other")
         method = (self.speculative_method or "none").lower()
         if method not in ("mtp", "eagle", "eagle3", "ngram", "suffix", "none"):
             method = "mtp" if "mtp" in method else "other"
-        return {
+        values = {
             "connector": kind,
             "mamba_cache_mode": self.mamba_cache_mode or "none",
             "speculative": method,
             "prefix_caching": "on" if self.prefix_caching else "off",
             "scheduling_policy": self.scheduling_policy,
         }
+        out = {facet: value if self.known(FACET_FIELDS[facet]) else "unknown" for facet, value in values.items()}
+        if self.mamba_mode_default:
+            out["mamba_cache_mode"] = "unknown"
+        return out
+
+    def possible(self, facet: str, values: tuple[str, ...]) -> tuple[str, ...]:
+        """The values ``facet`` may have for what the log says: one when it says it, all of
+        ``values`` when it does not, vLLM's possible defaults when a complete argument list leaves
+        it to vLLM (the Mamba cache mode: align or none by the model, never all)."""
+        if facet == "mamba_cache_mode" and self.mamba_mode_default:
+            return ("align", "none")
+        value = self.facets()[facet]
+        return values if value == "unknown" else (value,)
 
 
 @dataclass(frozen=True)
@@ -73,17 +114,21 @@ class Stall:
 
 @dataclass(frozen=True)
 class Failure:
-    """How the log's engine failed: ``kind`` crash, stall or none."""
+    """How the log's engine failed: ``kind`` crash, infra (did not start, an infrastructure cause),
+    stall or none."""
 
     kind: str
     title: str
-    outcome: str = "none"  # classify's Outcome value for a crash
+    outcome: str = "none"  # classify's Outcome value; target only for the matrix target's own statement
     signature: Signature | None = None
     pattern: str | None = None  # the known crash signature (kvrepro/classify/signatures/), if any
-    line: int | None = None  # where the fatal traceback starts
+    line: int | None = None  # where the fatal traceback starts (or the exception line the text holds)
     exception_line: str = ""
     excerpt: tuple[str, ...] = ()
     stall: Stall | None = None
+    phase: str = "unknown"  # a crash's: runtime (the engine was serving), startup, unknown
+    evidence: str = ""  # how the failure was read from the text
+    fits: tuple[str, ...] = ()  # signatures the text fits equally (it cannot tell them apart)
 
     @property
     def evidence_text(self) -> str:
@@ -108,6 +153,15 @@ class Match:
 
 
 @dataclass(frozen=True)
+class Tie:
+    """Entries that fit the log equally well at the top, and what the log would need to show to
+    tell them apart."""
+
+    entries: tuple[str, ...]
+    would_decide: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Triage:
     """Everything `kvrepro triage` found in one log."""
 
@@ -118,10 +172,11 @@ class Triage:
     failure: Failure
     matches: tuple[Match, ...]  # best first
     near_misses: tuple[Match, ...]
-    base: str | None  # the supported release a reproduction runs on
+    base: str | None  # the supported release a reproduction runs on (None: the log's release is not near one)
     warnings: tuple[str, ...] = ()
     minimal_clean_set: tuple[str, ...] | None = None  # patches on base that leave no catalogue entry present
     still_present: tuple[str, ...] = ()  # entries present on base that no backport in the catalogue fixes
+    tie: Tie | None = None  # the best matches could not be told apart
 
     @property
     def unknown(self) -> bool:

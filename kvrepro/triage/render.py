@@ -6,7 +6,7 @@ import textwrap
 from typing import Any
 
 from ..records import to_jsonable
-from .records import Match, Triage
+from .records import READ_FIELDS, Match, Triage
 
 WIDTH = 80
 
@@ -16,22 +16,56 @@ def _wrap(text: str, indent: str = "", first: str = "") -> list[str]:
                          break_long_words=True, break_on_hyphens=False) or [first.rstrip()]
 
 
-def _config_lines(t: Triage) -> list[str]:
+def _config_items(t: Triage) -> list[tuple[str, str]]:
+    """(text, source) for each part of the configuration, in the order a person reads it."""
     c = t.config
-    spec = f"{c.speculative_method} x {c.num_speculative_tokens}" if c.speculative_method else "none"
     connector = c.kv_connector or "none"
     if c.kv_connector_settings:
         connector += " (" + ", ".join(f"{k}={v}" for k, v in c.kv_connector_settings.items()
                                       if not isinstance(v, dict)) + ")"
-    return [
-        *_wrap(f"vLLM {c.release}, {c.model or 'model not in the log'}"
-               f"{f' ({c.architecture})' if c.architecture else ''}", "  ", "deployed: "),
-        *_wrap(f"DP{c.data_parallel_size} x TP{c.tensor_parallel_size}"
-               f"{f' x PP{c.pipeline_parallel_size}' if c.pipeline_parallel_size > 1 else ''}"
-               f" ({c.engines_seen} engine(s) in the log); prefix caching {'on' if c.prefix_caching else 'off'};"
-               f" Mamba cache mode {c.mamba_cache_mode or 'none'}; block {c.block_size or 'default'};"
-               f" speculative {spec}; KV connector {connector}", "  ", "  "),
+    spec = f"{c.speculative_method} x {c.num_speculative_tokens}" if c.num_speculative_tokens else \
+        (c.speculative_method or "none")
+    items = [
+        ("release", f"vLLM {c.release}"), ("model", str(c.model)), ("architecture", str(c.architecture)),
+        ("tensor_parallel_size", f"TP{c.tensor_parallel_size}"), ("data_parallel_size", f"DP{c.data_parallel_size}"),
+        ("pipeline_parallel_size", f"PP{c.pipeline_parallel_size}"),
+        ("prefix_caching", f"prefix caching {'on' if c.prefix_caching else 'off'}"),
+        ("mamba_cache_mode", "Mamba cache mode align or none" if c.mamba_mode_default
+         else f"Mamba cache mode {c.mamba_cache_mode or 'none'}"),
+        ("block_size", f"block {c.block_size}"), ("speculative_method", f"speculative {spec}"),
+        ("kv_connector", f"KV connector {connector}"), ("scheduling_policy", f"scheduling {c.scheduling_policy}"),
     ]
+    return [(text, c.source(name)) for name, text in items]
+
+
+_UNREAD = {"release": "version", "model": "model", "architecture": "architecture", "tensor_parallel_size": "TP",
+           "data_parallel_size": "DP", "pipeline_parallel_size": "PP", "prefix_caching": "prefix caching",
+           "mamba_cache_mode": "Mamba cache mode", "block_size": "block", "speculative_method": "speculative",
+           "kv_connector": "KV connector", "scheduling_policy": "scheduling policy"}
+
+
+def _config_lines(t: Triage) -> list[str]:
+    """What was deployed, grouped by the line that says it; what no line says, named as such (a
+    default is never shown as read)."""
+    c = t.config
+    by_source: dict[str, list[str]] = {}
+    unread: list[str] = []
+    names = list(_UNREAD)
+    for name, (text, source) in zip(names, _config_items(t), strict=True):
+        if name == "num_speculative_tokens":
+            continue
+        if c.known(name):
+            by_source.setdefault(source, []).append(text)
+        else:
+            unread.append(_UNREAD[name])
+    lines = ["deployed:"]
+    for source, texts in by_source.items():
+        lines += _wrap(f"{', '.join(texts)} ({source})", "    ", "  - ")
+    if c.engines_seen and not c.known("data_parallel_size"):
+        lines += _wrap(f"{c.engines_seen} engine process(es) in the log", "    ", "  - ")
+    if unread:
+        lines += _wrap(", ".join(unread), "    ", "  - not in the log: ")
+    return lines
 
 
 def _match_lines(m: Match, rank: int | None) -> list[str]:
@@ -53,7 +87,11 @@ def plain(t: Triage) -> list[str]:
     lines += _config_lines(t)
     f = t.failure
     lines += _wrap(f.title, "  ", f"failure: {f.kind}: " if f.kind != "none" else "failure: ")
-    if f.line:
+    if f.kind in ("crash", "infra"):
+        when = {"runtime": "while serving", "startup": "at start-up", "unknown": "when: not in the text"}[f.phase]
+        at = f"at line {f.line:,}, " if f.line else ""
+        lines += _wrap(f"{at}{when}; read from {f.evidence}" if f.evidence else f"{at}{when}", "  ", "  ")
+    elif f.line:
         lines.append(f"  at line {f.line:,}")
     for w in t.warnings:
         lines += _wrap(w, "  ", "warning: ")
@@ -62,16 +100,21 @@ def plain(t: Triage) -> list[str]:
             lines.append("matches, best first:")
             for i, m in enumerate(t.matches, 1):
                 lines += _match_lines(m, i)
+            if t.tie is not None:
+                lines += _wrap(f"{', '.join(t.tie.entries)} fit equally; would decide: {'; '.join(t.tie.would_decide)}",
+                               "  ", "unresolved tie: ")
         else:
             why = (" (no crash signature knows it)" if f.kind == "crash" and not f.pattern else
                    f" (no entry with its crash signature {f.pattern} claims this deployment)"
-                   if f.kind == "crash" and t.near_misses else
+                   if f.kind == "crash" and t.near_misses and any(m.entry for m in t.near_misses) else
                    f" (its crash signature {f.pattern} is in no entry)" if f.kind == "crash" else "")
             lines += _wrap("no catalogue entry fits: this failure is not a known defect" + why, "  ", "unknown: ")
         if t.near_misses:
             lines.append("near misses:")
             for m in t.near_misses:
                 lines += _match_lines(m, None)
+    elif f.kind == "infra":
+        lines += _wrap("not a defect the catalogue holds (the engine's environment or start-up)", "  ", "unknown: ")
     if t.matches and t.base:
         clean = " + ".join(t.minimal_clean_set) if t.minimal_clean_set else \
             ("empty (no defect present here has a backport)" if t.minimal_clean_set == () else
@@ -85,6 +128,11 @@ def plain(t: Triage) -> list[str]:
 
 def as_json(t: Triage) -> dict[str, Any]:
     data = to_jsonable(t)
+    config = data["config"]
+    # a field no line says is null here (its default only builds a reproduction), listed as such
+    config["not_in_log"] = [name for name in READ_FIELDS if not t.config.known(name)]
+    for name in config["not_in_log"]:
+        config[name] = None
     data["unknown"] = t.unknown
     data["best"] = t.best.entry if t.best else None
     return data
