@@ -1,9 +1,10 @@
-"""Read the deployed configuration out of a vLLM server log.
+"""Read the deployed configuration out of a vLLM server log, or out of what a report pasted.
 
 What vLLM prints at start-up, in its own words:
 
 * ``vLLM API server version 0.26.0`` (the API server's banner); ``Initializing a V1 LLM engine
-  (v0.26.0)`` stands in when the banner was cut off;
+  (v0.26.0)`` or ``Dumping input data for V1 LLM engine (v0.26.0)`` stands in when the banner
+  was cut off (any other version source: kvrepro/triage/sources.py);
 * ``non-default args: {...}``: a Python dict repr of every argument that differs from the default,
   nested configs included (``'kv_transfer_config': KVTransferConfig(kv_connector='...', ...)``,
   ``'speculative_config': {'method': 'mtp', ...}``). It is parsed with :mod:`ast` and only literal
@@ -12,6 +13,12 @@ What vLLM prints at start-up, in its own words:
 * for a hybrid model, ``Mamba cache mode is set to 'align' ...`` / ``Prefix caching in Mamba cache
   'align' mode ...`` and ``Setting attention block size to N tokens ...``: what vLLM chose, which
   wins over what the args asked for.
+
+A report rarely holds those; its command line, pod spec, connector JSON or ``LLM(...)`` call
+(kvrepro/triage/sources.py) fill what vLLM's lines do not say, never overriding them (a
+disagreement is reported). Every field keeps the line it came from; a complete argument list (the
+args line, a whole command) also says what it leaves at vLLM's default, and says so; a field no
+line says is "not in the log" (DeployedConfig.sources).
 
 Secret-looking values (``hf_token``, ``api_key``, a connector's ``...key``) are replaced by
 ``***`` as they are read, and remembered so that ``secrets.redact`` masks them anywhere else.

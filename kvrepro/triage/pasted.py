@@ -36,11 +36,14 @@ _RANK = re.compile(r"^\[?(?:rank)?\d{1,3}\]:?\s")
 # a vLLM process prefix, also the forms lines.split_line does not take (a space or an ip inside)
 _PROC_ANY = re.compile(r"\((?P<name>[A-Za-z][\w.-]*(?: rank=\d+)?) pid=(?P<pid>\d+)(?:, ip=[\d.]+)?\) ?")
 _LEVELS = "DEBUG|INFO|WARNING|ERROR|CRITICAL"
-_HEADER_START = re.compile(rf"(?:{_LEVELS}) (?:\d{{4}}-)?\d\d-\d\d \d\d:\d\d:\d\d")
+_HEADER_START = re.compile(rf"(?:{_LEVELS}) (?:(?:\d{{4}}-)?\d\d-\d\d \d\d:\d\d:\d\d|\[[^\]\s]+:\d+\])")
 # releases before V1 wrote "ERROR 12-16 21:40:15 engine.py:135] " (no opening bracket)
 _BRACKETLESS = re.compile(rf"^((?:{_LEVELS}) \d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?) ([^\s\[\]]+:\d+\])")
 # a logging date format with the year: "ERROR 2026-05-14 05:25:28.876 [core.py:1123] "
 _YEAR_HEADER = re.compile(rf"^((?:{_LEVELS})) \d{{4}}-(\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?) (\[[^\]\s]+:\d+\])")
+# a log format without the date: "ERROR [multiproc_executor.py:962] " (given a placeholder date, so the
+# header is recognised as one; nothing reads the time of a normalised line)
+_DATELESS = re.compile(rf"^((?:{_LEVELS})) (\[[^\]\s]+:\d+\])(?= |$)")
 _FRAME_NO_LINE = re.compile(r'^(\s*)File "([^"]+)", in (\S.*)$')
 _FRAME = re.compile(r'^\s*File "[^"]+", line \d+')
 _CARET = re.compile(r"^\s*[\^~]+\s*$")
@@ -84,6 +87,8 @@ def _header(rest: str) -> str:
             return f"{m[1]} [{m[2]}{rest[m.end():]}"
         if (m := _YEAR_HEADER.match(rest)) is not None:
             return f"{m[1]} {m[2]} {m[3]}{rest[m.end():]}"
+        if (m := _DATELESS.match(rest)) is not None:
+            return f"{m[1]} 01-01 00:00:00 {m[2]}{rest[m.end():]}"
     return rest
 
 

@@ -82,6 +82,9 @@ FLAGS: dict[str, Flag] = {
 }
 _COMMAND_START = re.compile(r"\bvllm\s+serve\b|\bvllm\.entrypoints\.[\w.]+|\bapi_server\.py\b"
                             r"|\bdocker\s+run\b|vllm-openai[:\s]")
+# the programs a report runs vLLM's image with (`docker run ... vllm/vllm-openai:v0.26.0 ...`): words
+# in a pasted command, not kvrepro's docker target
+CONTAINER_CLIS = frozenset({"docker", "podman", "nerdctl"})
 _IMAGE = re.compile(r"(?:^|/)vllm-openai(?::\S*)?$")
 _EDGE = "`*'\""
 _MODEL = re.compile(r"^[\w~/.][\w./:@+-]*[\w]$")
@@ -247,7 +250,7 @@ def _after_program(tokens: list[str]) -> tuple[str | None, list[str]]:
         if token.startswith("vllm.entrypoints.") or token.endswith("api_server.py"):
             return "the API server command", tokens[i + 1:]
         if _IMAGE.search(token.split("@", 1)[0]) and (i == 0 or (
-                "run" in tokens[:i] and any(t.rsplit("/", 1)[-1] in ("docker", "podman", "nerdctl") for t in tokens[:i]))):
+                "run" in tokens[:i] and any(t.rsplit("/", 1)[-1] in CONTAINER_CLIS for t in tokens[:i]))):
             return "the docker command", tokens[i + 1:]  # the image's entrypoint is `vllm serve`
     return None, []
 
