@@ -41,8 +41,9 @@ from .records import DeployedConfig, Failure, Match, Stall, Tie, Triage
 __all__ = ["DeployedConfig", "Failure", "Match", "Stall", "Tie", "Triage", "triage_file"]
 
 # a plain file up to this size is read whole and mended as pasted text (kvrepro/triage/pasted.py):
-# a report from a tracker is kilobytes; a production log this small reads in well under a second
-WHOLE_TEXT_MAX = 8 << 20
+# a report from a tracker is kilobytes; a production log this small (the seed's lines and 8,200
+# access lines, 0.98 MB) took 0.8 s whole against 0.2 s through grep, at load average 15 (2026-12-04)
+WHOLE_TEXT_MAX = 1 << 20
 _GZIP_MAGIC = b"\x1f\x8b"
 
 

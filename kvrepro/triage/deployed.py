@@ -280,15 +280,18 @@ def parse_repr(text: str) -> Any:
     ``Name(key=value, ...)`` calls (as ``{"__class__": "Name", ...}``); attribute paths
     (``CompilationMode.NONE``) and other names become their text. ValueError when it is not one."""
     try:
-        tree = ast.parse(text, mode="eval")
-    except SyntaxError:
-        # reprs such as <CUDAGraphMode.FULL: 2> or <object at 0x...> are not Python: keep their text
         try:
-            tree = ast.parse(_ANGLE.sub(lambda m: repr(m.group(0)), text), mode="eval")
-        except SyntaxError as exc:
-            raise ValueError(f"not a Python dict repr (column {exc.offset}: {exc.msg}); the line may be cut off") \
-                from None
-    return _value(tree.body)
+            tree = ast.parse(text, mode="eval")
+        except SyntaxError:
+            # reprs such as <CUDAGraphMode.FULL: 2> or <object at 0x...> are not Python: keep their text
+            try:
+                tree = ast.parse(_ANGLE.sub(lambda m: repr(m.group(0)), text), mode="eval")
+            except SyntaxError as exc:
+                raise ValueError(f"not a Python dict repr (column {exc.offset}: {exc.msg}); the line may be cut "
+                                 "off") from None
+        return _value(tree.body)
+    except (RecursionError, MemoryError):
+        raise ValueError("nested deeper than a dict vLLM prints") from None
 
 
 def _value(node: ast.AST) -> Any:

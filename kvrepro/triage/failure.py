@@ -262,6 +262,7 @@ _IN_FUNC = re.compile(r"\.py\"?,?(?: line \d+,)? in (?P<f>[A-Za-z_]\w*)")
 _BARE_CALL = re.compile(r"^\s*(?P<f>[A-Za-z_]\w*)\((?:\.\.\.)?\)\s*$")
 _EXC_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*(?P<name>[A-Z]\w*(?:Error|Exception|Exit|Failure))(?::\s*(?P<msg>.*))?$")
 LOOSE_BEFORE, LOOSE_AFTER = 12, 8
+LOOSE_LINE = 2000  # what of a line the pieces are looked for in (a path, a function, a statement)
 
 
 @dataclass(frozen=True)
@@ -282,7 +283,7 @@ def loose_evidence(bodies: list[tuple[int, str]]) -> Loose | None:
     function and statement quoted around it."""
     anchor = None
     for idx, (_, body) in enumerate(bodies):
-        m = _EXC_LINE.match(body.strip())
+        m = _EXC_LINE.match(body.strip()[:LOOSE_LINE])
         if m is not None and m["name"] not in DEATH_REPORTS:
             anchor = (idx, m["name"], m["msg"])
     inferred = False
@@ -297,8 +298,8 @@ def loose_evidence(bodies: list[tuple[int, str]]) -> Loose | None:
     window = bodies[max(0, idx - LOOSE_BEFORE): idx + LOOSE_AFTER + 1]
     file = function = expression = ""
     for _, body in window:
-        text = body.strip()
-        for path in _PATH.findall(text):
+        text = body.strip()[:LOOSE_LINE]
+        for path in (_PATH.findall(text) if ".py" in text else ()):
             if "vllm/" in path or not file:
                 file = path[path.rfind("vllm/"):] if "vllm/" in path else path
         if (m := _IN_FUNC.search(text)) is not None or (m := _BARE_CALL.match(text)) is not None:

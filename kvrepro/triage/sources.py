@@ -24,6 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+# a version or a command is in the first this many characters of its line (a longer line is read so far)
+MAX_SOURCE_LINE = 8192
+
 # -- versions, most trusted first ----------------------------------------------------------------
 _VERSION = r"v?(?P<v>\d+\.\d+\.\d+(?:\.?(?:dev|post|rc|a|b)\d+|\+[\w.]+)*)"
 VERSION_SOURCES: tuple[tuple[str, re.Pattern[str]], ...] = (
@@ -35,16 +38,18 @@ VERSION_SOURCES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("pip list output", re.compile(r"^\s*vllm\s{2,}" + _VERSION + r"(?:\s|$)")),
     ("the docker image tag", re.compile(r"\bvllm-openai(?:-[\w]+)?:" + _VERSION)),
     ("a wheel's file name", re.compile(r"\bvllm-" + _VERSION + r"(?:-[\w.-]+\.whl|\.dist-info)")),
-    ("an environment line", re.compile(r"^[\s>*|`-]*vllm[*`]*(?:\s+version)?[*`]*\s*[:=]*[*`]*\s*" + _VERSION
-                                       + r"[*`]*\s*(?:\(.*\))?\s*$", re.IGNORECASE)),
+    # one character class between the name and the number: no two runs of spaces can trade characters
+    ("an environment line", re.compile(r"^[\s>*|`-]*vllm(?:[*`]*\s+version)?[\s:=*`]*" + _VERSION
+                                       + r"[*`]*(?:\s+\(.*\))?\s*$", re.IGNORECASE)),
 )
 _NIGHTLY = re.compile(r"\bvllm-openai:(?P<tag>nightly[\w.-]*|latest)\b")
 
 
 def find_version(text: str) -> tuple[str, int, str] | None:
     """(version, rank (0 most trusted), what said it) of the first source on the line, or None."""
-    if "llm" not in text.lower():
+    if "llm" not in text[:MAX_SOURCE_LINE].lower():
         return None
+    text = text[:MAX_SOURCE_LINE]
     for rank, (what, rx) in enumerate(VERSION_SOURCES):
         if (m := rx.search(text)) is not None:
             return m["v"], rank, what
@@ -177,7 +182,9 @@ def _convert(flag: Flag, value: str) -> tuple[Any, str | None]:
         try:
             data = json.loads(value)
         except ValueError as exc:
-            return None, f"not JSON ({exc.msg} at column {exc.colno})"
+            return None, f"not JSON ({getattr(exc, 'msg', exc)} at column {getattr(exc, 'colno', '?')})"
+        except RecursionError:
+            return None, "not JSON (nested too deep)"
         if not isinstance(data, dict):
             return None, "not a JSON object"
         return data, None
@@ -200,11 +207,16 @@ def read_text(numbered: Sequence[tuple[int, str]]) -> list[Found]:
     lists, JSON connector configs, engine-argument calls, flags quoted in prose)."""
     found: list[Found] = []
     used: set[int] = set()
-    texts = [t for _, t in numbered]
-    for idx, (number, text) in enumerate(numbered):
+    texts = [t[:MAX_SOURCE_LINE] for _, t in numbered]
+    for idx, (number, _) in enumerate(numbered):
         if idx in used:
             continue
-        for reader in (_command, _arg_list, _json_block, _call):
+        text = texts[idx]
+        lower = text.lower()
+        for reader, cue in ((_command, ("vllm", "api_server", "docker")), (_arg_list, ("args", "command")),
+                            (_json_block, ("{",)), (_call, ("llm(", "engineargs("))):
+            if not any(c in lower for c in cue):
+                continue  # the regexes run only where their words are: a big text is mostly other lines
             hit = reader(texts, idx, number)
             if hit is not None:
                 span, item = hit
@@ -344,8 +356,8 @@ def _json_block(texts: list[str], idx: int, number: int) -> tuple[int, Found] | 
     lines, body = span
     try:
         data = json.loads(body)
-    except ValueError as exc:
-        return lines, Found(number, "a JSON connector config", {}, (f"not JSON ({exc.msg})",))
+    except (ValueError, RecursionError) as exc:
+        return lines, Found(number, "a JSON connector config", {}, (f"not JSON ({getattr(exc, 'msg', 'nested too deep')})",))
     if not isinstance(data, dict) or "kv_connector" not in data:
         return None
     return lines, Found(number, "a JSON connector config", {"kv_transfer_config": data})
@@ -370,14 +382,14 @@ def _call(texts: list[str], idx: int, number: int) -> tuple[int, Found] | None:
     problems: list[str] = []
     try:
         tree = ast.parse("f" + body, mode="eval")
-    except SyntaxError:
-        tree = None
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        tree = None  # not Python, or nested past what the parser takes
     if isinstance(tree, ast.Expression) and isinstance(tree.body, ast.Call):
         for kw in tree.body.keywords:
             if kw.arg in CALL_KEYS:
                 try:
                     args[kw.arg] = ast.literal_eval(kw.value)
-                except ValueError:
+                except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
                     problems.append(f"{kw.arg} is {ast.unparse(kw.value)[:40]} (not a literal: not read)")
         return lines, Found(number, what, _from_call(args), tuple(problems))
     # not Python (an unquoted model name): key=value lines, literal values only
@@ -387,7 +399,7 @@ def _call(texts: list[str], idx: int, number: int) -> tuple[int, Found] | None:
             continue
         try:
             args[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
             if key == "model" and re.match(r"^[\w./-]+$", value):
                 args[key] = value
             else:
