@@ -1,14 +1,19 @@
-"""`kvrepro triage LOG`: from a production log to the known defect, its fix and a reproduction.
+"""`kvrepro triage LOG`: from a production log, or what a report pasted of one, to the known
+defect, its fix and a reproduction.
 
-One streaming pass over the log (:mod:`.reader` hands on only the lines that matter, so a GB log
-takes seconds and constant memory) feeds three readers side by side: the deployed configuration
-(:mod:`.deployed`), the stall detector (:mod:`.failure`) and kvrepro.classify's own traceback
-scan (the crash signature; no signature table here). Then :mod:`.matching` ranks the catalogue's
-entries against the failure and configuration, :mod:`.emit` writes a matrix.yaml reproducing the
-configuration, and :mod:`.run` runs it.
+A large log is read in one streaming pass (:mod:`.reader` hands on only the lines that matter, so a
+GB log takes seconds and constant memory); a small text (a report from a tracker) is read whole and
+mended first (:mod:`.pasted`: fences, quote markers, prefixes, tracebacks starting mid-way). Three
+readers go side by side: the deployed configuration (:mod:`.deployed`, with :mod:`.sources` for
+what a report gives instead of vLLM's start-up lines), the stall detector (:mod:`.failure`) and
+kvrepro.classify's own traceback scan (the crash signature; no signature table here). Where the
+text lacks the engine's markers, :mod:`.failure` picks the traceback, tells a serving engine from
+one starting by its frames, and matches partial evidence to a signature piece by piece. Then
+:mod:`.matching` ranks the catalogue's entries against the failure and configuration, :mod:`.emit`
+writes a matrix.yaml reproducing the configuration, and :mod:`.run` runs it.
 
-Bad input (not a vLLM log, an unsupported release, a traceback cut off before its exception, a
-binary file) raises BadInputError with one line naming the file and what to do.
+Only what is not text (a binary file, a damaged gzip, an empty file) raises BadInputError; any
+text is triaged, and what could not be read is said in the warnings.
 """
 
 from __future__ import annotations
