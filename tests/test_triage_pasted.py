@@ -167,6 +167,20 @@ def test_partial_evidence_must_agree_and_say_enough(monkeypatch):
     assert failure_module.match_partial(bare.signature, bare.message) == (None, (), "")
 
 
+def test_a_pasted_stall_is_a_stall(tmp_path, catalogue):
+    """vLLM's stats lines quoted in a fence, the paste ending in prose: nothing running, requests
+    waiting, no throughput for three minutes is a stall, ranked among the stall entries."""
+    stats = ("(APIServer pid=7) INFO 09-21 10:{m:02d}:10 [loggers.py:310] Engine 000: Avg prompt throughput: 0.0 "
+             "tokens/s, Avg generation throughput: 0.0 tokens/s, Running: 0 reqs, Waiting: 4 reqs, Deferred: 3 reqs, "
+             "GPU KV cache usage: 46.0%")
+    text = ("vllm==0.28.0\n`vllm serve Qwen/Qwen3-8B --kv-offloading-size 8 --enable-prefix-caching`\n> ```\n"
+            + "".join("> " + stats.format(m=m) + "\n" for m in (0, 1, 3)) + "> ```\nand it stays like that.\n")
+    found = triage_file(write(tmp_path, text), catalogue)
+    assert found.failure.kind == "stall" and found.failure.stall.seconds == 180 and found.failure.stall.deferred == 3
+    assert found.best.entry == "skipped-waiting-deadlock", [m.entry for m in found.matches]
+    assert "mtp-async-load-deadlock" in {m.entry for m in found.near_misses}
+
+
 @pytest.mark.parametrize("line, version, what", [
     ("(APIServer pid=1) INFO 08-19 06:10:02 [api_server.py:1836] vLLM API server version 0.26.0", "0.26.0",
      "the API server's banner"),

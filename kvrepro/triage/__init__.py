@@ -71,6 +71,7 @@ def triage_file(path: Path, catalogue: Catalogue, release: str | None = None) ->
         for number, line in raw:
             if "throughput:" in line:
                 stalls.feed(number, line)
+            stalls.end(line)  # a paste may end in a fence or prose: the last line with a time ends a stall
         repaired = [(n, t) for n, t in repair(raw) if t is not None]
         for number, text in repaired:
             parts = split_line(number, text)
@@ -102,7 +103,8 @@ def triage_file(path: Path, catalogue: Catalogue, release: str | None = None) ->
                 yield line
 
         cls, tb = classify_with_traceback(tapped(), target=target)
-    stalls.end(stats.last_line)
+    if not whole:
+        stalls.end(stats.last_line)
     if stats.bytes_read == 0:
         raise BadInputError(f"{path}: is empty; give the vLLM server's log or the text of the report")
     config = reader.config()

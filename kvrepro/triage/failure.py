@@ -75,7 +75,8 @@ class StallReader:
             self._stalled.pop(engine, None)
 
     def end(self, last_raw: str) -> None:
-        """The log's last line: its timestamp ends every stall still going."""
+        """The log's last line: its timestamp ends every stall still going (a line without one
+        leaves the last time as it was)."""
         if (t := timestamp(last_raw)) is not None:
             self.last_time = t
 

@@ -31,8 +31,9 @@ _ESCAPED_ANSI = re.compile(r"#033\[[0-9;]*[A-Za-z]")
 # "Apr  3 17:38:57 host prog[123]: " (syslog), "6月 10 16:45:05 host bash[107468]: " (journalctl, any locale)
 _SYSLOG = re.compile(r"^\S+\s+\d{1,2}\s+\d\d:\d\d:\d\d(?:\.\d+)?\s+\S+\s+[^\s\[\]:]+(?:\[\d+\])?:\s")
 _BRACKET_TS = re.compile(r"^\[\d{4}-\d\d-\d\d[T ][\d:.]+(?:Z|[+-]\d\d:?\d\d)?\]\s?")
-# a launcher's rank in front of each line: torch's "[rank0]: ", "[3] ", "0] "
-_RANK = re.compile(r"^\[?(?:rank)?\d{1,3}\]:?\s")
+# a launcher's rank in front of each line: torch's "[rank0]: ", "[3] ", "0] "; kubectl logs --prefix's
+# "[pod/vllm-0/vllm] "
+_RANK = re.compile(r"^\[?(?:rank)?\d{1,3}\]:?\s|^\[pod/[^\]\s]+\]\s")
 # a vLLM process prefix, also the forms lines.split_line does not take (a space or an ip inside)
 _PROC_ANY = re.compile(r"\((?P<name>[A-Za-z][\w.-]*(?: rank=\d+)?) pid=(?P<pid>\d+)(?:, ip=[\d.]+)?\) ?")
 _LEVELS = "DEBUG|INFO|WARNING|ERROR|CRITICAL"
@@ -64,7 +65,7 @@ def normalise(raw: str) -> str:
         line = line[m.end():]
     if (m := _SYSLOG.match(line)) is not None:
         line = line[m.end():]
-    if line[:1] in "[0123456789" and (m := _RANK.match(line)) is not None:
+    if line[:1] and line[:1] in "[0123456789" and (m := _RANK.match(line)) is not None:
         line = line[m.end():]
     stripped = line.lstrip()
     if stripped is not line and (stripped.startswith("(") or _HEADER_START.match(stripped)):
