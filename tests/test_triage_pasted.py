@@ -320,6 +320,10 @@ def test_text_is_never_refused_and_release_is_never_blocked(tmp_path, catalogue)
     assert any("nothing in this text is vLLM's" in w for w in found.warnings)
     old = triage_file(write(tmp_path, "vllm==0.6.4\nAssertionError\n", "old.log"), catalogue)
     assert old.base is None and old.failure.kind == "crash" and old.unknown
+    utf16 = tmp_path / "notepad.log"  # a report saved by an editor as UTF-16: text, with NUL bytes
+    utf16.write_bytes("vllm==0.26.0\r\nRuntimeError: CUDA error: an illegal memory access\r\n".encode("utf-16"))
+    found = triage_file(utf16, catalogue)
+    assert (found.config.release, found.failure.kind) == ("0.26.0", "crash")
     proc = subprocess.run([sys.executable, "-m", "kvrepro.cli", "triage", str(write(tmp_path, "AssertionError\n")),
                            "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

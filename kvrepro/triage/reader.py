@@ -283,30 +283,6 @@ def _count_lines(path: Path) -> tuple[int, str]:
     return count, last.decode("utf-8", errors="replace")
 
 
-def read_all(path: Path, stats: ReadStats) -> Iterator[tuple[int, str]]:
-    """(line number, line) for every line of a small plain file: a report pasted from a tracker,
-    whose frames and quoted errors carry none of the keywords. Same refusals as
-    :func:`read_selected` (a binary file)."""
-    fh = _open(path)
-    try:
-        data = _read_block(fh, path, stats)
-        if b"\x00" in data[:65536]:
-            raise BadInputError(_binary(path))
-        chunks = [data]
-        while chunk := _read_block(fh, path, stats):
-            chunks.append(chunk)
-    finally:
-        fh.close()
-    body = b"".join(chunks)
-    stats.bytes_read = len(body)
-    lines = body.decode("utf-8", errors="replace").split("\n")
-    if lines and not lines[-1]:
-        lines.pop()
-    stats.lines = stats.selected = len(lines)
-    stats.last_line = lines[-1] if lines else ""
-    yield from enumerate((line[:MAX_LINE] for line in lines), start=1)
-
-
 def _python_selected(path: Path, stats: ReadStats) -> Iterator[tuple[int, str]]:
     keywords = LINE_KEYWORDS + tuple(k.encode() for k in infra_keywords())
     first_only = list(FIRST_ONLY_KEYWORDS)
