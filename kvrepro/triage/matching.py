@@ -2,13 +2,16 @@
 
 An entry fits when its kind and signature are the failure's (a crash: the same crash signature
 from kvrepro/classify/signatures/; a stall: `stall`), the log's release is not one the catalogue
-says is fixed, and every ``triage.requires`` facet holds for the deployed configuration. Entries
-with the right signature that fail the release or a requirement are near misses, each with its
-why-not. Fitting entries are ranked: release listed in ``present_in`` over a release that merely
-predates the fix over no claim; requirements that say more (fewer allowed values) and log
-evidence (``triage.evidence``) rank higher; ties go to the entry fixed earliest after the log's
-release (the fix it most plainly lacks). Nothing is matched on resemblance alone: a crash no
-signature knows, or one no entry names, is unknown.
+says is fixed, and every ``triage.requires`` facet can hold for the deployed configuration (a
+facet the log does not say is not held against it, nor counted for it). Entries with the right
+signature that fail the release or a requirement are near misses, each with its why-not. Fitting
+entries are ranked: release listed in ``present_in`` over a release that merely predates the fix
+over no claim; requirements the log confirms that say more (fewer allowed values) and log
+evidence (``triage.evidence``) rank higher. Entries left level are a tie (:func:`tie_of` says
+what would decide it), listed with the entry fixed earliest after the log's release first (the
+fix it most plainly lacks), or, the release unknown, the one present in the most releases.
+Nothing is matched on resemblance alone: a crash no signature knows, or one no entry names, is
+unknown, and only its near misses (the entries of its function or file) are listed.
 """
 
 from __future__ import annotations
@@ -124,16 +127,20 @@ def match_entries(entries: list[Entry], failure: Failure, config: DeployedConfig
                 why.append(f"the log shows {found.group(0)!r}")
                 score += 15.0
         match = _match(entry, base, fits=not why_not, score=score, why=why, why_not=why_not, state=state)
-        (fits if match.fits else misses).append((_key(entry, score), match))
+        (fits if match.fits else misses).append((_key(entry, score, release is not None), match))
     if failure.kind == "crash" and not fits and failure.pattern is None:
         misses.extend(_near_unknown(entries, failure, base))
     return [m for _, m in sorted(fits, key=lambda x: x[0])], [m for _, m in sorted(misses, key=lambda x: x[0])]
 
 
-def _key(entry: Entry, score: float) -> tuple:
+def _key(entry: Entry, score: float, release_known: bool = True) -> tuple:
+    """Best first: the score; between equals, with the log's release known, the entry fixed
+    earliest (the fix it most plainly lacks); with it unknown, the entry present in the most
+    releases first (an entry present in no release but a patched stack is the least likely)."""
     fixed = sorted(_release_keys(entry.fixed_in), key=version_tuple)
     first_fix = version_tuple(fixed[0]) if fixed else (999, 0, 0)
-    return (-score, first_fix, entry.name)
+    present = 0 if release_known else -len(_release_keys(entry.present_in))
+    return (-score, present, first_fix, entry.name)
 
 
 def _match(entry: Entry, base: str | None, *, fits: bool, score: float, why: list[str], why_not: list[str],
