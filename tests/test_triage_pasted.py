@@ -94,6 +94,20 @@ def test_siblings_are_separated_by_the_mode_or_reported_as_a_tie(tmp_path, catal
         "needs mamba_cache_mode all, the log has align",)
 
 
+def test_a_multiconnector_holds_each_of_its_members(tmp_path, catalogue):
+    """NIXL and the OffloadingConnector under a MultiConnector: an entry that needs the offloading
+    connector holds (its member runs), and the plain output says so."""
+    config = json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+        "connectors": [{"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+                       {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}]}})
+    text = (f"vllm==0.26.0\nvllm serve m --mamba-cache-mode align --kv-transfer-config '{config}'\n"
+            + quoted_midway(seed_traceback()))
+    found = triage_file(write(tmp_path, text), catalogue)
+    assert found.config.connectors() == ("nixl", "offloading")
+    assert found.best.entry == "offload-boundary-assert"
+    assert "connector offloading (in a MultiConnector with nixl+offloading) (needs offloading)" in found.best.why
+
+
 def test_another_assertion_in_the_same_function_is_not_the_target(tmp_path, catalogue):
     """vllm#46014's statement in update_state_after_alloc: not target, no entry, the function's
     entries as near misses saying what differs."""

@@ -110,11 +110,14 @@ def match_entries(entries: list[Entry], failure: Failure, config: DeployedConfig
         for facet, allowed in entry.triage_requires:
             can = config.possible(facet, TRIAGE_FACETS[facet])
             overlap = [v for v in can if v in allowed]
-            if len(can) == 1 and overlap:
-                why.append(f"{facet} {can[0]} (needs {'/'.join(allowed)})")
+            members = facet == "connector" and len(config.connectors()) > 1 and config.known("kv_connector")
+            if (len(can) == 1 or members) and overlap:
+                # one value the log says, or a MultiConnector one of whose members it needs
+                said = f"{overlap[0]} (in a MultiConnector with {'+'.join(can)})" if members else can[0]
+                why.append(f"{facet} {said} (needs {'/'.join(allowed)})")
                 score += 10.0 / len(allowed)
             elif not overlap:
-                has = can[0] if len(can) == 1 else f"vLLM's default ({' or '.join(can)})"
+                has = can[0] if len(can) == 1 else "+".join(can) if members else f"vLLM's default ({' or '.join(can)})"
                 why_not.append(f"needs {facet} {'/'.join(allowed)}, the log has {has}")
             elif can == TRIAGE_FACETS[facet]:
                 why.append(f"needs {facet} {'/'.join(allowed)} (not in the log: not checked)")

@@ -69,12 +69,24 @@ class DeployedConfig:
     def source(self, name: str) -> str:
         return self.sources.get(name, NOT_IN_LOG)
 
+    def connectors(self) -> tuple[str, ...]:
+        """The connector kinds (TRIAGE_FACETS) in use: one, or a MultiConnector's members (each
+        runs: a defect of one of them is reachable)."""
+        return tuple(dict.fromkeys(_connector_kind(name) for name in self._connector_names())) or ("none",)
+
+    def _connector_names(self) -> list[str]:
+        if (self.kv_connector or "").lower() != "multiconnector":
+            return [self.kv_connector] if self.kv_connector else []
+        extra = self.kv_connector_settings.get("kv_connector_extra_config")
+        members = extra.get("connectors") if isinstance(extra, dict) else None
+        names = [str(m.get("kv_connector")) for m in members if isinstance(m, dict) and m.get("kv_connector")] \
+            if isinstance(members, list) else []
+        return names or [self.kv_connector]
+
     def facets(self) -> dict[str, str]:
         """The configuration in catalogue terms (suite.catalogue.TRIAGE_FACETS); ``unknown`` for a
-        facet the log does not say."""
-        connector = (self.kv_connector or "").lower()
-        kind = ("none" if not connector else "offloading" if "offloading" in connector
-                else "lmcache" if "lmcache" in connector else "nixl" if "nixl" in connector else "other")
+        facet the log does not say; a MultiConnector's members joined with ``+``."""
+        kind = "+".join(self.connectors())
         method = (self.speculative_method or "none").lower()
         if method not in ("mtp", "eagle", "eagle3", "ngram", "suffix", "none"):
             method = "mtp" if "mtp" in method else "other"
@@ -96,8 +108,16 @@ class DeployedConfig:
         it to vLLM (the Mamba cache mode: align or none by the model, never all)."""
         if facet == "mamba_cache_mode" and self.mamba_mode_default:
             return ("align", "none")
+        if facet == "connector" and self.known("kv_connector") and len(self.connectors()) > 1:
+            return self.connectors()
         value = self.facets()[facet]
         return values if value == "unknown" else (value,)
+
+
+def _connector_kind(name: str) -> str:
+    name = name.lower()
+    return ("offloading" if "offloading" in name else "lmcache" if "lmcache" in name
+            else "nixl" if "nixl" in name else "other")
 
 
 @dataclass(frozen=True)
