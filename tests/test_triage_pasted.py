@@ -323,6 +323,9 @@ def test_a_paste_is_mended_from_its_neighbours():
                    (7, '(E pid=1) ERROR 01-01 00:00:00 [core.py:1]   File "/x/vllm/b.py", line 4, in h'),
                    (8, "(E pid=1) ERROR 01-01 00:00:00 [core.py:1]     z()"),
                    (9, "(E pid=1) ERROR 01-01 00:00:00 [core.py:1] KeyError: 'r'")]
+    # a line the process logged as another record is never taken into the traceback
+    other = ['(E pid=1)   File "/x/vllm/b.py", line 4, in h', "(E pid=1) INFO 01-01 00:00:01 [x.py:2] unrelated"]
+    assert repair(enumerate(other, 1))[-1] == (2, "(E pid=1) INFO 01-01 00:00:01 [x.py:2] unrelated")
 
 
 def test_text_is_never_refused_and_release_is_never_blocked(tmp_path, catalogue):

@@ -199,9 +199,15 @@ def _mend_tracebacks(lines: list[tuple[int, str | None]]) -> list[tuple[int, str
         def emit(new_body: str, header: str | None = parts.header) -> None:
             out.append((number, prefix + (f"{header} " if header else "") + new_body))
 
+        # a line logged with another header is another record of the process, never part of this traceback
+        ours = current is None or parts.header is None or parts.header == header_of.get(stream)
         if body.startswith(TRACEBACK_START):
             state[stream], header_of[stream] = "open", parts.header
             out.append((number, text))
+        elif not ours and current in ("open", "frame", "exc"):
+            state.pop(stream, None)
+            out.append((number, text))
+            continue
         elif _FRAME.match(body):
             if current not in ("open", "frame"):
                 if current != "chain":
