@@ -70,3 +70,15 @@ def test_a_runtime_report_is_never_did_not_start(judged):
         found = triage_file(Path(REAL / name), cat)
         assert found.failure.kind == "crash" and found.failure.phase == "runtime", (name, found.failure)
         assert "did not start" not in found.failure.title
+
+
+def test_every_report_reads_in_80_columns_and_as_json():
+    from kvrepro.triage import render, triage_file
+
+    cat = load_catalogue()
+    for path in sorted(REAL.glob("*.log")):
+        found = triage_file(path, cat)
+        assert max(map(len, render.plain(found))) <= 80, path.name
+        data = render.as_json(found)
+        assert set(data["config"]["not_in_log"]) == {k for k in data["config"]["not_in_log"]
+                                                      if data["config"][k] is None}, path.name
