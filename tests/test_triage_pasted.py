@@ -346,3 +346,17 @@ def test_text_is_never_refused_and_release_is_never_blocked(tmp_path, catalogue)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["unknown"] is True and data["failure"]["kind"] == "crash" and data["best"] is None
+
+
+@pytest.mark.parametrize("text, title", [
+    ("(EngineCore_DP0 pid=3) Fatal Python error: Segmentation fault\n(EngineCore_DP0 pid=3) Thread 0x7f (most recent "
+     "call first):\n(EngineCore_DP0 pid=3)   File \"/x/vllm/v1/worker/gpu_model_runner.py\", line 2311 in execute_model\n",
+     "Fatal Python error in gpu_model_runner.py: Segmentation fault"),
+    ("terminate called after throwing an instance of 'c10::Error'\n  what():  CUDA error: an illegal memory access "
+     "was encountered\n", "c10::Error: CUDA error: an illegal memory access was encountered"),
+])
+def test_a_process_that_died_in_native_code(text, title, tmp_path, catalogue):
+    """faulthandler's dump (not a traceback: most recent call first) and an uncaught C++ exception:
+    a crash said by its own line, unknown to the catalogue."""
+    found = triage_file(write(tmp_path, text), catalogue)
+    assert (found.failure.kind, found.failure.title) == ("crash", title) and found.unknown

@@ -266,6 +266,26 @@ LOOSE_BEFORE, LOOSE_AFTER = 12, 8
 LOOSE_LINE = 2000  # what of a line the pieces are looked for in (a path, a function, a statement)
 
 
+# a process that died below Python: faulthandler's "Fatal Python error: Segmentation fault", a C++
+# exception nobody caught ("terminate called after throwing an instance of 'c10::Error'", then
+# "  what():  CUDA error: ...")
+_FATAL = re.compile(r"^Fatal Python error: (?P<msg>.+)$")
+_TERMINATE = re.compile(r"^terminate called after throwing an instance of '(?P<name>[^']+)'")
+_WHAT = re.compile(r"^what\(\):\s+(?P<msg>.+)$")
+
+
+def _native_crash(bodies: list[tuple[int, str]]) -> tuple[int, str, str | None] | None:
+    for idx, (_, body) in enumerate(bodies):
+        text = body.strip()[:LOOSE_LINE]
+        if (m := _FATAL.match(text)) is not None:
+            return idx, "Fatal Python error", m["msg"]
+        if (m := _TERMINATE.match(text)) is not None:
+            what = next((w["msg"] for _, b in bodies[idx + 1: idx + 4]
+                         if (w := _WHAT.match(b.strip()[:LOOSE_LINE])) is not None), None)
+            return idx, m["name"], what
+    return None
+
+
 @dataclass(frozen=True)
 class Loose:
     """A failure a text shows without a traceback: the pieces found around its exception line (or
@@ -293,6 +313,8 @@ def loose_evidence(bodies: list[tuple[int, str]]) -> Loose | None:
             if body.strip().startswith("assert "):
                 anchor, inferred = (idx, "AssertionError", None), True
                 break
+    if anchor is None:
+        anchor = _native_crash(bodies)  # no Python exception: a process that died in native code
     if anchor is None:
         return None
     idx, exception, message = anchor

@@ -75,7 +75,9 @@ _YEAR_HEADER = re.compile(rf"^((?:{_LEVELS})) \d{{4}}-(\d\d-\d\d \d\d:\d\d:\d\d(
 # header is recognised as one; nothing reads the time of a normalised line)
 _DATELESS = re.compile(rf"^((?:{_LEVELS})) (\[[^\]\s]+:\d+\])(?= |$)")
 _FRAME_NO_LINE = re.compile(r'^(\s*)File "([^"]+)", in (\S.*)$')
-_FRAME = re.compile(r'^\s*File "[^"]+", line \d+')
+# a Python traceback's frame; faulthandler's dump of a dying process ('File "x", line 5 in f', no comma,
+# most recent call first) is not a traceback and opens none
+_FRAME = re.compile(r'^\s*File "[^"]+", line \d+(?:,|\s*$)')
 _CARET = re.compile(r"^\s*[\^~]+\s*$")
 _EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w]*\.)*(?P<name>[A-Za-z_]\w*)(?::(?: .*)?)?$")
 _CHAIN = ("The above exception was the direct cause of the following exception:",
