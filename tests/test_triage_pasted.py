@@ -208,6 +208,7 @@ def test_a_pasted_stall_is_a_stall(tmp_path, catalogue):
     ("pip install vllm-0.30.0-cp38-abi3-manylinux1_x86_64.whl", "0.30.0", "a wheel's file name"),
     ("- **vLLM**: 0.20.0", "0.20.0", "an environment line"),
     ("vllm 0.4.3", "0.4.3", "an environment line"),
+    ("`vllm.__version__ == 1.5.0`", "1.5.0", "an environment line"),
 ])
 def test_the_version_from_any_source(line, version, what):
     assert find_version(line)[0::2] == (version, what)
@@ -218,6 +219,11 @@ def test_the_version_from_any_source(line, version, what):
                                   "image: vllm/vllm-openai:nightly-4080263bb2c5"])
 def test_not_a_version(line):
     assert find_version(line) is None
+
+
+def test_pip_show_gives_the_version(tmp_path, catalogue):
+    found = triage_file(write(tmp_path, "$ pip show vllm\nName: vllm\nVersion: 0.27.1\nSummary: x\n"), catalogue)
+    assert (found.config.release, found.config.source("release")) == ("0.27.1", "line 3: pip show output")
 
 
 def test_configuration_from_what_users_paste():

@@ -63,6 +63,7 @@ class ConfigReader:
         self.engines: set[str] = set()
         self.found: list[sources.Found] = []
         self.engine_line: tuple[int, dict[str, Any]] | None = None
+        self._pip_show = False  # the line before was `pip show vllm`'s name line
 
     def feed(self, number: int, line: LogLine) -> None:
         if line.stream:
@@ -75,6 +76,11 @@ class ConfigReader:
                 self._read_args(body)
                 self.args_line = number
             return
+        if self._pip_show and body.startswith("Version: "):
+            # `pip show vllm`: "Name: vllm" then "Version: 0.26.0"
+            if (hit := sources.find_version("vllm " + body[len("Version: "):].strip())) is not None:
+                self._version(number, (hit[0], sources.PIP_SHOW_RANK, "pip show output"))
+        self._pip_show = body.strip() == "Name: vllm"
         if (hit := sources.find_version(body)) is not None:
             self._version(number, hit)
             if "with config:" in body and self.engine_line is None:

@@ -39,9 +39,10 @@ VERSION_SOURCES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("the docker image tag", re.compile(r"\bvllm-openai(?:-[\w]+)?:" + _VERSION)),
     ("a wheel's file name", re.compile(r"\bvllm-" + _VERSION + r"(?:-[\w.-]+\.whl|\.dist-info)")),
     # one character class between the name and the number: no two runs of spaces can trade characters
-    ("an environment line", re.compile(r"^[\s>*|`-]*vllm(?:[*`]*\s+version)?[\s:=*`]*" + _VERSION
+    ("an environment line", re.compile(r"^[\s>*|`-]*vllm(?:[*`]*\s+version|\.__version__)?[\s:=*`]*" + _VERSION
                                        + r"[*`]*(?:\s+\(.*\))?\s*$", re.IGNORECASE)),
 )
+PIP_SHOW_RANK = 4  # `pip show vllm` ranks with pip's other outputs
 _NIGHTLY = re.compile(r"\bvllm-openai:(?P<tag>nightly[\w.-]*|latest)\b")
 
 
