@@ -108,6 +108,15 @@ def test_a_multiconnector_holds_each_of_its_members(tmp_path, catalogue):
     assert "connector offloading (in a MultiConnector with nixl+offloading) (needs offloading)" in found.best.why
 
 
+def test_the_offload_tiers(tmp_path, catalogue):
+    tiering = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+        "spec_name": "TieringOffloadingSpec", "secondary_tiers": [{"type": "fs", "root_dir": "/cache"}]}})
+    multi = triage_file(write(tmp_path, f"vllm serve m --kv-transfer-config '{tiering}'\n", "m.log"), catalogue)
+    single = triage_file(write(tmp_path, "vllm serve m --kv-offloading-size 64\n", "s.log"), catalogue)
+    unread = triage_file(write(tmp_path, "AssertionError\n", "u.log"), catalogue)
+    assert [t.config.facets()["offload_tiers"] for t in (multi, single, unread)] == ["multi", "single", "unknown"]
+
+
 def test_another_assertion_in_the_same_function_is_not_the_target(tmp_path, catalogue):
     """vllm#46014's statement in update_state_after_alloc: not target, no entry, the function's
     entries as near misses saying what differs."""

@@ -260,6 +260,7 @@ def match_partial(sig: Signature, message: str | None,
 
 _PATH = re.compile(r"(?:[\w.-]+/)*[\w.-]+\.py\b")
 _IN_FUNC = re.compile(r"\.py\"?,?(?: line \d+,)? in (?P<f>[A-Za-z_]\w*)")
+_ASSERT = re.compile(r"(?:^|[\s:])(?P<a>assert\s+\S)")
 _BARE_CALL = re.compile(r"^\s*(?P<f>[A-Za-z_]\w*)\((?:\.\.\.)?\)\s*$")
 _EXC_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*(?P<name>[A-Z]\w*(?:Error|Exception|Exit|Failure))(?::\s*(?P<msg>.*))?$")
 LOOSE_BEFORE, LOOSE_AFTER = 12, 8
@@ -327,8 +328,8 @@ def loose_evidence(bodies: list[tuple[int, str]]) -> Loose | None:
                 file = path[path.rfind("vllm/"):] if "vllm/" in path else path
         if (m := _IN_FUNC.search(text)) is not None or (m := _BARE_CALL.match(text)) is not None:
             function = m["f"]
-        if text.startswith("assert ") and not expression:
-            expression = _strip_comment(text)
+        if not expression and (m := _ASSERT.search(text)) is not None:
+            expression = _strip_comment(text[m.start("a"):])  # "FAILED:  assert x" quotes the statement too
     if not expression and not message:
         # "AssertionError:" followed by the statement's lines, indented (a hand-made signature)
         follow = []

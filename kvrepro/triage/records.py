@@ -15,7 +15,7 @@ READ_FIELDS = ("release", "model", "architecture", "tensor_parallel_size", "data
 # each catalogue facet and the fields that say it
 FACET_FIELDS = {"connector": "kv_connector", "mamba_cache_mode": "mamba_cache_mode",
                 "speculative": "speculative_method", "prefix_caching": "prefix_caching",
-                "scheduling_policy": "scheduling_policy"}
+                "scheduling_policy": "scheduling_policy", "offload_tiers": "kv_connector"}
 NOT_IN_LOG = "not in the log"
 
 
@@ -83,6 +83,23 @@ class DeployedConfig:
             if isinstance(members, list) else []
         return names or [self.kv_connector]
 
+    def offload_tiers(self) -> str:
+        """``multi`` when an OffloadingConnector has secondary tiers (TieringOffloadingSpec),
+        ``single`` for the CPU tier alone, ``none`` without the OffloadingConnector."""
+        if "offloading" not in self.connectors():
+            return "none"
+        configs = [self.kv_connector_settings.get("kv_connector_extra_config")]
+        extra = configs[0]
+        members = extra.get("connectors") if isinstance(extra, dict) else None
+        if isinstance(members, list):
+            configs += [m.get("kv_connector_extra_config") for m in members
+                        if isinstance(m, dict) and "offloading" in str(m.get("kv_connector", "")).lower()]
+        for config in configs:
+            if isinstance(config, dict) and (config.get("secondary_tiers") or
+                                             "tiering" in str(config.get("spec_name", "")).lower()):
+                return "multi"
+        return "single"
+
     def facets(self) -> dict[str, str]:
         """The configuration in catalogue terms (suite.catalogue.TRIAGE_FACETS); ``unknown`` for a
         facet the log does not say; a MultiConnector's members joined with ``+``."""
@@ -92,6 +109,7 @@ class DeployedConfig:
             method = "mtp" if "mtp" in method else "other"
         values = {
             "connector": kind,
+            "offload_tiers": self.offload_tiers(),
             "mamba_cache_mode": self.mamba_cache_mode or "none",
             "speculative": method,
             "prefix_caching": "on" if self.prefix_caching else "off",
