@@ -184,12 +184,16 @@ def classify_cmd(
     as_json: bool = JsonOpt,
 ) -> None:
     """Find the fatal traceback in an engine log and name its crash signature."""
+    from rich.markup import escape
+
     from .classify.commands import check_log_arguments, classify_command
     from .spec.matrix import default_target_signature
 
     check_log_arguments(log, source)
     target = load_matrix(matrix).matrix.target_signature if matrix else default_target_signature()
     found = classify_command(log, source, target)
+    for notice in found.notices:  # one line each, whatever the terminal's width
+        err.print("[yellow]note[/]: " + escape(notice), highlight=False, soft_wrap=True)
     show(as_json, found.as_json, *found.lines())
 
 
@@ -212,6 +216,12 @@ def setup_cmd(matrix: Path = MatrixOpt, as_json: bool = JsonOpt) -> None:
     with err.status("setting up") as status:
         done = setup_matrix(loaded, on_line=lambda line: status.update(line[:120]))
     show(as_json, done, *setup_lines(done))
+    failed = [name for name, b in done["builds"].items() if not b["ok"]]
+    if failed:  # a build whose patch does not apply is not set up: infrastructure, exit 3 (never 0)
+        err.print(f"[red]error:[/] {len(failed)} of {len(done['builds'])} build(s) not built ({', '.join(failed)}); "
+                  "fix their patches (the lines above say which did not apply) and run setup again",
+                  highlight=False, soft_wrap=True)
+        raise typer.Exit(3)
 
 
 @app.command("init")
@@ -421,7 +431,8 @@ def explore_cmd(
     base: Optional[str] = typer.Option(None, "--base", help="the vLLM release to explore (e.g. 0.26.0)"),
     patch: Optional[list[str]] = typer.Option(None, "--patch", help="a patch from the matrix's patches: on the "
                                               "base, in order (repeatable)"),
-    budget: Optional[str] = typer.Option(None, "--budget", help="runs (20) or run time (90s, 30m, 2h)"),
+    budget: Optional[str] = typer.Option(None, "--budget", help="runs (20) or run time (90s, 30m, 2h, 1d); "
+                                         "on --resume, the campaign's whole budget"),
     seed: int = typer.Option(0, "--seed", help="the campaign's seed: same seed, same runs"),
     unguided: bool = typer.Option(False, "--unguided", help="uniform choices: no steering by coverage"),
     no_corpus: bool = typer.Option(False, "--no-corpus", help="guided, without replaying the catalogue's entries first"),
@@ -443,8 +454,9 @@ def explore_cmd(
 
 @app.command("triage")
 def triage_cmd(
-    log: Path = typer.Argument(..., help="a vLLM server log (plain or .gz; DP-prefixed, docker timestamps, ANSI ok) "
-                                         "or the text a report pasted (a partial traceback, a command, collect_env)"),
+    log: Path = typer.Argument(..., help="a vLLM server log (plain, .gz, .bz2, .xz, .zst, UTF-16; - for a pipe; "
+                                         "DP-prefixed, docker timestamps, ANSI ok) or the text a report pasted "
+                                         "(a partial traceback, a command, collect_env)"),
     emit: Optional[Path] = typer.Option(None, "--emit", help="write a matrix.yaml reproducing the configuration "
                                         "(and its patches under builds/) into this new folder"),
     run: bool = typer.Option(False, "--run", help="run that matrix (--emit's folder, else one under --results) "

@@ -357,6 +357,11 @@ class Exposure:
     injected_load_faults: int = 0
     injected_store_faults: int = 0
     injected_failed_requests: int = 0
+    # the probe's invariants at quiescent points (kvrepro/classify/invariants.py): checks made, the
+    # quiescent points each invariant failed at (by name), the first failure in words
+    invariant_checks: int = 0
+    invariants_broken: dict[str, int] = field(default_factory=dict)
+    first_broken: str | None = None
 
     @property
     def kv_check(self) -> str:
@@ -584,6 +589,10 @@ class RunResult:
     injected_load_faults: int = 0
     injected_store_faults: int = 0
     injected_failed_requests: int = 0
+    # the engine's invariants at quiescent points (Exposure; kvrepro/classify/invariants.py)
+    invariant_checks: int = 0
+    invariants_broken: dict[str, int] = field(default_factory=dict)
+    first_broken: str | None = None
     # `ray` target: the node the engine ran on, and why earlier attempts of this run were
     # INFRA (a node lost mid-run; the run was retried elsewhere and this record is the retry's)
     node: NodeInfo | None = None

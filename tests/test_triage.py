@@ -195,7 +195,7 @@ def test_gzip_and_a_large_interleaved_log_read_the_same(tmp_path, catalogue, mon
 
 
 @pytest.mark.parametrize("name, says", [
-    ("binary", "a binary file"),
+    ("binary", "not a text log (binary data"),
     ("truncated.gz", "damaged gzip data"),
     ("empty", "is empty"),
 ])

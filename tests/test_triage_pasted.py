@@ -357,3 +357,23 @@ def test_a_process_that_died_in_native_code(text, title, tmp_path, catalogue):
     a crash said by its own line, unknown to the catalogue."""
     found = triage_file(write(tmp_path, text), catalogue)
     assert (found.failure.kind, found.failure.title) == ("crash", title) and found.unknown
+
+
+def test_a_report_compressed_or_piped_is_read_whole_as_a_paste(tmp_path, catalogue):
+    """The one opener (kvrepro/classify/logfile.py, issue 44) hands triage the text of an xz file
+    or a pipe; a small text is then read whole as a paste (issue 45), not through the production
+    log's keyword greps, which would miss a version said only by `pip list`'s line."""
+    import lzma
+
+    text = "```\nvllm                 0.26.0\n```\nRuntimeError: CUDA error: an illegal memory access\n"
+    packed = tmp_path / "report.log.xz"
+    packed.write_bytes(lzma.compress(text.encode()))
+    plain = triage_file(write(tmp_path, text), catalogue)
+    found = triage_file(packed, catalogue)
+    assert (found.config.release, found.failure.kind, found.lines) == ("0.26.0", "crash", 4)
+    assert (found.config.sources, found.failure.title) == (plain.config.sources, plain.failure.title)
+    proc = subprocess.run([sys.executable, "-m", "kvrepro.cli", "triage", "-", "--json"], input=text, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert (data["config"]["release"], data["failure"]["kind"]) == ("0.26.0", "crash")

@@ -52,7 +52,7 @@ from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
 from kvrepro import versions
 
-from . import arcs, faults
+from . import arcs, faults, transfer_checks
 from . import shadow as shadow_kv
 from .config import SimKnobs
 
@@ -99,6 +99,7 @@ class SimTransferWorker(OffloadingWorker):
     def __init__(self, shadow: "shadow_kv.ShadowKV | None" = None, load_steps: int = 1,
                  plan: "faults.FaultPlan | None" = None, owner_of=None) -> None:
         self.shadow = shadow  # shadow KV: copies block contents as the real transfers would
+        self.blocks_per_chunk = 1  # GPU blocks per CPU block: the connector worker's (set by the executor)
         self.load_steps = max(1, int(load_steps))
         self.plan = plan
         self.owner_of = owner_of or (lambda job_id: None)  # the request a load job is for (connector worker)
@@ -131,6 +132,8 @@ class SimTransferWorker(OffloadingWorker):
         return fail, steps
 
     def submit_store(self, job_id, src_spec, dst_spec) -> bool:
+        # what vLLM's CPU worker checks before it copies, failing in its form (transfer_checks.py)
+        transfer_checks.check("store", src_spec, dst_spec, self.blocks_per_chunk)
         fail, steps = self._plan("store", job_id, src_spec)
         if self.shadow is not None and not fail:  # shadow KV (kvrepro/engine/shadow.py)
             self.shadow.store(job_id, src_spec, dst_spec)
@@ -139,6 +142,7 @@ class SimTransferWorker(OffloadingWorker):
         return True
 
     def submit_load(self, job_id, src_spec, dst_spec) -> bool:
+        transfer_checks.check("load", src_spec, dst_spec, self.blocks_per_chunk)
         fail, steps = self._plan("load", job_id, dst_spec)
         if self.shadow is not None:  # shadow KV (kvrepro/engine/shadow.py)
             (self.shadow.load_failed if fail else self.shadow.load)(job_id, src_spec, dst_spec)
@@ -481,6 +485,7 @@ class SimExecutor(Executor):
                 self._chunk_blocks = int(spec.blocks_per_chunk)  # what the connector really uses
                 if self.shadow is not None:
                     self.shadow.blocks_per_chunk = self._chunk_blocks
+            transfers.blocks_per_chunk = self._chunk_blocks
             if self.shadow is not None:
                 # the connector worker notes each load job's request before submitting it
                 self.shadow.load_owner = lambda job_id: (getattr(worker_side, "_load_jobs", None) or {}).get(job_id)

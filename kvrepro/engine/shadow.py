@@ -170,7 +170,12 @@ class _Request:
 class ShadowKV:
     """Shadow contents of the GPU and offloaded blocks; see the module docstring."""
 
+    # the engine's shadow KV, for the probe's prefix-cache invariant (kvrepro/probe/kvrepro_probe.py
+    # reads what a cached block holds here); one engine per process
+    current: "ShadowKV | None" = None
+
     def __init__(self, kv_cache_config, blocks_per_chunk: int = 1, stream=None):
+        ShadowKV.current = self
         self.groups = describe_groups(kv_cache_config)
         self.blocks_per_chunk = max(1, int(blocks_per_chunk))
         self.gpu: dict[int, Content] = {}

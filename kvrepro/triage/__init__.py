@@ -27,6 +27,7 @@ from pathlib import Path
 from ..classify.classifier import classify_traceback, classify_with_traceback, excerpt
 from ..classify.infra import infra_keywords, match_infra
 from ..classify.lines import split_line
+from ..classify.logfile import open_log_bytes
 from ..classify.patterns import Pattern, match_pattern
 from ..classify.source import canonical
 from ..classify.tracebacks import Traceback
@@ -34,80 +35,82 @@ from ..errors import BadInputError
 from ..records import Classification, Outcome
 from ..spec.matrix import TargetSignature
 from ..suite.catalogue import Catalogue, Entry
+from ..untrusted import quote
 from ..versions import SUPPORTED_RELEASES, nearest_supported, version_tuple
 from .deployed import ConfigReader
 from .failure import (StallReader, all_tracebacks, infer_assert, loose_evidence, match_partial, phase,
                       pick_traceback)
 from .matching import match_entries, minimal_clean_set, tie_of
-from .pasted import normalise, read_small, repair
-from .reader import ReadStats, read_selected
+from .pasted import normalise, read_whole, repair
+from .reader import Prefixed, ReadStats, select_stream
 from .records import DeployedConfig, Failure, Match, Stall, Tie, Triage
 
 __all__ = ["DeployedConfig", "Failure", "Match", "Stall", "Tie", "Triage", "triage_file"]
 
-# a plain file up to this size is read whole and mended as pasted text (kvrepro/triage/pasted.py):
+# a text up to this size (a file, compressed or not, or a pipe) is read whole and mended as pasted
+# text (kvrepro/triage/pasted.py):
 # a report from a tracker is kilobytes; a production log this small (the seed's lines and 8,200
 # access lines, 0.98 MB) took 0.8 s whole against 0.2 s through grep, at load average 15 (2026-12-04)
 WHOLE_TEXT_MAX = 1 << 20
 
 
 def triage_file(path: Path, catalogue: Catalogue, release: str | None = None) -> Triage:
-    """Triage the log at ``path`` (plain or gzip, a whole server log or what a report pasted)
-    against ``catalogue``; ``release`` overrides the version the log shows (or says it when the
+    """Triage the log at ``path`` (anything kvrepro/classify/logfile.py opens: plain, compressed, a
+    pipe; a whole server log or what a report pasted) against ``catalogue``; ``release`` overrides the version the log shows (or says it when the
     log does not). Only what is not text (a binary file, an empty one) is refused."""
     stats = ReadStats()
-    raw = read_small(path, stats, WHOLE_TEXT_MAX) if _small_file(path) else None
-    whole = raw is not None
-    reader = ConfigReader(whole_text=whole)
-    stalls = StallReader()
-    numbers = array("q")  # the file's line number of each line classify sees (it numbers them 1, 2, ...)
-    target = _target()
-    texts: list[str] = []
-    keywords = infra_keywords()
-    saw_infra = False
-
-    if raw is not None:
-        for number, line in raw:
-            if "throughput:" in line:
-                stalls.feed(number, line)
-            stalls.end(line)  # a paste may end in a fence or prose: the last line with a time ends a stall
-        repaired = [(n, t) for n, t in repair(raw) if t is not None]
-        for number, text in repaired:
-            parts = split_line(number, text)
-            reader.feed(number, parts)
-            numbers.append(number)
-            texts.append(text)
-            if not saw_infra and any(k in text for k in keywords) and match_infra(parts.body) is not None:
-                saw_infra = True
-        reader.feed_text(repaired)
-        cls, tb = classify_with_traceback(texts, target=target)
-    else:
-        def tapped() -> Iterator[str]:
-            nonlocal saw_infra
-            stats_lines = 0
-            for number, raw_line in read_selected(path, stats):
-                if "throughput:" in raw_line:
-                    # a stats line (most of what is selected in a long log): the stall reader's alone,
-                    # but for the first, which tells classify the server was up
-                    stalls.feed(number, raw_line)
-                    stats_lines += 1
-                    if stats_lines > 1:
-                        continue
-                line = normalise(raw_line)
-                parts = split_line(number, line)
+    with open_log_bytes(path, require_text=True) as (stream, info):  # the one opener (issue 44)
+        raw, head = read_whole(stream, info, stats, WHOLE_TEXT_MAX)
+        whole = raw is not None
+        reader = ConfigReader(whole_text=whole)
+        stalls = StallReader()
+        numbers = array("q")  # the file's line number of each line classify sees (it numbers them 1, 2, ...)
+        target = _target()
+        texts: list[str] = []
+        keywords = infra_keywords()
+        saw_infra = False
+        if raw is not None:
+            for number, line in raw:
+                if "throughput:" in line:
+                    stalls.feed(number, line)
+                stalls.end(line)  # a paste may end in a fence or prose: the last line with a time ends a stall
+            repaired = [(n, t) for n, t in repair(raw) if t is not None]
+            for number, text in repaired:
+                parts = split_line(number, text)
                 reader.feed(number, parts)
                 numbers.append(number)
-                if not saw_infra and any(k in line for k in keywords) and match_infra(parts.body) is not None:
+                texts.append(text)
+                if not saw_infra and any(k in text for k in keywords) and match_infra(parts.body) is not None:
                     saw_infra = True
-                yield line
+            reader.feed_text(repaired)
+            cls, tb = classify_with_traceback(texts, target=target)
+        else:
+            def tapped() -> Iterator[str]:
+                nonlocal saw_infra
+                stats_lines = 0
+                for number, raw_line in select_stream(Prefixed(head, stream), info, path, stats):
+                    if "throughput:" in raw_line:
+                        # a stats line (most of what is selected in a long log): the stall reader's alone,
+                        # but for the first, which tells classify the server was up
+                        stalls.feed(number, raw_line)
+                        stats_lines += 1
+                        if stats_lines > 1:
+                            continue
+                    line = normalise(raw_line)
+                    parts = split_line(number, line)
+                    reader.feed(number, parts)
+                    numbers.append(number)
+                    if not saw_infra and any(k in line for k in keywords) and match_infra(parts.body) is not None:
+                        saw_infra = True
+                    yield line
 
-        cls, tb = classify_with_traceback(tapped(), target=target)
+            cls, tb = classify_with_traceback(tapped(), target=target)
     if not whole:
         stalls.end(stats.last_line)
     if stats.bytes_read == 0:
-        raise BadInputError(f"{path}: is empty; give the vLLM server's log or the text of the report")
+        raise BadInputError(f"{quote(path, 200)}: is empty; give the vLLM server's log or the text of the report")
     config = reader.config()
-    warnings: list[str] = []
+    warnings: list[str] = list(stats.notices)  # lines cut to the bound, a UTF-16 log (triage/reader.py)
     version = release or config.release
     base = exact = None
     if version is not None and version_tuple(version) is None:
@@ -153,15 +156,6 @@ def triage_file(path: Path, catalogue: Catalogue, release: str | None = None) ->
     return Triage(log=str(path), lines=stats.lines, bytes_read=stats.bytes_read, config=config, failure=failure,
                   matches=tuple(matches), near_misses=tuple(misses), base=base, warnings=tuple(warnings),
                   minimal_clean_set=clean, still_present=unfixable, tie=tie_of(matches, entries, config, exact))
-
-
-def _small_file(path: Path) -> bool:
-    """A regular file of at most WHOLE_TEXT_MAX bytes (anything else, a FIFO, a folder, a missing
-    file, goes to the log reader, which says what is wrong with it)."""
-    try:
-        return path.is_file() and path.stat().st_size <= WHOLE_TEXT_MAX
-    except OSError:
-        return False
 
 
 @functools.lru_cache(maxsize=1)

@@ -18,10 +18,14 @@ A report rarely holds those; its command line, pod spec, connector JSON or ``LLM
 (kvrepro/triage/sources.py) fill what vLLM's lines do not say, never overriding them (a
 disagreement is reported). Every field keeps the line it came from; a complete argument list (the
 args line, a whole command) also says what it leaves at vLLM's default, and says so; a field no
-line says is "not in the log" (DeployedConfig.sources).
+line says is "not in the log" (DeployedConfig.sources; DeployedConfig.lines has the line numbers
+emit's bounds messages name).
 
-Secret-looking values (``hf_token``, ``api_key``, a connector's ``...key``) are replaced by
-``***`` as they are read, and remembered so that ``secrets.redact`` masks them anywhere else.
+A log is untrusted (issue 44): a version is kept to 40 characters (:func:`kvrepro.untrusted.quote`),
+a number too long for ``int()`` by its size, and every value is quoted where it is shown.
+Secret-looking values (``hf_token``, ``api_key``, a connector's ``...key``, ``ApiKey``, an
+``X-Api-Key`` header, a URL's password) are replaced by ``***`` as they are read, and remembered
+so that ``secrets.redact`` masks them anywhere else.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ import re
 from typing import Any
 
 from ..classify.lines import LogLine
-from ..secrets import is_secret_flag, remember
+from ..secrets import is_secret_key, redact, remember, url_passwords
+from ..untrusted import quote
 from . import sources
 from .records import DeployedConfig
 
@@ -94,7 +99,9 @@ class ConfigReader:
             if (m := _MAMBA_MODE.search(body)) is not None:
                 self.mamba_mode_logged = (number, m["m"] or m["p"])
         elif "attention block size" in body and (m := _ATTN_BLOCK.search(body)) is not None:
-            self.attention_block = (number, int(m["n"]))
+            n = m["n"]
+            # int() refuses more than 4,300 digits; a number that long is kept by its size alone
+            self.attention_block = (number, int(n) if len(n) <= 4000 else 10 ** (len(n) - 1))
         elif not self.whole_text and line.header is None and ("--" in body or "vllm" in body):
             self.found.extend(sources.read_text([(number, body)]))
 
@@ -105,6 +112,7 @@ class ConfigReader:
 
     def _version(self, number: int, hit: tuple[str, int, str]) -> None:
         version, rank, what = hit
+        version = quote(version, 40)  # a 200 MB "version" is 40 characters here
         if self.version is None or rank < self.version[0]:
             if self.version is not None and self.version[1] != version:
                 self.other_versions[self.version[1]] = f"line {self.version[2]}: {self.version[3]}"
@@ -255,7 +263,20 @@ class ConfigReader:
             problems=tuple(problems),
             version_note=version_note,
             mamba_mode_default=mamba_default and mode is None,
+            lines={**{name: _line_of(src.get(name)) for name in ("block_size", "mamba_cache_mode",
+                                                               "num_speculative_tokens", "data_parallel_size",
+                                                               "model")},
+                   "offload_chunk_tokens": _line_of(origin.get("kv_transfer_config"))},
         )
+
+
+_LINE_OF = re.compile(r"line (\d+):")
+
+
+def _line_of(source: str | None) -> int | None:
+    """The line number a ``sources`` entry names (``line 12: vllm serve``), or None."""
+    m = _LINE_OF.match(source or "")
+    return int(m[1]) if m else None
 
 
 def _as_dict(value: Any) -> dict[str, Any]:
@@ -335,8 +356,11 @@ def mask_secrets(value: Any, key: str = "") -> Any:
         return {k: mask_secrets(v, k) for k, v in value.items()}
     if isinstance(value, list):
         return [mask_secrets(v, key) for v in value]
-    if key and value not in (None, "", False) and is_secret_flag("--" + key.replace("_", "-")):
+    if key and value not in (None, "", False) and is_secret_key(key):  # ApiKey, X-Api-Key, hf_token, ...
         remember([str(value)])
         return MASK
+    if isinstance(value, str) and (passwords := url_passwords(value)):  # redis://user:PW@host
+        remember(passwords)
+        return redact(value)
     return value
 

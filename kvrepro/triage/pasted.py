@@ -19,40 +19,41 @@ failed: the result goes to kvrepro.classify like any log.
 
 from __future__ import annotations
 
-import codecs
 import re
 from collections.abc import Iterable
-from pathlib import Path
 
 from ..classify.lines import split_line
+from ..classify.logfile import LogInfo, LogStream
 from ..classify.tracebacks import TRACEBACK_START
-from ..errors import BadInputError
 from .reader import ReadStats
 
-_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
-         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
 
+def read_whole(stream: LogStream, info: LogInfo, stats: ReadStats, limit: int
+               ) -> tuple[list[tuple[int, str]] | None, bytes]:
+    """(every line of the text, numbered; the bytes read) when the log's text is at most ``limit``
+    bytes (a report pasted from a tracker, from a file, a pipe or a compressed file alike), else
+    (None, the first ``limit`` + 1 bytes: the caller reads on from there as a log, streamed).
 
-def read_small(path: Path, stats: ReadStats, limit: int) -> list[tuple[int, str]] | None:
-    """Every line of a small plain text file (a report pasted from a tracker), numbered; None when
-    the file turns out larger than ``limit`` or compressed (then it is read as a log). A text
-    saved as UTF-16/32 is decoded by its byte-order mark; a NUL byte otherwise means it is not
-    text (exit 2, as the log reader says it)."""
-    with open(path, "rb") as fh:
-        data = fh.read(limit + 1)
-    if len(data) > limit or data[:2] == b"\x1f\x8b":
-        return None
-    encoding = next((name for bom, name in _BOMS if data.startswith(bom)), "utf-8")
-    if encoding == "utf-8" and b"\x00" in data[:65536]:
-        raise BadInputError(f"{path}: a binary file (NUL bytes in its first 64 KB), not a log; give the server's "
-                            "text log (`docker logs`, the pod's log, plain or .gz) or the report's text")
-    text = data.decode(encoding, errors="replace")
-    lines = text.split("\n") if "\n" in text or "\r" not in text else text.split("\r")  # old Mac line ends
+    ``stream`` is the log as kvrepro/classify/logfile.py opened it: UTF-16/32 transcoded,
+    ``\\r``-only line ends read as lines, every line cut to the bound, and what is not text (NUL
+    bytes, not UTF-8) refused there in one line (exit 2); what it noticed goes to ``stats.notices``."""
+    chunks: list[bytes] = []
+    got = 0
+    while got <= limit and (data := stream.read(limit + 1 - got)):
+        chunks.append(data)
+        got += len(data)
+    head = b"".join(chunks)
+    if got > limit:
+        return None, head
+    text = head.decode("utf-8", errors="replace").removeprefix("\ufeff")
+    lines = text.split("\n")
     if lines and not lines[-1]:
         lines.pop()
-    stats.bytes_read, stats.lines, stats.selected = len(data), len(lines), len(lines)
+    stats.bytes_read, stats.lines, stats.selected = got, len(lines), len(lines)
     stats.last_line = lines[-1] if lines else ""
-    return list(enumerate(lines, start=1))
+    stats.notices.extend(info.notices())
+    return list(enumerate(lines, start=1)), head
+
 
 _FENCE = re.compile(r"^\s*(?:```|~~~)")
 _QUOTE = re.compile(r"^(?:[ \t]*>(?!>>))+[ \t]?")

@@ -58,6 +58,9 @@ class DeployedConfig:
     problems: tuple[str, ...] = ()  # what the log gave but could not be read (a variable, bad JSON)
     version_note: str | None = None  # e.g. a nightly image: a build whose release no line says
     mamba_mode_default: bool = False  # a complete argument list leaves the mode to vLLM: align or none
+    # the log line each value came from (field name -> line; derived from ``sources``, with the
+    # chunk's), for messages about a value (emit's bounds checks)
+    lines: dict[str, int | None] = field(default_factory=dict)
 
     @property
     def hybrid(self) -> bool:

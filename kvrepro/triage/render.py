@@ -6,6 +6,7 @@ import textwrap
 from typing import Any
 
 from ..records import to_jsonable
+from ..untrusted import quote
 from .records import READ_FIELDS, Match, Triage
 
 WIDTH = 80
@@ -17,23 +18,25 @@ def _wrap(text: str, indent: str = "", first: str = "") -> list[str]:
 
 
 def _config_items(t: Triage) -> list[tuple[str, str]]:
-    """(text, source) for each part of the configuration, in the order a person reads it."""
+    """(text, source) for each part of the configuration, in the order a person reads it; every
+    value is the log's: quoted (one line, at most ~80 characters; kvrepro/untrusted.py)."""
     c = t.config
-    connector = c.kv_connector or "none"
+    connector = quote(c.kv_connector) if c.kv_connector else "none"
     if c.kv_connector_settings:
-        connector += " (" + ", ".join(f"{k}={v}" for k, v in c.kv_connector_settings.items()
+        connector += " (" + ", ".join(f"{quote(k)}={quote(v)}" for k, v in c.kv_connector_settings.items()
                                       if not isinstance(v, dict)) + ")"
-    spec = f"{c.speculative_method} x {c.num_speculative_tokens}" if c.num_speculative_tokens else \
-        (c.speculative_method or "none")
+    spec = f"{quote(c.speculative_method)} x {quote(c.num_speculative_tokens)}" if c.num_speculative_tokens else \
+        (quote(c.speculative_method) if c.speculative_method else "none")
     items = [
-        ("release", f"vLLM {c.release}"), ("model", str(c.model)), ("architecture", str(c.architecture)),
-        ("tensor_parallel_size", f"TP{c.tensor_parallel_size}"), ("data_parallel_size", f"DP{c.data_parallel_size}"),
-        ("pipeline_parallel_size", f"PP{c.pipeline_parallel_size}"),
+        ("release", f"vLLM {quote(c.release)}"), ("model", quote(c.model)), ("architecture", quote(c.architecture)),
+        ("tensor_parallel_size", f"TP{quote(c.tensor_parallel_size)}"),
+        ("data_parallel_size", f"DP{quote(c.data_parallel_size)}"),
+        ("pipeline_parallel_size", f"PP{quote(c.pipeline_parallel_size)}"),
         ("prefix_caching", f"prefix caching {'on' if c.prefix_caching else 'off'}"),
         ("mamba_cache_mode", "Mamba cache mode align or none" if c.mamba_mode_default
-         else f"Mamba cache mode {c.mamba_cache_mode or 'none'}"),
-        ("block_size", f"block {c.block_size}"), ("speculative_method", f"speculative {spec}"),
-        ("kv_connector", f"KV connector {connector}"), ("scheduling_policy", f"scheduling {c.scheduling_policy}"),
+         else f"Mamba cache mode {quote(c.mamba_cache_mode or 'none')}"),
+        ("block_size", f"block {quote(c.block_size)}"), ("speculative_method", f"speculative {spec}"),
+        ("kv_connector", f"KV connector {connector}"), ("scheduling_policy", f"scheduling {quote(c.scheduling_policy)}"),
     ]
     return [(text, c.source(name)) for name, text in items]
 
@@ -60,7 +63,7 @@ def _config_lines(t: Triage) -> list[str]:
             unread.append(_UNREAD[name])
     lines = ["deployed:"]
     for source, texts in by_source.items():
-        lines += _wrap(f"{', '.join(texts)} ({source})", "    ", "  - ")
+        lines += _wrap(f"{', '.join(texts)} ({quote(source, 200)})", "    ", "  - ")
     if c.engines_seen and not c.known("data_parallel_size"):
         lines += _wrap(f"{c.engines_seen} engine process(es) in the log", "    ", "  - ")
     if unread:
@@ -71,9 +74,10 @@ def _config_lines(t: Triage) -> list[str]:
 def _match_lines(m: Match, rank: int | None) -> list[str]:
     head = f"{rank}. {m.entry}" if rank is not None else f"-  {m.entry}"
     lines = _wrap(m.title, "     ", f"{head}: ")
-    lines += _wrap("; ".join(m.why), "       ", "     why: ")
+    # a reason may hold a value the log gave (the release, the connector): quoted on one line
+    lines += _wrap("; ".join(quote(w, 200) for w in m.why), "       ", "     why: ")
     if m.why_not:
-        lines += _wrap("; ".join(m.why_not), "       ", "     why not: ")
+        lines += _wrap("; ".join(quote(w, 200) for w in m.why_not), "       ", "     why not: ")
     fix = ", ".join(m.fixed_in_releases) or "no release yet"
     back = "; ".join(" + ".join(s) for s in m.backports) or "none in the catalogue"
     lines += _wrap(f"fixed in {fix}; backports on this base: {back}", "       ", "     ")
@@ -83,18 +87,18 @@ def _match_lines(m: Match, rank: int | None) -> list[str]:
 
 
 def plain(t: Triage) -> list[str]:
-    lines = _wrap(f"{t.log} ({t.lines:,} lines, {t.bytes_read / 1e6:,.1f} MB)", "  ", "log: ")
+    lines = _wrap(f"{quote(t.log, 240)} ({t.lines:,} lines, {t.bytes_read / 1e6:,.1f} MB)", "  ", "log: ")
     lines += _config_lines(t)
     f = t.failure
-    lines += _wrap(f.title, "  ", f"failure: {f.kind}: " if f.kind != "none" else "failure: ")
+    lines += _wrap(quote(f.title, 240), "  ", f"failure: {f.kind}: " if f.kind != "none" else "failure: ")
     if f.kind in ("crash", "infra"):
         when = {"runtime": "while serving", "startup": "at start-up", "unknown": "when: not in the text"}[f.phase]
         at = f"at line {f.line:,}, " if f.line else ""
-        lines += _wrap(f"{at}{when}; read from {f.evidence}" if f.evidence else f"{at}{when}", "  ", "  ")
+        lines += _wrap(f"{at}{when}; read from {quote(f.evidence, 400)}" if f.evidence else f"{at}{when}", "  ", "  ")
     elif f.line:
         lines.append(f"  at line {f.line:,}")
     for w in t.warnings:
-        lines += _wrap(w, "  ", "warning: ")
+        lines += _wrap(quote(w, 400), "  ", "warning: ")
     if f.kind in ("crash", "stall"):
         if t.matches:
             lines.append("matches, best first:")

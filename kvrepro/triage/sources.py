@@ -170,6 +170,8 @@ def _scalar(value: str) -> Any:
 
 def _convert(flag: Flag, value: str) -> tuple[Any, str | None]:
     if flag.kind == "int":
+        if len(value) > 4000 and value.lstrip("+-").isdigit():  # int() refuses more than 4,300 digits
+            return None, f"a number of {len(value):,} digits is not a {flag.key}"
         try:
             return int(value), None
         except ValueError:
@@ -432,6 +434,8 @@ def engine_line_config(text: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for m in _CONFIG_PAIRS.finditer(text.split("with config:", 1)[1]):
         value = m["v"].strip("'")
-        out[m["k"]] = (int(value) if value.isdigit() else {"True": True, "False": False}.get(value, value))
+        # ASCII digits only (str.isdigit takes '²', which int() refuses), and not more than int() takes
+        number = value.isascii() and value.isdigit() and len(value) <= 4000
+        out[m["k"]] = int(value) if number else {"True": True, "False": False}.get(value, value)
     return out
 
