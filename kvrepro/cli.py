@@ -461,19 +461,22 @@ def explore_cmd(
 @app.command("triage")
 def triage_cmd(
     log: Path = typer.Argument(..., help="a vLLM server log (plain, .gz, .bz2, .xz, .zst, UTF-16; - for a pipe; "
-                                         "DP-prefixed, docker timestamps, ANSI ok)"),
+                                         "DP-prefixed, docker timestamps, ANSI ok) or the text a report pasted "
+                                         "(a partial traceback, a command, collect_env)"),
     emit: Optional[Path] = typer.Option(None, "--emit", help="write a matrix.yaml reproducing the configuration "
                                         "(and its patches under builds/) into this new folder"),
     run: bool = typer.Option(False, "--run", help="run that matrix (--emit's folder, else one under --results) "
                                                   "and say what it proved"),
-    release: Optional[str] = typer.Option(None, "--release", help="the vLLM release, when the log's banner is cut off"),
+    release: Optional[str] = typer.Option(None, "--release", help="the vLLM release, when the log does not say it "
+                                          "(or says it wrong)"),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, max=64, help="--run: engines at once"),
     catalogue: Optional[Path] = CatalogueOpt,
     results_root: Path = ResultsOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Read a production log: the deployed configuration, the crash or stall, the known defects it
-    matches (best first, with why and why not), their fixes and backports; --emit / --run reproduce it."""
+    """Read a production log or a pasted report: the deployed configuration (each part's line, or not
+    in the log), the crash or stall, the known defects it matches (best first, with why and why not;
+    a tie said), their fixes and backports; --emit / --run reproduce it. Only what is not text is refused."""
     _exit(triage_commands.triage(**locals()))
 
 
