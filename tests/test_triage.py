@@ -57,6 +57,7 @@ CASES = {
     "no-connector-stall-0.22.1.log": ("no-connector-waiting-stall", None, None, "0.25.1"),
     "chunked-local-startup-0.26.0.log": ("chunked-local-offload-startup-assert", "0.28.0", None, "0.26.0"),
     "multiconnector-store-0.26.0.log": ("multiconnector-keys-lag-store-assert", "0.30.0", None, "0.26.0"),
+    "preempt-readmit-0.22.1.log": ("preempt-readmit-transfer-jobs", "0.27.0", None, "0.25.1"),
 }
 
 

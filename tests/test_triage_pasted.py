@@ -117,10 +117,11 @@ def test_the_offload_tiers(tmp_path, catalogue):
 
 
 def test_another_assertion_in_the_same_function_is_not_the_target(tmp_path, catalogue):
-    """vllm#46014's statement in update_state_after_alloc: not target, no entry, the function's
-    entries as near misses saying what differs."""
-    text = (f'Traceback (most recent call last):\n  File "/usr/lib/python3/dist-packages/{_BODY}", line 790, in '
-            "update_state_after_alloc\n    assert not req_status.transfer_jobs\nAssertionError\n")
+    """Another assert of update_state_after_alloc (0.26.0 offloading/scheduler.py:829, which no
+    catalogued defect names): not target, no entry, the function's entries as near misses saying
+    what differs."""
+    text = (f'Traceback (most recent call last):\n  File "/usr/lib/python3/dist-packages/{_BODY}", line 829, in '
+            "update_state_after_alloc\n    assert len(offload_keys) >= num_chunks\nAssertionError\n")
     found = triage_file(write(tmp_path, text), catalogue, release="0.26.0")
     assert found.failure.kind == "crash" and found.failure.outcome == "other_crash"
     assert found.failure.pattern is None and found.unknown and found.matches == ()
