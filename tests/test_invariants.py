@@ -161,3 +161,25 @@ def test_a_wrong_cached_block_the_shadow_kv_caught_being_read_is_that_corruption
     unread = RunResult(verdict=Verdict.UNREACHED, **fields)
     assert engine_invariant_failures(read) == []
     assert [f.key for f in engine_invariant_failures(unread)] == ["invariant:prefix-cache-content"]
+
+
+def test_the_prefix_cache_is_read_in_each_releases_layout():
+    """vLLM's prefix-cache map, as each release lays it out: up to 0.33.0 ``_cache`` maps a key to its
+    block (or a dict of blocks a key several carry); 0.34.0 maps a key to one block id and keeps a
+    key's other ids in ``_dup_ids`` (block_pool.py 0.34.0:56-64). The check reads every cached block
+    in both (on 0.34.0 it raised AttributeError on the ids: each rest point was a probe error). The
+    map and blocks are stand-ins with vLLM's attribute names: a real BlockPool per release needs that
+    release's environment (the test above runs 0.26.0's)."""
+    import importlib.util
+    import types
+
+    spec = importlib.util.spec_from_file_location("kvrepro_probe_layout", PROBE)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    blocks = [types.SimpleNamespace(block_id=i, block_hash=f"h{i}") for i in range(4)]
+    pool = types.SimpleNamespace(blocks=blocks)
+    old = types.SimpleNamespace(_cache={"h1": blocks[1], "h2": {2: blocks[2], 3: blocks[3]}})
+    new = types.SimpleNamespace(_cache={"h1": 1, "h2": 2}, _dup_ids={"h2": {2: None, 3: None}})
+    for layout in (old, new):
+        got = sorted((key, block.block_id) for key, block in probe._cached_entries(pool, layout, layout._cache))
+        assert got == [("h1", 1), ("h2", 2), ("h2", 3)], got

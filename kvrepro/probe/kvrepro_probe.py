@@ -531,6 +531,21 @@ def _ids(blocks, limit: int = 8) -> str:
     return listed + (",..." if len(blocks) > limit else "")
 
 
+def _cached_entries(pool, cache_map, cached: dict):
+    """(key, block) for every block the prefix cache maps a key to. Up to 0.33.0 ``_cache`` holds the
+    block, or a dict of them for a key several blocks carry; 0.34.0 holds block ids, one per key, the
+    others of a key in ``_dup_ids`` (block_pool.py 0.34.0:56-64)."""
+    dups = getattr(cache_map, "_dup_ids", None) or {}
+    for key, entry in list(cached.items()):
+        if isinstance(entry, int):
+            ids = list(dups.get(key) or ()) or [entry]
+            blocks = [pool.blocks[i] for i in ids]
+        else:
+            blocks = list(entry.values()) if isinstance(entry, dict) else [entry]
+        for block in blocks:
+            yield key, block
+
+
 def _check_block_pool(scheduler) -> list:
     """Per pool: the free queue holds exactly the blocks with no reference, each once, and its count
     says so; at rest no block is referenced (free + cached = the pool less its null block)."""
@@ -577,14 +592,14 @@ def _check_block_pool(scheduler) -> list:
                         f"free count {queue.num_free_blocks}, {len(walked)} blocks in the free queue; "
                         f"{len(lost)} unreferenced block(s) outside it ({_ids(lost)}), {len(wrong)} referenced "
                         f"or null block(s) in it ({_ids(wrong)})"))
-        cached = getattr(getattr(pool, "cached_block_hash_to_block", None), "_cache", None)
+        cache_map = getattr(pool, "cached_block_hash_to_block", None)
+        cached = getattr(cache_map, "_cache", None)
         if isinstance(cached, dict):
             bad = []
-            for key, entry in cached.items():
-                for block in (entry.values() if isinstance(entry, dict) else [entry]):
-                    if getattr(block, "block_hash", None) != key and key not in (
-                            getattr(pool, "cached_block_hashes_by_block", {}).get(block.block_id, ())):
-                        bad.append(block)
+            for key, block in _cached_entries(pool, cache_map, cached):
+                if getattr(block, "block_hash", None) != key and key not in (
+                        getattr(pool, "cached_block_hashes_by_block", {}).get(block.block_id, ())):
+                    bad.append(block)
             if bad:
                 out.append(("prefix-cache-hash",
                             f"{len(bad)} block(s) in the prefix cache under a hash they no longer carry "
