@@ -171,8 +171,9 @@ class EntrySpec(_Strict):
     matrix: dict[str, Any] = Field(default_factory=dict, description="merged over the default matrix.yaml")
     present_in: list[str] = Field(default_factory=list)
     fixed_in: list[str] = Field(default_factory=list)
-    masked_in: list[str] = Field(default_factory=list, description="releases where another defect with the same "
-                                 "signature ends the entry's runs first: no claim there (fixed_in stays upstream's)")
+    masked_in: list[str] = Field(default_factory=list, description="builds (releases or stacks) where another "
+                                 "catalogued defect ends the entry's load first: the suite expects MASKED there, "
+                                 "not present or fixed (present_in/fixed_in stay what the code says, for triage)")
     upstream: list[str] = Field(default_factory=list)
     path: PathSpec | None = None
     notes: str = ""
@@ -280,7 +281,7 @@ class Entry:
     # `triage:` (kvrepro triage): facet -> values the defect needs, and regexes of its log evidence
     triage_requires: tuple[tuple[str, tuple[str, ...]], ...] = ()
     triage_evidence: tuple[str, ...] = ()
-    masked_in: tuple[str, ...] = ()  # releases with no claim: a same-signature defect crashes first there
+    masked_in: tuple[str, ...] = ()  # builds where another catalogued defect ends the entry's load first
 
     @property
     def fragment(self) -> dict[str, Any]:
@@ -304,16 +305,19 @@ class Catalogue:
 
 
 def expected_state(entry: Entry, release: str, patches: tuple[str, ...] = ()) -> str | None:
-    """What ``entry`` expects of a build: "present", "fixed" or None (no claim).
+    """What ``entry`` expects of a build: "present", "fixed", "masked" or None (no claim).
 
     A key with patches (``0.26.0+pr-52807``) matches a build on that release whose stack holds all
-    of them; the key with the most patches wins. A release in ``present_in`` matches that release
-    with any stack; a release in ``fixed_in`` means fixed from that release on (any stack). Rank:
-    patch keys (by patch count) over an exact release over a "from this release on"; at equal rank
-    fixed wins. A release in ``masked_in`` makes no claim except through a patch key.
+    of them; the key with the most patches wins. A release in ``present_in`` or ``masked_in``
+    matches that release with any stack; a release in ``fixed_in`` means fixed from that release on
+    (any stack). Rank: patch keys (by patch count) over an exact release over a "from this release
+    on"; at equal rank masked wins over fixed, fixed over present. "masked": another catalogued
+    defect ends the entry's load on this build before the entry can show (the suite's MASKED row);
+    what the code itself holds is the claim without ``masked_in`` (triage asks that).
     """
-    best: tuple[int, int, str] | None = None  # (rank, fixed wins ties, state)
-    for state, keys in (("present", entry.present_in), ("fixed", entry.fixed_in)):
+    best: tuple[int, int, str] | None = None  # (rank, tie order, state)
+    order = {"present": 0, "fixed": 1, "masked": 2}
+    for state, keys in (("present", entry.present_in), ("fixed", entry.fixed_in), ("masked", entry.masked_in)):
         for key in keys:
             rel, need = parse_build_key(key)
             if need:
@@ -326,12 +330,16 @@ def expected_state(entry: Entry, release: str, patches: tuple[str, ...] = ()) ->
                 rank = 0
             else:
                 continue
-            candidate = (rank, state == "fixed", state)
+            candidate = (rank, order[state], state)
             if best is None or candidate[:2] > best[:2]:
                 best = candidate
-    if release in entry.masked_in and (best is None or best[0] < 2):
-        return None  # a same-signature defect crashes first on this release; only a patch key claims
     return best[2] if best else None
+
+
+def named_builds(entry: Entry) -> tuple[str, ...]:
+    """Every build key the entry's claims name (present_in, fixed_in, masked_in), in that order, once each:
+    what a check of the catalogue against measurement must run (scripts/measured.py suite)."""
+    return tuple(dict.fromkeys((*entry.present_in, *entry.fixed_in, *entry.masked_in)))
 
 
 def _read(path: Path) -> tuple[str, Any]:

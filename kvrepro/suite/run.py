@@ -35,7 +35,7 @@ from ..secrets import redact
 from ..spec.matrix import DEFAULT_MATRIX, LoadedMatrix
 from ..versions import DEFAULT_BASE, SUPPORTED_RELEASES, unsupported
 from .catalogue import Catalogue, Entry, EntrySpec, FragmentError, build_key, load_catalogue, parse_build_key
-from .judge import Row, judge, not_testable_row
+from .judge import Row, judge, not_testable_row, others_of
 
 SUITE_FILE = "suite.json"
 RUNS_FOLDER = "runs"
@@ -376,7 +376,7 @@ def load_suite(path: Path, catalogue: Catalogue, root: Path = results.DEFAULT_RO
             error = (cell.build_error if cell is not None else None) or info.error
             if not runs and not error:
                 error = "still running" if status == "running" else "not run"
-            rows.append(judge(entry, b.key, b.release, b.patches, runs, error))
+            rows.append(judge(entry, b.key, b.release, b.patches, runs, error, others_of(catalogue, entry)))
     seconds = (record.finished - record.started) if record.finished and record.started else None
     return SuiteResult(suite_id=record.suite_id or folder.name, path=folder, status=status,
                        catalogue=str(catalogue.folder), builds=builds, rows=tuple(rows), seconds=seconds,
