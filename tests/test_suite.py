@@ -164,7 +164,7 @@ def test_the_shipped_good_template_loads(tmp_path):
     ("offload-boundary-assert", "0.25.1", (), "present"),
     ("offload-boundary-assert", "0.26.0", (), "present"),
     ("offload-boundary-assert", "0.26.0", ("pr-49146",), "present"),  # an unrelated patch changes nothing
-    ("offload-boundary-assert", "0.26.0", ("pr-49146", "pr-52807"), "masked"),  # its load reads wrong KV first
+    ("offload-boundary-assert", "0.26.0", ("pr-49146", "pr-52807"), "fixed"),
     ("offload-boundary-assert", "0.27.0", (), "fixed"),
     ("offload-boundary-assert", "0.30.0", (), "fixed"),  # "fixed in 0.27.0" holds for every later release
     ("offload-boundary-assert", "0.24.0", (), None),  # before anything the entry knows: no claim
@@ -177,11 +177,13 @@ def test_the_shipped_good_template_loads(tmp_path):
     ("skipped-waiting-deadlock", "0.30.0", (), "present"),
     ("skipped-waiting-deadlock", "0.26.0", (), None),  # masked by the target crash: no claim
     ("skipped-waiting-deadlock", "0.31.0", (), "fixed"),
-    # masked_in: a stack key ties with fixed_in's same key and wins; a longer stack claims again
+    # masked_in names builds exactly and overrides there; another stack keeps its claim
     ("queued-abort-store-assert", "0.26.0", ("pr-49146",), "masked"),
+    ("queued-abort-store-assert", "0.26.0", ("pr-49146", "pr-48425"), "fixed"),
     ("queued-abort-store-assert", "0.26.0", (), "present"),
-    ("offload-boundary-assert", "0.26.0", ("pr-49146", "pr-52807", "pr-48425"), "masked"),
-    ("apply-cow-mamba-deeper", "0.27.0", (), "masked"),  # a release key beats "fixed from 0.27.0 on"
+    ("offload-boundary-assert", "0.26.0", ("pr-52807",), "masked"),
+    ("offload-boundary-assert", "0.26.0", ("pr-52807", "pr-48425"), "fixed"),
+    ("apply-cow-mamba-deeper", "0.27.0", (), "masked"),  # beats "fixed from 0.27.0 on"
     ("apply-cow-mamba-deeper", "0.28.0", (), "fixed"),
     ("cross-group-eviction-assert", "0.25.1", ("revert-pr-44409",), "present"),
 ])

@@ -308,16 +308,21 @@ def expected_state(entry: Entry, release: str, patches: tuple[str, ...] = ()) ->
     """What ``entry`` expects of a build: "present", "fixed", "masked" or None (no claim).
 
     A key with patches (``0.26.0+pr-52807``) matches a build on that release whose stack holds all
-    of them; the key with the most patches wins. A release in ``present_in`` or ``masked_in``
-    matches that release with any stack; a release in ``fixed_in`` means fixed from that release on
-    (any stack). Rank: patch keys (by patch count) over an exact release over a "from this release
-    on"; at equal rank masked wins over fixed, fixed over present. "masked": another catalogued
-    defect ends the entry's load on this build before the entry can show (the suite's MASKED row);
-    what the code itself holds is the claim without ``masked_in`` (triage asks that).
+    of them; the key with the most patches wins. A release in ``present_in`` matches that release
+    with any stack; a release in ``fixed_in`` means fixed from that release on (any stack). Rank:
+    patch keys (by patch count) over an exact release over a "from this release on"; at equal rank
+    fixed wins. A key in ``masked_in`` names one build exactly (that release with those patches,
+    in any order; a release alone: the release as shipped) and overrides: "masked", another
+    catalogued defect ends the entry's load on that build before the entry can show (the suite's
+    MASKED row). Masking depends on every patch of the stack, so it claims no other build; what the
+    code itself holds is the claim without ``masked_in`` (triage asks that).
     """
-    best: tuple[int, int, str] | None = None  # (rank, tie order, state)
-    order = {"present": 0, "fixed": 1, "masked": 2}
-    for state, keys in (("present", entry.present_in), ("fixed", entry.fixed_in), ("masked", entry.masked_in)):
+    for key in entry.masked_in:
+        rel, need = parse_build_key(key)
+        if rel == release and set(need) == set(patches):
+            return "masked"
+    best: tuple[int, bool, str] | None = None  # (rank, fixed wins ties, state)
+    for state, keys in (("present", entry.present_in), ("fixed", entry.fixed_in)):
         for key in keys:
             rel, need = parse_build_key(key)
             if need:
@@ -330,7 +335,7 @@ def expected_state(entry: Entry, release: str, patches: tuple[str, ...] = ()) ->
                 rank = 0
             else:
                 continue
-            candidate = (rank, order[state], state)
+            candidate = (rank, state == "fixed", state)
             if best is None or candidate[:2] > best[:2]:
                 best = candidate
     return best[2] if best else None
