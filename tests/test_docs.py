@@ -181,3 +181,98 @@ def test_the_rule_sees_what_it_should():
     assert not numeric("0.27.0 release tree") and numeric("0.53 s")
     assert slug("## Build E: the backports that make 0.26.0 correct") == "build-e-the-backports-that-make-0260-correct"
     assert tables("```\n| a |\n|---|\n| 1 |\n```\n") == []
+
+
+# --- what the README and docs say they measured agrees with the records (issue 50) ------------
+
+def _measured():
+    """scripts/measured.py: the generated spans and the records under docs/records/."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("measured", ROOT / "scripts" / "measured.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_generated_span_says_what_its_record_says():
+    """README's case paragraph, its matrix table and "what it proved", its release table, the
+    default-load claim, and the docs' tables are generated from docs/records/*.json: a page edited
+    by hand, or a record measured again without rendering, fails here."""
+    measured = _measured()
+    spans = 0
+    drifted = []
+    for page in PAGES:
+        text = page.read_text()
+        spans += len(measured.SPAN.findall(text)) + len(measured.BLOCK.findall(text))
+        if measured.render_text(text, str(page.relative_to(ROOT))) != text:
+            drifted.append(str(page.relative_to(ROOT)))
+    assert not drifted, f"{', '.join(drifted)}: differ from docs/records/; run `python scripts/measured.py render`"
+    readme = README.read_text()
+    for name in ("case-releases", "default-load", "matrix-source", "suite-source"):
+        assert f"<!--gen:{name}" in readme, f"README.md: the {name} claim is no longer generated from its record"
+    for name in ("matrix-table", "matrix-proved", "release-table"):
+        assert f"<!--gen-block:{name}" in readme, f"README.md: the {name} block is no longer generated"
+    assert spans >= 12
+
+
+def test_a_drifted_page_is_seen(tmp_path):
+    """The check can fail: a number edited by hand inside a span, a table row changed under a block."""
+    measured = _measured()
+    text = README.read_text()
+    edited = re.sub(r"(<!--gen:case-releases-->.*?request )(\d+)", lambda m: m[1] + str(int(m[2]) + 1), text, count=1,
+                    flags=re.S)
+    assert edited != text and measured.render_text(edited) == text
+    table_row = next(line for line in text.splitlines() if line.startswith("| B |"))
+    assert measured.render_text(text.replace(table_row, table_row.replace("CORRUPT", "SURVIVED"))) == text
+
+
+def test_the_catalogue_agrees_with_what_the_suite_measured():
+    """defects/: every build an entry's present_in, fixed_in or masked_in names was run (docs/records/
+    suite.json), and every recorded cell the catalogue makes a claim about agrees with it, judged with
+    today's catalogue (MASKED included). An entry's claims edited without a measurement fail here;
+    `python scripts/measured.py suite` measures them (a new release: `--release X`)."""
+    from kvrepro.suite.catalogue import named_builds
+    from kvrepro.suite.run import load
+    from kvrepro.versions import SUPPORTED_RELEASES
+
+    measured = _measured()
+    judged = measured._judged_rows()
+    cells = {(row["entry"], row["build"]): (row, shown) for row, shown, _, _ in judged}
+    differ = [f"{row['entry']} on {row['build']}: expected {expected}, measured {shown} ({row['detail'][:90]})"
+              for row, shown, expected, matches in judged if matches is False]
+    assert not differ, "the catalogue differs from docs/records/suite.json: " + "; ".join(differ)
+    unmeasured = []
+    for entry in load().entries:
+        for key in named_builds(entry) if entry.testable else ():
+            cell = cells.get((entry.name, key))
+            if cell is None or cell[0]["state"] == "INFRA":
+                unmeasured.append(f"{entry.name} on {key}" + (": INFRA" if cell else ""))
+    assert not unmeasured, "claims no suite run measured: " + "; ".join(unmeasured)
+    releases = {row["build"] for row, *_ in judged if "+" not in row["build"]}
+    missing = [r for r in SUPPORTED_RELEASES if r not in releases]
+    assert not missing, (f"releases the release table lacks: {', '.join(missing)}; run "
+                         f"`python scripts/measured.py suite --release {missing[0]}`")
+
+
+def test_the_readmes_derived_numbers_are_what_their_sources_compute():
+    """Numbers the README states that follow from code or another page, checked against it."""
+    from kvrepro.classify.settle import EVENTS, upper_bound
+    from kvrepro.report.stats import fisher_one_sided
+
+    readme = " ".join(README.read_text().split())
+    assert f"survived {EVENTS} times: crash rate per state < {100 * upper_bound(EVENTS):.1f}% at 95%" in readme
+    assert round(fisher_one_sided(3, 3, 0, 3), 2) == 0.05 and fisher_one_sided(2, 2, 0, 2) > 0.05
+    assert "3/3 against 0/3 is the smallest result with a one-sided Fisher p = 0.05" in readme
+    benchmarks = (ROOT / "docs" / "benchmarks.md").read_text()
+    best = re.search(r"best generic load: .*\(median ([\d.]+)\)", benchmarks)
+    assert best and f"a median of {best[1]} requests with the best generic load tool on 0.26.0" in readme
+    matrix = (ROOT / "matrix.yaml").read_text()
+    assert re.search(r"^\s+block_size: 16\b", matrix, re.M) and re.search(r"^\s+num_gpu_blocks: 96\b", matrix, re.M)
+    assert "block 16, 96 GPU blocks" in readme
+    import json
+
+    model = json.loads((ROOT / "kvrepro" / "data" / "models" / "qwen3-next-tiny" / "config.json").read_text())
+    kinds = model["layer_types"]
+    assert (f"{kinds.count('linear_attention')} Gated-DeltaNet layers, {kinds.count('full_attention')} attention, "
+            f"{model['num_nextn_predict_layers']} MTP") in readme
