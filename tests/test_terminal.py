@@ -151,7 +151,7 @@ def test_first_failure_is_the_first_wrong_read_or_the_crash_whichever_came_first
     clean = failures.first_failure(_runs(tmp_path, [(S, 600)])[0])
     assert not clean.failed and clean.at == 600
     assert failures.build_text([served, then_crashed, clean]) == \
-        "wrong KV read at 2, 2 (crash later at 8); none (runs ended at 600)"
+        "wrong KV read at 2, 2 (fa-hole-below-mamba-hit; crash later at 8); none (runs ended at 600)"
     assert failures.summary([served, then_crashed, clean]) == "2/3 failed: 2 wrong KV read first (then 1 crashed)"
 
 

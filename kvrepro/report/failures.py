@@ -107,7 +107,8 @@ def summary(failures: list[FirstFailure]) -> str:
 
 
 def build_text(failures: list[FirstFailure]) -> str:
-    """A build's first failures by kind, in requests: `wrong KV read at 2, 2, 2 (crash later at 8, 8, 13)`,
+    """A build's first failures by kind, in requests, with the first wrong read's defect:
+    `wrong KV read at 2, 2, 2 (fa-hole-below-mamba-hit; crash later at 8, 8, 13)`,
     `crash at 8, 8`, `none (runs ended at 170, 192, 171)`: the report's tables."""
     if not failures:
         return "-"
@@ -116,10 +117,12 @@ def build_text(failures: list[FirstFailure]) -> str:
         mine = [f for f in failures if f.kind == kind]
         if mine:
             text = f"{kind} at " + ", ".join(str(f.request) if f.exact else f"<= {f.request}" for f in mine)
+            notes = [", ".join(dict.fromkeys(f.defect for f in mine if f.defect))]
             later = [f.crash_request for f in mine if kind == WRONG_KV and f.crash_request is not None]
             if later:
-                text += " (crash later at " + ", ".join(map(str, later)) + ")"
-            parts.append(text)
+                notes.append("crash later at " + ", ".join(map(str, later)))
+            notes = [n for n in notes if n]
+            parts.append(text + (f" ({'; '.join(notes)})" if notes else ""))
     clean = [f for f in failures if not f.failed]
     if clean:
         parts.append("none (runs ended at " + ", ".join(str(f.ended) for f in clean) + ")")
