@@ -10,7 +10,7 @@ the suite record: a changed number is one command, not a hand edit.
 
     python scripts/measured.py matrix [--name default] [--from results/RUN]   # kvrepro matrix run (A-E) -> docs/records/matrix-NAME.json
     python scripts/measured.py releases [--reps 2] [--from results/RUN]       # the default load on every release -> docs/records/releases.json
-    python scripts/measured.py suite [--reps 2] [--release X ...] [--no-stacks] [--from results/suite-ID ...]
+    python scripts/measured.py suite [--reps 1] [--stack-reps 2] [--release X ...] [--no-stacks] [--from results/suite-ID ...]
                                                                               # the catalogue on every release and on every stack it names
     python scripts/measured.py render [--check]                              # rewrite (or check) every generated span
 
@@ -197,11 +197,11 @@ def suite_plan(releases: list[str], stacks: bool) -> list[tuple[tuple[str, ...],
     return plan
 
 
-def run_suite_plan(plan: list[tuple[tuple[str, ...], list[str], list[str]]], reps: int,
+def run_suite_plan(plan: list[tuple[tuple[str, ...], list[str], list[str]]], reps: int, stack_reps: int,
                    jobs: int | None) -> tuple[list[Path], list[str]]:
     folders, commands = [], []
     for stack, bases, entries in plan:
-        args = ["suite", "run", "--json", "--ci", "--reps", str(reps)]
+        args = ["suite", "run", "--json", "--ci", "--reps", str(stack_reps if stack else reps)]
         for b in bases:
             args += ["--base", b]
         for p in stack:
@@ -231,7 +231,8 @@ def cmd_suite(args: argparse.Namespace) -> None:
     else:
         releases = args.release or list(SUPPORTED_RELEASES)
         started = time.monotonic()
-        folders, commands = run_suite_plan(suite_plan(releases, args.stacks and not args.release), args.reps, args.jobs)
+        folders, commands = run_suite_plan(suite_plan(releases, args.stacks and not args.release), args.reps,
+                                           args.stack_reps, args.jobs)
         print(f"measured in {time.monotonic() - started:.0f} s", file=sys.stderr)
         record = record_suite_runs(folders, previous, commands, load_text())
     write_record("suite", record)
@@ -591,7 +592,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("suite", help="the catalogue on every release and stack it names -> docs/records/suite.json")
-    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--reps", type=int, default=1, help="repetitions of each release cell (an entry's "
+                   "path.absent_after raises it)")
+    p.add_argument("--stack-reps", type=int, default=2, help="repetitions of each cell on a stack the catalogue names")
     p.add_argument("--jobs", type=int, default=None)
     p.add_argument("--release", action="append", help="only this release (merged into the record); repeatable")
     p.add_argument("--no-stacks", dest="stacks", action="store_false", help="leave out the catalogue's patch stacks")

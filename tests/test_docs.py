@@ -303,3 +303,19 @@ def test_a_new_release_and_a_second_matrix_are_one_record_away(tmp_path, monkeyp
     two = measured.matrix_table(["default", "gpu-mode"]).splitlines()
     assert two[0] == "| build | patches | `expect:` | measured (default) | measured (gpu-mode) |"
     assert two[3].startswith("| B |") and two[3].endswith("| `CRASH(target)`: crash at 5 |")
+
+
+def test_the_suite_plan_runs_every_build_the_catalogue_names():
+    """`measured.py suite` runs each testable entry on every release, and on each stack one of its
+    claims names (one suite run per stack): nothing the catalogue says goes unmeasured."""
+    from kvrepro.suite.catalogue import named_builds, parse_build_key
+    from kvrepro.suite.run import load
+    from kvrepro.versions import SUPPORTED_RELEASES
+
+    plan = _measured().suite_plan(list(SUPPORTED_RELEASES), stacks=True)
+    covered = {(entry, release, stack) for stack, bases, entries in plan for entry in entries for release in bases}
+    for entry in load().entries:
+        for key in named_builds(entry) if entry.testable else ():
+            release, patches = parse_build_key(key)
+            assert (entry.name, release, patches) in covered, f"{entry.name} on {key}: not in the plan"
+    assert plan[0][0] == () and plan[0][1] == list(SUPPORTED_RELEASES)
