@@ -276,6 +276,11 @@ def test_the_readmes_derived_numbers_are_what_their_sources_compute():
     kinds = model["layer_types"]
     assert (f"{kinds.count('linear_attention')} Gated-DeltaNet layers, {kinds.count('full_attention')} attention, "
             f"{model['num_nextn_predict_layers']} MTP") in readme
+    import yaml
+
+    geometry = yaml.safe_load((ROOT / "examples" / "production-geometry.yaml").read_text())["engine"]["geometry"]
+    assert (f"({geometry['block_size']:,}-token blocks, {geometry['mamba_groups']} + "
+            f"{geometry['full_attention_groups']} KV groups, DP{geometry['data_parallel_size']})") in readme
 
 
 def test_a_new_release_and_a_second_matrix_are_one_record_away(tmp_path, monkeypatch):
