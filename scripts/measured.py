@@ -119,20 +119,36 @@ def build_json(b: Any) -> dict[str, Any]:
     }
 
 
+# the parts of a matrix that decide what its runs measure: a record names its run's digest of them, and
+# tests/test_docs.py compares it with today's matrix.yaml (the default changed: measure again)
+MATRIX_KEYS = ("base", "patches", "common", "builds", "engine", "load", "runs", "target_signature")
+RELEASES_KEYS = ("engine", "load")  # the release sweep runs the default engine and load, no patches
+
+
+def matrix_digest(data: dict[str, Any], keys: tuple[str, ...]) -> str:
+    import hashlib
+
+    chosen = {k: data.get(k) for k in keys}
+    return hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def record_matrix_run(run_ref: str, name: str, command: str, measured_load: str | None,
-                      at: str | None = None) -> dict[str, Any]:
+                      at: str | None = None, keys: tuple[str, ...] = MATRIX_KEYS) -> dict[str, Any]:
     from kvrepro.report.expectations import mismatches
     from kvrepro.report.render import proved
     from kvrepro.results import store
 
+    import yaml
+
     run = store.load_run(RESULTS, run_ref)
     finished = [r for b in run.builds for r in b.runs]
+    used = yaml.safe_load((run.path / "matrix.yaml").read_text()) or {}
     seconds = (run.info.finished - run.info.started) if run.info.finished and run.info.started else None
     return {
         "record": "matrix", "name": name, "run_id": run.run_id, "date": date_of(run.run_id), "status": run.status,
         "command": command, "kvrepro": at or commit(), "base": run.info.base_text, "target": run.info.target,
         "seconds": round(seconds) if seconds else None, "load_average": measured_load,
-        "runs": len(finished), "mismatches": len(mismatches(run)),
+        "matrix_digest": matrix_digest(used, keys), "runs": len(finished), "mismatches": len(mismatches(run)),
         "builds": [build_json(b) for b in run.builds], "proved": proved(run),
     }
 
@@ -265,7 +281,7 @@ def cmd_releases(args: argparse.Namespace) -> None:
         run_ref = json.loads(proc.stdout)["run_id"]
         measured_load = load_text()
     record = record_matrix_run(run_ref, "releases", "python scripts/release_sweep.py", measured_load,
-                               args.at if args.recorded else None)
+                               args.at if args.recorded else None, RELEASES_KEYS)
     record["record"] = "releases"
     write_record("releases", record)
     render(check=False)

@@ -216,6 +216,27 @@ def test_every_generated_span_says_what_its_record_says():
     assert spans >= 12
 
 
+def test_the_matrix_records_were_measured_on_todays_default_matrix():
+    """A record of the default matrix (or of the default load on every release) holds a digest of the
+    matrix its run used (builds, patches, engine, load, runs); a changed default (async scheduling, a
+    new load) makes the README's numbers stale until `python scripts/measured.py matrix` / `releases`
+    measures them again."""
+    import json
+
+    import yaml
+
+    measured = _measured()
+    today = yaml.safe_load((ROOT / "matrix.yaml").read_text())
+    for name, keys, command in (("matrix-default", measured.MATRIX_KEYS, "matrix"),
+                                ("releases", measured.RELEASES_KEYS, "releases")):
+        record = json.loads((measured.RECORDS / f"{name}.json").read_text())
+        assert record["matrix_digest"] == measured.matrix_digest(today, keys), (
+            f"docs/records/{name}.json was measured on another matrix.yaml ({', '.join(keys)}): "
+            f"run `python scripts/measured.py {command}`")
+    changed = dict(today, engine={**today["engine"], "max_num_seqs": 99})
+    assert measured.matrix_digest(changed, measured.RELEASES_KEYS) != measured.matrix_digest(today, measured.RELEASES_KEYS)
+
+
 def test_a_drifted_page_is_seen(tmp_path):
     """The check can fail: a number edited by hand inside a span, a table row changed under a block."""
     measured = _measured()
