@@ -205,10 +205,13 @@ def suite_plan(releases: list[str], stacks: bool) -> list[tuple[tuple[str, ...],
         for e in catalogue.entries:
             for key in named_builds(e) if e.testable else ():
                 release, patches = parse_build_key(key)
-                if patches:
-                    bases, entries = by_stack.setdefault(patches, ([], []))
-                    bases.append(release) if release not in bases else None
-                    entries.append(e.name) if e.name not in entries else None
+                if not patches:
+                    continue
+                bases, entries = by_stack.setdefault(patches, ([], []))
+                if release not in bases:
+                    bases.append(release)
+                if e.name not in entries:
+                    entries.append(e.name)
         plan += [(stack, sorted(bases, key=version_key), entries) for stack, (bases, entries) in by_stack.items()]
     return plan
 
@@ -468,7 +471,7 @@ def matrix_source(args: list[str]) -> str:
 def _judged_rows() -> list[tuple[dict[str, Any], str, str | None, bool | None]]:
     """Each recorded suite row with the row the current catalogue makes of it: (row, shown, expected, matches)."""
     from kvrepro.suite.catalogue import expected_state, parse_build_key
-    from kvrepro.suite.judge import _compare, others_of, reconcile
+    from kvrepro.suite.judge import agrees, others_of, reconcile
     from kvrepro.suite.run import load
 
     catalogue = load()
@@ -481,7 +484,7 @@ def _judged_rows() -> list[tuple[dict[str, Any], str, str | None, bool | None]]:
         release, patches = parse_build_key(row["build"])
         expected = expected_state(entry, release, patches)
         shown = reconcile(row["state"], row.get("ended_by"), entry.signature, expected, others_of(catalogue, entry))
-        out.append((row, shown, expected, _compare(shown, expected)))
+        out.append((row, shown, expected, agrees(shown, expected)))
     return out
 
 

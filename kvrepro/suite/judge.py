@@ -79,7 +79,8 @@ def counter(entry: Entry, run: RunResult) -> int:
     return counter_value(run, entry.path_counter or "")
 
 
-def _compare(state: str, expected: str | None) -> bool | None:
+def agrees(state: str, expected: str | None) -> bool | None:
+    """Whether a row agrees with what the catalogue expects; None: nothing to compare."""
     if expected is None or state in (INFRA, NOT_TESTABLE):
         return None
     return state == {"present": PRESENT, "fixed": ABSENT, "masked": MASKED}[expected]
@@ -126,7 +127,7 @@ def judge(entry: Entry, build: str, release: str, patches: tuple[str, ...], runs
         if shown == MASKED:
             detail = f"masked by {ended_by or entry.signature} (another entry's, as masked_in says): {detail}"
         return Row(entry=entry.name, kind=entry.kind, build=build, state=shown, detail=redact(detail),
-                   expected=expected, matches=_compare(shown, expected), reps=len(runs), seconds=seconds,
+                   expected=expected, matches=agrees(shown, expected), reps=len(runs), seconds=seconds,
                    run_dirs=dirs, ended_by=ended_by, measured=state)
 
     hits = [r for r in runs if shows(entry, r)]
