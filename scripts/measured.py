@@ -157,6 +157,7 @@ def record_suite_runs(folders: list[Path], previous: dict[str, Any] | None, comm
                       measured_load: str | None, at: str | None = None) -> dict[str, Any]:
     """The rows of ``folders`` (measured states, before the catalogue's masking is applied), merged over
     ``previous``: a later row replaces an earlier one of the same entry and build."""
+    from kvrepro.suite.judge import MASKED_NOTE
     from kvrepro.suite.run import load, load_suite
 
     catalogue = load()
@@ -168,8 +169,10 @@ def record_suite_runs(folders: list[Path], previous: dict[str, Any] | None, comm
         suite = load_suite(folder, catalogue, RESULTS)
         reps = 0
         for r in suite.rows:
+            # the evidence as measured: without the words today's catalogue added to a MASKED row
+            detail = r.detail.partition(MASKED_NOTE)[2] or r.detail if r.state == "MASKED" else r.detail
             rows[(r.entry, r.build)] = {"entry": r.entry, "build": r.build, "state": r.measured or r.state,
-                                        "ended_by": r.ended_by, "reps": r.reps, "detail": r.detail,
+                                        "ended_by": r.ended_by, "reps": r.reps, "detail": detail,
                                         "suite": suite.suite_id}
             reps += r.reps
         runs = [s for s in runs if s["suite_id"] != suite.suite_id]
@@ -527,8 +530,8 @@ def suite_source(args: list[str]) -> str:
     runs = sum(s["engine_runs"] for s in suites)
     dates = sorted({s["date"] for s in suites})
     per = f", {seconds / runs:.1f} s an engine run" if runs and seconds else ""
-    loads = sorted({s["load_average"] for s in suites if s.get("load_average")})
-    load = f", load average {loads[0]}-{loads[-1]}" if loads else ""
+    loads = list(dict.fromkeys(s["load_average"] for s in suites if s.get("load_average")))
+    load = f", load average {', '.join(loads)}" if loads else ""
     judged = _judged_rows()
     agree = sum(1 for j in judged if j[3] is True)
     differ = sum(1 for j in judged if j[3] is False)

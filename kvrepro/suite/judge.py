@@ -37,6 +37,7 @@ from .catalogue import Entry, counter_value, expected_state
 
 PRESENT, ABSENT, UNREACHED, OTHER, NOT_TESTABLE, INFRA, MASKED = (
     "PRESENT", "ABSENT", "UNREACHED", "OTHER", "NOT TESTABLE", "INFRA", "MASKED")
+MASKED_NOTE = "(another entry's, as masked_in says): "  # between a MASKED row's masking defect and its evidence
 _UNJUDGED = (Verdict.INFRA, Verdict.INTERRUPTED, Verdict.INCOMPLETE, Verdict.DAMAGED)
 
 
@@ -125,7 +126,7 @@ def judge(entry: Entry, build: str, release: str, patches: tuple[str, ...], runs
         # redacted here, once, for the table, the "differs" lines, --json and JUnit alike
         shown = reconcile(state, ended_by, entry.signature, expected, others)
         if shown == MASKED:
-            detail = f"masked by {ended_by or entry.signature} (another entry's, as masked_in says): {detail}"
+            detail = f"masked by {ended_by or entry.signature} {MASKED_NOTE}{detail}"
         return Row(entry=entry.name, kind=entry.kind, build=build, state=shown, detail=redact(detail),
                    expected=expected, matches=agrees(shown, expected), reps=len(runs), seconds=seconds,
                    run_dirs=dirs, ended_by=ended_by, measured=state)
