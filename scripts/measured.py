@@ -10,7 +10,8 @@ the suite record: a changed number is one command, not a hand edit.
 
     python scripts/measured.py matrix [--name default] [--from results/RUN]   # kvrepro matrix run (A-E) -> docs/records/matrix-NAME.json
     python scripts/measured.py releases [--reps 2] [--from results/RUN]       # the default load on every release -> docs/records/releases.json
-    python scripts/measured.py suite [--reps 1] [--stack-reps 2] [--release X ...] [--no-stacks] [--from results/suite-ID ...]
+    python scripts/measured.py suite [--reps 1] [--stack-reps 2] [--release X ...] [--entry NAME ...] [--no-stacks]
+                                     [--from results/suite-ID ...]
                                                                               # the catalogue on every release and on every stack it names
     python scripts/measured.py render [--check]                              # rewrite (or check) every generated span
 
@@ -126,9 +127,14 @@ RELEASES_KEYS = ("engine", "load")  # the release sweep runs the default engine 
 
 
 def matrix_digest(data: dict[str, Any], keys: tuple[str, ...]) -> str:
+    """A short hash of ``keys`` of a matrix; of ``patches:`` only those a build or ``common:`` uses (a
+    patch declared for the suite changes no run of the matrix)."""
     import hashlib
 
     chosen = {k: data.get(k) for k in keys}
+    if isinstance(chosen.get("patches"), dict):
+        used = set(data.get("common") or []) | {p for stack in (data.get("builds") or {}).values() for p in stack or []}
+        chosen["patches"] = {name: ref for name, ref in chosen["patches"].items() if name in used}
     return hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -194,18 +200,20 @@ def kvrepro(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvrepro.cli", *args], cwd=ROOT, stdout=subprocess.PIPE, text=True)
 
 
-def suite_plan(releases: list[str], stacks: bool) -> list[tuple[tuple[str, ...], list[str], list[str]]]:
+def suite_plan(releases: list[str], stacks: bool,
+               only: list[str] | None = None) -> list[tuple[tuple[str, ...], list[str], list[str]]]:
     """(patch stack, bases, entries) of each suite run: every release for every testable entry, then
-    each stack a catalogue entry names (present_in, fixed_in, masked_in) on the releases it names."""
+    each stack a catalogue entry names (present_in, fixed_in, masked_in) on the releases it names;
+    ``only``: these entries alone (a new entry is one command)."""
     from kvrepro.suite.catalogue import named_builds, parse_build_key
     from kvrepro.suite.run import load
 
     catalogue = load()
-    testable = [e.name for e in catalogue.entries if e.testable]
+    testable = [e.name for e in catalogue.select(only) if e.testable]
     plan: list[tuple[tuple[str, ...], list[str], list[str]]] = [((), releases, testable)] if releases else []
     if stacks:
         by_stack: dict[tuple[str, ...], tuple[list[str], list[str]]] = {}
-        for e in catalogue.entries:
+        for e in catalogue.select(only):
             for key in named_builds(e) if e.testable else ():
                 release, patches = parse_build_key(key)
                 if not patches:
@@ -228,7 +236,7 @@ def run_suite_plan(plan: list[tuple[tuple[str, ...], list[str], list[str]]], rep
             args += ["--base", b]
         for p in stack:
             args += ["--patch", p]
-        if stack or len(entries) < 3:
+        if stack or len(entries) < 4:
             for e in entries:
                 args += ["--entry", e]
         if jobs:
@@ -246,15 +254,16 @@ def run_suite_plan(plan: list[tuple[tuple[str, ...], list[str], list[str]]], rep
 def cmd_suite(args: argparse.Namespace) -> None:
     from kvrepro.versions import SUPPORTED_RELEASES
 
-    previous = read_record("suite") if (RECORDS / "suite.json").is_file() and (args.release or args.recorded) else None
+    merging = args.release or args.recorded or args.entry
+    previous = read_record("suite") if (RECORDS / "suite.json").is_file() and merging else None
     if args.recorded:
         folders = [Path(f) for f in args.recorded]
         record = record_suite_runs(folders, previous, [""] * len(folders), args.load_average, args.at)
     else:
         releases = args.release or list(SUPPORTED_RELEASES)
         started = time.monotonic()
-        folders, commands = run_suite_plan(suite_plan(releases, args.stacks and not args.release), args.reps,
-                                           args.stack_reps, args.jobs)
+        plan = suite_plan(releases, args.stacks and not args.release, args.entry)
+        folders, commands = run_suite_plan(plan, args.reps, args.stack_reps, args.jobs)
         print(f"measured in {time.monotonic() - started:.0f} s", file=sys.stderr)
         record = record_suite_runs(folders, previous, commands, load_text())
     write_record("suite", record)
@@ -620,6 +629,8 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=None)
     p.add_argument("--release", action="append", help="only this release (merged into the record); repeatable")
     p.add_argument("--no-stacks", dest="stacks", action="store_false", help="leave out the catalogue's patch stacks")
+    p.add_argument("--entry", action="append", help="only this entry, on every release and its stacks (merged into "
+                   "the record); repeatable")
     p.add_argument("--from", dest="recorded", action="append", help="record this suite run folder instead of running")
     p.set_defaults(run=cmd_suite)
     p = sub.add_parser("matrix", help="kvrepro matrix run -> docs/records/matrix-NAME.json")
