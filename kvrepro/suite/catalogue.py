@@ -174,6 +174,9 @@ class EntrySpec(_Strict):
     masked_in: list[str] = Field(default_factory=list, description="builds (releases or stacks) where another "
                                  "catalogued defect ends the entry's load first: the suite expects MASKED there, "
                                  "not present or fixed (present_in/fixed_in stay what the code says, for triage)")
+    unreached_in: list[str] = Field(default_factory=list, description="builds (releases or stacks) the entry's load "
+                                    "cannot reach its path on (the code is there or fixed, the load goes blind): the "
+                                    "suite expects UNREACHED there; present_in/fixed_in stay what the code says")
     upstream: list[str] = Field(default_factory=list)
     path: PathSpec | None = None
     notes: str = ""
@@ -188,7 +191,7 @@ class EntrySpec(_Strict):
             raise ValueError("lower-case letters, digits and '-', at most 63 (it names the file and the build)")
         return v
 
-    @field_validator("present_in", "fixed_in", "masked_in")
+    @field_validator("present_in", "fixed_in", "masked_in", "unreached_in")
     @classmethod
     def _keys(cls, v: list[str]) -> list[str]:
         for key in v:
@@ -282,6 +285,7 @@ class Entry:
     triage_requires: tuple[tuple[str, tuple[str, ...]], ...] = ()
     triage_evidence: tuple[str, ...] = ()
     masked_in: tuple[str, ...] = ()  # builds where another catalogued defect ends the entry's load first
+    unreached_in: tuple[str, ...] = ()  # builds where the entry's load cannot reach its path
 
     @property
     def fragment(self) -> dict[str, Any]:
@@ -305,7 +309,7 @@ class Catalogue:
 
 
 def expected_state(entry: Entry, release: str, patches: tuple[str, ...] = ()) -> str | None:
-    """What ``entry`` expects of a build: "present", "fixed", "masked" or None (no claim).
+    """What ``entry`` expects of a build: "present", "fixed", "masked", "unreached" or None (no claim).
 
     A key with patches (``0.26.0+pr-52807``) matches a build on that release whose stack holds all
     of them; the key with the most patches wins. A release in ``present_in`` matches that release
@@ -315,12 +319,14 @@ def expected_state(entry: Entry, release: str, patches: tuple[str, ...] = ()) ->
     in any order; a release alone: the release as shipped) and overrides: "masked", another
     catalogued defect ends the entry's load on that build before the entry can show (the suite's
     MASKED row). Masking depends on every patch of the stack, so it claims no other build; what the
-    code itself holds is the claim without ``masked_in`` (triage asks that).
+    code itself holds is the claim without ``masked_in`` (triage asks that). ``unreached_in`` names
+    builds the same way where the entry's load cannot reach its path: "unreached" (an UNREACHED row).
     """
-    for key in entry.masked_in:
-        rel, need = parse_build_key(key)
-        if rel == release and set(need) == set(patches):
-            return "masked"
+    for state, keys in (("masked", entry.masked_in), ("unreached", entry.unreached_in)):
+        for key in keys:
+            rel, need = parse_build_key(key)
+            if rel == release and set(need) == set(patches):
+                return state
     best: tuple[int, bool, str] | None = None  # (rank, fixed wins ties, state)
     for state, keys in (("present", entry.present_in), ("fixed", entry.fixed_in)):
         for key in keys:
@@ -342,9 +348,9 @@ def expected_state(entry: Entry, release: str, patches: tuple[str, ...] = ()) ->
 
 
 def named_builds(entry: Entry) -> tuple[str, ...]:
-    """Every build key the entry's claims name (present_in, fixed_in, masked_in), in that order, once each:
+    """Every build key the entry's claims name (present_in, fixed_in, masked_in, unreached_in), once each:
     what a check of the catalogue against measurement must run (scripts/measured.py suite)."""
-    return tuple(dict.fromkeys((*entry.present_in, *entry.fixed_in, *entry.masked_in)))
+    return tuple(dict.fromkeys((*entry.present_in, *entry.fixed_in, *entry.masked_in, *entry.unreached_in)))
 
 
 def _read(path: Path) -> tuple[str, Any]:
@@ -431,7 +437,7 @@ def _load_entry(path: Path, check_fragment: Any) -> Entry:
                  file=path, fragment_yaml=fragment_yaml,
                  triage_requires=tuple((k, tuple(v)) for k, v in (spec.triage.requires if spec.triage else {}).items()),
                  triage_evidence=tuple(spec.triage.evidence if spec.triage else ()),
-                 masked_in=tuple(spec.masked_in))
+                 masked_in=tuple(spec.masked_in), unreached_in=tuple(spec.unreached_in))
 
 
 class FragmentError(ValueError):

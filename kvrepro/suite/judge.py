@@ -16,8 +16,9 @@ Rows (docs/suite.md):
   signature (the suite cannot tell the two apart): that defect ends the load first, as the
   catalogue says.
 
-``expected`` is what the catalogue says of the build ("present", "fixed", "masked" or None); a
-row matches when PRESENT is expected present, ABSENT expected fixed, MASKED expected masked.
+``expected`` is what the catalogue says of the build ("present", "fixed", "masked", "unreached" or
+None); a row matches when PRESENT is expected present, ABSENT expected fixed, MASKED expected
+masked, UNREACHED expected unreached (the entry's ``unreached_in``: its load goes blind there).
 INFRA and rows without an expectation are never a mismatch. :func:`reconcile` is the one rule
 that turns a measured row into MASKED: the suite applies it to its runs, the docs' check to
 the rows recorded in docs/records/ (scripts/measured.py), so a changed catalogue is judged
@@ -84,7 +85,7 @@ def agrees(state: str, expected: str | None) -> bool | None:
     """Whether a row agrees with what the catalogue expects; None: nothing to compare."""
     if expected is None or state in (INFRA, NOT_TESTABLE):
         return None
-    return state == {"present": PRESENT, "fixed": ABSENT, "masked": MASKED}[expected]
+    return state == {"present": PRESENT, "fixed": ABSENT, "masked": MASKED, "unreached": UNREACHED}[expected]
 
 
 def reconcile(state: str, ended_by: str | None, signature: str, expected: str | None,

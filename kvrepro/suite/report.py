@@ -144,7 +144,8 @@ def entries_table(catalogue: Any) -> Table:
     for e in catalogue.entries:
         where = ("present: " + ", ".join(e.present_in) if e.present_in else "") + \
             ("\nfixed: " + ", ".join(e.fixed_in) if e.fixed_in else "") + \
-            ("\nmasked: " + ", ".join(e.masked_in) if e.masked_in else "")
+            ("\nmasked: " + ", ".join(e.masked_in) if e.masked_in else "") + \
+            ("\nunreached: " + ", ".join(e.unreached_in) if e.unreached_in else "")
         measured = "not testable" if not e.testable else (f"{len(e.reproduced)} run(s)" if e.reproduced else "no")
         table.add_row(f"{e.name}\n[dim]{escape(e.signature)}[/]", e.kind, where.strip(), measured)
     return table
