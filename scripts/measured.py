@@ -154,15 +154,29 @@ def record_matrix_run(run_ref: str, name: str, command: str, measured_load: str 
         "record": "matrix", "name": name, "run_id": run.run_id, "date": date_of(run.run_id), "status": run.status,
         "command": command, "kvrepro": at or commit(), "base": run.info.base_text, "target": run.info.target,
         "seconds": round(seconds) if seconds else None, "load_average": measured_load,
-        "matrix_digest": matrix_digest(used, keys), "runs": len(finished), "mismatches": len(mismatches(run)),
+        "matrix_digest": matrix_digest(used, keys), "scheduling": scheduling_of(run.path),
+        "runs": len(finished), "mismatches": len(mismatches(run)),
         "builds": [build_json(b) for b in run.builds], "proved": proved(run),
     }
 
 
+def scheduling_of(folder: Path) -> str:
+    """``async`` or ``sync``: the scheduling mode a recorded run's engines ran (a matrix run or a suite
+    run). The sim's geometry line in each engine.log ends ``async_scheduling=on|off``
+    (kvrepro/engine/executor.py); runs made before the mode existed have none and were synchronous."""
+    for log in sorted(folder.rglob("engine.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if "kvrepro-sim: geometry" in line and "async_scheduling=" in line:
+                return "async" if line.rstrip().endswith("async_scheduling=on") else "sync"
+    return "sync"
+
+
 def record_suite_runs(folders: list[Path], previous: dict[str, Any] | None, commands: list[str],
-                      measured_load: str | None, at: str | None = None) -> dict[str, Any]:
+                      measured_load: str | None, at: str | None = None,
+                      only: list[str] | None = None) -> dict[str, Any]:
     """The rows of ``folders`` (measured states, before the catalogue's masking is applied), merged over
-    ``previous``: a later row replaces an earlier one of the same entry and build."""
+    ``previous``: a later row replaces an earlier one of the same entry and build; ``only``: the rows of
+    these entries alone (a run's other rows stay out of the record)."""
     from kvrepro.suite.judge import MASKED_NOTE
     from kvrepro.suite.run import load, load_suite
 
@@ -175,6 +189,8 @@ def record_suite_runs(folders: list[Path], previous: dict[str, Any] | None, comm
         suite = load_suite(folder, catalogue, RESULTS)
         reps = 0
         for r in suite.rows:
+            if only and r.entry not in only:
+                continue
             # the evidence as measured: without the words today's catalogue added to a MASKED row
             detail = r.detail.partition(MASKED_NOTE)[2] or r.detail if r.state == "MASKED" else r.detail
             rows[(r.entry, r.build)] = {"entry": r.entry, "build": r.build, "state": r.measured or r.state,
@@ -183,8 +199,11 @@ def record_suite_runs(folders: list[Path], previous: dict[str, Any] | None, comm
             reps += r.reps
         runs = [s for s in runs if s["suite_id"] != suite.suite_id]
         runs.append({"suite_id": suite.suite_id, "date": date_of(suite.suite_id), "status": suite.status,
-                     "command": command or suite.command, "seconds": round(suite.seconds) if suite.seconds else None,
-                     "engine_runs": reps, "kvrepro": at or commit(), "load_average": measured_load})
+                     # a run recorded for some entries only: its wall time is not theirs
+                     "command": command or suite.command,
+                     "seconds": round(suite.seconds) if suite.seconds and not only else None,
+                     "engine_runs": reps, "kvrepro": at or commit(), "load_average": measured_load,
+                     "scheduling": scheduling_of(suite.path)})
     from kvrepro.suite.catalogue import parse_build_key
 
     def order(key: tuple[str, str]) -> tuple[Any, ...]:
@@ -251,14 +270,20 @@ def run_suite_plan(plan: list[tuple[tuple[str, ...], list[str], list[str]]], rep
     return folders, commands
 
 
+def suite_record_name(name: str | None) -> str:
+    """``suite`` (the catalogue's record, tests/test_docs.py judges it) or ``suite-NAME`` (another mode's)."""
+    return "suite" if name in (None, "", "suite") else f"suite-{name}"
+
+
 def cmd_suite(args: argparse.Namespace) -> None:
     from kvrepro.versions import SUPPORTED_RELEASES
 
     merging = args.release or args.recorded or args.entry
-    previous = read_record("suite") if (RECORDS / "suite.json").is_file() and merging else None
+    record_name = suite_record_name(args.name)
+    previous = read_record(record_name) if (RECORDS / f"{record_name}.json").is_file() and merging else None
     if args.recorded:
         folders = [Path(f) for f in args.recorded]
-        record = record_suite_runs(folders, previous, [""] * len(folders), args.load_average, args.at)
+        record = record_suite_runs(folders, previous, [""] * len(folders), args.load_average, args.at, args.entry)
     else:
         releases = args.release or list(SUPPORTED_RELEASES)
         started = time.monotonic()
@@ -266,7 +291,7 @@ def cmd_suite(args: argparse.Namespace) -> None:
         folders, commands = run_suite_plan(plan, args.reps, args.stack_reps, args.jobs)
         print(f"measured in {time.monotonic() - started:.0f} s", file=sys.stderr)
         record = record_suite_runs(folders, previous, commands, load_text())
-    write_record("suite", record)
+    write_record(record_name, record)
     render(check=False)
 
 
@@ -397,7 +422,7 @@ def default_load(args: list[str]) -> str:
 def releases_source(args: list[str]) -> str:
     """Where the releases' record comes from; ``short``: the command, run and date only."""
     r = read_record("releases")
-    head = f"`python scripts/measured.py releases`, run `{r['run_id']}`, {r['date']}"
+    head = f"`python scripts/measured.py releases`, run `{r['run_id']}`, {r['date']}, {_scheduling(r)}"
     if "short" in args:
         return head
     reps = sorted({len(b["labels"]) for b in r["builds"]})
@@ -476,11 +501,16 @@ def matrix_source(args: list[str]) -> str:
     load = f" at load average {r['load_average']}" if r.get("load_average") else ""
     agree = (f"all {r['runs']} runs as `expect:` says" if not r["mismatches"]
              else f"{r['mismatches']} of {r['runs']} runs differ from `expect:`")
-    return (f"run `{r['run_id']}`, {r['date']}, vLLM {r['base']}, kvrepro at {r['kvrepro']}; regenerate with "
+    return (f"run `{r['run_id']}`, {r['date']}, vLLM {r['base']}, {_scheduling(r)}, kvrepro at {r['kvrepro']}; regenerate with "
             f"`python scripts/measured.py matrix`; {agree}{wall}{load}")
 
 
-def _judged_rows() -> list[tuple[dict[str, Any], str, str | None, bool | None]]:
+def _scheduling(record: dict[str, Any]) -> str:
+    return {"async": "asynchronous scheduling", "sync": "synchronous scheduling"}.get(record.get("scheduling"),
+                                                                                      "scheduling not recorded")
+
+
+def _judged_rows(name: str = "suite") -> list[tuple[dict[str, Any], str, str | None, bool | None]]:
     """Each recorded suite row with the row the current catalogue makes of it: (row, shown, expected, matches)."""
     from kvrepro.suite.catalogue import expected_state, parse_build_key
     from kvrepro.suite.judge import agrees, others_of, reconcile
@@ -489,7 +519,7 @@ def _judged_rows() -> list[tuple[dict[str, Any], str, str | None, bool | None]]:
     catalogue = load()
     known = {e.name: e for e in catalogue.entries}
     out = []
-    for row in read_record("suite")["rows"]:
+    for row in read_record(name)["rows"]:
         entry = known.get(row["entry"])
         if entry is None:
             continue
@@ -501,13 +531,27 @@ def _judged_rows() -> list[tuple[dict[str, Any], str, str | None, bool | None]]:
 
 
 def release_table(args: list[str]) -> str:
-    """Every testable entry on every release measured (rows without patches), as the catalogue judges them."""
-    judged = [j for j in _judged_rows() if "+" not in j[0]["build"]]
+    """Every testable entry on every release measured (rows without patches), as the catalogue judges them.
+    ``args``: the record's name (``async``: docs/records/suite-async.json). Each column names the scheduling
+    mode most of its cells ran in; a row measured in the other mode says so after its name."""
+    record_name = suite_record_name(args[0] if args else None)
+    modes = {s["suite_id"]: s.get("scheduling") for s in read_record(record_name)["suites"]}
+    judged = [j for j in _judged_rows(record_name) if "+" not in j[0]["build"]]
     releases = sorted({j[0]["build"] for j in judged}, key=version_key)
     entries: dict[str, dict[str, tuple[str, str | None, bool | None]]] = {}
+    column: dict[str, list[str]] = {}
     for row, shown, expected, matches in judged:
         entries.setdefault(row["entry"], {})[row["build"]] = (shown, expected, matches)
-    lines = ["| entry | " + " | ".join(releases) + " |", "|---|" + "---|" * len(releases)]
+        if modes.get(row["suite"]):
+            column.setdefault(row["build"], []).append(modes[row["suite"]])
+    mode = {r: max(set(m), key=m.count) for r, m in column.items()}
+    row_mode = {}
+    for row, *_ in judged:
+        own = modes.get(row["suite"])
+        if own and mode.get(row["build"]) not in (None, own):
+            row_mode[row["entry"]] = own
+    lines = ["| entry | " + " | ".join(f"{r} {mode[r]}" if r in mode else r for r in releases) + " |",
+             "|---|" + "---|" * len(releases)]
     for entry, cells in entries.items():
         if all(c[0] == "NOT TESTABLE" for c in cells.values()) and len(cells) == len(releases):
             continue  # not testable anywhere: listed under the table by its reason
@@ -516,7 +560,8 @@ def release_table(args: list[str]) -> str:
             state, expected, matches = cells.get(release, ("", None, None))
             mark = "!" if matches is False else (" -" if expected is None and state else "")
             shown.append(SHORT.get(state, state) + mark)
-        lines.append(f"| `{entry}` | " + " | ".join(shown) + " |")
+        other = f" ({row_mode[entry]})" if entry in row_mode else ""
+        lines.append(f"| `{entry}`{other} | " + " | ".join(shown) + " |")
     return "\n".join(lines)
 
 
@@ -533,22 +578,31 @@ def catalogue_table(args: list[str]) -> str:
 
 
 def suite_source(args: list[str]) -> str:
-    record = read_record("suite")
-    suites = record["suites"]
+    """Where a suite record comes from; ``args``: the record's name (``async``)."""
+    record_name = suite_record_name(args[0] if args else None)
+    record = read_record(record_name)
+    suites = sorted(record["suites"], key=lambda s: s["suite_id"])
     seconds = sum(s["seconds"] or 0 for s in suites)
     runs = sum(s["engine_runs"] for s in suites)
+    timed = sum(s["engine_runs"] for s in suites if s.get("seconds"))
     dates = sorted({s["date"] for s in suites})
-    per = f", {seconds / runs:.1f} s an engine run" if runs and seconds else ""
+    per = f", {seconds / timed:.1f} s an engine run" if timed and seconds else ""
+    extra = f" (and {runs - timed} taken from runs made for other entries)" if runs > timed else ""
     loads = list(dict.fromkeys(s["load_average"] for s in suites if s.get("load_average")))
     load = f", load average {', '.join(loads)}" if loads else ""
-    judged = _judged_rows()
+    judged = _judged_rows(record_name)
     agree = sum(1 for j in judged if j[3] is True)
     differ = sum(1 for j in judged if j[3] is False)
     verdict = (f"every one of the {agree} cells with a claim agrees with the catalogue" if not differ
                else f"{differ} of {agree + differ} cells with a claim differ from the catalogue")
-    return (f"`python scripts/measured.py suite`: {len(suites)} suite runs "
-            f"(`{suites[0]['suite_id']}` ... `{suites[-1]['suite_id']}`), {_and(dates)}, "
-            f"{seconds:,} s for {runs} engine runs{per}{load}; {verdict}")
+    command = "`python scripts/measured.py suite" + (f" --name {args[0]}" if record_name != "suite" else "") + "`"
+    counts = {m: sum(1 for s in suites if s.get("scheduling") == m) for m in ("sync", "async")}
+    scheduling = ", ".join(f"{n} {'synchronous' if m == 'sync' else 'asynchronous'}" for m, n in counts.items() if n)
+    ids = (f"`{suites[0]['suite_id']}`" if len(suites) == 1
+           else f"`{suites[0]['suite_id']}` ... `{suites[-1]['suite_id']}`")
+    return (f"{command}: {len(suites)} suite run{'s' if len(suites) > 1 else ''} ({ids}; scheduling: {scheduling}), "
+            f"{_and(dates)}, "
+            f"{seconds:,} s for {timed} engine runs{per}{extra}{load}; {verdict}")
 
 
 RENDERERS: dict[str, Callable[[list[str]], str]] = {
@@ -631,7 +685,10 @@ def main() -> int:
     p.add_argument("--no-stacks", dest="stacks", action="store_false", help="leave out the catalogue's patch stacks")
     p.add_argument("--entry", action="append", help="only this entry, on every release and its stacks (merged into "
                    "the record); repeatable")
-    p.add_argument("--from", dest="recorded", action="append", help="record this suite run folder instead of running")
+    p.add_argument("--from", dest="recorded", action="append", help="record this suite run folder instead of running "
+                   "(with --entry: only those entries' rows)")
+    p.add_argument("--name", default=None, help="another record beside the catalogue's: docs/records/suite-NAME.json "
+                   "(e.g. async, the release table in the other scheduling mode)")
     p.set_defaults(run=cmd_suite)
     p = sub.add_parser("matrix", help="kvrepro matrix run -> docs/records/matrix-NAME.json")
     p.add_argument("--name", default="default")

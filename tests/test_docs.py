@@ -306,8 +306,9 @@ def test_the_readmes_derived_numbers_are_what_their_sources_compute():
 
 def test_a_new_release_and_a_second_matrix_are_one_record_away(tmp_path, monkeypatch):
     """What other work adds comes through the records, not hand edits: a release's cells merged into
-    the suite record (`measured.py suite --release 0.34.0`) make its column, and a second matrix
-    record (`measured.py matrix --name gpu-mode`) a second measured column of the matrix table."""
+    the suite record (`measured.py suite --release 0.35.0`) make its column, named with the scheduling
+    mode its cells ran in, and a second matrix record (`measured.py matrix --name gpu-mode`) a second
+    measured column of the matrix table."""
     import json
     import shutil
 
@@ -315,12 +316,14 @@ def test_a_new_release_and_a_second_matrix_are_one_record_away(tmp_path, monkeyp
     shutil.copytree(measured.RECORDS, tmp_path / "records")
     monkeypatch.setattr(measured, "RECORDS", tmp_path / "records")
     suite = json.loads((tmp_path / "records" / "suite.json").read_text())
-    suite["rows"].append({"entry": "offload-boundary-assert", "build": "0.34.0", "state": "INFRA", "ended_by": None,
+    suite["rows"].append({"entry": "offload-boundary-assert", "build": "0.35.0", "state": "INFRA", "ended_by": None,
                           "reps": 0, "detail": "engine did not start", "suite": "suite-x"})
+    suite["suites"].append({"suite_id": "suite-x", "scheduling": "async"})
     (tmp_path / "records" / "suite.json").write_text(json.dumps(suite))
     table = measured.release_table([]).splitlines()
-    assert table[0].endswith("| 0.34.0 |") and any(line.startswith("| `offload-boundary-assert` |")
-                                                    and line.endswith("| INFRA |") for line in table)
+    # the new column names the mode its cells ran in, as every other column does
+    assert table[0].endswith("| 0.35.0 async |") and "| 0.34.0 sync |" in table[0]
+    assert any(line.startswith("| `offload-boundary-assert` |") and line.endswith("| INFRA |") for line in table)
     gpu = json.loads((tmp_path / "records" / "matrix-default.json").read_text())
     gpu["builds"][1]["labels"] = ["CRASH(target)"]
     gpu["builds"][1]["first_failures"] = [{"kind": "crash", "request": 5, "ended": 5, "exact": True,
