@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from kvrepro.versions import SUPPORTED_RELEASES as SUPPORTED  # noqa: E402
 
 SHORT = {"PRESENT": "PRESENT", "ABSENT": "absent", "UNREACHED": "UNREACHED", "OTHER": "other", "INFRA": "INFRA",
-         "NOT TESTABLE": "n/t"}
+         "NOT TESTABLE": "n/t", "MASKED": "masked"}
 
 
 def render(suite: dict, wall: float | None) -> str:

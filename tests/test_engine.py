@@ -434,7 +434,17 @@ def step(r, so):
     num_computed, prev_drafts = r._update_states(so)
     return r._forward(so, num_computed, prev_drafts)[1]
 
-def run(async_scheduling):
+def step_v2(r, so):
+    # the step of vLLM's model runner V2 (0.34.0), with the connector's hooks as no-ops
+    import contextlib
+    import vllm.forward_context
+
+    vllm.forward_context.set_forward_context = lambda *a, **k: contextlib.nullcontext()
+    r.kv_steps = NS(pre_forward=lambda so: None, finish_forward=lambda: None)
+    assert r._execute_v2(so) is None
+    return r._pending[1]
+
+def run(async_scheduling, step=step):
     # What vLLM's AsyncScheduler sends for a request with a 6-token prompt and one MTP draft per
     # step, every draft rejected (acceptance 0): each step is scheduled before the previous step's
     # output is processed, so num_computed_tokens counts the previous step's draft as accepted (it
@@ -460,7 +470,7 @@ def resync():
     return {"stats": r.async_stats, "violations": r.shadow.violations,
             "hashes": len(r.shadow.requests["b"].hashes), "tokens": len(r.requests["b"].tokens)}
 
-print("RESULTS " + json.dumps([run(True), run(False), resync()]))
+print("RESULTS " + json.dumps([run(True), run(False), resync(), run(True, step_v2)]))
 """
 
 
@@ -472,19 +482,23 @@ def test_the_runner_computes_where_the_gpu_does_one_step_behind_an_async_schedul
     rejected, so every forward reads and writes the positions a GPU does (the shadow KV checks them:
     no violation). The control takes the scheduler's numbers as they are (the synchronous runner)
     and reads a rejected draft's KV: one violation. A request that was not in the previous step
-    takes the scheduler's tokens (all_token_ids). The scheduler outputs are written by hand, as
-    AsyncScheduler would send them (the comments say why each number)."""
+    takes the scheduler's tokens (all_token_ids). The same steps through the runner-V2 step
+    (``_execute_v2``, 0.34.0's path; its connector hooks and forward context stubbed, they need a GPU
+    runner) compute the same. The scheduler outputs are written by hand, as AsyncScheduler would send
+    them (the comments say why each number)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = os.pathsep.join([str(overlays["A"]), str(ROOT)])
     proc = runtime_scripts.run(runtime_python, ["-c", ASYNC_RUNNER], env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULTS "))
-    gpu, control, resync = json.loads(line[len("RESULTS "):])
+    gpu, control, resync, runner_v2 = json.loads(line[len("RESULTS "):])
     assert gpu == {"stats": {"corrections": 2, "resyncs": 0, "draft_fills": 3, "mismatches": 0},
                    "violations": 0, "checks": 6, "tokens": 11}
     assert control["violations"] == 1 and control["stats"]["corrections"] == 0
     assert resync == {"stats": {"corrections": 0, "resyncs": 1, "draft_fills": 0, "mismatches": 0},
                       "violations": 0, "hashes": 7, "tokens": 6}
+    # the same steps through the runner-V2 step (0.34.0's executor path) compute the same
+    assert runner_v2 == gpu
 
 
 def test_plugin_names_the_platform_only_when_asked():

@@ -143,12 +143,14 @@ def test_report_markdown_has_the_table_stats_and_image_link(tmp_path):
     md_path, html_path = document.write_report(run)
     md = md_path.read_text()
     assert "Every verdict as `expect:` says." in md
-    assert "| 0.26.0 | A | pr-49146 | CRASH(target) | 3x CRASH(target) ✓ | 3/3 = 100% (29-100%) |" in md
-    assert "| 0.26.0 | B | pr-49146 → pr-52807 | SURVIVED | 3x SURVIVED ✓ | 0/3 = 0% (0-71%), <= 63% |" in md
+    assert ("| 0.26.0 | A | pr-49146 | CRASH(target) | 3x CRASH(target) ✓ | 3/3 = 100% (29-100%) | "
+            "crash at 40, 70, 100 |") in md
+    assert ("| 0.26.0 | B | pr-49146 → pr-52807 | SURVIVED | 3x SURVIVED ✓ | 0/3 = 0% (0-71%), <= 63% | "
+            "none (runs ended at 600, 600, 600) |") in md
     assert "| `pr-52807` | any | A → B | 3/3 | 0/3 | 0.05 | 1 |" in md
     assert "| `pr-52807` | target | A → B | 3/3 | 0/3 | 0.05 | 1 |" in md
     assert "| interaction (does one patch change what the other does?) | +0 pts | -65 to +65 pts |" in md
-    assert "![time-to-crash curves" in md and (run.path / "survival.png").read_bytes().startswith(b"\x89PNG")
+    assert "![time to first failure per build" in md and (run.path / "survival.png").read_bytes().startswith(b"\x89PNG")
     # the crash section carries the traceback's relevant lines, without the probe's wrapper frame
     assert 'File "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py", line 829' in md
     assert "kvrepro_probe.py" not in md
@@ -284,7 +286,7 @@ def test_bisection_report_alone_and_inside_a_matrix_report(tmp_path):
     run = make_run(tmp_path / "r", {"A": [C]})
     md, _ = document.write_report(run, bisection=bisection.bisection_blocks(_bisection()))
     text = md.read_text()
-    assert text.index("## Bisection") < text.index("## Time to crash")
+    assert text.index("## Bisection") < text.index("## Time to first failure")
 
 
 def test_step_summary_is_appended_when_github_provides_it(tmp_path, monkeypatch):

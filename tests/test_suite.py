@@ -177,6 +177,17 @@ def test_the_shipped_good_template_loads(tmp_path):
     ("skipped-waiting-deadlock", "0.30.0", (), "present"),
     ("skipped-waiting-deadlock", "0.26.0", (), None),  # masked by the target crash: no claim
     ("skipped-waiting-deadlock", "0.31.0", (), "fixed"),
+    # masked_in names builds exactly and overrides there; another stack keeps its claim
+    ("queued-abort-store-assert", "0.26.0", ("pr-49146",), "masked"),
+    ("queued-abort-store-assert", "0.26.0", ("pr-49146", "pr-48425"), "fixed"),
+    ("queued-abort-store-assert", "0.26.0", (), "present"),
+    ("offload-boundary-assert", "0.26.0", ("pr-52807",), "masked"),
+    ("offload-boundary-assert", "0.26.0", ("pr-52807", "pr-48425"), "fixed"),
+    ("apply-cow-mamba-deeper", "0.27.0", (), "masked"),  # beats "fixed from 0.27.0 on"
+    ("apply-cow-mamba-deeper", "0.28.0", (), "fixed"),
+    ("cross-group-eviction-assert", "0.25.1", ("revert-pr-44409",), "present"),
+    ("mamba-align-external-hit-assert", "0.25.1", (), "unreached"),  # its load goes blind there
+    ("mamba-align-external-hit-assert", "0.26.0", (), "fixed"),
 ])
 def test_expected_state_per_build(name, release, patches, expected):
     assert expected_state(entry(name), release, patches) == expected
@@ -264,6 +275,44 @@ def test_a_crash_entrys_corrupt_run_is_other_naming_the_corruption_not_absent():
     clean = dataclasses.replace(seen, verdict=Verdict.UNREACHED, kv_violations=0, kv_defects={})
     row = judge(crash, "0.33.0", "0.33.0", (), [clean])
     assert (row.state, row.matches, row.detail) == ("ABSENT", True, "path ran: truncate_calls 48")
+
+
+def test_a_masked_build_is_masked_only_by_another_catalogued_defect():
+    """Issue 50: `suite run --base 0.26.0 --patch pr-49146 --entry queued-abort-store-assert` exited 1,
+    'expected fixed, got OTHER (CORRUPT in 2/2 reps, mamba-null-state x24)': the fix's own build reads
+    another catalogued defect's wrong KV first. masked_in says so, and the row is MASKED, not a mismatch."""
+    from kvrepro.suite.judge import others_of
+
+    catalogue = load(CATALOGUE)
+    queued = entry("queued-abort-store-assert")
+    others = others_of(catalogue, queued)
+    assert "mamba-null-state" in others
+    corrupt = [_run(Verdict.CORRUPT, rep=i, finished_unscheduled=8, kv_violations=24,
+                    kv_defects={"mamba-null-state": 24}) for i in range(2)]
+    row = judge(queued, "0.26.0+pr-49146", "0.26.0", ("pr-49146",), corrupt, others=others)
+    assert (row.state, row.expected, row.matches, row.measured, row.ended_by) == (
+        "MASKED", "masked", True, "OTHER", "mamba-null-state")
+    assert row.detail.startswith("masked by mamba-null-state")
+    # wrong KV of no known defect is a finding, never masked
+    unknown = [dataclasses.replace(r, kv_defects={"mamba-null-state": 20, "unknown": 4}) for r in corrupt]
+    row = judge(queued, "0.26.0+pr-49146", "0.26.0", ("pr-49146",), unknown, others=others)
+    assert (row.state, row.matches, row.ended_by) == ("OTHER", False, None)
+    # the load ran clean: the masking the catalogue claims did not happen, which is a disagreement too
+    clean = [_run(rep=i, finished_unscheduled=8) for i in range(2)]
+    row = judge(queued, "0.26.0+pr-49146", "0.26.0", ("pr-49146",), clean, others=others)
+    assert (row.state, row.matches) == ("ABSENT", False)
+    # without the catalogue's other entries nothing can mask: OTHER, a mismatch, as before issue 50
+    assert judge(queued, "0.26.0+pr-49146", "0.26.0", ("pr-49146",), corrupt).state == "OTHER"
+    # a crash with the entry's own signature where another entry shares it (the boundary assertion on
+    # 0.25.1 for cross-group-eviction-assert): the suite cannot tell them apart, masked_in says which
+    cross = entry("cross-group-eviction-assert")
+    hit = _run(Verdict.CRASH, outcome=Outcome.TARGET, signature=TARGET, load=LoadSummary(8, 7, 1, 1.0, "engine_dead", 7))
+    row = judge(cross, "0.25.1", "0.25.1", (), [hit], others=others_of(catalogue, cross))
+    assert (row.state, row.matches) == ("MASKED", True)
+    # a crash nobody catalogues ends the run: OTHER, a mismatch on a masked build
+    strange = _run(Verdict.CRASH, outcome=Outcome.OTHER_CRASH, signature=Signature("KeyError", "f", "vllm/x.py", 1, "k"))
+    row = judge(cross, "0.25.1", "0.25.1", (), [strange], others=others_of(catalogue, cross))
+    assert (row.state, row.matches, row.ended_by) == ("OTHER", False, None)
 
 
 # --- a real suite run, re-judged ------------------------------------------------------------------
@@ -362,8 +411,8 @@ def test_revert_and_hash_unit_entries_load_with_what_they_need():
     assert expected_state(cross, "0.27.0", ("revert-pr-44409",)) == "present"
     assert expected_state(cross, "0.27.0") == "fixed"
     # #44409 is in every release (fixed_in 0.25.1, which triage reports); where the boundary assertion,
-    # same signature, crashes first there is no claim, except for the revert stack
-    assert expected_state(cross, "0.25.1") is None and expected_state(cross, "0.26.0") is None
+    # same signature, crashes first the suite expects MASKED, except on the revert stack
+    assert expected_state(cross, "0.25.1") == "masked" and expected_state(cross, "0.26.0") == "masked"
     assert expected_state(cross, "0.25.1", ("revert-pr-44409",)) == "present"
     assert cross.fixed_in == ("0.25.1",) and expected_state(cross, "0.28.0") == "fixed"
     trunc = entries["truncate-lagging-mamba"]

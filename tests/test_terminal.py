@@ -122,39 +122,88 @@ def _runs(tmp_path, requests_by_verdict):
     return [_run("A", i, verdict, requests, tmp_path) for i, (verdict, requests) in enumerate(requests_by_verdict)]
 
 
-def test_survival_plot_request_axis_is_logarithmic(tmp_path):
-    import matplotlib.pyplot as plt
+def _corrupt(tmp_path, rep, first_read, requests, crash_at=None):
+    """A run whose shadow KV named its first wrong read at request ``first_read`` (B and D on 0.26.0:
+    CORRUPT, serving on to ``requests``); with ``crash_at``, one that read wrong KV and crashed later (A)."""
+    import dataclasses
 
-    from kvrepro.report import plots
+    from test_report import _run
 
-    crashed_early = plots.survival_curve("A", _runs(tmp_path, [(C, 4), (C, 4), (C, 7)]), "requests")
-    survived = plots.survival_curve("B", _runs(tmp_path, [(S, 600), (S, 600), (S, 600)]), "requests")
-    fig = plots.draw_survival({"requests": [crashed_early, survived]})
-    try:
-        ax = fig.axes[0]
-        assert ax.get_xscale() == "log"
-        left, right = ax.get_xlim()
-        assert 0 < left < 1 and right >= 600
-        # the crash at request 4 is a step well inside the panel, not a line at its left edge
-        xs = [x for line in ax.get_lines() for x in line.get_xdata()]
-        assert 4 in xs and all(x > 0 for x in xs)
-        import math
-        assert (math.log(4) - math.log(left)) / (math.log(right) - math.log(left)) > 0.2
-    finally:
-        plt.close(fig)
+    base = _run("A", rep, C if crash_at else Verdict.CORRUPT, crash_at or requests, tmp_path)
+    load = dataclasses.replace(base.load, first_failed_index=crash_at - 1) if crash_at else base.load
+    return dataclasses.replace(base, kv_check="corrupt", kv_violations=5, load=load, kv_groups=("full_attention", "mamba"),
+                               kv_first_request_by_class={"full_attention/foreign/hit": first_read,
+                                                          "mamba/null-block/hit": first_read + 5})
 
 
-def test_survival_plot_draws_runs_at_0_and_1_requests(tmp_path):
+def test_first_failure_is_the_first_wrong_read_or_the_crash_whichever_came_first(tmp_path):
+    from kvrepro.report import failures
+
+    served = failures.first_failure(_corrupt(tmp_path, 0, 2, 187))
+    assert (served.kind, served.request, served.crash_request, served.ended) == (failures.WRONG_KV, 2, None, 187)
+    assert served.defect == "fa-hole-below-mamba-hit" and served.text() == \
+        "wrong KV read at request 2 (fa-hole-below-mamba-hit)"
+    then_crashed = failures.first_failure(_corrupt(tmp_path, 1, 2, 8, crash_at=8))
+    assert (then_crashed.kind, then_crashed.request, then_crashed.crash_request) == (failures.WRONG_KV, 2, 8)
+    # a wrong read counted at the request that died is not before the crash: the crash is in scheduling
+    crash_first = failures.first_failure(_corrupt(tmp_path, 2, 8, 8, crash_at=8))
+    assert (crash_first.kind, crash_first.request) == (failures.CRASH, 8)
+    clean = failures.first_failure(_runs(tmp_path, [(S, 600)])[0])
+    assert not clean.failed and clean.at == 600
+    assert failures.build_text([served, then_crashed, clean]) == \
+        "wrong KV read at 2, 2 (fa-hole-below-mamba-hit; crash later at 8); none (runs ended at 600)"
+    assert failures.summary([served, then_crashed, clean]) == "2/3 failed: 2 wrong KV read first (then 1 crashed)"
+
+
+def test_failure_plot_drops_a_build_that_serves_wrong_kv_where_it_first_read_it(tmp_path):
+    """issue 50: B and D served every request while reading wrong KV; the picture showed them as
+    '0 crashed' lines at 1.0 beside the clean E. They now fall at their first wrong read."""
     import math
 
     import matplotlib.pyplot as plt
 
     from kvrepro.report import plots
 
-    at_zero = plots.survival_curve("A", _runs(tmp_path, [(C, 0), (C, 1), (S, 0)]), "requests")
-    at_one = plots.survival_curve("B", _runs(tmp_path, [(C, 1)]), "requests")
-    seconds = plots.survival_curve("A", _runs(tmp_path, [(C, 0), (C, 1)]), "seconds")
-    fig = plots.draw_survival({"requests": [at_zero, at_one], "seconds": [seconds]})
+    b = plots.failure_curve("B", [_corrupt(tmp_path, i, 2, 190) for i in range(3)])
+    a = plots.failure_curve("A", [_corrupt(tmp_path, i, 2, 8, crash_at=8) for i in range(3)])
+    e = plots.failure_curve("E", _runs(tmp_path, [(S, 170), (S, 190), (S, 180)]))
+    assert b.events == 3 and b.survival[-1] == 0.0 and b.times[1] == 2.0
+    assert e.events == 0 and e.survival[-1] == 1.0 and e.censored == (170.0, 190.0, 180.0)
+    assert b.legend == "B: 3/3 failed: 3 wrong KV read first"
+    assert a.legend == "A: 3/3 failed: 3 wrong KV read first (then 3 crashed)"
+    fig = plots.draw_failures([a, b, e])
+    try:
+        curves, each = fig.axes
+        assert curves.get_xscale() == each.get_xscale() == "log"
+        left, right = curves.get_xlim()
+        assert 0 < left < 1 and right >= 190
+        # B's step falls (to 0) near request 2, well inside the panel; E's stays at the top
+        b_line = next(line for line in curves.get_lines() if line.get_label().startswith("B:"))
+        xs, ys = b_line.get_xdata(), b_line.get_ydata()
+        assert min(ys) < 0.05 and any(abs(x - 2) < 0.2 for x in xs)
+        assert (math.log(2) - math.log(left)) / (math.log(right) - math.log(left)) > 0.15
+        e_line = next(line for line in curves.get_lines() if line.get_label().startswith("E:"))
+        assert min(e_line.get_ydata()) > 0.95
+        # each run on its row: wrong-read markers (o) at 2, crash markers (X) at 8, A's row on top
+        markers = [(line.get_marker(), x) for line in each.get_lines() for x in line.get_xdata()
+                   if line.get_linestyle() == "None"]
+        assert sum(1 for m, x in markers if m == "o" and x == 2) == 6
+        assert sum(1 for m, x in markers if m == "X" and x == 8) == 3
+        assert [t.get_text() for t in each.get_yticklabels()] == ["E", "B", "A"]
+    finally:
+        plt.close(fig)
+
+
+def test_failure_plot_draws_runs_at_0_and_1_requests(tmp_path):
+    import math
+
+    import matplotlib.pyplot as plt
+
+    from kvrepro.report import plots
+
+    at_zero = plots.failure_curve("A", _runs(tmp_path, [(C, 0), (C, 1), (S, 0)]))
+    at_one = plots.failure_curve("B", _runs(tmp_path, [(C, 1)]))
+    fig = plots.draw_failures([at_zero, at_one])
     try:
         for ax in fig.axes:
             assert ax.get_xscale() == "log"
@@ -164,7 +213,7 @@ def test_survival_plot_draws_runs_at_0_and_1_requests(tmp_path):
             assert xs and all(x >= left and math.isfinite(x) for x in xs)
     finally:
         plt.close(fig)
-    svg, png = plots.survival_figure({"requests": [at_zero, at_one]})
+    svg, png = plots.failure_figure([at_zero, at_one])
     assert svg.startswith("<svg") and png[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -27,6 +27,8 @@ from rich.text import Text
 
 from . import stack, stats
 from .. import versions
+# runs that say nothing about how long the engine lives under load (the pictures leave them out)
+from .failures import NOT_TIMED  # noqa: F401
 # whether a run meets expect: is decided in report/expectations.py (re-exported for the report's users)
 from .expectations import Mismatch, meets_expectation, mismatches  # noqa: F401
 from ..records import RunResult, Verdict
@@ -41,8 +43,6 @@ TONE = {"CRASH": "bad", "CORRUPT": "bad", "SURVIVED": "good", "VACUOUS": "warn",
 REPORT_MD = "report.md"
 REPORT_HTML = "report.html"
 SURVIVAL_PNG = "survival.png"
-# runs that say nothing about how long the engine lives under load (the survival curves leave them out)
-NOT_TIMED = (Verdict.INFRA, Verdict.INTERRUPTED, Verdict.INCOMPLETE, Verdict.DAMAGED)
 # A Kaplan-Meier "curve" of one run is that run's verdict drawn as a step: the report draws the
 # survival figure when some build has at least this many timed runs. Drawing it (and importing
 # matplotlib and scipy.stats for it) costs about 3 CPU s, more than a one-repetition `matrix run`

@@ -175,8 +175,12 @@ class EntrySpec(_Strict):
     matrix: dict[str, Any] = Field(default_factory=dict, description="merged over the default matrix.yaml")
     present_in: list[str] = Field(default_factory=list)
     fixed_in: list[str] = Field(default_factory=list)
-    masked_in: list[str] = Field(default_factory=list, description="releases where another defect with the same "
-                                 "signature ends the entry's runs first: no claim there (fixed_in stays upstream's)")
+    masked_in: list[str] = Field(default_factory=list, description="builds (releases or stacks) where another "
+                                 "catalogued defect ends the entry's load first: the suite expects MASKED there, "
+                                 "not present or fixed (present_in/fixed_in stay what the code says, for triage)")
+    unreached_in: list[str] = Field(default_factory=list, description="builds (releases or stacks) the entry's load "
+                                    "cannot reach its path on (the code is there or fixed, the load goes blind): the "
+                                    "suite expects UNREACHED there; present_in/fixed_in stay what the code says")
     upstream: list[str] = Field(default_factory=list)
     path: PathSpec | None = None
     notes: str = ""
@@ -191,7 +195,7 @@ class EntrySpec(_Strict):
             raise ValueError("lower-case letters, digits and '-', at most 63 (it names the file and the build)")
         return v
 
-    @field_validator("present_in", "fixed_in", "masked_in")
+    @field_validator("present_in", "fixed_in", "masked_in", "unreached_in")
     @classmethod
     def _keys(cls, v: list[str]) -> list[str]:
         for key in v:
@@ -289,7 +293,8 @@ class Entry:
     # `triage:` (kvrepro triage): facet -> values the defect needs, and regexes of its log evidence
     triage_requires: tuple[tuple[str, tuple[str, ...]], ...] = ()
     triage_evidence: tuple[str, ...] = ()
-    masked_in: tuple[str, ...] = ()  # releases with no claim: a same-signature defect crashes first there
+    masked_in: tuple[str, ...] = ()  # builds where another catalogued defect ends the entry's load first
+    unreached_in: tuple[str, ...] = ()  # builds where the entry's load cannot reach its path
 
     @property
     def fragment(self) -> dict[str, Any]:
@@ -313,15 +318,25 @@ class Catalogue:
 
 
 def expected_state(entry: Entry, release: str, patches: tuple[str, ...] = ()) -> str | None:
-    """What ``entry`` expects of a build: "present", "fixed" or None (no claim).
+    """What ``entry`` expects of a build: "present", "fixed", "masked", "unreached" or None (no claim).
 
     A key with patches (``0.26.0+pr-52807``) matches a build on that release whose stack holds all
     of them; the key with the most patches wins. A release in ``present_in`` matches that release
     with any stack; a release in ``fixed_in`` means fixed from that release on (any stack). Rank:
     patch keys (by patch count) over an exact release over a "from this release on"; at equal rank
-    fixed wins. A release in ``masked_in`` makes no claim except through a patch key.
+    fixed wins. A key in ``masked_in`` names one build exactly (that release with those patches,
+    in any order; a release alone: the release as shipped) and overrides: "masked", another
+    catalogued defect ends the entry's load on that build before the entry can show (the suite's
+    MASKED row). Masking depends on every patch of the stack, so it claims no other build; what the
+    code itself holds is the claim without ``masked_in`` (triage asks that). ``unreached_in`` names
+    builds the same way where the entry's load cannot reach its path: "unreached" (an UNREACHED row).
     """
-    best: tuple[int, int, str] | None = None  # (rank, fixed wins ties, state)
+    for state, keys in (("masked", entry.masked_in), ("unreached", entry.unreached_in)):
+        for key in keys:
+            rel, need = parse_build_key(key)
+            if rel == release and set(need) == set(patches):
+                return state
+    best: tuple[int, bool, str] | None = None  # (rank, fixed wins ties, state)
     for state, keys in (("present", entry.present_in), ("fixed", entry.fixed_in)):
         for key in keys:
             rel, need = parse_build_key(key)
@@ -338,9 +353,13 @@ def expected_state(entry: Entry, release: str, patches: tuple[str, ...] = ()) ->
             candidate = (rank, state == "fixed", state)
             if best is None or candidate[:2] > best[:2]:
                 best = candidate
-    if release in entry.masked_in and (best is None or best[0] < 2):
-        return None  # a same-signature defect crashes first on this release; only a patch key claims
     return best[2] if best else None
+
+
+def named_builds(entry: Entry) -> tuple[str, ...]:
+    """Every build key the entry's claims name (present_in, fixed_in, masked_in, unreached_in), once each:
+    what a check of the catalogue against measurement must run (scripts/measured.py suite)."""
+    return tuple(dict.fromkeys((*entry.present_in, *entry.fixed_in, *entry.masked_in, *entry.unreached_in)))
 
 
 def _read(path: Path) -> tuple[str, Any]:
@@ -427,7 +446,7 @@ def _load_entry(path: Path, check_fragment: Any) -> Entry:
                  file=path, fragment_yaml=fragment_yaml,
                  triage_requires=tuple((k, tuple(v)) for k, v in (spec.triage.requires if spec.triage else {}).items()),
                  triage_evidence=tuple(spec.triage.evidence if spec.triage else ()),
-                 masked_in=tuple(spec.masked_in))
+                 masked_in=tuple(spec.masked_in), unreached_in=tuple(spec.unreached_in))
 
 
 class FragmentError(ValueError):

@@ -10,11 +10,19 @@ Rows (docs/suite.md):
   read wrong KV (CORRUPT: a corruption that is not this entry's is named, never hidden under ABSENT);
 * NOT TESTABLE: the entry says why the suite cannot test it here (no runs), or this release's
   ``vllm serve`` refused the entry's engine arguments (its configuration does not exist there);
-* INFRA: no repetition could be judged (build, engine start or load failed; or interrupted).
+* INFRA: no repetition could be judged (build, engine start or load failed; or interrupted);
+* MASKED: on a build the entry names in ``masked_in``, the row OTHER with its failure another
+  catalogued defect's (``ended_by``), or PRESENT when another catalogued entry has the same
+  signature (the suite cannot tell the two apart): that defect ends the load first, as the
+  catalogue says.
 
-``expected`` is what the catalogue says of the build ("present", "fixed" or None); a row
-matches when PRESENT is expected present or ABSENT expected fixed. INFRA and rows without an
-expectation are never a mismatch.
+``expected`` is what the catalogue says of the build ("present", "fixed", "masked", "unreached" or
+None); a row matches when PRESENT is expected present, ABSENT expected fixed, MASKED expected
+masked, UNREACHED expected unreached (the entry's ``unreached_in``: its load goes blind there).
+INFRA and rows without an expectation are never a mismatch. :func:`reconcile` is the one rule
+that turns a measured row into MASKED: the suite applies it to its runs, the docs' check to
+the rows recorded in docs/records/ (scripts/measured.py), so a changed catalogue is judged
+against what was measured without an engine.
 """
 
 from __future__ import annotations
@@ -22,14 +30,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..classify.classifier import ARGUMENT_ERROR_TITLE
-from ..classify.corruption import first_request
+from ..classify.corruption import UNKNOWN, first_request
 from ..classify.patterns import known_patterns
 from ..records import RunResult, Verdict
 from ..secrets import redact
 from .catalogue import Entry, counter_value, expected_state
 
-PRESENT, ABSENT, UNREACHED, OTHER, NOT_TESTABLE, INFRA = (
-    "PRESENT", "ABSENT", "UNREACHED", "OTHER", "NOT TESTABLE", "INFRA")
+PRESENT, ABSENT, UNREACHED, OTHER, NOT_TESTABLE, INFRA, MASKED = (
+    "PRESENT", "ABSENT", "UNREACHED", "OTHER", "NOT TESTABLE", "INFRA", "MASKED")
+MASKED_NOTE = "(another entry's, as masked_in says): "  # between a MASKED row's masking defect and its evidence
 _UNJUDGED = (Verdict.INFRA, Verdict.INTERRUPTED, Verdict.INCOMPLETE, Verdict.DAMAGED)
 
 
@@ -40,11 +49,15 @@ class Row:
     build: str  # build key: 0.26.0 or 0.26.0+pr-52807
     state: str
     detail: str  # the signature shown, the path counter per repetition, the other failure, the reason
-    expected: str | None  # "present" | "fixed" | None
+    expected: str | None  # "present" | "fixed" | "masked" | None
     matches: bool | None  # None: nothing to compare (no expectation, INFRA, NOT TESTABLE)
     reps: int = 0
     seconds: float = 0.0
     run_dirs: tuple[str, ...] = ()
+    # the known signature that ended an OTHER row's load (a crash signature, a corruption defect, "stall");
+    # None when it is none kvrepro knows
+    ended_by: str | None = None
+    measured: str = ""  # the row before reconcile() (PRESENT, ABSENT, UNREACHED, OTHER, ...)
 
     @property
     def failed(self) -> bool:
@@ -70,10 +83,30 @@ def counter(entry: Entry, run: RunResult) -> int:
     return counter_value(run, entry.path_counter or "")
 
 
-def _compare(state: str, expected: str | None) -> bool | None:
+def agrees(state: str, expected: str | None) -> bool | None:
+    """Whether a row agrees with what the catalogue expects; None: nothing to compare."""
     if expected is None or state in (INFRA, NOT_TESTABLE):
         return None
-    return state == (PRESENT if expected == "present" else ABSENT)
+    return state == {"present": PRESENT, "fixed": ABSENT, "masked": MASKED, "unreached": UNREACHED}[expected]
+
+
+def reconcile(state: str, ended_by: str | None, signature: str, expected: str | None,
+              others: frozenset[str]) -> str:
+    """The row shown for a measured ``state``: MASKED where the catalogue expects masking and the
+    runs show it (OTHER ended by a defect in ``others``, the signatures of the catalogue's other
+    entries; or PRESENT when ``signature`` is one of them, indistinguishable); else ``state``."""
+    if expected != "masked":
+        return state
+    if state == OTHER and ended_by is not None and ended_by in others:
+        return MASKED
+    if state == PRESENT and signature in others:
+        return MASKED
+    return state
+
+
+def others_of(catalogue: object, entry: Entry) -> frozenset[str]:
+    """The signatures of every other entry of ``catalogue`` (crash signatures, corruption defects, stall)."""
+    return frozenset(e.signature for e in getattr(catalogue, "entries", ()) if e.name != entry.name)
 
 
 def not_testable_row(entry: Entry, build: str, release: str, patches: tuple[str, ...], why: str = "") -> Row:
@@ -84,17 +117,22 @@ def not_testable_row(entry: Entry, build: str, release: str, patches: tuple[str,
 
 
 def judge(entry: Entry, build: str, release: str, patches: tuple[str, ...], runs: list[RunResult],
-          build_error: str | None = None) -> Row:
-    """The row of ``entry`` on one build from its recorded repetitions."""
+          build_error: str | None = None, others: frozenset[str] = frozenset()) -> Row:
+    """The row of ``entry`` on one build from its recorded repetitions; ``others``: the signatures of
+    the catalogue's other entries (:func:`others_of`), which may mask this one (:func:`reconcile`)."""
     expected = expected_state(entry, release, patches)
     seconds = round(sum(r.seconds for r in runs), 1)
     dirs = tuple(r.run_dir for r in runs if r.run_dir)
 
-    def row(state: str, detail: str) -> Row:
+    def row(state: str, detail: str, ended_by: str | None = None) -> Row:
         # the detail quotes recorded errors and titles (an engine's command line with --hf-token ...):
         # redacted here, once, for the table, the "differs" lines, --json and JUnit alike
-        return Row(entry=entry.name, kind=entry.kind, build=build, state=state, detail=redact(detail), expected=expected,
-                   matches=_compare(state, expected), reps=len(runs), seconds=seconds, run_dirs=dirs)
+        shown = reconcile(state, ended_by, entry.signature, expected, others)
+        if shown == MASKED:
+            detail = f"masked by {ended_by or entry.signature} {MASKED_NOTE}{detail}"
+        return Row(entry=entry.name, kind=entry.kind, build=build, state=shown, detail=redact(detail),
+                   expected=expected, matches=agrees(shown, expected), reps=len(runs), seconds=seconds,
+                   run_dirs=dirs, ended_by=ended_by, measured=state)
 
     hits = [r for r in runs if shows(entry, r)]
     if hits:
@@ -130,15 +168,21 @@ def judge(entry: Entry, build: str, release: str, patches: tuple[str, ...], runs
     if early:
         r = early[0]
         known = next((p.name for p in known_patterns() if r.signature is not None and p.match(r.signature)), None)
-        return row(OTHER, f"{r.label} in rep {r.rep}: {known or r.title}"[:160])
+        if r.verdict is Verdict.STALL:
+            known = "stall"
+        return row(OTHER, f"{r.label} in rep {r.rep}: {known or r.title}"[:160], known)
     corrupt = [r for r in judged if r.verdict is Verdict.CORRUPT or r.kv_violations > 0]
     if corrupt:
         # wrong KV that is not this entry's: the path counter may have run, but a row that says
         # ABSENT (or UNREACHED) must not make a corrupt build look clean
         r = corrupt[0]
-        named = ", ".join(f"{name} x{n}" for name, n in sorted(r.kv_defects.items(), key=lambda kv: (-kv[1], kv[0])))
+        ranked = sorted(r.kv_defects.items(), key=lambda kv: (-kv[1], kv[0]))
+        named = ", ".join(f"{name} x{n}" for name, n in ranked)
+        # the defect most of the wrong reads are; none when some read is of no known defect (an
+        # uncatalogued wrong read is a finding, never masked)
+        top = ranked[0][0] if ranked and UNKNOWN not in r.kv_defects else None
         return row(OTHER, f"CORRUPT in {len(corrupt)}/{len(runs)} reps (rep {r.rep}: {r.kv_violations} KV "
-                          f"violations, {named or 'no defect named'})"[:160])
+                          f"violations, {named or 'no defect named'})"[:160], top)
     counts = [counter(entry, r) for r in judged]
     shown = f"{entry.path_counter} {'/'.join(str(c) for c in counts)}"
     if len(judged) < entry.absent_after:  # a defect that shows in some runs only: one clean run says little

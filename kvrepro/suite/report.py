@@ -22,7 +22,7 @@ from .. import versions
 from ..records import to_jsonable
 from ..report import stack
 from ..results.store import write_atomic
-from .judge import ABSENT, INFRA, NOT_TESTABLE, OTHER, PRESENT, UNREACHED, Row
+from .judge import ABSENT, INFRA, MASKED, NOT_TESTABLE, OTHER, PRESENT, UNREACHED, Row
 from .run import SuiteResult
 
 _NOT_XML = re.compile("[^\u0009\u000a\u000d\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
@@ -33,7 +33,8 @@ def _xml_safe(text: str) -> str:
     return _NOT_XML.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
-_STYLE = {PRESENT: "red", ABSENT: "green", UNREACHED: "yellow", OTHER: "magenta", NOT_TESTABLE: "dim", INFRA: "magenta"}
+_STYLE = {PRESENT: "red", ABSENT: "green", UNREACHED: "yellow", OTHER: "magenta", NOT_TESTABLE: "dim", INFRA: "magenta",
+          MASKED: "cyan"}
 
 
 def _mark(row: Row) -> str:
@@ -149,11 +150,13 @@ def exit_code(suite: SuiteResult, reporting: bool = False) -> int:
 def entries_table(catalogue: Any) -> Table:
     """`suite list`: every entry, its kind and signature, where present and fixed, what measured it."""
     table = Table(title=f"{catalogue.folder}: {len(catalogue.entries)} known defects", title_justify="left")
-    for col, width in (("entry", 26), ("kind", 10), ("present / fixed in", 28), ("measured", 9)):
+    for col, width in (("entry", 26), ("kind", 10), ("present / fixed / masked in", 28), ("measured", 9)):
         table.add_column(col, overflow="fold", max_width=width)
     for e in catalogue.entries:
         where = ("present: " + ", ".join(e.present_in) if e.present_in else "") + \
-            ("\nfixed: " + ", ".join(e.fixed_in) if e.fixed_in else "")
+            ("\nfixed: " + ", ".join(e.fixed_in) if e.fixed_in else "") + \
+            ("\nmasked: " + ", ".join(e.masked_in) if e.masked_in else "") + \
+            ("\nunreached: " + ", ".join(e.unreached_in) if e.unreached_in else "")
         measured = "not testable" if not e.testable else (f"{len(e.reproduced)} run(s)" if e.reproduced else "no")
         table.add_row(f"{e.name}\n[dim]{escape(e.signature)}[/]", e.kind, where.strip(), measured)
     return table

@@ -37,7 +37,7 @@ from ..classify.failures import all_failures
 from ..report.stack import StackFailure, compare
 from ..versions import DEFAULT_BASE, SUPPORTED_RELEASES, unported_note, unsupported
 from .catalogue import Catalogue, Entry, EntrySpec, FragmentError, build_key, load_catalogue, parse_build_key
-from .judge import Row, judge, not_testable_row
+from .judge import Row, judge, not_testable_row, others_of
 
 SUITE_FILE = "suite.json"
 RUNS_FOLDER = "runs"
@@ -402,7 +402,7 @@ def load_suite(path: Path, catalogue: Catalogue, root: Path = results.DEFAULT_RO
             error = (cell.build_error if cell is not None else None) or info.error
             if not runs and not error:
                 error = "still running" if status == "running" else "not run"
-            rows.append(judge(entry, b.key, b.release, b.patches, runs, error))
+            rows.append(judge(entry, b.key, b.release, b.patches, runs, error, others_of(catalogue, entry)))
             if bare is not None and runs:
                 # the stack's failures against the same entry on the release alone (report/stack.py)
                 base_cell = bare.build(cell_name(entry.name, b.release, several))

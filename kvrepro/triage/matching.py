@@ -57,8 +57,8 @@ def upstream_fix(entry: Entry, base: str | None) -> tuple[str, ...] | None:
 
 
 def _release_state(entry: Entry, release: str) -> tuple[str, str]:
-    # the code's state: masked_in only says where the suite cannot tell this defect from another
-    state = expected_state(dataclasses.replace(entry, masked_in=()), release)
+    # the code's state: masked_in/unreached_in only say what the suite's own runs can show there
+    state = code_state(entry, release)
     fixed = _release_keys(entry.fixed_in)
     if state == "present":
         return "present", f"{release} is a release it is present in ({', '.join(_release_keys(entry.present_in))})"
@@ -134,6 +134,12 @@ def match_entries(entries: list[Entry], failure: Failure, config: DeployedConfig
     if failure.kind == "crash" and not fits and failure.pattern is None:
         misses.extend(_near_unknown(entries, failure, base))
     return [m for _, m in sorted(fits, key=lambda x: x[0])], [m for _, m in sorted(misses, key=lambda x: x[0])]
+
+
+def code_state(entry: Entry, release: str, patches: tuple[str, ...] = ()) -> str | None:
+    """What the code of a build holds ("present", "fixed", None): the catalogue's claim without what only
+    the suite's own runs can show there (masked_in, unreached_in)."""
+    return expected_state(dataclasses.replace(entry, masked_in=(), unreached_in=()), release, patches)
 
 
 def _key(entry: Entry, score: float, release_known: bool = True) -> tuple:
@@ -221,7 +227,7 @@ def minimal_clean_set(entries: list[Entry], base: str) -> tuple[tuple[str, ...] 
 
     Candidates are the patches ``fixed_in`` names on ``base``, in the order first named; a stack
     keeps that order (a patch that needs another comes after it there). None when no stack does."""
-    present = [e for e in entries if expected_state(e, base) == "present"]
+    present = [e for e in entries if code_state(e, base) == "present"]
     unfixable = tuple(e.name for e in present if not backports(e, base))
     candidates: list[str] = []
     for entry in entries:
@@ -230,7 +236,7 @@ def minimal_clean_set(entries: list[Entry], base: str) -> tuple[tuple[str, ...] 
     considered = [e for e in entries if e.name not in unfixable]
     for size in range(0, len(candidates) + 1):
         for stack in itertools.combinations(candidates, size):
-            if all(expected_state(e, base, stack) != "present" for e in considered):
+            if all(code_state(e, base, stack) != "present" for e in considered):
                 return stack, unfixable
     return None, unfixable
 

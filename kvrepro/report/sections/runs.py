@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ...results.store import MatrixRun
 from ..pages import Block, Cell, Heading, Table
+from ..failures import first_failure
 from ..render import TONE, count_text, state_text, build_key
 from . import SectionContext
 
@@ -37,16 +38,18 @@ def _runs_blocks(run: MatrixRun) -> list[Block]:
     on_nodes = any(r.node is not None or r.retried_after for b in run.builds for r in b.runs)
     for b in run.builds:
         for r in b.runs:
+            first = first_failure(r)
             row = (build_key(run, b), str(r.rep), Cell(r.label, TONE.get(r.verdict.value, "")),
+                   Cell(first.text() if first else "-", "bad" if first and first.failed else ""),
                    str(r.requests), f"{r.load_seconds:.1f}", str(r.trigger_count), state_text(r),
                    r.kv_check, count_text(r.offload_load_jobs), str(r.external_hit_calls), stopped_text(r))
             rows.append(row + ((_node_text(r),) if on_nodes else ()))
     if not rows:
         return []
     return [Heading(2, "Runs"), Table(
-        ("build", "rep", "verdict", "requests", "seconds under load", "trigger count", "bug state (groups)",
+        ("build", "rep", "verdict", "first failure", "requests", "seconds under load", "trigger count", "bug state (groups)",
          "KV check", "offload loads", "offload-hit calls", "stopped because") + (("node",) if on_nodes else ()),
-        tuple(rows), align="lrlrrrrlrrl" + ("l" if on_nodes else ""))]
+        tuple(rows), align="lrllrrrrlrrl" + ("l" if on_nodes else ""))]
 
 
 def blocks(run: MatrixRun, context: SectionContext) -> list[Block]:
