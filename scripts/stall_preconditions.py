@@ -32,9 +32,11 @@ from kvrepro import versions  # noqa: E402
 from kvrepro.suite.catalogue import load_catalogue  # noqa: E402
 
 ENTRY = "recompute-failed-load-stall"
-# (engine.connector, engine.max_model_len): 1024 tokens = 64 blocks of 16 (+1 MTP lookahead) of the
-# 96-block pool, over half; 640 tokens = 40 (+1), under half (47.5 of the 95 free)
-CASES = ("mooncake-store-like:1024", "mooncake-store-like:640", "nixl-like:1024", "offloading:1024")
+# connector:max_model_len[:at=K]: 1024 tokens = 64 blocks of 16 (+1 MTP lookahead) of the 96-block
+# pool, over half; 640 tokens = 40 (+1), under half (47.5 of the 95 free). at=K: only the K-th load
+# fails (one failed request), instead of the entry's load_fail_rate (several may fail at once)
+CASES = ("mooncake-store-like:1024", "mooncake-store-like:640", "mooncake-store-like:1024:at=3",
+         "mooncake-store-like:640:at=3", "nixl-like:1024", "offloading:1024")
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -59,8 +61,11 @@ def main() -> int:
     default = yaml.safe_load((ROOT / "matrix.yaml").read_text())
     rows = []
     for case in args.case or CASES:
-        connector, _, model_len = case.partition(":")
+        connector, model_len, *rest = case.split(":")
         fragment = _merge(entry.fragment, {"engine": {"connector": connector, "max_model_len": int(model_len)}})
+        at = next((int(r.removeprefix("at=")) for r in rest if r.startswith("at=")), None)
+        if at is not None:
+            fragment["engine"]["sim"]["offload_faults"] = {"load_fail_at": [at]}
         matrix = _merge(default, fragment)
         matrix.update(base=releases, builds={"plain": []}, common=[], expect={}, target="sim")
         matrix["runs"] = {**matrix.get("runs", {}), "repetitions": args.reps, "requests": args.requests,
@@ -86,15 +91,18 @@ def main() -> int:
                 data = json.loads(verdict.read_text()) if verdict is not None and verdict.is_file() else {}
                 faults.append(data.get("injected_load_faults"))
             rows.append({"connector": connector, "max_model_len": int(model_len), "release": release,
+                         "faults": f"load #{at}" if at is not None else "entry's rate",
                          "verdicts": [r["verdict"] for r in runs], "requests": [r["requests"] for r in runs],
                          "load_faults": faults, "titles": sorted({r["title"][:90] for r in runs}),
                          "run_id": run["run_id"]})
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'connector':<20} {'max_len':>7} {'release':<8} {'verdicts':<22} {'requests':<12} {'faults':<8} title")
+    print(f"{'connector':<20} {'max_len':>7} {'injected':<13} {'release':<8} {'verdicts':<22} {'requests':<12} "
+          f"{'faults':<8} title")
     for row in rows:
-        print(f"{row['connector']:<20} {row['max_model_len']:>7} {row['release']:<8} {'/'.join(row['verdicts']):<22} "
+        print(f"{row['connector']:<20} {row['max_model_len']:>7} {row['faults']:<13} {row['release']:<8} "
+              f"{'/'.join(row['verdicts']):<22} "
               f"{'/'.join(map(str, row['requests'])):<12} {'/'.join(map(str, row['load_faults'])):<8} "
               f"{'; '.join(row['titles'])[:80]}  ({row['run_id']})")
     return 0

@@ -16,13 +16,16 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import SetupError
 from ..records import BuildPlan, PatchRef, UpstreamTestOutcome
 from . import overlay, prepare_runtime
 from .sdist import source_tests
-from .upstream_tests import PLUGIN_NAME, PLUGIN_SOURCE, TestTree, TreeRun, run_pytest, test_runtime
+from .upstream_tests import (PLUGIN_NAME, PLUGIN_SOURCE, TestTree, TreeRun, _pristine_root, run_pytest,
+                             test_runtime)
 
 
 @dataclass(frozen=True)
@@ -39,11 +42,12 @@ class StandaloneRun:
 
 
 def run_standalone(release: str, test_file: Path, rel: str, stacks: Sequence[tuple[str, Sequence[PatchRef]]],
-                   work: Path, on_line: Callable[[str], None] | None = None) -> list[StandaloneRun]:
+                   work: Path, on_line: Callable[[str], None] | None = None, workers: int = 2) -> list[StandaloneRun]:
     """Run ``test_file`` as ``rel`` (``tests/v1/...py``) in vLLM ``release``'s tests/ once per stack
-    (label, patches; an empty stack is the pristine release)."""
+    (label, patches; an empty stack is the pristine release), ``workers`` pytest processes at once."""
     base = source_tests(release)
     runtime = test_runtime(prepare_runtime(release, on_line), base, on_line)
+    work = work.resolve()  # pytest runs in the tree: its report path must not be relative
     work.mkdir(parents=True, exist_ok=True)
     tree_root = Path(tempfile.mkdtemp(dir=work, prefix="tree-"))
     try:
@@ -56,23 +60,23 @@ def run_standalone(release: str, test_file: Path, rel: str, stacks: Sequence[tup
         target.unlink(missing_ok=True)  # a hard link into the shared sdist extraction: never written through
         shutil.copyfile(test_file, target)
         tree = TestTree(root=tree_root, key="standalone", modules=(), patch_ids={}, patch_of={})
-        runs = []
+        jobs = []
         for n, (label, patches) in enumerate(stacks):
             if patches:
                 artifact = overlay.build_release_overlay(
                     BuildPlan(name=f"standalone-{n}", base=release, patches=tuple(patches)), on_line)
                 if not artifact.ok:
-                    raise RuntimeError(f"{label}: {artifact.error}")
-                root, key = Path(artifact.ref), artifact.ref
+                    raise SetupError(f"{label}: {artifact.error}")
+                root, key = Path(artifact.ref or ""), artifact.ref or ""
             else:
-                wheel, root, digest = overlay.pristine_tree(release, on_line)
-                if not any(root.glob("vllm-*.dist-info/METADATA")):
-                    overlay.wheels.extract_dist_info(wheel, root, ("METADATA", "entry_points.txt", "top_level.txt"))
-                key = f"release-{digest}"
-            if on_line:
-                on_line(f"running {rel} with {label}'s vLLM (vLLM's pytest, the {release} sdist's tests/)")
-            job = TreeRun(label, root, key, None, (rel,))
-            runs.append(StandaloneRun(label, run_pytest(runtime, tree, job, work / f"job-{n}")))
-        return runs
+                root, key = _pristine_root(release, on_line)
+            jobs.append((n, TreeRun(label, root, key, None, (rel,))))
+        if on_line:
+            on_line(f"running {rel} with vLLM's pytest (the {release} sdist's tests/) on "
+                    f"{', '.join(job.label for _, job in jobs)}")
+        # the trees side by side: each process pays vLLM's and its tests' imports, most of its time
+        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(jobs)))) as pool:
+            outcomes = list(pool.map(lambda item: run_pytest(runtime, tree, item[1], work / f"job-{item[0]}"), jobs))
+        return [StandaloneRun(job.label, got) for (_, job), got in zip(jobs, outcomes)]
     finally:
         shutil.rmtree(tree_root, ignore_errors=True)
