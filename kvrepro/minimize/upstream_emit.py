@@ -36,7 +36,7 @@ SKELETON = paths.PACKAGE_ROOT / "data" / "upstream-tests" / "recompute_failed_lo
 UPSTREAM_PATH = "tests/v1/kv_connector/unit/test_recompute_failed_load_stall.py"
 SCHEDULER = "vllm/v1/core/sched/scheduler.py"
 TEST_NAME = "test_failed_async_load_recompute_schedules_the_retry"
-FAILING_CASE = "over-half-the-pool"
+FAILING_CASE = "one-request-over-half-the-pool"
 # what the assertion message says at the stall (the skeleton's stall_numbers)
 STALL_WORDS = "blocks reserved for in-flight prefills"
 
@@ -77,20 +77,33 @@ def mechanism_lines(source: str) -> tuple[tuple[str, int], ...]:
                        if isinstance(node, ast.If) and ast.unparse(node.test) == "new_blocks is None")
         return next((line for line in lines if after is not None and line > after), None)
 
-    found = [
-        ("the async load is admitted: `self._inflight_prefills.add(request)` in schedule()",
-         call_line("schedule", "self._inflight_prefills", "add", "request")),
-        ("the failed load: `_handle_failed_recving` sets its computed tokens to 0",
-         methods["_handle_failed_recving"].lineno if "_handle_failed_recving" in methods else None),
-        ("its blocks are freed, it stays in _inflight_prefills: `self.kv_cache_manager.free(request)` in "
-         "_update_waiting_for_remote_kv", call_line("_update_waiting_for_remote_kv", "self.kv_cache_manager", "free",
-                                                   "request")),
-        ("the retry's async admission reserves `self._inflight_prefill_reserved_blocks()`",
-         reserve := call_line("schedule", "self", "_inflight_prefill_reserved_blocks")),
-        ("which counts every member of _inflight_prefills, the request itself included",
-         methods["_inflight_prefill_reserved_blocks"].lineno if "_inflight_prefill_reserved_blocks" in methods else None),
-        ("allocate_slots fails: `if new_blocks is None:` ... break ends the pass", none_check("schedule", reserve)),
-    ]
+    freed = ("its blocks are freed: `self.kv_cache_manager.free(request)` in _update_waiting_for_remote_kv",
+             call_line("_update_waiting_for_remote_kv", "self.kv_cache_manager", "free", "request"))
+    failed = ("the failed load: `_handle_failed_recving` sets its computed tokens to 0",
+              methods["_handle_failed_recving"].lineno if "_handle_failed_recving" in methods else None)
+    reserve = call_line("schedule", "self", "_inflight_prefill_reserved_blocks")
+    counted = ("`_inflight_prefill_reserved_blocks` counts it, though it holds no blocks",
+               methods["_inflight_prefill_reserved_blocks"].lineno if "_inflight_prefill_reserved_blocks" in methods
+               else None)
+    if "_reserve_parked" in methods:  # 0.34.0: an async load's share is a parked reservation
+        found = [
+            ("the async load is admitted and parked: `self._reserve_parked(request)` in schedule()",
+             call_line("schedule", "self", "_reserve_parked", "request")),
+            failed, freed,
+            ("and it is parked again with its whole sequence at promotion: `self._reserve_parked(request)` in "
+             "_handle_blocked_waiting_request", call_line("_handle_blocked_waiting_request", "self", "_reserve_parked",
+                                                          "request")),
+            counted,
+            ("the retry's async admission reserves `self._inflight_prefill_reserved_blocks()`", reserve),
+        ]
+    else:
+        found = [
+            ("the async load is admitted: `self._inflight_prefills.add(request)` in schedule()",
+             call_line("schedule", "self._inflight_prefills", "add", "request")),
+            failed, (freed[0] + ", and nothing removes it from _inflight_prefills", freed[1]), counted,
+            ("the retry's async admission reserves `self._inflight_prefill_reserved_blocks()`", reserve),
+        ]
+    found.append(("allocate_slots fails: `if new_blocks is None:` ... break ends the pass", none_check("schedule", reserve)))
     missing = [what for what, line in found if line is None]
     if missing:
         raise KvreproError(f"{SCHEDULER}: the stall's mechanism is not where kvrepro looks for it ({missing[0]}); "
@@ -124,7 +137,7 @@ def stall_case(run_dir: Path, release: str, scheduler_source: str, block_size: i
 def _docstring(case: StallCase, skeleton_doc: str) -> str:
     head, _, _ = skeleton_doc.partition("The mechanism (")
     lines = "\n".join(f"{n}. {what} (:{line})" for n, (what, line) in enumerate(case.mechanism, 1))
-    rest = skeleton_doc[skeleton_doc.index("A request needing less than half"):]
+    rest = skeleton_doc[skeleton_doc.index("The stall needs"):]
     return (f"{head}The mechanism, in vLLM {case.release}'s {SCHEDULER}:\n\n{lines}\n\n{rest}"
             f"\nSeen by kvrepro in {case.run_dir}: request {case.request_index} of the load ({case.prompt_tokens} "
             f"prompt tokens, {case.block_size}-token blocks, a {case.num_blocks}-block pool) stalled the engine "
