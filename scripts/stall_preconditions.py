@@ -12,6 +12,11 @@ faults. The table in docs/faults.md is its output.
 
     python scripts/stall_preconditions.py                          # 0.30.0-0.33.0 (+0.34.0 when supported)
     python scripts/stall_preconditions.py --release 0.33.0 --case mooncake-store-like:1024 --json
+
+``--upstream-test RELEASE --fix PATCH`` instead renders the upstream regression test (the case of
+tests/test_stall_upstream.py: 881 tokens, 96 blocks of 16) with RELEASE's scheduler lines and runs
+it with vLLM's pytest in RELEASE's sdist tests/, on the release and on the release + PATCH (a patch
+declared in matrix.yaml): the table of docs/faults.md "The report upstream".
 """
 
 from __future__ import annotations
@@ -55,7 +60,11 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--results", default=str(ROOT / "results"))
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--upstream-test", metavar="RELEASE", help="run the upstream test on RELEASE instead")
+    parser.add_argument("--fix", default="fix-recompute-failed-load-reservation", help="with --upstream-test")
     args = parser.parse_args()
+    if args.upstream_test:
+        return upstream_test(args.upstream_test, args.fix, args.json)
     releases = args.release or [r for r in versions.SUPPORTED_RELEASES if versions.reports_failed_loads(r)]
     (entry,) = load_catalogue().select([ENTRY])
     default = yaml.safe_load((ROOT / "matrix.yaml").read_text())
@@ -105,6 +114,36 @@ def main() -> int:
               f"{'/'.join(row['verdicts']):<22} "
               f"{'/'.join(map(str, row['requests'])):<12} {'/'.join(map(str, row['load_faults'])):<8} "
               f"{'; '.join(row['titles'])[:80]}  ({row['run_id']})")
+    return 0
+
+
+def upstream_test(release: str, fix: str, as_json: bool) -> int:
+    import time
+
+    from kvrepro.builds.overlay import pristine_tree
+    from kvrepro.builds.standalone_test import run_standalone
+    from kvrepro.matrix import load_matrix
+    from kvrepro.minimize import upstream_emit
+
+    loaded = load_matrix(ROOT / "matrix.yaml")
+    _, root, _ = pristine_tree(release)
+    case = upstream_emit.StallCase("scripts/stall_preconditions.py", release, 16, 96, 881, 880, 0,
+                                   upstream_emit.mechanism_lines((root / upstream_emit.SCHEDULER).read_text()))
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="kvrepro-stall-test-") as tmp:
+        path = Path(tmp) / "test_recompute_failed_load_stall.py"
+        upstream_emit.emit_stall_test(path, case)
+        runs = run_standalone(release, path, upstream_emit.UPSTREAM_PATH,
+                              [(f"vLLM {release}", []), (f"vLLM {release} + {fix}", [loaded.patch_ref(fix)])],
+                              Path(tmp) / "work")
+    rows = [{"tree": run.label, "case": nodeid.rsplit("[", 1)[-1].rstrip("]"), "outcome": o.outcome,
+             "message": o.message} for run in runs for nodeid, o in sorted(run.outcomes.items())]
+    if as_json:
+        print(json.dumps({"seconds": round(time.monotonic() - started), "rows": rows}, indent=2))
+        return 0
+    for row in rows:
+        print(f"{row['tree']:<50} {row['case']:<36} {row['outcome']:<7} {row['message'][:160]}")
+    print(f"{time.monotonic() - started:.0f} s")
     return 0
 
 
