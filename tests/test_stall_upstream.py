@@ -68,6 +68,35 @@ def test_the_emitted_test_is_the_skeleton_with_the_runs_numbers_and_no_kvrepro_i
     assert not any(isinstance(n, ast.Import) and n.names[0].name == "os" for n in again.body)
 
 
+def test_a_stall_repetition_is_found_and_its_stuck_request_read_from_the_log_and_trace(scheduler_source, tmp_path):
+    """kvrepro minimize's stall path on a run folder written as the runner writes one: the STALL
+    repetition (not when another repetition crashed with the target), the recomputed failed load with
+    the longest prompt (the log's kvrepro-fault lines, the trace's prompts)."""
+    from kvrepro.loadgen.trace import Trace, TraceHeader, TraceRequest, write_trace
+    from kvrepro.minimize.shrink import _stalled_repetition
+    from kvrepro.records import Verdict
+    from test_report import make_run
+
+    stalled = make_run(tmp_path / "a", {"A": [Verdict.SURVIVED, Verdict.STALL]})
+    rep_dir = _stalled_repetition(tmp_path / "a", stalled.run_id, "A", None)
+    assert rep_dir is not None and rep_dir.name == "1"
+    assert _stalled_repetition(tmp_path / "a", stalled.run_id, "A", 0) is None
+    crashed = make_run(tmp_path / "b", {"A": [Verdict.CRASH, Verdict.STALL]})
+    assert _stalled_repetition(tmp_path / "b", crashed.run_id, "A", None) is None  # the crash is minimized
+    with pytest.raises(Exception, match="no injected load failure"):
+        upstream_emit.stall_case(rep_dir, RELEASE, scheduler_source, 16, 96)
+    prefix = "(EngineCore pid=7) INFO 12-04 18:10:22 [executor.py:127] kvrepro-fault: load job {job} failed on purpose "
+    (rep_dir / "engine.log").write_text(
+        prefix.format(job=4) + "(load #1, request cmpl-kvrepro-1-0-aa, policy recompute, 3 GPU blocks not filled: 1,2,3)\n"
+        + prefix.format(job=9) + "(load #2, request cmpl-kvrepro-2-0-bb, policy recompute, 9 GPU blocks not filled: 4)\n"
+        + prefix.format(job=12) + "(load #3, request cmpl-kvrepro-3-0-cc, policy fail, 9 GPU blocks not filled: 5)\n")
+    prompts = [[1] * 1000, [2] * 300, [3] * 800, [4] * 900]  # 0 never failed, 3 failed under `fail`
+    write_trace(rep_dir / "trace.jsonl", Trace(rep_dir / "trace.jsonl", TraceHeader(build="A", rep=1),
+                                               [TraceRequest(i, tuple(p), 8) for i, p in enumerate(prompts)]))
+    case = upstream_emit.stall_case(rep_dir, RELEASE, scheduler_source, 16, 96)
+    assert (case.request_index, case.prompt_tokens, case.hit_tokens) == (2, 800, 784)
+
+
 def test_the_stall_test_fails_on_the_release_and_passes_with_the_proposed_fix(scheduler_source, tmp_path):
     """vLLM's pytest from the 0.33.0 sdist: one request over half the pool stalls, and so do two under
     half (the messages have the numbers); one under half passes unfixed (the precondition); all pass
