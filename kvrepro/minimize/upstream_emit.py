@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import json
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,33 +139,55 @@ def _docstring(case: StallCase, skeleton_doc: str) -> str:
     head, _, _ = skeleton_doc.partition("The mechanism (")
     lines = "\n".join(f"{n}. {what} (:{line})" for n, (what, line) in enumerate(case.mechanism, 1))
     rest = skeleton_doc[skeleton_doc.index("The stall needs"):]
-    return (f"{head}The mechanism, in vLLM {case.release}'s {SCHEDULER}:\n\n{lines}\n\n{rest}"
-            f"\nSeen by kvrepro in {case.run_dir}: request {case.request_index} of the load ({case.prompt_tokens} "
-            f"prompt tokens, {case.block_size}-token blocks, a {case.num_blocks}-block pool) stalled the engine "
-            "after its load failed. The model there was hybrid with MTP; this test uses vLLM's test model (one "
-            "full-attention group), which counts the reservation the same way.\n")
+    lines = "\n".join(textwrap.fill(line, 100, subsequent_indent="   ") for line in lines.splitlines())
+    seen = textwrap.fill(
+        f"Seen by kvrepro in {case.run_dir}: request {case.request_index} of the load ({case.prompt_tokens} prompt "
+        f"tokens, {case.block_size}-token blocks, a {case.num_blocks}-block pool) stalled the engine after its load "
+        "failed. The model there was hybrid with MTP; this test uses vLLM's test model (one full-attention group), "
+        "which counts the reservation the same way.", 100)
+    return f"{head}The mechanism, in vLLM {case.release}'s {SCHEDULER}:\n\n{lines}\n\n{rest}\n{seen}\n"
 
 
 def render_stall_test(case: StallCase) -> str:
-    """The test's source: the skeleton's tree with the case's values, unparsed and parsed back."""
-    tree = ast.parse(SKELETON.read_text())
+    """The test's source: the skeleton with the case's values. Each top-level statement of the
+    skeleton's tree is kept as the skeleton's own text (formatting and comments intact) or, for the
+    docstring and the constants, replaced by the unparsed new node; the result is parsed back and its
+    constants compared with the case's before it is returned."""
+    source = SKELETON.read_text()
+    tree = ast.parse(source)
     values = {"RUN": case.run_dir, "MECHANISM_RELEASE": case.release, "BLOCK_SIZE": case.block_size,
               "NUM_BLOCKS": case.num_blocks, "PROMPT_TOKENS": case.prompt_tokens, "HIT_TOKENS": case.hit_tokens,
               "MECHANISM": " ".join(f"({n}) {what}: scheduler.py:{line}." for n, (what, line)
                                     in enumerate(case.mechanism, 1))}
+    doc = tree.body[0]
+    if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
+        raise KvreproError(f"{SKELETON}: no module docstring")
+    lines = source.splitlines(keepends=True)
+    out: list[str] = []
+    done = 0  # lines of the skeleton written so far
     seen = set()
     for node in tree.body:
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
-                and node.targets[0].id in values):
-            node.value = ast.Constant(values[node.targets[0].id])
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
+        out.append("".join(lines[done:first]))  # the skeleton's own blank lines and comments between statements
+        if node is doc:
+            new: ast.stmt | None = ast.Module([ast.Expr(ast.Constant(_docstring(case, doc.value.value)))], [])
+        elif (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+              and node.targets[0].id in values):
             seen.add(node.targets[0].id)
+            new = ast.Assign([ast.Name(node.targets[0].id, ast.Store())], ast.Constant(values[node.targets[0].id]),
+                             lineno=node.lineno)
+        else:
+            new = None
+        out.append(ast.unparse(new) + "\n" if new is not None else "".join(lines[first:node.end_lineno]))
+        done = node.end_lineno or first + 1
+    out.append("".join(lines[done:]))
     if seen != set(values):
         raise KvreproError(f"{SKELETON}: no module-level {', '.join(sorted(set(values) - seen))}")
-    doc = tree.body[0]
-    assert isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
-    doc.value = ast.Constant(_docstring(case, doc.value.value))
-    text = ast.unparse(ast.fix_missing_locations(tree)) + "\n"
-    ast.parse(text)  # what is written parses
+    text = "".join(out)
+    written = {n.targets[0].id: n.value.value for n in ast.parse(text).body  # what is written parses, and says it
+               if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name) and isinstance(n.value, ast.Constant)}
+    if any(written.get(name) != value for name, value in values.items()):
+        raise KvreproError(f"{SKELETON}: the rendered test does not carry the case's values")
     return text
 
 

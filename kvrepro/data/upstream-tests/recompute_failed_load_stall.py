@@ -16,10 +16,11 @@ The mechanism (vllm/v1/core/sched/scheduler.py; line numbers are MECHANISM_RELEA
    blocks, counted twice, exceed the free pool, and the pass ends with the request at the head
    of the queue: nothing is scheduled again.
 
-The stall needs the failed requests' stale reservations plus a retry's need to exceed the free
-pool: one request over half the KV cache, or several failed loads at once whose requests add up.
-One request under half the pool is admitted despite its stale reservation (the second case passes
-on an unfixed scheduler); two of them are not (the third case).
+The stall needs the stale reservation plus the retry's need to exceed the free blocks: one request
+over half the KV cache, or less when requests stuck behind it hold the rest. One request under half
+the pool is admitted despite its stale reservation (the second case passes on an unfixed
+scheduler); two under half are not, the second's failed load holding its blocks unpromoted behind
+the first (the third case).
 """
 
 from unittest.mock import Mock
