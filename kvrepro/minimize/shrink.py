@@ -668,8 +668,9 @@ def _report_stall(loaded: LoadedMatrix, build: str, fixed: str | None, rep_dir: 
                        fixed_patches))
     runs = run_standalone(plan.base, path, upstream_emit.UPSTREAM_PATH, stacks, rep_dir / "upstream-test", on_line)
     check: dict[str, PytestCheck] = {}
+    fixed_name = (f"{build}+{fixed}" if fixed and _is_patch_only(loaded, fixed) else fixed) or ""
     for n, run in enumerate(runs):
-        name = build if n == 0 else str(fixed)
+        name = build if n == 0 else fixed_name
         failing = [o for o in run.failed if upstream_emit.FAILING_CASE in o.nodeid]
         if n == 0:
             ok = bool(failing) and upstream_emit.STALL_WORDS in failing[0].message
@@ -684,7 +685,7 @@ def _report_stall(loaded: LoadedMatrix, build: str, fixed: str | None, rep_dir: 
     summary = MinimizeResult(
         trace=str(rep_dir / "trace.jsonl"), source=str(rep_dir / "trace.jsonl"), build=build, fixed=fixed,
         requests_before=case.request_index + 1, requests=1, tokens_before=case.prompt_tokens,
-        tokens=case.prompt_tokens, crash_at=None, deterministic=True, fixed_result=check[str(fixed)].result
+        tokens=case.prompt_tokens, crash_at=None, deterministic=True, fixed_result=check[fixed_name].result
         if fixed else None, candidates_run=0, failure="stall", violation=None,
         emitted=EmittedTest(pytest=str(path), pytest_check=check))
     summary.confirmed = [f"the run's stall: request {case.request_index} ({case.prompt_tokens} prompt tokens) after "
