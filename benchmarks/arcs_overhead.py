@@ -58,6 +58,38 @@ def _record_trace(matrix: Path, folder: Path) -> Path:
     return found[0]
 
 
+def replay_pairs(loaded, trace, env: str, values: dict[str, str], pairs: int) -> tuple[dict, dict]:
+    """One offline engine per ``values`` entry (label -> the value of the environment variable ``env``
+    it starts with), each replaying ``trace`` in turn, ``pairs`` times: per label, the engine
+    process's CPU seconds and the wall seconds of each replay. The engines must do the same (requests
+    done), or the measurement is void."""
+    from kvrepro.minimize.shrink import OfflineEngine
+
+    engines = {}
+    try:
+        for label, value in values.items():
+            os.environ[env] = value  # the offline engine's environment is kvrepro's
+            engines[label] = OfflineEngine(loaded, "X", 0)
+        os.environ.pop(env, None)
+        cpu: dict[str, list[float]] = {label: [] for label in values}
+        wall: dict[str, list[float]] = {label: [] for label in values}
+        done: dict[str, list[int]] = {label: [] for label in values}
+        for _ in range(pairs):
+            for label, engine in engines.items():
+                before, started = _cpu_seconds(engine.proc.pid), time.monotonic()
+                result = engine.run(trace.requests)
+                wall[label].append(time.monotonic() - started)
+                cpu[label].append(_cpu_seconds(engine.proc.pid) - before)
+                done[label].append(result.requests_done)
+    finally:
+        os.environ.pop(env, None)
+        for engine in engines.values():
+            engine.close()
+    if len({tuple(d) for d in done.values()}) > 1:  # what is measured must not change what the engine does
+        raise SystemExit(f"requests done differ: {done}")
+    return cpu, wall
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", default="0.30.0")
@@ -71,35 +103,13 @@ def main() -> int:
 
     from kvrepro.loadgen.trace import read_trace
     from kvrepro.matrix import load_matrix
-    from kvrepro.minimize.shrink import OfflineEngine
 
     with tempfile.TemporaryDirectory(prefix="kvrepro-arcs-") as tmp:
         folder = Path(tmp)
         matrix = _matrix(args.base, folder, args.requests)
         trace = read_trace(args.trace or _record_trace(matrix, folder))
-        loaded = load_matrix(matrix)
-        engines = {}
-        for arcs in ("1", "0"):
-            # the offline engine's environment is kvrepro's
-            os.environ["KVREPRO_SIM_ARCS"] = ("instrument" if args.recorder == "instrument" else "1") if arcs == "1" else "0"
-            engines[arcs] = OfflineEngine(loaded, "X", 0)
-        os.environ.pop("KVREPRO_SIM_ARCS", None)
-        cpu: dict[str, list[float]] = {"1": [], "0": []}
-        wall: dict[str, list[float]] = {"1": [], "0": []}
-        done: dict[str, list[int]] = {"1": [], "0": []}
-        try:
-            for _ in range(args.pairs):
-                for arcs, engine in engines.items():
-                    before, started = _cpu_seconds(engine.proc.pid), time.monotonic()
-                    result = engine.run(trace.requests)
-                    wall[arcs].append(time.monotonic() - started)
-                    cpu[arcs].append(_cpu_seconds(engine.proc.pid) - before)
-                    done[arcs].append(result.requests_done)
-        finally:
-            for engine in engines.values():
-                engine.close()
-    if done["1"] != done["0"]:  # the recorder must not change what the engine does
-        raise SystemExit(f"requests done differ: arcs on {done['1']}, off {done['0']}")
+        on = "instrument" if args.recorder == "instrument" else "1"
+        cpu, wall = replay_pairs(load_matrix(matrix), trace, "KVREPRO_SIM_ARCS", {"1": on, "0": "0"}, args.pairs)
     on_cpu, off_cpu = statistics.median(cpu["1"]), statistics.median(cpu["0"])
     on_wall, off_wall = statistics.median(wall["1"]), statistics.median(wall["0"])
     load = os.getloadavg()[0]

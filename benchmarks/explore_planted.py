@@ -26,7 +26,10 @@ of any kind, and the first run that executed a branch in the patched lines ("rea
 campaign's branch probes, kvrepro/engine/branches.py; "never" says the planted code did not run,
 which tells "not reached" from "reached and harmless"). A bug not found counts as
 budget + 1 runs (a lower bound, shown '>N'). The ratio is unguided (or generic) runs-to-find over
-guided's, per bug and on the median. Each outcome is also printed on stderr as soon as it is known
+guided's, per bug and on the median. Per bug and oracle (crash, shadow-kv, stall, request-invariant,
+and each engine invariant at quiescent points by its name, kvrepro/classify/invariants.py): the first
+run that executed the planted lines and failed that oracle, so the table says which oracle sees
+which bug (issue 48's leaks, double frees and stranded reservations: `--family`). Each outcome is also printed on stderr as soon as it is known
 (`  outcome {...}`), so a benchmark cut short keeps what it measured.
 
 Done-when (issue 28): >= 80% found within 30 minutes each on 2 cores, guided >= 2x faster than
@@ -76,6 +79,8 @@ class PlantedBug:
     # planted line ran, for a change with no probe within the target margin (a straight-line
     # statement far below its block's branch): the target arcs alone would say "never reached"
     reach: tuple[str, ...] = ()
+    # issue 48's leak-style bugs: leak | double-free | stranded (None: the earlier planted bugs)
+    family: str | None = None
 
 
 def load_planted(folder: Path = PLANTED) -> list[PlantedBug]:
@@ -127,6 +132,20 @@ class Outcome:
     # on the release"; a candidate the release fails the same way is the release's own, not counted
     confirmations: list[str] = field(default_factory=list)
     confirm_seconds: float = 0.0  # spent on those reruns: measurement, left out of `seconds`
+    # oracle -> the first run, among those that executed the planted lines, in which it failed: crash,
+    # shadow-kv (a corruption), stall, request-invariant (the load's), or an engine invariant's name
+    # (kvrepro/classify/invariants.py): which oracle sees which bug (issue 48)
+    oracles: dict[str, int] = field(default_factory=dict)
+
+
+def oracle_of(key: str) -> str:
+    """The oracle that made a failure key: ``invariant:block-leak`` -> ``block-leak``."""
+    from kvrepro.classify.invariants import INVARIANTS
+
+    kind, _, rest = key.partition(":")
+    if kind == "invariant":
+        return rest if rest in INVARIANTS else "request-invariant"
+    return {"corruption": "shadow-kv"}.get(kind, kind)
 
 
 def rerun_on_release(bug: PlantedBug, spec, matrix: Path, root: Path, requests: int, seed: int, catalogue) -> list[str]:
@@ -160,6 +179,7 @@ def explore_one(bug: PlantedBug, mode: str, matrix: Path, root: Path, budget: st
     reached_runs: list[int] = []
     confirmations: list[str] = []
     confirm_seconds = [0.0]
+    oracles: dict[str, int] = {}
 
     def on_run(record) -> None:
         from kvrepro.explore.coverage import run_arcs
@@ -179,6 +199,8 @@ def explore_one(bug: PlantedBug, mode: str, matrix: Path, root: Path, budget: st
         keys = [f.key for f in record.failures]
         if keys and not first:
             first.append(keys[0])
+        for key in keys if ran else ():
+            oracles.setdefault(oracle_of(key), record.spec.index)
         hit = next((k for k in keys if any(k.startswith(p) for p in bug.expect)), None)
         if hit is not None and not ran:
             # the run never executed the planted lines: the failure is the release's own (measured:
@@ -215,7 +237,7 @@ def explore_one(bug: PlantedBug, mode: str, matrix: Path, root: Path, budget: st
                    first_failure=first[0] if first else None, found_key=found.get("key"),
                    campaign=state.campaign_id, verdicts=[r.verdict for r in state.runs],
                    reached_at_run=reached[0] if reached else None, target_arcs=[r.target_arcs for r in state.runs],
-                   arcs=[r.arcs for r in state.runs], found_from=found.get("entry"))
+                   arcs=[r.arcs for r in state.runs], found_from=found.get("entry"), oracles=oracles)
 
 
 def runs_to_find(o: Outcome, budget_runs: int | None) -> float:
@@ -237,6 +259,14 @@ def table(outcomes: list[Outcome], budget_runs: int | None) -> list[str]:
                      + (f" (from catalogue entry {o.found_from})" if o.found_from else ""))
     by = {(o.bug, o.mode): o for o in outcomes}
     bugs = list(dict.fromkeys(o.bug for o in outcomes))
+    # per bug and oracle: the first run (that ran the planted lines) in which that oracle failed
+    seen = sorted({name for o in outcomes for name in o.oracles})
+    if seen:
+        lines.append("oracles (first run that failed them, among runs that ran the planted lines):")
+        lines.append(f"  {'planted bug':34} {'mode':9} " + " ".join(f"{name:>17}" for name in seen))
+        for o in outcomes:
+            lines.append(f"  {o.bug:34} {o.mode:9} " + " ".join(
+                f"{o.oracles[name] if name in o.oracles else '-':>17}" for name in seen))
     for mode in MODES:
         got = [by[(b, mode)] for b in bugs if (b, mode) in by]
         if got:
@@ -267,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--results", type=Path, default=ROOT / "results")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--family", action="append", choices=("leak", "double-free", "stranded", "earlier"),
+                        help="only the planted bugs of this family (issue 48's; 'earlier': those before it)")
     args = parser.parse_args(argv)
 
     from kvrepro.errors import KvreproError
@@ -281,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"({', '.join(b.name for b in bugs)})", file=sys.stderr)
             return 2
         bugs = [b for b in bugs if b.name in args.bug]
+    if args.family:
+        bugs = [b for b in bugs if (b.family or "earlier") in args.family]
     budget_runs, _ = parse_budget(args.budget)
     catalogue = load_catalogue()
     load_avg = os.getloadavg()

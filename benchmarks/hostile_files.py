@@ -48,10 +48,11 @@ def make(kind: str, path: Path) -> Path:
     return path
 
 
-def timed(args: list[str], env: dict[str, str], timeout: float) -> tuple[float, float, int]:
-    """(seconds, peak RSS in MiB, exit code) of one `kvrepro` command; a hang is killed at ``timeout``."""
+def timed(args: list[str], env: dict[str, str], timeout: float, cwd: Path = ROOT) -> tuple[float, float, int]:
+    """(seconds, peak RSS in MiB, exit code) of one `kvrepro` command run from the checkout ``cwd``
+    (``python -m`` imports the package there); a hang is killed at ``timeout``."""
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "kvrepro.cli", *args], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "kvrepro.cli", *args], cwd=cwd, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = started + timeout
     while True:

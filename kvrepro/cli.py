@@ -43,6 +43,7 @@ minimize_commands = _LazyModule("kvrepro.minimize.commands")
 suite_commands = _LazyModule("kvrepro.suite.commands")
 report_outputs = _LazyModule("kvrepro.report.outputs")
 triage_commands = _LazyModule("kvrepro.triage.commands")
+release_commands = _LazyModule("kvrepro.release.commands")
 
 
 def load_matrix(path: Path) -> Any:
@@ -57,7 +58,7 @@ def _exit(code: int) -> None:
 
 
 # `kvrepro --help` lists commands in the order of the work, whatever order they are defined in
-COMMAND_ORDER = ("setup", "init", "matrix", "suite", "bisect", "minimize", "triage", "explore", "results", "report",
+COMMAND_ORDER = ("setup", "init", "matrix", "suite", "release", "bisect", "minimize", "triage", "explore", "results", "report",
                  "classify", "signatures", "load", "engine", "hosts", "images", "clean")
 
 
@@ -184,12 +185,16 @@ def classify_cmd(
     as_json: bool = JsonOpt,
 ) -> None:
     """Find the fatal traceback in an engine log and name its crash signature."""
+    from rich.markup import escape
+
     from .classify.commands import check_log_arguments, classify_command
     from .spec.matrix import default_target_signature
 
     check_log_arguments(log, source)
     target = load_matrix(matrix).matrix.target_signature if matrix else default_target_signature()
     found = classify_command(log, source, target)
+    for notice in found.notices:  # one line each, whatever the terminal's width
+        err.print("[yellow]note[/]: " + escape(notice), highlight=False, soft_wrap=True)
     show(as_json, found.as_json, *found.lines())
 
 
@@ -212,6 +217,12 @@ def setup_cmd(matrix: Path = MatrixOpt, as_json: bool = JsonOpt) -> None:
     with err.status("setting up") as status:
         done = setup_matrix(loaded, on_line=lambda line: status.update(line[:120]))
     show(as_json, done, *setup_lines(done))
+    failed = [name for name, b in done["builds"].items() if not b["ok"]]
+    if failed:  # a build whose patch does not apply is not set up: infrastructure, exit 3 (never 0)
+        err.print(f"[red]error:[/] {len(failed)} of {len(done['builds'])} build(s) not built ({', '.join(failed)}); "
+                  "fix their patches (the lines above say which did not apply) and run setup again",
+                  highlight=False, soft_wrap=True)
+        raise typer.Exit(3)
 
 
 @app.command("init")
@@ -421,7 +432,8 @@ def explore_cmd(
     base: Optional[str] = typer.Option(None, "--base", help="the vLLM release to explore (e.g. 0.26.0)"),
     patch: Optional[list[str]] = typer.Option(None, "--patch", help="a patch from the matrix's patches: on the "
                                               "base, in order (repeatable)"),
-    budget: Optional[str] = typer.Option(None, "--budget", help="runs (20) or run time (90s, 30m, 2h)"),
+    budget: Optional[str] = typer.Option(None, "--budget", help="runs (20) or run time (90s, 30m, 2h, 1d); "
+                                         "on --resume, the campaign's whole budget"),
     seed: int = typer.Option(0, "--seed", help="the campaign's seed: same seed, same runs"),
     unguided: bool = typer.Option(False, "--unguided", help="uniform choices: no steering by coverage"),
     no_corpus: bool = typer.Option(False, "--no-corpus", help="guided, without replaying the catalogue's entries first"),
@@ -443,7 +455,8 @@ def explore_cmd(
 
 @app.command("triage")
 def triage_cmd(
-    log: Path = typer.Argument(..., help="a vLLM server log (plain or .gz; DP-prefixed, docker timestamps, ANSI ok)"),
+    log: Path = typer.Argument(..., help="a vLLM server log (plain, .gz, .bz2, .xz, .zst, UTF-16; - for a pipe; "
+                                         "DP-prefixed, docker timestamps, ANSI ok)"),
     emit: Optional[Path] = typer.Option(None, "--emit", help="write a matrix.yaml reproducing the configuration "
                                         "(and its patches under builds/) into this new folder"),
     run: bool = typer.Option(False, "--run", help="run that matrix (--emit's folder, else one under --results) "
@@ -485,6 +498,50 @@ def builds_test(
 
     _exit(run_builds_test(load_matrix(matrix), build, list(only or []), list(later or []), jobs, results_root,
                           as_json, run_all, target))
+
+
+release_app = _group("release", "Release day: validate a new vLLM release; try a later one without a code change.")
+
+
+@release_app.command("port")
+def release_port(
+    release: str = typer.Argument(..., help="a vLLM release: one of kvrepro/versions.py, or a newer one (unported)"),
+    requests: int = typer.Option(100, "--requests", min=1, max=100000, help="requests of the one run"),
+    ci: bool = typer.Option(False, "--ci", help="plain lines, no progress bars"),
+    results_root: Path = ResultsOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """The porting checklist of kvrepro/versions.py as a command: fetch the wheel, read it against the table,
+    run it once with the settings it gets; name what it needs (a new worker RPC, a platform check, an
+    executor interface, a renamed identifier in a signature) with the vLLM file:line, and the table entry.
+    Exit 0 it runs without a code change, 1 it needs a porting step, 2 bad input, 3 no wheel."""
+    _exit(release_commands.port(**locals()))
+
+
+@release_app.command("check")
+def release_check(
+    release: str = typer.Argument(..., help="the vLLM release that landed (a known one, or a newer one: unported)"),
+    budget: str = typer.Option("5m", "--budget", help="the explore campaign's budget: runs (20) or time (5m)"),
+    seed: int = typer.Option(0, "--seed", help="the explore campaign's seed"),
+    repo: Optional[Path] = typer.Option(None, "--repo", help="a vLLM git checkout: bisect each changed crash or "
+                                        "corruption verdict to the commit"),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, max=64, help="engines at once in the suite"),
+    reps: Optional[int] = typer.Option(None, "--reps", min=1, max=1000, help="suite repetitions per entry and build"),
+    test_jobs: int = typer.Option(2, "--test-jobs", min=1, max=16, help="pytest processes at once"),
+    only: Optional[list[str]] = typer.Option(None, "--only", help="only these test files or node ids of the release"),
+    skip: Optional[list[str]] = typer.Option(None, "--skip", help="skip a stage: port, suite, tests, explore, bisect"),
+    catalogue: Optional[Path] = CatalogueOpt,
+    ci: bool = typer.Option(False, "--ci", help="plain lines, no progress bars"),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="also write JUnit XML here"),
+    results_root: Path = ResultsOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """The release-day pipeline: fetch the wheel and sdist, port check, the whole suite on the release with
+    the previous one beside it, the release's own unit tests with each catalogue entry's upstream tests, an
+    explore campaign, and what changed since the previous release (bisected with --repo). Exit 0 nothing
+    changed that needs a person, 1 something does (a row differs from the catalogue, a porting step, a new
+    finding, a test regression), 2 bad input, 3 a stage could not run, 130 interrupted."""
+    _exit(release_commands.check(**locals()))
 
 
 def main() -> None:

@@ -352,11 +352,17 @@ class Exposure:
     cow_calls: int = 0
     truncate_calls: int = 0
     partial_hits: int = 0
+    lookups_in_flight: int = 0  # probe: lookups while the request's own transfers were in flight (#46014)
     # injected offload-tier faults (engine.sim.offload_faults; the engine's `kvrepro-fault:` lines): failed
     # load and store jobs, and the requests a failed load ended with an error on purpose (policy `fail`)
     injected_load_faults: int = 0
     injected_store_faults: int = 0
     injected_failed_requests: int = 0
+    # the probe's invariants at quiescent points (kvrepro/classify/invariants.py): checks made, the
+    # quiescent points each invariant failed at (by name), the first failure in words
+    invariant_checks: int = 0
+    invariants_broken: dict[str, int] = field(default_factory=dict)
+    first_broken: str | None = None
 
     @property
     def kv_check(self) -> str:
@@ -388,6 +394,9 @@ PROBE_COUNTERS: dict[str, str] = {
                       "supersedes them (KVCacheManager.truncate_computed_blocks, 0.27.0+) (probe)",
     "partial_hits": "requests whose local hit ended inside a block, once each: full attention's copy-on-write or "
                     "the truncation for a longer offload hit (probe)",
+    "lookups_in_flight": "offload lookups of a request whose own transfer jobs were still in flight: a preempted "
+                         "request re-admitted before its flushed stores were reported done (#46014's window; "
+                         "#46231 defers the lookup) (probe)",
 }
 
 
@@ -580,10 +589,15 @@ class RunResult:
     cow_calls: int = 0
     truncate_calls: int = 0
     partial_hits: int = 0
+    lookups_in_flight: int = 0  # probe: lookups while the request's own transfers were in flight (#46014)
     # injected offload-tier faults (Exposure): failed load and store jobs, requests failed on purpose
     injected_load_faults: int = 0
     injected_store_faults: int = 0
     injected_failed_requests: int = 0
+    # the engine's invariants at quiescent points (Exposure; kvrepro/classify/invariants.py)
+    invariant_checks: int = 0
+    invariants_broken: dict[str, int] = field(default_factory=dict)
+    first_broken: str | None = None
     # `ray` target: the node the engine ran on, and why earlier attempts of this run were
     # INFRA (a node lost mid-run; the run was retried elsewhere and this record is the retry's)
     node: NodeInfo | None = None
@@ -748,7 +762,9 @@ class RunInfo:
     @property
     def base_text(self) -> str:
         """The release(s) for a title: ``0.26.0`` or ``0.26.0, 0.30.0``."""
-        return self.base if isinstance(self.base, str) else ", ".join(self.base)
+        from .versions import label
+
+        return label(self.base) if isinstance(self.base, str) else ", ".join(label(b) for b in self.base)
 
     @property
     def default_base(self) -> str:

@@ -6,25 +6,31 @@ runs on, how a flag or a variable was named, and which release is the default ba
 that lives here, so supporting a new release is one entry in ``RELEASES``. This module is
 stdlib-only: the engine (in the runtime env) and the CLI both import it.
 
-Porting checklist for a new release ``X``:
+A release newer than the newest entry (same major version) needs no code change to be tried: it
+runs with the newest entry's settings and is marked *unported* in every output (:func:`settings_for`,
+:func:`is_unported`). What breaks is then named by the porting step it needs, with the vLLM
+file:line, by ``kvrepro release port X`` (kvrepro/release/porting.py), which does the checklist:
 
-1. Add ``Release("X")`` to ``RELEASES`` (keep the tuple in release order).
-2. Run ``python scripts/release_sweep.py --release X`` (a one-build, no-patch matrix on ``X``).
-3. If the engine log ends in ``NotImplementedError: collective_rpc('name')``, EngineCore asks
-   the executor something new: find the call in ``vllm/v1/engine/core.py`` or
-   ``vllm/v1/executor/abstract.py``, decide what a single GPU worker would answer, and put it
-   in that release's ``rpc_answers`` (the sim has no worker: the answer is a constant, or
-   ``Computed("method")`` when the executor must compute it with vLLM's own code).
-4. If it fails while building the KV-cache specs or the fake model's output, the model runner
-   interface moved: adapt ``kvrepro/engine/executor.py`` behind a check of the *interface*
-   (``hasattr``), not of the version, and note it here under ``notes``.
-5. If the target crash is there but classified ``other``, the statement was refactored: add the
-   renamed identifiers to ``IDENTIFIER_ALIASES`` (the signature compares what the assertion
-   compares, with these names mapped).
-6. If its requirements pin something the existing runtime envs do not have, nothing to do: a
-   layer is resolved on top of an env (``kvrepro/builds/runtime.py``). Note the torch pin if the
-   release needs another CPU torch.
-7. Record the sweep's verdict in the release table of docs/engine.md.
+1. Fetch ``X``'s wheel and read it against this table (static: every worker RPC its EngineCore
+   and executor call, the platform checks of its CPU platform, the executor interface the sim
+   imports, the target signature's statement).
+2. Run one build with no patches on ``X`` (the default engine and load, few requests), with the
+   newest entry's settings.
+3. ``NotImplementedError: collective_rpc('name')``: **a new worker RPC**. Decide what a single GPU
+   worker answers and put it in ``X``'s ``rpc_answers`` (a constant, or ``Computed("method")``
+   when the executor must compute it with vLLM's own code).
+4. An exception raised in ``vllm/platforms/``: **a platform check**. The sim platform
+   (kvrepro/engine/platform.py) answers it with a platform method, never a version branch.
+5. An ImportError, AttributeError or TypeError between kvrepro's executor and vLLM: **an executor
+   interface** moved. Adapt ``kvrepro/engine/executor.py`` behind a check of the interface
+   (``hasattr``, ``find_spec``), not of the version, and note it under ``notes``.
+6. The target crash's statement is in the source with other names (or a crash classified
+   ``other`` at it): **a renamed identifier in a signature**. Add the pair to
+   ``IDENTIFIER_ALIASES``.
+7. Requirements the runtime envs lack: nothing to do (a layer, kvrepro/builds/runtime.py); note a
+   torch pin other than ``DEFAULT_TORCH``.
+8. Add ``Release("X", ...)`` to ``RELEASES`` (the command prints the entry) and record the sweep's
+   verdict in the release table of docs/engine.md.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ class Release:
     # worker RPCs this release's EngineCore makes beyond the common ones (method -> answer)
     rpc_answers: dict[str, Any] = field(default_factory=dict)
     notes: str = ""
+    unported_from: str | None = None  # set by settings_for: an unported release runs with this entry's settings
 
     def worker_rpc_answers(self) -> dict[str, Any]:
         return {**_COMMON_RPC_ANSWERS, **self.rpc_answers}
@@ -97,6 +104,9 @@ RELEASES: tuple[Release, ...] = (
     Release("0.32.0", rpc_answers={**_WARM_UP, **_KV_LAYOUTS}),
     Release("0.33.0", rpc_answers={**_WARM_UP, **_KV_LAYOUTS},
             notes="pins torch 2.14.0, whose wheel on the index is the CUDA build; runs on 2.13.0 CPU"),
+    Release("0.34.0", rpc_answers={**_WARM_UP, **_KV_LAYOUTS},
+            notes="pins torch 2.14.0 (runs on 2.13.0 CPU); its CPU platform refuses x86 without Triton, "
+                  "which the sim platform answers as a GPU host (kvrepro/engine/platform.py)"),
 )
 SUPPORTED_RELEASES: tuple[str, ...] = tuple(r.version for r in RELEASES)
 
@@ -178,7 +188,7 @@ def hybrid_kv_groups(layers_by_kind: dict[str, int]) -> dict[str, int]:
 # -- the capable connector (engine.connector: capable; kvrepro/engine/capable.py) -----------------
 # An OffloadingConnector subclass that declares `supports_divergent_local_hybrid_hits`, loaded by
 # vLLM's connector factory from a module path (KVConnectorFactory.get_connector_class: the module path
-# wins over the registry, 0.25.1-0.33.0 factory.py:102-120).
+# wins over the registry, 0.25.1-0.34.0 factory.py:102-120).
 CAPABLE_CONNECTOR_CLASS = "CapableOffloadingConnector"
 CAPABLE_CONNECTOR_MODULE = "kvrepro.engine.capable"
 # The scheduler reads the declaration from 0.28.0 (#50344: Scheduler._get_local_prefix_cache_hit,
@@ -239,31 +249,79 @@ class UnsupportedRelease(Exception):
 
 
 def release(version: str) -> Release | None:
+    """The table's entry for ``version`` (None for a release not in the table, unported ones too)."""
     for entry in RELEASES:
         if entry.version == version:
             return entry
     return None
 
 
-def require(version: str) -> Release:
-    """The release entry, or UnsupportedRelease naming the supported ones and the checklist."""
+_PLAIN_RELEASE = r"^(\d+)\.(\d+)\.(\d+)$"
+
+
+def is_unported(version: str) -> bool:
+    """A release newer than the newest entry, of the same major version: tried with the newest
+    entry's settings (:func:`settings_for`) and marked unported wherever it is shown. A release
+    between two entries, an older one or another major version (1.0.0, 9.9.9: another engine
+    generation, or a typo) is not: it is refused as before."""
+    import re
+
+    m = re.match(_PLAIN_RELEASE, str(version))
+    top = version_tuple(newest())
+    if m is None or top is None or version in SUPPORTED_RELEASES:
+        return False
+    got = (int(m[1]), int(m[2]), int(m[3]))
+    return got[0] == top[0] and got > top
+
+
+def settings_for(version: str) -> Release:
+    """The entry the GPU-free engine runs ``version`` with: its own, or for an unported release the
+    newest entry's settings under its version (``unported_from`` says whose)."""
     entry = release(version)
-    if entry is None:
+    if entry is not None:
+        return entry
+    if is_unported(version):
+        base = RELEASES[-1]
+        return Release(version, torch=base.torch, rpc_answers=dict(base.rpc_answers),
+                       notes=f"unported: tried with {base.version}'s settings", unported_from=base.version)
+    raise UnsupportedRelease(unsupported(version) or f"vLLM {version}: not a release kvrepro can run")
+
+
+def label(version: str) -> str:
+    """How an output names a release: ``0.34.0``, or ``0.35.0 (unported)``."""
+    return f"{version} (unported)" if is_unported(version) else version
+
+
+def unported_note(version: str) -> str | None:
+    """The one line every output carries for an unported release (None for a table entry)."""
+    if not is_unported(version):
+        return None
+    return (f"vLLM {version} is unported: tried with {newest()}'s settings (kvrepro/versions.py); "
+            f"`kvrepro release port {version}` names what it needs")
+
+
+def require(version: str) -> Release:
+    """The release entry (an unported one too), or UnsupportedRelease naming the supported ones."""
+    try:
+        return settings_for(version)
+    except UnsupportedRelease:
         raise UnsupportedRelease(
-            f"vLLM {version} has no GPU-free engine adapter in kvrepro yet (supported: "
-            f"{', '.join(SUPPORTED_RELEASES)}); add it to kvrepro/versions.py following the porting "
-            "checklist there"
-        )
-    return entry
+            f"vLLM {version} has no GPU-free engine adapter in kvrepro (supported: "
+            f"{', '.join(SUPPORTED_RELEASES)}, and unported releases newer than {newest()}); add it to "
+            "kvrepro/versions.py following the porting checklist there"
+        ) from None
 
 
-def unsupported(version: str) -> str | None:
+def unsupported(version: str, unported_ok: bool = True) -> str | None:
     """Why ``version`` cannot be a base (None if it can): one message for matrix.yaml's ``base:``,
     ``--base``, the catalogue's present_in / fixed_in, so that 9.9.9 is bad input before anything
-    is recorded, never a build that fails later."""
-    if version in SUPPORTED_RELEASES:
+    is recorded, never a build that fails later. An unported release (:func:`is_unported`) can be
+    a base; the catalogue, which states what was read and measured, passes ``unported_ok=False``."""
+    if version in SUPPORTED_RELEASES or (unported_ok and is_unported(version)):
         return None
-    return f"{str(version)[:40]!r} is not a vLLM release kvrepro supports; supported: {', '.join(SUPPORTED_RELEASES)}"
+    newer = f", or an unported release newer than {newest()}" if unported_ok else ""
+    return (f"{str(version)[:40]!r} is not a vLLM release kvrepro supports; supported: "
+            f"{', '.join(SUPPORTED_RELEASES)}{newer}")
 
 
 def newest() -> str:

@@ -23,9 +23,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvrepro"
 BASE = {"__init__", "errors", "paths", "secrets", "stopping", "scratch", "lifetime", "versions", "records"}
 # Pipeline stages in order; the later-stage rule compares these ranks.
 STAGES = ["spec", "builds", "deploy", "engine", "loadgen", "classify", "results", "report",
-          "matrix", "bisect", "minimize", "suite", "triage", "explore", "cli"]
+          "matrix", "bisect", "minimize", "suite", "triage", "explore", "release", "cli"]
 # Orchestrators on top may import each other's records but are all "after report".
-TOP = {"matrix", "bisect", "minimize", "suite", "triage", "explore"}
+TOP = {"matrix", "bisect", "minimize", "suite", "triage", "explore", "release"}
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ def pytest_collection_modifyitems(config, items):
 # What the suite downloads on a machine whose kvrepro cache is empty (besides the default release,
 # which `kvrepro setup` fetches before pytest starts): found in KVREPRO_HOME after a whole run on an
 # empty one (2026-12-04). A release missing here is simply downloaded by the test that needs it.
-PREFETCH_WHEELS = ("0.30.0", "0.31.0", "0.25.1", "0.27.0", "0.28.0", "0.33.0")
+PREFETCH_WHEELS = ("0.30.0", "0.31.0", "0.25.1", "0.27.0", "0.28.0", "0.33.0", "0.34.0")
 PREFETCH_SDISTS = ("0.26.0", "0.30.0", "0.27.0", "0.28.0")
 _PREFETCH = """
 import signal, sys

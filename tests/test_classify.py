@@ -400,6 +400,11 @@ def test_a_large_log_with_an_absurd_line_still_gives_its_crash(tmp_path):
          "\x1b[90m[entrypoints/.../serving.py:1267]\x1b[0m   File \"x\", line 1, in f",
          "APIServer pid=1", "ERROR 11-29 10:00:00 [entrypoints/.../serving.py:1267]", '  File "x", line 1, in f'),
         ("  File \"/a | b.py\", line 3, in f", "", None, '  File "/a | b.py", line 3, in f'),
+        # seen 2026-12-04 (suite-20261204-183540-8c2c, 2 of ~190 engine logs): the fatal error's first line
+        # with the API server's prefix in front of the forked EngineCore's; the record is EngineCore's
+        ("(APIServer pid=8053) (EngineCore pid=8066) ERROR 12-04 19:04:24 [core.py:1233] EngineCore encountered a "
+         "fatal error.", "EngineCore pid=8066", "ERROR 12-04 19:04:24 [core.py:1233]",
+         "EngineCore encountered a fatal error."),
     ],
 )
 def test_split_line(raw, stream, header, body):

@@ -35,9 +35,15 @@ request = json.load(sys.stdin)
 parser = make_arg_parser(FlexibleArgumentParser())
 known = sorted(parser._option_string_actions)
 out = []
+def plain(v):  # JSON-able: plain values and parsed JSON as they are, an enum by its name
+    if isinstance(v, (str, int, float, bool, type(None), dict)):
+        return v
+    name = getattr(v, "name", None)
+    return name if isinstance(name, str) else repr(type(v))
+
 for argv in request:
     ns = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
-    out.append({k: v for k, v in vars(ns).items() if isinstance(v, (str, int, float, bool, type(None)))})
+    out.append({k: plain(v) for k, v in vars(ns).items()})
 print("RESULT " + json.dumps({"parsed": out, "options": known}))
 """
 
@@ -68,7 +74,18 @@ def _data_parallel():
                        head_address="10.0.0.10", api_port=8000, bind_ip="0.0.0.0")
 
 
-SCENARIOS = {"single": _single, "nnodes": _nnodes, "data_parallel": _data_parallel}
+def _gpu_path():
+    """A real vLLM on GPUs (docker.gpu_free: no) serving the shipped weightless model."""
+    from kvrepro.deploy.docker.target import gpu_path_args
+
+    engine = parse_matrix("builds: {A: []}\n", Path("/tmp/matrix.yaml")).matrix.engine
+    args = gpu_path_args(engine.serve_args("/kvrepro/model/qwen3-next-tiny", include_sim=False), engine,
+                         DockerSpec(), weights=False)
+    return plan_launch(args, _hosts(1, gpus=1), DockerSpec(), head_address="127.0.0.1", api_port=None,
+                       bind_ip="127.0.0.1")
+
+
+SCENARIOS = {"single": _single, "nnodes": _nnodes, "data_parallel": _data_parallel, "gpu_path": _gpu_path}
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +126,29 @@ def test_single_node_passes_matrix_args_verbatim(vllm):
     assert ns["block_size"] == 16 and ns["mamba_cache_mode"] == "align"
     assert ns["enable_prefix_caching"] is True and ns["num_gpu_blocks_override"] == SimSettings().num_gpu_blocks
     assert ns["kv_offloading_backend"] == "native" and ns["headless"] is False
+
+
+def test_the_gpu_path_caps_the_pool_and_pins_one_backend_for_target_and_drafter(vllm):
+    """docker.gpu_free: no (docs/docker.md): the pool the load was made for (a 139 GiB GPU evicts
+    nothing), FlashAttention for the target AND the MTP drafter (vLLM 0.26.0's drafter never inherits
+    the target's backend: llm_base_proposer.py:1292), dummy weights for a weightless model folder,
+    and vLLM's own scheduling mode (nothing passed: async on with MTP). Parsed by vLLM's parser."""
+    [ns] = vllm["parsed"]["gpu_path"]
+    assert ns["num_gpu_blocks_override"] == SimSettings().num_gpu_blocks
+    assert ns["attention_backend"] == "FLASH_ATTN"
+    assert ns["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 1, "attention_backend": "FLASH_ATTN"}
+    assert ns["load_format"] == "dummy"
+    assert ns["async_scheduling"] is None  # vLLM decides, as on any GPU node
+    from kvrepro.deploy.docker.target import gpu_path_args
+
+    engine = parse_matrix("builds: {A: []}\nengine: {extra_args: [--kv-cache-memory-bytes, '8G']}\n",
+                          Path("/tmp/matrix.yaml")).matrix.engine
+    own_pool = gpu_path_args(engine.serve_args("m", include_sim=False), engine,
+                             DockerSpec(gpu_kv_blocks="matrix", gpu_attention_backend=None), weights=True)
+    assert "--num-gpu-blocks-override" not in own_pool and "--attention-backend" not in own_pool
+    assert "--load-format" not in own_pool
+    with pytest.raises(ValueError, match="attention backend name"):
+        DockerSpec(gpu_attention_backend="flash; rm -rf /")
 
 
 def test_nnodes_plan_head_serves_others_headless(vllm):

@@ -191,14 +191,19 @@ def test_target_crash_goes_through_vllms_own_death_path(default_matrix, overlays
     assert "(APIServer" in log[log.rfind("\n", 0, dead):dead]  # then the API server's death report
     result = classify_log(log, Path(artifact.source_root), default_matrix.matrix.target_signature)
     assert result.outcome.value == "target", result
+    # the GPU's scheduling mode (engine.async_scheduling: auto): vLLM 0.26.0 with MTP turns it on and
+    # the EngineCore keeps it (the CPU platform would turn it off): batch queue, AsyncScheduler
+    assert "Asynchronous scheduling is enabled." in log and "Asynchronous scheduling is disabled." not in log
+    assert "asynchronous scheduling on (batch queue of 2)" in log and "async_scheduling=on" in log
     counters = read_engine_counters(log)
     assert counters.steps and counters.steps > 0 and counters.offload_store_jobs is not None
 
 
 def test_a_clean_stop_of_a_healthy_server_is_not_a_crash(default_matrix, overlays, tmp_path):
+    """Also the synchronous mode on request (engine.async_scheduling: off -> --no-async-scheduling)."""
     from kvrepro.classify import classify_log
 
-    target = _target(default_matrix)
+    target = _target(default_matrix, async_scheduling="off")
     try:
         artifact, handle = _start(target, "B", tmp_path)
         resp = requests.post(handle.base_url + "/v1/completions", timeout=30,
@@ -209,6 +214,8 @@ def test_a_clean_stop_of_a_healthy_server_is_not_a_crash(default_matrix, overlay
         target.close()
     log = handle.log_path.read_text(errors="replace")
     assert "EngineCore encountered a fatal error." not in log
+    assert "Asynchronous scheduling is disabled." in log and "Asynchronous scheduling is enabled." not in log
+    assert "asynchronous scheduling off." in log and "async_scheduling=off" in log
     result = classify_log(log, Path(artifact.source_root), default_matrix.matrix.target_signature)
     assert result.outcome.value == "none", result
 
@@ -394,6 +401,90 @@ def test_sim_transfers_finish_loads_after_load_steps_and_stores_after_one(runtim
     assert default == [[[], [1, 2], [], [], []], {"load": 1, "store": 1}]
     assert slow == [[[], [2], [], [1], []], {"load": 1, "store": 1}]
     assert flushed == [[[1], [2], [], [], []], {"load": 1, "store": 1}]
+
+
+ASYNC_RUNNER = """
+import json
+from types import SimpleNamespace as NS
+from kvrepro.engine.config import SimKnobs
+from kvrepro.engine.executor import SimRunner
+from kvrepro.engine.shadow import ShadowKV
+
+class FullAttentionSpec:  # the shadow KV reads a group's kind from its spec's class name
+    block_size = 4
+
+def runner(async_scheduling):
+    config = NS(model_config=NS(get_vocab_size=lambda: 50_000), speculative_config=NS(num_speculative_tokens=1),
+                scheduler_config=NS(async_scheduling=async_scheduling))
+    shadow = ShadowKV(NS(kv_cache_groups=[NS(kv_cache_spec=FullAttentionSpec())]), stream=open("/dev/null", "w"))
+    return SimRunner(config, SimKnobs(acceptance_rate=0.0, seed=1), None, None, shadow)
+
+def output(new=(), cached=(), spec=None, all_tokens=None):
+    # new: (req id, prompt tokens); cached: (req id, num_computed_tokens as the scheduler sends it, scheduled)
+    return NS(finished_req_ids=set(), preempted_req_ids=set(), kv_cache_block_copies=(),
+              scheduled_new_reqs=[NS(req_id=r, prompt_token_ids=list(range(100, 100 + n)), num_computed_tokens=0,
+                                     block_ids=([1 + 8 * i + j for j in range(8)],)) for i, (r, n) in enumerate(new)],
+              scheduled_cached_reqs=NS(req_ids=[c[0] for c in cached], num_computed_tokens=[c[1] for c in cached],
+                                       new_block_ids=[None for _ in cached], resumed_req_ids=set(),
+                                       all_token_ids=all_tokens or {}),
+              num_scheduled_tokens={**{r: n for r, n in new}, **{c[0]: c[2] for c in cached}},
+              scheduled_spec_decode_tokens={r: [-1] for r in (spec or ())}, total_num_scheduled_tokens=1)
+
+def step(r, so):
+    num_computed, prev_drafts = r._update_states(so)
+    return r._forward(so, num_computed, prev_drafts)[1]
+
+def run(async_scheduling):
+    # What vLLM's AsyncScheduler sends for a request with a 6-token prompt and one MTP draft per
+    # step, every draft rejected (acceptance 0): each step is scheduled before the previous step's
+    # output is processed, so num_computed_tokens counts the previous step's draft as accepted (it
+    # is lowered by one only when that output arrives) and the draft is a -1 placeholder.
+    r = runner(async_scheduling)
+    step(r, output(new=[("a", 6)]))                                  # prefill; samples token 7
+    step(r, output(cached=[("a", 6, 2)], spec="a"))                  # no draft before: exact
+    step(r, output(cached=[("a", 8, 2)], spec="a"))                  # 7 computed; the scheduler says 8
+    step(r, output(cached=[("a", 9, 2)], spec="a"))                  # 8 computed; the scheduler says 9
+    step(r, output(new=[("b", 5)]))                                  # "a" waits a step: the scheduler
+    tokens = list(r.requests["a"].tokens)                            # catches up (9 = 10 tokens - 1)
+    step(r, output(cached=[("a", 9, 2)], spec="a", all_tokens={"a": tokens}))
+    return {"stats": r.async_stats, "violations": r.shadow.violations, "checks": r.shadow.checks,
+            "tokens": len(r.requests["a"].tokens)}
+
+def resync():
+    # a request that was not in the previous step takes the scheduler's tokens (all_token_ids),
+    # e.g. after the scheduler dropped an output still in flight
+    r = runner(True)
+    step(r, output(new=[("b", 5)]))                                  # samples a 6th token
+    step(r, output(new=[("c", 3)]))
+    step(r, output(cached=[("b", 4, 1)], all_tokens={"b": list(range(100, 105))}))  # scheduler: 5 tokens
+    return {"stats": r.async_stats, "violations": r.shadow.violations,
+            "hashes": len(r.shadow.requests["b"].hashes), "tokens": len(r.requests["b"].tokens)}
+
+print("RESULTS " + json.dumps([run(True), run(False), resync()]))
+"""
+
+
+def test_the_runner_computes_where_the_gpu_does_one_step_behind_an_async_scheduler(runtime_python, runtime_scripts,
+                                                                                 overlays):
+    """Asynchronous scheduling (vLLM's GPU default with MTP): the scheduler sends -1 placeholders
+    and a num_computed_tokens that counts the previous step's drafts as accepted. The runner, as
+    vLLM's V1 GPU runner, verifies its own drafts and lowers the count by the drafts that step
+    rejected, so every forward reads and writes the positions a GPU does (the shadow KV checks them:
+    no violation). The control takes the scheduler's numbers as they are (the synchronous runner)
+    and reads a rejected draft's KV: one violation. A request that was not in the previous step
+    takes the scheduler's tokens (all_token_ids). The scheduler outputs are written by hand, as
+    AsyncScheduler would send them (the comments say why each number)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.pathsep.join([str(overlays["A"]), str(ROOT)])
+    proc = runtime_scripts.run(runtime_python, ["-c", ASYNC_RUNNER], env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULTS "))
+    gpu, control, resync = json.loads(line[len("RESULTS "):])
+    assert gpu == {"stats": {"corrections": 2, "resyncs": 0, "draft_fills": 3, "mismatches": 0},
+                   "violations": 0, "checks": 6, "tokens": 11}
+    assert control["violations"] == 1 and control["stats"]["corrections"] == 0
+    assert resync == {"stats": {"corrections": 0, "resyncs": 1, "draft_fills": 0, "mismatches": 0},
+                      "violations": 0, "hashes": 7, "tokens": 6}
 
 
 def test_plugin_names_the_platform_only_when_asked():

@@ -91,7 +91,8 @@ def test_weights_steer_the_choice():
 def test_budget_parsing():
     assert parse_budget("20") == (20, None)
     assert parse_budget("90s") == (None, 90.0) and parse_budget("30m") == (None, 1800.0)
-    for bad in ("0", "x", "10d", "-3"):
+    assert parse_budget("10d") == (None, 864_000.0)  # d is a unit (issue 44: 99999999h was taken, 10d refused)
+    for bad in ("0", "x", "99999999h", "-3", "1000001"):
         with pytest.raises(BadInputError, match="--budget"):
             parse_budget(bad)
 

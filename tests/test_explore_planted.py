@@ -59,14 +59,16 @@ def test_each_planted_patch_applies_to_its_release_and_does_what_its_header_says
     assert apply_patch_stack(tmp_path, [ref]) is None
     assert check_expectations(tmp_path, header) == []
     # a `reach:` probe is an `if` of the patched file above the changed line (not taken: the code
-    # after it, the planted line among it, ran)
+    # after it, the planted line among it, ran), or the entry of the function the change is in
+    # (`-<def line>><first statement>`, kvrepro/engine/branches.py)
     changed = [int(m) for m in re.findall(r"^@@ -(\d+)", path.read_text(), re.M)]
     for probe in bug.reach:
         name, _, arc = probe.rpartition(":")
         (rel,) = [r for r in touched_files(path) if str(r).endswith(name)]
         line = int(arc.split(">")[0])
-        assert (tmp_path / rel).read_text().splitlines()[line - 1].strip().startswith("if "), probe
-        assert any(0 < start - line < 30 for start in changed), probe
+        text = (tmp_path / rel).read_text().splitlines()[abs(line) - 1].strip()
+        assert text.startswith("def " if line < 0 else "if "), probe
+        assert any(0 < start - abs(line) < 30 for start in changed), probe
 
 
 @pytest.mark.parametrize("bug", BUGS, ids=[b.name for b in BUGS])

@@ -374,17 +374,20 @@ def test_classify_reads_a_gzip_log_as_text(tmp_path):
     assert json.loads(proc.stdout) == json.loads(plain.stdout)
     truncated = tmp_path / "cut.log.gz"
     truncated.write_bytes(packed.read_bytes()[: packed.stat().st_size // 2])
-    one_line(kvrepro("classify", str(truncated)), 2, "cut.log.gz", "not a text log", "gzip")
+    one_line(kvrepro("classify", str(truncated)), 2, "cut.log.gz", "damaged gzip data at byte", "ends inside")
 
 
 def test_classify_refuses_what_is_not_a_text_log(tmp_path):
-    """Case 6: a UTF-16 crash log, 10 MB of random bytes: "not a text log", exit 2 (not "none: no
-    crash"); a FIFO and a /dev/zero link: what they are, exit 2, at once (not "no such file")."""
+    """Case 6: 10 MB of random bytes: "not a text log", exit 2 (not "none: no crash"); a FIFO and a
+    /dev/zero link: what they are, exit 2, at once (not "no such file"). A UTF-16 crash log is
+    read as the log it is (issue 44; it was refused before), with a note saying so."""
     utf16 = tmp_path / "engine-utf16.log"
     utf16.write_text(CRASH_LOG.read_text(), encoding="utf-16")
     noise = tmp_path / "noise.bin"
     noise.write_bytes(os.urandom(10 * 1024 * 1024))
-    one_line(kvrepro("classify", str(utf16)), 2, "engine-utf16.log", "not a text log", "UTF-16")
+    read = kvrepro("classify", str(utf16), "--json")
+    assert read.returncode == 0 and json.loads(read.stdout)["outcome"] == "target", read.stderr
+    assert "UTF-16-LE text, read as such" in read.stderr
     one_line(kvrepro("classify", str(noise)), 2, "noise.bin", "not a text log", "binary")
     one_line(kvrepro("classify", str(fifo(tmp_path / "pipe.log"))), 2, "pipe.log", "FIFO")
     one_line(kvrepro("classify", str(zero_link(tmp_path / "zero.log"))), 2, "zero.log", "character device")

@@ -220,6 +220,7 @@ TOUCHED = {
     "pr-44409.patch": [COORDINATOR],
     "pr-42554.patch": [CORE_SCHEDULER],
     "pr-49671.patch": [SCHEDULER],
+    "revert-pr-46231.patch": [SCHEDULER],
 }
 
 

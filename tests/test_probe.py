@@ -110,7 +110,8 @@ def test_counts_external_hits_and_triggers_and_keeps_behaviour(vllm_tree, tmp_pa
     # (32,16) and (16,48): hit with a local prefix -> trigger.
     # (blocks=None: no group layout to read, so the bug's state is never counted)
     none = {"state_calls": 0, "state_groups": {}, "deferred_lookups": 0, "loads_behind_deferred": 0,
-            "finished_unscheduled": 0, "divergent_hits": 0, "divergent_loads": 0, "cow_calls": 0, "truncate_calls": 0, "partial_hits": 0}
+            "finished_unscheduled": 0, "divergent_hits": 0, "divergent_loads": 0, "cow_calls": 0, "truncate_calls": 0, "partial_hits": 0,
+            "lookups_in_flight": 0}
     assert counts == [
         {"external_hit_calls": 0, "trigger_calls": 0, **none},
         {"external_hit_calls": 0, "trigger_calls": 0, **none},
@@ -131,7 +132,7 @@ def test_counts_external_hits_and_triggers_and_keeps_behaviour(vllm_tree, tmp_pa
     # ... and at exit.
     assert re.fullmatch(r"kvrepro-probe: counts external_hit_calls=3 trigger_calls=2 state_calls=0 state_groups=- "
                         r"deferred_lookups=0 loads_behind_deferred=0 finished_unscheduled=0 divergent_hits=0 divergent_loads=0 "
-                        r"cow_calls=0 truncate_calls=0 partial_hits=0 pid=\d+", proc.stderr.rstrip().splitlines()[-1])
+                        r"cow_calls=0 truncate_calls=0 partial_hits=0 lookups_in_flight=0 pid=\d+", proc.stderr.rstrip().splitlines()[-1])
 
 
 # The bug's state: real KVCacheBlock / KVCacheBlocks from vLLM; the connector config is a stand-in
@@ -215,7 +216,8 @@ def call(what, fn, *args):
     except Exception as exc:
         out = type(exc).__name__
     log.append([what, out, {k: v for k, v in kvrepro_probe.counts().items()
-                            if k in ("deferred_lookups", "loads_behind_deferred", "external_hit_calls")}])
+                            if k in ("deferred_lookups", "loads_behind_deferred", "external_hit_calls",
+                                     "lookups_in_flight")}])
 
 call("lookup a", cls.get_num_new_matched_tokens, self_, req["a"], 0)        # deferred
 call("lookup b", cls.get_num_new_matched_tokens, self_, req["b"], 0)        # not deferred (raises)
@@ -242,8 +244,10 @@ def test_counts_deferred_lookups_and_loads_admitted_behind_them(vllm_tree, tmp_p
         ("pass end", 1, 1, 2),
         ("load c", 1, 1, 3),     # a new pass: no deferral in it yet
     ]
+    # a's lookup came while its own transfer (job 7) was in flight: #46014's window, which the guard defers
+    assert [c["lookups_in_flight"] for _, _, c in log] == [1, 1, 1, 1, 1, 1]
     assert re.search(r"deferred_lookups=1 loads_behind_deferred=1 finished_unscheduled=0 divergent_hits=0 divergent_loads=0 "
-                     r"cow_calls=0 truncate_calls=0 partial_hits=0 pid=\d+$", proc.stderr.rstrip())
+                     r"cow_calls=0 truncate_calls=0 partial_hits=0 lookups_in_flight=1 pid=\d+$", proc.stderr.rstrip())
 
 
 # vLLM's own _apply_cow (0.26.0's single_type_kv_cache_manager.py), called unbound on a stand-in manager
@@ -292,7 +296,7 @@ def test_counts_copy_on_writes_and_keeps_their_behaviour(vllm_tree, tmp_path):
     assert parse_results(proc.stdout) == [["redirected", True, 1], ["full attention", 2, 1],
                                           ["raised", "AssertionError", 3],
                                           ["marked", True, 0]]  # 0.26.0 has no truncate_computed_blocks
-    assert re.search(r" cow_calls=3 truncate_calls=0 partial_hits=1 pid=\d+$", proc.stderr.rstrip())
+    assert re.search(r" cow_calls=3 truncate_calls=0 partial_hits=1 lookups_in_flight=0 pid=\d+$", proc.stderr.rstrip())
 
 
 def test_installed_line_names_file_and_source_hash(vllm_tree, tmp_path):

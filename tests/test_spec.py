@@ -90,6 +90,25 @@ def test_serve_args_are_real_vllm_flags():
     assert "--num-gpu-blocks-override" not in engine.serve_args("/m", include_sim=False)
 
 
+def test_async_scheduling_is_vllms_own_decision_unless_the_matrix_says_on_or_off(tmp_path):
+    """auto (the default) passes nothing: vLLM decides as on a GPU (on with MTP); on/off are its flags,
+    and the same setting in extra_args as well is one line naming both."""
+    def args(fragment: str) -> list[str]:
+        text = 'base: "0.26.0"\nbuilds: {A: []}\n' + fragment
+        return parse_matrix(text, Path("m.yaml")).matrix.engine.serve_args("/m", include_sim=False)
+
+    assert not any("async-scheduling" in a for a in args(""))
+    assert not any("async-scheduling" in a for a in args("engine: {async_scheduling: auto}\n"))
+    assert args("engine: {async_scheduling: 'on'}\n")[-1] == "--async-scheduling"
+    assert args("engine: {async_scheduling: 'off'}\n")[-1] == "--no-async-scheduling"
+    assert args("engine: {async_scheduling: off}\n")[-1] == "--no-async-scheduling"  # YAML's boolean off
+    assert "engine.async_scheduling" in _error('base: "0.26.0"\nbuilds: {A: []}\nengine: {async_scheduling: maybe}\n',
+                                               tmp_path)
+    both = _error('base: "0.26.0"\nbuilds: {A: []}\nengine: {async_scheduling: "off", extra_args: '
+                  '["--async-scheduling"]}\n', tmp_path)
+    assert "engine.extra_args.0" in both and "engine.async_scheduling" in both
+
+
 def test_cli_validate_exits_2_without_traceback(tmp_path):
     path = tmp_path / "matrix.yaml"
     path.write_text('base: "0.26.0"\nbuilds:\n  A: []\nload:\n  concurency: 3\n')

@@ -107,7 +107,7 @@ path: {counter: trigger_count}
 
 
 @pytest.mark.parametrize("change, line, field, words", [
-    (("kind: crash", "kind: hang"), 2, "kind", "'crash', 'corruption' or 'stall'"),
+    (("kind: crash", "kind: hang"), 2, "kind", "'crash', 'corruption', 'stall' or 'invariant'"),
     (("signature: offload_update_state_after_alloc", "signature: nope"), 4, "signature", "not a crash signature"),
     (("path: {counter: trigger_count}", "path: {counter: bogus}"), 8, "path.counter", "not a counter"),
     (("present_in: [\"0.26.0\"]", "present_in: [\"0.26\"]"), 7, "present_in", "must start with a release"),

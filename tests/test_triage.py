@@ -198,7 +198,7 @@ def test_gzip_and_a_large_interleaved_log_read_the_same(tmp_path, catalogue, mon
     ("not-vllm.log", "not a vLLM server log"),
     ("unsupported-0.19.0.log", "vLLM 0.19.0 is not a release kvrepro can triage"),
     ("truncated-traceback-0.26.0.log", "truncated-traceback-0.26.0.log:6: the traceback there is cut off"),
-    ("binary", "a binary file"),
+    ("binary", "not a text log (binary data"),
     ("truncated.gz", "damaged gzip data"),
 ])
 def test_bad_input_is_one_line_and_exit_2(name, says, tmp_path):

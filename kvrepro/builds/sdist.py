@@ -6,18 +6,27 @@ sdist's metadata to download it, which for vLLM means installing cmake, ninja an
 source as build dependencies (measured 2026-12-02: failed after 4 minutes). So kvrepro asks the
 index itself (its JSON Simple API, PEP 691, the one pip reads) for the file's URL and sha256,
 downloads it and checks the hash. ``KVREPRO_INDEX_URL`` points at another index.
+
+The cache is checked before it is used (issue 44): the sdist's sha256 is written beside it
+(``.sha256``) when the download checked out, and the file is hashed against it again before its
+tests are extracted; a cached sdist cut off or changed since (a disk that filled, a copy between
+machines) is "damaged cache", removed, exit 3, and the next run fetches it again. A full disk
+names the folder it could not write.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import tarfile
 import tempfile
 import urllib.error
 import urllib.request
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +68,41 @@ def sdists_dir() -> Path:
 
 class NotOnIndex(SetupError):
     """The index answered and lists no sdist of the release (as against an index not reached)."""
+
+
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def _cannot_write(folder: Path, exc: OSError) -> SetupError:
+    return SetupError(f"{folder}: cannot write the sdist cache: {exc.strerror or exc}; free some space (or point "
+                      "$KVREPRO_HOME at a folder with room) and run again")
+
+
+def _damaged(final: Path, why: str) -> SetupError:
+    """A cached sdist that is not what was downloaded: removed (with its sidecar), so that the next
+    run fetches it again."""
+    for path in (final, final.with_name(final.name + ".sha256")):
+        try:
+            path.unlink()
+        except OSError:
+            pass
+    return SetupError(f"damaged cache: {final}: {why}; removed it: run the command again to re-fetch it")
+
+
+def _verified(final: Path) -> str:
+    """The cached sdist's sha256, checked against the sidecar written when it was downloaded."""
+    sidecar = final.with_name(final.name + ".sha256")
+    expected = sidecar.read_text(errors="replace").strip()
+    if not re.fullmatch(r"[0-9a-f]{64}", expected):
+        raise _damaged(final, f"its sidecar {sidecar.name} holds no sha256")
+    digest = hashlib.sha256()
+    with open(final, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    if digest.hexdigest() != expected:
+        raise _damaged(final, f"sha256 {digest.hexdigest()[:16]}... is not the {expected[:16]}... it was downloaded "
+                              "with (cut off or changed since)")
+    return expected
 
 
 def _cached(release: str) -> tuple[Path, str] | None:
@@ -119,6 +163,8 @@ def fetch_sdist(release: str) -> tuple[Path, str]:
                     tmp.write(chunk)
         except (urllib.error.URLError, OSError) as exc:
             os.unlink(tmp.name)
+            if isinstance(exc, OSError) and exc.errno in _SPACE_ERRNOS:
+                raise _cannot_write(folder, exc) from None
             raise SetupError(f"downloading {url} failed ({exc}); check that the package index is reachable") from None
         except BaseException:  # a signal mid-download: no half file left in the cache
             os.unlink(tmp.name)
@@ -126,8 +172,11 @@ def fetch_sdist(release: str) -> tuple[Path, str]:
     if digest.hexdigest() != expected:
         os.unlink(tmp.name)
         raise SetupError(f"{url}: sha256 {digest.hexdigest()} is not the index's {expected}; not used")
-    os.replace(tmp.name, final)
-    sidecar.write_text(expected + "\n")
+    try:
+        os.replace(tmp.name, final)
+        sidecar.write_text(expected + "\n")
+    except OSError as exc:
+        raise _cannot_write(folder, exc) from None
     return final, expected
 
 
@@ -137,7 +186,11 @@ def source_tests(release: str) -> SourceTests:
     root = sdists_dir() / release / f"tests-{digest[:12]}"
     if (root / ".complete").exists():
         return SourceTests(release, root, digest)
-    tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=".extract-"))
+    digest = _verified(sdist)  # what is about to be unpacked is what was downloaded
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=".extract-"))
+    except OSError as exc:
+        raise _cannot_write(root.parent, exc) from None
     try:
         prefix = f"vllm-{release}/"
         with tarfile.open(sdist) as tar:
@@ -149,6 +202,12 @@ def source_tests(release: str) -> SourceTests:
                     members.append(member)
             tar.extractall(tmp, members, filter="data")
         publish_staged(tmp, root, digest)
+    except OSError as exc:
+        if exc.errno in _SPACE_ERRNOS:
+            raise _cannot_write(root.parent, exc) from None
+        raise _damaged(sdist, f"cannot be unpacked ({exc})") from None
+    except (tarfile.TarError, EOFError, zlib.error) as exc:
+        raise _damaged(sdist, f"cannot be unpacked ({exc})") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -607,6 +607,9 @@ def check_builds(plans: Sequence[BuildPlan], all_patches: Sequence[PatchRef], ru
         if index is None:
             run_sets[plan.name] = to_run
             continue
+        if not plan.patches:  # the release itself (`release check`): its outcomes are the baseline's
+            run_sets[plan.name] = ()
+            continue
         files = [rel for patch in plan.patches for rel in patching.touched_files(patch.path)]
         changed[plan.name] = tuple(upstream_impact.changed_code(release_root, Path(artifact.ref or "."), files))
         why = upstream_impact.affected_tests(changed[plan.name], index, release_root, tree.root, selected, spawned)

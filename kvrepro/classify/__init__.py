@@ -28,7 +28,8 @@ from ..spec.matrix import TargetSignature
 from .classifier import classify_lines, excerpt, fatal_traceback
 from .engine_counters import read_engine_counters
 from .exposure import read_exposure
-from .logfile import GZIP_ERRORS, NotTextLog, open_log
+from ..errors import BadInputError
+from .logfile import open_log
 from .patterns import Pattern, known_patterns, match_pattern
 
 __all__ = [
@@ -55,19 +56,17 @@ def classify_log(text: str, source_root: Path | None = None,
 
 
 def classify_file(path: str | Path, source_root: Path | None = None,
-                  target: TargetSignature | None = None) -> Classification:
+                  target: TargetSignature | None = None, notices: list[str] | None = None) -> Classification:
     """Classify a log file, streaming it (logs of long runs reach hundreds of MB).
 
-    A gzip file is read decompressed; a file that is not a text log at all (UTF-16, binary) is
+    A compressed file is read decompressed, UTF-16 transcoded, every line cut to a bound; a file
+    that is not a text log at all (binary, damaged compressed data) is
     :class:`~kvrepro.classify.logfile.NotTextLog`; a few bytes that are not UTF-8 (a line cut
     mid-character) are replaced rather than failing the classification (kvrepro/classify/logfile.py).
+    ``notices``: what reading it noticed (lines cut) is appended there.
     """
-    with open_log(path, require_text=True) as fh:
-        try:
-            return classify_lines(fh, source_root, target)
-        except GZIP_ERRORS as exc:
-            raise NotTextLog(f"{path}: not a text log (a damaged gzip file: {exc}); give the engine's log "
-                             "as text or .gz") from None
+    with open_log(path, require_text=True, notices=notices) as fh:
+        return classify_lines(fh, source_root, target)
 
 
 def crash_excerpt(path: str | Path, max_frames: int = 3) -> list[str]:
@@ -76,6 +75,6 @@ def crash_excerpt(path: str | Path, max_frames: int = 3) -> list[str]:
     try:
         with open_log(path) as fh:  # never blocks on a FIFO left in a results folder
             tb = fatal_traceback(fh)
-    except (OSError, *GZIP_ERRORS):
+    except (OSError, BadInputError):
         return []
     return excerpt(tb, max_frames) if tb is not None else []

@@ -41,6 +41,7 @@ class LogVerdict:
     corrupt_title: str
     defects: dict[str, int]
     as_json: dict[str, Any] = field(repr=False)
+    notices: tuple[str, ...] = ()  # what reading the log noticed (lines cut to the bound), for stderr
 
     def lines(self) -> list[str]:
         """What the terminal shows (rich markup; the log's own text escaped)."""
@@ -56,15 +57,23 @@ class LogVerdict:
 def classify_command(log: Path, source: Path | None, target: TargetSignature) -> LogVerdict:
     """``log`` judged against ``target`` (its arguments checked first: :func:`check_log_arguments`)."""
     from . import classify_file
-    from .judge import judge
+    from .corruption import defects_of
+    from .exposure import read_exposure
     from .logfile import open_log
+    from .verdict import corruption_title
 
-    result = classify_file(log, source, target)  # streams; a binary or damaged .gz file is NotTextLog (exit 2)
+    notices: list[str] = []
+    # both passes stream the log in lines of bounded length (kvrepro/classify/logfile.py): memory
+    # stays flat whatever the file holds; a binary or damaged compressed file is NotTextLog (exit 2)
+    result = classify_file(log, source, target, notices)
     with open_log(log) as fh:
-        judged = judge(fh.read(), source, target, judge_run=False)
-    exposure, defects = judged.exposure, judged.defects
-    return LogVerdict(outcome=result.outcome.value, title=result.title, corrupt_title=judged.title,
-                      defects=dict(defects),
+        exposure = read_exposure(fh)
+    defects = defects_of(exposure.kv_violations, exposure.kv_violations_by, exposure.kv_first_violation_class,
+                         exposure.kv_groups)
+
+    return LogVerdict(outcome=result.outcome.value, title=result.title,
+                      corrupt_title=corruption_title(defects, exposure.kv_first_violation) if defects else result.title,
+                      defects=dict(defects), notices=tuple(notices),
                       as_json={**result.to_json(), "kv_violations": exposure.kv_violations, "kv_defects": defects,
                                "kv_violations_by_class": dict(exposure.kv_violations_by)})
 

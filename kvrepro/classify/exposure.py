@@ -16,7 +16,12 @@ GPU-free engine's shadow KV (kvrepro/engine/shadow.py) reports what it checked t
     kvrepro-shadow: counts checks=<N> violations=<M> by=<class>:<n>,... hits=<kind>:<n>,... stored=<kind>:<n>,...
 
 (a class is ``<group kind>[+offload]/<read>/<region>``; older engines print ``<kind>[+offload]``
-alone and no ``class=``). Injected offload-tier faults (kvrepro/engine/faults.py) are counted from::
+alone and no ``class=``). The probe's invariants at quiescent points (kvrepro/classify/invariants.py)::
+
+    kvrepro-probe: invariant broken name=<name> check=<N> <words>
+    kvrepro-probe: invariants checks=<N> broken=<name>:<n>,... pid=<P>
+
+Injected offload-tier faults (kvrepro/engine/faults.py) are counted from::
 
     kvrepro-fault: load job <J> failed on purpose (load #<k>, request <id>, policy <fail|recompute>, ...)
     kvrepro-fault: counts load_jobs=<N> load_faults=<F> store_jobs=<S> store_faults=<G> failed_requests=<R> policy=<P> load_steps_total=<L> store_steps_total=<T> pid=<P>
@@ -35,6 +40,7 @@ from __future__ import annotations
 import io
 import math
 import re
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from ..records import PROBE_COUNTERS, REQUEST_ID_PREFIX, Exposure
@@ -61,6 +67,9 @@ _FAULT_LINE = re.compile(r"kvrepro-fault: (?P<kind>load|store) job (?P<job>\S+) 
 _FAULT_COUNTS = re.compile(r"kvrepro-fault: counts load_jobs=\d+ load_faults=(?P<load>\d+) store_jobs=\d+ "
                            r"store_faults=(?P<store>\d+) failed_requests=(?P<failed>\d+) policy=(?P<policy>\w+)"
                            r"(?: load_steps_total=\d+ store_steps_total=\d+)?(?: pid=(?P<pid>\d+))?")
+# the probe's invariants at quiescent points (its module docstring; kvrepro/classify/invariants.py)
+_INVARIANTS = re.compile(r"kvrepro-probe: invariants checks=(?P<checks>\d+) broken=(?P<broken>\S+)(?: pid=(?P<pid>\d+))?")
+_BROKEN = re.compile(r"kvrepro-probe: invariant broken name=(?P<name>\S+) (?:check=(?P<check>\d+) )?(?P<text>.*\S)")
 _SHADOW_VIOLATION = re.compile(r"kvrepro-shadow: violation (?P<step>step=\S+ )?(?:class=(?P<cls>\S+) )?(?P<text>.*\S)")
 
 
@@ -84,8 +93,9 @@ class _ShadowCounts(NamedTuple):
     stored: dict[str, int]
 
 
-def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
-    """Exposure evidence from an engine log and, optionally, a ``/metrics`` scrape."""
+def read_exposure(log_text: str | Iterable[str], metrics_text: str | None = None) -> Exposure:
+    """Exposure evidence from an engine log (its text, or its lines as a stream) and, optionally,
+    a ``/metrics`` scrape."""
     sha: str | None = None
     seen = shadow_seen = False
     last: dict[tuple[str, str], _ProbeCounts] = {}  # (stream, pid) -> that process's last counts
@@ -97,10 +107,20 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
     fault_lines: dict[str, set] = {"load": set(), "store": set()}  # (stream, job) per kind: each fault once
     failed_on_purpose: set[tuple[str, str]] = set()  # (stream, request) a failed load ended under policy fail
     fault_counts: dict[tuple[str, str], tuple[int, int, int]] = {}  # (stream, pid) -> last counts line
-    for number, raw in enumerate(io.StringIO(log_text, newline="\n"), start=1):
+    invariants: dict[tuple[str, str], tuple[int, dict[str, int]]] = {}  # (stream, pid) -> last line
+    first_broken: str | None = None
+    lines = io.StringIO(log_text, newline="\n") if isinstance(log_text, str) else log_text
+    for number, raw in enumerate(lines, start=1):
         if _TAG not in raw and _SHADOW_TAG not in raw and _FAULT_TAG not in raw:
             continue
         line = split_line(number, raw)
+        if (m := _INVARIANTS.search(line.body)) is not None:
+            invariants[(line.stream, m["pid"] or "")] = (int(m["checks"]), _groups(m["broken"]))
+            continue
+        if (m := _BROKEN.search(line.body)) is not None:
+            if first_broken is None:
+                first_broken = f"{m['name']}: {m['text']}"
+            continue
         if (m := _FAULT_LINE.search(line.body)) is not None:
             fault_lines[m["kind"]].add((line.stream, m["job"]))
             if m["kind"] == "load" and m["policy"] == "fail" and m["request"]:
@@ -156,7 +176,11 @@ def read_exposure(log_text: str, metrics_text: str | None = None) -> Exposure:
                     # the counts line, or the fault lines when the log ends before one: the larger
                     injected_load_faults=max(sum(c[0] for c in fault_counts.values()), len(fault_lines["load"])),
                     injected_store_faults=max(sum(c[1] for c in fault_counts.values()), len(fault_lines["store"])),
-                    injected_failed_requests=max(sum(c[2] for c in fault_counts.values()), len(failed_on_purpose)))
+                    injected_failed_requests=max(sum(c[2] for c in fault_counts.values()), len(failed_on_purpose)),
+                    invariant_checks=sum(c for c, _ in invariants.values()),
+                    invariants_broken=_added_up(b for _, b in invariants.values()) or (
+                        {first_broken.split(":", 1)[0]: 1} if first_broken else {}),
+                    first_broken=first_broken)
 
 
 def failed_loads(log_text: str) -> list[tuple[int | None, str | None]]:

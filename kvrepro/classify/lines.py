@@ -60,7 +60,10 @@ def split_line(number: int, raw: str) -> LogLine:
         if (m := _DOCKER_TS.match(line)) is not None:
             line = line[m.end():]
     stream = ""
-    if line.startswith("(") and (m := _PROC.match(line)) is not None:
+    # a line can carry two process prefixes, "(APIServer pid=1) (EngineCore pid=2) ERROR ...": a
+    # forked EngineCore's first write of a logged record passing through the decorated stream it
+    # inherited. The text is the innermost process's, so that one names the stream.
+    while line.startswith("(") and (m := _PROC.match(line)) is not None:
         stream = m.group(1)
         line = line[m.end():]
     header = level = None

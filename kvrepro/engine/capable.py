@@ -16,7 +16,7 @@ offloading scheduler are vLLM's own, and the worker side is the sim's data movem
 plain connector's. vLLM loads it the way it loads any out-of-tree connector:
 ``--kv-transfer-config {"kv_connector": "CapableOffloadingConnector", "kv_connector_module_path":
 "kvrepro.engine.capable", ...}`` (``KVConnectorFactory.get_connector_class``: a module path
-takes priority over the registry, 0.25.1-0.33.0 factory.py:102-120).
+takes priority over the registry, 0.25.1-0.34.0 factory.py:102-120).
 
 What this covers of LMCache and NIXL: the vLLM side of the contract -- which local hit the
 scheduler hands a capable connector, the reconcile fallback when nothing external is found, and

@@ -16,7 +16,20 @@ Faked, because this machine has no GPU:
   scheduled draft token is accepted with probability ``KVREPRO_SIM_ACCEPTANCE_RATE`` (seeded
   by ``KVREPRO_SIM_SEED``); accepted drafts plus one new token are returned, so the scheduler
   rolls back rejected drafts itself. After sampling, one draft per speculative slot is
-  proposed through ``take_draft_token_ids`` (the synchronous-scheduling path).
+  proposed: through ``take_draft_token_ids`` with synchronous scheduling; with asynchronous
+  scheduling kept by the runner for the next step (below).
+* **Asynchronous scheduling** (vLLM's default on a GPU with MTP, ``engine.async_scheduling``):
+  the executor supports it as vLLM's GPU executors do (``supports_async_scheduling``; EngineCore
+  then runs its batch queue of ``max_concurrent_batches`` = 2 and the ``AsyncScheduler``), and the
+  runner does what the V1 GPU model runner does with the scheduler's lag of one step
+  (``gpu_model_runner._update_states`` / ``_prepare_input_ids``, 0.26.0 :1340-1380, :1511-1541,
+  :1787-1890): the scheduler sends ``-1`` placeholders for draft tokens and a
+  ``num_computed_tokens`` that counts the previous step's drafts as accepted; for a request that
+  ran in the previous step, the runner takes its own drafts of that step and lowers
+  ``num_computed_tokens`` by that step's rejected drafts (``prev_num_draft_len`` minus accepted);
+  a request that was not in the previous step takes its tokens from the scheduler
+  (``all_token_ids``). The executor answers at once (a done Future): a GPU's stream runs a step's
+  kernels after the previous step's, so every read and write happens in call order, as here.
 * **The offload data movement** (``SimTransferWorker``, vLLM's ``OffloadingWorker``
   interface): no bytes move; every store job the connector submits is reported finished by
   the next step's ``get_finished()``, every load job ``KVREPRO_SIM_LOAD_STEPS`` steps after it
@@ -29,12 +42,18 @@ Faked, because this machine has no GPU:
   the model class's own GDN state shapes for linear attention), after vLLM's
   ``update_block_size_for_backend`` has aligned the hybrid block size. Supported: configs with
   ``layer_types`` of ``full_attention`` / ``linear_attention`` (Qwen3-Next style).
+* **Device memory for the offloading worker** (0.34.0+): vLLM's connector worker turns each
+  transfer's GPU blocks into device pointers before it submits the job
+  (``resolve_device_pointers``, ``offloading/worker.py`` 0.34.0:242-272). The sim gives it KV caches
+  whose pointer for block ``b`` is ``b`` (:class:`_BlockIndexMemory`), so the transfer worker
+  reads the block ids back from the pointers (:func:`_device_blocks`).
 * **Memory**: ``determine_available_memory`` reports enough for ``max_num_seqs`` requests of
   ``max_model_len``; ``--num-gpu-blocks-override`` then sets the pool, as on a GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import sys
@@ -52,12 +71,14 @@ from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
 from kvrepro import versions
 
-from . import arcs, faults
+from . import arcs, faults, transfer_checks
 from . import shadow as shadow_kv
 from .config import SimKnobs
 
 logger = init_logger("vllm.kvrepro_engine.executor")
 COUNTS_INTERVAL_S = 2.0
+# ModelRunnerOutput.req_id_to_index: every release to 0.33.0; 0.34.0 dropped it (outputs.py 0.34.0:267-309)
+_HAS_REQ_INDEX = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
 FLUSH_INTERVAL_S = 0.5  # the runner waits a little longer than this before stopping an engine
 
 
@@ -97,6 +118,7 @@ class SimTransferWorker(OffloadingWorker):
     def __init__(self, shadow: "shadow_kv.ShadowKV | None" = None, load_steps: int = 1,
                  plan: "faults.FaultPlan | None" = None, owner_of=None) -> None:
         self.shadow = shadow  # shadow KV: copies block contents as the real transfers would
+        self.blocks_per_chunk = 1  # GPU blocks per CPU block: the connector worker's (set by the executor)
         self.load_steps = max(1, int(load_steps))
         self.plan = plan
         self.owner_of = owner_of or (lambda job_id: None)  # the request a load job is for (connector worker)
@@ -128,6 +150,9 @@ class SimTransferWorker(OffloadingWorker):
         return fail, steps
 
     def submit_store(self, job_id, src_spec, dst_spec) -> bool:
+        # what vLLM's CPU worker checks before it copies, failing in its form (transfer_checks.py)
+        transfer_checks.check("store", src_spec, dst_spec, self.blocks_per_chunk)
+        src_spec = _device_blocks(src_spec)
         fail, steps = self._plan("store", job_id, src_spec)
         if self.shadow is not None and not fail:  # shadow KV (kvrepro/engine/shadow.py)
             self.shadow.store(job_id, src_spec, dst_spec)
@@ -135,7 +160,11 @@ class SimTransferWorker(OffloadingWorker):
             self._submitted[job_id] = _InFlight("store", steps, fail)
         return True
 
-    def submit_load(self, job_id, src_spec, dst_spec) -> bool:
+    def submit_load(self, job_id, src_spec, dst_spec, expedited: bool = False) -> bool:
+        # expedited (0.34.0+): a sync load the connector waits for within the step (wait() below);
+        # here every load is equally fast
+        transfer_checks.check("load", src_spec, dst_spec, self.blocks_per_chunk)
+        dst_spec = _device_blocks(dst_spec)
         fail, steps = self._plan("load", job_id, dst_spec)
         if self.shadow is not None:  # shadow KV (kvrepro/engine/shadow.py)
             (self.shadow.load_failed if fail else self.shadow.load)(job_id, src_spec, dst_spec)
@@ -166,6 +195,87 @@ class SimTransferWorker(OffloadingWorker):
             return len(self._submitted) + len(self._done)
 
 
+@dataclass(frozen=True)
+class _DeviceBlocks:
+    """A transfer's GPU blocks as the shadow KV and the fault plan read them (GPULoadStoreSpec's fields)."""
+
+    block_ids: tuple[int, ...]
+    group_sizes: tuple[int, ...]
+    block_indices: tuple[int, ...]
+
+
+def _device_blocks(spec):
+    """``spec`` itself, or for vLLM's DevicePointers (0.34.0+) the block ids they point at: the sim's
+    KV caches put block ``b`` at address ``b`` (:class:`_BlockIndexMemory`); pointers are laid out
+    group after group, data reference after data reference, so the first reference of each group
+    lists its blocks."""
+    ptrs = getattr(spec, "ptrs", None)
+    if ptrs is None:
+        return spec
+    ids: list[int] = []
+    offset = 0
+    for size, refs in zip(spec.group_block_counts, spec.group_data_ref_counts, strict=True):
+        ids.extend(int(p) for p in ptrs[offset:offset + size])
+        offset += size * refs
+    return _DeviceBlocks(tuple(ids), tuple(spec.group_block_counts), tuple(spec.block_indices))
+
+
+class _BlockIndexMemory:
+    """Stands for a KV-cache tensor of shape (num_blocks, page) in vLLM's CanonicalKVCaches: block
+    ``b`` starts at address ``b`` (base 0, row stride 1), the only two things
+    ``resolve_device_pointers`` asks of it. No memory behind it: the sim moves no bytes."""
+
+    def data_ptr(self) -> int:
+        return 0
+
+    def stride(self, dim: int = 0) -> int:
+        return 1
+
+
+def _block_index_caches(kv_cache_config):
+    """vLLM's CanonicalKVCaches over :class:`_BlockIndexMemory`, one data reference per offloaded
+    group (the groups the connector worker's register_kv_caches would select)."""
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import get_offloading_group_ids
+
+        group_ids = get_offloading_group_ids(kv_cache_config)
+    except ImportError:
+        group_ids = tuple(range(len(kv_cache_config.kv_cache_groups)))
+    tensors, refs = [], []
+    for i, group_id in enumerate(group_ids):
+        page = kv_cache_config.kv_cache_groups[group_id].kv_cache_spec.page_size_bytes
+        tensors.append(CanonicalKVCacheTensor(tensor=_BlockIndexMemory(), page_size_bytes=page))
+        refs.append([CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=page)])
+    return CanonicalKVCaches(tensors=tensors, group_data_refs=refs)
+
+
+def _v2_connector_steps(vllm_config, connector):
+    """vLLM's own ``ActiveKVConnector`` (runner V2) around ``connector``, when the release has no
+    runner-V1 mixin; None when it has one (or there is no connector: the V2 no-op connector then)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm.v1.worker.kv_connector_model_runner_mixin") is not None:
+        return None
+    from vllm.v1.worker.gpu.kv_connector import NO_OP_KV_CONNECTOR, ActiveKVConnector
+
+    if connector is None:
+        return NO_OP_KV_CONNECTOR
+
+    class SimActiveKVConnector(ActiveKVConnector):
+        """ActiveKVConnector without ``register_kv_caches`` (a GPU worker's tensors; the sim installed
+        its transfer worker and block-index memory on the connector already, _make_worker_connector)."""
+
+        def __init__(self) -> None:  # noqa: D107 (the fields ActiveKVConnector.__init__ sets, 0.34.0)
+            self.vllm_config = vllm_config
+            self.kv_connector = connector
+            self._pending_load_kwargs = None
+            self._disabled = False
+
+    return SimActiveKVConnector()
+
+
 @dataclass
 class _ReqState:
     key: int  # stable per-request number for token values
@@ -192,12 +302,22 @@ class SimRunner:
         self.requests: dict[str, _ReqState] = {}
         self._pending: tuple | None = None  # (req ids, sampled, kv connector output)
         self._drafts: dict[str, list[int]] = {}
+        # the connector's per-step calls: vLLM's runner-V1 mixin where the release has it (to 0.33.0),
+        # else its runner V2's ActiveKVConnector (0.34.0+); None: the mixin's static methods are used
+        self.kv_steps = _v2_connector_steps(vllm_config, connector)
+        # asynchronous scheduling (module docstring): the scheduler runs one step behind the runner
+        self.async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+        self._prev_batch: set[str] = set()  # requests the last step ran (the runner's persistent batch)
+        self._rejected: dict[str, int] = {}  # drafts each of them had rejected in that step
+        self.async_stats = {"corrections": 0, "resyncs": 0, "draft_fills": 0, "mismatches": 0}
 
     def _token(self, state: _ReqState, position: int) -> int:
         return (state.key * 1_000_003 + position * 7_919) % self.vocab_size
 
-    def _update_states(self, so) -> dict[str, int]:
-        """Like GPUModelRunner._update_states: forget finished requests, learn new ones."""
+    def _update_states(self, so) -> tuple[dict[str, int], dict[str, list[int]]]:
+        """Like GPUModelRunner._update_states: forget finished requests, learn new ones. Returns
+        each scheduled request's computed tokens (as the GPU will compute from them) and the drafts
+        proposed in the previous step (what an asynchronous step verifies)."""
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
         num_computed: dict[str, int] = {}
@@ -212,36 +332,105 @@ class SimRunner:
             num_computed[req_id] = computed
         if self.shadow is not None:
             self.shadow.update_requests(so)
-        return num_computed
+        if self.async_scheduling:
+            self._async_update(so, num_computed)
+        prev_drafts, self._drafts = self._drafts, {}
+        return num_computed, prev_drafts
+
+    def _async_update(self, so, num_computed: dict[str, int]) -> None:
+        """What the V1 GPU model runner does with an asynchronous scheduler's output (module
+        docstring): a request of the previous step gets ``num_computed_tokens`` lowered by the drafts
+        that step rejected (the scheduler counted them as accepted); a cached request that was not
+        in the previous step takes its tokens from the scheduler's ``all_token_ids``."""
+        cached = so.scheduled_cached_reqs
+        all_tokens = getattr(cached, "all_token_ids", None) or {}
+        for req_id in cached.req_ids:
+            state = self.requests.get(req_id)
+            if req_id in self._prev_batch:
+                rejected = self._rejected.get(req_id, 0)
+                if rejected:
+                    num_computed[req_id] -= rejected
+                    self.async_stats["corrections"] += 1
+            elif state is not None and req_id in all_tokens:
+                tokens = list(all_tokens[req_id])
+                if tokens != state.tokens:
+                    state.tokens = tokens
+                    self.async_stats["resyncs"] += 1
+                    if self.shadow is not None:
+                        self.shadow.resync(req_id, tokens)
 
     def execute_model(self, so):
         from vllm.forward_context import set_forward_context
-        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin as Mixin
 
         if self.transfers is not None:
             self.transfers.begin_step()
+        if self.kv_steps is not None:
+            return self._execute_v2(so)
+        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin as Mixin
+
         if self.connector is not None:
             self.connector.handle_preemptions(so.kv_connector_metadata)
-        num_computed = self._update_states(so)
+        num_computed, prev_drafts = self._update_states(so)
         if not so.total_num_scheduled_tokens:
+            self._prev_batch, self._rejected = set(), {}
             if self.connector is None:
                 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
                 return EMPTY_MODEL_RUNNER_OUTPUT
             return Mixin.kv_connector_no_forward(so, self.vllm_config)
         with set_forward_context(None, self.vllm_config), Mixin.maybe_get_kv_connector_output(so) as kv_out:
-            req_ids, sampled = self._forward(so, num_computed)
+            req_ids, sampled = self._forward(so, num_computed, prev_drafts)
         self._pending = (req_ids, sampled, kv_out)
         return None
 
-    def _forward(self, so, num_computed: dict[str, int]):
+    def _execute_v2(self, so):
+        """The connector lifecycle of vLLM's model runner V2 (``v1/worker/gpu/model_runner.py``, the
+        only GPU runner from 0.34.0): ``pre_forward`` (preemptions, metadata, sync loads) and
+        ``finish_forward`` around the forward here; ``post_forward`` (async loads, saves, transfer
+        results) in :meth:`sample_tokens`, as the runner does (0.34.0:2124-2166, 2322-2325)."""
+        from vllm.forward_context import set_forward_context
+
+        num_computed, prev_drafts = self._update_states(so)
+        if not so.total_num_scheduled_tokens:
+            self._prev_batch, self._rejected = set(), {}
+            return self.kv_steps.no_forward(so)
+        with set_forward_context(None, self.vllm_config):
+            self.kv_steps.pre_forward(so)
+            req_ids, sampled = self._forward(so, num_computed, prev_drafts)
+        self.kv_steps.finish_forward()
+        self._pending = (req_ids, sampled, so.finished_req_ids)
+        return None
+
+    def _spec_tokens(self, so, req_id: str, prev_drafts: dict[str, list[int]]) -> list[int]:
+        """The draft tokens this step verifies: the scheduler's; with asynchronous scheduling the
+        scheduler sends ``-1`` placeholders and the runner puts in the drafts it proposed for the
+        request in the previous step (a request that was not in it keeps the placeholders, which
+        the rejection sampler rejects: ``_prepare_input_ids`` copies drafts for previous-step
+        requests only)."""
+        spec = list(so.scheduled_spec_decode_tokens.get(req_id) or [])
+        if not self.async_scheduling or not spec or req_id not in self._prev_batch:
+            return spec
+        proposed = prev_drafts.get(req_id) or []
+        if proposed:
+            self.async_stats["draft_fills"] += 1
+        return [proposed[i] if i < len(proposed) else draft for i, draft in enumerate(spec)]
+
+    def _forward(self, so, num_computed: dict[str, int], prev_drafts: dict[str, list[int]] | None = None):
         req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = []
-        self._drafts = {}
+        prev_drafts = prev_drafts or {}
+        rejected: dict[str, int] = {}
         for req_id in req_ids:
             state = self.requests[req_id]
-            spec = so.scheduled_spec_decode_tokens.get(req_id) or []
+            spec = self._spec_tokens(so, req_id, prev_drafts)
             seq_end = num_computed[req_id] + so.num_scheduled_tokens[req_id] - len(spec)
+            if self.async_scheduling and spec and seq_end != state.num_tokens:
+                # a decode's first position is its last sampled token: anything else means the
+                # runner's view of the request and the scheduler's disagree (a kvrepro bug)
+                self.async_stats["mismatches"] += 1
+                if self.async_stats["mismatches"] <= 3:
+                    logger.warning("kvrepro-sim: async scheduling: request %s decodes from %d tokens but holds %d",
+                                   req_id, seq_end, state.num_tokens)
             if self.shadow is not None:  # before the forward: is its context really in the KV cache?
                 self.shadow.forward(req_id, num_computed[req_id], so.num_scheduled_tokens[req_id], spec)
             if seq_end < state.num_tokens:
@@ -258,29 +447,35 @@ class SimRunner:
                 new = (new + 1) % self.vocab_size  # a rejected draft is replaced by another token
             tokens.append(new)
             state.tokens.extend(tokens)
+            rejected[req_id] = len(spec) - accepted
             if self.shadow is not None:
                 self.shadow.sampled(req_id, tokens, seq_end)
             sampled.append(tokens)
             if self.num_spec:
                 self._drafts[req_id] = [self._token(state, state.num_tokens + i) for i in range(self.num_spec)]
+        self._prev_batch, self._rejected = set(req_ids), rejected
         return req_ids, sampled
 
     def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
         assert self._pending is not None, "sample_tokens() without a preceding execute_model()"
         req_ids, sampled, kv_out = self._pending
         self._pending = None
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=kv_out,
-        )
+        if self.kv_steps is not None:  # runner V2: transfer results collected after the forward (see _execute_v2)
+            kv_out = self.kv_steps.post_forward(kv_out, defer_finalize=bool(self.num_spec))
+            if self.num_spec:
+                self.kv_steps.finalize_step()  # after the drafter ran, as the runner does
+        index = {"req_id_to_index": {req_id: i for i, req_id in enumerate(req_ids)}} if _HAS_REQ_INDEX else {}
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, kv_connector_output=kv_out, **index)
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         if not self._drafts:
             return None
-        drafts, self._drafts = self._drafts, {}
-        return DraftTokenIds(req_ids=list(drafts), draft_token_ids=list(drafts.values()))
+        drafts = self._drafts
+        if not self.async_scheduling:
+            self._drafts = {}
+        # with asynchronous scheduling the runner keeps them for its next step (the GPU's drafts
+        # stay on the device; EngineCore asks only for structured output)
+        return DraftTokenIds(req_ids=list(drafts), draft_token_ids=[list(d) for d in drafts.values()])
 
 
 class SimExecutor(Executor):
@@ -289,13 +484,25 @@ class SimExecutor(Executor):
     uses_ray = False
     supports_pp = False
 
+    @classmethod
+    def supports_async_scheduling(cls) -> bool:
+        """As vLLM's GPU executors (UniProcExecutor, MultiprocExecutor) answer in every supported
+        release: vLLM then enables asynchronous scheduling where a GPU would (config/vllm.py
+        0.26.0:1059-1107) and the platform keeps that decision (kvrepro/engine/platform.py)."""
+        return True
+
     def _init_executor(self) -> None:
         from vllm.platforms import current_platform
 
         import vllm
 
         self._vllm_version = getattr(vllm, "__version__", "?")
-        entry = versions.release(self._vllm_version) or versions.Release(self._vllm_version)
+        try:
+            entry = versions.settings_for(self._vllm_version)  # an unported release: the newest entry's settings
+        except versions.UnsupportedRelease:
+            entry = versions.Release(self._vllm_version)
+        if entry.unported_from:
+            logger.warning("kvrepro-sim: %s", versions.unported_note(self._vllm_version))
         self._rpc_answers = entry.worker_rpc_answers()
         self.knobs = SimKnobs.from_env()
         self.fault_settings = faults.FaultSettings.from_env()
@@ -320,9 +527,15 @@ class SimExecutor(Executor):
         self._specs = self._build_kv_cache_specs()
         logger.info(
             "Sim executor: no GPU; fake model (draft acceptance rate %.2f, seed %d, step delay "
-            "%.1f ms) and fake offload data movement (stores finish one step later, loads %d).",
+            "%.1f ms) and fake offload data movement (stores finish one step later, loads %d); "
+            "asynchronous scheduling %s.",
             self.knobs.acceptance_rate, self.knobs.seed, self.knobs.step_delay_ms, self.knobs.load_steps,
+            "on (batch queue of %d)" % self.vllm_config.max_concurrent_batches if self.async_scheduling else "off",
         )
+
+    @property
+    def async_scheduling(self) -> bool:
+        return bool(getattr(self.vllm_config.scheduler_config, "async_scheduling", False))
 
     # -- what a worker would report ------------------------------------------------------
 
@@ -418,10 +631,11 @@ class SimExecutor(Executor):
         spec = vc.speculative_config
         logger.info(
             "kvrepro-sim: geometry kv_cache_groups=%s block_size=%d offload_chunk_tokens=%s num_gpu_blocks=%d "
-            "num_speculative_tokens=%d data_parallel_rank=%d data_parallel_size=%d",
+            "num_speculative_tokens=%d data_parallel_rank=%d data_parallel_size=%d async_scheduling=%s",
             groups, block, block * self._chunk_blocks if self.connector is not None else "-",
             kv_cache_config.num_blocks, spec.num_speculative_tokens if spec is not None else 0,
             getattr(parallel, "data_parallel_rank", 0), getattr(parallel, "data_parallel_size", 1),
+            "on" if self.async_scheduling else "off",
         )
 
     def _blocks_per_chunk(self) -> int:
@@ -457,10 +671,13 @@ class SimExecutor(Executor):
                 self._chunk_blocks = int(spec.blocks_per_chunk)  # what the connector really uses
                 if self.shadow is not None:
                     self.shadow.blocks_per_chunk = self._chunk_blocks
+            transfers.blocks_per_chunk = self._chunk_blocks
             if self.shadow is not None:
                 # the connector worker notes each load job's request before submitting it
                 self.shadow.load_owner = lambda job_id: (getattr(worker_side, "_load_jobs", None) or {}).get(job_id)
             worker_side.worker = transfers
+            if hasattr(type(worker_side), "_init_worker"):  # 0.34.0+: transfers are submitted as device pointers
+                worker_side._kv_caches = _block_index_caches(kv_cache_config)
         else:
             raise RuntimeError(
                 f"KV connector {type(connector).__name__}: the sim engine simulates the "
@@ -567,6 +784,11 @@ class SimExecutor(Executor):
                     *counts, os.getpid())
         if self.fault_plan is not None:
             logger.info("%s", self.fault_plan.counts_line())
+        if self.runner is not None and self.runner.async_scheduling:
+            stats = self.runner.async_stats
+            logger.info("kvrepro-sim: async counts corrections=%d draft_fills=%d resyncs=%d mismatches=%d pid=%d",
+                        stats["corrections"], stats["draft_fills"], stats["resyncs"], stats["mismatches"],
+                        os.getpid())
 
     def _start_flusher(self) -> None:
         """Write changed counts (this executor's, the probe's, the shadow KV's) every

@@ -138,8 +138,10 @@ def run_job(build_core, job: list[dict]) -> dict:
                 abort_after = (int(events.get("abort_after_tokens") or 1) if abort in ("first_token", "tokens")
                                else 0 if abort == "queued" else None)
                 steps = 0
-                while core.scheduler.has_requests():
-                    _, executed = core.step()
+                # EngineCore's own loop: its step function (the batch queue under asynchronous
+                # scheduling) while the scheduler has requests or a batch is still in flight
+                while core.scheduler.has_requests() or getattr(core, "batch_queue", None):
+                    _, executed = core.step_fn()
                     core.post_step(executed)
                     steps += 1
                     if rider is not None:

@@ -41,6 +41,16 @@ prefix hashes.
 What is modelled, per vLLM's GPU model runner (``gpu_model_runner._update_states``) and the
 Mamba ``align`` helpers (``v1/worker/mamba_utils.preprocess_mamba`` and the align postprocess):
 
+* asynchronous scheduling: the runner (kvrepro/engine/executor.py) hands every check the
+  positions the GPU computes, not the scheduler's: ``computed`` lowered by the previous step's
+  rejected drafts (the scheduler, one step behind, counted them as accepted), and the drafts the
+  runner proposed in place of the scheduler's ``-1`` placeholders; the GPU's positions and slot
+  mapping come from the corrected count too (gpu_model_runner.py 0.26.0 :2130-2177), and its
+  Mamba ``align`` copy runs after the correction (:4266-4283). A step's reads and writes happen in
+  call order, as the GPU stream orders a step's kernels after the previous step's, so a block the
+  scheduler published one step before its forward ran holds what that forward wrote when a later
+  step reads it; a read of a block no step wrote is a violation like any other;
+
 * attention groups: a forward writes positions ``[computed, computed + scheduled)`` (drafts with
   the draft tokens) into ``block_ids[position // block_size]``; it reads every position below
   ``computed`` (sliding window: the last ``sliding_window`` of them);
@@ -170,7 +180,12 @@ class _Request:
 class ShadowKV:
     """Shadow contents of the GPU and offloaded blocks; see the module docstring."""
 
+    # the engine's shadow KV, for the probe's prefix-cache invariant (kvrepro/probe/kvrepro_probe.py
+    # reads what a cached block holds here); one engine per process
+    current: "ShadowKV | None" = None
+
     def __init__(self, kv_cache_config, blocks_per_chunk: int = 1, stream=None):
+        ShadowKV.current = self
         self.groups = describe_groups(kv_cache_config)
         self.blocks_per_chunk = max(1, int(blocks_per_chunk))
         self.gpu: dict[int, Content] = {}
@@ -301,6 +316,17 @@ class ShadowKV:
             elif new_ids is not None:
                 for mine, more in zip(req.blocks, new_ids, strict=False):
                     mine.extend(more)
+
+    def resync(self, req_id: str, tokens) -> None:
+        """Asynchronous scheduling: a request that was not in the previous step takes its tokens
+        from the scheduler (``all_token_ids``, as the GPU runner does), which may have dropped an
+        output still in flight; the positions it will compute follow those tokens."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return
+        with self._lock:
+            req.hashes = [_ROOT_HASH]
+            req.append(tokens)
 
     def _copy_blocks(self, copies) -> None:
         """The scheduler's copy-on-write copies (``SchedulerOutput.kv_cache_block_copies``, vLLM

@@ -44,29 +44,42 @@ from ..records import RunResult, Verdict
 from ..results import store as results
 from ..spec.matrix import DEFAULT_MATRIX, LoadedMatrix
 from ..suite.catalogue import Catalogue, build_key
+from ..untrusted import quote
 from .coverage import Targets, credit, features, in_target, patch_targets, points, run_arcs, steering
 from .findings import minimize_finding
 from .generator import ALL, RunSpec, apply, generate, replay, seed_corpus
 from .judge import invariant_failures, judge_failure, run_failures
-from .state import CampaignRequest, CampaignState, FindingRecord, JudgedRecord, RunRecord
+from .state import CAMPAIGN_SCHEMA, CampaignRequest, CampaignState, FindingRecord, JudgedRecord, RunRecord
 
 STATE_FILE = "explore.json"
 LOCK_FILE = "explore.lock"
 RUNS_FOLDER = "runs"
 FINDINGS_FOLDER = "findings"
 BUILD = "explore"
-_DURATION = re.compile(r"^(?P<n>\d+(?:\.\d+)?)(?P<unit>s|m|h)$")
+_DURATION = re.compile(r"^(?P<n>\d{1,12}(?:\.\d{1,6})?)(?P<unit>s|m|h|d)$")
+# a campaign's budget at most (kvrepro's limits, docs/reliability.md): a million runs, 30 days of run time
+MAX_BUDGET_RUNS = 1_000_000
+MAX_BUDGET_SECONDS = 30 * 86_400.0
 
 
 def parse_budget(text: str) -> tuple[int | None, float | None]:
-    """``--budget``: ``20`` runs, or a duration ``90s``, ``30m``, ``2h`` (run time, resumes included)."""
+    """``--budget``: ``20`` runs, or a duration ``90s``, ``30m``, ``2h``, ``2d`` (run time, resumes
+    included); at most MAX_BUDGET_RUNS runs or MAX_BUDGET_SECONDS (bad input beyond, exit 2)."""
     text = text.strip().lower()
-    if text.isdigit() and int(text) > 0:
+    shown = quote(text, 40)
+    if text.isdigit() and len(text) <= 12 and int(text) > 0:
+        if int(text) > MAX_BUDGET_RUNS:
+            raise BadInputError(f"--budget {shown}: at most {MAX_BUDGET_RUNS:,} runs (a limit of kvrepro's, "
+                                "docs/reliability.md)")
         return int(text), None
     m = _DURATION.match(text)
     if m and float(m["n"]) > 0:
-        return None, float(m["n"]) * {"s": 1, "m": 60, "h": 3600}[m["unit"]]
-    raise BadInputError(f"--budget {text!r}: give a number of runs (20) or a duration (90s, 30m, 2h)")
+        seconds = float(m["n"]) * {"s": 1, "m": 60, "h": 3600, "d": 86_400}[m["unit"]]
+        if seconds > MAX_BUDGET_SECONDS:
+            raise BadInputError(f"--budget {shown}: at most {MAX_BUDGET_SECONDS / 86_400:.0f}d of run time (a limit "
+                                "of kvrepro's, docs/reliability.md)")
+        return None, seconds
+    raise BadInputError(f"--budget '{shown}': give a number of runs (20) or a duration (90s, 30m, 2h, 1d)")
 
 
 def base_data(path: Path) -> dict[str, Any]:
@@ -183,9 +196,20 @@ def load_campaign(root: Path, campaign_id: str) -> tuple[CampaignState, Path]:
         raise BadInputError(f"--resume {campaign_id}: no {STATE_FILE} in {folder}; give an explore-... id "
                             f"under {root}/ or `latest`")
     try:
-        return CampaignState.from_json(results.read_json(path)), folder
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise BadInputError(f"{path}: cannot read it ({exc}); the campaign cannot resume") from None
+        data = results.read_json(path)
+    except (OSError, ValueError) as exc:
+        raise BadInputError(f"{path}: cannot read it ({quote(exc, 160)}); the campaign cannot resume") from None
+    schema = data.get("schema") if isinstance(data, dict) else None
+    if schema != CAMPAIGN_SCHEMA or isinstance(schema, bool):
+        what = "no schema marker" if schema is None else f"schema {quote(schema, 20)}"
+        raise BadInputError(f"{path}: {what}; this kvrepro resumes campaigns of schema {CAMPAIGN_SCHEMA} (this one "
+                            "was written by another kvrepro, or by hand): start a new campaign, or resume it with "
+                            "the kvrepro that wrote it")
+    try:
+        return CampaignState.from_json(data), folder
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise BadInputError(f"{path}: not a campaign this kvrepro wrote ({quote(exc, 160)}); the campaign cannot "
+                            "resume") from None
 
 
 def _slug(text: str) -> str:
@@ -199,7 +223,8 @@ def _draft_entry(judged: JudgedRecord, loaded: LoadedMatrix, request: CampaignRe
     fragment["runs"] = {"requests": request.requests, "repetitions": 1}
     entry = {
         "name": _slug(judged.key)[:63],
-        "kind": judged.kind if judged.kind != "invariant" else "crash",
+        # an engine invariant has a catalogue kind of its own; the load's request invariant has none
+        "kind": judged.kind if judged.kind != "invariant" else ("invariant" if judged.signature else "crash"),
         "title": f"DRAFT: {judged.title}",
         "signature": judged.signature or "TODO: a signature name from `kvrepro signatures` (add one under "
                                          "kvrepro/classify/signatures/ first)",
@@ -354,15 +379,32 @@ class _Outcome:
     interrupted: bool = False  # not counted: a resume runs the spec again
 
 
+def _error_line(exc: BaseException) -> str:
+    """One line for a run's record: kvrepro's own errors by their sentence, anything else (a bug in
+    kvrepro, not in the code under test) by its type too, so that it is not mistaken for a verdict."""
+    text = (str(exc).strip() or repr(exc)).splitlines()[0]
+    return (text if isinstance(exc, KvreproError) else f"{type(exc).__name__}: {text}")[:300]
+
+
 def _execute(spec: RunSpec, data: dict[str, Any], request: CampaignRequest, path: Path, target: Target | None,
-             name: str, folder: Path, progress: Progress, stop: threading.Event) -> _Outcome:
-    """One generated run through the matrix runner (in a worker thread when several run at once)."""
+             name: str, folder: Path, progress: Progress, stop: threading.Event,
+             campaign_stop: threading.Event | None = None) -> _Outcome:
+    """One generated run through the matrix runner (in a worker thread when several run at once).
+
+    ``stop`` is this run's own: the matrix runner sets it when the run fails (its other slots stop),
+    which must not end the campaign; the campaign sets it when ``campaign_stop`` (a signal, or the
+    caller) is set. Only then does an interrupt reach the target the campaign's runs share. Whatever
+    the run does, it comes back as an outcome: an error of kvrepro's is an INFRA record naming it."""
     started = time.monotonic()
+    campaign_stop = campaign_stop or stop
     try:
         loaded = run_matrix_for(spec, data, request, path)
     except SpecError as exc:  # a composition the spec refuses: recorded, costs a run, never fatal
         return _Outcome(spec, record=RunRecord(spec=spec, run_id=None, verdict="INVALID", seconds=0.0,
                                                error=str(exc).strip().splitlines()[-1][:300]))
+    except Exception as exc:  # noqa: BLE001 - recorded, the campaign goes on
+        return _Outcome(spec, record=RunRecord(spec=spec, run_id=None, verdict="INFRA", seconds=0.0,
+                                               error=_error_line(exc)))
     sibling = None
     if target is not None:
         sibling = copy.copy(target)
@@ -370,17 +412,28 @@ def _execute(spec: RunSpec, data: dict[str, Any], request: CampaignRequest, path
         # the engine reports the branches of the code under test it ran (feedback, coverage.py;
         # kvrepro/engine/branches.py: probes compiled in, about 1.1x the engine's CPU)
         sibling.engine_env = {**getattr(target, "engine_env", {}), ARCS_ENV: ARCS_INSTRUMENT}
+
+        def interrupt(shared: Target = target) -> None:
+            # the runner interrupts its target when this run's stop is set; the shared target (its
+            # engine zygote, its Ray connection) gives up only when the campaign is stopping
+            if campaign_stop.is_set():
+                shared.interrupt()
+
+        sibling.interrupt = interrupt  # type: ignore[method-assign]
     try:
         matrix_run = run_matrix(loaded, MatrixOptions(target=name, repetitions=1, jobs=1,
                                                       results_root=folder / RUNS_FOLDER),
                                 progress, stop, target=sibling)
         runs = matrix_run.runs()
-    except KvreproError as exc:
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # noqa: BLE001 - KvreproError or a bug of kvrepro's: recorded, never fatal
+        if campaign_stop.is_set():
+            return _Outcome(spec, interrupted=True)
         return _Outcome(spec, record=RunRecord(spec=spec, run_id=None, verdict="INFRA",
-                                               seconds=time.monotonic() - started,
-                                               error=str(exc).strip().splitlines()[0][:300]))
+                                               seconds=time.monotonic() - started, error=_error_line(exc)))
     if not runs or runs[0].verdict in (Verdict.INTERRUPTED, Verdict.INCOMPLETE, Verdict.DAMAGED):
-        if stop.is_set():
+        if campaign_stop.is_set():
             return _Outcome(spec, interrupted=True)
     if not runs:
         return _Outcome(spec, record=RunRecord(spec=spec, run_id=matrix_run.run_id, verdict="INFRA",
@@ -426,6 +479,7 @@ def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progr
     lock = take_lock(folder, state.campaign_id)
     owned = target is None
     pool: ThreadPoolExecutor | None = None
+    run_stops: dict[int, threading.Event] = {}  # each run's own stop (_execute), set when `stop` is
     try:
         if target is None:
             target = get_target(name)(loaded0)
@@ -449,8 +503,12 @@ def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progr
                 record = outcome.record
             else:
                 assert outcome.loaded is not None and outcome.run is not None
-                record = record_run(state, folder, catalogue, spec, outcome.loaded, outcome.run, str(outcome.run_id),
-                                    targets)
+                try:
+                    record = record_run(state, folder, catalogue, spec, outcome.loaded, outcome.run,
+                                        str(outcome.run_id), targets)
+                except Exception as exc:  # noqa: BLE001 - a run kvrepro cannot judge is recorded as such
+                    record = RunRecord(spec=spec, run_id=str(outcome.run_id), verdict=outcome.run.label,
+                                       seconds=outcome.run.seconds, error=f"not judged: {_error_line(exc)}")
             state.runs.append(record)
             state.pending.pop(0)
             top_up()
@@ -467,6 +525,18 @@ def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progr
         pool = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="kvrepro-explore")
         inflight: dict[int, Future] = {}
         done: dict[int, _Outcome] = {}
+
+        def settle(index: int, future: Future) -> None:
+            run_stops.pop(index, None)
+            try:
+                done[index] = future.result()
+            except KeyboardInterrupt:
+                raise
+            except Exception as exc:  # noqa: BLE001 - _execute records what it can; this is the rest
+                spec = next(s for s in state.pending if s.index == index)
+                done[index] = _Outcome(spec, record=RunRecord(spec=spec, run_id=None, verdict="INFRA", seconds=0.0,
+                                                              error=_error_line(exc)))
+
         while True:
             while state.pending and state.pending[0].index in done and not done[state.pending[0].index].interrupted:
                 fold(done.pop(state.pending[0].index))
@@ -478,26 +548,31 @@ def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progr
                 if spec.index in inflight or spec.index in done:
                     continue
                 progress.stage(f"run {spec.index}: {spec.describe()}")
+                run_stops[spec.index] = threading.Event()
                 inflight[spec.index] = pool.submit(_execute, spec, data, request, path, shared, name, folder,
-                                                   progress, stop)
+                                                   progress, run_stops[spec.index], stop)
             if not inflight:
                 break
             ticked = time.monotonic()
             wait(list(inflight.values()), timeout=0.5, return_when=FIRST_COMPLETED)
             state.elapsed_s += time.monotonic() - ticked  # run time: while a run is in flight
             for index in [i for i, f in inflight.items() if f.done()]:
-                done[index] = inflight.pop(index).result()
+                settle(index, inflight.pop(index))
         # stopped: the runs in flight end as interrupted (the target cancels them); what finished
         # before the first gap is recorded, the rest stays pending for a resume
+        for event in run_stops.values():
+            event.set()
         for index, future in list(inflight.items()):
-            done[index] = future.result()
+            settle(index, future)
             inflight.pop(index)
         while state.pending and state.pending[0].index in done and not done[state.pending[0].index].interrupted:
             fold(done.pop(state.pending[0].index))
-        state.status = "interrupted" if stop.is_set() and state.budget_left() else "complete"
-    except BaseException:
+        state.status = _ended(stop, state)
+    except BaseException as exc:
         stop.set()  # every run in flight records what it has and stops
-        state.status = "interrupted"
+        for event in run_stops.values():
+            event.set()
+        state.status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
         raise
     finally:
         try:
@@ -512,6 +587,16 @@ def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progr
             finally:
                 os.close(lock)
     return state
+
+
+def _ended(stop: threading.Event, state: CampaignState) -> str:
+    """How a campaign that returned ended: ``complete`` (its budget spent), ``interrupted`` (a stop
+    signal: `--resume` goes on), or ``stopped`` (its caller set ``stop`` before the budget was spent,
+    as the planted-bug benchmark does at a find; resumable too). Nothing a run or the minimizer does
+    ends a campaign: they are recorded and it goes on."""
+    if not (stop.is_set() and state.budget_left()):
+        return "complete"
+    return "interrupted" if stopping.last_signal() is not None else "stopped"
 
 
 def rerun_spec(root: Path, request: CampaignRequest, spec: RunSpec, catalogue: Catalogue,
@@ -535,15 +620,29 @@ def rerun_spec(root: Path, request: CampaignRequest, spec: RunSpec, catalogue: C
 
 def _minimize_new(state: CampaignState, folder: Path, record: RunRecord, progress: Progress,
                   stop: threading.Event) -> None:
-    """Minimize the findings this run made (not its time budget: minimizing is not exploring)."""
+    """Minimize the findings this run made (not its time budget: minimizing is not exploring).
+
+    Each one ends minimized or marked why not: the minimizer's failures are its note
+    (findings.minimize_finding never raises for them), and a stop before or during it says so; a
+    resume does not retry it (`kvrepro minimize` on the run does the same by hand)."""
     for key, finding in list(state.findings.items()):
-        if stop.is_set():
-            return  # a resume does not retry it: `kvrepro minimize` on the run does the same by hand
         if finding.folder is None or finding.first_run != record.spec.index or finding.minimized is not None:
             continue
-        progress.stage(f"minimizing {finding.folder}")
-        got = minimize_finding(folder, finding, str(record.run_id), on_line=progress.stage)
-        state.findings[key] = FindingRecord(**{**finding.__dict__, "minimized": got.note})
+        if stop.is_set():
+            note = (f"not minimized: the campaign was stopped first; `kvrepro minimize {record.run_id} --build "
+                    f"{BUILD} -m {folder / str(finding.folder) / 'matrix.yaml'} --results {folder / RUNS_FOLDER}` "
+                    "does it by hand")
+        else:
+            progress.stage(f"minimizing {finding.folder}")
+            try:
+                note = minimize_finding(folder, finding, str(record.run_id), on_line=progress.stage).note
+            except KeyboardInterrupt:
+                state.findings[key] = FindingRecord(**{**finding.__dict__,
+                                                       "minimized": "not minimized: interrupted by a stop signal"})
+                raise
+            except Exception as exc:  # noqa: BLE001 - minimize_finding notes its own; this is a bug past it
+                note = f"not minimized: the minimizer failed ({_error_line(exc)})"
+        state.findings[key] = FindingRecord(**{**finding.__dict__, "minimized": note})
         save(state, folder)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from rich.markup import escape
 
@@ -14,6 +15,7 @@ from ..errors import BadInputError
 from ..report import terminal
 from ..report.terminal import err, out
 from ..results.store import checked_root
+from ..untrusted import quote
 
 
 def resumed_catalogue(campaign_id: str, pinned: str, given: Path | None) -> tuple[Path | None, str | None]:
@@ -34,6 +36,35 @@ def resumed_catalogue(campaign_id: str, pinned: str, given: Path | None) -> tupl
     return Path(pinned), None
 
 
+def check_pinned(state: Any, *, base: str | None, patch: list[str] | None, matrix: Path | None) -> None:
+    """What a campaign pinned at its start, given again on --resume: the same, or bad input (exit 2);
+    never silently ignored (its runs' specs depend on them)."""
+    r = state.request
+    given = {"--base": (base, r.base), "--patch": (tuple(patch) if patch else None, tuple(r.patches)),
+             "--matrix": (str(matrix.resolve()) if matrix else None,
+                          str(Path(r.matrix).resolve()) if r.matrix else str(paths.shipped_matrix()))}
+    for option, (now, pinned) in given.items():
+        if now is not None and now != pinned:
+            shown = " ".join(now) if isinstance(now, tuple) else now
+            was = " ".join(pinned) if isinstance(pinned, tuple) else pinned
+            raise BadInputError(f"{option} {quote(shown, 80)} with --resume {state.campaign_id}: it runs with "
+                                f"{option} {quote(was or '(none)', 80)}, pinned at its start; drop {option}, or start "
+                                "a new campaign")
+
+
+def check_resumed_budget(state: Any, text: str, runs: int | None, seconds: float | None) -> None:
+    """--budget on --resume is the campaign's whole budget (docs/explore.md): one that is spent
+    already would end it at once and call it complete; bad input instead (exit 2)."""
+    if runs is not None and runs <= len(state.runs):
+        raise BadInputError(f"--budget {quote(text, 40)} with --resume {state.campaign_id}: it has made "
+                            f"{len(state.runs):,} runs already; --budget is the campaign's whole budget, so give "
+                            f"more than {len(state.runs):,} (or leave --budget out to continue with its own)")
+    if seconds is not None and seconds <= state.elapsed_s:
+        raise BadInputError(f"--budget {quote(text, 40)} with --resume {state.campaign_id}: it has run "
+                            f"{state.elapsed_s:,.0f} s already; --budget is the campaign's whole budget, so give "
+                            "more (or leave --budget out to continue with its own)")
+
+
 def explore(*, base: str | None, patch: list[str] | None, budget: str | None, seed: int, unguided: bool,
             no_minimize: bool, requests: int, no_corpus: bool = False,
             resume: str | None, matrix: Path | None, catalogue: Path | None, ci: bool, results_root: Path,
@@ -48,8 +79,10 @@ def explore(*, base: str | None, patch: list[str] | None, budget: str | None, se
     results_root = checked_root(results_root)
     if resume:
         state, folder = load_campaign(results_root, resume)
+        check_pinned(state, base=base, patch=patch, matrix=matrix)
         if budget:  # a new budget for the resumed campaign (the rest is pinned)
             runs_, seconds_ = parse_budget(budget)
+            check_resumed_budget(state, budget, runs_, seconds_)
             state.request = replace(state.request, budget_runs=runs_, budget_seconds=seconds_)
         if target:  # another target serves the same runs: the specs do not depend on where they run
             state.request = replace(state.request, target=target)
@@ -83,7 +116,9 @@ def explore(*, base: str | None, patch: list[str] | None, budget: str | None, se
         stop = threading.Event()
         with stop_on_signals(stop, lambda signum: err.print(f"[yellow]{name(signum)}: stopping; runs in flight "
                                                             "are cancelled, finished ones recorded[/]")):
-            total = max(0, (state.request.budget_runs or 0) - len(state.runs))  # the runs this session makes
+            # the runs this session makes; a duration budget's are not known ahead
+            total = (max(0, state.request.budget_runs - len(state.runs)) if state.request.budget_runs is not None
+                     else None)
             progress = terminal.progress_for(total, ci)
             if ci:
                 def show(r):

@@ -61,7 +61,7 @@ def minimize_finding(campaign: Path, finding: FindingRecord, run_id: str,
     folder = results.inside(campaign, campaign / str(finding.folder))
     if finding.kind not in (CRASH, CORRUPTION):
         got = MinimizedFinding(ok=False, note=f"not minimized: kvrepro minimize shrinks crashes and corruptions, "
-                                             f"this is a {finding.kind}")
+                                             f"this is {'an' if finding.kind[0] in 'aeiou' else 'a'} {finding.kind}")
     else:
         violation = violation_of(finding.key) if finding.kind == CORRUPTION else None
         try:
@@ -70,6 +70,9 @@ def minimize_finding(campaign: Path, finding: FindingRecord, run_id: str,
                                confirm=False, violation=violation, on_line=on_line)
         except (KvreproError, OSError) as exc:  # the campaign goes on; the run's own trace is in the folder
             got = MinimizedFinding(ok=False, note="not minimized: " + (str(exc).strip() or repr(exc)).splitlines()[0][:300])
+        except Exception as exc:  # noqa: BLE001 - a bug of the minimizer's must not end the campaign either
+            got = MinimizedFinding(ok=False, note=f"not minimized: the minimizer failed ({type(exc).__name__}: "
+                                                  + (str(exc).strip() or repr(exc)).splitlines()[0][:250] + ")")
         else:
             for name in ("minimized.trace.jsonl", "minimized.json"):
                 source = Path(summary.trace).with_name(name)

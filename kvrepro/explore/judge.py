@@ -6,6 +6,11 @@ defect (kvrepro/classify/corruptions/; ``unknown`` classes by the violation clas
 with the counters that tell stalls apart, an invariant by which one broke. The key is the title
 without counts, so the same failure seen in two runs is one finding.
 
+The engine's own invariants at its quiescent points (block-pool accounting, requests stranded in
+queues and reservations, the offload tier's bookkeeping) are checked by the probe in the engine
+process (kvrepro/classify/invariants.py): each broken one is a failure named by its invariant
+(``invariant:block-leak``), which a catalogue entry of ``kind: invariant`` names as its signature.
+
 Invariant checked here, cheap and GPU-free: every request the load sent ends in a completion or an
 error with a reason, and none is answered twice (load.jsonl against trace.jsonl). A run the load
 ended early (engine dead, stall) abandons its requests in flight: only the answered ones are held to
@@ -101,12 +106,36 @@ def run_failures(run: RunResult) -> list[Failure]:
             found.append(Failure(CORRUPTION, f"corruption:{defect}", f"CORRUPT {defect} x{count}", defect))
     if run.verdict is Verdict.CRASH:
         found.append(crash_failure(run))
+    found.extend(engine_invariant_failures(run))
     stalled = run.verdict is Verdict.STALL or (run.load is not None and run.load.stopped_because == "stall")
     if stalled:
         found.append(Failure(STALL, "stall", f"STALL (deferred_lookups {run.deferred_lookups}, loads_behind_deferred "
                              f"{run.loads_behind_deferred}, offload loads {run.offload_load_jobs}, "
                              f"requests {run.load.requests_ok if run.load else '?'} ok)", "stall"))
     return found
+
+
+PREFIX_CONTENT = "prefix-cache-content"
+
+
+def engine_invariant_failures(run: RunResult) -> list[Failure]:
+    """The engine's invariants broken at its quiescent points (the probe's; kvrepro/classify/invariants.py),
+    one failure each, named by the invariant: its catalogue signature."""
+    from ..classify.invariants import invariant
+
+    out = []
+    for name, n in sorted(run.invariants_broken.items()):
+        if n <= 0:
+            continue
+        if name == PREFIX_CONTENT and run.kv_violations:
+            # the at-rest face of what the shadow KV caught being read: that corruption's failure names
+            # the defect; this one stands alone only for a wrong block no request has read yet
+            continue
+        first = run.first_broken if run.first_broken and run.first_broken.startswith(name + ":") else None
+        words = first.split(":", 1)[1].strip() if first else invariant(name).title
+        out.append(Failure(INVARIANT, f"invariant:{name}",
+                           f"INVARIANT {name} at {n} of {run.invariant_checks} quiescent point(s): {words}"[:300], name))
+    return out
 
 
 def invariant_failures(run_dir: Path, stopped_because: str | None) -> list[Failure]:

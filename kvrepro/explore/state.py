@@ -15,6 +15,10 @@ from .generator import RunSpec
 from .judge import Failure, Judged
 
 
+# explore.json's layout; a resume refuses any other (a campaign of another kvrepro resumed silently)
+CAMPAIGN_SCHEMA = 1
+
+
 def _known(cls: type, value: Mapping[str, Any]) -> dict[str, Any]:
     names = {f.name for f in dataclasses.fields(cls)}
     return {k: v for k, v in value.items() if k in names}
@@ -122,7 +126,7 @@ class FindingRecord:
 class CampaignState:
     campaign_id: str
     request: CampaignRequest
-    status: str = "running"  # running | interrupted | complete
+    status: str = "running"  # running | complete | interrupted (a signal) | stopped (by its caller) | failed
     started: float | None = None
     elapsed_s: float = 0.0  # seconds spent in runs, over every session (the DURATION budget)
     runs: list[RunRecord] = field(default_factory=list)
@@ -144,7 +148,8 @@ class CampaignState:
         return not (r.budget_seconds is not None and self.elapsed_s >= r.budget_seconds)
 
     def to_json(self) -> dict[str, Any]:
-        return {"campaign_id": self.campaign_id, "request": dataclasses.asdict(self.request), "status": self.status,
+        return {"schema": CAMPAIGN_SCHEMA,  # what --resume checks first (campaign.load_campaign)
+                "campaign_id": self.campaign_id, "request": dataclasses.asdict(self.request), "status": self.status,
                 "started": self.started, "elapsed_s": round(self.elapsed_s, 3),
                 "runs": [r.to_json() for r in self.runs], "coverage": list(self.coverage),
                 "weights": dict(sorted(self.weights.items())),

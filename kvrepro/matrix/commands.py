@@ -141,6 +141,13 @@ def run(matrix: Path, *, target: str | None, build: list[str] | None, reps: int 
                   "recorded (Ctrl-C again to stop at once)[/]")
 
     check(loaded, target)  # before a run folder exists: a typo leaves nothing behind
+    from rich.markup import escape
+
+    from ..versions import unported_note
+
+    for release in dict.fromkeys(p.base for p in loaded.plans(builds, bases)):
+        if (note := unported_note(release)) is not None:
+            err.print(f"[yellow]note[/]: {escape(note)}", highlight=False)
     # bad input never waits for it; matplotlib only where the report may draw a curve (report/render.py)
     from ..report.render import MIN_TIMED_RUNS
 

@@ -24,6 +24,11 @@ waiting-queue stall of vllm#57841:
 * ``deferred_lookups``: lookups that returned ``None`` ("ask again later": a chunk the request
   needs is being loaded for another request, or its own transfers are in flight); the scheduler
   then parks the request, holding no blocks, in its skipped-waiting queue;
+* ``lookups_in_flight``: lookups of a request whose own transfer jobs were still in flight (a
+  request preempted while its stores ran, re-admitted before they were reported done: under
+  asynchronous scheduling the next pass is scheduled before the step that reports them is
+  processed). vllm#46231 defers them (``None``); without it a load joins the stores and
+  ``update_state_after_alloc`` asserts ``not req_status.transfer_jobs`` (vllm#46014);
 * ``loads_behind_deferred``: offload loads admitted (``update_state_after_alloc`` with
   ``num_external_tokens > 0``) in a scheduling pass after another request's lookup was deferred
   earlier in the same pass. The scheduler walks its waiting queues in order and re-queues what it
@@ -76,7 +81,7 @@ never import vLLM pay for one string comparison per import and print nothing.
 Output, on stderr, flushed, one line each (kvrepro's classifier parses these exact formats)::
 
   kvrepro-probe: installed function=OffloadingConnectorScheduler.update_state_after_alloc file=<path> source_sha256=<hex>
-  kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M> state_calls=<K> state_groups=<kind>:<n>,... deferred_lookups=<D> loads_behind_deferred=<L> finished_unscheduled=<F> divergent_hits=<H> divergent_loads=<G> cow_calls=<C> truncate_calls=<T> partial_hits=<Q> pid=<P>
+  kvrepro-probe: counts external_hit_calls=<N> trigger_calls=<M> state_calls=<K> state_groups=<kind>:<n>,... deferred_lookups=<D> loads_behind_deferred=<L> finished_unscheduled=<F> divergent_hits=<H> divergent_loads=<G> cow_calls=<C> truncate_calls=<T> partial_hits=<Q> lookups_in_flight=<I> pid=<P>
 
 (``pid`` because vLLM >= 0.33 no longer prefixes what a child process writes to stderr with
 its ``(EngineCore pid=N)`` tag: the API server's zero counts must not hide the EngineCore's.)
@@ -104,7 +109,7 @@ REPORT_INTERVAL_S = 2.0
 _lock = threading.Lock()
 _counts = {"external_hit_calls": 0, "trigger_calls": 0, "state_calls": 0, "deferred_lookups": 0,
            "loads_behind_deferred": 0, "finished_unscheduled": 0, "divergent_hits": 0, "divergent_loads": 0,
-           "cow_calls": 0, "truncate_calls": 0, "partial_hits": 0}
+           "cow_calls": 0, "truncate_calls": 0, "partial_hits": 0, "lookups_in_flight": 0}
 _deferred_this_pass: set = set()  # requests whose lookup returned None in the current scheduling pass
 _diverged: set = set()  # requests handed a divergent local hit, until their next offload lookup answers
 MANAGER_MODULE = "vllm.v1.core.kv_cache_manager"
@@ -152,15 +157,17 @@ def _write(line: str) -> None:
 
 
 def report(force: bool = False) -> None:
-    """Write the counts line (when they changed since the last one, or when forced)."""
+    """Write the counts line (when they changed since the last one, or when forced), and the
+    invariants' line."""
     if not _state["installed"]:
         return
+    report_invariants(force)
     with _lock:
         groups = ",".join(f"{kind}:{n}" for kind, n in sorted(_state_groups.items()))
         snapshot = (_counts["external_hit_calls"], _counts["trigger_calls"], _counts["state_calls"], groups,
                     _counts["deferred_lookups"], _counts["loads_behind_deferred"], _counts["finished_unscheduled"],
                     _counts["divergent_hits"], _counts["divergent_loads"], _counts["cow_calls"],
-                    _counts["truncate_calls"], _counts["partial_hits"])
+                    _counts["truncate_calls"], _counts["partial_hits"], _counts["lookups_in_flight"])
         if not force and snapshot == _state["last_reported"]:
             return
         _state["last_reported"] = snapshot
@@ -168,7 +175,7 @@ def report(force: bool = False) -> None:
            f"state_calls={snapshot[2]} state_groups={snapshot[3] or '-'} deferred_lookups={snapshot[4]} "
            f"loads_behind_deferred={snapshot[5]} finished_unscheduled={snapshot[6]} divergent_hits={snapshot[7]} "
            f"divergent_loads={snapshot[8]} cow_calls={snapshot[9]} truncate_calls={snapshot[10]} "
-           f"partial_hits={snapshot[11]} pid={os.getpid()}")
+           f"partial_hits={snapshot[11]} lookups_in_flight={snapshot[12]} pid={os.getpid()}")
 
 
 def _reporter_loop() -> None:
@@ -196,6 +203,12 @@ def _after_fork_in_child() -> None:
             _deferred_this_pass.clear()
             _diverged.clear()
             _state["last_reported"] = None
+        with _inv_lock:
+            _invariants.update(checks=0, busy=False, last_reported=None, idle_steps=0)
+            _broken.clear()
+            _seen_requests.clear()
+            _cached_expect.clear()
+            _prefixes.clear()
         _start_reporter()
 
 
@@ -303,9 +316,17 @@ def _wrap_queue_methods(cls) -> None:
 
         @functools.wraps(lookup)
         def get_num_new_matched_tokens(self, request, *args, **kwargs):
+            try:  # the request's own transfer jobs still in flight (#46014's window), read before the lookup
+                status = (getattr(self, "_req_status", None) or {}).get(getattr(request, "request_id", None))
+                in_flight = bool(getattr(status, "transfer_jobs", None))
+            except Exception:
+                in_flight = False
             result = lookup(self, request, *args, **kwargs)
             try:
                 request_id = getattr(request, "request_id", None)
+                if in_flight:
+                    with _lock:
+                        _counts["lookups_in_flight"] += 1
                 if isinstance(result, tuple) and result and result[0] is None:
                     with _lock:
                         _counts["deferred_lookups"] += 1
@@ -405,6 +426,443 @@ def _wrap_manager_steps() -> None:
         setattr(owner, method, counted)
 
 
+# -- invariants at quiescent points ------------------------------------------------------------------
+#
+# At a quiescent point (the scheduler's own has_requests() is False right after a step's
+# update_from_output: nothing running or waiting, no finished request awaiting cleanup, no
+# connector work pending -- vLLM's own reason to stop stepping) the engine's bookkeeping must be
+# back at rest. Each check reads vLLM's structures as they are (BlockPool, the KV-cache manager's
+# coordinator and per-group managers, the Scheduler's queues and reservations, the
+# OffloadingConnector scheduler and its offloading manager) and computes nothing vLLM computes;
+# what breaks is logged, one line for each of the first INVARIANT_DESCRIBED per invariant:
+#
+#   kvrepro-probe: invariant broken name=<name> check=<N> <words>
+#   kvrepro-probe: invariants checks=<N> broken=<name>:<n>,... pid=<P>
+#
+# (the second with the counts line). The names are kvrepro's catalogue signatures for them
+# (kvrepro/classify/invariants.py says what each means); INVARIANT_CHECKS below is the table.
+
+SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
+INVARIANTS_ENV = "KVREPRO_PROBE_INVARIANTS"  # "0": not checked (the cost benchmark's other engine)
+INVARIANT_DESCRIBED = 3
+# steps vLLM may go on stepping with nothing running or waiting before "never-at-rest": a store or a
+# load in flight ends within a few steps (engine.sim.load_steps, an injected latency's tail)
+NEVER_AT_REST_STEPS = 1000
+_inv_lock = threading.Lock()
+_invariants = {"checks": 0, "busy": False, "installed": False, "last_reported": None, "idle_steps": 0}
+_broken: dict = {}  # invariant name -> quiescent checks it failed
+_seen_requests: set = set()  # ids the scheduler was given (add_request): what "a request" is below
+# attributes that refer to a finished request by design, not as a leftover: none known yet; a false
+# positive of an invariant is a bug in it (docs/explore.md says how each was read)
+_HISTORY_ATTRIBUTES: frozenset = frozenset()
+# the connector scheduler's per-job and per-step state: empty when nothing is in flight
+_CONNECTOR_IN_FLIGHT = ("_req_status", "_jobs", "_block_id_to_pending_jobs", "_chunks_being_loaded",
+                        "_current_batch_load_jobs", "_current_batch_sync_loads", "_current_batch_jobs_to_flush",
+                        "_reset_fence")
+
+
+def _request_id_of(value):
+    """The id of a request this value stands for (a Request, or an id the scheduler was given)."""
+    if isinstance(value, str):
+        return value if value in _seen_requests else None
+    rid = getattr(value, "request_id", None)
+    if isinstance(rid, str) and rid in _seen_requests:
+        return rid
+    rid = getattr(value, "req_id", None)
+    return rid if isinstance(rid, str) and rid in _seen_requests else None
+
+
+def _requests_in(value, depth: int = 0) -> list:
+    """Request ids a container attribute refers to: its keys, items or (one level down) their
+    containers; an entry whose value is an empty container is not a reference (a defaultdict read)."""
+    found = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            rid = _request_id_of(key)
+            if rid is not None and not (isinstance(item, (list, set, dict, tuple)) and not item):
+                found.append(rid)
+            elif depth == 0 and isinstance(item, (set, list, tuple, dict)):
+                found.extend(_requests_in(item, depth + 1))
+            elif _request_id_of(item) is not None:
+                found.append(_request_id_of(item))
+        return found
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__") or not hasattr(value, "__len__"):
+        return found
+    try:
+        items = list(value)
+    except Exception:
+        return found
+    for item in items:
+        rid = _request_id_of(item)
+        if rid is not None:
+            found.append(rid)
+        elif depth == 0 and isinstance(item, (set, list, tuple)):
+            found.extend(_requests_in(item, depth + 1))
+    return found
+
+
+def _pools(scheduler) -> list:
+    manager = scheduler.kv_cache_manager
+    pools, seen = [], set()
+    for pool in [getattr(manager, "block_pool", None)] + [getattr(m, "block_pool", None) for m in _group_managers(scheduler)]:
+        if pool is not None and id(pool) not in seen:
+            seen.add(id(pool))
+            pools.append(pool)
+    return pools
+
+
+def _group_managers(scheduler) -> list:
+    coordinator = getattr(scheduler.kv_cache_manager, "coordinator", None)
+    return list(getattr(coordinator, "single_type_managers", ()) or ())
+
+
+def _group_of(block) -> str:
+    key = getattr(block, "block_hash", None)
+    group = getattr(key, "group_id", None)
+    if group is None and isinstance(key, (bytes, bytearray)) and len(key) >= 4:
+        group = int.from_bytes(bytes(key[-4:]), "big")  # BlockHashWithGroupId: hash bytes + 4-byte group id
+    return "?" if group is None else str(group)
+
+
+def _ids(blocks, limit: int = 8) -> str:
+    listed = ",".join(str(b.block_id) for b in blocks[:limit])
+    return listed + (",..." if len(blocks) > limit else "")
+
+
+def _check_block_pool(scheduler) -> list:
+    """Per pool: the free queue holds exactly the blocks with no reference, each once, and its count
+    says so; at rest no block is referenced (free + cached = the pool less its null block)."""
+    out = []
+    # blocks a finished request returns once the steps still writing them are processed (async
+    # scheduling with a KV connector: Scheduler.deferred_frees, drained by update_from_output): held
+    # by vLLM on purpose until the next step with tokens, not leaked
+    deferred = {id(b) for _, blocks in list(getattr(scheduler, "deferred_frees", ()) or ()) for b in blocks}
+    for pool in _pools(scheduler):
+        queue = pool.free_block_queue
+        walked = queue.get_all_free_blocks()
+        ids = [b.block_id for b in walked]
+        in_queue = set(ids)
+        twice = []
+        if len(in_queue) != len(ids):
+            seen: set = set()
+            twice = sorted({i for i in ids if i in seen or seen.add(i)})
+        negative, held, lost = [], [], []
+        for b in pool.blocks:
+            if b.is_null:
+                continue
+            if b.ref_cnt < 0:
+                negative.append(b)
+            elif b.ref_cnt > 0 and id(b) not in deferred:
+                held.append(b)
+            elif b.block_id not in in_queue:
+                lost.append(b)
+        if twice or negative:
+            out.append(("block-double-free",
+                        f"{len(negative)} block(s) with a negative reference count ({_ids(negative)}), "
+                        f"{len(twice)} listed twice in the free queue ({','.join(map(str, twice[:8]))}): freed "
+                        f"more often than allocated"))
+        if held:
+            by_group: dict = {}
+            for b in held:
+                by_group[_group_of(b)] = by_group.get(_group_of(b), 0) + 1
+            out.append(("block-leak",
+                        f"{len(held)} of {pool.num_gpu_blocks - 1} blocks still referenced with no request in the "
+                        f"engine (blocks {_ids(held)}; by KV group of their hash: "
+                        f"{','.join(f'{g}:{n}' for g, n in sorted(by_group.items()))}); free {queue.num_free_blocks}"))
+        wrong = [b for b in walked if b.is_null or b.ref_cnt > 0]  # a negative one is a double free's
+        if lost or wrong or queue.num_free_blocks != len(walked):
+            out.append(("free-queue",
+                        f"free count {queue.num_free_blocks}, {len(walked)} blocks in the free queue; "
+                        f"{len(lost)} unreferenced block(s) outside it ({_ids(lost)}), {len(wrong)} referenced "
+                        f"or null block(s) in it ({_ids(wrong)})"))
+        cached = getattr(getattr(pool, "cached_block_hash_to_block", None), "_cache", None)
+        if isinstance(cached, dict):
+            bad = []
+            for key, entry in cached.items():
+                for block in (entry.values() if isinstance(entry, dict) else [entry]):
+                    if getattr(block, "block_hash", None) != key and key not in (
+                            getattr(pool, "cached_block_hashes_by_block", {}).get(block.block_id, ())):
+                        bad.append(block)
+            if bad:
+                out.append(("prefix-cache-hash",
+                            f"{len(bad)} block(s) in the prefix cache under a hash they no longer carry "
+                            f"({_ids(bad)}): a lookup would hand out a block whose content is another prefix's"))
+    return out
+
+
+def _stranded(owner, name: str, skip=()) -> list:
+    out = []
+    for attr, value in list(vars(owner).items()):
+        if attr in skip or f"{type(owner).__name__}.{attr}" in _HISTORY_ATTRIBUTES:
+            continue
+        if not isinstance(value, (dict, set, list, tuple, frozenset)) and type(value).__name__ not in (
+                "deque", "defaultdict", "OrderedDict", "FCFSRequestQueue", "PriorityRequestQueue"):
+            continue
+        found = _requests_in(value)
+        if found:
+            out.append(f"{name}.{attr} ({len(set(found))}: {', '.join(sorted(set(found))[:3])})")
+    return out
+
+
+def _check_requests(scheduler) -> list:
+    """No finished request is left in any queue, reservation or per-request map of the scheduler, the
+    KV-cache manager or any group's manager."""
+    where = _stranded(scheduler, "Scheduler", skip=("connector",))
+    manager = scheduler.kv_cache_manager
+    where += _stranded(manager, "KVCacheManager")
+    coordinator = getattr(manager, "coordinator", None)
+    if coordinator is not None:
+        where += _stranded(coordinator, type(coordinator).__name__)
+    for m in _group_managers(scheduler):
+        where += _stranded(m, f"{type(m).__name__}[group {getattr(m, 'kv_cache_group_id', '?')}]")
+    return [("request-stranded", "finished requests still held by " + "; ".join(where))] if where else []
+
+
+def _check_offload(scheduler) -> list:
+    """The OffloadingConnector's scheduler side tracks no request and no job, and its offloading
+    manager has no chunk pinned by a load or left half-written by a store."""
+    cs = getattr(getattr(scheduler, "connector", None), "connector_scheduler", None)
+    if cs is None:
+        return []
+    out = []
+    busy = [f"{attr} ({len(value)})" for attr in _CONNECTOR_IN_FLIGHT
+            if (value := getattr(cs, attr, None)) and hasattr(value, "__len__")]
+    busy += _stranded(cs, type(cs).__name__, skip=_CONNECTOR_IN_FLIGHT)
+    if busy:
+        out.append(("offload-stranded", "the connector still tracks " + "; ".join(busy)))
+    manager = getattr(cs, "manager", None)
+    pinned, unwritten = 0, 0
+    for holder in (manager, getattr(manager, "_policy", None), getattr(manager, "policy", None)):
+        for value in (vars(holder).values() if holder is not None and hasattr(holder, "__dict__") else ()):
+            if not isinstance(value, dict):
+                continue
+            for status in value.values():
+                if hasattr(status, "ref_cnt") and hasattr(status, "is_ready"):
+                    pinned += bool(status.is_ready and status.ref_cnt > 0)
+                    unwritten += not status.is_ready
+    if pinned or unwritten:
+        out.append(("offload-pinned", f"{pinned} offloaded chunk(s) still pinned by a load, {unwritten} still "
+                                      "being written, with no transfer in flight"))
+    return out
+
+
+# -- the prefix cache against what the blocks hold (the GPU-free engine's shadow KV) ------------------
+#
+# When vLLM caches a full block (BlockPool.cache_full_blocks) the block's hash names the first n tokens
+# of the request that caches it; the shadow KV (kvrepro/engine/shadow.py, the sim engine only) knows
+# what the block holds by the same token prefix's identity. At rest, every block still cached must hold
+# exactly that: attention KV whose last slot was computed from those n tokens, or the Mamba state after
+# them. The identity is the shadow KV's own (its _extend over the tokens): nothing of vLLM's hashing is
+# re-done. Without a shadow KV (a GPU, a Docker image without it) this check says nothing.
+
+POOL_MODULE = "vllm.v1.core.block_pool"
+SHADOW_MODULE = "kvrepro.engine.shadow"
+_cached_expect: dict = {}  # block id -> (group, request id, tokens its hash covers, shadow identity, the hash)
+_prefixes: dict = {}  # request id -> the shadow identities of its token prefixes, grown on demand
+
+
+def _shadow():
+    module = sys.modules.get(SHADOW_MODULE)
+    return getattr(getattr(module, "ShadowKV", None), "current", None), module
+
+
+def _identity(module, request, n: int):
+    hashes = _prefixes.setdefault(request.request_id, [module._ROOT_HASH])
+    tokens = request.all_token_ids
+    while len(hashes) <= n and len(hashes) <= len(tokens):
+        hashes.append(module._extend(hashes[-1], tokens[len(hashes) - 1]))
+    return hashes[n] if n < len(hashes) else None
+
+
+def _note_cached(request, blocks, num_cached_blocks: int, num_full_blocks: int, block_size: int, group: int) -> None:
+    shadow, module = _shadow()
+    if shadow is None:
+        return
+    for i in range(num_cached_blocks, min(num_full_blocks, len(blocks))):
+        block = blocks[i]
+        if block.is_null or block.block_hash is None:
+            continue
+        n = (i + 1) * block_size
+        identity = _identity(module, request, n)
+        if identity is not None:
+            _cached_expect[block.block_id] = (group, request.request_id, n, identity, block.block_hash)
+
+
+def _check_prefix_content(scheduler) -> list:
+    shadow, _ = _shadow()
+    if shadow is None or not _cached_expect:
+        return []
+    pools = _pools(scheduler)
+    wrong = []
+    for block_id, (group, rid, n, identity, key) in list(_cached_expect.items()):
+        block = next((p.blocks[block_id] for p in pools if block_id < len(p.blocks)), None)
+        if block is None or block.block_hash != key:
+            # evicted since, or carrying another entry now (a copy-on-write moves a block's hashes to
+            # the copy: BlockPool.move_block_hashes): not the entry this expectation is about
+            del _cached_expect[block_id]
+            continue
+        kind = shadow.groups[group].kind if group < len(shadow.groups) else "other"
+        content = shadow.gpu.get(block_id)
+        if kind in ("full_attention", "sliding_window"):
+            ok = (content is not None and content.group == group and bool(content.slots)
+                  and content.slots[-1] == identity)
+        elif kind == "mamba":
+            ok = content is not None and content.group == group and identity in (content.states or ())
+        else:
+            continue
+        if not ok:
+            wrong.append((block_id, group, rid, n, content.source if content is not None and content.source
+                          else "nothing (never written)"))
+    _prefixes.clear()  # at rest: every request that cached a block has ended
+    if not wrong:
+        return []
+    b, g, rid, n, held = wrong[0]
+    return [("prefix-cache-content",
+             f"{len(wrong)} block(s) in the prefix cache hold other KV than the prefix their hash names (block {b}, "
+             f"group {g} ({shadow.groups[g].kind}), cached for the first {n} tokens of request {rid}, holds: {held})")]
+
+
+def _wrap_pool() -> None:
+    """Wrap BlockPool.cache_full_blocks: which prefix each newly cached block's hash names."""
+    cls = getattr(sys.modules.get(POOL_MODULE), "BlockPool", None)
+    original = getattr(cls, "__dict__", {}).get("cache_full_blocks")
+    if original is None or getattr(original, "__kvrepro_probe__", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def cache_full_blocks(*args, **kwargs):
+        result = original(*args, **kwargs)
+        try:
+            a = signature.bind(*args, **kwargs).arguments
+            _note_cached(a["request"], a["blocks"], a["num_cached_blocks"], a["num_full_blocks"], a["block_size"],
+                         a["kv_cache_group_id"])
+        except Exception:
+            pass  # the probe must never take its host down; this check then says nothing
+        return result
+
+    cache_full_blocks.__kvrepro_probe__ = True
+    setattr(cls, "cache_full_blocks", cache_full_blocks)
+
+
+# the checks, in order; each returns [(invariant name, words)]
+INVARIANT_CHECKS = (_check_block_pool, _check_requests, _check_offload, _check_prefix_content)
+
+
+def _why_busy(scheduler) -> str:
+    """What keeps vLLM stepping with no request running or waiting (has_requests()'s other terms)."""
+    held = [f"{rid} ({getattr(getattr(r, 'status', None), 'name', '?')})"
+            for rid, r in list(getattr(scheduler, "requests", {}).items())[:3]]
+    cs = getattr(getattr(scheduler, "connector", None), "connector_scheduler", None)
+    jobs = getattr(cs, "_jobs", None) or {}
+    return (f"vLLM's has_requests() stayed true for {NEVER_AT_REST_STEPS} steps with no request running or "
+            f"waiting: {len(getattr(scheduler, 'requests', {}))} request(s) still in Scheduler.requests "
+            f"{', '.join(held) or ''}; {len(getattr(scheduler, 'finished_req_ids', ()) or ())} finished id(s) "
+            f"pending; {len(jobs)} connector job(s) in flight (of requests "
+            f"{', '.join(sorted({str(getattr(j, 'req_id', '?')) for j in list(jobs.values())[:3]}))})")
+
+
+def check_invariants(scheduler, found=None) -> list:
+    """Run every check on ``scheduler`` at rest (or record ``found``, already decided); log and count
+    what broke. Returns [(name, words)]."""
+    if found is not None:
+        return _record(list(found))
+    found = []
+    for check in INVARIANT_CHECKS:
+        try:
+            found.extend(check(scheduler))
+        except Exception as exc:  # an unknown layout (another release): that check says nothing
+            found.append(("probe-error", f"{check.__name__}: {type(exc).__name__}: {exc}"))
+    return _record(found)
+
+
+def _record(found: list) -> list:
+    with _inv_lock:
+        _invariants["checks"] += 1
+        n = _invariants["checks"]
+        described = []
+        for name, words in found:
+            _broken[name] = _broken.get(name, 0) + 1
+            if _broken[name] <= INVARIANT_DESCRIBED:
+                described.append((name, words))
+    for name, words in described:
+        _write(f"kvrepro-probe: invariant broken name={name} check={n} {words}")
+    if described:
+        report_invariants(force=True)
+    return found
+
+
+def report_invariants(force: bool = False) -> None:
+    if not _invariants["installed"]:
+        return
+    with _inv_lock:
+        snapshot = (_invariants["checks"], ",".join(f"{k}:{v}" for k, v in sorted(_broken.items())))
+        if not force and snapshot == _invariants["last_reported"]:
+            return
+        _invariants["last_reported"] = snapshot
+    _write(f"kvrepro-probe: invariants checks={snapshot[0]} broken={snapshot[1] or '-'} pid={os.getpid()}")
+
+
+def after_step(scheduler) -> None:
+    """What the wrapped update_from_output does after each step: at rest (and busy since the last
+    check) check everything; with nothing to run but vLLM still stepping, count the steps."""
+    if not scheduler.has_requests():
+        _invariants["idle_steps"] = 0
+        if _invariants["busy"]:
+            _invariants["busy"] = False
+            check_invariants(scheduler)
+    elif scheduler.has_unfinished_requests():
+        _invariants["idle_steps"] = 0
+        if len(_prefixes) > 64:  # a load that never rests: forget the prefixes of ended requests
+            for rid in [r for r in _prefixes if r not in scheduler.requests]:
+                del _prefixes[rid]
+    else:
+        # nothing running or waiting, yet vLLM goes on stepping: something it waits for
+        _invariants["idle_steps"] = _invariants.get("idle_steps", 0) + 1
+        if _invariants["idle_steps"] == NEVER_AT_REST_STEPS:
+            check_invariants(scheduler, [("never-at-rest", _why_busy(scheduler))])
+
+
+def _wrap_scheduler() -> None:
+    """Wrap Scheduler.add_request (the ids it is given) and update_from_output (after each step:
+    at rest now, and busy since the last check? then check). The scheduler module is imported
+    before any connector (it creates it); a release without these loses only the invariants."""
+    if os.environ.get(INVARIANTS_ENV, "1").strip().lower() in ("0", "off", "no", "false"):
+        return  # benchmarks/invariants_overhead.py measures the engine without them
+    cls = getattr(sys.modules.get(SCHEDULER_MODULE), "Scheduler", None)
+    add = getattr(cls, "__dict__", {}).get("add_request")
+    step_end = getattr(cls, "__dict__", {}).get("update_from_output")
+    if add is None or step_end is None or getattr(step_end, "__kvrepro_probe__", False):
+        return
+
+    @functools.wraps(add)
+    def add_request(self, request, *args, **kwargs):
+        try:
+            with _inv_lock:
+                _seen_requests.add(request.request_id)
+                _invariants["busy"] = True
+        except Exception:
+            pass
+        return add(self, request, *args, **kwargs)
+
+    @functools.wraps(step_end)
+    def update_from_output(self, *args, **kwargs):
+        result = step_end(self, *args, **kwargs)
+        try:
+            after_step(self)
+        except Exception:
+            pass  # the probe must never take its host down
+        return result
+
+    _wrap_pool()  # imported by the scheduler module (through the KV-cache manager) before its class
+    add_request.__kvrepro_probe__ = True
+    update_from_output.__kvrepro_probe__ = True
+    setattr(cls, "add_request", add_request)
+    setattr(cls, "update_from_output", update_from_output)
+    _invariants["installed"] = True
+    report_invariants(force=True)
+
+
 def _wrap_module(module) -> None:
     try:
         cls = getattr(module, TARGET_CLASS, None)
@@ -412,6 +870,7 @@ def _wrap_module(module) -> None:
             _wrap(cls)
             _wrap_divergent_lookup()
             _wrap_manager_steps()
+            _wrap_scheduler()
         else:
             _write(f"kvrepro-probe: not installed: {TARGET_MODULE} has no {TARGET_CLASS}")
     except Exception as exc:  # never break the import of vLLM itself
@@ -430,17 +889,25 @@ class _LoaderProxy:
 
     def exec_module(self, module):
         self._kvrepro_loader.exec_module(module)
-        _wrap_module(module)
+        if module.__name__ == SCHEDULER_MODULE:
+            try:
+                _wrap_scheduler()
+            except Exception as exc:  # never break the import of vLLM itself
+                _write(f"kvrepro-probe: invariants not installed: {type(exc).__name__}: {exc}")
+        else:
+            _wrap_module(module)
 
     def __getattr__(self, name):
         return getattr(self._kvrepro_loader, name)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; for the one target module it decorates the real finder's spec."""
+    """Finds nothing itself; for the target module (and vLLM's scheduler module, whose class the
+    invariants wrap once it is defined: the connector may be imported while it executes) it
+    decorates the real finder's spec."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET_MODULE:
+        if fullname not in (TARGET_MODULE, SCHEDULER_MODULE):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -463,6 +930,8 @@ def install() -> None:
     if module is not None:
         _wrap_module(module)
         return
+    if getattr(sys.modules.get(SCHEDULER_MODULE), "Scheduler", None) is not None:
+        _wrap_scheduler()
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
 

@@ -18,6 +18,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from .. import versions
 from ..records import RunResult, Verdict
 from .expectations import Check, check
 from ..results.store import BuildResults, MatrixRun, write_atomic
@@ -29,7 +30,7 @@ def _evidence(build: BuildResults, r: RunResult) -> str:
     lines = [
         f"verdict: {r.label}" + (f" (expected {build.expect})" if build.expect else ""),
         f"title: {r.title}",
-        f"base: {r.base or build.base}  build: {build.build_name}  patches: {' -> '.join(build.patches) or '(base)'}",
+        f"base: {versions.label(r.base or build.base)}  build: {build.build_name}  patches: {' -> '.join(build.patches) or '(base)'}",
         f"requests: {r.requests}  seconds under load: {r.load_seconds:.1f}  wall seconds: {r.seconds:.1f}"
         + (f"  stopped because: {r.load.stopped_because}" if r.load is not None else "")
         + (f" ({r.load.settled_by})" if r.load is not None and r.load.settled_by else ""),
@@ -68,12 +69,13 @@ def junit_xml(run: MatrixRun) -> str:
     totals = {"tests": 0, "failures": 0, "errors": 0, "time": 0.0}
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(run.info.started or time.time()))
     for build in run.builds:
-        suite = ET.SubElement(root, "testsuite", name=f"kvrepro {build.base} {build.build_name}")
+        suite = ET.SubElement(root, "testsuite", name=f"kvrepro {versions.label(build.base)} {build.build_name}")
         counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0, "time": 0.0}
         properties = ET.SubElement(suite, "properties")
         for key, value in (("run_id", run.run_id), ("base", build.base), ("build", build.build_name),
                            ("patches", " -> ".join(build.patches)), ("expect", build.expect or ""),
-                           ("target", run.info.target), ("kvrepro_version", run.info.kvrepro_version)):
+                           ("target", run.info.target), ("kvrepro_version", run.info.kvrepro_version),
+                           ("unported", "true" if versions.is_unported(build.base) else "false")):
             ET.SubElement(properties, "property", name=key, value=value)
         for r in build.runs:
             case = ET.SubElement(suite, "testcase", name=f"{build.name} rep {r.rep}",

@@ -26,6 +26,7 @@ from rich.table import Table as RichTable
 from rich.text import Text
 
 from . import stats
+from .. import versions
 # whether a run meets expect: is decided in report/expectations.py (re-exported for the report's users)
 from .expectations import Mismatch, meets_expectation, mismatches  # noqa: F401
 from ..records import RunResult, Verdict
@@ -259,6 +260,8 @@ def matrix_json(run: MatrixRun) -> dict[str, Any]:
         "status": run.status,
         "target": run.info.target,
         "base": run.info.base,
+        # releases run with the newest known release's settings (kvrepro/versions.py: is_unported)
+        "unported": [base for base in dict.fromkeys(b.base for b in run.builds) if versions.is_unported(base)],
         "path": str(run.path),
         "builds": builds,
         "mismatches": [vars(m) for m in mismatches(run)],
@@ -406,7 +409,7 @@ class MatrixTable:
             table.add_column("loads", justify="right", **cut)
         sep = " / " if layout.patches_in_table else "/"
         for b in run.builds:
-            cells: list[Any] = [b.base] if multi_base else []
+            cells: list[Any] = [versions.label(b.base)] if multi_base else []
             cells.append(b.build_name)
             if layout.patches_in_table:
                 cells.append(", ".join(b.patches) or "-")

@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from ..records import BisectStep, RunResult, to_jsonable
-from ..secrets import redact
+from ..secrets import redact, redact_value
 
 # log_path=False: a progress line ends in what it says, not in the logger's source position (terminal.py:40)
 out = Console(log_path=False)
@@ -23,7 +23,9 @@ err = Console(stderr=True, log_path=False)
 
 def emit_json(value: Any) -> None:
     # one redaction for everything kvrepro hands on, --json included
-    sys.stdout.write(redact(json.dumps(to_jsonable(value), indent=2)) + "\n")
+    # each string redacted before it is JSON-escaped (a secret holding a quote or a non-ASCII
+    # character is not found in the escaped text), then the text as a whole
+    sys.stdout.write(redact(json.dumps(redact_value(to_jsonable(value)), indent=2)) + "\n")
 
 
 def plain(text: str) -> None:
@@ -53,7 +55,7 @@ def run_line(result: RunResult) -> str:
 class RichProgress:
     """Shows builds, runs and each running engine's requests (on stderr, so --json stays clean)."""
 
-    def __init__(self, total_runs: int):
+    def __init__(self, total_runs: int | None):  # None: not known ahead (a duration budget)
         self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                                  MofNCompleteColumn(), TimeElapsedColumn(), console=err, transient=False)
         self.runs = self.progress.add_task("runs", total=total_runs)
@@ -85,7 +87,7 @@ class RichProgress:
 class PlainProgress:
     """--ci: one plain line per stage and per finished run on stderr; no bars, no live display."""
 
-    def __init__(self, total_runs: int):
+    def __init__(self, total_runs: int | None):  # None: not known ahead (a duration budget)
         self.total = total_runs
         self.done = 0
 
@@ -103,10 +105,10 @@ class PlainProgress:
 
     def run_finished(self, result: RunResult) -> None:
         self.done += 1
-        plain(f"[{self.done}/{self.total}] " + run_line(result))
+        plain(f"[{self.done}{'' if self.total is None else f'/{self.total}'}] " + run_line(result))
 
 
-def progress_for(total_runs: int, ci: bool) -> RichProgress | PlainProgress:
+def progress_for(total_runs: int | None, ci: bool) -> RichProgress | PlainProgress:
     return PlainProgress(total_runs) if ci else RichProgress(total_runs)
 
 

@@ -45,6 +45,10 @@ MAX_BASES = 16
 MAX_EXTRA_ARGS = 256
 MAX_HOSTS = 64
 MAX_MATRIX_BYTES = 1 << 20
+# KV geometry: production hybrid models run attention blocks of a few thousand tokens (2,128 for
+# Qwen3.5 with Mamba `align`); these bounds refuse what no deployment has (a block of 2^40 tokens)
+MAX_BLOCK_SIZE = 1 << 16
+MAX_OFFLOAD_CHUNK_TOKENS = 1 << 20
 
 
 _NAMED_CORRUPT = re.compile(r"^CORRUPT\((?P<names>[^()]*)\)$")
@@ -215,11 +219,11 @@ class GeometrySpec(_Strict):
     (``--kv-transfer-config`` extra config), the MTP tokens and ``--data-parallel-size``.
     """
 
-    block_size: int | None = Field(None, ge=1, description="GPU KV block in tokens (--block-size); "
-                                   "default: engine.block_size")
+    block_size: int | None = Field(None, ge=1, le=MAX_BLOCK_SIZE, description="GPU KV block in tokens "
+                                   "(--block-size); default: engine.block_size")
     offload_chunk_tokens: int | None = Field(
-        None, ge=1, description="the OffloadingConnector's offload chunk in tokens, a multiple of block_size; "
-                                "default: one block")
+        None, ge=1, le=MAX_OFFLOAD_CHUNK_TOKENS,
+        description="the OffloadingConnector's offload chunk in tokens, a multiple of block_size; default: one block")
     mamba_groups: int = Field(2, ge=0, le=64, description="KV-cache groups of Gated-DeltaNet (Mamba `align`) layers")
     full_attention_groups: int = Field(1, ge=1, le=64, description="KV-cache groups of full-attention layers "
                                        "(the MTP draft layer joins them)")
@@ -259,7 +263,7 @@ class EngineSpec(_Strict):
         description="a model directory with config.json, or the name of a config shipped in kvrepro/data/models",
     )
     served_model_name: str | None = None
-    block_size: int = Field(16, ge=1)
+    block_size: int = Field(16, ge=1, le=MAX_BLOCK_SIZE)
     enable_prefix_caching: bool = True
     mamba_cache_mode: Literal["align", "all", "none"] = "align"
     speculative_method: Literal["mtp", "eagle", "eagle3", "none"] = "mtp"
@@ -284,6 +288,10 @@ class EngineSpec(_Strict):
     kv_load_failure_policy: Literal["fail", "recompute"] | None = Field(
         None, description="vLLM's KVTransferConfig.kv_load_failure_policy (what a failed offload load does: fail "
                           "the request, or recompute its KV); default: vLLM's own (fail)")
+    async_scheduling: Literal["auto", "on", "off"] = Field(
+        "auto", description="vLLM's asynchronous scheduling: auto = what vLLM decides for the release and this "
+                            "engine on a GPU (on with MTP in every supported release; the GPU-free engine keeps "
+                            "that decision, docs/engine.md), on = --async-scheduling, off = --no-async-scheduling")
 
     @model_validator(mode="before")
     @classmethod
@@ -330,6 +338,20 @@ class EngineSpec(_Strict):
             if arg.split("=", 1)[0] in GEOMETRY_FLAGS:
                 raise FieldError(f"engine.extra_args.{i}", f"{arg.split('=', 1)[0]} is set by engine.geometry; "
                                   "remove it here and say it there")
+        return self
+
+    @field_validator("async_scheduling", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare on/off as a boolean
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
+    @model_validator(mode="after")
+    def _async_in_one_place(self) -> "EngineSpec":
+        for i, arg in enumerate(self.extra_args):
+            if self.async_scheduling != "auto" and arg.split("=", 1)[0] in ("--async-scheduling", "--no-async-scheduling"):
+                raise FieldError(f"engine.extra_args.{i}", f"{arg} and engine.async_scheduling: {self.async_scheduling} "
+                                  "both set asynchronous scheduling; say it in engine.async_scheduling only")
         return self
 
     @property
@@ -398,6 +420,8 @@ class EngineSpec(_Strict):
                 from ..versions import PREFIX_MATCH_UNIT_FLAG
 
                 args += [PREFIX_MATCH_UNIT_FLAG, str(self.geometry.hash_block_size)]
+        if self.async_scheduling != "auto":
+            args += ["--async-scheduling" if self.async_scheduling == "on" else "--no-async-scheduling"]
         if include_sim:
             args += ["--num-gpu-blocks-override", str(self.sim.num_gpu_blocks)]
         return args + list(self.extra_args)
@@ -650,6 +674,12 @@ class Matrix(_Strict):
                     known = ", ".join(sorted(self.patches)) or "(none declared)"
                     raise FieldError(where + (i,), f"unknown patch {name[:80]!r}; declared patches: {known}")
         for b, stack in self.builds.items():
+            whole = [*self.common, *stack]
+            twice = next((name for i, name in enumerate(whole) if name in whole[:i]), None)
+            if twice is not None:
+                where = "common: and the build" if twice in self.common and twice in stack else "the stack"
+                raise FieldError(("builds", b), f"patch {twice[:80]!r} twice in {where}; a patch applies once "
+                                  "(the second would fail, or revert the first): list it once")
             if len(self.common) + len(stack) > MAX_STACK:
                 raise FieldError(("builds", b), f"common: + this build make {len(self.common) + len(stack)} "
                                   f"patches in one stack; at most {MAX_STACK}")

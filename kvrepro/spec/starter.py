@@ -4,15 +4,20 @@ An installed kvrepro has no clone around it, so the default experiment (matrix.y
 patches it names under builds/) comes from the package (kvrepro.paths.shipped_project). The
 known-defect catalogue is read from the package as it is; a copy in the project (defects/)
 is written only when asked for, because a copy found there replaces the shipped one.
+
+FOLDER is whatever the user named, and may hold links left by anyone: every file is written
+through kvrepro/untrusted.py's WriteFolder (never through a link: FOLDER itself a link is refused,
+a link in a file's place is "already there", replaced by the file itself with --force, never
+followed; a linked sub-folder is refused).
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from .. import paths
 from ..errors import BadInputError
+from ..untrusted import WriteFolder, quote, writing
 from ..records import StarterProject
 
 
@@ -35,21 +40,19 @@ def write_starter(folder: Path, with_catalogue: bool = False, force: bool = Fals
     for source in sources:
         if not source.exists():
             raise BadInputError(f"{source}: missing from this kvrepro installation; reinstall kvrepro")
-    if folder.exists() and not folder.is_dir():
-        raise BadInputError(f"{folder}: is a file; give a folder to write the starter project into")
+    if folder.exists() and not folder.is_dir() and not folder.is_symlink():
+        raise BadInputError(f"{quote(folder, 200)}: is a file; give a folder to write the starter project into")
     relative = [rel for source in sources for rel in _files_of(source)]
-    if not force:
-        taken = [rel for rel in relative if (folder / rel).exists()]
-        if taken:
-            more = f" (and {len(taken) - 1} more)" if len(taken) > 1 else ""
-            raise BadInputError(f"{folder / taken[0]}: already exists{more}; pass --force to overwrite "
-                                "with the shipped files, or init another folder")
-    try:
+    with writing(quote(folder, 200), "pass --force to overwrite with the shipped files, or init another folder"), \
+            WriteFolder(folder) as out:
+        if not force:
+            taken = [rel for rel in relative if out.exists(rel)]  # a dangling link is taken too
+            if taken:
+                more = f" (and {len(taken) - 1} more)" if len(taken) > 1 else ""
+                raise BadInputError(f"{quote(folder / taken[0], 200)}: already exists{more}; pass --force to "
+                                    "overwrite with the shipped files, or init another folder")
         for rel in relative:
-            (folder / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(shipped / rel, folder / rel)
-    except OSError as exc:
-        raise BadInputError(f"{folder}: cannot write the starter project: {exc.strerror or exc}") from None
+            out.write(rel, (shipped / rel).read_bytes(), replace=force)
     at = "" if folder.resolve() == Path.cwd().resolve() else f"cd {folder} && "
     steps = (f"{at}kvrepro matrix validate",
              f"{at}kvrepro matrix run --build A --reps 1",

@@ -162,10 +162,11 @@ class TriageSpec(_Strict):
 
 class EntrySpec(_Strict):
     name: str
-    kind: Literal["crash", "corruption", "stall"]
+    kind: Literal["crash", "corruption", "stall", "invariant"]
     title: str
     signature: str = Field(description="crash: a signature name (`kvrepro signatures`); corruption: a defect "
-                                       "name (`kvrepro signatures`); stall: `stall`")
+                                       "name (`kvrepro signatures`); stall: `stall`; invariant: an invariant's "
+                                       "name (kvrepro/classify/invariants.py)")
     testable: bool = True
     not_testable: str | None = Field(None, description="why the suite cannot test it here (testable: false)")
     matrix: dict[str, Any] = Field(default_factory=dict, description="merged over the default matrix.yaml")
@@ -192,7 +193,7 @@ class EntrySpec(_Strict):
     def _keys(cls, v: list[str]) -> list[str]:
         for key in v:
             release, _ = parse_build_key(key)
-            if (problem := unsupported(release)) is not None:
+            if (problem := unsupported(release, unported_ok=False)) is not None:
                 raise ValueError(f"{key!r}: {problem}")
         return v
 
@@ -221,6 +222,11 @@ class EntrySpec(_Strict):
             if self.signature not in names:
                 raise _FieldError("signature", f"{self.signature!r} is not a corruption defect; known: "
                                   f"{', '.join(names)}")
+        elif self.kind == "invariant":
+            from ..classify.invariants import INVARIANTS
+
+            if self.signature not in INVARIANTS:
+                raise _FieldError("signature", f"{self.signature!r} is not an invariant; known: {', '.join(INVARIANTS)}")
         elif self.kind == "stall" and self.signature != "stall":
             raise _FieldError("signature", "a stall entry's signature is `stall`")
         if not self.testable and not (self.not_testable or "").strip():

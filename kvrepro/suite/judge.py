@@ -55,6 +55,8 @@ def shows(entry: Entry, run: RunResult) -> bool:
     """Whether one repetition shows the entry's own signature."""
     if entry.kind == "corruption":
         return run.kv_defects.get(entry.signature, 0) > 0
+    if entry.kind == "invariant":
+        return run.invariants_broken.get(entry.signature, 0) > 0
     if entry.kind == "stall":
         # a run's verdict puts corruption before the stall that ended it: the load says it stalled
         return run.verdict is Verdict.STALL or (run.load is not None and run.load.stopped_because == "stall")
@@ -101,6 +103,8 @@ def judge(entry: Entry, build: str, release: str, patches: tuple[str, ...], runs
             what = f"{entry.signature} x{first.kv_defects.get(entry.signature, 0)}"
         elif entry.kind == "stall":
             what = "STALL"
+        elif entry.kind == "invariant":
+            what = f"{entry.signature} at {first.invariants_broken.get(entry.signature, 0)} quiescent point(s)"
         else:
             what = entry.signature
         index = first.load.first_failed_index if first.load else None

@@ -18,6 +18,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
+from .. import versions
 from ..records import to_jsonable
 from ..results.store import write_atomic
 from .judge import ABSENT, INFRA, NOT_TESTABLE, OTHER, PRESENT, UNREACHED, Row
@@ -40,6 +41,12 @@ def _mark(row: Row) -> str:
     return "ok" if row.matches else "FAIL"
 
 
+def _build_label(key: str) -> str:
+    """A build key with its release marked when unported (``0.35.0 (unported)+pr-1``)."""
+    release, _, rest = key.partition("+")
+    return versions.label(release) + (f"+{rest}" if rest else "")
+
+
 def table(suite: SuiteResult) -> Table:
     """entry | build | row | expected | ok: the detail goes on a second line so that it fits 80 columns."""
     wall = f", {suite.seconds:.0f} s" if suite.seconds else ""
@@ -59,7 +66,7 @@ def table(suite: SuiteResult) -> Table:
             detail = "(as above)"  # the reason once per entry; --json and JUnit carry it on every row
         if detail:
             cell += f"\n[dim]{escape(detail)}[/]"
-        t.add_row(row.entry if row.entry != last else "", row.build, cell, row.expected or "-",
+        t.add_row(row.entry if row.entry != last else "", _build_label(row.build), cell, row.expected or "-",
                   _mark(row) if row.matches is not False else "[bold red]FAIL[/]")
         last = row.entry
     return t
@@ -69,6 +76,7 @@ def as_json(suite: SuiteResult) -> dict[str, Any]:
     return {
         "suite_id": suite.suite_id, "path": str(suite.path), "status": suite.status, "seconds": suite.seconds,
         "catalogue": suite.catalogue, "builds": [b.key for b in suite.builds],
+        "unported": [b.key for b in suite.builds if versions.is_unported(b.release)],
         "rows": [to_jsonable(r) | {"failed": r.failed} for r in suite.rows],
         "mismatches": len(suite.mismatches), "notes": list(suite.notes),
     }
@@ -86,7 +94,7 @@ def junit_xml(suite: SuiteResult) -> str:
         counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
         seconds = 0.0
         for row in rows:
-            case = ET.SubElement(ts, "testcase", name=row.build, classname=f"kvrepro.suite.{entry}",
+            case = ET.SubElement(ts, "testcase", name=_build_label(row.build), classname=f"kvrepro.suite.{entry}",
                                  time=f"{row.seconds:.3f}")
             counts["tests"] += 1
             seconds += row.seconds

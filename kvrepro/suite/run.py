@@ -33,7 +33,7 @@ from ..records import (RecordError, StopRule, SuiteBuildRecord, SuiteEntryRecord
 from ..results import store as results
 from ..secrets import redact
 from ..spec.matrix import DEFAULT_MATRIX, LoadedMatrix
-from ..versions import DEFAULT_BASE, SUPPORTED_RELEASES, unsupported
+from ..versions import DEFAULT_BASE, SUPPORTED_RELEASES, unported_note, unsupported
 from .catalogue import Catalogue, Entry, EntrySpec, FragmentError, build_key, load_catalogue, parse_build_key
 from .judge import Row, judge, not_testable_row
 
@@ -347,7 +347,7 @@ def load_suite(path: Path, catalogue: Catalogue, root: Path = results.DEFAULT_RO
     builds = tuple(SuiteBuild(b.release, b.patches) for b in record.builds)
     known = {e.name: e for e in catalogue.entries}
     rows: list[Row] = []
-    notes: list[str] = []
+    notes: list[str] = [n for n in dict.fromkeys(unported_note(b.release) for b in builds) if n]
     for name, info in record.entries.items():
         entry = known.get(name)
         if entry is None:

@@ -65,7 +65,7 @@ def triage_file(path: Path, catalogue: Catalogue, release: str | None = None) ->
                             f"EngineCore lines in {stats.lines:,} lines); give the log of `vllm serve` "
                             "(docker logs, the pod's log)")
     config = reader.config()
-    warnings: list[str] = []
+    warnings: list[str] = list(stats.notices)  # lines cut to the bound, a UTF-16 log (triage/reader.py)
     version = release or config.release
     if version is None:
         raise BadInputError(f"{path}: no vLLM version in the log (the API server's 'vLLM API server version' "

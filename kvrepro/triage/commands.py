@@ -9,9 +9,12 @@ from typing import Any
 
 from rich.markup import escape
 
+from ..untrusted import quote
+
 from ..report import terminal
 from ..report.terminal import err, out
 from ..results import store as results
+from ..secrets import redact
 
 
 def target_of(found: Any) -> dict[str, str] | None:
@@ -25,6 +28,19 @@ def target_of(found: Any) -> dict[str, str] | None:
             **({"expression": pattern.expressions[0]} if pattern.expressions else {})}
 
 
+def check_release(release: str | None) -> None:
+    """--release, before the log is read: bad input naming --release (not the log), exit 2."""
+    from ..errors import BadInputError
+    from ..versions import SUPPORTED_RELEASES, nearest_supported
+
+    if release is None:
+        return
+    if len(release) > 40 or nearest_supported(release) is None:
+        raise BadInputError(f"--release {quote(release, 40)}: not a vLLM release kvrepro can triage (it runs "
+                            f"{SUPPORTED_RELEASES[0]}-{SUPPORTED_RELEASES[-1]} and reads logs of releases near "
+                            "them); give the release the log's server ran, e.g. --release 0.26.0")
+
+
 def triage(log: Path, *, emit: Path | None, run: bool, release: str | None, jobs: int | None,
            catalogue: Path | None, results_root: Path, as_json: bool) -> int:
     from ..report.render import matrix_table
@@ -33,13 +49,14 @@ def triage(log: Path, *, emit: Path | None, run: bool, release: str | None, jobs
     from . import render as triage_render
     from . import triage_file
 
+    check_release(release)
     cat = load_catalogue(catalogue)
     found = triage_file(log, cat, release)
     if as_json and not run:
         terminal.emit_json(triage_render.as_json(found))
     elif not as_json:
         for line in triage_render.plain(found):
-            out.print(escape(line), highlight=False, soft_wrap=True)
+            out.print(escape(redact(line)), highlight=False, soft_wrap=True)
     if emit is None and not run:
         return 0
     if not found.matches:
@@ -54,7 +71,7 @@ def triage(log: Path, *, emit: Path | None, run: bool, release: str | None, jobs
     data, notes = build_matrix(found, entry, list(cat.entries), target_of(found))
     folder = emit or (results.checked_root(results_root) / f"triage-{results.new_run_id()}")
     path = write_matrix(folder, data, found, entry, notes)
-    err.print(f"wrote {path}", highlight=False)
+    err.print(escape(f"wrote {quote(path, 240)}"), highlight=False)
     if not run:
         return 0
     stop = threading.Event()
@@ -62,11 +79,11 @@ def triage(log: Path, *, emit: Path | None, run: bool, release: str | None, jobs
         progress = terminal.RichProgress(len(data["builds"]))
         with progress.progress:
             matrix_result = run_emitted(path, results.checked_root(results_root), progress, stop, jobs)
-    items = proofs(matrix_result)
+    items = proofs(matrix_result, entry)
     if as_json:  # one document: the triage and what the run proved
         terminal.emit_json({**triage_render.as_json(found), "run": matrix_result.run_id, "proofs": items})
     else:
         out.print(matrix_table(matrix_result))
         for line in what_it_proved(items):
-            out.print(escape(line), highlight=False, soft_wrap=True)
+            out.print(escape(redact(line)), highlight=False, soft_wrap=True)
     return 0 if all(p.as_expected for p in items) else 1

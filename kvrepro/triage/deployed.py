@@ -13,8 +13,9 @@ What vLLM prints at start-up, in its own words:
   'align' mode ...`` and ``Setting attention block size to N tokens ...``: what vLLM chose, which
   wins over what the args asked for.
 
-Secret-looking values (``hf_token``, ``api_key``, a connector's ``...key``) are replaced by
-``***`` as they are read, and remembered so that ``secrets.redact`` masks them anywhere else.
+Secret-looking values (``hf_token``, ``api_key``, a connector's ``...key``, ``ApiKey``, an
+``X-Api-Key`` header, a URL's password) are replaced by ``***`` as they are read, and remembered
+so that ``secrets.redact`` masks them anywhere else.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import re
 from typing import Any
 
 from ..classify.lines import LogLine
-from ..secrets import is_secret_flag, remember
+from ..secrets import is_secret_key, redact, remember, url_passwords
+from ..untrusted import quote
 from .records import DeployedConfig
 
 _VERSION = re.compile(r"vLLM API server version (?P<v>\S+)")
@@ -50,6 +52,7 @@ class ConfigReader:
         self.mamba_mode_logged: str | None = None
         self.attention_block: int | None = None
         self.engines: set[str] = set()
+        self.lines: dict[str, int] = {}  # where each value came from: "args", "attention_block", "mamba_mode"
 
     def feed(self, number: int, line: LogLine) -> None:
         if line.stream:
@@ -58,21 +61,26 @@ class ConfigReader:
                 self.engines.add(m["dp"] or "0")
         body = line.body
         if "vLLM API server version" in body and self.release is None:
-            if (m := _VERSION.search(body)) is not None:
-                self.release, self.release_line = m["v"].lstrip("v"), number
+            if (m := _VERSION.search(body)) is not None:  # quoted: a 200 MB "version" is 80 characters here
+                self.release, self.release_line = quote(m["v"].lstrip("v"), 40), number
         elif "non-default args" in body and self.args is None:
+            self.lines["args"] = number
             self._read_args(body)
         elif "Initializing a V1 LLM engine" in body and self.engine_release is None:
             if (m := _ENGINE_VERSION.search(body)) is not None:
-                self.engine_release = m["v"]
+                self.engine_release = quote(m["v"], 40)
         elif "Resolved architecture" in body and self.architecture is None:
             if (m := _ARCH.search(body)) is not None:
                 self.architecture = m["a"]
         elif "Mamba cache" in body:
             if (m := _MAMBA_MODE.search(body)) is not None:
                 self.mamba_mode_logged = m["m"] or m["p"]
+                self.lines["mamba_mode"] = number
         elif "attention block size" in body and (m := _ATTN_BLOCK.search(body)) is not None:
-            self.attention_block = int(m["n"])
+            n = m["n"]
+            # int() refuses more than 4,300 digits; a number that long is kept by its size alone
+            self.attention_block = int(n) if len(n) <= 4000 else 10 ** (len(n) - 1)
+            self.lines["attention_block"] = number
 
     def _read_args(self, body: str) -> None:
         text = body.split("non-default args:", 1)[1].strip()[:MAX_ARGS_CHARS]
@@ -131,6 +139,10 @@ class ConfigReader:
             speculative_method=method,
             num_speculative_tokens=_int(spec.get("num_speculative_tokens")) if spec else None,
             scheduling_policy=_str(args.get("scheduling_policy")) or "fcfs",
+            lines={"block_size": self.lines.get("attention_block" if self.attention_block else "args"),
+                   "mamba_cache_mode": self.lines.get("mamba_mode" if self.mamba_mode_logged else "args"),
+                   **{k: self.lines["args"] for k in ("offload_chunk_tokens", "num_speculative_tokens",
+                                                      "data_parallel_size", "model") if "args" in self.lines}},
         )
 
 
@@ -208,8 +220,11 @@ def mask_secrets(value: Any, key: str = "") -> Any:
         return {k: mask_secrets(v, k) for k, v in value.items()}
     if isinstance(value, list):
         return [mask_secrets(v, key) for v in value]
-    if key and value not in (None, "", False) and is_secret_flag("--" + key.replace("_", "-")):
+    if key and value not in (None, "", False) and is_secret_key(key):  # ApiKey, X-Api-Key, hf_token, ...
         remember([str(value)])
         return MASK
+    if isinstance(value, str) and (passwords := url_passwords(value)):  # redis://user:PW@host
+        remember(passwords)
+        return redact(value)
     return value
 

@@ -142,12 +142,21 @@ def minimal_clean_set(entries: list[Entry], base: str) -> tuple[tuple[str, ...] 
     return None, unfixable
 
 
-def expected_verdict(entries: list[Entry], base: str, stack: tuple[str, ...], target_entry: Entry) -> str:
-    """What the catalogue expects of a build of ``stack`` on ``base`` for an emitted matrix."""
+def expected_verdict(entries: list[Entry], base: str, stack: tuple[str, ...], target_entry: Entry,
+                     groups: tuple[str, ...] | None = None) -> str:
+    """What the catalogue expects of a build of ``stack`` on ``base`` for an emitted matrix.
+
+    ``groups``: the kinds of KV group the emitted engine has (``mamba``, ``full_attention``); a
+    corruption defect that needs a kind the engine lacks (the hybrid holes need a Mamba group:
+    the signature's ``needs_groups``) cannot occur there and is not expected (None: not known)."""
+    from ..classify.corruption import known_corruptions
+
     if expected_state(target_entry, base, stack) == "present":
         return "STALL" if target_entry.kind == "stall" else "CRASH(target)"
+    needs = {c.name: set(c.needs_groups) for c in known_corruptions()}
     corrupt = sorted(e.signature for e in entries
-                     if e.kind == "corruption" and e.testable and expected_state(e, base, stack) == "present")
+                     if e.kind == "corruption" and e.testable and expected_state(e, base, stack) == "present"
+                     and (groups is None or needs.get(e.signature, set()) <= set(groups)))
     if corrupt and stack:
         return f"CORRUPT({', '.join(dict.fromkeys(corrupt))})"
     return "SURVIVED|UNREACHED"

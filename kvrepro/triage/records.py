@@ -37,6 +37,8 @@ class DeployedConfig:
     speculative_method: str | None = None
     num_speculative_tokens: int | None = None
     scheduling_policy: str = "fcfs"
+    # the log line each value above came from (field name -> line), for messages about a value
+    lines: dict[str, int | None] = field(default_factory=dict)
 
     @property
     def hybrid(self) -> bool:

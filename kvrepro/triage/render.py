@@ -6,6 +6,7 @@ import textwrap
 from typing import Any
 
 from ..records import to_jsonable
+from ..untrusted import quote
 from .records import Match, Triage
 
 WIDTH = 80
@@ -17,19 +18,20 @@ def _wrap(text: str, indent: str = "", first: str = "") -> list[str]:
 
 
 def _config_lines(t: Triage) -> list[str]:
+    # every value is the log's: quoted (one line, at most ~80 characters; kvrepro/untrusted.py)
     c = t.config
-    spec = f"{c.speculative_method} x {c.num_speculative_tokens}" if c.speculative_method else "none"
-    connector = c.kv_connector or "none"
+    spec = f"{quote(c.speculative_method)} x {quote(c.num_speculative_tokens)}" if c.speculative_method else "none"
+    connector = quote(c.kv_connector) if c.kv_connector else "none"
     if c.kv_connector_settings:
-        connector += " (" + ", ".join(f"{k}={v}" for k, v in c.kv_connector_settings.items()
+        connector += " (" + ", ".join(f"{quote(k)}={quote(v)}" for k, v in c.kv_connector_settings.items()
                                       if not isinstance(v, dict)) + ")"
     return [
-        *_wrap(f"vLLM {c.release}, {c.model or 'model not in the log'}"
-               f"{f' ({c.architecture})' if c.architecture else ''}", "  ", "deployed: "),
+        *_wrap(f"vLLM {quote(c.release)}, {quote(c.model) if c.model else 'model not in the log'}"
+               f"{f' ({quote(c.architecture)})' if c.architecture else ''}", "  ", "deployed: "),
         *_wrap(f"DP{c.data_parallel_size} x TP{c.tensor_parallel_size}"
                f"{f' x PP{c.pipeline_parallel_size}' if c.pipeline_parallel_size > 1 else ''}"
                f" ({c.engines_seen} engine(s) in the log); prefix caching {'on' if c.prefix_caching else 'off'};"
-               f" Mamba cache mode {c.mamba_cache_mode or 'none'}; block {c.block_size or 'default'};"
+               f" Mamba cache mode {quote(c.mamba_cache_mode or 'none')}; block {quote(c.block_size or 'default')};"
                f" speculative {spec}; KV connector {connector}", "  ", "  "),
     ]
 
@@ -49,14 +51,14 @@ def _match_lines(m: Match, rank: int | None) -> list[str]:
 
 
 def plain(t: Triage) -> list[str]:
-    lines = _wrap(f"{t.log} ({t.lines:,} lines, {t.bytes_read / 1e6:,.1f} MB)", "  ", "log: ")
+    lines = _wrap(f"{quote(t.log, 240)} ({t.lines:,} lines, {t.bytes_read / 1e6:,.1f} MB)", "  ", "log: ")
     lines += _config_lines(t)
     f = t.failure
-    lines += _wrap(f.title, "  ", f"failure: {f.kind}: " if f.kind != "none" else "failure: ")
+    lines += _wrap(quote(f.title, 240), "  ", f"failure: {f.kind}: " if f.kind != "none" else "failure: ")
     if f.line:
         lines.append(f"  at line {f.line:,}")
     for w in t.warnings:
-        lines += _wrap(w, "  ", "warning: ")
+        lines += _wrap(quote(w, 400), "  ", "warning: ")
     if f.kind in ("crash", "stall"):
         if t.matches:
             lines.append("matches, best first:")

@@ -112,8 +112,30 @@ class DockerSpec(_Strict):
     gpu_free: Literal["auto", "yes", "no"] = Field(
         "auto",
         description="pass the GPU-free engine's settings (--num-gpu-blocks-override, KVREPRO_SIM_*): "
-                    "auto = when the engine's hosts declare no GPUs",
+                    "auto = when the engine's hosts declare no GPUs; on GPUs (no) a real vLLM gets the GPU "
+                    "path's arguments instead (docs/docker.md)",
     )
+    gpu_attention_backend: str | None = Field(
+        "FLASH_ATTN",
+        description="GPU path: the attention backend for the target model (--attention-backend) AND the MTP "
+                    "drafter (attention_backend in --speculative-config; vLLM never lets the drafter inherit the "
+                    "target's): the backend whose hybrid block alignment the GPU-free engine reproduces; null: "
+                    "vLLM picks each",
+    )
+    gpu_kv_blocks: Literal["matrix", "all"] = Field(
+        "matrix",
+        description="GPU path: matrix = cap the KV pool at engine.sim.num_gpu_blocks (--num-gpu-blocks-override), "
+                    "the cache pressure the load was made for; all = whatever the GPU's memory holds (on a "
+                    "large GPU nothing is evicted and prefix-reuse bugs do not appear)",
+    )
+
+    @field_validator("gpu_attention_backend")
+    @classmethod
+    def _backend_name(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Z][A-Z0-9_]{1,63}", v):
+            raise ValueError("a vLLM attention backend name such as FLASH_ATTN, FLASHINFER or TRITON_ATTN "
+                             "(vLLM's AttentionBackendEnum), or null")
+        return v
 
     @field_validator("pass_env")
     @classmethod

@@ -81,6 +81,56 @@ class DockerEngineHandle(EngineHandle):
             self._on_stop(self)
 
 
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# what sets the KV pool's size on a GPU: given in extra_args, the GPU path adds no cap of its own
+_POOL_FLAGS = ("--num-gpu-blocks-override", "--kv-cache-memory-bytes", "--kv-cache-memory", "--gpu-memory-utilization")
+
+
+def _has_weights(model_dir: Path | None) -> bool:
+    """A model folder with weight files (None: a Hugging Face id, which has them)."""
+    if model_dir is None:
+        return True
+    return any(f.name.endswith(_WEIGHT_SUFFIXES) for f in model_dir.iterdir() if f.is_file())
+
+
+def gpu_path_args(args: list[str], engine, docker, weights: bool) -> list[str]:
+    """The `vllm serve` arguments of a real vLLM on GPUs (``docker.gpu_free: no``), so that it runs
+    the engine the GPU-free one reproduces, under the same load (docs/docker.md says why each):
+
+    * the KV pool capped at ``engine.sim.num_gpu_blocks`` (``--num-gpu-blocks-override``, read by
+      vLLM's own KV-cache sizing as on the sim): a GPU of 139 GiB evicts nothing otherwise, and the
+      family's bugs need prefix reuse under eviction (``docker.gpu_kv_blocks: all`` drops it; a pool
+      flag of the matrix's own in ``engine.extra_args`` wins);
+    * one attention backend for the target model (``--attention-backend``) AND the MTP drafter
+      (``attention_backend`` in ``--speculative-config``): vLLM's drafter never inherits the
+      target's backend (v1/spec_decode/llm_base_proposer.py 0.26.0:1292-1302) but picks its own
+      unless the speculative config names one; the default is FlashAttention, whose block-size
+      alignment of the hybrid model the GPU-free platform reproduces;
+    * ``--load-format dummy`` for a model folder without weights (kvrepro's shipped configs):
+      random weights, the same KV geometry (the drafts are then mostly rejected);
+    * nothing for asynchronous scheduling: ``engine.async_scheduling: auto`` leaves vLLM's own
+      decision, on with MTP, which the GPU-free engine now follows too.
+
+    Built as data: the speculative config is read and written back as JSON, never edited as text."""
+    import json
+
+    out = list(args)
+    own = {a.split("=", 1)[0] for a in engine.extra_args}
+    if docker.gpu_kv_blocks == "matrix" and not own & set(_POOL_FLAGS):
+        out += ["--num-gpu-blocks-override", str(engine.sim.num_gpu_blocks)]
+    backend = docker.gpu_attention_backend
+    if backend is not None and "--attention-backend" not in own:
+        out += ["--attention-backend", backend]
+        if "--speculative-config" in out:
+            i = out.index("--speculative-config") + 1
+            spec = json.loads(out[i])
+            spec.setdefault("attention_backend", backend)
+            out[i] = json.dumps(spec)
+    if not weights and "--load-format" not in own:
+        out += ["--load-format", "dummy"]
+    return out
+
+
 class DockerTarget(Target):
     """Runs builds as images on the Docker hosts of matrix.yaml (or the local daemon)."""
 
@@ -146,10 +196,17 @@ class DockerTarget(Target):
     def engine_args(self) -> list[str]:
         engine = self.loaded.matrix.engine
         try:
-            model_arg = self._model()[0]
+            model_arg, model_dir = self._model()
         except SpecError:
-            model_arg = engine.model
-        return engine.serve_args(model_arg, include_sim=self.gpu_free(self.node_specs()))
+            model_arg, model_dir = engine.model, None
+        return self._serve_args(model_arg, model_dir, self.gpu_free(self.node_specs()))
+
+    def _serve_args(self, model_arg: str, model_dir: Path | None, gpu_free: bool) -> list[str]:
+        engine = self.loaded.matrix.engine
+        args = engine.serve_args(model_arg, include_sim=gpu_free)
+        if gpu_free:
+            return args
+        return gpu_path_args(args, engine, self.settings.docker, weights=_has_weights(model_dir))
 
     def gpu_free(self, nodes: list[HostSpec]) -> bool:
         mode = self.settings.docker.gpu_free
@@ -289,7 +346,7 @@ class DockerTarget(Target):
                 ) from None
         model_arg, model_dir = self._model()
         gpu_free = self.gpu_free(node_specs)
-        serve_args = matrix.engine.serve_args(model_arg, include_sim=gpu_free)
+        serve_args = self._serve_args(model_arg, model_dir, gpu_free)
         env, secrets = self._env(rep, gpu_free)
         if self.vllm_cache_volume(artifact.plan) is not None:
             env.setdefault("VLLM_CACHE_ROOT", VLLM_CACHE_MOUNT)  # docker.env may point it elsewhere
