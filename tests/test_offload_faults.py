@@ -201,17 +201,17 @@ def target():
 
 
 def _start(target, tmp_path_factory, name: str, policy: str | None, faults: OffloadFaultsSpec,
-           connector: str = "mooncake-store-like"):
-    """vLLM 0.33.0, no patches, the default engine otherwise, with these faults and this connector
-    (set on the typed matrix). The target reads its matrix when it starts an engine, so each
-    engine gets its own."""
+           connector: str = "mooncake-store-like", base: str = BASE):
+    """vLLM ``base`` (0.33.0), no patches, the default engine otherwise, with these faults and this
+    connector (set on the typed matrix). The target reads its matrix when it starts an engine, so
+    each engine gets its own."""
     from kvrepro.spec.matrix import LoadedMatrix, load_matrix
 
     loaded = load_matrix(ROOT / "matrix.yaml")
     m = loaded.matrix
     eng = m.engine.model_copy(update={"kv_load_failure_policy": policy, "connector": connector,
                                       "sim": m.engine.sim.model_copy(update={"offload_faults": faults})})
-    m = m.model_copy(update={"engine": eng, "base": BASE, "builds": {"A": []}, "common": [], "expect": {}})
+    m = m.model_copy(update={"engine": eng, "base": base, "builds": {"A": []}, "common": [], "expect": {}})
     target.loaded = LoadedMatrix(m, loaded.path, loaded.text)
     artifact = target.prepare(next(p for p in target.loaded.plans() if p.name == "A"))
     assert artifact.ok, artifact.error
@@ -323,3 +323,24 @@ def test_a_failed_load_kills_the_engine_on_the_offloading_connectors_own_asserti
     judged = judge(log, load=summary, engine_exit=1)
     assert judged.verdict is Verdict.CRASH and judged.exposure.injected_load_faults == 1
     assert judged.title == "AssertionError in get_finished: transfer_result.success", judged.title
+
+
+def test_a_failed_load_on_0_34_is_reported_once_by_the_offloading_connector_itself(target, tmp_path_factory,
+                                                                                  tmp_path):
+    """0.34.0's OffloadingConnector takes a failed copy (``TransferResult(success=False)``) and turns it
+    into the request's failed_recving itself (offloading/worker.py 0.34.0:306-316): the engine reports
+    the failure to it once, as the copy, and adds no report of its own -- vLLM's scheduler side logs
+    the job once and never reads the tier for that request again; nothing asserts, nothing fails."""
+    handle, run_dir = _start(target, tmp_path_factory, "plain-0.34", "recompute", OffloadFaultsSpec(load_fail_at=[1]),
+                             connector="offloading", base="0.34.0")
+    try:
+        summary = _load(handle, tmp_path, requests=4)
+        log = _settled_log(run_dir, "will not load from the offloaded cache again")
+    finally:
+        handle.stop()
+    injected = re.findall(r"kvrepro-fault: load job (\d+) failed on purpose \(load #1, ", log)
+    reported = re.findall(r"KV offload load job (\d+) failed; request \S+ will not load from the offloaded cache again", log)
+    assert len(injected) == 1 and reported == injected, (injected, reported)
+    assert "the OffloadingConnector reports the failed load" in log
+    assert "transfer_result.success" not in log and "Traceback" not in log
+    assert (summary.requests_ok, summary.requests_failed) == (4, 0)
