@@ -71,7 +71,7 @@ class PlantedBug:
     name: str
     patch: str
     base: str
-    kind: str  # revert | mutation
+    kind: str  # revert | mutation | clean (a control: a change that must bring no failure, issue 51)
     expect: tuple[str, ...]  # failure-key prefixes that count as finding it
     upstream: str | None = None
     component: str | None = None
@@ -315,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         bugs = [b for b in bugs if b.name in args.bug]
     if args.family:
         bugs = [b for b in bugs if (b.family or "earlier") in args.family]
+    # the controls (kind clean, issue 51) have nothing to find: benchmarks/explore_patch_origin.py runs them
+    bugs = [b for b in bugs if b.kind != "clean"]
     budget_runs, _ = parse_budget(args.budget)
     catalogue = load_catalogue()
     load_avg = os.getloadavg()

@@ -440,11 +440,16 @@ def explore_cmd(
     no_minimize: bool = typer.Option(False, "--no-minimize", help="keep new findings' traces as recorded: no "
                                      "minimized trace, no emitted pytest"),
     requests: int = typer.Option(200, "--requests", min=1, max=100000, help="request budget of each run"),
+    replay_share: Optional[float] = typer.Option(
+        None, "--replay-share", min=0.0, max=10.0, help="with --patch: each failing run is replayed on the base "
+        "without the patches (and with them again) to tell the patch's failures from the base's; the replays "
+        "take at most this share of the budget, on top of it (default 0.5; 0: none, every failure undecided)"),
     resume: Optional[str] = typer.Option(None, "--resume", help="continue campaign ID (explore-...) or latest"),
     target: Optional[str] = TargetOpt, jobs: Optional[int] = JobsOpt,  # ray: runs as Ray tasks (docs/explore.md)
     matrix: Path = typer.Option(None, "--matrix", "-m", help="the base matrix (default: the repository's matrix.yaml)"),
     catalogue: Optional[Path] = CatalogueOpt,
-    ci: bool = typer.Option(False, "--ci", help="plain lines; exit 1 when a new (or regressed) failure is found"),
+    ci: bool = typer.Option(False, "--ci", help="plain lines; exit 1 when a new (or regressed) failure is found "
+                            "(with --patch: one the patches introduce, the base not showing it)"),
     results_root: Path = ResultsOpt,
     as_json: bool = JsonOpt,
 ) -> None:
@@ -456,19 +461,22 @@ def explore_cmd(
 @app.command("triage")
 def triage_cmd(
     log: Path = typer.Argument(..., help="a vLLM server log (plain, .gz, .bz2, .xz, .zst, UTF-16; - for a pipe; "
-                                         "DP-prefixed, docker timestamps, ANSI ok)"),
+                                         "DP-prefixed, docker timestamps, ANSI ok) or the text a report pasted "
+                                         "(a partial traceback, a command, collect_env)"),
     emit: Optional[Path] = typer.Option(None, "--emit", help="write a matrix.yaml reproducing the configuration "
                                         "(and its patches under builds/) into this new folder"),
     run: bool = typer.Option(False, "--run", help="run that matrix (--emit's folder, else one under --results) "
                                                   "and say what it proved"),
-    release: Optional[str] = typer.Option(None, "--release", help="the vLLM release, when the log's banner is cut off"),
+    release: Optional[str] = typer.Option(None, "--release", help="the vLLM release, when the log does not say it "
+                                          "(or says it wrong)"),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, max=64, help="--run: engines at once"),
     catalogue: Optional[Path] = CatalogueOpt,
     results_root: Path = ResultsOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Read a production log: the deployed configuration, the crash or stall, the known defects it
-    matches (best first, with why and why not), their fixes and backports; --emit / --run reproduce it."""
+    """Read a production log or a pasted report: the deployed configuration (each part's line, or not
+    in the log), the crash or stall, the known defects it matches (best first, with why and why not;
+    a tie said), their fixes and backports; --emit / --run reproduce it. Only what is not text is refused."""
     _exit(triage_commands.triage(**locals()))
 
 

@@ -363,6 +363,11 @@ class Exposure:
     invariant_checks: int = 0
     invariants_broken: dict[str, int] = field(default_factory=dict)
     first_broken: str | None = None
+    # where the engine waited when nothing was scheduled for a while (the probe's last stall-state
+    # line): a key naming no request (the blocked request's status and queues, what it was refused
+    # against, what the others hold) and its words; None: the engine never sat idle with work
+    stall_where: str | None = None
+    stall_state: str | None = None
 
     @property
     def kv_check(self) -> str:
@@ -598,6 +603,11 @@ class RunResult:
     invariant_checks: int = 0
     invariants_broken: dict[str, int] = field(default_factory=dict)
     first_broken: str | None = None
+    # where the engine waited when nothing was scheduled for a while (the probe's last stall-state
+    # line): a key naming no request (the blocked request's status and queues, what it was refused
+    # against, what the others hold) and its words; None: the engine never sat idle with work
+    stall_where: str | None = None
+    stall_state: str | None = None
     # `ray` target: the node the engine ran on, and why earlier attempts of this run were
     # INFRA (a node lost mid-run; the run was retried elsewhere and this record is the retry's)
     node: NodeInfo | None = None
@@ -791,6 +801,9 @@ class SuiteEntryRecord:
     run: str | None = None
     reps: int | None = None
     error: str | None = None
+    # `suite run --patch`: the same entry on the releases without the stack, run when the stack's
+    # runs failed, so that its failures the base does not show read as introduced by the stack
+    base_run: str | None = None
 
 
 @dataclass(frozen=True)

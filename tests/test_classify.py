@@ -15,6 +15,7 @@ import pytest
 
 from kvrepro.classify import classify_file, classify_log, known_patterns, match_pattern, read_exposure
 from kvrepro.classify.lines import split_line
+from kvrepro.classify.classifier import classify_with_traceback
 from kvrepro.records import Classification, Outcome
 from kvrepro.spec.matrix import TargetSignature
 
@@ -199,7 +200,10 @@ def test_every_pattern_has_a_test_log_that_yields_its_title():
         assert path.is_file(), f"pattern {pattern.name}: {path} missing"
         assert pattern.why and pattern.expressions
         result = classify_file(path)
-        assert match_pattern(result.signature) is pattern, pattern.name
+        # a pattern with a message regex is matched with the exception's message, as classify does
+        _, tb = classify_with_traceback(path.read_text())
+        message = tb.root().message if tb is not None else ""
+        assert match_pattern(result.signature, message) is pattern, pattern.name
         assert result.title == pattern.render_title(result.signature)
 
 
@@ -626,5 +630,6 @@ def test_a_cut_statement_matches_a_pattern_naming_its_printed_line():
     printed line as a fragment still knows the crash (a report's traceback, vllm#45407)."""
     result = classify_file(LOGS / "simple-offload-group-alignment.log")
     assert "statement cut" in result.signature.expression
-    assert match_pattern(result.signature).name == "simple_offload_group_alignment"
+    message = "num_external_tokens=64512 not aligned to group 0 block_size=12288"  # the log's exception line
+    assert match_pattern(result.signature, message).name == "simple_offload_group_alignment"
     assert result.title == "AssertionError in update_state_after_alloc: num_external_tokens % g_block_size == 0"

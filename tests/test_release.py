@@ -254,7 +254,8 @@ def test_a_planted_next_release_runs_unported_or_names_the_rpc_it_needs(runtime_
     code, ported, stderr = outcomes["0.35.0"]
     assert code == 0, stderr[-3000:]
     assert ported["unported"] and ported["settings_from"] == "0.34.0" and ported["ported"]
-    assert ported["verdict"] not in ("INFRA", None) and ported["needs"] is None
+    # 0.34.0's own code in the GPU's mode (async scheduling): clean, not a crash of kvrepro's executor
+    assert ported["verdict"] in ("SURVIVED", "UNREACHED") and ported["needs"] is None, ported["verdict"]
     assert ported["table_entry"].startswith('Release("0.35.0"')
     assert any(p.startswith("/simple/vllm") for p in index.requests)  # pip read the planted index
     assert not (real / "wheels" / "0.35.0").exists()  # the shared cache never saw a planted wheel

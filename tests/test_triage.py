@@ -195,13 +195,11 @@ def test_gzip_and_a_large_interleaved_log_read_the_same(tmp_path, catalogue, mon
 
 
 @pytest.mark.parametrize("name, says", [
-    ("not-vllm.log", "not a vLLM server log"),
-    ("unsupported-0.19.0.log", "vLLM 0.19.0 is not a release kvrepro can triage"),
-    ("truncated-traceback-0.26.0.log", "truncated-traceback-0.26.0.log:6: the traceback there is cut off"),
     ("binary", "not a text log (binary data"),
     ("truncated.gz", "damaged gzip data"),
+    ("empty", "is empty"),
 ])
-def test_bad_input_is_one_line_and_exit_2(name, says, tmp_path):
+def test_what_is_not_text_is_one_line_and_exit_2(name, says, tmp_path):
     if name == "binary":
         path = tmp_path / "core.dump"
         path.write_bytes(bytes(range(256)) * 64)
@@ -209,11 +207,37 @@ def test_bad_input_is_one_line_and_exit_2(name, says, tmp_path):
         path = tmp_path / "cut.log.gz"
         path.write_bytes(gzip.compress(SEED.read_bytes())[:600])
     else:
-        path = DATA / name
+        path = tmp_path / "empty.log"
+        path.write_bytes(b"")
     proc = kvrepro("triage", str(path))
     assert proc.returncode == 2, proc.stderr
     assert says in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 or proc.stderr.count("error:") == 1
+
+
+@pytest.mark.parametrize("name, says, best", [
+    ("not-vllm.log", "nothing in this text is vLLM's", None),
+    ("unsupported-0.19.0.log", "vLLM 0.19.0 is not near the releases kvrepro runs", None),
+    # its last frame is the target's own statement: named by it, the cut said
+    ("truncated-traceback-0.26.0.log", "cut off before its exception line", "offload-boundary-assert"),
+])
+def test_text_kvrepro_cannot_read_whole_is_triaged_not_refused(name, says, best, catalogue):
+    """Issue 45: only what is not text is refused. A text that is not vLLM's, a release far from
+    the supported ones, a traceback cut off before its exception: exit 0, said plainly."""
+    proc = kvrepro("triage", str(DATA / name))
+    assert proc.returncode == 0, proc.stderr
+    assert says in " ".join(proc.stdout.split()), proc.stdout
+    found = triage_file(DATA / name, catalogue)
+    assert (found.best.entry if found.best else None) == best
+
+
+def test_emit_needs_a_release_kvrepro_runs(tmp_path):
+    proc = kvrepro("triage", str(DATA / "unsupported-0.19.0.log"), "--emit", str(tmp_path / "out"))
+    found = proc.stdout
+    if "matches, best first" in found:
+        assert proc.returncode == 2 and "--release X.Y.Z" in proc.stderr, proc.stderr
+    else:
+        assert proc.returncode == 1 and "nothing to reproduce" in proc.stderr
 
 
 def test_run_reproduces_the_seed_crash_and_the_clean_set_is_clean(tmp_path, runtime_python):

@@ -228,6 +228,13 @@ def _decide(ev: _Evidence, source_root: Path | None,
     return Classification(Outcome.NONE, "no crash", None), None
 
 
+def classify_traceback(tb: Traceback, target: TargetSignature | None = None) -> Classification:
+    """The crash one traceback shows (signature, known pattern, title; TARGET or OTHER_CRASH), named
+    as :func:`classify_lines` names it in a log. For a caller that chose the traceback itself
+    (``kvrepro triage`` on pasted text, where the engine's markers may be missing)."""
+    return _crash(tb, None, target or TargetSignature(), infra=False)
+
+
 def _crash(tb: Traceback, source_root: Path | None, target: TargetSignature, infra: bool) -> Classification:
     segment = tb.root()
     frame = _innermost_vllm_frame(segment.frames)

@@ -21,6 +21,11 @@ alone and no ``class=``). The probe's invariants at quiescent points (kvrepro/cl
     kvrepro-probe: invariant broken name=<name> check=<N> <words>
     kvrepro-probe: invariants checks=<N> broken=<name>:<n>,... pid=<P>
 
+and where the engine waits when nothing has been scheduled for a while (the last line counts: the
+stall the run ended on; kvrepro/explore/judge.py keys a stall by it)::
+
+    kvrepro-probe: stall-state idle_steps=<N> where=<key> <words>
+
 Injected offload-tier faults (kvrepro/engine/faults.py) are counted from::
 
     kvrepro-fault: load job <J> failed on purpose (load #<k>, request <id>, policy <fail|recompute>, ...)
@@ -70,6 +75,7 @@ _FAULT_COUNTS = re.compile(r"kvrepro-fault: counts load_jobs=\d+ load_faults=(?P
 # the probe's invariants at quiescent points (its module docstring; kvrepro/classify/invariants.py)
 _INVARIANTS = re.compile(r"kvrepro-probe: invariants checks=(?P<checks>\d+) broken=(?P<broken>\S+)(?: pid=(?P<pid>\d+))?")
 _BROKEN = re.compile(r"kvrepro-probe: invariant broken name=(?P<name>\S+) (?:check=(?P<check>\d+) )?(?P<text>.*\S)")
+_STALL_STATE = re.compile(r"kvrepro-probe: stall-state idle_steps=(?P<steps>\d+) where=(?P<where>\S+) ?(?P<text>.*\S)?")
 _SHADOW_VIOLATION = re.compile(r"kvrepro-shadow: violation (?P<step>step=\S+ )?(?:class=(?P<cls>\S+) )?(?P<text>.*\S)")
 
 
@@ -109,6 +115,7 @@ def read_exposure(log_text: str | Iterable[str], metrics_text: str | None = None
     fault_counts: dict[tuple[str, str], tuple[int, int, int]] = {}  # (stream, pid) -> last counts line
     invariants: dict[tuple[str, str], tuple[int, dict[str, int]]] = {}  # (stream, pid) -> last line
     first_broken: str | None = None
+    stall: tuple[str, str] | None = None  # the last stall-state line: (where, words)
     lines = io.StringIO(log_text, newline="\n") if isinstance(log_text, str) else log_text
     for number, raw in enumerate(lines, start=1):
         if _TAG not in raw and _SHADOW_TAG not in raw and _FAULT_TAG not in raw:
@@ -116,6 +123,9 @@ def read_exposure(log_text: str | Iterable[str], metrics_text: str | None = None
         line = split_line(number, raw)
         if (m := _INVARIANTS.search(line.body)) is not None:
             invariants[(line.stream, m["pid"] or "")] = (int(m["checks"]), _groups(m["broken"]))
+            continue
+        if (m := _STALL_STATE.search(line.body)) is not None:
+            stall = (m["where"], (m["text"] or "").strip())
             continue
         if (m := _BROKEN.search(line.body)) is not None:
             if first_broken is None:
@@ -180,7 +190,8 @@ def read_exposure(log_text: str | Iterable[str], metrics_text: str | None = None
                     invariant_checks=sum(c for c, _ in invariants.values()),
                     invariants_broken=_added_up(b for _, b in invariants.values()) or (
                         {first_broken.split(":", 1)[0]: 1} if first_broken else {}),
-                    first_broken=first_broken)
+                    first_broken=first_broken, stall_where=stall[0] if stall else None,
+                    stall_state=stall[1][:600] if stall else None)
 
 
 def failed_loads(log_text: str) -> list[tuple[int | None, str | None]]:

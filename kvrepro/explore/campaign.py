@@ -48,12 +48,16 @@ from ..untrusted import quote
 from .coverage import Targets, credit, features, in_target, patch_targets, points, run_arcs, steering
 from .findings import minimize_finding
 from .generator import ALL, RunSpec, apply, generate, replay, seed_corpus
+from ..classify.failures import ending
+from . import origin
 from .judge import invariant_failures, judge_failure, run_failures
-from .state import CAMPAIGN_SCHEMA, CampaignRequest, CampaignState, FindingRecord, JudgedRecord, RunRecord
+from .state import (CAMPAIGN_SCHEMA, CampaignRequest, CampaignState, FindingRecord, JudgedRecord, ReplayRecord,
+                    RunRecord)
 
 STATE_FILE = "explore.json"
 LOCK_FILE = "explore.lock"
 RUNS_FOLDER = "runs"
+REPLAYS_FOLDER = "replays"  # a campaign with patches: its failing runs' specs run again (origin.py)
 FINDINGS_FOLDER = "findings"
 BUILD = "explore"
 _DURATION = re.compile(r"^(?P<n>\d{1,12}(?:\.\d{1,6})?)(?P<unit>s|m|h|d)$")
@@ -240,7 +244,7 @@ def _draft_entry(judged: JudgedRecord, loaded: LoadedMatrix, request: CampaignRe
 
 def _write_finding(folder: Path, state: CampaignState, judged: JudgedRecord, run: RunResult, loaded: LoadedMatrix,
                    spec: RunSpec) -> str:
-    name = f"{len(state.new_findings) + 1:03d}-{_slug(judged.key)}"
+    name = f"{sum(1 for f in state.findings.values() if f.folder) + 1:03d}-{_slug(judged.key)}"
     target = results.inside(folder / FINDINGS_FOLDER, folder / FINDINGS_FOLDER / name)
     target.mkdir(parents=True, exist_ok=True)
     run_dir = Path(run.run_dir) if run.run_dir else None
@@ -271,6 +275,37 @@ def _write_finding(folder: Path, state: CampaignState, judged: JudgedRecord, run
         "spec": spec.to_json(), "build": build_key(state.request.base, state.request.patches),
         "rerun": f"kvrepro matrix run -m {target / 'matrix.yaml'}"})
     return str(target.relative_to(folder))
+
+
+def _failure_files(state: CampaignState, folder: Path, data: dict[str, Any], path: Path, became: list[str]) -> None:
+    """Findings that became the patch's (origin.py) get a folder if the catalogue had let them pass
+    as known, from the run that first showed them; every finding folder's finding.json says whose
+    failure it is, with the counts."""
+    by_index = {r.spec.index: r for r in state.runs}
+    for key in became:
+        finding = state.findings[key]
+        record = by_index.get(finding.first_run)
+        if finding.folder is not None or record is None or not record.run_id:
+            continue
+        judged = next((j for j in record.failures if j.key == key), None)
+        try:
+            loaded = run_matrix_for(record.spec, data, state.request, path)
+            run = results.load_run(folder / RUNS_FOLDER, record.run_id).build(BUILD).runs[0]
+        except (KvreproError, OSError, IndexError, AttributeError):
+            continue  # the run folder is gone: the state still lists it as the patch's
+        if judged is None:
+            continue
+        where = _write_finding(folder, state, replace(judged, status="new"), run, loaded, record.spec)
+        state.findings[key] = replace(finding, folder=where)
+    for finding in state.findings.values():
+        record_path = folder / str(finding.folder) / "finding.json" if finding.folder else None
+        if record_path is None or not record_path.is_file() or finding.origin is None:
+            continue
+        data_ = results.read_json(record_path)
+        data_.update(origin=finding.origin, status=finding.status, catalogue_status=finding.catalogue_status,
+                     with_patches=f"{finding.with_failed}/{finding.with_runs}",
+                     without_patches=f"{finding.without_failed}/{finding.without_runs}")
+        results.write_json(record_path, data_)
 
 
 def campaign_targets(loaded: LoadedMatrix, patches: tuple[str, ...]) -> Targets:
@@ -388,7 +423,7 @@ def _error_line(exc: BaseException) -> str:
 
 def _execute(spec: RunSpec, data: dict[str, Any], request: CampaignRequest, path: Path, target: Target | None,
              name: str, folder: Path, progress: Progress, stop: threading.Event,
-             campaign_stop: threading.Event | None = None) -> _Outcome:
+             campaign_stop: threading.Event | None = None, runs_folder: str = RUNS_FOLDER) -> _Outcome:
     """One generated run through the matrix runner (in a worker thread when several run at once).
 
     ``stop`` is this run's own: the matrix runner sets it when the run fails (its other slots stop),
@@ -422,7 +457,7 @@ def _execute(spec: RunSpec, data: dict[str, Any], request: CampaignRequest, path
         sibling.interrupt = interrupt  # type: ignore[method-assign]
     try:
         matrix_run = run_matrix(loaded, MatrixOptions(target=name, repetitions=1, jobs=1,
-                                                      results_root=folder / RUNS_FOLDER),
+                                                      results_root=folder / runs_folder),
                                 progress, stop, target=sibling)
         runs = matrix_run.runs()
     except KeyboardInterrupt:
@@ -442,6 +477,70 @@ def _execute(spec: RunSpec, data: dict[str, Any], request: CampaignRequest, path
         return _Outcome(spec, record=RunRecord(spec=spec, run_id=matrix_run.run_id, verdict="INFRA",
                                                seconds=runs[0].seconds, error=runs[0].title[:300]))
     return _Outcome(spec, loaded=loaded, run=runs[0], run_id=matrix_run.run_id)
+
+
+def _replay(spec: RunSpec, build: str, data: dict[str, Any], request: CampaignRequest, path: Path,
+            target: Target | None, name: str, folder: Path, progress: Progress,
+            stop: threading.Event) -> ReplayRecord | None:
+    """``spec`` run once more on the base without the campaign's patches (``base``) or with them
+    (``patched``), under <campaign>/replays/; its failure keys, judged as the campaign's own runs
+    are. None: the campaign is stopping (it was not recorded)."""
+    started = time.monotonic()
+    variant = request if build == origin.PATCHED_BUILD else replace(request, patches=())
+    outcome = _execute(spec, data, variant, path, target, name, folder, progress, threading.Event(), stop,
+                       runs_folder=REPLAYS_FOLDER)
+    key = origin.spec_key(spec)
+    if outcome.interrupted or stop.is_set():
+        return None
+    if outcome.record is not None:  # INVALID, INFRA: it says nothing of the failure
+        return ReplayRecord(key, build, outcome.record.run_id, outcome.record.verdict,
+                            time.monotonic() - started, error=outcome.record.error)
+    run = outcome.run
+    assert run is not None
+    try:
+        failures = run_failures(run) + invariant_failures(Path(run.run_dir) if run.run_dir else folder,
+                                                          run.load.stopped_because if run.load else None)
+    except Exception as exc:  # noqa: BLE001 - a replay kvrepro cannot judge decides nothing
+        return ReplayRecord(key, build, str(outcome.run_id), run.label, time.monotonic() - started,
+                            error=f"not judged: {_error_line(exc)}")
+    return ReplayRecord(key, build, str(outcome.run_id), run.label, time.monotonic() - started,
+                        keys=tuple(dict.fromkeys(f.key for f in failures)), ended_by=ending(run))
+
+
+def _settle_origins(state: CampaignState, folder: Path, data: dict[str, Any], path: Path, target: Target | None,
+                    name: str, progress: Progress, stop: threading.Event, eager: bool) -> None:
+    """Replay the queued failing runs of a campaign with patches, while the replay share allows
+    (origin.may_replay, checked before each run's replays), and judge every failure again.
+
+    ``eager`` (right after a run): only runs with a failure of no origin yet; the others wait for the
+    campaign's end, when the rest of the share goes to them in order. A spec already replayed is not
+    run again (another run of the same spec, a finding of the same run: one replay serves them)."""
+    request = state.request
+    if not request.patches:
+        return
+    while not stop.is_set() and state.replay_queue and origin.may_replay(state):
+        record = origin.next_to_replay(state, eager)
+        if record is None:
+            break
+        key = origin.spec_key(record.spec)
+        for build in origin.needs(record, state.replays.get(key, {})):
+            if stop.is_set():
+                break
+            what = ("the base without the patches" if build == origin.BASE_BUILD else "the patched build again")
+            progress.stage(f"replay of run {record.spec.index} on {what}")
+            got = _replay(record.spec, build, data, request, path, target, name, folder, progress, stop)
+            if got is None:
+                break
+            state.replays.setdefault(key, {})[build] = got
+            state.replay_s += got.seconds
+            save(state, folder)
+        if stop.is_set():
+            break
+        if not origin.needs(record, state.replays.get(key, {})):
+            state.replay_queue = [i for i in state.replay_queue if i != record.spec.index]
+    became = origin.refresh(state)
+    _failure_files(state, folder, data, path, became)
+    save(state, folder)
 
 
 def _may_start(state: CampaignState, index: int) -> bool:
@@ -513,6 +612,11 @@ def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progr
             state.pending.pop(0)
             top_up()
             save(state, folder)
+            if request.patches and record.failures:
+                # whose failures these are: the spec again on the base without the patches (origin.py)
+                state.replay_queue.append(record.spec.index)
+                _settle_origins(state, folder, data, path, shared, name, progress, stop, eager=True)
+                record = state.runs[-1]  # its failures now say whose they are
             if request.minimize and record.run_id:
                 _minimize_new(state, folder, record, progress, stop)
             if on_run is not None:
@@ -567,6 +671,11 @@ def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progr
             inflight.pop(index)
         while state.pending and state.pending[0].index in done and not done[state.pending[0].index].interrupted:
             fold(done.pop(state.pending[0].index))
+        if not stop.is_set():
+            # the budget is spent: the failing runs still waiting get the rest of the replay share
+            _settle_origins(state, folder, data, path, shared, name, progress, stop, eager=False)
+            if request.minimize and state.runs:
+                _minimize_new(state, folder, state.runs[-1], progress, stop)  # folders the replays made
         state.status = _ended(stop, state)
     except BaseException as exc:
         stop.set()  # every run in flight records what it has and stops
@@ -626,16 +735,18 @@ def _minimize_new(state: CampaignState, folder: Path, record: RunRecord, progres
     (findings.minimize_finding never raises for them), and a stop before or during it says so; a
     resume does not retry it (`kvrepro minimize` on the run does the same by hand)."""
     for key, finding in list(state.findings.items()):
-        if finding.folder is None or finding.first_run != record.spec.index or finding.minimized is not None:
+        # a finding's folder may come after its run (the patch's failure a replay decided: origin.py)
+        if finding.folder is None or finding.first_run > record.spec.index or finding.minimized is not None:
             continue
+        run_id = next((r.run_id for r in state.runs if r.spec.index == finding.first_run), record.run_id)
         if stop.is_set():
-            note = (f"not minimized: the campaign was stopped first; `kvrepro minimize {record.run_id} --build "
+            note = (f"not minimized: the campaign was stopped first; `kvrepro minimize {run_id} --build "
                     f"{BUILD} -m {folder / str(finding.folder) / 'matrix.yaml'} --results {folder / RUNS_FOLDER}` "
                     "does it by hand")
         else:
             progress.stage(f"minimizing {finding.folder}")
             try:
-                note = minimize_finding(folder, finding, str(record.run_id), on_line=progress.stage).note
+                note = minimize_finding(folder, finding, str(run_id), on_line=progress.stage).note
             except KeyboardInterrupt:
                 state.findings[key] = FindingRecord(**{**finding.__dict__,
                                                        "minimized": "not minimized: interrupted by a stop signal"})
@@ -654,4 +765,7 @@ def summary(state: CampaignState) -> dict[str, Any]:
     return {"campaign": state.campaign_id, "status": state.status, "runs": len(state.runs),
             "seconds": round(state.elapsed_s, 1), "verdicts": verdicts, "coverage": len(state.coverage),
             "known": sorted(f.title for f in state.findings.values() if f.status == "known"),
-            "new": [f.__dict__ for f in state.new_findings], "state": state.to_json()}
+            "new": [f.__dict__ for f in state.new_findings],
+            **({"origin": {o: [f.__dict__ for f in fs] for o, fs in origin.grouped(state).items()},
+                "replays": origin.cost(state)} if state.request.patches else {}),
+            "state": state.to_json()}

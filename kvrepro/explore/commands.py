@@ -68,7 +68,8 @@ def check_resumed_budget(state: Any, text: str, runs: int | None, seconds: float
 def explore(*, base: str | None, patch: list[str] | None, budget: str | None, seed: int, unguided: bool,
             no_minimize: bool, requests: int, no_corpus: bool = False,
             resume: str | None, matrix: Path | None, catalogue: Path | None, ci: bool, results_root: Path,
-            as_json: bool, target: str | None = None, jobs: int | None = None) -> int:
+            as_json: bool, target: str | None = None, jobs: int | None = None,
+            replay_share: float | None = None) -> int:
     """`explore` with its options, by name; the exit code."""
     from ..stopping import name, stop_on_signals
     from ..suite.run import load as load_catalogue
@@ -84,6 +85,8 @@ def explore(*, base: str | None, patch: list[str] | None, budget: str | None, se
             runs_, seconds_ = parse_budget(budget)
             check_resumed_budget(state, budget, runs_, seconds_)
             state.request = replace(state.request, budget_runs=runs_, budget_seconds=seconds_)
+        if replay_share is not None:  # the replays are not the runs: their bound may change on resume
+            state.request = replace(state.request, replay_share=replay_share)
         if target:  # another target serves the same runs: the specs do not depend on where they run
             state.request = replace(state.request, target=target)
         if jobs and jobs > state.request.jobs:
@@ -103,6 +106,7 @@ def explore(*, base: str | None, patch: list[str] | None, budget: str | None, se
             base=base, patches=tuple(patch or ()), budget_runs=runs_, budget_seconds=seconds_, seed=seed,
             guided=not unguided, matrix=str(matrix) if matrix else "", requests=requests, minimize=not no_minimize,
             target=target or "", corpus=not no_corpus,
+            replay_share=0.5 if replay_share is None else replay_share,
             catalogue=str((catalogue or paths.default_catalogue()).resolve()))
     # before a campaign folder exists (a target that cannot serve writes nothing) and before the
     # catalogue, whose check takes seconds: a wrong --target or a missing cluster is said at once
@@ -135,6 +139,6 @@ def explore(*, base: str | None, patch: list[str] | None, budget: str | None, se
     else:
         for line in lines(state, str(folder)):
             out.print(escape(line), highlight=False, soft_wrap=True)
-    if ci and state.new_findings:
+    if ci and state.failing:  # with patches: what they introduce (origin.py); without: what is new
         return 1
     return 130 if state.status == "interrupted" else 0

@@ -49,6 +49,10 @@ class CampaignRequest:
     # the catalogue folder its failures are judged against (absolute), so a resume judges its runs
     # as the first session did; "": a campaign recorded before it was pinned (the default then)
     catalogue: str = ""
+    # a campaign with patches replays each failing run's spec on the base without them (and with
+    # them again) to tell the patch's failures from the base's (origin.py); the replays may take at
+    # most this share of the budget (seconds of a duration budget, runs of a run budget), on top of it
+    replay_share: float = 0.5
 
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> "CampaignRequest":
@@ -66,6 +70,10 @@ class JudgedRecord:
     signature: str | None = None
     entry: str | None = None
     expected: str | None = None
+
+    # a campaign with patches: whose failure this is by the replays of this run's spec (origin.py):
+    # patch | base | undecided; None: no patches, or not judged yet
+    origin: str | None = None
 
     @classmethod
     def of(cls, judged: Judged) -> "JudgedRecord":
@@ -120,6 +128,46 @@ class FindingRecord:
     runs: int = 1
     folder: str | None = None  # findings/<slug> under the campaign (new and regression only)
     minimized: str | None = None  # what minimizing it gave, one line (findings.py); None: not tried
+    # a campaign with patches (origin.py): patch (fails with them, never without) | base (the base
+    # fails the same way under the same spec) | undecided; the runs of the specs that showed it with
+    # the patches (the campaign's runs and their replays) and without them (the base's replays), and
+    # how many of each failed so; status is then `new` for the patch's whatever the catalogue says,
+    # which catalogue_status keeps
+    origin: str | None = None
+    with_failed: int = 0
+    with_runs: int = 0
+    without_failed: int = 0
+    without_runs: int = 0
+    catalogue_status: str | None = None
+
+
+@dataclass(frozen=True)
+class ReplayRecord:
+    """A failing run's spec run once more (origin.py): on the base without the campaign's patches
+    (``base``) or with them again (``patched``, for flakiness); the failure keys it showed."""
+
+    spec_key: str
+    build: str  # base | patched
+    run_id: str | None  # under <campaign>/replays/; None: it never started
+    verdict: str
+    seconds: float
+    keys: tuple[str, ...] = ()
+    error: str | None = None
+    # the failure that ended it before its load was spent (classify.failures.ending); None: it ran its
+    # course. A base replay cut short by a failure the campaign's run did not have says nothing of
+    # what that run showed later (origin.run_counts)
+    ended_by: str | None = None
+
+    @property
+    def judged(self) -> bool:
+        """The run says something: it ran and was judged (not INFRA, INVALID or unjudgeable)."""
+        return self.run_id is not None and self.verdict not in ("INFRA", "INVALID") and self.error is None
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> "ReplayRecord":
+        known = _known(cls, value)
+        known["keys"] = tuple(known.get("keys") or ())
+        return cls(**known)
 
 
 @dataclass
@@ -136,10 +184,25 @@ class CampaignState:
     # runs made (their specs fixed) but not recorded yet, in index order: in flight, interrupted, or
     # made ahead for a larger budget (campaign.py); a resume runs these specs, it does not remake them
     pending: list[RunSpec] = field(default_factory=list)
+    # a campaign with patches (origin.py): each replayed spec (by origin.spec_key) and build
+    # (base | patched) -> its replay; the seconds they took; the failing runs waiting for theirs
+    replays: dict[str, dict[str, ReplayRecord]] = field(default_factory=dict)
+    replay_s: float = 0.0
+    replay_queue: list[int] = field(default_factory=list)
 
     @property
     def new_findings(self) -> list[FindingRecord]:
         return [f for f in self.findings.values() if f.status != "known"]
+
+    @property
+    def introduced(self) -> list[FindingRecord]:
+        """A campaign with patches: the failures its patches bring (the base does not show them)."""
+        return [f for f in self.findings.values() if f.origin == "patch"]
+
+    @property
+    def failing(self) -> list[FindingRecord]:
+        """What `--ci` fails on: with patches, what they introduce; without, what the catalogue lacks."""
+        return self.introduced if self.request.patches else self.new_findings
 
     def budget_left(self) -> bool:
         r = self.request
@@ -154,7 +217,9 @@ class CampaignState:
                 "runs": [r.to_json() for r in self.runs], "coverage": list(self.coverage),
                 "weights": dict(sorted(self.weights.items())),
                 "findings": {k: dataclasses.asdict(f) for k, f in self.findings.items()},
-                "pending": [p.to_json() for p in self.pending]}
+                "pending": [p.to_json() for p in self.pending],
+                "replays": {k: {b: dataclasses.asdict(r) for b, r in v.items()} for k, v in self.replays.items()},
+                "replay_s": round(self.replay_s, 3), "replay_queue": list(self.replay_queue)}
 
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> "CampaignState":
@@ -166,4 +231,8 @@ class CampaignState:
                    weights={str(k): float(v) for k, v in (value.get("weights") or {}).items()},
                    findings={str(k): FindingRecord(**_known(FindingRecord, f))
                              for k, f in (value.get("findings") or {}).items()},
-                   pending=[RunSpec.from_json(p) for p in value.get("pending") or ()])
+                   pending=[RunSpec.from_json(p) for p in value.get("pending") or ()],
+                   replays={str(k): {str(b): ReplayRecord.from_json(r) for b, r in v.items()}
+                            for k, v in (value.get("replays") or {}).items()},
+                   replay_s=float(value.get("replay_s") or 0.0),
+                   replay_queue=[int(i) for i in value.get("replay_queue") or ()])

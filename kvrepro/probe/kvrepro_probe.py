@@ -209,6 +209,8 @@ def _after_fork_in_child() -> None:
             _seen_requests.clear()
             _cached_expect.clear()
             _prefixes.clear()
+        _stall.update(idle=0, next=STALL_FIRST_STEPS, last=None)
+        _refused.clear()
         _start_reporter()
 
 
@@ -825,10 +827,12 @@ def after_step(scheduler) -> None:
 
 def _wrap_scheduler() -> None:
     """Wrap Scheduler.add_request (the ids it is given) and update_from_output (after each step:
-    at rest now, and busy since the last check? then check). The scheduler module is imported
-    before any connector (it creates it); a release without these loses only the invariants."""
-    if os.environ.get(INVARIANTS_ENV, "1").strip().lower() in ("0", "off", "no", "false"):
-        return  # benchmarks/invariants_overhead.py measures the engine without them
+    at rest now, and busy since the last check? then check; nothing scheduled for a while? then
+    say where the engine waits). The scheduler module is imported before any connector (it
+    creates it); a release without these loses only the invariants and the stall's location."""
+    # off: benchmarks/invariants_overhead.py measures the engine without the checks (the stall's
+    # location, written only when nothing is scheduled, stays on)
+    checking = os.environ.get(INVARIANTS_ENV, "1").strip().lower() not in ("0", "off", "no", "false")
     cls = getattr(sys.modules.get(SCHEDULER_MODULE), "Scheduler", None)
     add = getattr(cls, "__dict__", {}).get("add_request")
     step_end = getattr(cls, "__dict__", {}).get("update_from_output")
@@ -849,18 +853,204 @@ def _wrap_scheduler() -> None:
     def update_from_output(self, *args, **kwargs):
         result = step_end(self, *args, **kwargs)
         try:
+            _watch_stall(self, args[0] if args else kwargs.get("scheduler_output"))
+        except Exception:
+            pass  # the probe must never take its host down
+        if not checking:
+            return result
+        try:
             after_step(self)
         except Exception:
             pass  # the probe must never take its host down
         return result
 
     _wrap_pool()  # imported by the scheduler module (through the KV-cache manager) before its class
+    _wrap_allocate()
     add_request.__kvrepro_probe__ = True
     update_from_output.__kvrepro_probe__ = True
     setattr(cls, "add_request", add_request)
     setattr(cls, "update_from_output", update_from_output)
-    _invariants["installed"] = True
-    report_invariants(force=True)
+    if checking:
+        _invariants["installed"] = True
+        report_invariants(force=True)
+
+
+# -- where a stall waits --------------------------------------------------------------------------
+#
+# A stall is the engine stepping with requests unfinished and nothing scheduled (EngineCore goes on
+# calling schedule() and update_from_output(), v1/engine/core.py 0.30.0:589-619, sleeping 1 ms
+# between idle steps, :1474). Every "stall" looks the same from the client (no answer for
+# runs.stall_timeout_s); what tells two apart is what vLLM's scheduler is waiting on. After
+# STALL_FIRST_STEPS such steps in a row (and at every doubling after) the probe reads the scheduler
+# as it stands and writes, when it changed since the last such line:
+#
+#   kvrepro-probe: stall-state idle_steps=<N> where=<key> <words>
+#
+# The key names no request id, no count and no queue (two runs of one stall give one key): the request
+# the scheduling pass could not allocate for (KVCacheManager.allocate_slots returned None: its status,
+# whether it holds blocks, loads from the connector, reserves
+# for itself as an in-flight prefill), whose reservation it was refused against (its own, ended
+# requests', live others'), whether blocks are referenced by no live request, and which other
+# requests hold something while they wait (loads done and never promoted, loads in flight, blocks).
+# With no allocation refused, the pass skipped everything: the key is what the waiting requests
+# wait for. The classifier keeps the last line of the run (kvrepro/classify/exposure.py); explore
+# keys a stall by it (kvrepro/explore/judge.py).
+
+STALL_FIRST_STEPS = 200
+_stall = {"idle": 0, "next": STALL_FIRST_STEPS, "last": None}
+_refused: list = []  # this pass's refused allocations: (request, new tokens, external tokens, reserved, free)
+
+
+def _wrap_allocate() -> None:
+    """Wrap KVCacheManager.allocate_slots: note the allocations a scheduling pass was refused."""
+    cls = getattr(sys.modules.get(MANAGER_MODULE), MANAGER_CLASS, None)
+    original = getattr(cls, "__dict__", {}).get("allocate_slots")
+    if original is None or getattr(original, "__kvrepro_probe__", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def allocate_slots(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if result is None:
+            try:
+                a = signature.bind(*args, **kwargs).arguments
+                pool = getattr(a["self"], "block_pool", None)
+                free = pool.get_num_free_blocks() if pool is not None else -1
+                if len(_refused) < 64:
+                    _refused.append((a["request"], int(a.get("num_new_tokens") or 0),
+                                     int(a.get("num_external_computed_tokens") or 0),
+                                     int(a.get("reserved_blocks") or 0), int(free)))
+            except Exception:
+                pass
+        return result
+
+    allocate_slots.__kvrepro_probe__ = True
+    setattr(cls, "allocate_slots", allocate_slots)
+
+
+def _containers(scheduler) -> dict:
+    """The scheduler's request containers by attribute name: ``running``, every request queue
+    (``waiting``, ``skipped_waiting`` 0.30.0, ``kv_holding_waiting`` 0.31.0+, ...) and every set
+    of requests named like a queue (``deferred_waiting``), each as a set of request ids."""
+    out = {}
+    for attr, value in list(vars(scheduler).items()):
+        if attr == "_inflight_prefills":
+            continue
+        queue_like = type(value).__name__.endswith("RequestQueue") or (
+            attr in ("running", "waiting") or "waiting" in attr) and isinstance(value, (list, set, frozenset))
+        if not queue_like:
+            continue
+        try:
+            out[attr] = {r.request_id for r in list(value) if hasattr(r, "request_id")}
+        except Exception:
+            continue
+    return out
+
+
+def _holds_blocks(scheduler, rid: str) -> bool:
+    for m in _group_managers(scheduler):
+        if any(not getattr(b, "is_null", False) for b in (getattr(m, "req_to_blocks", {}) or {}).get(rid, ())):
+            return True
+    return False
+
+
+def _queues_of(rid: str, containers: dict) -> str:
+    return "+".join(sorted(name for name, ids in containers.items() if rid in ids)) or "no queue"
+
+
+def _request_class(scheduler, request, inflight: set) -> str:
+    """``STATUS[/load-done|/load-in-flight][+holds-blocks][+self-reserved]``: what a request waits with.
+    Not the queue it is in (the words say it): which of the waiting queues holds a request is the
+    release's bookkeeping (``skipped_waiting`` in 0.30.0, ``kv_holding_waiting``/``deferred_waiting``
+    from 0.31.0) and moves with the order requests came in, not with what blocks it; the measured
+    stranded reservation on 0.30.0 gave two keys for one stall by it."""
+    rid = request.request_id
+    status = getattr(getattr(request, "status", None), "name", "?")
+    text = status
+    if status == "WAITING_FOR_REMOTE_KVS":
+        done = rid in (getattr(scheduler, "finished_recving_kv_req_ids", ()) or ())
+        text += "/load-done" if done else "/load-in-flight"
+    if _holds_blocks(scheduler, rid):
+        text += "+holds-blocks"
+    if rid in inflight:
+        text += "+self-reserved"
+    return text
+
+
+def _unheld_blocks(scheduler) -> int:
+    """Blocks referenced in the pools that no live request's table holds (nor vLLM's deferred frees)."""
+    held = set()
+    for m in _group_managers(scheduler):
+        for blocks in list((getattr(m, "req_to_blocks", {}) or {}).values()):
+            held.update(id(b) for b in blocks)
+    for _, blocks in list(getattr(scheduler, "deferred_frees", ()) or ()):
+        held.update(id(b) for b in blocks)
+    return sum(1 for pool in _pools(scheduler) for b in pool.blocks
+               if not b.is_null and b.ref_cnt > 0 and id(b) not in held)
+
+
+def stall_state(scheduler, refused=None) -> tuple:
+    """(key, words): where the engine waits, read from vLLM's scheduler (the section's comment)."""
+    refused = list(_refused if refused is None else refused)
+    containers = _containers(scheduler)
+    live = {rid: r for rid, r in list(getattr(scheduler, "requests", {}).items())
+            if not str(getattr(getattr(r, "status", None), "name", "")).startswith("FINISHED")}
+    inflight = {getattr(r, "request_id", None) for r in list(getattr(scheduler, "_inflight_prefills", ()) or ())}
+    classes = {rid: _request_class(scheduler, r, inflight) for rid, r in live.items()}
+    unheld = _unheld_blocks(scheduler)
+    parts, words = [], []
+    blocker = refused[-1] if refused else None
+    if blocker is not None:
+        request, new, external, reserved, free = blocker
+        rid = request.request_id
+        cls = classes.get(rid) or _request_class(scheduler, request, inflight)
+        key = "refused:" + cls + ("+async-load" if external > 0 else "")
+        if reserved > 0:
+            by = sorted({"self" if r == rid else ("other" if r in live else "ended") for r in inflight})
+            key += "/reserved-by-" + "+".join(by)
+        parts.append(key)
+        words.append(f"allocation refused for request {rid} ({cls} in {_queues_of(rid, containers)}, "
+                     f"{getattr(request, 'num_computed_tokens', '?')} of "
+                     f"{getattr(request, 'num_tokens', '?')} tokens computed): {new} new tokens, {external} from the "
+                     f"connector, {reserved} blocks reserved by in-flight prefills "
+                     f"({', '.join(sorted(str(r) for r in inflight)[:3]) or 'none'}), {free} free")
+        others = {c for r, c in classes.items() if r != rid}
+    else:
+        others = set(classes.values())
+        parts.append("nothing-allocated")
+        words.append("no allocation tried: the scheduling pass skipped every waiting request")
+    # what the others hold while they wait (plain block-less waiting requests say nothing)
+    held = sorted(c for c in others if "/load-" in c or "+holds-blocks" in c or "+self-reserved" in c
+                  or c.startswith("RUNNING") or blocker is None)
+    if held:
+        parts.append("waiting:" + ",".join(held))
+    if unheld:
+        parts.append("blocks-held-by-no-request")
+    words.append(f"{len(live)} unfinished request(s): " + ", ".join(
+        f"{rid} {c} in {_queues_of(rid, containers)}" for rid, c in sorted(classes.items())[:6])
+        + ("..." if len(classes) > 6 else ""))
+    if unheld:
+        words.append(f"{unheld} block(s) referenced with no live request holding them")
+    return "|".join(parts), "; ".join(words)
+
+
+def _watch_stall(scheduler, scheduler_output) -> None:
+    scheduled = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+    try:
+        if scheduled is None or scheduled > 0 or not scheduler.has_unfinished_requests():
+            _stall.update(idle=0, next=STALL_FIRST_STEPS)
+            return
+        _stall["idle"] += 1
+        if _stall["idle"] < _stall["next"]:
+            return
+        _stall["next"] *= 2
+        where, words = stall_state(scheduler)
+        if where != _stall["last"]:
+            _stall["last"] = where
+            _write(f"kvrepro-probe: stall-state idle_steps={_stall['idle']} where={where} {words}")
+    finally:
+        _refused.clear()  # the next pass's refusals only
 
 
 def _wrap_module(module) -> None:

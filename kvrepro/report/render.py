@@ -25,7 +25,7 @@ from rich.measure import Measurement
 from rich.table import Table as RichTable
 from rich.text import Text
 
-from . import stats
+from . import stack, stats
 from .. import versions
 # whether a run meets expect: is decided in report/expectations.py (re-exported for the report's users)
 from .expectations import Mismatch, meets_expectation, mismatches  # noqa: F401
@@ -256,6 +256,8 @@ def matrix_json(run: MatrixRun) -> dict[str, Any]:
     return {
         "run_id": run.run_id,
         "proved": proved(run),
+        # each build's failures against its base build: introduced by its stack or not (issue 51)
+        "introduced": stack.as_json(stack.stack_failures(run, build_key)),
         "failure_kinds": {k.name: k.label for k in kinds},
         "status": run.status,
         "target": run.info.target,

@@ -128,6 +128,9 @@ TRIAGE_FACETS: dict[str, tuple[str, ...]] = {
     "speculative": ("mtp", "eagle", "eagle3", "ngram", "suffix", "other", "none"),
     "prefix_caching": ("on", "off"),
     "scheduling_policy": ("fcfs", "priority"),
+    # the OffloadingConnector's tiers: CPU only (--kv-offloading-size, CPUOffloadingSpec) or CPU and
+    # secondary tiers (TieringOffloadingSpec: fs, p2p, object store); none without it
+    "offload_tiers": ("single", "multi", "none"),
 }
 
 

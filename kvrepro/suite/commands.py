@@ -11,7 +11,7 @@ from typing import Any
 
 from rich.markup import escape
 
-from ..report import terminal
+from ..report import stack, terminal
 from ..report.outputs import check_junit, junit_problem
 from ..report.terminal import err, out
 from ..results.store import checked_root
@@ -34,6 +34,8 @@ def outputs(suite: Any, as_json: bool, ci: bool, junit: Path | None, reporting: 
         terminal.emit_json(suite_report.as_json(suite))
     else:
         (terminal.ci_console() if ci else out).print(suite_report.table(suite))
+        for line in stack.lines(suite.introduced):  # --patch: what the stack brings (report/stack.py)
+            (terminal.ci_console() if ci else out).print(escape(line), highlight=False, soft_wrap=True)
         for note in suite.notes:
             err.print(f"[yellow]note[/]: {escape(note)}", highlight=False)
         err.print(f"recorded: {suite.path}", highlight=False)

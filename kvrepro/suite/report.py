@@ -20,6 +20,7 @@ from rich.table import Table
 
 from .. import versions
 from ..records import to_jsonable
+from ..report import stack
 from ..results.store import write_atomic
 from .judge import ABSENT, INFRA, NOT_TESTABLE, OTHER, PRESENT, UNREACHED, Row
 from .run import SuiteResult
@@ -79,6 +80,8 @@ def as_json(suite: SuiteResult) -> dict[str, Any]:
         "unported": [b.key for b in suite.builds if versions.is_unported(b.release)],
         "rows": [to_jsonable(r) | {"failed": r.failed} for r in suite.rows],
         "mismatches": len(suite.mismatches), "notes": list(suite.notes),
+        # --patch: the failing entries' failures against the releases without the stack (issue 51)
+        "introduced": stack.as_json(suite.introduced),
     }
 
 

@@ -33,6 +33,8 @@ from ..records import (RecordError, StopRule, SuiteBuildRecord, SuiteEntryRecord
 from ..results import store as results
 from ..secrets import redact
 from ..spec.matrix import DEFAULT_MATRIX, LoadedMatrix
+from ..classify.failures import all_failures
+from ..report.stack import StackFailure, compare
 from ..versions import DEFAULT_BASE, SUPPORTED_RELEASES, unported_note, unsupported
 from .catalogue import Catalogue, Entry, EntrySpec, FragmentError, build_key, load_catalogue, parse_build_key
 from .judge import Row, judge, not_testable_row
@@ -62,6 +64,9 @@ class SuiteResult:
     seconds: float | None = None
     command: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # `--patch`: each failing entry's failures against its run on the release without the stack
+    # (kvrepro/report/stack.py): introduced by the stack, in the base, undecided
+    introduced: tuple[StackFailure, ...] = field(default_factory=tuple)
 
     @property
     def mismatches(self) -> list[Row]:
@@ -237,6 +242,7 @@ def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuil
     save()
     slots = max(1, jobs or min(4, os.cpu_count() or 1))
     testable = [e for e in entries if e.name in matrices]  # an entry every build refuses: NOT TESTABLE rows only
+    stack = bool(builds and builds[0].patches)
     # fewer entries than slots: the spare slots run an entry's repetitions and bases side by side
     per_entry = max(1, slots // max(1, min(slots, len(testable))))
     shared: dict[str, Target] = {}
@@ -272,6 +278,19 @@ def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuil
             save_entry(entry.name, error=str(exc).strip().splitlines()[0][:300])
             return
         save_entry(entry.name, run=run.run_id)
+        if stack and not stop.is_set() and any(all_failures(r) for r in run.runs()):
+            # the stack's runs failed: the same entry, load and seeds on the releases without it, its
+            # whole load, so that what the base does not show reads as introduced by the stack
+            progress.stage(f"entry {entry.name} on {', '.join(loaded.matrix.bases)} without the stack")
+            bare = [SuiteBuild(b) for b in loaded.matrix.bases]
+            try:
+                base_run = run_matrix(entry_matrix(entry, bare), MatrixOptions(
+                    target=target, repetitions=entry_reps, results_root=folder / RUNS_FOLDER, jobs=per_entry,
+                    full_load=True, stop_rule=stop_rule_of(entry)), progress, stop, target=target_for(loaded))
+            except KvreproError as exc:
+                save_entry(entry.name, base_run=None, error=f"without the stack: {str(exc).strip().splitlines()[0]}"[:300])
+                return
+            save_entry(entry.name, base_run=base_run.run_id)
 
     status = "complete"
     try:
@@ -348,6 +367,7 @@ def load_suite(path: Path, catalogue: Catalogue, root: Path = results.DEFAULT_RO
     known = {e.name: e for e in catalogue.entries}
     rows: list[Row] = []
     notes: list[str] = [n for n in dict.fromkeys(unported_note(b.release) for b in builds) if n]
+    introduced: list[StackFailure] = []
     for name, info in record.entries.items():
         entry = known.get(name)
         if entry is None:
@@ -364,6 +384,12 @@ def load_suite(path: Path, catalogue: Catalogue, root: Path = results.DEFAULT_RO
         except KvreproError:  # the matrix.yaml of today lost a patch the run used: judge what was recorded
             refused = {}
         several = len(builds) - len(refused) > 1  # the entry's matrix ran on the builds that take it
+        bare = None
+        if entry.testable and info.base_run:
+            try:
+                bare = results.load_run(folder / RUNS_FOLDER, info.base_run)
+            except KvreproError as exc:
+                notes.append(f"{name} without the stack: {exc}")
         for b in builds:
             if not entry.testable:
                 rows.append(not_testable_row(entry, b.key, b.release, b.patches))
@@ -377,10 +403,16 @@ def load_suite(path: Path, catalogue: Catalogue, root: Path = results.DEFAULT_RO
             if not runs and not error:
                 error = "still running" if status == "running" else "not run"
             rows.append(judge(entry, b.key, b.release, b.patches, runs, error))
+            if bare is not None and runs:
+                # the stack's failures against the same entry on the release alone (report/stack.py)
+                base_cell = bare.build(cell_name(entry.name, b.release, several))
+                introduced += [replace(f, build=f"{name} on {b.key}") for f in compare(
+                    b.key, runs, b.release, list(base_cell.runs) if base_cell is not None else [])]
     seconds = (record.finished - record.started) if record.finished and record.started else None
     return SuiteResult(suite_id=record.suite_id or folder.name, path=folder, status=status,
                        catalogue=str(catalogue.folder), builds=builds, rows=tuple(rows), seconds=seconds,
-                       command=record.command, notes=tuple(redact(n) for n in notes))
+                       command=record.command, notes=tuple(redact(n) for n in notes),
+                       introduced=tuple(introduced))
 
 
 def parse_builds(bases: list[str], patches: list[str]) -> list[SuiteBuild]:

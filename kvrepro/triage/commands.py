@@ -29,16 +29,18 @@ def target_of(found: Any) -> dict[str, str] | None:
 
 
 def check_release(release: str | None) -> None:
-    """--release, before the log is read: bad input naming --release (not the log), exit 2."""
+    """--release, before the log is read: what is not a vLLM version is bad input naming --release
+    (not the log), exit 2. A version far from the releases kvrepro runs is taken (issue 45: the
+    text is triaged against the catalogue's claims, with no reproduction, and said)."""
     from ..errors import BadInputError
-    from ..versions import SUPPORTED_RELEASES, nearest_supported
+    from ..versions import SUPPORTED_RELEASES, version_tuple
 
     if release is None:
         return
-    if len(release) > 40 or nearest_supported(release) is None:
-        raise BadInputError(f"--release {quote(release, 40)}: not a vLLM release kvrepro can triage (it runs "
-                            f"{SUPPORTED_RELEASES[0]}-{SUPPORTED_RELEASES[-1]} and reads logs of releases near "
-                            "them); give the release the log's server ran, e.g. --release 0.26.0")
+    if len(release) > 40 or version_tuple(release) is None:
+        raise BadInputError(f"--release {quote(release, 40)}: not a vLLM release kvrepro can triage (a version "
+                            f"X.Y.Z; it runs {SUPPORTED_RELEASES[0]}-{SUPPORTED_RELEASES[-1]}); give the release the "
+                            "log's server ran, e.g. --release 0.26.0")
 
 
 def triage(log: Path, *, emit: Path | None, run: bool, release: str | None, jobs: int | None,
@@ -64,6 +66,10 @@ def triage(log: Path, *, emit: Path | None, run: bool, release: str | None, jobs
             terminal.emit_json(triage_render.as_json(found))
         err.print("nothing to reproduce: the failure matches no catalogue entry")
         return 1
+    if found.base is None:
+        err.print(f"{log}: the log's release ({found.config.release or 'not in the log'}) is not one kvrepro runs or is "
+                  "near: say the release to reproduce on with --release X.Y.Z", highlight=False)
+        return 2
     from .emit import build_matrix, write_matrix
     from .run import proofs, run_emitted, what_it_proved
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..classify.infra import infra_keywords
-from ..classify.logfile import LogStream, open_log_bytes
+from ..classify.logfile import LogInfo, LogStream, open_log_bytes
 from ..errors import BadInputError
 from ..untrusted import LINE_LIMIT
 
@@ -50,6 +50,12 @@ LINE_KEYWORDS = (
     b"Application startup complete", b"ERROR", b"CRITICAL", b": error: ", b"died", b"EngineDead",
     b"EngineCore encountered", b"[shutdown] ", b"Shutting down",
 )
+# where a report says its version and configuration other than vLLM's start-up lines
+# (kvrepro/triage/sources.py): a command line, collect_env / pip output, an image tag, a dump
+SOURCE_KEYWORDS = (b"vllm serve", b"vllm.entrypoints", b"vllm-openai", b"vLLM Version", b"Dumping input data",
+                   b"LLM engine (v", b"--kv-transfer-config", b"--kv-offloading", b"--speculative-config",
+                   b"vllm==")
+LINE_KEYWORDS = LINE_KEYWORDS + SOURCE_KEYWORDS
 # needed once (classify takes an answered request as proof the server was up); after the first,
 # the gigabytes of access lines are skipped
 FIRST_ONLY_KEYWORDS = (b'" 200',)
@@ -69,20 +75,41 @@ def read_selected(path: Path, stats: ReadStats, use_grep: bool = True) -> Iterat
 
     Raises BadInputError for what is not a log (kvrepro/classify/logfile.py: a binary file, a
     damaged compressed stream with where, a FIFO, a folder)."""
-    grep = _gnu_grep() if use_grep else None
     with open_log_bytes(path, require_text=True) as (stream, info):
-        if grep is not None:
-            yield from _grep_stream_selected(grep, stream, path, stats)
-        else:
-            yield from _python_selected(stream, stats)
-        stats.notices.extend(info.notices())
-        stats.bytes_read = max(stats.bytes_read, info.out_bytes)  # the log's bytes, cut lines whole
+        yield from select_stream(stream, info, path, stats, use_grep)
+
+
+def select_stream(stream: LogStream | Prefixed, info: LogInfo, path: Path, stats: ReadStats,
+                  use_grep: bool = True) -> Iterator[tuple[int, str]]:
+    """:func:`read_selected` of a log already opened by kvrepro/classify/logfile.py (``stream``
+    from its start: a :class:`Prefixed` when its first bytes were read already)."""
+    grep = _gnu_grep() if use_grep else None
+    if grep is not None:
+        yield from _grep_stream_selected(grep, stream, path, stats)
+    else:
+        yield from _python_selected(stream, stats)
+    stats.notices.extend(info.notices())
+    stats.bytes_read = max(stats.bytes_read, info.out_bytes)  # the log's bytes, cut lines whole
+
+
+class Prefixed:
+    """``head`` (bytes already read from ``rest``), then the rest of ``rest``: a stream from its start."""
+
+    def __init__(self, head: bytes, rest: LogStream):
+        self._head, self._rest = head, rest
+
+    def read(self, size: int = -1) -> bytes:
+        if self._head:
+            out = self._head if size is None or size < 0 else self._head[:size]
+            self._head = self._head[len(out):]
+            return out
+        return self._rest.read(size)
 
 
 _STREAM_PREFIX = re.compile(rb"(\d+)[:-]")
 
 
-def _grep_stream_selected(grep: str, stream: LogStream, path: Path, stats: ReadStats) -> Iterator[tuple[int, str]]:
+def _grep_stream_selected(grep: str, stream: LogStream | Prefixed, path: Path, stats: ReadStats) -> Iterator[tuple[int, str]]:
     """The log's text fed to three greps at once, whose output goes to temporary files (so no grep
     waits on a reader): every keyword, the traceback windows (-A) and the first answered request
     (-m 1). Then the three are merged in line order (each line read back bounded)."""
@@ -163,7 +190,7 @@ def _gnu_grep() -> str | None:
     return grep if "GNU grep" in version else None
 
 
-def _python_selected(stream: LogStream, stats: ReadStats) -> Iterator[tuple[int, str]]:
+def _python_selected(stream: LogStream | Prefixed, stats: ReadStats) -> Iterator[tuple[int, str]]:
     keywords = LINE_KEYWORDS + tuple(k.encode() for k in infra_keywords())
     first_only = list(FIRST_ONLY_KEYWORDS)
     window_left = 0

@@ -11,6 +11,8 @@ PATTERN = Pattern(
         "num_external_tokens % g_block_size == 0",
         "num_external_tokens % g_block_size == 0, (",
     ),
+    # the assert's own message: what a report that quotes only the exception line gives (vllm#55168)
+    message=r"num_external_tokens=\d+ not aligned to group \d+ block_size=\d+",
     why=(
         "SimpleCPUOffloadConnector splits an external hit into whole CPU blocks of every KV "
         "group. A hybrid model reconciles its hit to the finest group's alignment, while decode "
