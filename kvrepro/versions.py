@@ -365,58 +365,108 @@ def nearest_supported(version: str) -> str | None:
 
 
 # -- offload-tier faults (engine.sim.offload_faults; docs/faults.md) -------------------------------
-# Read from the release wheels (0.25.1-0.33.0; 0.34.0 below):
-# * The OffloadingConnector's worker asserts that every finished transfer succeeded ("we currently do
-#   not support job failures"), in OffloadingConnectorWorker.get_finished of
-#   distributed/kv_transfer/kv_connector/v1/offloading/worker.py. A failed store has no other way
-#   back, so in every release a store failure kills the engine there: no release has a store
-#   failure path, and engine.sim.offload_faults.store_* is refused (the GPU-free data movement
-#   still fails a store the way a real copy would report it; tests/test_offload_faults.py measures
-#   the assertion).
-# * ``kv_load_failure_policy`` (``fail``, the default, or ``recompute``) is a KVTransferConfig field
-#   in every release (config/kv_transfer.py). A failed load reaches the scheduler per request
-#   (KVConnectorOutput.failed_recving -> Scheduler._handle_failed_recving: ``fail`` finishes the
-#   request with an error, ``recompute`` sets its computed tokens to 0 and frees its blocks) from
-#   0.30.0 on. Before, only per block (invalid_block_ids): _update_requests_with_invalid_blocks
-#   unpacks the block table as one KV-cache group (``(req_block_ids,) = ...``, scheduler.py:2694 in
-#   0.26.0), which a hybrid model's groups break; 0.31.0+ refuse block-level errors with several
-#   groups (RuntimeError in _handle_invalid_blocks). So the GPU-free engine reports a failed load as
-#   failed_recving, from FAILED_LOAD_REPORT_FROM on.
-# * 0.34.0: the worker no longer asserts; a failed transfer is marked completed unsuccessfully
-#   (``mark_completed(job_id, success=False)``, worker.py:306-307) and a failed *load* becomes the
-#   request's failed_recving (:308-315, take_failed_recving :337), after which the connector never
-#   looks the request up in the tier again (offloading/scheduler.py:376-378, :1411, :2480-2487). The
-#   GPU-free engine then reports an injected load failure to the connector as a copy would
-#   (TransferResult(success=False)) and lets vLLM's own code do the rest (kvrepro/engine/executor.py).
-#   What the scheduler does with a failed *store* there has not been read: store faults stay refused.
-FAILED_LOAD_REPORT_FROM = "0.30.0"
+# A fault is injected only where the release's connector can produce it, and does there what that
+# connector does. Read from the release wheels (0.25.1-0.34.0):
+# * vLLM's OffloadingConnector (engine.connector: offloading, and capable, its subclass): its worker
+#   asserts that every finished transfer succeeded ("we currently do not support job failures";
+#   OffloadingConnectorWorker.get_finished, OFFLOAD_WORKER_FILE, lines below) in 0.25.1-0.33.0, so
+#   there a failed load or store kills the engine on that assertion, as it would on a GPU whose copy
+#   failed. From 0.34.0 the worker reports a failed load per request (worker.py 306-315, collected by
+#   OffloadingConnector.get_transfer_results, offloading_connector.py 154-160) and the scheduler side
+#   marks the request `load_failed`: its later lookups, after a recompute or a preemption, never read
+#   the tier again (offloading/scheduler.py 376-378, 1411, 2487); a failed store drops its chunks
+#   from the CPU cache instead of publishing them (scheduler.py 2467-2478).
+# * Connectors with a load-failure report, modelled over the OffloadingConnector by
+#   kvrepro/engine/load_failures.py (the scheduler side stays vLLM's): Mooncake store
+#   (mooncake-store-like) reports a failed load per request on a hybrid model from 0.31.0
+#   (`_report_load_error` -> set_failed_request: mooncake/store/worker.py 0.31.0:1206-1208, 0.32.0 and
+#   0.33.0:1111-1113, 0.34.0:1281-1283) and per block in 0.30.0 (`_add_load_error_block_ids`, worker.py
+#   0.30.0:1468, 1480), and looks the request up again on the retry (store/scheduler.py
+#   get_num_new_matched_tokens: 0.33.0:210-265, 0.34.0:230-280); NIXL (nixl-like) reports a failed
+#   receive per request (nixl/base_worker.py 0.30.0:2655-2664, 0.31.0:2931, 0.33.0:3227,
+#   0.34.0:3293) and triggers one transfer per request (`params["do_remote_prefill"] = False`,
+#   nixl/pull_scheduler.py 0.30.0:188-189, 0.31.0-0.33.0:188, 0.34.0:191), so its retry is no
+#   asynchronous load. Both need the scheduler's per-request path (KVConnectorOutput.failed_recving ->
+#   Scheduler._handle_failed_recving), which exists from FAILED_RECVING_FROM; kvrepro models neither
+#   connector's store failures (NIXL stores nothing; Mooncake's failed puts are not modelled).
+# * ``kv_load_failure_policy`` (``fail``, the default, or ``recompute``) is a KVTransferConfig field in
+#   every release (config/kv_transfer.py): what the scheduler does with a reported failed load.
+FAILED_RECVING_FROM = "0.30.0"
+OFFLOADING_REPORTS_FAILURES_FROM = "0.34.0"
+MOONCAKE_PER_REQUEST_FROM = "0.31.0"
 OFFLOAD_TRANSFER_ASSERT_LINE: dict[str, int] = {  # worker.py line of `assert transfer_result.success`
     "0.25.1": 319, "0.26.0": 343, "0.27.0": 361, "0.27.1": 361, "0.28.0": 361, "0.29.0": 277,
     "0.30.0": 285, "0.31.0": 288, "0.32.0": 288, "0.33.0": 301,
 }
 OFFLOAD_WORKER_FILE = "vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py"
 
+# engine.connector -> (class, module) of the connectors vLLM loads from kvrepro by module path
+# (KVConnectorFactory.get_connector_class: a module path wins over the registry, 0.25.1-0.34.0)
+OUT_OF_TREE_CONNECTORS: dict[str, tuple[str, str]] = {
+    "capable": (CAPABLE_CONNECTOR_CLASS, CAPABLE_CONNECTOR_MODULE),
+    "mooncake-store-like": ("MooncakeStoreLikeConnector", "kvrepro.engine.load_failures"),
+    "nixl-like": ("NixlLikeConnector", "kvrepro.engine.load_failures"),
+}
+# what each engine.connector reports a failed load as, and what its retry is
+CONNECTOR_FAULT_MODELS: dict[str, str] = {
+    "offloading": "vLLM's OffloadingConnector",
+    "capable": "vLLM's OffloadingConnector",
+    "mooncake-store-like": "Mooncake store (per-request report, re-lookup on the retry)",
+    "nixl-like": "NIXL (per-request report, no asynchronous load on the retry)",
+}
+
+
+def _at_least(version: str, since: str) -> bool:
+    got, first = version_tuple(version), version_tuple(since)
+    return got is not None and first is not None and got >= first
+
+
+def connector_of(class_name: str | None) -> str | None:
+    """engine.connector for a --kv-transfer-config connector class (None: not one kvrepro drives)."""
+    if class_name == "OffloadingConnector":
+        return "offloading"
+    return next((key for key, (cls, _) in OUT_OF_TREE_CONNECTORS.items() if cls == class_name), None)
+
 
 def reports_failed_loads(version: str) -> bool:
     """Whether this release's scheduler takes a failed load per request (failed_recving)."""
-    got, since = version_tuple(version), version_tuple(FAILED_LOAD_REPORT_FROM)
-    return got is not None and since is not None and got >= since
+    return _at_least(version, FAILED_RECVING_FROM)
 
 
-def offload_fault_problem(version: str, kind: str) -> str | None:
-    """Why a ``kind`` ("load" or "store") fault cannot be injected on ``version`` (None: it can)."""
-    line = OFFLOAD_TRANSFER_ASSERT_LINE.get(version)
-    where = f"{OFFLOAD_WORKER_FILE}:{line}" if line else OFFLOAD_WORKER_FILE
+def mooncake_reports_per_request(version: str) -> bool:
+    """Whether Mooncake store reports a hybrid model's failed load per request (else per block)."""
+    return _at_least(version, MOONCAKE_PER_REQUEST_FROM)
+
+
+def offload_fault_effect(version: str, kind: str, connector: str = "offloading") -> str:
+    """What a failed ``kind`` job does on ``version`` with ``connector`` (assumes it is allowed)."""
+    if connector in ("offloading", "capable"):
+        if _at_least(version, OFFLOADING_REPORTS_FAILURES_FROM):
+            return ("the OffloadingConnector reports the failed load; the request never reads the tier again"
+                    if kind == "load" else "the OffloadingConnector drops the store's chunks")
+        line = OFFLOAD_TRANSFER_ASSERT_LINE.get(version)
+        return f"the engine dies on assert transfer_result.success ({OFFLOAD_WORKER_FILE}:{line or '?'})"
+    if connector == "mooncake-store-like":
+        how = "per request (failed_recving)" if mooncake_reports_per_request(version) else \
+            "per block (invalid_block_ids)"
+        return f"reported {how} as Mooncake store does; the retry looks the tier up again"
+    return "reported per request (failed_recving) as NIXL does; the retry loads nothing asynchronously"
+
+
+def offload_fault_problem(version: str, kind: str, connector: str = "offloading") -> str | None:
+    """Why a ``kind`` ("load" or "store") fault cannot be injected on ``version`` with ``connector``
+    (None: it can; :func:`offload_fault_effect` says what it does)."""
+    if connector in ("offloading", "capable"):
+        return None  # every release's connector has a way to end on it: an assertion, or (0.34.0+) a report
+    if connector not in CONNECTOR_FAULT_MODELS:
+        return f"engine.connector {connector!r}: kvrepro injects offload faults only through {', '.join(CONNECTOR_FAULT_MODELS)}"
+    model = CONNECTOR_FAULT_MODELS[connector]
     if kind == "store":
-        if line is None and reports_failed_loads(version):
-            return (f"vLLM {version}'s OffloadingConnector worker marks a failed store completed unsuccessfully "
-                    f"({OFFLOAD_WORKER_FILE}:306-307 in 0.34.0), but what its scheduler does with that has not been "
-                    "read for kvrepro: store faults are not injected yet; remove store_fail_rate/store_fail_at")
-        return (f"vLLM {version} has no store failure path: the OffloadingConnector worker asserts "
-                f"transfer_result.success ({where}), so a failed store kills the engine; remove store_fail_rate/"
-                "store_fail_at (no release 0.25.1-0.33.0 has one)")
+        return (f"{connector} models {model.split(' (')[0]}'s failed loads only (NIXL stores nothing; Mooncake's "
+                "failed puts are not modelled); remove store_fail_rate/store_fail_at, or use engine.connector: "
+                "offloading")
     if not reports_failed_loads(version):
-        return (f"vLLM {version} reports failed loads to the scheduler only per block (invalid_block_ids), which "
-                f"its scheduler cannot map on a hybrid model's KV groups; load failures need base >= "
-                f"{FAILED_LOAD_REPORT_FROM} (KVConnectorOutput.failed_recving)")
+        return (f"vLLM {version}'s scheduler takes no per-request load failure (KVConnectorOutput.failed_recving "
+                f"is from {FAILED_RECVING_FROM}), which {connector} reports; use base >= {FAILED_RECVING_FROM}, "
+                "or engine.connector: offloading (its worker asserts: the engine dies)")
     return None

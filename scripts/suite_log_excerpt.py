@@ -5,7 +5,7 @@
 
 Keeps what shows the entry's signature: for a crash, the probe's lines and the EngineCore's fatal
 traceback; for a corruption, the shadow KV's `installed` line, the violations of the defect's
-classes and the last counts line; for a stall, the injected faults (if any) and the scheduler's
+classes and the last counts line; for a stall, the injected faults (if any, with the connector's `installed` line) and the scheduler's
 last status lines. Machine paths under the home folder become `~`.
 """
 
@@ -49,9 +49,11 @@ def excerpt(log: str, kind: str, signature: str) -> list[str]:
     status = [line for line in lines if "Running:" in line and "Waiting:" in line]
     # injected offload faults (engine.sim.offload_faults): the failed loads and the last totals, the
     # stall's path for an entry that counts them
+    # (and the `installed` line: which connector reported them, and what it does with one)
+    installed = [line for line in lines if "kvrepro-fault: installed" in line][:1]
     faults = [line for line in lines if "kvrepro-fault:" in line and "failed on purpose" in line][:3]
     totals = [line for line in lines if "kvrepro-fault: counts" in line][-1:]
-    return faults + totals + status[-6:]
+    return installed + faults + totals + status[-6:]
 
 
 def main() -> None:

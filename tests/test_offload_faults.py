@@ -28,29 +28,30 @@ pytestmark = pytest.mark.shares_zygotes  # one engine zygote per runtime for the
 
 BASE = "0.33.0"
 
-BAD_VALUES = [
-    ("    offload_faults: {load_fail_rate: 1.5}", "0.33.0", "load_fail_rate"),
-    ("    offload_faults: {load_fail_at: [0]}", "0.33.0", "job numbers count from 1"),
-    ("    offload_faults: {latency: {distribution: uniform, steps: 2}}", "0.33.0", "uniform needs max_steps"),
-    ("    offload_faults: {store_fail_at: [3]}", "0.33.0", "worker.py:301"),
-    ("    offload_faults: {load_fail_rate: 0.1}", "0.26.0", "need base >= 0.30.0"),
+BAD_VALUES = [  # (line under engine.sim, base, engine.connector, what the one line says)
+    ("    offload_faults: {load_fail_rate: 1.5}", "0.33.0", "offloading", "load_fail_rate"),
+    ("    offload_faults: {load_fail_at: [0]}", "0.33.0", "offloading", "job numbers count from 1"),
+    ("    offload_faults: {latency: {distribution: uniform, steps: 2}}", "0.33.0", "offloading",
+     "uniform needs max_steps"),
+    ("    offload_faults: {store_fail_at: [3]}", "0.33.0", "mooncake-store-like", "failed loads only"),
+    ("    offload_faults: {store_fail_rate: 0.1}", "0.33.0", "nixl-like", "NIXL stores nothing"),
 ]
 
 
-def _matrix_with(tmp_path, line: str, base: str):
+def _matrix_with(tmp_path, line: str, base: str, connector: str = "offloading"):
     text = (ROOT / "matrix.yaml").read_text().replace('base: "0.26.0"', f'base: "{base}"', 1)
     assert "\n  sim:\n" in text
-    text = text.replace("\n  sim:\n", "\n  sim:\n" + line + "\n", 1)
+    text = text.replace("\n  sim:\n", f"\n  connector: {connector}\n  sim:\n" + line + "\n", 1)
     (tmp_path / "matrix.yaml").write_text(text)
     return tmp_path / "matrix.yaml", text.splitlines().index(line) + 1
 
 
-@pytest.mark.parametrize("line,base,message", BAD_VALUES)
-def test_a_bad_value_names_its_file_line_and_field(tmp_path, line, base, message):
+@pytest.mark.parametrize("line,base,connector,message", BAD_VALUES)
+def test_a_bad_value_names_its_file_line_and_field(tmp_path, line, base, connector, message):
     from kvrepro.errors import SpecError
     from kvrepro.spec.matrix import load_matrix
 
-    path, number = _matrix_with(tmp_path, line, base)
+    path, number = _matrix_with(tmp_path, line, base, connector)
     with pytest.raises(SpecError) as caught:
         load_matrix(path)
     text = str(caught.value)
@@ -58,14 +59,62 @@ def test_a_bad_value_names_its_file_line_and_field(tmp_path, line, base, message
 
 
 def test_a_bad_value_is_one_line_and_exit_2_from_the_cli(tmp_path):
-    line, base, message = BAD_VALUES[-1]
-    path, number = _matrix_with(tmp_path, line, base)
+    line, base, connector, message = BAD_VALUES[-1]
+    path, number = _matrix_with(tmp_path, line, base, connector)
     proc = subprocess.run([sys.executable, "-m", "kvrepro.cli", "matrix", "validate", "--matrix", str(path)],
                           capture_output=True, text=True, cwd=ROOT)
     out = (proc.stdout + proc.stderr).strip()
     assert proc.returncode == 2, out
     assert f"matrix.yaml:{number}" in out and message in out, out
     assert "Traceback" not in out and len(out.splitlines()) == 2, out  # "invalid matrix:" + the one line
+
+
+def test_a_failure_reporting_connector_before_0_30_is_one_line_naming_engine_connector(tmp_path):
+    from kvrepro.errors import SpecError
+    from kvrepro.spec.matrix import load_matrix
+
+    path, _ = _matrix_with(tmp_path, "    offload_faults: {load_fail_rate: 0.1}", "0.26.0", "nixl-like")
+    with pytest.raises(SpecError) as caught:
+        load_matrix(path)
+    assert "engine.connector: nixl-like models a connector's per-request report" in str(caught.value)
+    assert "use base 0.30.0 or later" in str(caught.value)
+
+
+def test_each_connector_takes_the_faults_its_real_counterpart_can_produce():
+    """Read from the wheels (kvrepro/versions.py): vLLM's OffloadingConnector asserts on any failed
+    transfer before 0.34.0 and reports from 0.34.0; the modelled connectors report failed loads from
+    0.30.0 (Mooncake per block in 0.30.0) and have no store failures."""
+    from kvrepro.versions import offload_fault_effect, offload_fault_problem
+
+    for version in ("0.25.1", "0.26.0", "0.33.0", "0.34.0"):
+        for kind in ("load", "store"):
+            assert offload_fault_problem(version, kind, "offloading") is None
+    assert "worker.py:301" in offload_fault_effect("0.33.0", "load", "offloading")
+    assert "worker.py:343" in offload_fault_effect("0.26.0", "store", "capable")
+    assert "never reads the tier again" in offload_fault_effect("0.34.0", "load", "offloading")
+    assert "drops the store's chunks" in offload_fault_effect("0.34.0", "store", "offloading")
+    for connector in ("mooncake-store-like", "nixl-like"):
+        assert offload_fault_problem("0.29.0", "load", connector) is not None
+        assert offload_fault_problem("0.30.0", "load", connector) is None
+        assert offload_fault_problem("0.34.0", "store", connector) is not None
+    assert "per block" in offload_fault_effect("0.30.0", "load", "mooncake-store-like")
+    assert "per request" in offload_fault_effect("0.31.0", "load", "mooncake-store-like")
+    assert "nothing asynchronously" in offload_fault_effect("0.33.0", "load", "nixl-like")
+
+
+def test_a_modelled_connector_is_named_by_module_path_in_the_transfer_config():
+    import json
+
+    from kvrepro.spec.matrix import Matrix
+
+    for connector, cls in (("mooncake-store-like", "MooncakeStoreLikeConnector"), ("nixl-like", "NixlLikeConnector")):
+        m = Matrix.model_validate({"base": BASE, "builds": {"A": []}, "engine": {
+            "connector": connector, "kv_load_failure_policy": "recompute"}})
+        args = m.engine.serve_args("model", include_sim=True)
+        transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
+        assert transfer["kv_connector"] == cls and transfer["kv_connector_module_path"] == "kvrepro.engine.load_failures"
+        assert transfer["kv_load_failure_policy"] == "recompute" and "--kv-offloading-size" not in args
+        assert transfer["kv_connector_extra_config"]["cpu_bytes_to_use"] == 1 << 30
 
 
 def test_the_plan_fails_the_kth_job_and_a_share_and_draws_latency():
@@ -151,17 +200,18 @@ def target():
     sim.close()
 
 
-def _start(target, tmp_path_factory, name: str, policy: str | None, faults: OffloadFaultsSpec):
-    """vLLM 0.33.0, no patches, the default engine otherwise, with these faults (set on the typed
-    matrix, past matrix.yaml's release check, so a refused setting can be measured too). The target
-    reads its matrix when it starts an engine, so each engine gets its own."""
+def _start(target, tmp_path_factory, name: str, policy: str | None, faults: OffloadFaultsSpec,
+           connector: str = "mooncake-store-like", base: str = BASE):
+    """vLLM ``base`` (0.33.0), no patches, the default engine otherwise, with these faults and this
+    connector (set on the typed matrix). The target reads its matrix when it starts an engine, so
+    each engine gets its own."""
     from kvrepro.spec.matrix import LoadedMatrix, load_matrix
 
     loaded = load_matrix(ROOT / "matrix.yaml")
     m = loaded.matrix
-    eng = m.engine.model_copy(update={"kv_load_failure_policy": policy,
+    eng = m.engine.model_copy(update={"kv_load_failure_policy": policy, "connector": connector,
                                       "sim": m.engine.sim.model_copy(update={"offload_faults": faults})})
-    m = m.model_copy(update={"engine": eng, "base": BASE, "builds": {"A": []}, "common": [], "expect": {}})
+    m = m.model_copy(update={"engine": eng, "base": base, "builds": {"A": []}, "common": [], "expect": {}})
     target.loaded = LoadedMatrix(m, loaded.path, loaded.text)
     artifact = target.prepare(next(p for p in target.loaded.plans() if p.name == "A"))
     assert artifact.ok, artifact.error
@@ -171,7 +221,8 @@ def _start(target, tmp_path_factory, name: str, policy: str | None, faults: Offl
 
 @pytest.fixture(scope="module")
 def recompute_engine(target, tmp_path_factory):
-    """Loads #1 and #2 fail, policy recompute, every load takes 3-5 steps."""
+    """Loads #1 and #2 fail, policy recompute, every load takes 3-5 steps; the connector reports
+    them as Mooncake store does and looks the request up again on the retry."""
     faults = OffloadFaultsSpec(load_fail_at=[1, 2], latency={"distribution": "uniform", "steps": 3, "max_steps": 5})
     handle, run_dir = _start(target, tmp_path_factory, "recompute", "recompute", faults)
     yield handle, run_dir
@@ -180,7 +231,7 @@ def recompute_engine(target, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fail_engine(target, tmp_path_factory):
-    """Load #1 fails, policy fail (vLLM's default)."""
+    """Load #1 fails, policy fail (vLLM's default), reported as Mooncake store does."""
     handle, run_dir = _start(target, tmp_path_factory, "fail", "fail", OffloadFaultsSpec(load_fail_at=[1]))
     yield handle, run_dir
     handle.stop()
@@ -252,20 +303,44 @@ def test_a_failed_load_under_fail_ends_its_request_and_is_not_a_defect(fail_engi
     assert judge(log.replace("kvrepro-fault:", "kvrepro-xxxxx:"), load=summary).verdict is Verdict.INFRA
 
 
-def test_a_store_failure_kills_the_engine_on_vllms_own_assertion(target, tmp_path_factory, tmp_path):
-    """Why matrix.yaml refuses store faults: driven past that check, 0.33.0's OffloadingConnector
-    worker dies on ``assert transfer_result.success`` -- the line versions.py names."""
+def test_a_failed_load_kills_the_engine_on_the_offloading_connectors_own_assertion(target, tmp_path_factory,
+                                                                                  tmp_path):
+    """What a failed load does with vLLM 0.33.0's own OffloadingConnector: its worker dies on
+    ``assert transfer_result.success`` -- the line versions.py names (a failed store dies there too)."""
     from kvrepro.classify.judge import judge
 
-    handle, run_dir = _start(target, tmp_path_factory, "store", None, OffloadFaultsSpec(store_fail_at=[1]))
+    handle, run_dir = _start(target, tmp_path_factory, "plain", "recompute", OffloadFaultsSpec(load_fail_at=[1]),
+                             connector="offloading")
     try:
-        summary = _load(handle, tmp_path, requests=2)
+        summary = _load(handle, tmp_path, requests=4)  # request 2 is the first served by a load
         _settled_log(run_dir, "transfer_result.success")  # the API server stays up (VLLM_KEEP_ALIVE_ON_ENGINE_DEATH)
     finally:
         handle.stop()
     log = (run_dir / "engine.log").read_text(errors="replace")
-    assert re.search(r"kvrepro-fault: store job \d+ failed on purpose \(store #1, ", log)
+    assert re.search(r"kvrepro-fault: load job \d+ failed on purpose \(load #1, ", log)
+    assert "connector offloading; load: the engine dies on assert transfer_result.success" in log
     assert f"offloading/worker.py\", line {versions.OFFLOAD_TRANSFER_ASSERT_LINE[BASE]}, in get_finished" in log
     judged = judge(log, load=summary, engine_exit=1)
-    assert judged.verdict is Verdict.CRASH and judged.exposure.injected_store_faults == 1
+    assert judged.verdict is Verdict.CRASH and judged.exposure.injected_load_faults == 1
     assert judged.title == "AssertionError in get_finished: transfer_result.success", judged.title
+
+
+def test_a_failed_load_on_0_34_is_reported_once_by_the_offloading_connector_itself(target, tmp_path_factory,
+                                                                                  tmp_path):
+    """0.34.0's OffloadingConnector takes a failed copy (``TransferResult(success=False)``) and turns it
+    into the request's failed_recving itself (offloading/worker.py 0.34.0:306-316): the engine reports
+    the failure to it once, as the copy, and adds no report of its own -- vLLM's scheduler side logs
+    the job once and never reads the tier for that request again; nothing asserts, nothing fails."""
+    handle, run_dir = _start(target, tmp_path_factory, "plain-0.34", "recompute", OffloadFaultsSpec(load_fail_at=[1]),
+                             connector="offloading", base="0.34.0")
+    try:
+        summary = _load(handle, tmp_path, requests=4)
+        log = _settled_log(run_dir, "will not load from the offloaded cache again")
+    finally:
+        handle.stop()
+    injected = re.findall(r"kvrepro-fault: load job (\d+) failed on purpose \(load #1, ", log)
+    reported = re.findall(r"KV offload load job (\d+) failed; request \S+ will not load from the offloaded cache again", log)
+    assert len(injected) == 1 and reported == injected, (injected, reported)
+    assert "the OffloadingConnector reports the failed load" in log
+    assert "transfer_result.success" not in log and "Traceback" not in log
+    assert (summary.requests_ok, summary.requests_failed) == (4, 0)

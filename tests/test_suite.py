@@ -134,8 +134,9 @@ def test_not_testable_needs_its_reason(tmp_path):
 
 
 def test_a_release_that_refuses_an_entry_is_a_not_testable_row_not_bad_input():
-    """recompute-failed-load-stall injects offload load faults, which kvrepro/versions.py refuses before
-    0.30.0 (no per-request failure report): on 0.29.0 the entry is NOT TESTABLE with that reason, its
+    """recompute-failed-load-stall injects offload load faults through a connector that reports them per
+    request, which kvrepro refuses before 0.30.0 (no per-request failure report in the scheduler): on
+    0.29.0 the entry is NOT TESTABLE with that reason, its
     matrix runs on the other bases only, and a run on 0.29.0 alone runs nothing (no exit 2)."""
     from kvrepro.suite.judge import NOT_TESTABLE, not_testable_row
     from kvrepro.suite.run import SuiteBuild, check_entries, refused_builds
@@ -143,7 +144,7 @@ def test_a_release_that_refuses_an_entry_is_a_not_testable_row_not_bad_input():
     e = entry("recompute-failed-load-stall")
     builds = [SuiteBuild("0.29.0"), SuiteBuild("0.30.0"), SuiteBuild("0.33.0")]
     refused = refused_builds(e, builds)
-    assert list(refused) == ["0.29.0"] and "load failures need base >= 0.30.0" in refused["0.29.0"], refused
+    assert list(refused) == ["0.29.0"] and "use base 0.30.0 or later" in refused["0.29.0"], refused
     assert check_entries([e], builds)[e.name].matrix.bases == ["0.30.0", "0.33.0"]
     assert check_entries([e], builds[:1]) == {}
     row = not_testable_row(e, "0.29.0", "0.29.0", (), refused["0.29.0"])
@@ -334,7 +335,7 @@ def test_suite_run_on_0_26_0_and_a_flipped_expectation_fails_exactly_that_case(t
     assert rows["mamba-hash-before-write"]["state"] == "NOT TESTABLE"
     assert rows["offload-unrecorded-alloc-stale-store"]["state"] == "NOT TESTABLE"
     refused = rows["recompute-failed-load-stall"]
-    assert refused["state"] == "NOT TESTABLE" and "need base >= 0.30.0" in refused["detail"] and not refused["run_dirs"]
+    assert refused["state"] == "NOT TESTABLE" and "use base 0.30.0 or later" in refused["detail"] and not refused["run_dirs"]
     cases = ET.parse(junit).getroot().findall(".//testcase")
     assert len(cases) == 4
     assert not ET.parse(junit).getroot().findall(".//failure")

@@ -194,6 +194,18 @@ def read_exposure(log_text: str | Iterable[str], metrics_text: str | None = None
                     stall_state=stall[1][:600] if stall else None)
 
 
+def failed_loads(log_text: str) -> list[tuple[int | None, str | None]]:
+    """The injected load failures of an engine log, in order: (the request's index in the load,
+    vLLM's kv_load_failure_policy), read with the same pattern the exposure counts them by."""
+    found = []
+    for m in _FAULT_LINE.finditer(log_text):
+        if m["kind"] != "load":
+            continue
+        named = _VIOLATION_REQUEST.search(f"request {m['request']}") if m["request"] else None
+        found.append((int(named["index"]) if named else None, m["policy"]))
+    return found
+
+
 def _added_up(counts) -> dict[str, int]:
     """Several processes' {key: count}, added up per key."""
     out: dict[str, int] = {}

@@ -100,7 +100,7 @@ class _InFlight:
     kind: str  # "load" | "store"
     steps_left: int
     failed: bool = False  # an injected fault (engine.sim.offload_faults)
-    request: str | None = None  # a load's request (the connector worker's record), for failed_recving
+    request: str | None = None  # a failed load's request (the connector worker's record), for the counts
 
 
 class SimTransferWorker(OffloadingWorker):
@@ -109,28 +109,22 @@ class SimTransferWorker(OffloadingWorker):
     ``engine.sim.offload_faults`` a :class:`~kvrepro.engine.faults.FaultPlan` draws each job's steps
     and fails some jobs on purpose (one ``kvrepro-fault:`` line each).
 
-    A failed load fills none of its GPU blocks (the shadow KV marks them unfilled) and is reported
-    the way a connector with a load-failure path reports one (NIXL's pattern): the load is over
-    (``finished_recving``, so the connector's bookkeeping completes) and it failed
-    (``failed_recving``, which the runner adds to the step's KVConnectorOutput), so vLLM's scheduler
-    applies ``kv_load_failure_policy``. vLLM's OffloadingConnector itself has no such path in any
-    release (kvrepro/versions.py). A failed store is reported as a real copy would report it,
-    ``TransferResult(success=False)``: vLLM's own connector decides what that does (it asserts)."""
+    A failed job is reported as a real copy would report it, ``TransferResult(success=False)``, and
+    the connector decides what that does: vLLM's OffloadingConnector asserts before 0.34.0 and reports
+    it from 0.34.0; kvrepro/engine/load_failures.py's connectors report it as Mooncake store or NIXL
+    do (kvrepro/versions.py). A failed load fills none of its GPU blocks (the shadow KV marks them
+    unfilled)."""
 
     def __init__(self, shadow: "shadow_kv.ShadowKV | None" = None, load_steps: int = 1,
-                 plan: "faults.FaultPlan | None" = None, owner_of=None, reports_failed_loads: bool = False) -> None:
+                 plan: "faults.FaultPlan | None" = None, owner_of=None) -> None:
         self.shadow = shadow  # shadow KV: copies block contents as the real transfers would
         self.blocks_per_chunk = 1  # GPU blocks per CPU block: the connector worker's (set by the executor)
-        # the connector worker turns a failed load into failed_recving itself (0.34.0+: take_failed_recving,
-        # offloading/worker.py 0.34.0:306-316): the failure is reported to it as a copy reports one
-        self.reports_failed_loads = reports_failed_loads
         self.load_steps = max(1, int(load_steps))
         self.plan = plan
         self.owner_of = owner_of or (lambda job_id: None)  # the request a load job is for (connector worker)
         self._lock = threading.Lock()
         self._submitted: dict[int, _InFlight] = {}
         self._done: dict[int, _InFlight] = {}  # finished, not yet reported
-        self._failed_loads: set[str] = set()  # requests whose load failed, for the next failed_recving
         self.completed = {"load": 0, "store": 0}
 
     def begin_step(self) -> None:
@@ -192,20 +186,9 @@ class SimTransferWorker(OffloadingWorker):
             done, self._done = self._done, {}
             for job in done.values():
                 self.completed[job.kind] += 1
-                if job.failed and job.kind == "load" and job.request is not None:
-                    if not self.reports_failed_loads:
-                        self._failed_loads.add(job.request)
-                    if self.plan is not None:
-                        self.plan.failed_requests.add(job.request)
-        return [TransferResult(job_id=job_id, success=not (done[job_id].failed
-                                                           and (done[job_id].kind == "store" or self.reports_failed_loads)))
-                for job_id in sorted(done)]
-
-    def take_failed_loads(self) -> set[str]:
-        """Requests whose load failed since the last call (reported with this step's output)."""
-        with self._lock:
-            failed, self._failed_loads = self._failed_loads, set()
-        return failed
+                if job.failed and job.kind == "load" and job.request is not None and self.plan is not None:
+                    self.plan.failed_requests.add(job.request)
+        return [TransferResult(job_id=job_id, success=not done[job_id].failed) for job_id in sorted(done)]
 
     def in_flight(self) -> int:
         with self._lock:
@@ -394,12 +377,9 @@ class SimRunner:
                 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
                 return EMPTY_MODEL_RUNNER_OUTPUT
-            output = Mixin.kv_connector_no_forward(so, self.vllm_config)
-            self._report_failed_loads(output.kv_connector_output)
-            return output
+            return Mixin.kv_connector_no_forward(so, self.vllm_config)
         with set_forward_context(None, self.vllm_config), Mixin.maybe_get_kv_connector_output(so) as kv_out:
             req_ids, sampled = self._forward(so, num_computed, prev_drafts)
-        self._report_failed_loads(kv_out)
         self._pending = (req_ids, sampled, kv_out)
         return None
 
@@ -413,24 +393,13 @@ class SimRunner:
         num_computed, prev_drafts = self._update_states(so)
         if not so.total_num_scheduled_tokens:
             self._prev_batch, self._rejected = set(), {}
-            output = self.kv_steps.no_forward(so)
-            self._report_failed_loads(output.kv_connector_output)
-            return output
+            return self.kv_steps.no_forward(so)
         with set_forward_context(None, self.vllm_config):
             self.kv_steps.pre_forward(so)
             req_ids, sampled = self._forward(so, num_computed, prev_drafts)
         self.kv_steps.finish_forward()
         self._pending = (req_ids, sampled, so.finished_req_ids)
         return None
-
-    def _report_failed_loads(self, kv_out) -> None:
-        """Injected load failures (engine.sim.offload_faults) go to the scheduler as a connector with
-        a load-failure path reports them: in the step's ``failed_recving`` (vLLM 0.30.0+)."""
-        if self.transfers is None or self.transfers.plan is None:
-            return
-        failed = self.transfers.take_failed_loads()
-        if failed and kv_out is not None:
-            kv_out.failed_recving = set(getattr(kv_out, "failed_recving", None) or ()) | failed
 
     def _spec_tokens(self, so, req_id: str, prev_drafts: dict[str, list[int]]) -> list[int]:
         """The draft tokens this step verifies: the scheduler's; with asynchronous scheduling the
@@ -493,7 +462,6 @@ class SimRunner:
         self._pending = None
         if self.kv_steps is not None:  # runner V2: transfer results collected after the forward (see _execute_v2)
             kv_out = self.kv_steps.post_forward(kv_out, defer_finalize=bool(self.num_spec))
-            self._report_failed_loads(kv_out)
             if self.num_spec:
                 self.kv_steps.finalize_step()  # after the drafter ran, as the runner does
         index = {"req_id_to_index": {req_id: i for i, req_id in enumerate(req_ids)}} if _HAS_REQ_INDEX else {}
@@ -697,8 +665,7 @@ class SimExecutor(Executor):
         worker_side = getattr(connector, "connector_worker", None)
         if worker_side is not None and hasattr(worker_side, "worker"):
             transfers = SimTransferWorker(self.shadow, self.knobs.load_steps, self._make_fault_plan(),
-                                          owner_of=lambda job_id: (getattr(worker_side, "_load_jobs", None) or {}).get(job_id),
-                                          reports_failed_loads=hasattr(worker_side, "take_failed_recving"))
+                                          owner_of=lambda job_id: (getattr(worker_side, "_load_jobs", None) or {}).get(job_id))
             spec = getattr(worker_side, "spec", None)
             if getattr(spec, "blocks_per_chunk", None):
                 self._chunk_blocks = int(spec.blocks_per_chunk)  # what the connector really uses
@@ -722,21 +689,26 @@ class SimExecutor(Executor):
     def _make_fault_plan(self) -> "faults.FaultPlan | None":
         """The injected offload faults (KVREPRO_SIM_OFFLOAD_FAULTS), with vLLM's own failure policy.
 
-        A load failure on a release whose scheduler takes failed loads only per block would crash
-        in kvrepro's reporting rather than test vLLM: refused here as in matrix.yaml."""
+        A fault the connector cannot produce (kvrepro/versions.py) is refused here as in matrix.yaml;
+        the log says what the connector does with the ones it can."""
         settings = self.fault_settings
         if settings is None:
             return None
-        for kind in ("load",):
-            problem = versions.offload_fault_problem(self._vllm_version, kind) if settings.fails_any(kind) else None
+        config = self.vllm_config.kv_transfer_config
+        connector = versions.connector_of(getattr(config, "kv_connector", None)) or "offloading"
+        for kind in faults.KINDS:
+            problem = (versions.offload_fault_problem(self._vllm_version, kind, connector)
+                       if settings.fails_any(kind) else None)
             if problem:
                 raise RuntimeError(f"{faults.ENV}: {problem}")
-        config = self.vllm_config.kv_transfer_config
         policy = str(getattr(config, "kv_load_failure_policy", None) or "fail")
         from dataclasses import replace
 
         self.fault_plan = faults.FaultPlan(replace(settings, policy=policy), load_steps=self.knobs.load_steps)
-        logger.info("%s installed %s", faults.TAG, os.environ.get(faults.ENV, ""))
+        effects = "; ".join(f"{kind}: {versions.offload_fault_effect(self._vllm_version, kind, connector)}"
+                            for kind in faults.KINDS if settings.fails_any(kind))
+        logger.info("%s installed %s (connector %s%s)", faults.TAG, os.environ.get(faults.ENV, ""), connector,
+                    f"; {effects}" if effects else "")
         return self.fault_plan
 
     # -- the per-step calls EngineCore makes ------------------------------------------------

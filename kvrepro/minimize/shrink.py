@@ -28,6 +28,13 @@ request of its first such violation (:func:`corruption_matches` is the one compa
 must then be *clean*: no crash and no violation at all. The emitted test carries the shadow KV
 (:mod:`kvrepro.engine.shadow`, inlined) and fails with the stale block in its message.
 
+A **STALL** repetition after an injected load failure under ``kv_load_failure_policy: recompute``
+(``recompute-failed-load-stall``) is not shrunk: its reproducer is one request whose blocks,
+counted twice, exceed the free pool. With ``emit_pytest`` the upstream test is written with the
+run's numbers (kvrepro/minimize/upstream_emit.py) and run with vLLM's own pytest in the release's
+sdist ``tests/`` on the build and on the build plus ``fixed`` (a patch declared in the matrix, e.g.
+``fix-recompute-failed-load-reservation``, or a build on the same release).
+
 ``build`` and ``fixed`` name a build of the matrix, or a cell ``<build>@<release>``: that build's
 patch stack on another vLLM release (e.g. ``--fixed X@0.30.0`` for a build ``X: []``), as
 ``matrix run --base`` would build it (:func:`resolve_plan`).
@@ -496,7 +503,7 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
              rep: int | None = None, emit_pytest: Path | None = None, confirm: bool = True,
              violation: str | None = None,
              on_line: Callable[[str], None] = lambda _: None) -> MinimizeResult:
-    for name in [build] + ([fixed] if fixed else []):
+    for name in [build] + ([fixed] if fixed and not _is_patch_only(loaded, fixed) else []):
         resolve_plan(loaded, name)
     if (violation is not None and violation.removesuffix("+offload") not in VIOLATION_GROUP_KINDS
             and not _is_defect(violation)):
@@ -505,6 +512,9 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
         raise SpecError(f"--violation {violation!r}: a kind of KV group, optionally +offload "
                         f"(e.g. full_attention+offload, mamba), or a defect name "
                         f"({', '.join(c.name for c in known_corruptions())})")
+    stalled = _stalled_repetition(root, run_id, build, rep) if violation is None else None
+    if stalled is not None:
+        return _report_stall(loaded, build, fixed, stalled, emit_pytest, on_line)
     sig = loaded.matrix.target_signature
     run, trace_path = find_crash(root, run_id, build, rep, violation, sig)
     trace = read_trace(trace_path)
@@ -596,6 +606,92 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
     ok = ok and all(c.ok is not False for c in summary.pytest_check.values())
     summary.ok = ok and confirmed_ok and all("error" not in c for c in summary.confirmed)
     results.write_json(trace_path.with_name("minimized.json"), summary.to_json())
+    return summary
+
+
+def _is_patch_only(loaded: LoadedMatrix, name: str) -> bool:
+    """``--fixed`` names a declared patch (for a stall: the build's stack plus it), not a build."""
+    return name in loaded.matrix.patches and name.partition("@")[0] not in loaded.matrix.builds
+
+
+def _stalled_repetition(root: Path, run_id: str, build: str, rep: int | None) -> Path | None:
+    """The folder of the STALL repetition to report: repetition ``rep`` when it stalled, else (no
+    ``rep``) the first that stalled when none crashed with the target signature or was CORRUPT."""
+    run = results.load_run(root, run_id)
+    found = run.build(build)
+    runs = list(found.runs) if found is not None else []
+    if rep is not None:
+        chosen = [r for r in runs if r.rep == rep and r.label == "STALL"]
+    elif any(r.label in ("CRASH(target)", "CORRUPT") for r in runs):
+        return None
+    else:
+        chosen = [r for r in runs if r.label == "STALL"][:1]
+    if not chosen or found is None:
+        return None
+    return results.inside(run.path, run.path / found.name / str(chosen[0].rep))
+
+
+def _report_stall(loaded: LoadedMatrix, build: str, fixed: str | None, rep_dir: Path, emit_pytest: Path | None,
+                  on_line: Callable[[str], None]) -> MinimizeResult:
+    """A STALL after a failed offload load (``recompute-failed-load-stall``): no shrinking (its
+    reproducer is one request over half the pool), the upstream test written with the run's numbers
+    and run with vLLM's pytest on the build and on the build + ``fixed`` (a declared patch, or a
+    build on the same release). See kvrepro/minimize/upstream_emit.py."""
+    from ..builds import overlay
+    from ..builds.standalone_test import run_standalone
+    from . import upstream_emit
+
+    if emit_pytest is None:
+        raise SpecError(f"{rep_dir}: a STALL is reported as a scheduler test, not a shorter trace; give "
+                        "--emit-pytest FILE (and --fixed PATCH-or-BUILD to check the proposed fix)")
+    plan = resolve_plan(loaded, build)
+    on_line(f"building {build} to read its scheduler")
+    artifact = overlay.build_release_overlay(plan, on_line)
+    if not artifact.ok:
+        raise InfraError(f"build {build} failed: {artifact.error}")
+    source = (Path(artifact.ref or "") / upstream_emit.SCHEDULER).read_text()
+    engine = loaded.matrix.engine
+    case = upstream_emit.stall_case(rep_dir, plan.base, source, engine.block_size, engine.sim.num_gpu_blocks)
+    path = Path(emit_pytest)
+    upstream_emit.emit_stall_test(path, case)
+    stacks = [(f"build {build}", plan.patches)]
+    if fixed:
+        if _is_patch_only(loaded, fixed):
+            fixed_patches = (*plan.patches, loaded.patch_ref(fixed))
+        else:
+            other = resolve_plan(loaded, fixed)
+            if other.base != plan.base:
+                raise SpecError(f"--fixed {fixed}: on vLLM {other.base}, the stall is on {plan.base}; name a patch "
+                                f"or a build on {plan.base}")
+            fixed_patches = other.patches
+        stacks.append((f"build {build} + {fixed}" if _is_patch_only(loaded, fixed) else f"build {fixed}",
+                       fixed_patches))
+    runs = run_standalone(plan.base, path, upstream_emit.UPSTREAM_PATH, stacks, rep_dir / "upstream-test", on_line)
+    check: dict[str, PytestCheck] = {}
+    fixed_name = (f"{build}+{fixed}" if fixed and _is_patch_only(loaded, fixed) else fixed) or ""
+    for n, run in enumerate(runs):
+        name = build if n == 0 else fixed_name
+        failing = [o for o in run.failed if upstream_emit.FAILING_CASE in o.nodeid]
+        if n == 0:
+            ok = bool(failing) and upstream_emit.STALL_WORDS in failing[0].message
+            result = (f"fails ({upstream_emit.FAILING_CASE}): {failing[0].message[:600]}" if failing else
+                      "passes: the scheduler admitted the retry (no stall on this build)")
+        else:
+            ok = bool(run.outcomes) and not run.failed
+            result = "passes" if ok else "; ".join(f"{o.nodeid.split('::')[-1]} {o.outcome}: {o.message[:300]}"
+                                                   for o in run.failed) or "no test ran"
+        check[name] = PytestCheck(ok=ok, result=result, exit=0 if not run.failed else 1,
+                                  message=failing[0].message[:4000] if n == 0 and failing else None)
+    summary = MinimizeResult(
+        trace=str(rep_dir / "trace.jsonl"), source=str(rep_dir / "trace.jsonl"), build=build, fixed=fixed,
+        requests_before=case.request_index + 1, requests=1, tokens_before=case.prompt_tokens,
+        tokens=case.prompt_tokens, crash_at=None, deterministic=True, fixed_result=check[fixed_name].result
+        if fixed else None, candidates_run=0, failure="stall", violation=None,
+        emitted=EmittedTest(pytest=str(path), pytest_check=check))
+    summary.confirmed = [f"the run's stall: request {case.request_index} ({case.prompt_tokens} prompt tokens) after "
+                         f"its failed load, {case.num_blocks}-block pool ({rep_dir})"]
+    summary.ok = all(c.ok for c in check.values())
+    results.write_json(rep_dir / "minimized.json", summary.to_json())
     return summary
 
 

@@ -139,9 +139,11 @@ class LatencySpec(_Strict):
 class OffloadFaultsSpec(_Strict):
     """Offload-tier faults the GPU-free data movement injects (``engine.sim.offload_faults``): per
     job, a failure at a rate or at the k-th job of its kind (counted from 1), and a latency. A
-    failed load fills none of its blocks and reaches vLLM's scheduler, which applies
-    ``engine.kv_load_failure_policy``; each injected fault is one ``kvrepro-fault:`` line in the
-    engine log. Which releases have a failure path: kvrepro/versions.py (docs/faults.md)."""
+    failed job is reported as a failed copy (``TransferResult(success=False)``) and does what the
+    release's connector (``engine.connector``) does with one: the OffloadingConnector asserts before
+    0.34.0; connectors with a failure report hand the failed load to vLLM's scheduler, which applies
+    ``engine.kv_load_failure_policy``. Each injected fault is one ``kvrepro-fault:`` line in the
+    engine log. Which connector and release produce which fault: kvrepro/versions.py (docs/faults.md)."""
 
     load_fail_rate: float = Field(0.0, ge=0.0, le=1.0, description="share of load jobs that fail")
     load_fail_at: list[int] = Field(default_factory=list, max_length=1024,
@@ -268,10 +270,12 @@ class EngineSpec(_Strict):
     num_speculative_tokens: int = Field(1, ge=0)
     kv_offloading_size_gib: float = Field(1.0, gt=0, description="--kv-offloading-size (GiB of host memory)")
     kv_offloading_backend: Literal["native"] = "native"
-    connector: Literal["offloading", "capable"] = Field(
+    connector: Literal["offloading", "capable", "mooncake-store-like", "nixl-like"] = Field(
         "offloading", description="offloading: vLLM's OffloadingConnector (--kv-offloading-size); capable: the same "
         "connector declaring supports_divergent_local_hybrid_hits (kvrepro/engine/capable.py, test-only; vLLM "
-        "0.28.0+ or a stack with pr-50344)")
+        "0.28.0+ or a stack with pr-50344); mooncake-store-like / nixl-like: the same connector reporting a failed "
+        "offload load as Mooncake store / NIXL do, with their retry (kvrepro/engine/load_failures.py; vLLM 0.30.0+; "
+        "docs/faults.md)")
     max_num_seqs: int = Field(4, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)
     max_model_len: int = Field(1024, ge=64)
@@ -363,9 +367,9 @@ class EngineSpec(_Strict):
 
     def serve_args(self, model_path: str, include_sim: bool) -> list[str]:
         """The `vllm serve` argument list (model first). The sim engine parses the same list."""
-        # the capable connector is named in --kv-transfer-config: --kv-offloading-size would make vLLM
+        # an out-of-tree connector is named in --kv-transfer-config: --kv-offloading-size would make vLLM
         # name the OffloadingConnector over it (VllmConfig._post_init_kv_transfer_config)
-        offloading = [] if self.connector == "capable" else [
+        offloading = [] if self.connector != "offloading" else [
             "--kv-offloading-size", repr(self.kv_offloading_size_gib),
             "--kv-offloading-backend", self.kv_offloading_backend]
         args = [
@@ -389,12 +393,12 @@ class EngineSpec(_Strict):
                             "num_speculative_tokens": self.num_speculative_tokens}),
             ]
         transfer: dict[str, Any] = {}
-        if self.connector == "capable":
-            from ..versions import CAPABLE_CONNECTOR_CLASS, CAPABLE_CONNECTOR_MODULE
+        if self.connector != "offloading":
+            from ..versions import OUT_OF_TREE_CONNECTORS
 
             # what --kv-offloading-size N would set, with the subclass named instead
-            transfer = {"kv_connector": CAPABLE_CONNECTOR_CLASS, "kv_connector_module_path": CAPABLE_CONNECTOR_MODULE,
-                        "kv_role": "kv_both",
+            name, module = OUT_OF_TREE_CONNECTORS[self.connector]
+            transfer = {"kv_connector": name, "kv_connector_module_path": module, "kv_role": "kv_both",
                         "kv_connector_extra_config": {"cpu_bytes_to_use": int(self.kv_offloading_size_gib * (1 << 30))}}
         if self.geometry is not None:
             from ..versions import OFFLOAD_CHUNK_EXTRA_KEY
@@ -695,6 +699,19 @@ class Matrix(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _failure_reporting_connector(self) -> "Matrix":
+        if self.engine.connector not in ("mooncake-store-like", "nixl-like"):
+            return self
+        from ..versions import FAILED_RECVING_FROM, reports_failed_loads
+
+        for base in self.bases:
+            if not reports_failed_loads(base):
+                raise FieldError("engine.connector", f"{self.engine.connector} models a connector's per-request "
+                                  f"report of a failed load, which vLLM {base}'s scheduler does not take (from "
+                                  f"{FAILED_RECVING_FROM}); use base {FAILED_RECVING_FROM} or later")
+        return self
+
+    @model_validator(mode="after")
     def _known_expectations(self) -> "Matrix":
         for name, label in self.expect.items():
             if name not in self.builds:
@@ -727,8 +744,8 @@ class Matrix(_Strict):
 
     @model_validator(mode="after")
     def _offload_faults_releases(self) -> "Matrix":
-        """A fault kind on a release with no path for it is refused here (kvrepro/versions.py says
-        which and why), not left to crash in kvrepro's fake data movement."""
+        """A fault kind that the release's connector (engine.connector) cannot produce is refused here
+        (kvrepro/versions.py says which and why); one it can produce does what that connector does."""
         from ..versions import offload_fault_problem
 
         faults = self.engine.sim.offload_faults
@@ -738,7 +755,7 @@ class Matrix(_Strict):
             if not faults.fails(kind):
                 continue
             for base in self.bases:
-                if (problem := offload_fault_problem(base, kind)) is not None:
+                if (problem := offload_fault_problem(base, kind, self.engine.connector)) is not None:
                     field = f"{kind}_fail_rate" if getattr(faults, f"{kind}_fail_rate") else f"{kind}_fail_at"
                     raise FieldError(f"engine.sim.offload_faults.{field}", problem)
         return self
