@@ -267,6 +267,33 @@ def test_the_corruption_test_hooks_the_shadow_where_the_executor_does(default_ma
     assert text.index("self.shadow.forward(") < text.index("if seq_end < len(tokens):")
 
 
+def test_the_test_steps_the_scheduler_in_the_engine_mode_of_the_run(default_matrix):
+    """An asynchronous run's sequence is stepped as EngineCore.step_with_batch_queue steps the
+    release's AsyncScheduler (a 4-request cut of 0.26.0's crash, stepped synchronously, reached no
+    offload hit at all); a synchronous run's as EngineCore.step does. The docstring says which."""
+    trace = read_trace(TRACE)
+    runs = {"A": ("/rt/bin/python", "/overlays/a", "build A: fails (the bug)")}
+    sync = render(trace, default_matrix, ENGINE, "test_repro.py", runs)
+    on = render(trace, default_matrix, EngineInfo.from_json({**ENGINE_JSON, "async_scheduling": True}),
+                "test_repro.py", runs)
+    assert "ASYNC_SCHEDULING = False" in sync and "Engine mode: synchronous scheduling" in sync
+    assert "ASYNC_SCHEDULING = True" in on and "Engine mode: asynchronous scheduling" in on
+    assert "AsyncScheduler" in on and "step_with_batch_queue" in on
+    for text in (sync, on):
+        compile(text, "test_repro.py", "exec")
+        # the release picks the scheduler class and the batch queue, as EngineCore does
+        assert "vllm_config.scheduler_config.get_scheduler_cls()(" in text
+        assert "batch_queue_size = vllm_config.max_concurrent_batches" in text
+        assert "async_scheduling=ASYNC_SCHEDULING)" in text
+    corrupt = render(read_trace(CORRUPT_TRACE), default_matrix,
+                     EngineInfo.from_json({**ENGINE_JSON, "async_scheduling": True}), "test_repro.py", runs,
+                     violation=FA_OFFLOAD, first_violation="...")
+    compile(corrupt, "test_repro.py", "exec")
+    # the shadow KV follows a request re-read from the scheduler, as the executor's runner does
+    assert corrupt.count("self.shadow.resync(req_id, tokens)") == 1
+    assert "Engine mode: asynchronous scheduling" in corrupt
+
+
 def test_the_crash_test_has_no_shadow_kv(default_matrix):
     text = _text(default_matrix, read_trace(TRACE))
     assert "ShadowKV" not in text and "self.shadow" not in text

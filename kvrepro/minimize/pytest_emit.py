@@ -15,6 +15,17 @@ executor fakes them, so the scheduling is step for step the engine's:
 * the offload data movement: an ``OffloadingWorker`` that moves no bytes and reports each job
   finished at the next step (the sim executor's ``SimTransferWorker``).
 
+The test steps the scheduler in the engine mode the finding's run used (``async_scheduling`` as
+vLLM resolved it for that run, :func:`kvrepro.engine.offline.describe`): synchronous, as
+``EngineCore.step`` does; or asynchronous, as a GPU node runs this engine by default: the
+scheduler class the release picks (``AsyncScheduler``), a batch queue of the release's
+``max_concurrent_batches`` driven in ``EngineCore.step_with_batch_queue``'s order (a step is
+scheduled and executed before the previous step's output is processed), and the fake runner one
+step behind the scheduler as kvrepro's ``SimRunner`` (and vLLM's V1 GPU runner) is: the ``-1``
+draft placeholders replaced by its own drafts, ``num_computed_tokens`` lowered by the previous
+step's rejected drafts. Driving an asynchronous finding synchronously ran another sequence of
+scheduler states: the minimizer's 4-request cut of 0.26.0's crash reached no offload hit at all.
+
 The geometry is not re-derived: the minimizer's offline engine reports the settings vLLM
 resolved from the matrix's ``vllm serve`` arguments and the KV-cache groups it built
 (:func:`kvrepro.engine.offline.describe`), and they are written into the test as literals.
@@ -60,6 +71,8 @@ on a hybrid model (Gated-DeltaNet Mamba groups + a full-attention group, Mamba c
 ({tokens} prompt tokens), sent one at a time, each run to completion before the next; kvrepro
 minimized it from a load run that crashed the engine ({source}).
 
+{mode_doc}
+
 It drives vLLM's Scheduler, KV-cache manager and OffloadingConnector (scheduler side with the
 real CPU offloading manager, and worker side) directly. Faked: the model (sampled and draft
 tokens are deterministic; drafts are accepted with probability {acceptance} from a seeded RNG)
@@ -79,6 +92,7 @@ import json
 import random
 import tempfile
 import zlib
+from collections import deque
 from pathlib import Path
 
 {imports}
@@ -91,6 +105,8 @@ BLOCK_SIZE = {block_size}
 NUM_GPU_BLOCKS = {num_gpu_blocks}
 SEED = {seed}
 DRAFT_ACCEPTANCE_RATE = {acceptance}
+# the engine mode of the run this sequence comes from (see the docstring)
+ASYNC_SCHEDULING = {async_scheduling}
 
 # The KV-cache groups vLLM {vllm} builds for this model with these settings.
 KV_CACHE_GROUPS = [
@@ -122,7 +138,7 @@ def make_vllm_config(model_dir: str) -> VllmConfig:
             max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False,
             enable_chunked_prefill={enable_chunked_prefill},
             long_prefill_token_threshold={long_prefill_token_threshold},
-            async_scheduling={async_scheduling}),
+            async_scheduling=ASYNC_SCHEDULING),
         speculative_config={speculative_config},
         kv_transfer_config=KVTransferConfig(
             kv_connector={kv_connector!r}, kv_role={kv_role!r},
@@ -132,6 +148,11 @@ def make_vllm_config(model_dir: str) -> VllmConfig:
     # a GPU platform keeps the hybrid KV-cache manager on; without a platform vLLM turns it off,
     # which here only changes how layers would be grouped (the groups are given below)
     vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = {disable_hybrid}
+    # vLLM's platform may overrule the mode (its CPU platform turns asynchronous scheduling off);
+    # run in another mode, the sequence would not go through the run's scheduler states
+    assert vllm_config.scheduler_config.async_scheduling == ASYNC_SCHEDULING, (
+        f"vLLM resolved async_scheduling={{vllm_config.scheduler_config.async_scheduling}}, the run had "
+        f"{{ASYNC_SCHEDULING}}: run the test without a platform plugin (VLLM_PLUGINS=) or on a GPU")
     return vllm_config
 
 
@@ -174,7 +195,10 @@ class InstantOffloadingWorker(OffloadingWorker):
 
 
 class FakeModel:
-    """What the GPU model runner would return: sampled tokens and MTP drafts, deterministic."""
+    """What the GPU model runner would return: sampled tokens and MTP drafts, deterministic. With
+    asynchronous scheduling it is one step ahead of the scheduler, as vLLM's V1 GPU model runner
+    is (gpu_model_runner.py 0.26.0 _update_states :1340-1380, :1511-1541, _prepare_input_ids
+    :1787-1890): see follow_async_scheduler."""
 
     def __init__(self, vocab_size: int, num_spec: int):
         self.vocab_size = vocab_size
@@ -183,6 +207,9 @@ class FakeModel:
         self.tokens: dict[str, list[int]] = {{}}  # prompt + accepted output, per request
         self.keys: dict[str, int] = {{}}
         self.drafts: dict[str, list[int]] = {{}}
+        self.prev_drafts: dict[str, list[int]] = {{}}  # asynchronous: the drafts of the previous step
+        self.prev_batch: set[str] = set()  # the requests the previous step ran
+        self.rejected: dict[str, int] = {{}}  # drafts each of them had rejected in that step
 
     def token(self, req_id: str, position: int) -> int:
         return (self.keys[req_id] * 1_000_003 + position * 7_919) % self.vocab_size
@@ -201,13 +228,38 @@ class FakeModel:
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         return computed
 
+    def follow_async_scheduler(self, so, computed: dict[str, int]) -> None:
+        """Asynchronous scheduling: the scheduler counted the previous step's drafts as accepted and
+        sends -1 placeholders for the drafts to verify. A request the previous step ran gets its
+        computed count lowered by the drafts that step rejected (and verifies the drafts proposed
+        there, in forward); one that was not in it takes its tokens from the scheduler."""
+        cached = so.scheduled_cached_reqs
+        all_tokens = getattr(cached, "all_token_ids", None) or {{}}
+        for req_id in cached.req_ids:
+            if req_id in self.prev_batch:
+                computed[req_id] -= self.rejected.get(req_id, 0)
+            elif req_id in self.tokens and req_id in all_tokens:
+                tokens = list(all_tokens[req_id])
+                if tokens != self.tokens[req_id]:
+                    self.tokens[req_id] = tokens
+        self.prev_drafts, self.drafts = self.drafts, {{}}
+
+    def idle(self) -> None:
+        """A step with nothing scheduled: no batch runs, no draft is kept."""
+        self.prev_batch, self.rejected = set(), {{}}
+
     def forward(self, so, computed: dict[str, int]) -> tuple[list[str], list[list[int]]]:
         req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = []
+        rejected: dict[str, int] = {{}}
         self.drafts = {{}}
         for req_id in req_ids:
             tokens = self.tokens[req_id]
             spec = so.scheduled_spec_decode_tokens.get(req_id) or []
+            if ASYNC_SCHEDULING and spec and req_id in self.prev_batch:
+                # the -1 placeholders are this runner's own drafts of the previous step
+                proposed = self.prev_drafts.get(req_id) or []
+                spec = [proposed[n] if n < len(proposed) else draft for n, draft in enumerate(spec)]
             if computed[req_id] + so.num_scheduled_tokens[req_id] - len(spec) < len(tokens):
                 sampled.append([])  # a chunk of a longer prefill samples nothing
                 continue
@@ -222,18 +274,22 @@ class FakeModel:
                 new = (new + 1) % self.vocab_size  # a rejected draft is replaced by another token
             out.append(new)
             tokens.extend(out)
+            rejected[req_id] = len(spec) - accepted
             sampled.append(out)
             if self.num_spec:
                 self.drafts[req_id] = [self.token(req_id, len(tokens) + i) for i in range(self.num_spec)]
+        self.prev_batch, self.rejected = set(req_ids), rejected
         return req_ids, sampled
 
 
 def run_sequence(model_dir: str) -> list[tuple[str, int, int]]:
-    """Send REQUESTS one at a time, each stepped to completion as EngineCore.step() does.
+    """Send REQUESTS one at a time, each stepped to completion as EngineCore's loop does.
     Returns the offload hits: (request id, local prefix-hit tokens, offloaded tokens to load)."""
     vllm_config = make_vllm_config(model_dir)
     kv_cache_config = make_kv_cache_config()
-    scheduler = Scheduler(
+    # the class EngineCore builds: the release's choice for the mode (AsyncScheduler when
+    # asynchronous, SchedulerConfig.get_scheduler_cls, config/scheduler.py 0.26.0:180-188)
+    scheduler = vllm_config.scheduler_config.get_scheduler_cls()(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
@@ -264,6 +320,75 @@ def run_sequence(model_dir: str) -> list[tuple[str, int, int]]:
     init_none_hash(hash_fn)
     block_hasher = get_request_block_hasher({hash_block_size}, hash_fn)
 
+    def schedule(i: int):
+        try:
+            return scheduler.schedule()  # <- the bug's AssertionError is raised in here
+        except AssertionError as exc:
+            exc.add_note(f"scheduling request {{i}} of {{len(REQUESTS)}} (req-{{i}})")
+            raise
+
+    def execute(so) -> tuple[ModelRunnerOutput, bool]:
+        """The worker side of one step, in the order the GPU model runner drives it, and the
+        model's output; whether a forward ran. It runs when the step is scheduled (a GPU queues
+        a step's kernels behind the previous step's, so reads and writes happen in this order)."""
+        transfers.begin_step()
+        worker_connector.handle_preemptions(so.kv_connector_metadata)
+        computed = model.update_states(so)
+        if ASYNC_SCHEDULING:
+            model.follow_async_scheduler(so, computed)
+        worker_connector.bind_connector_metadata(so.kv_connector_metadata)
+        worker_connector.start_load_kv(None)
+        executed = so.total_num_scheduled_tokens > 0
+        req_ids, sampled = model.forward(so, computed) if executed else ([], [])
+        if executed:
+            worker_connector.wait_for_save()
+        else:
+            model.idle()
+        finished_sending, finished_recving = worker_connector.get_finished(so.finished_req_ids)
+        kv_output = KVConnectorOutput(
+            finished_sending=finished_sending, finished_recving=finished_recving,
+            invalid_block_ids=worker_connector.get_block_ids_with_load_errors(),
+            kv_connector_worker_meta=worker_connector.build_connector_worker_meta())
+        worker_connector.clear_connector_metadata()
+        if executed:
+            output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={{r: n for n, r in enumerate(req_ids)}},
+                                       sampled_token_ids=sampled, kv_connector_output=kv_output)
+        else:
+            output = ModelRunnerOutput.with_kv_conn_output_only(kv_output)
+        return output, executed
+
+    def step(i: int) -> None:
+        """EngineCore.step then post_step (vllm/v1/engine/core.py 0.26.0:576-615): schedule,
+        execute, process the output, hand the drafts to the scheduler."""
+        so = schedule(i)
+        output, executed = execute(so)
+        scheduler.update_from_output(so, output)
+        if executed and model.drafts:
+            drafts, model.drafts = model.drafts, {{}}
+            scheduler.update_draft_token_ids(DraftTokenIds(list(drafts), list(drafts.values())))
+
+    # EngineCore keeps a batch queue when the release allows more than one batch in flight
+    # (VllmConfig.max_concurrent_batches: 2 with asynchronous scheduling, config/vllm.py 0.26.0:512-522)
+    batch_queue_size = vllm_config.max_concurrent_batches
+    batch_queue: deque | None = deque(maxlen=batch_queue_size) if batch_queue_size > 1 else None
+
+    def step_with_batch_queue(i: int) -> None:
+        """EngineCore.step_with_batch_queue's order (vllm/v1/engine/core.py 0.26.0:617-731): a new
+        step is scheduled and executed while the queue has room, before the output of the step in
+        flight is processed; only a full queue (or nothing more to schedule) processes the oldest.
+        post_step hands no drafts over: the runner keeps them (core.py 0.26.0:608-615)."""
+        if scheduler.has_requests():
+            so = schedule(i)
+            output, executed = execute(so)
+            batch_queue.appendleft((so, output))
+            if len(batch_queue) < batch_queue_size and (executed or scheduler.has_requests()):
+                return
+        elif not batch_queue:
+            return
+        so, output = batch_queue.pop()
+        scheduler.update_from_output(so, output)
+
+    step_fn = step if batch_queue is None else step_with_batch_queue
     for i, (max_tokens, prompt, *event) in enumerate(REQUESTS):
         scheduler.add_request(Request(
             request_id=f"req-{{i}}", prompt_token_ids=list(prompt),
@@ -272,38 +397,10 @@ def run_sequence(model_dir: str) -> list[tuple[str, int, int]]:
         if event == ["abort-queued"]:  # what the server does when the client's connection closes
             scheduler.finish_requests(f"req-{{i}}", RequestStatus.FINISHED_ABORTED)
         for _ in range(100_000):
-            if not scheduler.has_requests():
+            # EngineCore's loop: step while the scheduler has requests or a batch is in flight
+            if not (scheduler.has_requests() or batch_queue):
                 break
-            try:
-                so = scheduler.schedule()  # <- the bug's AssertionError is raised in here
-            except AssertionError as exc:
-                exc.add_note(f"scheduling request {{i}} of {{len(REQUESTS)}} (req-{{i}})")
-                raise
-            # the worker side, in the order the GPU model runner drives it
-            transfers.begin_step()
-            worker_connector.handle_preemptions(so.kv_connector_metadata)
-            computed = model.update_states(so)
-            worker_connector.bind_connector_metadata(so.kv_connector_metadata)
-            worker_connector.start_load_kv(None)
-            executed = so.total_num_scheduled_tokens > 0
-            req_ids, sampled = model.forward(so, computed) if executed else ([], [])
-            if executed:
-                worker_connector.wait_for_save()
-            finished_sending, finished_recving = worker_connector.get_finished(so.finished_req_ids)
-            kv_output = KVConnectorOutput(
-                finished_sending=finished_sending, finished_recving=finished_recving,
-                invalid_block_ids=worker_connector.get_block_ids_with_load_errors(),
-                kv_connector_worker_meta=worker_connector.build_connector_worker_meta())
-            worker_connector.clear_connector_metadata()
-            if executed:
-                output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={{r: n for n, r in enumerate(req_ids)}},
-                                           sampled_token_ids=sampled, kv_connector_output=kv_output)
-            else:
-                output = ModelRunnerOutput.with_kv_conn_output_only(kv_output)
-            scheduler.update_from_output(so, output)
-            if executed and model.drafts:
-                drafts, model.drafts = model.drafts, {{}}
-                scheduler.update_draft_token_ids(DraftTokenIds(list(drafts), list(drafts.values())))
+            step_fn(i)
         else:
             raise RuntimeError(f"request {{i}} did not finish within 100000 steps")
     return hits
@@ -331,6 +428,8 @@ on a hybrid model (Gated-DeltaNet Mamba groups + a full-attention group, Mamba c
 ({tokens} prompt tokens), sent one at a time, each run to completion before the next; kvrepro
 minimized it from a load run in which the engine served every request, but a forward read KV
 that its request's context does not have ({source}).
+
+{mode_doc}
 
 It drives vLLM's Scheduler, KV-cache manager and OffloadingConnector (scheduler side with the
 real CPU offloading manager, and worker side) directly. Faked: the model (sampled and draft
@@ -365,6 +464,7 @@ _STDLIB_IMPORTS = """import json
 import random
 import tempfile
 import zlib
+from collections import deque
 from pathlib import Path
 """
 
@@ -410,14 +510,18 @@ _CORRUPT_EDITS = [
             if seq_end < len(tokens):
                 sampled.append([])"""),
     ("""            tokens.extend(out)
-            sampled.append(out)""", """            tokens.extend(out)
+            rejected[req_id]""", """            tokens.extend(out)
             self.shadow.sampled(req_id, out, seq_end)
-            sampled.append(out)"""),
+            rejected[req_id]"""),
+    ("""                if tokens != self.tokens[req_id]:
+                    self.tokens[req_id] = tokens""", """                if tokens != self.tokens[req_id]:
+                    self.tokens[req_id] = tokens
+                    self.shadow.resync(req_id, tokens)"""),
     ("""def run_sequence(model_dir: str) -> list[tuple[str, int, int]]:
-    \"\"\"Send REQUESTS one at a time, each stepped to completion as EngineCore.step() does.
+    \"\"\"Send REQUESTS one at a time, each stepped to completion as EngineCore's loop does.
     Returns the offload hits: (request id, local prefix-hit tokens, offloaded tokens to load).\"\"\"""",
      """def run_sequence(model_dir: str) -> tuple[list[tuple[str, int, int]], ShadowKV]:
-    \"\"\"Send REQUESTS one at a time, each stepped to completion as EngineCore.step() does.
+    \"\"\"Send REQUESTS one at a time, each stepped to completion as EngineCore's loop does.
     Returns the offload hits (request id, local prefix-hit tokens, offloaded tokens to load) and
     the shadow KV, which has checked every forward.\"\"\""""),
     ("""    transfers = InstantOffloadingWorker()
@@ -610,7 +714,6 @@ _BASE_IMPORTS = [
     "vllm.utils.hashing.get_hash_fn_by_name",
     "vllm.v1.core.kv_cache_utils.get_request_block_hasher",
     "vllm.v1.core.kv_cache_utils.init_none_hash",
-    "vllm.v1.core.sched.scheduler.Scheduler",
     "vllm.v1.kv_cache_interface.KVCacheConfig",
     "vllm.v1.kv_cache_interface.KVCacheGroupSpec",
     "vllm.v1.kv_cache_interface.KVCacheTensor",
@@ -788,6 +891,7 @@ def render(trace: Trace, loaded: LoadedMatrix, engine: EngineInfo, name: str,
         enable_chunked_prefill=engine.enable_chunked_prefill,
         long_prefill_token_threshold=engine.long_prefill_token_threshold,
         async_scheduling=engine.async_scheduling, disable_hybrid=engine.disable_hybrid_kv_cache_manager,
+        mode_doc=_mode_doc(engine.async_scheduling, engine.vllm or matrix.base),
         speculative_config=("None" if not spec else
                             f"SpeculativeConfig(method={spec.method!r}, num_speculative_tokens="
                             f"{spec.num_speculative_tokens}, target_model_config=model_config,\n"
@@ -805,6 +909,22 @@ def render(trace: Trace, loaded: LoadedMatrix, engine: EngineInfo, name: str,
         text = text.replace(_OFFLOAD_HIT_SITUATION, _QUEUED_ABORT_SITUATION if queued else _OTHER_SITUATION, 1)
         text = text.replace(_OFFLOAD_HIT_REACH_DOC, "\nfix the sequence runs through, and that is the pass.", 1)
     return text
+
+
+def _mode_doc(async_scheduling: bool, vllm: str) -> str:
+    """The test docstring's paragraph on the engine mode it steps the scheduler in (the run's)."""
+    if async_scheduling:
+        text = (f"Engine mode: asynchronous scheduling, as the run had it (vLLM's default on a GPU for this "
+                f"engine). The scheduler is the class vLLM {vllm} picks for it (AsyncScheduler), stepped in "
+                "EngineCore.step_with_batch_queue's order: each step is scheduled and executed before the "
+                "previous step's output is processed (a batch queue of max_concurrent_batches); the fake "
+                "runner fills the -1 draft placeholders with its own drafts and lowers the computed count "
+                "by the drafts the previous step rejected, as vLLM's GPU model runner does.")
+    else:
+        text = ("Engine mode: synchronous scheduling, as the run had it (async_scheduling off). The "
+                "scheduler is stepped as EngineCore.step does: schedule, execute, process the output, "
+                "then hand the drafts to the scheduler.")
+    return _wrap(text, 96, "").strip()
 
 
 _OFFLOAD_HIT_SITUATION = "A KV-offloading request whose offload hit sits behind a partial local (GPU prefix-cache) hit,"
