@@ -2,6 +2,9 @@
 
 Public API:
 
+* :func:`parse_log` / :class:`ParsedLog` (:class:`LogParser`, :class:`LogTail` for a growing
+  file) -- a log parsed once into one report (classification, exposure, engine counters, KV
+  capacity and geometry lines) that every consumer reads (kvrepro/classify/report.py).
 * :func:`classify_log` / :func:`classify_file` -- find the traceback that killed the engine and
   reduce it to a :class:`~kvrepro.records.Signature` and a one-line title, and say whether it is
   the matrix's target crash, another crash, an infrastructure failure or no crash at all
@@ -33,8 +36,12 @@ from .exposure import read_exposure
 from ..errors import BadInputError
 from .logfile import open_log
 from .patterns import Pattern, known_patterns, match_pattern
+from .report import LogParser, LogTail, ParsedLog, parse_log
 
 __all__ = [
+    "LogParser",
+    "LogTail",
+    "ParsedLog",
     "Pattern",
     "classify_file",
     "classify_log",
@@ -42,6 +49,7 @@ __all__ = [
     "is_target_crash",
     "known_patterns",
     "match_pattern",
+    "parse_log",
     "read_engine_counters",
     "read_exposure",
 ]

@@ -24,8 +24,8 @@ import requests
 from .. import __version__, stopping
 from ..results import store as results
 from ..report.expectations import enough_runs
+from ..classify import LogParser, LogTail
 from ..classify.judge import judge
-from ..classify.report import LogParser, LogTail
 from ..classify.settle import settled
 from ..deploy import engine_api_key as target_api_key
 from ..deploy import get_target
