@@ -203,10 +203,12 @@ def test_no_docker_branch_outside_the_docker_target(tmp_path):
 
 
 # issue 49: what a log means is decided in one place. The target-crash rule is
-# kvrepro.classify.is_target_crash; a known crash pattern's own match (classify/patterns.py) is the
-# only other comparison of two exceptions. The `kvrepro-sim: geometry` line has one parser
+# kvrepro.classify.is_target_crash; a known crash pattern's own match (classify/patterns.py, and
+# triage's fit of partial evidence to a pattern) are the only other comparisons of two exceptions. The `kvrepro-sim: geometry` line has one parser
 # (spec/geometry.py) beside its one writer (engine/executor.py).
-_TARGET_RULE_OWNERS = {("kvrepro/classify/classifier.py", "is_target_crash"), ("kvrepro/classify/patterns.py", "match")}
+_TARGET_RULE_OWNERS = {("kvrepro/classify/classifier.py", "is_target_crash"), ("kvrepro/classify/patterns.py", "match"),
+                       # triage's fit of partial evidence (no whole traceback) to a known pattern
+                       ("kvrepro/triage/failure.py", "match_partial")}
 _GEOMETRY_OWNERS = {"kvrepro/spec/geometry.py", "kvrepro/engine/executor.py"}
 
 
