@@ -633,3 +633,20 @@ def test_a_cut_statement_matches_a_pattern_naming_its_printed_line():
     message = "num_external_tokens=64512 not aligned to group 0 block_size=12288"  # the log's exception line
     assert match_pattern(result.signature, message).name == "simple_offload_group_alignment"
     assert result.title == "AssertionError in update_state_after_alloc: num_external_tokens % g_block_size == 0"
+
+
+def test_a_process_counts_line_without_its_stream_prefix_is_still_that_process():
+    """vLLM's stream decoration sometimes writes a process's line without its "(EngineCore pid=N)"
+    prefix (measured on a default-matrix D run: the last shadow counts line bare, its violations read
+    twice, 702 for the engine's 362). A counts line names its pid: one process, counted once."""
+    log = "\n".join([
+        "(EngineCore pid=41) INFO 12-04 21:31:55 [executor.py:810] kvrepro-shadow: counts checks=3000 "
+        "violations=300 by=full_attention/stale/hit:300 hits=- stored=- pid=41",
+        "kvrepro-shadow: counts checks=3714 violations=362 by=full_attention/stale/hit:362 hits=- stored=- pid=41",
+        "kvrepro-probe: counts external_hit_calls=5 trigger_calls=2 state_calls=0 state_groups=- pid=41",
+        "(EngineCore pid=41) kvrepro-probe: counts external_hit_calls=4 trigger_calls=2 state_calls=0 "
+        "state_groups=- pid=41",
+    ])
+    exposure = read_exposure(log)
+    assert (exposure.kv_checks, exposure.kv_violations) == (3714, 362)
+    assert exposure.external_hit_calls == 4  # the process's last line, not the two added

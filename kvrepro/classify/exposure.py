@@ -62,7 +62,7 @@ _COUNTS = re.compile(r"kvrepro-probe: counts external_hit_calls=(?P<ext>\d+) tri
 _NAMED_COUNT = re.compile(r" (?P<name>[a-z_]+)=(?P<n>\d+)\b")
 _SHADOW_TAG = "kvrepro-shadow:"
 _SHADOW_COUNTS = re.compile(r"kvrepro-shadow: counts checks=(?P<checks>\d+) violations=(?P<violations>\d+)\b"
-                            r"(?: by=(?P<by>\S+))?(?: hits=(?P<hits>\S+))?(?: stored=(?P<stored>\S+))?")
+                            r"(?: by=(?P<by>\S+))?(?: hits=(?P<hits>\S+))?(?: stored=(?P<stored>\S+))?(?: pid=(?P<pid>\d+))?")
 _SHADOW_INSTALLED = re.compile(r"kvrepro-shadow: installed groups=(?P<groups>\S*)")
 # the request a described violation is about, when the load named it (kvrepro.loadgen.request_id)
 _VIOLATION_REQUEST = re.compile(r"\brequest (?:chat)?cmpl-" + re.escape(REQUEST_ID_PREFIX) + r"(?P<index>\d+)-")
@@ -87,6 +87,14 @@ class _ProbeCounts(NamedTuple):
     state_calls: int
     state_groups: dict[str, int]
     named: dict[str, int]  # PROBE_COUNTERS the line printed
+
+
+def _process(stream: str, pid) -> tuple[str, str]:
+    """Which process a counts line is the last word of: its pid where the line names one (vLLM's
+    stream decoration sometimes leaves a process's line without its "(EngineCore pid=N)" prefix:
+    keyed by prefix, one engine's counts were added twice, 702 shadow violations read for 362),
+    else its stream (an older probe's line)."""
+    return ("", str(pid)) if pid not in (None, "") else (stream, "")
 
 
 class _ShadowCounts(NamedTuple):
@@ -118,7 +126,7 @@ class ExposureReader:
         self.sha: str | None = None
         self.seen = self.shadow_seen = False
         self.last: dict[tuple[str, str], _ProbeCounts] = {}  # (stream, pid) -> that process's last counts
-        self.shadow: dict[str, _ShadowCounts] = {}  # stream -> its last counts
+        self.shadow: dict[tuple[str, str], _ShadowCounts] = {}  # process -> its last counts
         self.first_violation: str | None = None
         self.first_class: str | None = None
         self.first_request: dict[str, int] = {}  # violation class -> the first request (1-based) it was described for
@@ -135,7 +143,7 @@ class ExposureReader:
             return
         line = split_line(number, raw)
         if (m := _INVARIANTS.search(line.body)) is not None:
-            self.invariants[(line.stream, m["pid"] or "")] = (int(m["checks"]), _groups(m["broken"]))
+            self.invariants[_process(line.stream, m["pid"])] = (int(m["checks"]), _groups(m["broken"]))
             return
         if (m := _STALL_STATE.search(line.body)) is not None:
             self.stall = (m["where"], (m["text"] or "").strip())
@@ -149,19 +157,19 @@ class ExposureReader:
             if m["kind"] == "load" and m["policy"] == "fail" and m["request"]:
                 self.failed_on_purpose.add((line.stream, m["request"]))
         elif (m := _FAULT_COUNTS.search(line.body)) is not None:
-            self.fault_counts[(line.stream, m["pid"] or "")] = (
+            self.fault_counts[_process(line.stream, m["pid"])] = (
                 int(m["load"]), int(m["store"]), int(m["failed"]) if m["policy"] == "fail" else 0)
         elif (m := _INSTALLED.search(line.body)) is not None:
             self.seen = True
             self.sha = m["sha"]
         elif (m := _COUNTS.search(line.body)) is not None:
             named = {c["name"]: int(c["n"]) for c in _NAMED_COUNT.finditer(line.body, m.end())}
-            self.last[(line.stream, str(named.pop("pid", "")))] = _ProbeCounts(
+            self.last[_process(line.stream, named.pop("pid", None))] = _ProbeCounts(
                 external_hit_calls=int(m["ext"]), trigger_calls=int(m["trig"]), state_calls=int(m["state"] or 0),
                 state_groups=_groups(m["groups"]), named={k: v for k, v in named.items() if k in PROBE_COUNTERS})
         elif (m := _SHADOW_COUNTS.search(line.body)) is not None:
             self.shadow_seen = True
-            self.shadow[line.stream] = _ShadowCounts(checks=int(m["checks"]), violations=int(m["violations"]),
+            self.shadow[_process(line.stream, m["pid"])] = _ShadowCounts(checks=int(m["checks"]), violations=int(m["violations"]),
                                                      violations_by=_groups(m["by"]), hit_reads=_groups(m["hits"]),
                                                      stored=_groups(m["stored"]))
         elif (m := _SHADOW_VIOLATION.search(line.body)) is not None:

@@ -8,7 +8,7 @@ that each scheduled request's context is really there. A violation is logged on 
 
     kvrepro-shadow: installed groups=0:full_attention/16,1:mamba/16
     kvrepro-shadow: violation step=<S> class=<class> <what, in words>
-    kvrepro-shadow: counts checks=<N> violations=<M> by=<class>:<n>,... hits=<kind>:<n>,... stored=<kind>:<n>,...
+    kvrepro-shadow: counts checks=<N> violations=<M> by=<class>:<n>,... hits=<kind>:<n>,... stored=<kind>:<n>,... pid=<P>
 
 ``hits`` and ``stored`` say which paths ran, whatever was found there (what a known-defect entry
 needs before it may call a build clean): ``hits`` counts requests that resumed from a prefix hit,
@@ -240,8 +240,10 @@ class ShadowKV:
         if not force and (snapshot == self._last_reported or time.monotonic() - self._last_report_time < REPORT_INTERVAL_S):
             return
         self._last_reported, self._last_report_time = snapshot, time.monotonic()
+        # pid: the reader keys each process's last line by it (a line vLLM's stream decoration left
+        # without its "(EngineCore pid=N)" prefix is still that process's, not a second one)
         self._write(f"counts checks={snapshot[0]} violations={snapshot[1]} by={snapshot[2]} hits={snapshot[3]} "
-                    f"stored={snapshot[4]}")
+                    f"stored={snapshot[4]} pid={os.getpid()}")
 
     def _violation(self, key: tuple, text: str, read: str, in_hit: bool, block: int | None = None) -> None:
         """Count (once per request, group and block index) and describe one wrong read.
