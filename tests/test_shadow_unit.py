@@ -9,6 +9,8 @@ engine reaches only by chance; tests/test_shadow_kv.py runs the same code inside
 
 from __future__ import annotations
 
+import os
+
 import io
 from types import SimpleNamespace as NS
 
@@ -195,7 +197,7 @@ def test_the_paths_that_ran_are_counted_whatever_was_found_there():
     kv.report(force=True)
     last = [line for line in out.getvalue().splitlines() if " counts " in line][-1]
     assert last.endswith("hits=full_attention:3,full_attention+offload:1,mamba:3,mamba+offload:1 "
-                         "stored=full_attention:2,mamba:1")
+                         f"stored=full_attention:2,mamba:1 pid={os.getpid()}")
     exposure = read_exposure(last + "\n")
     assert exposure.kv_hit_reads == {"full_attention": 3, "mamba": 3, "full_attention+offload": 1, "mamba+offload": 1}
     assert exposure.kv_stored == {"full_attention": 2, "mamba": 1}
