@@ -297,13 +297,17 @@ class Classification:
     outcome: Outcome
     title: str
     signature: Signature | None = None
+    # `vllm serve` refused its arguments (argparse): its message; the run tested nothing (INFRA),
+    # and the suite reads an option the release lacks from here (NOT TESTABLE)
+    refused_arguments: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data = {
             "outcome": self.outcome.value,
             "title": self.title,
             "signature": dataclasses.asdict(self.signature) if self.signature else None,
         }
+        return {**data, "refused_arguments": self.refused_arguments} if self.refused_arguments else data
 
 
 @dataclass(frozen=True)
@@ -625,6 +629,9 @@ class RunResult:
     # `ray` target, ray.nodes_per_engine > 1: every node of the run's placement group, bundle
     # order (bundle 0 first: the node the engine's task ran on, the same as ``node``)
     placement_nodes: tuple[NodeInfo, ...] = ()
+    # the engine's `vllm serve` refused its arguments (Classification.refused_arguments): the
+    # suite's NOT TESTABLE (the release lacks an entry's engine option); None otherwise
+    refused_arguments: str | None = None
     schema: int = RESULTS_SCHEMA
 
     @property
@@ -652,6 +659,7 @@ class RunResult:
                                   if f.name in own}
         fields.update(
             verdict=judgement.verdict, outcome=judgement.classification.outcome, title=judgement.title,
+            refused_arguments=judgement.classification.refused_arguments,
             signature=judgement.classification.signature, trigger_count=exposure.trigger_calls,
             state_count=exposure.state_calls, kv_check=exposure.kv_check, kv_defects=dict(judgement.defects),
             offload_load_jobs=counters.offload_load_jobs, offload_store_jobs=counters.offload_store_jobs,

@@ -200,3 +200,73 @@ def test_no_docker_branch_outside_the_docker_target(tmp_path):
     assert _docker_branches(copy) == [f"kvrepro/deploy/ray/node.py:{lines + 4}",
                                       f"kvrepro/matrix/runner.py:{runner_lines - 2}",
                                       f"kvrepro/matrix/runner.py:{runner_lines}"]
+
+
+# issue 49: what a log means is decided in one place. The target-crash rule is
+# kvrepro.classify.is_target_crash; a known crash pattern's own match (classify/patterns.py, and
+# triage's fit of partial evidence to a pattern) are the only other comparisons of two exceptions. The `kvrepro-sim: geometry` line has one parser
+# (spec/geometry.py) beside its one writer (engine/executor.py).
+_TARGET_RULE_OWNERS = {("kvrepro/classify/classifier.py", "is_target_crash"), ("kvrepro/classify/patterns.py", "match"),
+                       # triage's fit of partial evidence (no whole traceback) to a known pattern
+                       ("kvrepro/triage/failure.py", "match_partial")}
+_GEOMETRY_OWNERS = {"kvrepro/spec/geometry.py", "kvrepro/engine/executor.py"}
+
+
+def _second_log_rules(package) -> list[str]:
+    """Where ``package`` (a folder holding kvrepro/) decides "is this the target crash" outside its
+    one function (an ``==``/``!=`` with an ``.exception`` on both sides), or parses the geometry
+    line outside its one parser (a string, not a docstring, holding ``kvrepro-sim: geometry``)."""
+    import ast
+
+    found = []
+    for path in sorted((package / "kvrepro").rglob("*.py")):
+        if "data" in path.relative_to(package).parts:
+            continue
+        name = path.relative_to(package).as_posix()
+        tree = ast.parse(path.read_text(), str(path))
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)
+                      and isinstance(node.body[0].value, ast.Constant)}
+        # the innermost function around each line
+        spans = sorted(((n.lineno, n.end_lineno, n.name) for n in ast.walk(tree)
+                        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), key=lambda s: s[1] - s[0])
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops):
+                sides = [node.left, *node.comparators]
+                with_exception = [any(isinstance(x, ast.Attribute) and x.attr == "exception" for x in ast.walk(side))
+                                  for side in sides]
+                function = next((f for lo, hi, f in spans if lo <= node.lineno <= hi), "")
+                if sum(with_exception) >= 2 and (name, function) not in _TARGET_RULE_OWNERS:
+                    found.append(f"{name}:{node.lineno}: target-crash rule in {function or 'module'}")
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+                    and "kvrepro-sim: geometry" in node.value and name not in _GEOMETRY_OWNERS):
+                found.append(f"{name}:{node.lineno}: geometry line parsed")
+    return found
+
+
+def test_one_target_crash_rule_and_one_geometry_parser(tmp_path):
+    """The checks find a second rule and a second parser planted in a copy (they can fail)."""
+    assert _second_log_rules(ROOT) == []
+    plant = tmp_path / "repo" / "kvrepro" / "minimize"
+    plant.mkdir(parents=True)
+    (plant / "planted.py").write_text(
+        '"""kvrepro-sim: geometry in a docstring is words, not a parse."""\nimport re\n\n\n'
+        "def minimizable(s, target):\n    return s.exception == target.exception.rsplit('.', 1)[-1]\n\n\n"
+        "_GEOMETRY = re.compile(r'kvrepro-sim: geometry .*?block_size=(\\d+)')\n\n\n"
+        "def match(sig, pattern):  # the name of patterns.py's owner, in another file\n"
+        "    return sig.exception != pattern.exception\n")
+    assert _second_log_rules(tmp_path / "repo") == [
+        "kvrepro/minimize/planted.py:6: target-crash rule in minimizable",
+        "kvrepro/minimize/planted.py:9: geometry line parsed",
+        "kvrepro/minimize/planted.py:13: target-crash rule in match",
+    ]
+
+
+def test_the_runner_reads_its_engine_log_through_the_one_parser():
+    """matrix/runner.py takes what a log says from classify.report's ParsedLog: it neither reads
+    the log's text nor calls a reader of its own (classify_log, read_exposure, ...)."""
+    text = (ROOT / "kvrepro" / "matrix" / "runner.py").read_text()
+    for second in ("read_text(", "classify_log", "classify_lines", "read_exposure", "read_engine_counters",
+                   "LogFollower"):
+        assert second not in text, second

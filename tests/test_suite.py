@@ -222,10 +222,14 @@ def test_rows():
     row = judge(crash, "0.26.0", "0.26.0", (), [_run(Verdict.INFRA, title="engine did not start")])
     assert (row.state, row.matches) == ("INFRA", None)
     refused = _run(Verdict.INFRA, title="engine exited with code 2 before it became healthy: argument error: "
-                   "argument --mamba-cache-mode: invalid choice: 'all' (choose from 'align', 'none')")
+                   "argument --mamba-cache-mode: invalid choice: 'all' (choose from 'align', 'none')",
+                   refused_arguments="argument --mamba-cache-mode: invalid choice: 'all' (choose from 'align', 'none')")
     row = judge(crash, "0.32.0", "0.32.0", (), [refused])
     assert (row.state, row.matches) == ("NOT TESTABLE", None)
     assert row.detail.startswith("this release's vllm serve refuses the entry's engine: argument --mamba-cache-mode")
+    # the typed field decides, not the words: a title that merely quotes "argument error: " is INFRA
+    worded = _run(Verdict.INFRA, title="engine exited with code 2: argument error: unrecognized arguments")
+    assert judge(crash, "0.32.0", "0.32.0", (), [worded]).state == "INFRA"
     null = entry("mamba-null-state")
     row = judge(null, "0.26.0", "0.26.0", (), [hit])  # crashed, but the corruption came first
     assert row.state == "ABSENT" or row.state == "OTHER"

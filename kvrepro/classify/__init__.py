@@ -2,10 +2,15 @@
 
 Public API:
 
+* :func:`parse_log` / :class:`ParsedLog` (:class:`LogParser`, :class:`LogTail` for a growing
+  file) -- a log parsed once into one report (classification, exposure, engine counters, KV
+  capacity and geometry lines) that every consumer reads (kvrepro/classify/report.py).
 * :func:`classify_log` / :func:`classify_file` -- find the traceback that killed the engine and
   reduce it to a :class:`~kvrepro.records.Signature` and a one-line title, and say whether it is
   the matrix's target crash, another crash, an infrastructure failure or no crash at all
   (:class:`~kvrepro.records.Outcome`).
+* :func:`is_target_crash` -- the one rule for "is this signature the matrix's target crash"
+  (the classifier, the minimizer and the emitted test's check all ask it).
 * :func:`read_exposure` -- the probe's counts of how often the crash's precondition occurred.
 * :func:`read_engine_counters` -- the GPU-free engine's own totals (steps, offload jobs).
 * :func:`known_patterns` / :func:`match_pattern` / :class:`Pattern` -- the table of known
@@ -25,20 +30,26 @@ from pathlib import Path
 
 from ..records import Classification
 from ..spec.matrix import TargetSignature
-from .classifier import classify_lines, excerpt, fatal_traceback
+from .classifier import classify_lines, excerpt, fatal_traceback, is_target_crash
 from .engine_counters import read_engine_counters
 from .exposure import read_exposure
 from ..errors import BadInputError
 from .logfile import open_log
 from .patterns import Pattern, known_patterns, match_pattern
+from .report import LogParser, LogTail, ParsedLog, parse_log
 
 __all__ = [
+    "LogParser",
+    "LogTail",
+    "ParsedLog",
     "Pattern",
     "classify_file",
     "classify_log",
     "crash_excerpt",
+    "is_target_crash",
     "known_patterns",
     "match_pattern",
+    "parse_log",
     "read_engine_counters",
     "read_exposure",
 ]

@@ -130,9 +130,9 @@ class _Evidence:
         return self.followup.get(id(tb), tb)
 
 
-# The title of an engine whose `vllm serve` refused its arguments (argparse, exit code 2): the
-# suite reads a release that lacks an entry's engine option (NOT TESTABLE) from it, wherever the
-# runner's wording puts it in a run's title ("engine exited with code 2 ...: argument error: ...").
+# The title of an engine whose `vllm serve` refused its arguments (argparse, exit code 2); the
+# fact itself is Classification.refused_arguments (the suite reads a release that lacks an entry's
+# engine option, NOT TESTABLE, from the run's field, never from its title).
 ARGUMENT_ERROR_TITLE = "argument error: "
 
 
@@ -140,14 +140,19 @@ def _reports_death(tb: Traceback) -> bool:
     return any(seg.short_exception in DEATH_REPORTS for seg in tb.segments)
 
 
-def scan(lines: Iterable[str] | str) -> _Evidence:
-    evidence = _Evidence()
-    scanner = TracebackScanner(evidence.add)
-    raw_iter = io.StringIO(lines, newline="\n") if isinstance(lines, str) else lines
-    keywords = _KEYWORDS + infra_keywords()
-    for number, raw in enumerate(raw_iter, start=1):
-        if not scanner.busy and not any(k in raw for k in keywords):
-            continue
+class Scan:
+    """The classifier's pass over a log, one line at a time (:class:`kvrepro.classify.report.LogParser`
+    feeds it beside the other readers, so that the log is read once); :meth:`close` gives the evidence."""
+
+    def __init__(self) -> None:
+        self.evidence = _Evidence()
+        self._scanner = TracebackScanner(self.evidence.add)
+        self._keywords = _KEYWORDS + infra_keywords()
+
+    def feed(self, number: int, raw: str) -> None:
+        scanner, evidence = self._scanner, self.evidence
+        if not scanner.busy and not any(k in raw for k in self._keywords):
+            return
         line = split_line(number, raw)
         scanner.feed(line)
         body = line.body
@@ -165,8 +170,18 @@ def scan(lines: Iterable[str] | str) -> _Evidence:
                 evidence.last_error_line = body.strip()
             elif evidence.arg_error is None and line.header is None and (m := _ARG_ERROR.match(body)) is not None:
                 evidence.arg_error = (number, m["msg"])
-    scanner.close()
-    return evidence
+
+    def close(self) -> _Evidence:
+        self._scanner.close()
+        return self.evidence
+
+
+def scan(lines: Iterable[str] | str) -> _Evidence:
+    one = Scan()
+    raw_iter = io.StringIO(lines, newline="\n") if isinstance(lines, str) else lines
+    for number, raw in enumerate(raw_iter, start=1):
+        one.feed(number, raw)
+    return one.close()
 
 
 def classify_lines(lines: Iterable[str] | str, source_root: Path | None = None,
@@ -178,8 +193,13 @@ def classify_with_traceback(lines: Iterable[str] | str, source_root: Path | None
                             target: TargetSignature | None = None) -> tuple[Classification, Traceback | None]:
     """:func:`classify_lines` and the traceback it rests on (None when none), in one pass: a caller
     streaming a gigabyte log (``kvrepro triage``) needs both, and cannot read the log twice."""
+    return classify_evidence(scan(lines), source_root, target)
+
+
+def classify_evidence(ev: _Evidence, source_root: Path | None = None,
+                      target: TargetSignature | None = None) -> tuple[Classification, Traceback | None]:
+    """The classification (and its traceback) from one pass's evidence (:class:`Scan`)."""
     target = target or TargetSignature()
-    ev = scan(lines)
     cls, tb = _decide(ev, source_root, target)
     if ev.infra is not None and (cls.outcome is not Outcome.NONE or ev.death_line is not None):
         number, cause, text = ev.infra
@@ -215,7 +235,9 @@ def _decide(ev: _Evidence, source_root: Path | None,
         title = f"{cls.signature.exception if cls.signature else 'crash'}: engine died, root cause not in the log"
         return Classification(cls.outcome, title, cls.signature), ev.consequence
     if ev.arg_error is not None:
-        return Classification(Outcome.INFRA, _clip(f"{ARGUMENT_ERROR_TITLE}{_scrub(ev.arg_error[1])}"), None), None
+        refused = _clip(_scrub(ev.arg_error[1]))
+        return Classification(Outcome.INFRA, _clip(f"{ARGUMENT_ERROR_TITLE}{refused}"), None,
+                              refused_arguments=refused), None
     if ev.startup_line is not None and ev.death_line is not None:
         return Classification(Outcome.OTHER_CRASH, _clip(
             f"crash of unknown cause: the engine served, then died with no root cause in the log "
@@ -268,14 +290,29 @@ def _crash(tb: Traceback, source_root: Path | None, target: TargetSignature, inf
     title = pattern.render_title(sig) if pattern else _generic_title(sig, message, segment.complete)
     if infra or exception in IMPORT_ERRORS:
         outcome = Outcome.INFRA
-    elif segment.complete and _is_target(sig, pattern, target):
+    elif segment.complete and is_target_crash(sig, target, pattern):
         outcome = Outcome.TARGET
     else:
         outcome = Outcome.OTHER_CRASH
     return Classification(outcome, _clip(title), sig)
 
 
-def _is_target(sig: Signature, pattern: Pattern | None, target: TargetSignature) -> bool:
+def is_target_crash(sig: Signature | None, target: TargetSignature | None = None, pattern: Pattern | None = None, *,
+                    statement_known: bool = True) -> bool:
+    """THE rule for "is this the target crash": every stage asks here (the classifier, the
+    minimizer's offline replays, the emitted test's check, the choice of a repetition to minimize).
+
+    The exception by its short name (``AssertionError`` for ``builtins.AssertionError``), the
+    function (a method qualified by its class matches its bare name), the file by its ending
+    (``./`` dropped) and, when the target names one, the statement compared in :func:`canonical`
+    form (layout, parentheses and renamed identifiers do not matter); a known pattern's full
+    statement stands for the one-line fragment a traceback shows. Without a wanted statement, a
+    pattern marked ``never_target`` is never the target. ``statement_known`` False: the caller has
+    no statement to compare (a pytest traceback's last line), so the statement is not asked.
+    """
+    if sig is None:
+        return False
+    target = target or TargetSignature()
     if sig.exception != target.exception.rsplit(".", 1)[-1]:
         return False
     if sig.function != target.function and not sig.function.endswith("." + target.function):
@@ -284,9 +321,11 @@ def _is_target(sig: Signature, pattern: Pattern | None, target: TargetSignature)
         return False
     wanted = target.expression
     if wanted:
+        if not statement_known:
+            return True
         # a one-line fragment stands for the whole statement its pattern knows
         full = pattern.expressions[0] if pattern and pattern.expressions else sig.expression
-        return canonical(wanted) in canonical(full)
+        return canonical(wanted) in canonical(full or "")
     return not (pattern is not None and pattern.never_target)
 
 

@@ -56,18 +56,17 @@ class LogVerdict:
 
 def classify_command(log: Path, source: Path | None, target: TargetSignature) -> LogVerdict:
     """``log`` judged against ``target`` (its arguments checked first: :func:`check_log_arguments`)."""
-    from . import classify_file
     from .corruption import defects_of
-    from .exposure import read_exposure
     from .logfile import open_log
+    from .report import parse_log
     from .verdict import corruption_title
 
     notices: list[str] = []
-    # both passes stream the log in lines of bounded length (kvrepro/classify/logfile.py): memory
-    # stays flat whatever the file holds; a binary or damaged compressed file is NotTextLog (exit 2)
-    result = classify_file(log, source, target, notices)
-    with open_log(log) as fh:
-        exposure = read_exposure(fh)
+    # one pass over the log, in lines of bounded length (kvrepro/classify/logfile.py): memory stays
+    # flat whatever the file holds; a binary or damaged compressed file is NotTextLog (exit 2)
+    with open_log(log, require_text=True, notices=notices) as fh:
+        parsed = parse_log(fh, source, target)
+    result, exposure = parsed.classification, parsed.exposure
     defects = defects_of(exposure.kv_violations, exposure.kv_violations_by, exposure.kv_first_violation_class,
                          exposure.kv_groups)
 

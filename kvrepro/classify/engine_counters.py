@@ -25,15 +25,29 @@ _COUNTS = re.compile(r"kvrepro-sim: counts steps=(?P<steps>\d+) offload_load_job
 
 
 def read_engine_counters(log_text: str) -> EngineCounters:
-    last: dict[tuple[str, str], tuple[int, int, int]] = {}
+    reader = CountersReader()
     for number, raw in enumerate(io.StringIO(log_text, newline="\n"), start=1):
+        reader.feed(number, raw)
+    return reader.counters()
+
+
+class CountersReader:
+    """:func:`read_engine_counters` one line at a time (kvrepro/classify/report.py feeds it)."""
+
+    def __init__(self) -> None:
+        self.last: dict[tuple[str, str], tuple[int, int, int]] = {}
+
+    def feed(self, number: int, raw: str) -> None:
         if _TAG not in raw:
-            continue
+            return
         line = split_line(number, raw)
         if (m := _COUNTS.search(line.body)) is not None:
-            last[(line.stream, m["pid"] or "")] = (int(m["steps"]), int(m["load"]), int(m["store"]))
-    if not last:
-        return EngineCounters()
-    return EngineCounters(steps=sum(v[0] for v in last.values()),
-                          offload_load_jobs=sum(v[1] for v in last.values()),
-                          offload_store_jobs=sum(v[2] for v in last.values()))
+            self.last[(line.stream, m["pid"] or "")] = (int(m["steps"]), int(m["load"]), int(m["store"]))
+
+    def counters(self) -> EngineCounters:
+        last = self.last
+        if not last:
+            return EngineCounters()
+        return EngineCounters(steps=sum(v[0] for v in last.values()),
+                              offload_load_jobs=sum(v[1] for v in last.values()),
+                              offload_store_jobs=sum(v[2] for v in last.values()))

@@ -102,96 +102,115 @@ class _ShadowCounts(NamedTuple):
 def read_exposure(log_text: str | Iterable[str], metrics_text: str | None = None) -> Exposure:
     """Exposure evidence from an engine log (its text, or its lines as a stream) and, optionally,
     a ``/metrics`` scrape."""
-    sha: str | None = None
-    seen = shadow_seen = False
-    last: dict[tuple[str, str], _ProbeCounts] = {}  # (stream, pid) -> that process's last counts
-    shadow: dict[str, _ShadowCounts] = {}  # stream -> its last counts
-    first_violation: str | None = None
-    first_class: str | None = None
-    first_request: dict[str, int] = {}  # violation class -> the first request (1-based) it was described for
-    kv_groups: tuple[str, ...] = ()
-    fault_lines: dict[str, set] = {"load": set(), "store": set()}  # (stream, job) per kind: each fault once
-    failed_on_purpose: set[tuple[str, str]] = set()  # (stream, request) a failed load ended under policy fail
-    fault_counts: dict[tuple[str, str], tuple[int, int, int]] = {}  # (stream, pid) -> last counts line
-    invariants: dict[tuple[str, str], tuple[int, dict[str, int]]] = {}  # (stream, pid) -> last line
-    first_broken: str | None = None
-    stall: tuple[str, str] | None = None  # the last stall-state line: (where, words)
+    reader = ExposureReader()
     lines = io.StringIO(log_text, newline="\n") if isinstance(log_text, str) else log_text
     for number, raw in enumerate(lines, start=1):
+        reader.feed(number, raw)
+    return reader.exposure(metrics_text)
+
+
+class ExposureReader:
+    """:func:`read_exposure` one line at a time: :class:`kvrepro.classify.report.LogParser` feeds it
+    beside the classifier, and asks :meth:`exposure` as often as it likes (the run's stop rule asks
+    while the log grows); what it keeps is bounded (last counts per process, first violation)."""
+
+    def __init__(self) -> None:
+        self.sha: str | None = None
+        self.seen = self.shadow_seen = False
+        self.last: dict[tuple[str, str], _ProbeCounts] = {}  # (stream, pid) -> that process's last counts
+        self.shadow: dict[str, _ShadowCounts] = {}  # stream -> its last counts
+        self.first_violation: str | None = None
+        self.first_class: str | None = None
+        self.first_request: dict[str, int] = {}  # violation class -> the first request (1-based) it was described for
+        self.kv_groups: tuple[str, ...] = ()
+        self.fault_lines: dict[str, set] = {"load": set(), "store": set()}  # (stream, job) per kind: each fault once
+        self.failed_on_purpose: set[tuple[str, str]] = set()  # (stream, request) a failed load ended under policy fail
+        self.fault_counts: dict[tuple[str, str], tuple[int, int, int]] = {}  # (stream, pid) -> last counts line
+        self.invariants: dict[tuple[str, str], tuple[int, dict[str, int]]] = {}  # (stream, pid) -> last line
+        self.first_broken: str | None = None
+        self.stall: tuple[str, str] | None = None  # the last stall-state line: (where, words)
+
+    def feed(self, number: int, raw: str) -> None:
         if _TAG not in raw and _SHADOW_TAG not in raw and _FAULT_TAG not in raw:
-            continue
+            return
         line = split_line(number, raw)
         if (m := _INVARIANTS.search(line.body)) is not None:
-            invariants[(line.stream, m["pid"] or "")] = (int(m["checks"]), _groups(m["broken"]))
-            continue
+            self.invariants[(line.stream, m["pid"] or "")] = (int(m["checks"]), _groups(m["broken"]))
+            return
         if (m := _STALL_STATE.search(line.body)) is not None:
-            stall = (m["where"], (m["text"] or "").strip())
-            continue
+            self.stall = (m["where"], (m["text"] or "").strip())
+            return
         if (m := _BROKEN.search(line.body)) is not None:
-            if first_broken is None:
-                first_broken = f"{m['name']}: {m['text']}"
-            continue
+            if self.first_broken is None:
+                self.first_broken = f"{m['name']}: {m['text']}"
+            return
         if (m := _FAULT_LINE.search(line.body)) is not None:
-            fault_lines[m["kind"]].add((line.stream, m["job"]))
+            self.fault_lines[m["kind"]].add((line.stream, m["job"]))
             if m["kind"] == "load" and m["policy"] == "fail" and m["request"]:
-                failed_on_purpose.add((line.stream, m["request"]))
+                self.failed_on_purpose.add((line.stream, m["request"]))
         elif (m := _FAULT_COUNTS.search(line.body)) is not None:
-            fault_counts[(line.stream, m["pid"] or "")] = (
+            self.fault_counts[(line.stream, m["pid"] or "")] = (
                 int(m["load"]), int(m["store"]), int(m["failed"]) if m["policy"] == "fail" else 0)
         elif (m := _INSTALLED.search(line.body)) is not None:
-            seen = True
-            sha = m["sha"]
+            self.seen = True
+            self.sha = m["sha"]
         elif (m := _COUNTS.search(line.body)) is not None:
             named = {c["name"]: int(c["n"]) for c in _NAMED_COUNT.finditer(line.body, m.end())}
-            last[(line.stream, str(named.pop("pid", "")))] = _ProbeCounts(
+            self.last[(line.stream, str(named.pop("pid", "")))] = _ProbeCounts(
                 external_hit_calls=int(m["ext"]), trigger_calls=int(m["trig"]), state_calls=int(m["state"] or 0),
                 state_groups=_groups(m["groups"]), named={k: v for k, v in named.items() if k in PROBE_COUNTERS})
         elif (m := _SHADOW_COUNTS.search(line.body)) is not None:
-            shadow_seen = True
-            shadow[line.stream] = _ShadowCounts(checks=int(m["checks"]), violations=int(m["violations"]),
-                                                violations_by=_groups(m["by"]), hit_reads=_groups(m["hits"]),
-                                                stored=_groups(m["stored"]))
+            self.shadow_seen = True
+            self.shadow[line.stream] = _ShadowCounts(checks=int(m["checks"]), violations=int(m["violations"]),
+                                                     violations_by=_groups(m["by"]), hit_reads=_groups(m["hits"]),
+                                                     stored=_groups(m["stored"]))
         elif (m := _SHADOW_VIOLATION.search(line.body)) is not None:
-            shadow_seen = True
-            if first_violation is None:
-                first_violation = (m["step"] or "") + m["text"]
-                first_class = m["cls"]
-            named = _VIOLATION_REQUEST.search(m["text"])
-            if named is not None and m["cls"]:  # request numbers count from 1, as `request N` elsewhere
-                number = int(named["index"]) + 1
-                first_request[m["cls"]] = min(first_request.get(m["cls"], number), number)
+            self.shadow_seen = True
+            if self.first_violation is None:
+                self.first_violation = (m["step"] or "") + m["text"]
+                self.first_class = m["cls"]
+            named_request = _VIOLATION_REQUEST.search(m["text"])
+            if named_request is not None and m["cls"]:  # request numbers count from 1, as `request N` elsewhere
+                index = int(named_request["index"]) + 1
+                self.first_request[m["cls"]] = min(self.first_request.get(m["cls"], index), index)
         elif (m := _SHADOW_INSTALLED.search(line.body)) is not None:
-            shadow_seen = True
-            kv_groups = tuple(item.split(":", 1)[-1].split("/", 1)[0] for item in m["groups"].split(",") if item)
-    probes = list(last.values())
-    external = sum(p.external_hit_calls for p in probes)
-    trigger = sum(p.trigger_calls for p in probes)
-    state_groups = _added_up(p.state_groups for p in probes)
-    if metrics_text:
-        m_ext, m_trig = _read_metrics(metrics_text)
-        external, trigger = max(external, m_ext), max(trigger, m_trig)
-    shadows = list(shadow.values())
-    violations = sum(s.violations for s in shadows)
-    if first_violation is not None:
-        violations = max(violations, 1)  # the counts line may be cut off after the violation line
-    return Exposure(trigger_calls=trigger, external_hit_calls=external, probe_source_sha256=sha, probe_seen=seen,
-                    state_calls=sum(p.state_calls for p in probes), state_groups=state_groups,
-                    kv_checks=sum(s.checks for s in shadows), kv_violations=violations,
-                    kv_violations_by=_added_up(s.violations_by for s in shadows),
-                    kv_first_violation=first_violation, kv_first_violation_class=first_class,
-                    kv_groups=kv_groups, shadow_seen=shadow_seen,
-                    kv_hit_reads=_added_up(s.hit_reads for s in shadows),
-                    kv_stored=_added_up(s.stored for s in shadows), kv_first_request_by_class=first_request,
-                    **{name: sum(p.named.get(name, 0) for p in probes) for name in PROBE_COUNTERS},
-                    # the counts line, or the fault lines when the log ends before one: the larger
-                    injected_load_faults=max(sum(c[0] for c in fault_counts.values()), len(fault_lines["load"])),
-                    injected_store_faults=max(sum(c[1] for c in fault_counts.values()), len(fault_lines["store"])),
-                    injected_failed_requests=max(sum(c[2] for c in fault_counts.values()), len(failed_on_purpose)),
-                    invariant_checks=sum(c for c, _ in invariants.values()),
-                    invariants_broken=_added_up(b for _, b in invariants.values()) or (
-                        {first_broken.split(":", 1)[0]: 1} if first_broken else {}),
-                    first_broken=first_broken, stall_where=stall[0] if stall else None,
-                    stall_state=stall[1][:600] if stall else None)
+            self.shadow_seen = True
+            self.kv_groups = tuple(item.split(":", 1)[-1].split("/", 1)[0] for item in m["groups"].split(",") if item)
+
+    def exposure(self, metrics_text: str | None = None) -> Exposure:
+        """What the lines fed so far say (and ``metrics_text``, a ``/metrics`` scrape, if given)."""
+        probes = list(self.last.values())
+        external = sum(p.external_hit_calls for p in probes)
+        trigger = sum(p.trigger_calls for p in probes)
+        state_groups = _added_up(p.state_groups for p in probes)
+        if metrics_text:
+            m_ext, m_trig = _read_metrics(metrics_text)
+            external, trigger = max(external, m_ext), max(trigger, m_trig)
+        shadows = list(self.shadow.values())
+        violations = sum(s.violations for s in shadows)
+        if self.first_violation is not None:
+            violations = max(violations, 1)  # the counts line may be cut off after the violation line
+        fault_counts, stall, first_broken = self.fault_counts, self.stall, self.first_broken
+        return Exposure(trigger_calls=trigger, external_hit_calls=external, probe_source_sha256=self.sha,
+                        probe_seen=self.seen, state_calls=sum(p.state_calls for p in probes), state_groups=state_groups,
+                        kv_checks=sum(s.checks for s in shadows), kv_violations=violations,
+                        kv_violations_by=_added_up(s.violations_by for s in shadows),
+                        kv_first_violation=self.first_violation, kv_first_violation_class=self.first_class,
+                        kv_groups=self.kv_groups, shadow_seen=self.shadow_seen,
+                        kv_hit_reads=_added_up(s.hit_reads for s in shadows),
+                        kv_stored=_added_up(s.stored for s in shadows), kv_first_request_by_class=dict(self.first_request),
+                        **{name: sum(p.named.get(name, 0) for p in probes) for name in PROBE_COUNTERS},
+                        # the counts line, or the fault lines when the log ends before one: the larger
+                        injected_load_faults=max(sum(c[0] for c in fault_counts.values()), len(self.fault_lines["load"])),
+                        injected_store_faults=max(sum(c[1] for c in fault_counts.values()),
+                                                  len(self.fault_lines["store"])),
+                        injected_failed_requests=max(sum(c[2] for c in fault_counts.values()),
+                                                     len(self.failed_on_purpose)),
+                        invariant_checks=sum(c for c, _ in self.invariants.values()),
+                        invariants_broken=_added_up(b for _, b in self.invariants.values()) or (
+                            {first_broken.split(":", 1)[0]: 1} if first_broken else {}),
+                        first_broken=first_broken, stall_where=stall[0] if stall else None,
+                        stall_state=stall[1][:600] if stall else None)
 
 
 def failed_loads(log_text: str) -> list[tuple[int | None, str | None]]:

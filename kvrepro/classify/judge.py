@@ -13,20 +13,20 @@ from pathlib import Path
 
 from ..records import Judgement, LoadSummary, Outcome, RunResult, Verdict
 from ..spec.matrix import TargetSignature
-from .classifier import classify_lines
 from .corruption import defects_of
-from .engine_counters import read_engine_counters
-from .exposure import read_exposure
 from .metrics import parse_prometheus, total
+from .report import ParsedLog, parse_log
 from .verdict import corruption_title, decide, died_without_traceback_title
 from .verdict import title as verdict_title
 
 
-def judge(log_text: str, source_root: Path | None = None, target: TargetSignature | None = None, *,
+def judge(log: ParsedLog | str, source_root: Path | None = None, target: TargetSignature | None = None, *,
           metrics_text: str | None = None, load: LoadSummary | None = None, engine_exit: int | None = None,
           expected_probe_sha256: str | None = None, other_engine: str | None = None,
           stall_timeout_s: float | None = None, judge_run: bool = True) -> Judgement:
-    """Judge one engine log.
+    """Judge one engine log: its :class:`~kvrepro.classify.report.ParsedLog` (the runner parsed it
+    once while the run went on), or its text (parsed here, once; ``source_root`` and ``target``
+    are then the classifier's).
 
     ``judge_run`` False: the log alone (no load, no exit code), as `kvrepro classify` reads a log;
     the verdict is then None and the title names the corruption when the shadow KV caught one, else
@@ -34,9 +34,9 @@ def judge(log_text: str, source_root: Path | None = None, target: TargetSignatur
     ``other_engine`` says why the engine that ran is not the one the matrix describes (its
     geometry; the run is INFRA with that title); ``stall_timeout_s`` names the limit a STALL hit.
     """
-    classification = classify_lines(log_text, source_root, target)
-    exposure = read_exposure(log_text, metrics_text)
-    counters = read_engine_counters(log_text)
+    parsed = parse_log(log, source_root, target) if isinstance(log, str) else log
+    classification, counters = parsed.classification, parsed.counters
+    exposure = parsed.exposure_with(metrics_text)
     defects = defects_of(exposure.kv_violations, exposure.kv_violations_by, exposure.kv_first_violation_class,
                          exposure.kv_groups)
     samples = parse_prometheus(metrics_text or "")
@@ -45,11 +45,12 @@ def judge(log_text: str, source_root: Path | None = None, target: TargetSignatur
     if not judge_run:
         title = corruption_title(defects, exposure.kv_first_violation) if defects else classification.title
         return Judgement(classification, exposure, counters, defects, None, title, **metrics)
-    verdict = decide(classification, exposure, load, engine_exit, expected_probe_sha256)
-    title = verdict_title(verdict, exposure, load, expected_probe_sha256, defects) or classification.title
-    if other_engine and verdict is not Verdict.INTERRUPTED:
-        verdict, title = Verdict.INFRA, other_engine
-    elif verdict is Verdict.CRASH and classification.outcome is Outcome.NONE:
+    verdict = decide(classification, exposure, load, engine_exit, expected_probe_sha256, other_engine)
+    if verdict is Verdict.INFRA and other_engine:
+        title = other_engine
+    else:
+        title = verdict_title(verdict, exposure, load, expected_probe_sha256, defects) or classification.title
+    if verdict is Verdict.CRASH and classification.outcome is Outcome.NONE:
         title = died_without_traceback_title(engine_exit)
     elif verdict is Verdict.STALL and stall_timeout_s is not None:
         title = f"no request finished for {stall_timeout_s:.0f}s (runs.stall_timeout_s)"

@@ -16,8 +16,9 @@ A build whose first state crashes (A) never reports more than one state from a l
 the crash question can never settle there. A stall has no count that settles it: a build whose
 question is a stall runs its whole load (the caller passes no rule).
 
-:class:`LogFollower` reads the engine's log while the load runs, keeping only the probe's and the
-shadow KV's lines, so that each look costs what was written since the last one.
+:class:`LogFollower` reads the engine's log while the load runs, so that each look costs what was
+written since the last one (the runner itself follows its run's log with the one parser of
+kvrepro/classify/report.py, which this wraps for a caller that only wants the exposure).
 """
 
 from __future__ import annotations
@@ -27,12 +28,10 @@ from pathlib import Path
 
 from ..records import Exposure, StopRule
 from .corruption import defects_of
-from .exposure import read_exposure
+from .report import LogParser, LogTail
 
 CONFIDENCE = 0.95
 RATE_BOUND = 0.10  # a crash (or corruption) rate per event that a settled run rules out
-_TAGS = ("kvrepro-probe:", "kvrepro-shadow:")
-_KEPT_VIOLATIONS = 200  # described violations kept while following: the first of each class is what counts
 _EXPOSURE_NAMES = {"trigger_count": "trigger_calls", "state_count": "state_calls"}
 
 
@@ -84,32 +83,11 @@ def settled(exposure: Exposure, rule: StopRule) -> str | None:
 
 
 class LogFollower:
-    """The probe's and shadow KV's lines of a growing engine log, read a piece at a time."""
+    """The exposure of a growing engine log, read a piece at a time (a :class:`~.report.LogTail`:
+    each look costs what was written since the last one)."""
 
     def __init__(self, path: Path):
-        self.path = Path(path)
-        self.offset = 0
-        self.partial = ""
-        self.kept: list[str] = []
-        self.violations = 0
+        self._tail = LogTail(path, LogParser())
 
     def exposure(self) -> Exposure:
-        try:
-            with open(self.path, "rb") as fh:
-                fh.seek(self.offset)
-                data = fh.read()
-        except OSError:
-            data = b""
-        self.offset += len(data)
-        text = self.partial + data.decode("utf-8", errors="replace")
-        lines = text.split("\n")
-        self.partial = lines.pop()  # an unfinished last line waits for its end
-        for line in lines:
-            if not any(tag in line for tag in _TAGS):
-                continue
-            if "kvrepro-shadow: violation" in line:
-                self.violations += 1
-                if self.violations > _KEPT_VIOLATIONS:
-                    continue
-            self.kept.append(line + "\n")
-        return read_exposure("".join(self.kept))
+        return self._tail.read().exposure()

@@ -49,12 +49,21 @@ def load_untested(load: LoadSummary, failed_on_purpose: int = 0) -> bool:
 
 
 def decide(classification: Classification, exposure: Exposure, load: LoadSummary | None,
-           engine_exit: int | None, expected_probe_sha256: str | None = None) -> Verdict:
-    """The run's verdict.
+           engine_exit: int | None, expected_probe_sha256: str | None = None,
+           other_engine: str | None = None) -> Verdict:
+    """The run's verdict: the one rule (kvrepro.classify.judge asks it for every run).
 
     ``engine_exit`` is the engine's exit code when it exited before we stopped it, else None;
-    ``expected_probe_sha256`` what the build's manifest says the probe must log (None: unknown).
+    ``expected_probe_sha256`` what the build's manifest says the probe must log (None: unknown);
+    ``other_engine`` why the engine that ran is not the one the matrix describes (its geometry):
+    INFRA, unless the run was interrupted.
     """
+    verdict = _observed(classification, exposure, load, engine_exit, expected_probe_sha256)
+    return Verdict.INFRA if other_engine and verdict is not Verdict.INTERRUPTED else verdict
+
+
+def _observed(classification: Classification, exposure: Exposure, load: LoadSummary | None,
+              engine_exit: int | None, expected_probe_sha256: str | None) -> Verdict:
     if wrong_code(exposure, expected_probe_sha256):
         return Verdict.INFRA
     if classification.outcome in (Outcome.TARGET, Outcome.OTHER_CRASH):

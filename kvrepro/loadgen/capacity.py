@@ -11,38 +11,69 @@ With data parallelism every rank logs its own pool; the load is sized for one ra
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 
+from ..spec.geometry import BuiltGeometry, parse_geometry_line
 from ..spec.matrix import LoadSpec
 from .profiles import DEFAULT_CAPACITY, EngineCapacity
 
 _GPU_TOKENS_RE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 _BLOCK_RE = re.compile(r"\bblock size (\d+)")
-_GEOMETRY_RE = re.compile(r"kvrepro-sim: geometry .*?\bblock_size=(\d+) offload_chunk_tokens=(\d+|-)")
+_MAX_GEOMETRIES = 256
 
 
-def engine_capacity(load: LoadSpec, log_text: str = "", block_size: int | None = None,
+@dataclass
+class LoggedCapacity:
+    """What an engine's log says about its KV capacity, fed one line at a time (the run's one
+    pass over the log, kvrepro/classify/report.py, feeds it); the last line of each kind wins."""
+
+    gpu_tokens: int | None = None  # vLLM's ``GPU KV cache size: N tokens``
+    block_tokens: int | None = None  # any ``block size N``
+    # the GPU-free engine's geometry lines (what vLLM really built), one per rank, in order
+    geometries: list[BuiltGeometry] = field(default_factory=list)
+
+    @property
+    def built(self) -> BuiltGeometry | None:
+        return self.geometries[-1] if self.geometries else None
+
+    def feed(self, raw: str) -> None:
+        if "KV cache size: " in raw and (found := _GPU_TOKENS_RE.findall(raw)):
+            self.gpu_tokens = int(found[-1].replace(",", ""))
+        if "block size " in raw and (found := _BLOCK_RE.findall(raw)):
+            self.block_tokens = int(found[-1])
+        if (built := parse_geometry_line(raw)) is not None:
+            if len(self.geometries) >= _MAX_GEOMETRIES:  # one per DP rank (and restart): more says nothing new
+                del self.geometries[1]  # the first and the latest are the ones read
+            self.geometries.append(built)
+
+    @classmethod
+    def of(cls, log_text: str) -> LoggedCapacity:
+        logged = cls()
+        for raw in log_text.splitlines():
+            logged.feed(raw)
+        return logged
+
+
+def engine_capacity(load: LoadSpec, logged: LoggedCapacity | str = "", block_size: int | None = None,
                     max_model_len: int | None = None, chunk_tokens: int | None = None,
                     data_parallel_size: int = 1) -> EngineCapacity:
-    """What the matrix's load says, else what the log says, else the engine spec (``block_size``,
-    ``chunk_tokens``), else the defaults (``source`` tells which)."""
+    """What the matrix's load says, else what the log says (``logged``: its facts, or its text),
+    else the engine spec (``block_size``, ``chunk_tokens``), else the defaults (``source`` tells which)."""
+    if isinstance(logged, str):
+        logged = LoggedCapacity.of(logged)
     sources = []
     gpu = load.gpu_kv_tokens
     if gpu is not None:
         sources.append("matrix")
-    else:
-        found = _GPU_TOKENS_RE.findall(log_text)
-        if found:
-            gpu = int(found[-1].replace(",", ""))
-            sources.append("engine log")
+    elif logged.gpu_tokens is not None:
+        gpu = logged.gpu_tokens
+        sources.append("engine log")
     block = chunk = None
-    geometry = _GEOMETRY_RE.findall(log_text)
-    if geometry:  # what vLLM really built (GPU-free engine)
-        block = int(geometry[-1][0])
-        chunk = int(geometry[-1][1]) if geometry[-1][1] != "-" else None
+    if logged.built is not None:  # what vLLM really built (GPU-free engine)
+        block = logged.built.block_size
+        chunk = logged.built.chunk_tokens
     else:
-        found_block = _BLOCK_RE.findall(log_text)
-        if found_block:
-            block = int(found_block[-1])
+        block = logged.block_tokens
     block = block or block_size or DEFAULT_CAPACITY.block_tokens
     return EngineCapacity(
         gpu_tokens=gpu or DEFAULT_CAPACITY.gpu_tokens,

@@ -24,10 +24,9 @@ import requests
 from .. import __version__, stopping
 from ..results import store as results
 from ..report.expectations import enough_runs
-from ..classify import classify_log
+from ..classify import LogParser, LogTail
 from ..classify.judge import judge
-from ..classify.settle import LogFollower, settled
-from ..classify.lines import split_line
+from ..classify.settle import settled
 from ..deploy import engine_api_key as target_api_key
 from ..deploy import get_target
 from ..deploy.base import EngineHandle, SilentProgress, Target
@@ -138,8 +137,9 @@ def _infra_result(plan: BuildPlan, rep: int, run_dir: Path, error: str, seconds:
                      infra_error=redact(error), run_dir=str(run_dir), base=plan.base)
 
 
-def _start_failure_title(error: str, log_path: Path, artifact: BuildArtifact, target) -> str:
-    """Why the engine did not start, with its root cause: the exception line from its log.
+def _start_failure(error: str, log_path: Path, artifact: BuildArtifact, target) -> tuple[str, str | None]:
+    """Why the engine did not start, with its root cause from its log (parsed once), and what
+    its `vllm serve` refused among its arguments (None: it did not refuse them).
 
     The target's error says what was seen from outside ("exited with code 1 before it became
     healthy", "did not become healthy within 120s"); the cause is in the engine's log, so the
@@ -148,18 +148,15 @@ def _start_failure_title(error: str, log_path: Path, artifact: BuildArtifact, ta
     head = error.strip().splitlines()[0] if error.strip() else "the engine did not start"
     head = head.split("; last lines of", 1)[0].rstrip(" ;:")
     if not log_path.is_file():
-        return head
-    text = log_path.read_text(errors="replace")
+        return head, None
     source_root = Path(artifact.source_root) if artifact.source_root else None
-    classification = classify_log(text, source_root, target)
+    parsed = LogTail(log_path, LogParser(source_root, target)).finish()
+    classification = parsed.classification
     if classification.outcome is not Outcome.NONE and classification.title:
-        return f"{head}: {classification.title}"
-    lines = text.splitlines()
-    for number in range(len(lines), 0, -1):
-        body = split_line(number, lines[number - 1]).body.strip()
-        if body and "kvrepro-probe:" not in body and "kvrepro-sim:" not in body:
-            return f"{head}: last log line: {redact(body)[:200]}"
-    return head
+        return f"{head}: {classification.title}", classification.refused_arguments
+    if parsed.last_line:
+        return f"{head}: last log line: {redact(parsed.last_line)[:200]}", None
+    return head, None
 
 
 _PROBE_SETTLE_S = 2.5
@@ -198,8 +195,8 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     except InfraError as exc:
         _remove_fs_tiers(fs_tiers, run_dir)
         result = _infra_result(plan, rep, run_dir, str(exc), time.monotonic() - started)
-        title = _start_failure_title(str(exc), run_dir / "engine.log", artifact, matrix.target_signature)
-        result = replace(result, title=title)
+        title, refused = _start_failure(str(exc), run_dir / "engine.log", artifact, matrix.target_signature)
+        result = replace(result, title=title, refused_arguments=refused)
         if "last lines of" in str(exc):
             # the target quoted the engine's log (a traceback of vLLM's, perhaps): the record keeps
             # the root cause and where the whole log is, not raw log lines
@@ -219,8 +216,12 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     metrics_text: str | None = None
     engine_exit: int | None = None
     api_key = engine_api_key(loaded, target.name)
+    # the engine log, read once: a piece at start (the capacity the load is sized for), pieces
+    # while the load runs (the stop rule), the rest once the engine stopped (the verdict)
+    source_root = Path(artifact.source_root) if artifact.source_root else None
+    log = LogTail(handle.log_path, LogParser(source_root, matrix.target_signature))
     try:
-        log_so_far = handle.log_path.read_text(errors="replace") if handle.log_path.exists() else ""
+        logged = log.read().capacity
         engine_args = _engine_args(target)
         header = TraceHeader().updated(build=plan.name, rep=rep, sim_seed=matrix.engine.sim.seed + rep,
                                        engine_args=tuple(engine_args) if engine_args is not None else None)
@@ -233,13 +234,12 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
                 # (every REPORT_INTERVAL_S = 2 s) time to write the counts before the engine stops
                 stop.wait(_PROBE_SETTLE_S)
         else:
-            capacity = engine_capacity(matrix.load, log_so_far, matrix.engine.block_size, matrix.engine.max_model_len,
+            capacity = engine_capacity(matrix.load, logged, matrix.engine.block_size, matrix.engine.max_model_len,
                                        chunk_tokens=matrix.engine.offload_chunk_tokens,
                                        data_parallel_size=matrix.engine.data_parallel_size)
             is_settled = None
             if stop_rule is not None:
-                follower = LogFollower(handle.log_path)
-                is_settled = lambda: settled(follower.exposure(), stop_rule)  # noqa: E731
+                is_settled = lambda: settled(log.read().exposure(), stop_rule)  # noqa: E731
             load = run_load(handle.base_url, matrix.load, matrix.runs, run_dir / "load.jsonl",
                             seed=matrix.load.seed + rep, alive=handle.alive,
                             on_progress=lambda done, failed: progress.requests_done(plan.name, rep, done, failed),
@@ -265,11 +265,10 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
         _remove_fs_tiers(fs_tiers, run_dir)
     seconds = time.monotonic() - started
 
-    log_text = handle.log_path.read_text(errors="replace") if handle.log_path.exists() else ""
-    source_root = Path(artifact.source_root) if artifact.source_root else None
-    judgement = judge(log_text, source_root, matrix.target_signature, metrics_text=metrics_text, load=load,
+    parsed = log.finish()
+    judgement = judge(parsed, metrics_text=metrics_text, load=load,
                       engine_exit=engine_exit, expected_probe_sha256=artifact.manifest.probe_target_sha256,
-                      other_engine=geometry_mismatch(matrix.engine, log_text),
+                      other_engine=geometry_mismatch(matrix.engine, parsed.geometries),
                       stall_timeout_s=matrix.runs.stall_timeout_s)
     return RunResult.judged(judgement, build=plan.name, rep=rep, requests=load.requests_sent if load else 0,
                             seconds=round(seconds, 3), run_dir=str(run_dir), base=plan.base, load=load,

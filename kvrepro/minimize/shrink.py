@@ -58,7 +58,8 @@ from .. import lifetime
 from ..results import store as results
 from ..errors import InfraError, KvreproError, SpecError
 from ..loadgen.trace import Trace, TraceRequest, read_trace, write_trace
-from ..records import BuildPlan
+from ..classify import is_target_crash
+from ..records import BuildPlan, Signature
 from ..spec.matrix import LoadedMatrix, TargetSignature
 
 
@@ -176,18 +177,16 @@ class OfflineEngine:
 
 
 def matches(result: OfflineResult, sig: TargetSignature) -> bool:
-    """Whether an offline result is the target crash (exception, function, file, statement)."""
-    if not result.crashed:
-        return False
-    if result.exception != sig.exception or result.function != sig.function:
-        return False
-    if sig.file and not str(result.file or "").endswith(sig.file):
-        return False
-    if sig.expression:
-        squash = lambda t: "".join(str(t or "").split())  # noqa: E731
-        if squash(sig.expression) not in squash(result.statement):
-            return False
-    return True
+    """Whether an offline result is the target crash (:func:`kvrepro.classify.is_target_crash`
+    on its exception, function, file and statement)."""
+    return result.crashed and is_target_crash(_signature(result.exception, result.function, result.file,
+                                                         result.statement), sig)
+
+
+def _signature(exception: str | None, function: str | None, file: str | None, statement: str | None) -> Signature:
+    """A crash seen outside the classifier (an offline replay, an emitted test) as its Signature."""
+    return Signature(exception=exception or "", function=function or "", file=str(file or ""), line=None,
+                     expression=statement or "")
 
 
 def resolve_plan(loaded: LoadedMatrix, name: str) -> BuildPlan:
@@ -378,13 +377,8 @@ def find_crash(root: Path, run_id: str, build: str, rep: int | None, violation: 
     def minimizable(r) -> bool:
         if violation is not None:
             return bool(kind_count(r.kv_violations_by, violation))
-        if target is not None and r.signature is not None and r.label.startswith("CRASH"):
-            s = r.signature
-            squash = lambda text: "".join(str(text or "").split())  # noqa: E731
-            if s.exception == target.exception and s.function == target.function and (
-                    not target.file or str(s.file or "").endswith(target.file)) and (
-                    not target.expression or squash(target.expression) in squash(s.expression)):
-                return True
+        if target is not None and r.label.startswith("CRASH") and is_target_crash(r.signature, target):
+            return True
         return r.label in ("CRASH(target)", "CORRUPT")
 
     what = f"had a {violation} violation" if violation else "crashed with the target signature or were CORRUPT"
@@ -727,8 +721,9 @@ def _emit_and_check(path: Path, trace: Trace, loaded: LoadedMatrix, build: str, 
                       and corruption_marker(violation) in got.output)
             expected = f"the shadow KV's assertion on a {violation} violation"
         else:
-            target = (got.exit != 0 and got.exception == sig.exception and got.function == sig.function
-                      and (not sig.file or str(got.file or "").endswith(sig.file)))
+            # the statement pytest shows is one line of it: not compared (the replay compared it)
+            target = got.exit != 0 and is_target_crash(
+                _signature(got.exception, got.function, got.file, got.statement), sig, statement_known=False)
             expected = "the target signature"
         if name == build:
             ok, seen = target, (f"fails with {expected}" if target else

@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,25 +145,62 @@ def describe(engine) -> str:
             f"{engine.num_speculative_tokens} speculative token(s), {g.data_parallel_size} DP rank(s)")
 
 
-_BUILT_RE = re.compile(r"kvrepro-sim: geometry kv_cache_groups=(?P<groups>\S+) block_size=(?P<block>\d+) "
-                       r"offload_chunk_tokens=(?P<chunk>\S+) .*?data_parallel_size=(?P<dp>\d+)")
+# The GPU-free engine's line (kvrepro/engine/executor.py:_log_geometry) saying what vLLM built;
+# parse_geometry_line is its one parser (the load's capacity and the run's check both read it)
+GEOMETRY_TAG = "kvrepro-sim: geometry "
+_BUILT_RE = re.compile(r"kvrepro-sim: geometry (?:kv_cache_groups=(?P<groups>\S+) )?.*?\bblock_size=(?P<block>\d+) "
+                       r"offload_chunk_tokens=(?P<chunk>\d+|-)(?:\s.*?\bdata_parallel_size=(?P<dp>\d+))?")
 
 
-def built_mismatch(engine, log_text: str) -> str | None:
-    """What the engine log says vLLM built, against ``engine.geometry``: None when they agree or
-    the log says nothing (an engine that is not the GPU-free one), else a title for an INFRA
-    verdict: a run on another geometry than the matrix describes says nothing about it."""
+@dataclass(frozen=True)
+class BuiltGeometry:
+    """One ``kvrepro-sim: geometry`` line: the KV geometry vLLM built in one rank."""
+
+    groups: str | None  # ``<index>:<kind>/<block>,...`` as logged (None: an older line without it)
+    block_size: int
+    offload_chunk_tokens: str  # digits, or ``-`` (no offloading connector)
+    data_parallel_size: int | None
+
+    @property
+    def chunk_tokens(self) -> int | None:
+        return int(self.offload_chunk_tokens) if self.offload_chunk_tokens.isdigit() else None
+
+
+def parse_geometry_line(text: str) -> BuiltGeometry | None:
+    """The geometry a log line states, or None when it is not such a line."""
+    if GEOMETRY_TAG not in text:
+        return None
+    m = _BUILT_RE.search(text)
+    if m is None:
+        return None
+    return BuiltGeometry(groups=m["groups"], block_size=int(m["block"]), offload_chunk_tokens=m["chunk"],
+                         data_parallel_size=int(m["dp"]) if m["dp"] else None)
+
+
+def geometry_lines(log_text: str) -> list[BuiltGeometry]:
+    """Every geometry line of a log's text, in order."""
+    return [g for line in log_text.splitlines() if (g := parse_geometry_line(line)) is not None]
+
+
+def built_mismatch(engine, built: Iterable[BuiltGeometry] | str) -> str | None:
+    """What the engine log says vLLM built (its geometry lines, or the log's text), against
+    ``engine.geometry``: None when they agree or the log says nothing (an engine that is not the
+    GPU-free one), else a title for an INFRA verdict: a run on another geometry than the matrix
+    describes says nothing about it."""
     g = engine.geometry
     if g is None:
         return None
-    for m in _BUILT_RE.finditer(log_text):
-        kinds = [part.split(":", 1)[1].split("/", 1)[0] for part in m["groups"].split(",") if ":" in part]
-        built = (kinds.count("mamba"), kinds.count("full_attention"), int(m["block"]), m["chunk"], int(m["dp"]))
+    for one in geometry_lines(built) if isinstance(built, str) else built:
+        if one.groups is None or one.data_parallel_size is None:
+            continue
+        kinds = [part.split(":", 1)[1].split("/", 1)[0] for part in one.groups.split(",") if ":" in part]
+        got = (kinds.count("mamba"), kinds.count("full_attention"), one.block_size, one.offload_chunk_tokens,
+               one.data_parallel_size)
         asked = (g.mamba_groups, g.full_attention_groups, engine.block_size, str(engine.offload_chunk_tokens),
                  g.data_parallel_size)
-        if built != asked:
-            return (f"the engine built another geometry than engine.geometry: {built[0]} Mamba + {built[1]} "
-                    f"full-attention groups ({m['groups']}), block {built[2]}, offload chunk {built[3]}, "
-                    f"{built[4]} DP rank(s); asked: {asked[0]} + {asked[1]} groups, block {asked[2]}, "
+        if got != asked:
+            return (f"the engine built another geometry than engine.geometry: {got[0]} Mamba + {got[1]} "
+                    f"full-attention groups ({one.groups}), block {got[2]}, offload chunk {got[3]}, "
+                    f"{got[4]} DP rank(s); asked: {asked[0]} + {asked[1]} groups, block {asked[2]}, "
                     f"chunk {asked[3]}, {asked[4]} rank(s) (vLLM's grouping rule: kvrepro/versions.py)")
     return None

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..classify.classifier import ARGUMENT_ERROR_TITLE
 from ..classify.corruption import UNKNOWN, first_request
 from ..classify.patterns import known_patterns
 from ..records import RunResult, Verdict
@@ -154,11 +153,11 @@ def judge(entry: Entry, build: str, release: str, patches: tuple[str, ...], runs
         at = f", request {number}" if number is not None else ""
         return row(PRESENT, f"{what} in {len(hits)}/{len(runs)} reps (rep {first.rep}{at})")
     judged = [r for r in runs if r.verdict not in _UNJUDGED]
-    refused = [r for r in runs if r.verdict is Verdict.INFRA and ARGUMENT_ERROR_TITLE in (r.title or "")]
+    refused = [r for r in runs if r.verdict is Verdict.INFRA and r.refused_arguments]
     if runs and len(refused) == len(runs):
         # the entry's engine does not exist on this release (e.g. --mamba-cache-mode all, gone in
         # 0.32.0): nothing to test here, which is not an infrastructure failure
-        why = (refused[0].title or "").split(ARGUMENT_ERROR_TITLE, 1)[1].strip()
+        why = (refused[0].refused_arguments or "").strip()
         return row(NOT_TESTABLE, f"this release's vllm serve refuses the entry's engine: {why}"[:160])
     if build_error or not judged or len(judged) < len(runs):
         bad = next((r for r in runs if r.verdict in _UNJUDGED), None)

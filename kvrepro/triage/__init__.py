@@ -24,15 +24,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
+from ..classify import is_target_crash
 from ..classify.classifier import classify_traceback, classify_with_traceback, excerpt
 from ..classify.infra import infra_keywords, match_infra
 from ..classify.lines import split_line
 from ..classify.logfile import open_log_bytes
 from ..classify.patterns import Pattern, match_pattern
-from ..classify.source import canonical
 from ..classify.tracebacks import Traceback
 from ..errors import BadInputError
-from ..records import Classification, Outcome
+from ..records import Classification, Outcome, Signature
 from ..spec.matrix import TargetSignature
 from ..suite.catalogue import Catalogue, Entry
 from ..untrusted import quote
@@ -174,11 +174,13 @@ def _target() -> TargetSignature:
 
 
 def _is_target(pattern: Pattern | None, target: TargetSignature) -> bool:
-    if pattern is None or pattern.never_target or not pattern.expressions:
+    """Partial evidence (no whole traceback) is the target only through the known pattern it
+    fits, and only when the target names a statement that pattern's is; the comparison is the
+    one rule (:func:`kvrepro.classify.is_target_crash`) on the pattern's signature."""
+    if pattern is None or pattern.never_target or not pattern.expressions or not target.expression:
         return False
-    return (pattern.exception == target.exception.rsplit(".", 1)[-1] and pattern.function == target.function
-            and target.file.endswith(pattern.file) and bool(target.expression)
-            and canonical(target.expression or "") in canonical(pattern.expressions[0]))
+    return is_target_crash(Signature(pattern.exception, pattern.function, pattern.file, None,
+                                     pattern.expressions[0]), target, pattern)
 
 
 def _failure(cls: Classification, tb: Traceback | None, texts: list[str], stall: Stall | None,
