@@ -528,6 +528,16 @@ class NodeInfo:
 
 
 @dataclass(frozen=True)
+class FsTierFolder:
+    """One ``fs`` offload tier of a run: the root_dir the matrix named and the folder of the run's
+    own the engine was given instead (kvrepro/spec/fs_tier.py says why), as the engine saw it."""
+
+    tier: int           # index in --kv-transfer-config's secondary_tiers
+    configured: str     # root_dir as the matrix wrote it
+    engine_root_dir: str  # root_dir the engine got: <run folder>/fs-tier-<tier> (a container path on docker)
+
+
+@dataclass(frozen=True)
 class RunResult:
     """The verdict of one repetition of one build, as written to verdict.json and read back.
 
@@ -731,6 +741,7 @@ class RunManifest:
     replay_of: str | None = None  # the trace a `kvrepro load replay` sent instead of the matrix's load
     node: NodeInfo | None = None  # `ray` target: the node the run was sent to
     placement_nodes: tuple[NodeInfo, ...] = ()  # `ray` target: its placement group's nodes, bundle order
+    fs_tiers: tuple[FsTierFolder, ...] = ()  # each fs offload tier's folder of this run (engine.extra_args)
 
 
 @dataclass(frozen=True)

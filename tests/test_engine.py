@@ -253,6 +253,72 @@ def test_an_unknown_flag_is_vllms_own_argument_error(default_matrix, overlays, t
     assert classify_log(log).outcome.value == "infra"
 
 
+def test_consecutive_runs_never_share_an_fs_offload_tier(default_matrix, overlays, tmp_path):
+    """Multi-tier offloading (vLLM's TieringOffloadingSpec) with an fs tier, real files: vLLM names
+    them by block hash with a fixed seed and keeps them, so a later engine would hit an earlier one's
+    files and the shadow KV would call those loads wrong KV. Two runs of one build with one load
+    through the runner: each writes its chunks into an empty folder of its own run folder (a leftover
+    planted there before the second start is gone; the matrix's root_dir, seeded with the first run's
+    files, is never written), the manifest says where, the files go when the engine stopped, and
+    the shadow KV sees no violation. An engine without MTP on 0.26.0 build E, 12 requests; faked is
+    only what needs a GPU (kvrepro/engine: the model, the GPU<->CPU copies)."""
+    import shutil
+    import threading
+
+    from kvrepro.deploy.base import SilentProgress
+    from kvrepro.matrix.runner import run_one
+    from kvrepro.spec.matrix import LoadedMatrix
+
+    configured = tmp_path / "shared-volume"
+    transfer = {"kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+                                              "secondary_tiers": [{"type": "fs", "root_dir": str(configured)}]}}
+    target = _target(default_matrix, speculative_method="none", num_speculative_tokens=0, kv_offloading_size_gib=0.004,
+                     extra_args=["--kv-transfer-config", json.dumps(transfer)])
+    matrix = target.loaded.matrix
+    target.loaded = LoadedMatrix(matrix.model_copy(update={"runs": matrix.runs.model_copy(update={"requests": 12})}),
+                                 default_matrix.path, default_matrix.text)
+    artifact = target.prepare(next(p for p in target.loaded.plans() if p.name == "E"))
+
+    def chunk_files(folder: Path) -> set[str]:
+        return {p.relative_to(folder).as_posix() for p in folder.rglob("*.bin")}
+
+    seen: list[set[str]] = []
+    results = []
+    for n in (1, 2):
+        run_dir = tmp_path / f"run{n}"
+        tier = run_dir / "fs-tier-0"
+        if n == 2:  # a leftover of an earlier start in this folder, and the first run's chunks on the "volume"
+            shutil.copytree(tmp_path / "kept", configured)
+            shutil.copytree(tmp_path / "kept", tier)
+            (tier / "leftover.bin").write_bytes(b"x")
+            volume = {p: p.stat().st_mtime_ns for p in configured.rglob("*")}
+
+        def at_load_end(tier=tier, n=n):
+            seen.append(chunk_files(tier))
+            if n == 1:
+                shutil.copytree(tier, tmp_path / "kept")
+
+        run_dir.mkdir(exist_ok=True)
+        results.append(run_one(target.loaded, target, artifact, run_dir, 0, SilentProgress(), threading.Event(),
+                               on_load_done=at_load_end))
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+        assert manifest["fs_tiers"] == [{"tier": 0, "configured": str(configured),
+                                         "engine_root_dir": str(tier.resolve())}]
+        assert not tier.exists()  # removed once the engine stopped
+        args = [a for a in manifest["engine_args"] if "secondary_tiers" in a]
+        assert json.loads(args[0])["kv_connector_extra_config"]["secondary_tiers"][0]["root_dir"] == str(configured)
+
+    first, second = seen
+    assert first, "the first run wrote no chunk file: the fs tier did not run"
+    assert second and "leftover.bin" not in second  # written afresh into an emptied folder
+    # the matrix's root_dir: no engine wrote there (every file as the test put it)
+    assert {p: p.stat().st_mtime_ns for p in configured.rglob("*")} == volume
+    for result in results:
+        assert result.requests == 12 and result.kv_check == "ok", result
+        assert result.kv_violations == 0, result.kv_first_violation
+        assert result.kv_stored.get("full_attention", 0) > 0
+
+
 def test_warm_up_has_the_zygote_listening_before_the_first_engine(default_matrix, overlays):
     """What the runner calls before the first run (kvrepro/matrix/runner.py): the release's zygote
     started and listening, its kept lesson where the next zygote of the runtime finds it."""

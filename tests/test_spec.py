@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvrepro.errors import SpecError
 from kvrepro.spec.matrix import load_matrix, parse_matrix
@@ -107,6 +109,40 @@ def test_async_scheduling_is_vllms_own_decision_unless_the_matrix_says_on_or_off
     both = _error('base: "0.26.0"\nbuilds: {A: []}\nengine: {async_scheduling: "off", extra_args: '
                   '["--async-scheduling"]}\n', tmp_path)
     assert "engine.extra_args.0" in both and "engine.async_scheduling" in both
+
+
+def test_fs_tier_root_dir_is_the_runs_own_folder_and_an_unreadable_config_is_one_line(tmp_path):
+    """An fs offload tier's root_dir is rewritten (as JSON data) to a folder under the run's folder;
+    the rest of --kv-transfer-config, and a config without an fs tier, are passed as written; a
+    config kvrepro cannot read is refused with the field it is in (kvrepro/spec/fs_tier.py)."""
+    config = {"kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "offload_prompt_only": False,
+                                            "secondary_tiers": [{"type": "p2p"}, {"type": "fs", "root_dir": "/shared"}]}}
+
+    def engine(*args: str):
+        text = yaml.safe_dump({"base": "0.26.0", "builds": {"A": []}, "engine": {"extra_args": list(args)}})
+        return parse_matrix(text, Path("m.yaml")).matrix.engine
+
+    for args in (["--kv-transfer-config", json.dumps(config)], ["--kv-transfer-config=" + json.dumps(config)]):
+        spec = engine(*args)
+        assert [(t.tier, t.root_dir) for t in spec.fs_tiers()] == [(1, "/shared")]
+        assert spec.serve_args("/m", include_sim=True)[-len(args):] == args  # none given: as written
+        value = spec.serve_args("/m", include_sim=True, fs_tier_root="/runs/A/0")[-1].removeprefix("--kv-transfer-config=")
+        rewritten = json.loads(value)
+        tiers = rewritten["kv_connector_extra_config"]["secondary_tiers"]
+        assert tiers == [{"type": "p2p"}, {"type": "fs", "root_dir": "/runs/A/0/fs-tier-1"}]
+        assert rewritten["kv_connector_extra_config"]["offload_prompt_only"] is False
+    plain = ["--kv-transfer-config", '{"kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec"}}']
+    assert engine(*plain).serve_args("/m", include_sim=True, fs_tier_root="/r")[-2:] == plain
+    assert engine(*plain).fs_tiers() == []
+
+    base = 'base: "0.26.0"\nbuilds: {A: []}\nengine:\n  extra_args: ["--max-num-seqs", "4", "--kv-transfer-config", '
+    for value, words in (("'{nope'", "is not valid JSON"), ("'[1]'", "is JSON list, not an object"),
+                         ("'{\"kv_connector_extra_config\": {\"secondary_tiers\": [{\"type\": \"fs\", \"root_dir\": 3}]}}'",
+                          "secondary_tiers[0] (type fs) has root_dir 3")):
+        msg = _error(base + value + "]\n", tmp_path)
+        lines = msg.strip().splitlines()
+        assert len(lines) == 2 and lines[1].strip().startswith(f"{tmp_path / 'matrix.yaml'}:4: engine.extra_args.3: ")
+        assert words in lines[1], msg
 
 
 def test_cli_validate_exits_2_without_traceback(tmp_path):

@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..records import BuildArtifact, BuildPlan, RunResult
+from ..records import BuildArtifact, BuildPlan, FsTierFolder, RunResult
 
 if TYPE_CHECKING:  # kvrepro.spec.matrix (pydantic): not needed to import the targets' package
     from ..spec.matrix import LoadedMatrix
@@ -144,6 +144,23 @@ class Target(abc.ABC):
         """The `vllm serve` arguments this target runs builds with (recorded in every run's manifest)."""
         engine = self.loaded.matrix.engine
         return engine.serve_args(engine.model, include_sim=True)
+
+    def fs_tier_root(self, run_dir: Path) -> str:
+        """``run_dir`` as this target's engine sees it: each ``fs`` offload tier's root_dir is set to
+        a folder under it (kvrepro/spec/fs_tier.py). A target whose engine does not see the run's
+        folder names a folder of its own there, empty at every start (`docker`: in the container)."""
+        return str(run_dir.resolve())
+
+    def fs_tier_folders(self, run_dir: Path) -> list[FsTierFolder]:
+        """The ``fs`` offload tiers of a run in ``run_dir``: the folder each was given instead of
+        the matrix's root_dir (recorded in the run's manifest)."""
+        import posixpath
+
+        from ..spec.fs_tier import tier_folder
+
+        root = self.fs_tier_root(run_dir)
+        return [FsTierFolder(tier=t.tier, configured=t.root_dir, engine_root_dir=posixpath.join(root, tier_folder(t.tier)))
+                for t in self.loaded.matrix.engine.fs_tiers()]
 
     def run_remotely(self, run: RunFunction, loaded: LoadedMatrix, artifact: BuildArtifact, run_dir: Path,
                      rep: int, progress: Any, stop: threading.Event, replay: Any = None) -> RunResult:

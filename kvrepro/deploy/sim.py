@@ -383,10 +383,12 @@ class SimTarget(Target):
             return BuildArtifact(plan=plan, ref=None, manifest=BuildManifest(),
                                  error=f"build {plan.name}: cannot write the build cache: {describe_os_error(exc)}")
 
-    def command(self, artifact: BuildArtifact, port: int) -> list[str]:
-        """`vllm serve MODEL ARGS` in the build's runtime (see kvrepro.engine.__main__)."""
+    def command(self, artifact: BuildArtifact, port: int, run_dir: Path | None = None) -> list[str]:
+        """`vllm serve MODEL ARGS` in the build's runtime (see kvrepro.engine.__main__); with
+        ``run_dir``, its fs offload tiers in that run's folders (kvrepro/spec/fs_tier.py)."""
         engine = self.loaded.matrix.engine
-        args = engine.serve_args(str(self.loaded.model_dir()), include_sim=True)
+        args = engine.serve_args(str(self.loaded.model_dir()), include_sim=True,
+                                 fs_tier_root=self.fs_tier_root(run_dir) if run_dir is not None else None)
         python = self.runtime(artifact.plan.base).python
         return [str(python), "-m", "kvrepro.engine", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
 
@@ -425,7 +427,8 @@ class SimTarget(Target):
             raise InfraError("interrupted before the engine was started")
         port = free_port()
         zygote = self._zygote_socket(self.runtime(artifact.plan.base))
-        handle = ProcessEngine(self.command(artifact, port),
+        fresh_fs_tiers(self.fs_tier_folders(run_dir))
+        handle = ProcessEngine(self.command(artifact, port, run_dir),
                                self.environment(artifact, rep, zygote),
                                run_dir / "engine.log", port)
         try:
@@ -434,6 +437,21 @@ class SimTarget(Target):
             handle.stop(grace=1.0 if self._interrupted.is_set() else 10.0)  # mid-start: nothing to flush
             raise
         return handle
+
+
+def fresh_fs_tiers(folders) -> None:
+    """Each fs offload tier's folder (kvrepro.records.FsTierFolder, a local path), empty: a
+    leftover of an earlier start in the same run folder is removed first."""
+    for folder in folders:
+        path = Path(folder.engine_root_dir)
+        try:
+            if path.is_symlink() or path.is_file():
+                path.unlink()
+            elif path.exists():
+                shutil.rmtree(path)
+            path.mkdir(parents=True)
+        except OSError as exc:
+            raise InfraError(f"cannot make the fs offload tier's folder {path}: {describe_os_error(exc)}") from None
 
 
 # --- `kvrepro engine serve`: one build served in the foreground until a stop signal ---------------

@@ -99,6 +99,27 @@ def _engine_args(target: Target) -> list[str] | None:
         return None
 
 
+def _fs_tier_folders(target: Target, run_dir: Path) -> list:
+    try:
+        return target.fs_tier_folders(run_dir)
+    except KvreproError:  # as _engine_args: start() reports it
+        return []
+
+
+def _remove_fs_tiers(folders: list, run_dir: Path) -> None:
+    """The fs offload tiers' files, gone once the engine stopped: chunk copies of the run's KV (one
+    file per chunk, megabytes on a long run), no evidence, and no later engine may read them
+    (kvrepro/spec/fs_tier.py); the manifest keeps where they were. Only folders inside ``run_dir``
+    (a container's are removed with the container)."""
+    import shutil
+
+    inside = run_dir.resolve()
+    for folder in folders:
+        path = Path(folder.engine_root_dir)
+        if path.is_absolute() and path.resolve().is_relative_to(inside) and path.resolve() != inside:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def engine_api_key(loaded: LoadedMatrix, target_name: str) -> str | None:
     """The key an engine started with --api-key (any spelling) or VLLM_API_KEY wants on /v1/*."""
     from ..secrets import option_values
@@ -153,6 +174,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     matrix = loaded.matrix
     plan = artifact.plan
     engine_args = _engine_args(target)
+    fs_tiers = _fs_tier_folders(target, run_dir)
     results.write_json(run_dir / "manifest.json", RunManifest(
         build=plan.name, rep=rep, base=plan.base, target=target.name,
         patches=tuple(PatchInfo(p.name, p.upstream, p.sha256, p.reverse) for p in plan.patches),
@@ -160,7 +182,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
         engine_args=tuple(engine_args) if engine_args is not None else None,
         sim_seed=matrix.engine.sim.seed + rep, load_seed=matrix.load.seed + rep,
         load=matrix.load.model_dump(), runs=matrix.runs.model_dump(), kvrepro_version=__version__,
-        replay_of=str(replay.path) if replay is not None else None,
+        replay_of=str(replay.path) if replay is not None else None, fs_tiers=tuple(fs_tiers),
     ))
     started = time.monotonic()
     if not artifact.ok:
@@ -171,6 +193,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
         handle = target.start(artifact, run_dir, rep)
         engine_start_s = round(time.monotonic() - started, 3)
     except InfraError as exc:
+        _remove_fs_tiers(fs_tiers, run_dir)
         result = _infra_result(plan, rep, run_dir, str(exc), time.monotonic() - started)
         title, refused = _start_failure(str(exc), run_dir / "engine.log", artifact, matrix.target_signature)
         result = replace(result, title=title, refused_arguments=refused)
@@ -184,6 +207,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
         return result
     if stop.is_set():  # stopped while it started: it gets no request (kvrepro#8)
         handle.stop()
+        _remove_fs_tiers(fs_tiers, run_dir)
         return replace(_infra_result(plan, rep, run_dir, "interrupted", time.monotonic() - started),
                        verdict=Verdict.INTERRUPTED, outcome=Outcome.NONE,
                        title="interrupted while the engine was starting", infra_error=None)
@@ -238,6 +262,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
                        engine_start_s=engine_start_s)
     finally:
         handle.stop()
+        _remove_fs_tiers(fs_tiers, run_dir)
     seconds = time.monotonic() - started
 
     parsed = log.finish()

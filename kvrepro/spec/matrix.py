@@ -354,6 +354,24 @@ class EngineSpec(_Strict):
                                   "both set asynchronous scheduling; say it in engine.async_scheduling only")
         return self
 
+    @model_validator(mode="after")
+    def _fs_tiers_readable(self) -> "EngineSpec":
+        # each run's engine gets its fs tiers in folders of its own (kvrepro/spec/fs_tier.py): a
+        # --kv-transfer-config kvrepro cannot read as JSON is refused here, not at the engine's start
+        from .fs_tier import FsTierError, fs_tiers
+
+        try:
+            fs_tiers(self.extra_args)
+        except FsTierError as exc:
+            raise FieldError(f"engine.extra_args.{exc.arg}", str(exc)) from None
+        return self
+
+    def fs_tiers(self) -> list[Any]:
+        """The ``fs`` secondary offload tiers engine.extra_args configure (kvrepro.spec.fs_tier.FsTier)."""
+        from .fs_tier import fs_tiers
+
+        return list(fs_tiers(self.extra_args))
+
     @property
     def offload_chunk_tokens(self) -> int:
         """The offload chunk in tokens: engine.geometry's, else one block (vLLM's default)."""
@@ -365,8 +383,12 @@ class EngineSpec(_Strict):
     def data_parallel_size(self) -> int:
         return self.geometry.data_parallel_size if self.geometry is not None else 1
 
-    def serve_args(self, model_path: str, include_sim: bool) -> list[str]:
-        """The `vllm serve` argument list (model first). The sim engine parses the same list."""
+    def serve_args(self, model_path: str, include_sim: bool, fs_tier_root: str | None = None) -> list[str]:
+        """The `vllm serve` argument list (model first). The sim engine parses the same list.
+
+        ``fs_tier_root``: the run's folder as the engine sees it; every ``fs`` offload tier's
+        root_dir then points to a folder of that run (kvrepro/spec/fs_tier.py). None: as the matrix
+        wrote it (what a manifest records next to the mapping, and `kvrepro engine serve` runs)."""
         # an out-of-tree connector is named in --kv-transfer-config: --kv-offloading-size would make vLLM
         # name the OffloadingConnector over it (VllmConfig._post_init_kv_transfer_config)
         offloading = [] if self.connector != "offloading" else [
@@ -424,6 +446,10 @@ class EngineSpec(_Strict):
             args += ["--async-scheduling" if self.async_scheduling == "on" else "--no-async-scheduling"]
         if include_sim:
             args += ["--num-gpu-blocks-override", str(self.sim.num_gpu_blocks)]
+        if fs_tier_root is not None:
+            from .fs_tier import redirected
+
+            return args + redirected(self.extra_args, fs_tier_root)
         return args + list(self.extra_args)
 
 

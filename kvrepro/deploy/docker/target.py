@@ -39,6 +39,7 @@ from .ssh import free_local_port
 from .launch import NodeLaunch, plan_launch
 
 MODEL_MOUNT = "/kvrepro/model"
+FS_TIER_ROOT = "/kvrepro/run"  # where a container's fs offload tiers are (kvrepro/spec/fs_tier.py)
 VLLM_CACHE_MOUNT = "/kvrepro/vllm-cache"  # VLLM_CACHE_ROOT in the container, on the per-release volume
 # A local model folder is copied into containers on remote hosts; beyond this it is surely
 # weights, which belong on the host (or in the HF cache), not in a per-run upload.
@@ -201,9 +202,16 @@ class DockerTarget(Target):
             model_arg, model_dir = engine.model, None
         return self._serve_args(model_arg, model_dir, self.gpu_free(self.node_specs()))
 
-    def _serve_args(self, model_arg: str, model_dir: Path | None, gpu_free: bool) -> list[str]:
+    def fs_tier_root(self, run_dir: Path) -> str:
+        # the run's folder is not mounted in the engine's containers: each fs offload tier gets a
+        # folder in the container's own filesystem, empty in every new container (one per start)
+        # and removed with it
+        return FS_TIER_ROOT
+
+    def _serve_args(self, model_arg: str, model_dir: Path | None, gpu_free: bool,
+                    fs_tier_root: str | None = None) -> list[str]:
         engine = self.loaded.matrix.engine
-        args = engine.serve_args(model_arg, include_sim=gpu_free)
+        args = engine.serve_args(model_arg, include_sim=gpu_free, fs_tier_root=fs_tier_root)
         if gpu_free:
             return args
         return gpu_path_args(args, engine, self.settings.docker, weights=_has_weights(model_dir))
@@ -346,7 +354,7 @@ class DockerTarget(Target):
                 ) from None
         model_arg, model_dir = self._model()
         gpu_free = self.gpu_free(node_specs)
-        serve_args = self._serve_args(model_arg, model_dir, gpu_free)
+        serve_args = self._serve_args(model_arg, model_dir, gpu_free, fs_tier_root=self.fs_tier_root(run_dir))
         env, secrets = self._env(rep, gpu_free)
         if self.vllm_cache_volume(artifact.plan) is not None:
             env.setdefault("VLLM_CACHE_ROOT", VLLM_CACHE_MOUNT)  # docker.env may point it elsewhere
