@@ -222,7 +222,7 @@ def test_a_clean_stop_of_a_healthy_server_is_not_a_crash(default_matrix, overlay
 
 def test_vllm_rejects_a_pool_too_small_and_the_title_says_why(default_matrix, overlays, tmp_path):
     from kvrepro.errors import InfraError
-    from kvrepro.matrix.runner import _start_failure_title
+    from kvrepro.matrix.runner import _start_failure
     from kvrepro.spec.matrix import SimSettings
 
     target = _target(default_matrix, max_model_len=4096, sim=SimSettings(num_gpu_blocks=64))
@@ -232,8 +232,9 @@ def test_vllm_rejects_a_pool_too_small_and_the_title_says_why(default_matrix, ov
     finally:
         target.close()
     artifact = target.prepare(target.loaded.plans()[0])
-    title = _start_failure_title(str(info.value), tmp_path / "engine.log", artifact,
-                                 default_matrix.matrix.target_signature)
+    title, refused = _start_failure(str(info.value), tmp_path / "engine.log", artifact,
+                                    default_matrix.matrix.target_signature)
+    assert refused is None  # vLLM started and refused the pool, not an argument
     assert title.startswith("engine exited with code")
     assert "max seq len (4096)" in title or "max_model_len" in title, title
 
