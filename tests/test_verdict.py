@@ -71,3 +71,23 @@ def test_corrupt_title_names_the_first_violation():
     assert seen.kv_check == "corrupt"
     assert Exposure(kv_checks=10, shadow_seen=True).kv_check == "ok"
     assert Exposure().kv_check == "off"
+
+
+@pytest.mark.parametrize("exposure, verdict", [
+    (Exposure(trigger_calls=5, state_calls=2), Verdict.SURVIVED),
+    (Exposure(trigger_calls=5), Verdict.UNREACHED),
+    (Exposure(trigger_calls=0), Verdict.VACUOUS),
+])
+def test_a_clean_verdict_says_first_what_broke_at_rest(exposure, verdict):
+    """A run that neither crashed nor read wrong KV but left a leaked block or a stranded request
+    at rest (the probe's invariants, issue 48) says so first in its title: the verdict stays what the
+    crash and the KV say, and the table's words no longer hide the leak."""
+    clean = title(verdict, exposure, load())
+    import dataclasses
+
+    broken = dataclasses.replace(exposure, invariants_broken={"block-leak": 2, "request-stranded": 1},
+                                 first_broken="block-leak: 2 of 7 blocks still referenced with no request in the engine")
+    said = title(verdict, broken, load())
+    assert said.startswith("engine invariants broken at rest: block-leak at 2 quiescent point(s), "
+                           "request-stranded at 1 quiescent point(s) (first: block-leak: 2 of 7 blocks")
+    assert clean is None if verdict is Verdict.SURVIVED else said.endswith(clean)

@@ -116,12 +116,27 @@ def title(verdict: Verdict, exposure: Exposure, load: LoadSummary | None,
                 if exposure.kv_violations else "")
         return (f"{load.requests_failed} of {load.requests_sent} requests failed with the engine up (more than "
                 f"{MAX_FAILED_SHARE:.0%}): the load did not test the engine; see load.jsonl{also}")
+    broken = invariants_note(exposure)
     if verdict is Verdict.UNREACHED:
-        return ("trigger path ran but the bug's state never occurred: on this code the crash's precondition "
-                "did not arise (a fix at the crash site was not exercised)")
+        return broken + ("trigger path ran but the bug's state never occurred: on this code the crash's precondition "
+                         "did not arise (a fix at the crash site was not exercised)")
     if verdict is Verdict.VACUOUS:
-        return "budget spent but the trigger path never ran: proves nothing"
+        return broken + "budget spent but the trigger path never ran: proves nothing"
+    if verdict is Verdict.SURVIVED and broken:
+        return broken + "the target crash's state was handled"
     return None
+
+
+def invariants_note(exposure: Exposure) -> str:
+    """What a run that neither crashed nor read wrong KV still broke at rest (the probe's invariants,
+    kvrepro/classify/invariants.py): said first in its title, so a clean-looking verdict does not
+    hide a leak or a stranded request ("" when none broke)."""
+    broken = getattr(exposure, "invariants_broken", None) or {}
+    if not broken:
+        return ""
+    names = ", ".join(f"{name} at {n} quiescent point(s)" for name, n in sorted(broken.items()))
+    first = f" (first: {exposure.first_broken[:160]})" if getattr(exposure, "first_broken", None) else ""
+    return f"engine invariants broken at rest: {names}{first}; "
 
 
 def died_without_traceback_title(engine_exit: int | None) -> str:
