@@ -263,6 +263,26 @@ def runtime_scripts(default_matrix, runtime_python, shared_zygote_folder, tmp_pa
     return RuntimeScripts(runtime_python, socket_path, folder)
 
 
+def run_beside_the_probe(tree, tmp_path, script: str):
+    """Run ``script`` in the runtime's python with the probe module importable and build A's vLLM
+    tree on the path (no platform plugin): the probe's checks on vLLM's own classes, in a process
+    of their own (the probe installs an import hook for the life of a process). ``tree`` is
+    ``((python, scripts), root)``; returns the finished process."""
+    import os
+    import textwrap
+
+    (python, scripts), root = tree
+    probe = tmp_path / "probe"
+    probe.mkdir(exist_ok=True)
+    (probe / "kvrepro_probe.py").write_bytes((ROOT / "kvrepro" / "probe" / "kvrepro_probe.py").read_bytes())
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.pathsep.join([str(probe), str(root)])
+    env["VLLM_PLUGINS"] = "kvrepro-test-no-plugin"
+    proc = scripts.run(python, ["-c", textwrap.dedent(script)], env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 def alive(pid: int) -> bool:
     """Whether ``pid`` is a live process (a zombie is not)."""
     try:

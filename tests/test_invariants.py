@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import ast
 import json
-import os
-import textwrap
 from pathlib import Path
 
 import pytest
 
+from conftest import run_beside_the_probe
 from kvrepro.classify.exposure import read_exposure
 from kvrepro.classify.invariants import INVARIANTS
 
@@ -97,15 +96,7 @@ def tree(overlays, runtime_python, runtime_scripts):
 
 
 def test_each_check_names_what_is_not_at_rest_on_vllms_block_pool(tree, tmp_path):
-    (python, scripts), root = tree
-    probe = tmp_path / "probe"
-    probe.mkdir()
-    (probe / "kvrepro_probe.py").write_bytes(PROBE.read_bytes())
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = os.pathsep.join([str(probe), str(root)])
-    env["VLLM_PLUGINS"] = "kvrepro-test-no-plugin"
-    proc = scripts.run(python, ["-c", textwrap.dedent(CHECKS)], env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_beside_the_probe(tree, tmp_path, CHECKS)
     steps = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULTS "))[8:])
     assert steps == {
         "at rest": [],

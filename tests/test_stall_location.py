@@ -10,16 +10,14 @@ back by the classifier and keyed by explore's judge."""
 from __future__ import annotations
 
 import json
-import os
-import textwrap
 from pathlib import Path
 
 import pytest
 
+from conftest import run_beside_the_probe
 from kvrepro.classify.exposure import read_exposure
 
 ROOT = Path(__file__).resolve().parents[1]
-PROBE = ROOT / "kvrepro" / "probe" / "kvrepro_probe.py"
 
 STALLS = """
 import json, types
@@ -113,15 +111,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.shares_zygotes]
 
 
 def test_each_stall_is_keyed_by_where_vllms_scheduler_waits(tree, tmp_path):
-    (python, scripts), root = tree
-    probe = tmp_path / "probe"
-    probe.mkdir()
-    (probe / "kvrepro_probe.py").write_bytes(PROBE.read_bytes())
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = os.pathsep.join([str(probe), str(root)])
-    env["VLLM_PLUGINS"] = "kvrepro-test-no-plugin"
-    proc = scripts.run(python, ["-c", textwrap.dedent(STALLS)], env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_beside_the_probe(tree, tmp_path, STALLS)
     got = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULTS "))[8:])
     assert got["self-reserved"][0] == "refused:WAITING+self-reserved+async-load/reserved-by-self"
     assert "60 blocks reserved by in-flight prefills (r1), 7 free" in got["self-reserved"][1]
