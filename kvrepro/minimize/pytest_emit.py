@@ -156,10 +156,18 @@ def make_vllm_config(model_dir: str) -> VllmConfig:
     return vllm_config
 
 
+def make_tensor(size, layers, placement=None) -> KVCacheTensor:
+    # vLLM {vllm}'s KVCacheTensor: up to 0.29 the layers sharing an allocation (shared_by); from 0.30
+    # the layers placed by strides and offset (the placement the engine built)
+    if placement is None:
+        return KVCacheTensor(size=size, shared_by=list(layers))
+    return KVCacheTensor(size=size, layers=list(layers), **placement)
+
+
 def make_kv_cache_config() -> KVCacheConfig:
     return KVCacheConfig(
         num_blocks=NUM_GPU_BLOCKS,
-        kv_cache_tensors=[KVCacheTensor(size=size, shared_by=list(layers)) for size, layers in KV_CACHE_TENSORS],
+        kv_cache_tensors=[make_tensor(*tensor) for tensor in KV_CACHE_TENSORS],
         kv_cache_groups=[KVCacheGroupSpec(list(layers), spec) for layers, spec in KV_CACHE_GROUPS],
     )
 
@@ -791,7 +799,9 @@ class KvGroupInfo:
 @dataclass(frozen=True)
 class KvTensorInfo:
     size: int
-    shared_by: tuple[str, ...]
+    shared_by: tuple[str, ...]  # the layers of the allocation
+    # 0.30+: the release's placement fields (layer_stride, block_stride, offset, ...); None: shared_by's form
+    placement: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -879,7 +889,7 @@ def render(trace: Trace, loaded: LoadedMatrix, engine: EngineInfo, name: str,
         max_model_len=engine.max_model_len, block_size=engine.block_size,
         num_gpu_blocks=engine.num_gpu_blocks, seed=matrix.engine.sim.seed + rep,
         groups="\n".join(f"    ({list(g.layer_names)!r},\n     {_wrap_call(g.spec, 5)})," for g in engine.kv_cache_groups),
-        tensors="\n".join(f"    ({t.size}, {list(t.shared_by)!r})," for t in engine.kv_cache_tensors),
+        tensors="\n".join(f"    ({t.size}, {list(t.shared_by)!r}, {t.placement!r})," for t in engine.kv_cache_tensors),
         prompts="\n".join(_prompts_source(prompts)),
         request_list=", ".join(f"({r.max_tokens}, P[{i}]" + (', "abort-queued")' if r.events is not None
                                                               and r.events.abort == "queued" else ")")
