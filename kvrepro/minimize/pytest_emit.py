@@ -88,6 +88,7 @@ first on PYTHONPATH (exit 1 with vLLM's traceback when the bug fires, 0 when it 
 pytest, in an environment that has vLLM and pytest: `python -m pytest -q {name}`.
 """
 
+import dataclasses
 import json
 import random
 import tempfile
@@ -359,8 +360,11 @@ def run_sequence(model_dir: str) -> list[tuple[str, int, int]]:
             kv_connector_worker_meta=worker_connector.build_connector_worker_meta())
         worker_connector.clear_connector_metadata()
         if executed:
-            output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={{r: n for n, r in enumerate(req_ids)}},
-                                       sampled_token_ids=sampled, kv_connector_output=kv_output)
+            # req_id_to_index is gone from 0.34.0's ModelRunnerOutput (v1/outputs.py 0.34.0:268-306)
+            index = ({{"req_id_to_index": {{r: n for n, r in enumerate(req_ids)}}}}
+                     if "req_id_to_index" in {{f.name for f in dataclasses.fields(ModelRunnerOutput)}} else {{}})
+            output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, kv_connector_output=kv_output,
+                                       **index)
         else:
             output = ModelRunnerOutput.with_kv_conn_output_only(kv_output)
         return output, executed
@@ -600,9 +604,9 @@ def _template(violation: str | None) -> str:
     with the shadow KV hooked in (each edit applies to exactly one place)."""
     if not violation:
         return _TEMPLATE
-    head, sep, code = _TEMPLATE.partition('"""\n\nimport json\n')
+    head, sep, code = _TEMPLATE.partition('"""\n\nimport dataclasses\nimport json\n')
     assert sep, "the template's docstring ends before its imports"
-    text = _CORRUPT_DOC + "\nimport json\n" + code
+    text = _CORRUPT_DOC + "\nimport dataclasses\nimport json\n" + code
     for old, new in _CORRUPT_EDITS:
         assert text.count(old) == 1, f"template edit does not apply once: {old[:60]!r}"
         text = text.replace(old, new)
