@@ -281,6 +281,15 @@ def _tensor_record(tensor) -> dict:
     return {"size": tensor.size, "shared_by": list(tensor.layers), "placement": placement}
 
 
+def _fresh(build_core):
+    """``build_core`` with the fs offload tiers emptied before each engine (see _fresh_fs_tiers)."""
+    def fresh():
+        _fresh_fs_tiers()
+        return build_core()
+
+    return fresh
+
+
 def build_engine_factory(serve_args: list[str]):
     """A function making a fresh EngineCore configured exactly as ``vllm serve SERVE_ARGS`` is:
     vLLM's own argument parsing, the platform kvrepro's plugin names (KVREPRO_SIM=1), the
@@ -305,9 +314,25 @@ def build_engine_factory(serve_args: list[str]):
     return build_core
 
 
+def _fresh_fs_tiers() -> None:
+    """Empty the fs offload tiers' folders (KVREPRO_OFFLINE_FS_ROOT: the folder kvrepro made for this
+    process, one sub-folder a tier) before an engine starts: each job is a fresh engine, and vLLM's fs
+    tier would serve it the chunks an earlier job stored (kvrepro/spec/fs_tier.py)."""
+    root = os.environ.get("KVREPRO_OFFLINE_FS_ROOT")
+    if not root or not os.path.isdir(root):
+        return
+    import shutil
+
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name.startswith("fs-tier-") and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+            os.mkdir(path)
+
+
 def main(argv: list[str]) -> int:
     jobs_path, serve_args = argv[0], argv[1:]
-    build_core = build_engine_factory(serve_args)
+    build_core = _fresh(build_engine_factory(serve_args))
     out = sys.stdout
     if jobs_path == "-":
         core = build_core()  # what the engine looks like, for an emitted scheduler-level test

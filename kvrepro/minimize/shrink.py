@@ -45,8 +45,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 from collections.abc import Callable
 import dataclasses
@@ -111,10 +113,23 @@ class OfflineEngine:
         if not artifact.ok:
             raise InfraError(f"build {build} failed: {artifact.error}")
         self.overlay = artifact.ref
-        args = loaded.matrix.engine.serve_args(str(loaded.model_dir()), include_sim=True)
+        # fs offload tiers (kvrepro/spec/fs_tier.py) in a folder of this engine's, emptied before each
+        # job by the offline engine: a candidate must not hit the files an earlier candidate stored
+        # (every replay read as CORRUPT from the second on, the shadow KV never saw those stores)
+        self.fs_root: str | None = None
+        if loaded.matrix.engine.fs_tiers():
+            from .. import scratch
+            from ..spec.fs_tier import folders
+
+            self.fs_root = tempfile.mkdtemp(prefix="offline-fs-", dir=scratch.folder())
+            for name in folders(loaded.matrix.engine.extra_args):
+                os.mkdir(os.path.join(self.fs_root, name))
+        args = loaded.matrix.engine.serve_args(str(loaded.model_dir()), include_sim=True, fs_tier_root=self.fs_root)
         # forked from the shared zygote when there is one (tests): torch & co. are imported there already
         env = self.target.environment(artifact, rep, self.target.shared_zygote_socket(plan.base))
         env["VLLM_LOGGING_LEVEL"] = "ERROR"
+        if self.fs_root is not None:
+            env["KVREPRO_OFFLINE_FS_ROOT"] = self.fs_root
         runtime = self.target.runtime(plan.base)
         self.command = [str(runtime.python), "-m", "kvrepro.engine.offline", "-", *args]
         # a standalone test needs the build's vLLM and the runtime's packages, not kvrepro
@@ -156,6 +171,13 @@ class OfflineEngine:
         return OfflineResult.from_json(json.loads(answer))
 
     def close(self) -> None:
+        try:
+            self._close_engine()
+        finally:
+            if self.fs_root is not None:
+                shutil.rmtree(self.fs_root, ignore_errors=True)
+
+    def _close_engine(self) -> None:
         if self.proc.poll() is None and self._busy:
             # stopped mid-candidate (Ctrl-C, SIGTERM): it would run on to the end of the job
             try:
