@@ -198,3 +198,30 @@ def test_expect_may_accept_any_of_several_verdicts(tmp_path):
     assert not meets_expectation(run(Verdict.CRASH, Outcome.TARGET), expect)
     msg = _error("builds: {A: []}\nexpect: {A: SURVIVED|FINE}\n", tmp_path)
     assert ":2: expect.A: 'FINE' is not a verdict" in msg and "joined by '|'" in msg
+
+
+def test_each_offline_replay_starts_with_empty_fs_tiers(tmp_path, monkeypatch):
+    """The minimizer's offline engine builds a fresh engine per candidate; vLLM's fs tier keeps its
+    files, so without emptying them a candidate hit the chunks an earlier candidate stored, which
+    the shadow KV never saw stored (measured: a 0.34.0 tiering run "minimized" to 1 request of 17
+    tokens reading wrong KV). Only the tier folders kvrepro made, inside the folder it names, go."""
+    from kvrepro.engine import offline
+
+    root = tmp_path / "offline-fs"
+    tier = root / "fs-tier-0"
+    tier.mkdir(parents=True)
+    (tier / "chunk-1.bin").write_bytes(b"x" * 16)
+    (root / "keep.txt").write_text("not a tier")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (root / "fs-tier-1").symlink_to(outside)
+    (outside / "theirs.bin").write_bytes(b"y")
+    built = []
+    fresh = offline._fresh(lambda: built.append(sorted(p.name for p in tier.iterdir())) or "core")
+    monkeypatch.setenv("KVREPRO_OFFLINE_FS_ROOT", str(root))
+    assert fresh() == "core" and built == [[]]
+    assert tier.is_dir() and (root / "keep.txt").exists() and (outside / "theirs.bin").exists()
+    monkeypatch.delenv("KVREPRO_OFFLINE_FS_ROOT")
+    (tier / "chunk-2.bin").write_bytes(b"z")
+    fresh()
+    assert (tier / "chunk-2.bin").exists()  # no folder named: nothing is removed
