@@ -23,6 +23,8 @@ the proof.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import linecache
 import os
@@ -262,12 +264,21 @@ def describe(core) -> dict:
         "scheduler_block_size": sched.block_size,
         "hash_block_size": getattr(sched, "hash_block_size", None) or sched.block_size,
         "kv_cache_groups": groups,
-        # from 0.30 a KVCacheTensor places `layers` by offsets and strides (no `shared_by`): a test
-        # written from such a build's geometry would need that layout, not this one
-        "kv_cache_tensors": [{"size": t.size, "shared_by": list(getattr(t, "shared_by", None) or getattr(t, "layers", ()))}
-                             for t in kvc.kv_cache_tensors],
+        # up to 0.29 a KVCacheTensor names the layers sharing its allocation (`shared_by`); from 0.30
+        # it places `layers` by offsets and strides (kv_cache_interface.py 0.30.0:1377-1382): those
+        # fields are kept as `placement`, so a test written from the build makes the release's own
+        "kv_cache_tensors": [_tensor_record(t) for t in kvc.kv_cache_tensors],
         "spec_imports": sorted(imports),
     }
+
+
+def _tensor_record(tensor) -> dict:
+    """One KVCacheTensor as data, in its release's form (see describe())."""
+    if hasattr(tensor, "shared_by"):
+        return {"size": tensor.size, "shared_by": list(tensor.shared_by), "placement": None}
+    placement = {f.name: getattr(tensor, f.name) for f in dataclasses.fields(tensor)
+                 if f.name not in ("size", "layers")}
+    return {"size": tensor.size, "shared_by": list(tensor.layers), "placement": placement}
 
 
 def build_engine_factory(serve_args: list[str]):

@@ -88,6 +88,7 @@ first on PYTHONPATH (exit 1 with vLLM's traceback when the bug fires, 0 when it 
 pytest, in an environment that has vLLM and pytest: `python -m pytest -q {name}`.
 """
 
+import dataclasses
 import json
 import random
 import tempfile
@@ -156,10 +157,18 @@ def make_vllm_config(model_dir: str) -> VllmConfig:
     return vllm_config
 
 
+def make_tensor(size, layers, placement=None) -> KVCacheTensor:
+    # vLLM {vllm}'s KVCacheTensor: up to 0.29 the layers sharing an allocation (shared_by); from 0.30
+    # the layers placed by strides and offset (the placement the engine built)
+    if placement is None:
+        return KVCacheTensor(size=size, shared_by=list(layers))
+    return KVCacheTensor(size=size, layers=list(layers), **placement)
+
+
 def make_kv_cache_config() -> KVCacheConfig:
     return KVCacheConfig(
         num_blocks=NUM_GPU_BLOCKS,
-        kv_cache_tensors=[KVCacheTensor(size=size, shared_by=list(layers)) for size, layers in KV_CACHE_TENSORS],
+        kv_cache_tensors=[make_tensor(*tensor) for tensor in KV_CACHE_TENSORS],
         kv_cache_groups=[KVCacheGroupSpec(list(layers), spec) for layers, spec in KV_CACHE_GROUPS],
     )
 
@@ -351,8 +360,11 @@ def run_sequence(model_dir: str) -> list[tuple[str, int, int]]:
             kv_connector_worker_meta=worker_connector.build_connector_worker_meta())
         worker_connector.clear_connector_metadata()
         if executed:
-            output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={{r: n for n, r in enumerate(req_ids)}},
-                                       sampled_token_ids=sampled, kv_connector_output=kv_output)
+            # req_id_to_index is gone from 0.34.0's ModelRunnerOutput (v1/outputs.py 0.34.0:268-306)
+            index = ({{"req_id_to_index": {{r: n for n, r in enumerate(req_ids)}}}}
+                     if "req_id_to_index" in {{f.name for f in dataclasses.fields(ModelRunnerOutput)}} else {{}})
+            output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, kv_connector_output=kv_output,
+                                       **index)
         else:
             output = ModelRunnerOutput.with_kv_conn_output_only(kv_output)
         return output, executed
@@ -592,9 +604,9 @@ def _template(violation: str | None) -> str:
     with the shadow KV hooked in (each edit applies to exactly one place)."""
     if not violation:
         return _TEMPLATE
-    head, sep, code = _TEMPLATE.partition('"""\n\nimport json\n')
+    head, sep, code = _TEMPLATE.partition('"""\n\nimport dataclasses\nimport json\n')
     assert sep, "the template's docstring ends before its imports"
-    text = _CORRUPT_DOC + "\nimport json\n" + code
+    text = _CORRUPT_DOC + "\nimport dataclasses\nimport json\n" + code
     for old, new in _CORRUPT_EDITS:
         assert text.count(old) == 1, f"template edit does not apply once: {old[:60]!r}"
         text = text.replace(old, new)
@@ -791,7 +803,9 @@ class KvGroupInfo:
 @dataclass(frozen=True)
 class KvTensorInfo:
     size: int
-    shared_by: tuple[str, ...]
+    shared_by: tuple[str, ...]  # the layers of the allocation
+    # 0.30+: the release's placement fields (layer_stride, block_stride, offset, ...); None: shared_by's form
+    placement: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -879,7 +893,7 @@ def render(trace: Trace, loaded: LoadedMatrix, engine: EngineInfo, name: str,
         max_model_len=engine.max_model_len, block_size=engine.block_size,
         num_gpu_blocks=engine.num_gpu_blocks, seed=matrix.engine.sim.seed + rep,
         groups="\n".join(f"    ({list(g.layer_names)!r},\n     {_wrap_call(g.spec, 5)})," for g in engine.kv_cache_groups),
-        tensors="\n".join(f"    ({t.size}, {list(t.shared_by)!r})," for t in engine.kv_cache_tensors),
+        tensors="\n".join(f"    ({t.size}, {list(t.shared_by)!r}, {t.placement!r})," for t in engine.kv_cache_tensors),
         prompts="\n".join(_prompts_source(prompts)),
         request_list=", ".join(f"({r.max_tokens}, P[{i}]" + (', "abort-queued")' if r.events is not None
                                                               and r.events.abort == "queued" else ")")
