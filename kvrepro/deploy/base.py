@@ -108,6 +108,11 @@ class NodeEngine(Protocol):
         """On a node, with this target made there (``target``): the build as this node runs it;
         ``cache`` is the node's own folder, ``where`` names the node in an error."""
 
+    # optional: ``remove_left_behind(driver: str) -> list[str]``, on a node once every run the
+    # driver named ``driver`` sent there has ended: remove what those runs started that outlives a
+    # killed worker (docker: containers, labelled with the driver), return their names. A target
+    # whose engine is the worker's child (sim) needs none: it dies with the worker.
+
 
 class Target(abc.ABC):
     """Where builds run. ``prepare`` once per build, ``start`` once per repetition.

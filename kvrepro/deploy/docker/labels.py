@@ -29,6 +29,9 @@ LABEL_PROBE = "io.kvrepro.probe.sha256"
 LABEL_OWNER_PID = "io.kvrepro.owner.pid"
 LABEL_OWNER_HOST = "io.kvrepro.owner.host"
 LABEL_OWNER_START = "io.kvrepro.owner.start"
+# The kvrepro that sent the run to this node (``ray.engine: docker``: the Ray driver, whose Ctrl-C
+# may kill the node's worker mid-teardown); the driver removes what carries it before it exits.
+LABEL_DRIVER = "io.kvrepro.driver"
 OCI_BASE_NAME = "org.opencontainers.image.base.name"
 OCI_BASE_DIGEST = "org.opencontainers.image.base.digest"
 
@@ -65,7 +68,7 @@ def image_labels(kind: str, **extra: str) -> dict[str, str]:
     kvrepro image is not mistaken for a kvrepro container (and removed by `kvrepro clean`).
     """
     labels = {LABEL_IMAGE: kind, LABEL_MANAGED: "", LABEL_KIND: "", LABEL_SESSION: "", LABEL_OWNER_PID: "",
-              LABEL_OWNER_HOST: "", LABEL_OWNER_START: ""}
+              LABEL_OWNER_HOST: "", LABEL_OWNER_START: "", LABEL_DRIVER: ""}
     labels.update({k: str(v) for k, v in extra.items()})
     return labels
 

@@ -80,3 +80,28 @@ def node_artifact(target: Any, artifact: BuildArtifact, build: NodeBuild, cache:
     with open(locks / f"{safe_tag_part(str(host.info.get('ID') or host.name))}-{safe_tag_part(tag)}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return target.prepare(plan)
+
+
+def remove_left_behind(driver: str) -> list[str]:
+    """On a node, once every run ``driver`` sent it has ended: remove the engine containers of
+    those runs still in this node's daemon; their names.
+
+    A run's task removes its own containers when it is cancelled, but one whose teardown outlasts
+    ``ray.cancel_grace_s`` (a loaded machine: vLLM's stop, the log pump, the removal) has its
+    worker killed mid-way, and Ray kills the worker's children with it, the session's reaper
+    (reaper.py) among them. The driver calls this on its nodes before it exits, so nothing
+    started is left running whichever way its runs ended."""
+    from . import labels as L
+    from .hosts import connect, local_host_spec, remove_quietly
+
+    if not driver:
+        return []
+    host = connect(local_host_spec(), timeout=20)
+    try:
+        found = host.client.containers.list(all=True, filters={"label": f"{L.LABEL_DRIVER}={driver}"},
+                                            ignore_removed=True)
+        for container in found:
+            remove_quietly(container)
+        return [c.name for c in found]
+    finally:
+        host.close()

@@ -138,6 +138,9 @@ class DockerTarget(Target):
     # added to every engine container's environment: the `ray` target's node side names the run's
     # placement group here (its per-run copy of this target sets it)
     engine_env: dict[str, str] = {}
+    # the kvrepro that sent the run, labelled on every engine container (L.LABEL_DRIVER): the `ray`
+    # target's node side sets it on its per-run copy, so that driver can remove what a killed worker left
+    driver: str = ""
 
     def __init__(self, loaded: LoadedMatrix):
         super().__init__(loaded)
@@ -405,7 +408,8 @@ class DockerTarget(Target):
             command=list(launch.argv),
             environment=launch.env,
             labels=L.managed("engine", **{L.LABEL_RUN: str(run_dir), L.LABEL_BUILD: artifact.plan.name,
-                                          L.LABEL_REP: str(rep), L.LABEL_NODE: str(launch.rank)}),
+                                          L.LABEL_REP: str(rep), L.LABEL_NODE: str(launch.rank),
+                                          **({L.LABEL_DRIVER: self.driver} if self.driver else {})}),
             name=f"kvrepro-{artifact.plan.name}-r{rep}-n{launch.rank}-{L.SESSION}",
             mounts=mounts,
             init=True,  # PID 1 that forwards SIGTERM, so teardown stops vLLM cleanly

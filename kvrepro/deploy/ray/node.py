@@ -70,6 +70,7 @@ class NodeRun:
     engine: str = "sim"  # ray.engine: the target that runs the engine on the node (its node-engine hooks)
     files: tuple[ShippedFile, ...] = ()  # the build's small files for that engine (NodeBuild.files)
     engine_env: tuple[tuple[str, str], ...] = ()  # the driver target's extra engine environment (explore's probes)
+    driver: str = ""  # names the driver: an engine target that labels what it starts (docker) labels it so
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,8 @@ def run_task(job: NodeRun, run: RunFunction) -> RunFiles:
         extra.update(job.placement.engine_env())
     if extra:
         target.engine_env = {**getattr(target, "engine_env", {}), **extra}  # this run's copy only
+    if job.driver:
+        target.driver = job.driver  # this run's copy only: what it starts carries the driver's name
     run_dir = Path(tempfile.mkdtemp(prefix="ray-run-", dir=scratch.folder()))
     try:
         result = run(job.loaded, target, artifact, run_dir, job.rep, _NodeProgress(job.sink, job.key),
@@ -164,6 +167,16 @@ def run_task(job: NodeRun, run: RunFunction) -> RunFiles:
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     return RunFiles(node=node, result=result, files=files)
+
+
+def sweep_task(engine: str, driver: str) -> tuple[NodeInfo, list[str]]:
+    """A Ray task on one node, after the driver's runs there ended: the engine target's
+    ``remove_left_behind`` hook (kvrepro.deploy.base.NodeEngine) removes what runs of ``driver``
+    left on this node (a worker killed before its teardown ended); (the node, what it removed)."""
+    from .. import node_engine
+
+    hook = getattr(node_engine(engine), "remove_left_behind", None)
+    return this_node(), (list(hook(driver)) if hook is not None else [])
 
 
 def cancel_with_grace(refs: list, still_running: Callable[[], list], grace_s: float) -> None:

@@ -1,7 +1,9 @@
 """The `ray` target, driver side: connect, ship builds once, run every run as a Ray task, retry
 runs whose node was lost, cancel everything on Ctrl-C, show runs per node. A multi-node engine
 (``ray.nodes_per_engine`` > 1) first holds a placement group, one bundle per node, for the
-whole run; the group is removed whichever way the run ends.
+whole run; the group is removed whichever way the run ends. Before the driver exits, every node
+where a run's task ended without returning (cancelled, its worker killed, an error) is asked to
+remove what that run started and its task could not (the engine target's ``remove_left_behind``).
 
 Imported only through :func:`kvrepro.deploy.ray.load` (it imports Ray).
 """
@@ -15,6 +17,7 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -31,12 +34,14 @@ from ...secrets import redact
 from .. import get_target, node_engine, register
 from ..base import EngineHandle, RunFunction, ShippedFile, Target
 from .bundle import BundleRef, pack
-from .node import NodeRun, Placement, RunFiles, cancel_with_grace, run_task
+from .node import NodeRun, Placement, RunFiles, cancel_with_grace, run_task, sweep_task
 from .settings import RaySpec, cluster_address, ray_settings
 
 # a task failed because its node or worker went away (not because of the run): INFRA, sent again
 NODE_LOST = (rex.NodeDiedError, rex.WorkerCrashedError, rex.LocalRayletDiedError, rex.ObjectLostError,
              rex.OwnerDiedError, rex.ObjectFetchTimedOutError, rex.RaySystemError, rex.ActorDiedError)
+# how long the driver, before it exits, waits for its nodes to remove what killed workers left
+SWEEP_TIMEOUT_S = 60.0
 
 
 def reachable(address: str, timeout: float) -> str | None:
@@ -165,6 +170,9 @@ class RayTarget(Target):
         self._files: dict[str, tuple[ShippedFile, ...]] = {}  # build -> its small files for the engine, per run
         self._inflight: dict[str, Any] = {}
         self._groups: dict[str, PlacementGroup] = {}  # run key -> the placement group it holds
+        # names this driver on what its runs start (docker: a container label), for the sweep at close
+        self._driver = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._unswept: set[str] = set()  # nodes where a run's task ended without returning ("": unknown)
         self._lock = threading.Lock()
         self._interrupted = threading.Event()
         self.board = _Board()
@@ -318,10 +326,14 @@ class RayTarget(Target):
                                   bundle=bundle[0] if bundle else None, bundle_data=[bundle[1]] if bundle else [],
                                   sink=self._sink, replay=replay, placement=placement, engine=self.spec.engine,
                                   files=self._files.get(artifact.plan.name, ()),
-                                  engine_env=tuple(sorted(self.engine_env.items())))
+                                  engine_env=tuple(sorted(self.engine_env.items())), driver=self._driver)
                     ref = self._submit(job, run, avoid)
                     try:
-                        files: RunFiles = self._wait(ref)
+                        try:
+                            files: RunFiles = self._wait(ref)
+                        except BaseException:
+                            self._unclean(key, placement)  # its teardown may not have run to its end
+                            raise
                     except rex.TaskCancelledError:
                         return self._result(artifact, rep, run_dir, Verdict.INTERRUPTED,
                                             "interrupted: its Ray task was cancelled", started, lost)
@@ -401,6 +413,14 @@ class RayTarget(Target):
         known = {n.node_id: n for n in self.nodes()}
         nodes = tuple(known.get(bundle_nodes[i], NodeInfo(node_id=bundle_nodes[i], address="?")) for i in range(count))
         return Placement(group_id=group.id.hex(), name=name, bundles=tuple(range(count)), nodes=nodes)
+
+    def _unclean(self, key: str, placement: Placement | None) -> None:
+        """The run's task ended without returning: its node is swept at close (:meth:`_sweep`)."""
+        with self.board.lock:
+            node = self.board.where.get(key)
+        node_id = node.node_id if node else placement.nodes[0].node_id if placement else ""
+        with self._lock:
+            self._unswept.add(node_id)  # "": the task's node is not known yet (every alive node is swept)
 
     def _release(self, key: str) -> None:
         """Remove the run's placement group (if it holds one); safe to call again."""
@@ -521,12 +541,51 @@ class RayTarget(Target):
 
         threading.Thread(target=force, daemon=True, name="kvrepro-ray-cancel").start()
 
+    def _sweep(self) -> None:
+        """Called once every run's task has ended: on each node where one ended without returning,
+        a task of the engine target's ``remove_left_behind`` removes what this driver's runs left
+        there (a worker killed after ``ray.cancel_grace_s`` in the middle of its engine's teardown;
+        Ray kills the worker's children with it, the docker session's reaper among them). Waited
+        for, at most SWEEP_TIMEOUT_S: kvrepro exits with nothing of its runs left running."""
+        with self._lock:
+            wanted, self._unswept = self._unswept, set()
+        if not wanted or getattr(self._engine, "remove_left_behind", None) is None:
+            return
+        try:
+            alive = {n.node_id: n for n in self.nodes()}
+            ids = set(alive) if "" in wanted else wanted & set(alive)
+            refs = {ray.remote(sweep_task).options(
+                num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            ).remote(self.spec.engine, self._driver): alive[node_id] for node_id in ids}
+            ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=SWEEP_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - a cluster gone: its nodes' leftovers carry owner labels
+            self.on_line(f"ray: could not ask the nodes to remove what stopped runs left "
+                         f"({type(exc).__name__}); `kvrepro clean` on each node removes it")
+            return
+        for ref in ready:
+            try:
+                node, removed = ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - one node's failure: said, the others still count
+                self.on_line(f"ray: node {refs[ref].label}: removing what stopped runs left failed "
+                             f"({type(exc).__name__}); `kvrepro clean` on that node removes it")
+                continue
+            for name in removed:
+                self.on_line(f"removed {name} on node {node.label}: its run's worker was stopped before it could")
+        for ref in pending:
+            self.on_line(f"ray: node {refs[ref].label} did not remove what stopped runs left within "
+                         f"{SWEEP_TIMEOUT_S:.0f}s; `kvrepro clean` on that node removes it")
+            try:
+                ray.cancel(ref, force=True)
+            except Exception:  # noqa: BLE001
+                pass
+
     def close(self) -> None:
         self._closed.set()
         with self._lock:
             keys = list(self._groups)
         for key in keys:  # normally none left: every run removes its own
             self._release(key)
+        self._sweep()
         self._local.close()
         try:
             ray.kill(self._sink)
