@@ -111,6 +111,14 @@ class _Sink:
 
     def __init__(self) -> None:
         self.events: list[tuple] = []
+        self.stopped = False
+
+    def stop(self) -> None:
+        """The driver is stopping: every run asks (is_stopped) and stops through its own stop event."""
+        self.stopped = True
+
+    def is_stopped(self) -> bool:
+        return self.stopped
 
     def started(self, key: str, node: NodeInfo) -> None:
         self.events.append(("started", key, node))
@@ -523,6 +531,10 @@ class RayTarget(Target):
         """Ctrl-C / SIGTERM: cancel every run's task (queued ones never start); a running task gets
         a KeyboardInterrupt and stops its engine; after ray.cancel_grace_s its worker is killed."""
         self._interrupted.set()
+        try:  # the runs hear it from the sink too: a cancel's KeyboardInterrupt can be lost on the node
+            self._sink.stop.remote()  # (raised inside a callback mid-import), the run then went on to its end
+        except Exception:  # noqa: BLE001 - the cluster is gone: the cancels below say the rest
+            pass
         with self._lock:
             refs = list(self._inflight.values())
         for ref in refs:  # at once, in the caller's thread; the wait and the kill in the background
