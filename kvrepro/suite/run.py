@@ -356,6 +356,17 @@ def _read_record(path: Path) -> SuiteRecord:
     return record
 
 
+
+def _recorded_run(folder: Path, run_id: str | None, notes: list[str], label: str):
+    """A suite run's recorded matrix run (None: none recorded, or damaged: said in ``notes``)."""
+    if not run_id:
+        return None
+    try:
+        return results.load_run(folder / RUNS_FOLDER, run_id)
+    except KvreproError as exc:
+        notes.append(f"{label}: {exc}")
+        return None
+
 def load_suite(path: Path, catalogue: Catalogue, root: Path = results.DEFAULT_ROOT) -> SuiteResult:
     """A recorded suite run judged against ``catalogue`` (the recorded runs are not changed)."""
     folder = _suite_folder(path, root)
@@ -373,23 +384,13 @@ def load_suite(path: Path, catalogue: Catalogue, root: Path = results.DEFAULT_RO
         if entry is None:
             notes.append(f"{name}: recorded, but not in {catalogue.folder}; not judged")
             continue
-        run = None
-        if entry.testable and info.run:
-            try:
-                run = results.load_run(folder / RUNS_FOLDER, info.run)
-            except KvreproError as exc:
-                notes.append(f"{name}: {exc}")
+        run = _recorded_run(folder, info.run, notes, name) if entry.testable else None
         try:
             refused = refused_builds(entry, list(builds))
         except KvreproError:  # the matrix.yaml of today lost a patch the run used: judge what was recorded
             refused = {}
         several = len(builds) - len(refused) > 1  # the entry's matrix ran on the builds that take it
-        bare = None
-        if entry.testable and info.base_run:
-            try:
-                bare = results.load_run(folder / RUNS_FOLDER, info.base_run)
-            except KvreproError as exc:
-                notes.append(f"{name} without the stack: {exc}")
+        bare = _recorded_run(folder, info.base_run, notes, f"{name} without the stack") if entry.testable else None
         for b in builds:
             if not entry.testable:
                 rows.append(not_testable_row(entry, b.key, b.release, b.patches))
