@@ -35,8 +35,9 @@ sys.path.insert(0, str(ROOT))
 
 from kvrepro import lifetime
 from kvrepro.results import store as results, index as runindex  # noqa: E402
-from kvrepro.records import (RESULTS_SCHEMA, BuildRecord, LoadSummary, Outcome, RunManifest,  # noqa: E402
-                             RunResult, Verdict)
+from kvrepro.builds.records import BuildRecord
+from kvrepro.deploy.records import RunManifest
+from kvrepro.records import RESULTS_SCHEMA, LoadSummary, Outcome, RunResult, Verdict
 
 GOAL_S = 1.0
 BUILDS = ("A", "B", "C", "D")

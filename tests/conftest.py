@@ -361,6 +361,7 @@ def matrix_copy(tmp_path) -> Path:
 
 def planned_run(**fields):
     """A run as the runner plans it (kvrepro.results.store.create_run's ``info``), from JSON-like fields."""
-    from kvrepro.records import RunInfo, from_jsonable, to_jsonable
+    from kvrepro.records import from_jsonable, to_jsonable
+    from kvrepro.results.records import RunInfo
 
     return from_jsonable(RunInfo, {"run_id": "", "status": "running", **to_jsonable(fields)})

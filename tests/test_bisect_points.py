@@ -75,7 +75,7 @@ def test_points_become_one_build_matrices(default_matrix, tiny_repo):
 def test_commit_overlay_is_the_commits_tree_plus_what_only_the_wheel_has(tmp_path, pristine_vllm, monkeypatch):
     """The commit's files win; files git never tracked (generated _version.py, wheel-only folders)
     come from the wheel; the probe is added; the overlay is reused by commit sha."""
-    from kvrepro.records import BuildPlan, GitCommitSource
+    from kvrepro.spec.records import BuildPlan, GitCommitSource
 
     monkeypatch.setenv("KVREPRO_HOME", str(tmp_path / "home"))
     # the real 0.26.0 wheel and its extraction, linked into the private home

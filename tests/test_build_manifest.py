@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvrepro.records import (BuildManifest, BuildRecord, FileChange, HostImage, ImageRef, ManifestPatch, ProbeRef,
-                             RecordError, from_jsonable, to_jsonable)
+from kvrepro.builds.records import BuildManifest, BuildRecord, FileChange, HostImage, ImageRef, ManifestPatch, ProbeRef
+from kvrepro.records import RecordError, from_jsonable, to_jsonable
 
 OVERLAY = {"source": "git commit", "repo": "/r", "commit": "a" * 40, "from_wheel": ["vllm/_version.py"],
            "base": "0.26.0", "wheel": "vllm-0.26.0-py3-none-any.whl", "wheel_sha256": "ab" * 32,

@@ -176,7 +176,7 @@ def test_the_probe_counts_divergent_hits_handed_to_the_connector(runtime_python,
 
 def test_a_recorded_suite_gives_the_capable_entry_not_testable_on_an_older_release(tmp_path):
     """What `suite report` shows for a build the entry was never run on: NOT TESTABLE, with why."""
-    from kvrepro.records import SuiteBuildRecord, SuiteEntryRecord, SuiteRecord
+    from kvrepro.suite.records import SuiteBuildRecord, SuiteEntryRecord, SuiteRecord
     from kvrepro.results import store
     from kvrepro.suite.judge import NOT_TESTABLE
     from kvrepro.suite.run import SUITE_FILE, load_suite

@@ -16,7 +16,8 @@ import pytest
 from kvrepro.classify import classify_file, classify_log, known_patterns, match_pattern, read_exposure
 from kvrepro.classify.lines import split_line
 from kvrepro.classify.classifier import classify_with_traceback
-from kvrepro.records import Classification, Outcome
+from kvrepro.classify.records import Classification
+from kvrepro.records import Outcome
 from kvrepro.spec.matrix import TargetSignature
 
 LOGS = Path(__file__).parent / "data" / "logs"
@@ -481,7 +482,7 @@ def _engine_log(frames: list[str], exception: str) -> str:
 
 def test_engine_counters_last_line_of_each_process_and_unknown_without_one():
     from kvrepro.classify import read_engine_counters
-    from kvrepro.records import EngineCounters
+    from kvrepro.classify.records import EngineCounters
 
     log = ("(EngineCore pid=7) INFO 11-30 14:08:53 [executor.py:413] kvrepro-sim: counts steps=5 "
            "offload_load_jobs=1 offload_store_jobs=2 pid=7\n"
@@ -548,7 +549,8 @@ def test_every_probe_counter_is_read_by_its_name_from_the_table():
     suite: a new counter is a table line and two fields, not a reader change."""
     import dataclasses
 
-    from kvrepro.records import PROBE_COUNTERS, Exposure, RunResult
+    from kvrepro.classify.records import PROBE_COUNTERS, Exposure
+    from kvrepro.records import RunResult
     from kvrepro.suite.catalogue import COUNTERS
 
     values = {name: 3 + i for i, name in enumerate(PROBE_COUNTERS)}

@@ -28,7 +28,8 @@ from kvrepro.deploy.docker import labels as L
 from kvrepro.deploy.docker.basecpu import default_tag
 from kvrepro.deploy.docker.errors import DockerInfraError
 from kvrepro.deploy.docker.hosts import connect, local_host_spec
-from kvrepro.records import BuildArtifact, BuildManifest, Outcome, Verdict
+from kvrepro.builds.records import BuildArtifact, BuildManifest
+from kvrepro.records import Outcome, Verdict
 from kvrepro.matrix.runner import SilentProgress, run_one
 from kvrepro.spec.matrix import load_matrix
 

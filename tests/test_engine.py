@@ -136,7 +136,7 @@ def test_each_base_release_has_its_own_vllm_cache_and_patch_stacks_share_it():
     """A release switch must not invalidate another release's model-info entries (vLLM inspects a
     model class again, in a subprocess, when the cached module hash differs)."""
     from kvrepro.deploy.sim import vllm_cache_root
-    from kvrepro.records import BuildPlan, GitCommitSource, PatchRef
+    from kvrepro.spec.records import BuildPlan, GitCommitSource, PatchRef
 
     patch = PatchRef(name="pr-52807", path=Path("builds/pr-52807.patch"), upstream="", sha256="0" * 64)
     a, b = BuildPlan("A", "0.26.0", ()), BuildPlan("B", "0.26.0", (patch,))

@@ -45,7 +45,7 @@ def test_the_table_names_reverts_and_mutations_of_each_component():
 def test_each_planted_patch_applies_to_its_release_and_does_what_its_header_says(bug, tmp_path):
     from kvrepro.builds import pristine_tree
     from kvrepro.builds.patching import apply_patch_stack, check_expectations, read_header, touched_files
-    from kvrepro.records import PatchRef
+    from kvrepro.spec.records import PatchRef
 
     path = planted.PLANTED / bug.patch
     header = read_header(path)

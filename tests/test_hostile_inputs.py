@@ -526,7 +526,7 @@ def test_a_usage_error_is_one_line():
 
 
 def _run_folder(root: Path) -> Path:
-    from kvrepro.records import RunBuildEntry, RunInfo
+    from kvrepro.results.records import RunBuildEntry, RunInfo
     from kvrepro.results import store as results
 
     run = results.create_run(root, "builds: {A: []}\n", RunInfo(

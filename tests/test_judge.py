@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvrepro.classify.judge import judge
-from kvrepro.records import EngineCounters, Exposure, Judgement, LoadSummary, Outcome, RunResult, Verdict
+from kvrepro.classify.judge import judge, run_result
+from kvrepro.classify.records import EngineCounters, Exposure, Judgement
+from kvrepro.records import LoadSummary, Outcome, RunResult, Verdict
 
 
 def _distinct(field: dataclasses.Field, i: int):
@@ -29,7 +30,7 @@ def test_a_run_result_holds_every_exposure_field_it_names_without_a_copy_list():
                           counters=EngineCounters(steps=7, offload_load_jobs=8, offload_store_jobs=9),
                           defects={"fa-hole-below-boundary": 3}, verdict=Verdict.CORRUPT, title="t",
                           external_prefix_cache_hits=5, prefix_cache_hits=6)
-    result = RunResult.judged(judgement, build="A", rep=0, requests=10, seconds=1.0)
+    result = run_result(judgement, build="A", rep=0, requests=10, seconds=1.0)
     shared = {f.name for f in dataclasses.fields(Exposure)} & {f.name for f in dataclasses.fields(RunResult)}
     assert len(shared) >= 15
     for name in shared:

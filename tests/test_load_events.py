@@ -19,7 +19,7 @@ import pytest
 
 from conftest import ROOT
 
-from kvrepro.records import RequestEvents
+from kvrepro.spec.records import RequestEvents
 from kvrepro.spec.matrix import LoadEventSpec, LoadSpec, RunsSpec
 
 pytestmark = pytest.mark.shares_zygotes  # one engine zygote per runtime for the session (conftest.shares_zygotes)

@@ -173,7 +173,8 @@ def test_a_read_of_blocks_a_failed_load_did_not_fill_is_corrupt_and_a_recompute_
 def test_a_request_failed_on_purpose_is_not_a_failed_request_but_other_failures_still_are():
     from kvrepro.classify.exposure import read_exposure
     from kvrepro.classify.verdict import decide
-    from kvrepro.records import Classification, Outcome
+    from kvrepro.classify.records import Classification
+    from kvrepro.records import Outcome
 
     log = ("(EngineCore pid=7) INFO 12-02 [executor.py:130] kvrepro-fault: load job 8 failed on purpose (load #1, "
            "request cmpl-kvrepro-2-0-a7, policy fail, 9 GPU blocks not filled: 25,27)\n")

@@ -21,7 +21,8 @@ from kvrepro.builds.patching import (
     touched_files,
 )
 from kvrepro.errors import SetupError, SpecError
-from kvrepro.records import PatchFailure, PatchRef
+from kvrepro.builds.records import PatchFailure
+from kvrepro.spec.records import PatchRef
 from kvrepro.spec.matrix import load_matrix
 from kvrepro.versions import SUPPORTED_RELEASES
 
@@ -576,7 +577,9 @@ def test_reverse_is_in_the_overlay_key_and_the_manifest_records():
     from dataclasses import replace
 
     from kvrepro.builds.overlay import overlay_key
-    from kvrepro.records import BuildManifest, BuildPlan, ManifestPatch, PatchInfo, to_jsonable
+    from kvrepro.builds.records import BuildManifest, ManifestPatch, PatchInfo
+    from kvrepro.records import to_jsonable
+    from kvrepro.spec.records import BuildPlan
 
     ref = _ref("revert-pr-44409")
     plan = BuildPlan(name="R", base="0.26.0", patches=(ref,))

@@ -1419,7 +1419,7 @@ def test_run_materialises_nothing_per_repetition(tmp_path, monkeypatch):
     import threading
 
     from kvrepro.matrix import runner
-    from kvrepro.records import BuildArtifact, BuildManifest
+    from kvrepro.builds.records import BuildArtifact, BuildManifest
     from kvrepro.spec.matrix import load_matrix
 
     loaded = load_matrix(small_matrix(tmp_path))
@@ -1475,7 +1475,8 @@ def test_run_materialises_nothing_per_repetition(tmp_path, monkeypatch):
 def test_failed_requests_win_over_the_shadow_kv_only_when_the_load_did_not_test():
     """The order in verdict.decide: more than 5% failed with the engine up is INFRA even with
     shadow-KV violations; a real corruption with a few failures stays CORRUPT."""
-    from kvrepro.records import Classification, Exposure, LoadSummary, Outcome, Verdict
+    from kvrepro.classify.records import Classification, Exposure
+    from kvrepro.records import LoadSummary, Outcome, Verdict
     from kvrepro.classify.verdict import decide, title
 
     none = Classification(Outcome.NONE, "")

@@ -17,8 +17,9 @@ from kvrepro.report import junit, pages, render as report
 from kvrepro.report import document
 from kvrepro.results import store as results
 from kvrepro.report.compare import compare
-from kvrepro.records import (BuildManifest, BuildRecord, HostInfo, LoadSummary, Outcome, RunResult, Signature,
-                             Verdict)
+from kvrepro.builds.records import BuildManifest, BuildRecord
+from kvrepro.records import LoadSummary, Outcome, RunResult, Signature, Verdict
+from kvrepro.results.records import HostInfo
 from kvrepro.results.store import ResultsSchemaError
 from conftest import planned_run
 
@@ -247,7 +248,7 @@ def test_compare_names_the_builds_whose_verdicts_changed(tmp_path):
 
 def _bisection():
     from kvrepro.bisect.points import ReleasePoint
-    from kvrepro.records import BisectResult, BisectStep
+    from kvrepro.report.records import BisectResult, BisectStep
 
     steps = (BisectStep(ReleasePoint("0.26.0"), "0.26.0", "bad end", "bad", {"CRASH(target)": 3}, None),
              BisectStep(ReleasePoint("0.29.0"), "0.29.0", "midpoint", "good", {"SURVIVED": 2}, 2, state="handled"))
@@ -369,7 +370,7 @@ def test_each_report_section_is_one_file_and_they_come_in_order(tmp_path):
 def test_the_matrix_report_shows_the_upstream_tests_of_its_builds(tmp_path):
     """A `kvrepro builds test` record (written here by hand: our own record type) in the same
     results folder: the matrix report shows its builds' counts, what differs and the regression."""
-    from kvrepro.records import UpstreamBuildTests, UpstreamTestChange, UpstreamTestRun
+    from kvrepro.builds.records import UpstreamBuildTests, UpstreamTestChange, UpstreamTestRun
     from kvrepro.report import upstream_tests
 
     run = make_run(tmp_path, DEFAULT, EXPECT)

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from kvrepro.matrix.runner import longest_first
-from kvrepro.records import BuildArtifact, BuildPlan, Outcome, RunResult, Verdict
+from kvrepro.builds.records import BuildArtifact
+from kvrepro.records import Outcome, RunResult, Verdict
+from kvrepro.spec.records import BuildPlan
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ import pytest
 from kvrepro.classify.settle import CONFIDENCE, EVENTS, RATE_BOUND, LogFollower, count, events_needed, settled, upper_bound
 from kvrepro.loadgen import run_load
 from kvrepro.matrix.runner import MatrixOptions, stop_rule_for
-from kvrepro.records import Exposure, StopRule
+from kvrepro.classify.records import Exposure, StopRule
 
 from test_loadgen import LOAD, StandInEngine, runs
 

@@ -82,7 +82,8 @@ def _record(root, build: str, base: str, patches: list[str], runs: list[RunResul
     """A one-build matrix run written as the runner writes one (the suite's runs/<id>/)."""
     from conftest import planned_run
 
-    from kvrepro.records import BuildRecord, HostInfo
+    from kvrepro.builds.records import BuildRecord
+    from kvrepro.results.records import HostInfo
     from kvrepro.results import store as results
 
     folder = results.create_run(root, "base: x\n", planned_run(**{
@@ -101,7 +102,7 @@ def _record(root, build: str, base: str, patches: list[str], runs: list[RunResul
 def test_a_suite_on_a_stack_says_what_the_stack_introduced_from_its_entries_base_runs(tmp_path):
     """suite.json's base_run: the entry's runs on the release alone. The stack's stall at another place
     than the release's is introduced; the release's own stall is in the base."""
-    from kvrepro.records import SuiteBuildRecord, SuiteEntryRecord, SuiteRecord
+    from kvrepro.suite.records import SuiteBuildRecord, SuiteEntryRecord, SuiteRecord
     from kvrepro.results import store as results
     from kvrepro.suite import report as suite_report
     from kvrepro.suite.run import SUITE_FILE, load as load_catalogue, load_suite

@@ -103,7 +103,7 @@ def test_the_stall_test_fails_on_the_release_and_passes_with_the_proposed_fix(sc
     with the patch."""
     from kvrepro.builds.patching import read_header
     from kvrepro.builds.standalone_test import run_standalone
-    from kvrepro.records import PatchRef
+    from kvrepro.spec.records import PatchRef
 
     path = tmp_path / "test_stall.py"
     upstream_emit.emit_stall_test(path, _case(scheduler_source))

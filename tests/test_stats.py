@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from kvrepro.records import BuildManifest, Outcome, RunResult, Verdict
+from kvrepro.builds.records import BuildManifest
+from kvrepro.records import Outcome, RunResult, Verdict
 from kvrepro.report.stats import (Rate, StateRate, decisive, factorials, fisher_one_sided, patch_effects, rate, state_rate)
 
 Z = 1.959963984540054  # the 97.5% normal quantile
@@ -106,7 +107,8 @@ def test_stopping_rule():
 
 def test_adaptive_rounds_stop_each_build_by_the_rule():
     """runner._decided applies the stopping rule per build; INFRA builds stop after one run."""
-    from kvrepro.records import BuildArtifact, BuildPlan
+    from kvrepro.builds.records import BuildArtifact
+    from kvrepro.spec.records import BuildPlan
     from kvrepro.matrix.runner import _decided
 
     ok = BuildArtifact(plan=BuildPlan("B", "0.26.0", ()), ref="/overlay", manifest=BuildManifest())

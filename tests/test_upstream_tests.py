@@ -243,7 +243,7 @@ def test_what_a_job_learns_about_model_classes_is_shared_with_the_releases_later
     from kvrepro import paths
     from kvrepro.builds import upstream_tests
     from kvrepro.deploy.sim import vllm_cache_root
-    from kvrepro.records import BuildPlan
+    from kvrepro.spec.records import BuildPlan
 
     monkeypatch.setenv("KVREPRO_HOME", str(tmp_path / "home"))
     tree = tmp_path / "overlay"

@@ -2,7 +2,8 @@
 
 import pytest
 
-from kvrepro.records import Classification, Exposure, LoadSummary, Outcome, Verdict
+from kvrepro.classify.records import Classification, Exposure
+from kvrepro.records import LoadSummary, Outcome, Verdict
 from kvrepro.classify.verdict import MAX_FAILED_SHARE, decide, title
 
 NONE = Classification(Outcome.NONE, "")

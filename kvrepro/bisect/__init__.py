@@ -6,7 +6,7 @@ tree on the nearest release's wheel), and delta debugging over a set of candidat
 Every probe is an ordinary one-build matrix run by the runner (:mod:`.points`).
 
 Public API: :func:`start`, :func:`resume`, :func:`probe_point`, :class:`Interrupted`, and the
-records :class:`kvrepro.records.BisectStep` / :class:`kvrepro.records.BisectResult`.
+records :class:`kvrepro.report.records.BisectStep` / :class:`kvrepro.report.records.BisectResult`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from .. import versions
 from ..builds import gitcommit
 from ..errors import SpecError
-from ..records import BisectDetail, BisectResult
+from ..report.records import BisectDetail, BisectResult
 from ..matrix import load_matrix
 from .points import CommitPoint, PatchSetPoint, Point, PointMatrices, ReleasePoint, releases_between
 from .rules import Evidence, PointRule, PointVerdict, default_max_runs, evidence, runs_needed_for_good

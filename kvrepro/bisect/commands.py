@@ -12,7 +12,7 @@ from typing import Any
 from rich.markup import escape
 
 from ..errors import KvreproError, SpecError
-from ..records import BisectResult
+from ..report.records import BisectResult
 from ..report import terminal
 from ..report.terminal import err, out
 from .session import Interrupted, ensure_idle, is_bisection, load_state, result_from_state

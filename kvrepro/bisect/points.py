@@ -17,7 +17,7 @@ import yaml
 from .. import versions
 from ..builds import gitcommit
 from ..errors import SpecError
-from ..records import BuildPlan, GitCommitSource
+from ..spec.records import BuildPlan, GitCommitSource
 from ..spec.matrix import LoadedMatrix
 
 class Point:

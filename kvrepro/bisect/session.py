@@ -24,7 +24,8 @@ from ..results import store as results
 from ..deploy import get_target
 from ..deploy.base import Target
 from ..errors import KvreproError, SpecError
-from ..records import BisectDetail, BisectResult, BisectStep, RunResult
+from ..records import RunResult
+from ..report.records import BisectDetail, BisectResult, BisectStep
 from ..matrix.runner import MatrixOptions, Progress, SilentProgress, run_matrix
 from .points import Point, PointMatrices
 from .rules import (Evidence, PointRule, PointVerdict, RunSummary, Tally, confidence, default_max_runs, estimate_p_bad,

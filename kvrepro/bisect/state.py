@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..errors import SpecError
-from ..records import BisectDetail, BisectPoint, BisectStep, RecordError, from_jsonable
+from ..records import RecordError, from_jsonable
+from ..report.records import BisectDetail, BisectPoint, BisectStep
 from .points import Point, point_from_json
 from .rules import RunSummary
 

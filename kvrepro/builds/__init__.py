@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..records import BuildArtifact, BuildPlan
+from .records import BuildArtifact
+from ..spec.records import BuildPlan
 from .gitcommit import build_commit_overlay
 from .overlay import build_release_overlay, pristine_tree
 from .patching import apply_patch_stack, touched_files

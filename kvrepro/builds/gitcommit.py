@@ -26,7 +26,8 @@ from pathlib import Path
 
 from .. import paths, versions
 from ..errors import KvreproError, SpecError
-from ..records import BuildArtifact, BuildManifest, BuildPlan
+from .records import BuildArtifact, BuildManifest
+from ..spec.records import BuildPlan
 from . import patching
 from .overlay import OVERLAY_FORMAT, PROBE_SOURCE, file_sha256, finish_overlay, pristine_tree
 

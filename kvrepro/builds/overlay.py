@@ -19,7 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .. import paths
-from ..records import BuildArtifact, BuildManifest, BuildPlan
+from .records import BuildArtifact, BuildManifest
+from ..spec.records import BuildPlan
 from .plugin_dist import dist_info_files
 from . import patching, wheel as wheels
 

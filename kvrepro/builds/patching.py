@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from ..errors import InfraError, SetupError, SpecError
-from ..records import PatchFailure, PatchRef
+from .records import PatchFailure
+from ..spec.records import PatchRef
 
 #: Path components stripped from the names in the diff (``a/vllm/...`` -> ``vllm/...``).
 STRIP = 1

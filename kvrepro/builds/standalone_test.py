@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SetupError
-from ..records import BuildPlan, PatchRef, UpstreamTestOutcome
+from .records import UpstreamTestOutcome
+from ..spec.records import BuildPlan, PatchRef
 from . import overlay, prepare_runtime
 from .sdist import source_tests
 from .upstream_tests import (PLUGIN_NAME, PLUGIN_SOURCE, TestTree, TreeRun, _pristine_root, run_pytest,

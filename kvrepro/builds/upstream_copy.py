@@ -23,7 +23,7 @@ import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..records import CopiedHelper
+from .records import CopiedHelper
 
 _BUILTINS = set(dir(builtins))
 

@@ -39,7 +39,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..records import ChangedCode
+from .records import ChangedCode
 
 NOT_AFFECTED = "not affected: never ran the code the patch stack changed (impact rule, docs/upstream-tests.md)"
 _WIDE_FIXTURE = re.compile(r"""@pytest\.fixture\([^)]*scope\s*=\s*["'](module|class|package|session)["']""")

@@ -39,10 +39,12 @@ from pathlib import Path
 
 from .. import paths, versions
 from ..errors import BadInputError, SetupError
-from ..records import (
-    BuildPlan, ChangedCode, ExcludedTest, PatchRef, PatchTestModule, UpstreamBuildTests, UpstreamTestChange,
-    UpstreamTestOutcome, UpstreamTestRun, from_jsonable, to_jsonable,
+from .records import (
+    ChangedCode, ExcludedTest, PatchTestModule, UpstreamBuildTests, UpstreamTestChange, UpstreamTestOutcome,
+    UpstreamTestRun,
 )
+from ..records import from_jsonable, to_jsonable
+from ..spec.records import BuildPlan, PatchRef
 from . import overlay, patching, upstream_copy, upstream_impact
 from .runtime import Runtime, ensure_layer
 from .sdist import SourceTests, on_index, publish_staged, source_tests

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..records import Classification
+from .records import Classification
 from ..spec.matrix import TargetSignature
 from .classifier import classify_lines, excerpt, fatal_traceback, is_target_crash
 from .engine_counters import read_engine_counters

@@ -45,7 +45,8 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..records import Classification, Outcome, Signature
+from .records import Classification
+from ..records import Outcome, Signature
 from ..spec.matrix import TargetSignature
 from .infra import InfraCause, infra_keywords, match_infra
 from .lines import split_line

@@ -16,7 +16,7 @@ from __future__ import annotations
 import io
 import re
 
-from ..records import EngineCounters
+from .records import EngineCounters
 from .lines import split_line
 
 _TAG = "kvrepro-sim: counts"

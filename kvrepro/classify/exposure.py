@@ -48,7 +48,8 @@ import re
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from ..records import PROBE_COUNTERS, REQUEST_ID_PREFIX, Exposure
+from .records import PROBE_COUNTERS, Exposure
+from ..records import REQUEST_ID_PREFIX
 from .lines import split_line
 from .metrics import parse_prometheus, total
 

@@ -3,17 +3,20 @@
 The runner (after each repetition), the results read-back (a run recorded before a corruption
 signature was added reads with it) and `kvrepro classify` (a log alone) all judge here, so a new
 counter or a new rule is written once. What one run left goes in (its log, its /metrics, what
-the load generator saw, how the engine ended); a :class:`~kvrepro.records.Judgement` comes out.
+the load generator saw, how the engine ended); a :class:`~kvrepro.classify.records.Judgement` comes out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
-from ..records import Judgement, LoadSummary, Outcome, RunResult, Verdict
+from ..records import LoadSummary, Outcome, RunResult, Verdict
 from ..spec.matrix import TargetSignature
 from .corruption import defects_of
+from .records import Exposure, Judgement
 from .metrics import parse_prometheus, total
 from .report import ParsedLog, parse_log
 from .verdict import corruption_title, decide, died_without_traceback_title
@@ -67,3 +70,29 @@ def reattributed(result: RunResult) -> RunResult:
                          result.kv_groups)
     title = corruption_title(defects, result.kv_first_violation) if result.verdict is Verdict.CORRUPT else result.title
     return replace(result, kv_defects=defects, title=title)
+
+
+def run_result(judgement: Judgement, **run: Any) -> RunResult:
+    """A repetition's record from its judgement and ``run``, the repetition's own fields (build,
+    rep, requests, seconds, run_dir, base, load, ...).
+
+    Every Exposure field that RunResult also has is copied by name: a new probe counter is a
+    field of both records and a line of the probe's reader, and nothing else changes."""
+    exposure, counters = judgement.exposure, judgement.counters
+    own = {f.name for f in dataclasses.fields(RunResult)}
+    fields: dict[str, Any] = {f.name: _copied(getattr(exposure, f.name)) for f in dataclasses.fields(Exposure)
+                              if f.name in own}
+    fields.update(
+        verdict=judgement.verdict, outcome=judgement.classification.outcome, title=judgement.title,
+        refused_arguments=judgement.classification.refused_arguments,
+        signature=judgement.classification.signature, trigger_count=exposure.trigger_calls,
+        state_count=exposure.state_calls, kv_check=exposure.kv_check, kv_defects=dict(judgement.defects),
+        offload_load_jobs=counters.offload_load_jobs, offload_store_jobs=counters.offload_store_jobs,
+        engine_steps=counters.steps, external_prefix_cache_hits=judgement.external_prefix_cache_hits,
+        prefix_cache_hits=judgement.prefix_cache_hits)
+    return RunResult(**fields, **run)
+
+
+def _copied(value: Any) -> Any:
+    """A record's own copy of a mutable field (frozen dataclasses still hold mutable dicts)."""
+    return dict(value) if isinstance(value, dict) else value

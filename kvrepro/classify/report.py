@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..loadgen.capacity import LoggedCapacity
-from ..records import Classification, EngineCounters, Exposure
+from .records import Classification, EngineCounters, Exposure
 from ..spec.geometry import BuiltGeometry
 from ..spec.matrix import TargetSignature
 from .classifier import Scan, classify_evidence

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..records import Exposure, StopRule
+from .records import Exposure, StopRule
 from .corruption import defects_of
 from .report import LogParser, LogTail
 

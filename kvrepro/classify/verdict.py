@@ -24,7 +24,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .corruption import UNKNOWN, title_of
-from ..records import Classification, Exposure, LoadSummary, Outcome, Verdict
+from .records import Classification, Exposure
+from ..records import LoadSummary, Outcome, Verdict
 
 # share of requests that may fail, with the engine alive, in a run that still counts
 MAX_FAILED_SHARE = 0.05

@@ -10,7 +10,10 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..records import BuildArtifact, BuildPlan, FsTierFolder, RunResult
+from ..builds.records import BuildArtifact
+from .records import FsTierFolder
+from ..records import RunResult
+from ..spec.records import BuildPlan
 
 if TYPE_CHECKING:  # kvrepro.spec.matrix (pydantic): not needed to import the targets' package
     from ..spec.matrix import LoadedMatrix

@@ -27,7 +27,8 @@ from pathlib import Path
 
 from .. import builds, lifetime, paths, scratch, versions
 from ..errors import InfraError, KvreproError, describe_os_error
-from ..records import BuildArtifact, BuildManifest, BuildPlan
+from ..builds.records import BuildArtifact, BuildManifest
+from ..spec.records import BuildPlan
 from ..secrets import redact, scrubbed_environ
 from . import register
 from .base import EngineHandle, NodeBuild, Target
@@ -440,7 +441,7 @@ class SimTarget(Target):
 
 
 def fresh_fs_tiers(folders) -> None:
-    """Each fs offload tier's folder (kvrepro.records.FsTierFolder, a local path), empty: a
+    """Each fs offload tier's folder (kvrepro.deploy.records.FsTierFolder, a local path), empty: a
     leftover of an earlier start in the same run folder is removed first."""
     for folder in folders:
         path = Path(folder.engine_root_dir)

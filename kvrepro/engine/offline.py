@@ -123,7 +123,7 @@ def run_job(build_core, job: list[dict]) -> dict:
             if i == rider_done or i <= sent_with:
                 result["requests_done"] = i + 1
                 continue
-            # load.events as the trace recorded them (kvrepro.records.RequestEvents): what the client
+            # load.events as the trace recorded them (kvrepro.spec.records.RequestEvents): what the client
             # did to the request, done here to the EngineCore directly, as the HTTP load does it
             events = item.get("events") or {}
             rider = job[i + 1] if i + 1 < len(job) and queued_abort(job[i + 1]) else None

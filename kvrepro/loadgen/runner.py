@@ -59,7 +59,8 @@ from typing import Any
 import requests
 
 from ..errors import InfraError
-from ..records import REQUEST_ID_PREFIX, LoadSummary, RequestEvents
+from ..records import REQUEST_ID_PREFIX, LoadSummary
+from ..spec.records import RequestEvents
 from ..spec.matrix import LoadSpec, RunsSpec
 from . import http
 from . import trace as tracefile

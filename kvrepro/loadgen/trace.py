@@ -7,7 +7,7 @@ request that killed the engine is in the trace even though it never got an answe
 
 ``{"index", "slot", "sent_s", "in_flight", "max_tokens", "tokens": [...]}`` and, when the load did
 something to the request besides sending it (``load.events``), ``"events": {"abort": "queued", ...}``
-(:class:`~kvrepro.records.RequestEvents`): a replay repeats it, the minimizer may drop it with its request.
+(:class:`~kvrepro.spec.records.RequestEvents`): a replay repeats it, the minimizer may drop it with its request.
 
 ``slot`` is the worker (concurrency slot) that sent it, ``sent_s`` seconds since the run's first
 request, ``in_flight`` the requests in flight including this one. Prompts are stored as token ids
@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SpecError
-from ..records import Json, RecordError, RequestEvents, type_hints, from_jsonable, to_jsonable
+from ..records import Json, RecordError, type_hints, from_jsonable, to_jsonable
+from ..spec.records import RequestEvents
 from .profiles import Profile, Prompt
 
 FORMAT_VERSION = 1

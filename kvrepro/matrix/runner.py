@@ -25,7 +25,7 @@ from .. import __version__, stopping
 from ..results import store as results
 from ..report.expectations import enough_runs
 from ..classify import LogParser, LogTail
-from ..classify.judge import judge
+from ..classify.judge import judge, run_result
 from ..classify.settle import settled
 from ..deploy import engine_api_key as target_api_key
 from ..deploy import get_target
@@ -36,7 +36,12 @@ from ..loadgen.runner import replay_load
 from ..loadgen.trace import TraceHeader
 from ..spec.geometry import built_mismatch as geometry_mismatch
 from ..loadgen.capacity import engine_capacity
-from ..records import (BuildArtifact, BuildPlan, BuildRecord, HostInfo, LoadSummary, Outcome, PatchInfo, RunBuildEntry, RunInfo, RunManifest, RunResult, StopRule, Verdict)
+from ..builds.records import BuildArtifact, BuildRecord, PatchInfo
+from ..classify.records import StopRule
+from ..deploy.records import RunManifest
+from ..records import LoadSummary, Outcome, RunResult, Verdict
+from ..results.records import HostInfo, RunBuildEntry, RunInfo
+from ..spec.records import BuildPlan
 from ..secrets import redact
 from ..spec.matrix import LoadedMatrix
 
@@ -270,7 +275,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
                       engine_exit=engine_exit, expected_probe_sha256=artifact.manifest.probe_target_sha256,
                       other_engine=geometry_mismatch(matrix.engine, parsed.geometries),
                       stall_timeout_s=matrix.runs.stall_timeout_s)
-    return RunResult.judged(judgement, build=plan.name, rep=rep, requests=load.requests_sent if load else 0,
+    return run_result(judgement, build=plan.name, rep=rep, requests=load.requests_sent if load else 0,
                             seconds=round(seconds, 3), run_dir=str(run_dir), base=plan.base, load=load,
                             engine_exit=engine_exit, probe_expected_sha256=artifact.manifest.probe_target_sha256,
                             engine_start_s=engine_start_s)

@@ -61,7 +61,8 @@ from ..results import store as results
 from ..errors import InfraError, KvreproError, SpecError
 from ..loadgen.trace import Trace, TraceRequest, read_trace, write_trace
 from ..classify import is_target_crash
-from ..records import BuildPlan, Signature
+from ..records import Signature
+from ..spec.records import BuildPlan
 from ..spec.matrix import LoadedMatrix, TargetSignature
 
 

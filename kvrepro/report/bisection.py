@@ -15,7 +15,8 @@ from rich.markup import escape
 from rich.table import Table as RichTable
 from rich.text import Text
 
-from ..records import BisectResult, BisectStep, to_jsonable
+from ..records import to_jsonable
+from .records import BisectResult, BisectStep
 from ..results.store import write_atomic
 from .pages import Block, Cell, Heading, Para, Table, to_html, to_markdown
 

@@ -13,7 +13,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from ..records import BisectStep, RunResult, to_jsonable
+from ..records import RunResult, to_jsonable
+from .records import BisectStep
 from ..secrets import redact, redact_value
 
 # log_path=False: a progress line ends in what it says, not in the logger's source position (terminal.py:40)

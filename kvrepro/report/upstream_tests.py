@@ -12,7 +12,8 @@ import json
 import time
 from pathlib import Path
 
-from ..records import RecordError, UpstreamTestChange, UpstreamTestRun, from_jsonable, to_jsonable
+from ..builds.records import UpstreamTestChange, UpstreamTestRun
+from ..records import RecordError, from_jsonable, to_jsonable
 from ..results.store import write_atomic
 from .pages import Block, Bullets, Heading, Para, Table
 

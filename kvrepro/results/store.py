@@ -31,7 +31,10 @@ from typing import Any
 
 from .. import __version__, lifetime, untrusted
 from ..errors import BadInputError, KvreproError
-from ..records import (RESULTS_SCHEMA, BuildRecord, RecordError, RunBuildEntry, RunInfo, RunManifest, RunResult, Outcome, Verdict, from_jsonable, to_jsonable)
+from ..builds.records import BuildRecord
+from ..deploy.records import RunManifest
+from ..records import RESULTS_SCHEMA, RecordError, RunResult, Outcome, Verdict, from_jsonable, to_jsonable
+from .records import RunBuildEntry, RunInfo
 from ..secrets import redact
 
 DEFAULT_ROOT = Path("results")

@@ -21,7 +21,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
 
 from .. import paths
 from ..errors import SpecError
-from ..records import BuildPlan, PatchRef, RequestEvents, cell_name
+from .records import BuildPlan, PatchRef, RequestEvents, cell_name
 from ..versions import DEFAULT_BASE, unsupported
 from .yamltext import DuplicateKey, StrictLoader, TooBig, line_for, line_index
 

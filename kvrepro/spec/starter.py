@@ -18,7 +18,7 @@ from pathlib import Path
 from .. import paths
 from ..errors import BadInputError
 from ..untrusted import WriteFolder, quote, writing
-from ..records import StarterProject
+from .records import StarterProject
 
 
 def _files_of(source: Path) -> list[Path]:

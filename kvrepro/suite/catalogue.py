@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .. import paths, untrusted
 from ..errors import SpecError
-from ..records import PROBE_COUNTERS
+from ..classify.records import PROBE_COUNTERS
 from ..spec.yamltext import StrictLoader, line_for, line_index
 from ..versions import unsupported
 

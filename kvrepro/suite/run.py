@@ -28,8 +28,10 @@ from ..deploy import check_environment, get_target
 from ..deploy.base import Target
 from ..matrix import parse_matrix
 from ..matrix.runner import MatrixOptions, Progress, SilentProgress, run_matrix
-from ..records import (RecordError, StopRule, SuiteBuildRecord, SuiteEntryRecord, SuiteRecord, cell_name,
-                       from_jsonable)
+from ..classify.records import StopRule
+from ..records import RecordError, from_jsonable
+from ..spec.records import cell_name
+from .records import SuiteBuildRecord, SuiteEntryRecord, SuiteRecord
 from ..results import store as results
 from ..secrets import redact
 from ..spec.matrix import DEFAULT_MATRIX, LoadedMatrix

@@ -32,7 +32,8 @@ from ..classify.logfile import open_log_bytes
 from ..classify.patterns import Pattern, match_pattern
 from ..classify.tracebacks import Traceback
 from ..errors import BadInputError
-from ..records import Classification, Outcome, Signature
+from ..classify.records import Classification
+from ..records import Outcome, Signature
 from ..spec.matrix import TargetSignature
 from ..suite.catalogue import Catalogue, Entry
 from ..untrusted import quote

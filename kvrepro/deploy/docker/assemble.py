@@ -29,7 +29,7 @@ import requests
 from ... import paths
 from ...builds import patching
 from ...errors import KvreproError
-from ...records import BuildPlan
+from ...spec.records import BuildPlan
 from . import labels as L
 from .errors import ImageBuildError, ImageMissingError
 from .hosts import DockerHost, remove_quietly

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import BadInputError, KvreproError
-from ...records import BuildArtifact, BuildPlan
+from ...builds.records import BuildArtifact
+from ...spec.records import BuildPlan
 from ..base import NodeBuild, ShippedFile
 from .settings import docker_settings
 

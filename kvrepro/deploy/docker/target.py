@@ -21,7 +21,8 @@ import requests
 from docker.types import DeviceRequest, Mount
 
 from ...errors import InfraError, KvreproError, SpecError
-from ...records import BuildArtifact, BuildManifest, BuildPlan, HostImage, ImageRef
+from ...builds.records import BuildArtifact, BuildManifest, HostImage, ImageRef
+from ...spec.records import BuildPlan
 from ...secrets import redact
 from ...spec.matrix import LoadedMatrix
 from .settings import DockerSettings, HostSpec, docker_settings

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ... import scratch
-from ...records import BuildArtifact, NodeInfo, RunResult
+from ...builds.records import BuildArtifact
+from ...records import NodeInfo, RunResult
 from ..base import NodeBuild, RunFunction, ShippedFile, SilentProgress
 from .bundle import BundleRef, node_cache, unpack, unpacked
 

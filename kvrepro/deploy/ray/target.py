@@ -29,7 +29,10 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from ...errors import BadInputError, InfraError
-from ...records import BuildArtifact, BuildPlan, NodeInfo, Outcome, RunManifest, RunResult, Verdict, from_jsonable, to_jsonable
+from ...builds.records import BuildArtifact
+from ..records import RunManifest
+from ...records import NodeInfo, Outcome, RunResult, Verdict, from_jsonable, to_jsonable
+from ...spec.records import BuildPlan
 from ...secrets import redact
 from .. import get_target, node_engine, register
 from ..base import EngineHandle, RunFunction, ShippedFile, Target

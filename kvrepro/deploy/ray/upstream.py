@@ -36,7 +36,8 @@ from ...builds import prepare_runtime, upstream_tests
 from ...builds.runtime import Runtime
 from ...builds.sdist import source_tests
 from ...errors import InfraError
-from ...records import NodeInfo, UpstreamTestOutcome
+from ...builds.records import UpstreamTestOutcome
+from ...records import NodeInfo
 from .bundle import COMPLETE, BundleRef, node_cache, pack, unpack, unpacked
 from .node import cancel_with_grace, this_node
 

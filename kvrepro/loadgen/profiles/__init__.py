@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ...errors import SpecError
-from ...records import RequestEvents
+from ...spec.records import RequestEvents
 from ...spec.matrix import FieldError, LoadSpec
 
 
@@ -65,7 +65,7 @@ class Prompt:
     profile records which document, how long a prefix and how long a suffix). ``rank``: the
     data-parallel rank the request is sent to (header ``X-data-parallel-rank``, which vLLM's
     server honours); None leaves the choice to vLLM's own load balancer. ``events``: aborts,
-    priority, pauses and resets (:class:`~kvrepro.records.RequestEvents`).
+    priority, pauses and resets (:class:`~kvrepro.spec.records.RequestEvents`).
     """
 
     index: int

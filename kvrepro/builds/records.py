@@ -1,0 +1,338 @@
+"""The records of the builds stage: a build's artifact and its manifest (what a target wrote about
+it), a build as a results folder records it, and what vLLM's own tests did on each build
+(``kvrepro builds test``, kvrepro/builds/upstream_tests.py).
+
+Frozen dataclasses, written to JSON and read back with :func:`kvrepro.records.to_jsonable` /
+:func:`kvrepro.records.from_jsonable`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..records import Json, RecordError, from_jsonable, to_jsonable, type_hints
+from ..spec.records import BuildPlan
+
+
+@dataclass(frozen=True)
+class PatchFailure:
+    """A hunk that did not apply: names the patch, the file and the hunk."""
+
+    patch: str
+    file: str
+    hunk: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"patch {self.patch}: {self.file}: hunk {self.hunk} does not apply ({self.detail})"
+
+
+@dataclass(frozen=True)
+class ManifestPatch:
+    """A patch as a build manifest names it."""
+
+    name: str
+    sha256: str
+    upstream: str | None = None
+    reverse: bool = False  # the build applied it in reverse (reverted the upstream change)
+
+    def __json__(self) -> dict[str, Any]:
+        # `reverse` only when set: manifests of forward builds read and write back as before
+        data: dict[str, Any] = {"name": self.name, "sha256": self.sha256, "upstream": self.upstream}
+        return {**data, "reverse": True} if self.reverse else data
+
+
+@dataclass(frozen=True)
+class FileChange:
+    """A file a docker build's patches touched: its sha256 before and after (None: added/removed)."""
+
+    before: str | None
+    after: str | None
+
+
+@dataclass(frozen=True)
+class ProbeRef:
+    """Where an image holds the probe, and its sha256."""
+
+    path: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    tag: str
+    id: str
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HostImage:
+    """One docker host's copy of a build's image."""
+
+    image_id: str
+    reused: bool
+    seconds: float
+
+
+@dataclass(frozen=True)
+class BuildManifest:
+    """What the target wrote about a build's artifact (``build.json``'s ``manifest``, an overlay's
+    ``manifest.json``, a docker image's manifest label).
+
+    Which fields are set depends on the kind of build: a release overlay (kvrepro.builds.overlay),
+    a git commit's overlay (kvrepro.builds.gitcommit: ``source``, ``repo``, ``commit``,
+    ``from_wheel``), a docker image (kvrepro.deploy.docker.assemble and its target: ``format`` to
+    ``probe``, then ``image`` and ``hosts``), or a failed build (``error_kind``). Keys this kvrepro
+    does not know are kept in ``extra`` (and written back), so manifests already on disk are read
+    whatever wrote them.
+    """
+
+    base: str | None = None
+    patches: tuple[ManifestPatch, ...] | None = None
+    # overlays (the sim target)
+    wheel: str | None = None
+    wheel_sha256: str | None = None
+    probe_sha256: str | None = None
+    probe_target_sha256: str | None = None  # what the probe must log as source_sha256 when this code runs
+    overlay_key: str | None = None
+    overlay_sha256: str | None = None
+    created: str | None = None
+    # a git commit's overlay
+    source: str | None = None
+    repo: str | None = None
+    commit: str | None = None
+    from_wheel: tuple[str, ...] | None = None
+    # docker images
+    format: int | None = None
+    key: str | None = None
+    tag: str | None = None
+    base_image: str | None = None
+    base_image_id: str | None = None
+    base_digest: str | None = None
+    base_digest_source: str | None = None
+    vllm_version_in_base: str | None = None
+    python_in_base: str | None = None
+    site_dir: str | None = None
+    files: dict[str, FileChange] | None = None
+    probe: ProbeRef | None = None
+    image: ImageRef | None = None
+    hosts: dict[str, HostImage] | None = None
+    # a failed build
+    error_kind: str | None = None
+    extra: dict[str, Json] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, value: Json, where: str = "manifest") -> "BuildManifest":
+        """Lenient on purpose: unknown keys go to ``extra``; a known key of the wrong type raises
+        :class:`RecordError` naming it."""
+        if value is None:
+            return cls()
+        if not isinstance(value, dict):
+            raise RecordError(where, f"expected an object, found {type(value).__name__}")
+        hints = type_hints(cls)
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        kwargs = {k: from_jsonable(hints[k], v, f"{where}.{k}") for k, v in value.items() if k in known}
+        extra = {k: v for k, v in value.items() if k not in known}
+        return cls(**kwargs, extra=extra)
+
+    def to_json(self) -> dict[str, Json]:
+        """The flat JSON object it was read from: only the fields that are set, then ``extra``."""
+        data = {f.name: to_jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.name != "extra" and getattr(self, f.name) is not None}
+        data.update(self.extra)
+        return data
+
+    __json__ = to_json
+
+    @property
+    def probe_hash(self) -> str | None:
+        """The probe's sha256: an overlay's ``probe_sha256`` or an image's ``probe.sha256``."""
+        return self.probe_sha256 or (self.probe.sha256 if self.probe is not None else None)
+
+
+@dataclass(frozen=True)
+class BuildArtifact:
+    """The result of building one BuildPlan for a target: a runnable engine, or why not.
+
+    ``ref`` names what the target runs: for `sim` the overlay directory holding the patched
+    ``vllm`` package and the probe (put in front of the shared runtime env's ``sys.path``), for
+    `docker` the image tag. ``error`` is set (and ``ref`` is None) when the build failed; every
+    run of that build is then INFRA while the other builds go on.
+    """
+
+    plan: BuildPlan
+    ref: str | None
+    manifest: BuildManifest
+    error: str | None = None
+    reused: bool = False
+    # a host folder holding the build's (patched) ``vllm/`` sources, so the classifier can turn a
+    # traceback's file:line into the whole failing statement
+    source_root: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.ref is not None
+
+
+@dataclass(frozen=True)
+class PatchInfo:
+    """A patch of a build's stack as the results record it (name, where it came from, sha256)."""
+
+    name: str
+    upstream: str = ""
+    sha256: str = ""
+    reverse: bool = False  # applied in reverse: the build reverts this upstream change
+
+    def __json__(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"name": self.name, "upstream": self.upstream, "sha256": self.sha256}
+        return {**data, "reverse": True} if self.reverse else data
+
+
+@dataclass(frozen=True)
+class BuildRecord:
+    """results/<run>/<build>/build.json: the build's artifact, or why it failed.
+
+    ``manifest`` is what the target wrote about the artifact (an overlay's or an image's, a
+    :class:`BuildManifest`); the properties below read what every report needs of it.
+    """
+
+    ok: bool
+    ref: str | None = None
+    error: str | None = None
+    reused: bool = False
+    manifest: BuildManifest = field(default_factory=lambda: BuildManifest())
+
+    @property
+    def wheel(self) -> str | None:
+        return self.manifest.wheel
+
+    @property
+    def wheel_sha256(self) -> str | None:
+        return self.manifest.wheel_sha256
+
+    @property
+    def probe_sha256(self) -> str | None:
+        return self.manifest.probe_hash
+
+    @property
+    def image(self) -> str | None:
+        return self.manifest.image.tag if self.manifest.image is not None else None
+
+
+@dataclass(frozen=True)
+class UpstreamTestRef:
+    """One upstream regression test a patch header names (``# Upstream-Test:``): the release whose
+    ``tests/`` carries it and its node id there."""
+
+    patch: str
+    release: str
+    nodeid: str
+
+
+@dataclass(frozen=True)
+class CopiedHelper:
+    """A helper a patch's upstream test needs, copied from the later release (never edited)."""
+
+    name: str
+    release: str
+    file: str
+    why: str  # "not in vllm 0.26.0's tests/" | "differs from vllm 0.26.0's"
+
+
+@dataclass(frozen=True)
+class UpstreamTestOutcome:
+    """What one test did on one tree: passed, failed (with the assertion), error or skipped."""
+
+    nodeid: str  # the id in the release's tests/, or ``vllm <release> <id>`` for a patch's test
+    outcome: str  # "passed" | "failed" | "error" | "skipped" | "missing"
+    message: str = ""  # the exception line (``AssertionError: assert 41 not in [41, 42]``)
+    line: str = ""  # the failing source line, as pytest marks it with ``>``
+    patch: str = ""  # the patch whose Upstream-Test this is ("" for the release's own tests)
+    seconds: float = 0.0  # setup + call + teardown, as pytest timed them
+    spawned: bool = False  # started a process (what it ran is not in coverage data: always run)
+    not_run: str = ""  # why this build did not run it and took the release's outcome (impact rule)
+
+
+@dataclass(frozen=True)
+class ExcludedTest:
+    """A test of the release left out of every build: it does not pass on the unpatched release."""
+
+    nodeid: str
+    why: str  # "skipped: <reason>" | "failed: <assertion>" | "error: <exception>"
+
+
+@dataclass(frozen=True)
+class UpstreamTestChange:
+    """A test whose outcome on a build differs from the unpatched release, and which patch of the
+    stack changed it (the first stack prefix on which the build's outcome appears)."""
+
+    nodeid: str
+    release_outcome: str
+    build_outcome: str
+    changed_by: str | None  # a patch name; None if no prefix of the stack reproduced it
+    stack_position: int | None  # 1-based position of that patch in the build's stack
+    message: str = ""
+    later: str = ""  # what a newer release changed in the same test ("" when not looked up)
+
+
+@dataclass(frozen=True)
+class ChangedCode:
+    """A unit of code a build's patch stack changed, as the test impact rule sees it
+    (kvrepro/builds/upstream_impact.py): a function's body, or module-level code of a file."""
+
+    file: str  # vllm/... (or tests/...)
+    scope: str  # "function" | "module" | "new file" | "test file" | "other"
+    name: str = ""  # the function's qualified name
+    note: str = ""
+    lines: tuple[int, int] = (0, 0)  # the function body's lines in the release's file
+
+
+@dataclass(frozen=True)
+class UpstreamBuildTests:
+    """vLLM's own tests on one build: counts, every outcome, and what differs from the release."""
+
+    build: str
+    patches: tuple[str, ...]
+    key: str  # the cache key: overlay key + tests + selection
+    passed: int
+    failed: int
+    excluded: int
+    outcomes: tuple[UpstreamTestOutcome, ...]
+    changes: tuple[UpstreamTestChange, ...] = ()
+    seconds: float = 0.0
+    cached: bool = False
+    error: str | None = None
+    ran: int = 0  # tests run on this build; the rest took the release's outcome (``not_run`` says why)
+    changed_code: tuple[ChangedCode, ...] = ()  # what the impact rule saw changed
+
+
+@dataclass(frozen=True)
+class PatchTestModule:
+    """The module kvrepro wrote for one patch's upstream tests, and what it had to copy."""
+
+    patch: str
+    release: str
+    tests: tuple[str, ...]
+    helpers: tuple[CopiedHelper, ...] = ()
+    problems: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class UpstreamTestRun:
+    """``kvrepro builds test``: the release's CPU-runnable tests and the patches' tests on every build."""
+
+    base: str
+    sdist_sha256: str
+    roots: tuple[str, ...]
+    selected: int  # the release's tests that pass unpatched (run on every build)
+    excluded: tuple[ExcludedTest, ...]
+    patch_tests: tuple[PatchTestModule, ...]
+    release: UpstreamBuildTests  # the unpatched release itself
+    builds: tuple[UpstreamBuildTests, ...]
+    seconds: float
+    command: str = ""
+    created: str = ""
+    offline_models: tuple[str, ...] = ()  # model configs (config.json only) put in an offline HF hub cache
+    impact_rule: bool = False  # builds ran only the tests that reach a change (False: --all)
