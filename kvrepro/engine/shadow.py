@@ -197,7 +197,7 @@ class ShadowKV:
         self._max_described = max_described()
         self._stream = stream
         self._lock = threading.Lock()
-        self._last_reported: tuple | None = None
+        self._last_reported: dict[str, object] | None = None
         self._last_report_time = 0.0
         self._seen: set[tuple] = set()  # (request, group, block index) already counted
         # violations by class (module docstring): kind of group, "+offload" when the request had
@@ -236,14 +236,15 @@ class ShadowKV:
         def listed(counts: dict[str, int]) -> str:
             return ",".join(f"{k}:{n}" for k, n in sorted(counts.items())) or "-"
 
-        snapshot = (self.checks, self.violations, listed(self.by_kind), listed(self.hit_reads), listed(self.stored))
+        # the counts line's fields by name, in its order (kvrepro/classify/exposure.py reads them by name)
+        snapshot = {"checks": self.checks, "violations": self.violations, "by": listed(self.by_kind),
+                    "hits": listed(self.hit_reads), "stored": listed(self.stored)}
         if not force and (snapshot == self._last_reported or time.monotonic() - self._last_report_time < REPORT_INTERVAL_S):
             return
         self._last_reported, self._last_report_time = snapshot, time.monotonic()
         # pid: the reader keys each process's last line by it (a line vLLM's stream decoration left
         # without its "(EngineCore pid=N)" prefix is still that process's, not a second one)
-        self._write(f"counts checks={snapshot[0]} violations={snapshot[1]} by={snapshot[2]} hits={snapshot[3]} "
-                    f"stored={snapshot[4]} pid={os.getpid()}")
+        self._write("counts " + " ".join(f"{name}={value}" for name, value in snapshot.items()) + f" pid={os.getpid()}")
 
     def _violation(self, key: tuple, text: str, read: str, in_hit: bool, block: int | None = None) -> None:
         """Count (once per request, group and block index) and describe one wrong read.

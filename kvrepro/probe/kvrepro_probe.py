@@ -127,7 +127,7 @@ _state = {
     "installed": False,
     "source_sha256": None,  # of inspect.getsource(original)
     "file": None,
-    "last_reported": None,  # the counts tuple last written
+    "last_reported": None,  # the counts line's fields last written (name -> value)
     "reporter": None,  # the reporter thread of this process
 }
 
@@ -156,6 +156,12 @@ def _write(line: str) -> None:
         pass
 
 
+# the fields of the counts line, in the order it names them
+_COUNTS_LINE = ("external_hit_calls", "trigger_calls", "state_calls", "state_groups", "deferred_lookups",
+                "loads_behind_deferred", "finished_unscheduled", "divergent_hits", "divergent_loads", "cow_calls",
+                "truncate_calls", "partial_hits", "lookups_in_flight")
+
+
 def report(force: bool = False) -> None:
     """Write the counts line (when they changed since the last one, or when forced), and the
     invariants' line."""
@@ -164,18 +170,13 @@ def report(force: bool = False) -> None:
     report_invariants(force)
     with _lock:
         groups = ",".join(f"{kind}:{n}" for kind, n in sorted(_state_groups.items()))
-        snapshot = (_counts["external_hit_calls"], _counts["trigger_calls"], _counts["state_calls"], groups,
-                    _counts["deferred_lookups"], _counts["loads_behind_deferred"], _counts["finished_unscheduled"],
-                    _counts["divergent_hits"], _counts["divergent_loads"], _counts["cow_calls"],
-                    _counts["truncate_calls"], _counts["partial_hits"], _counts["lookups_in_flight"])
+        # the line's fields by name, in its order (kvrepro/classify/exposure.py reads them by name)
+        snapshot = {name: (groups or "-") if name == "state_groups" else _counts[name] for name in _COUNTS_LINE}
         if not force and snapshot == _state["last_reported"]:
             return
         _state["last_reported"] = snapshot
-    _write(f"kvrepro-probe: counts external_hit_calls={snapshot[0]} trigger_calls={snapshot[1]} "
-           f"state_calls={snapshot[2]} state_groups={snapshot[3] or '-'} deferred_lookups={snapshot[4]} "
-           f"loads_behind_deferred={snapshot[5]} finished_unscheduled={snapshot[6]} divergent_hits={snapshot[7]} "
-           f"divergent_loads={snapshot[8]} cow_calls={snapshot[9]} truncate_calls={snapshot[10]} "
-           f"partial_hits={snapshot[11]} lookups_in_flight={snapshot[12]} pid={os.getpid()}")
+    _write("kvrepro-probe: counts " + " ".join(f"{name}={value}" for name, value in snapshot.items())
+           + f" pid={os.getpid()}")
 
 
 def _reporter_loop() -> None:
@@ -813,11 +814,12 @@ def report_invariants(force: bool = False) -> None:
     if not _invariants["installed"]:
         return
     with _inv_lock:
-        snapshot = (_invariants["checks"], ",".join(f"{k}:{v}" for k, v in sorted(_broken.items())))
+        snapshot = {"checks": _invariants["checks"],
+                    "broken": ",".join(f"{k}:{v}" for k, v in sorted(_broken.items())) or "-"}
         if not force and snapshot == _invariants["last_reported"]:
             return
         _invariants["last_reported"] = snapshot
-    _write(f"kvrepro-probe: invariants checks={snapshot[0]} broken={snapshot[1] or '-'} pid={os.getpid()}")
+    _write(f"kvrepro-probe: invariants checks={snapshot['checks']} broken={snapshot['broken']} pid={os.getpid()}")
 
 
 def after_step(scheduler) -> None:
