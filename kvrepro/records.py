@@ -90,18 +90,6 @@ RESULTS_SCHEMA = 2
 
 
 @dataclass(frozen=True)
-class NodeInfo:
-    """The cluster node a run's engine ran on (`ray` target): Ray's node id and the node's address."""
-
-    node_id: str
-    address: str
-
-    @property
-    def label(self) -> str:
-        return f"{self.address} ({self.node_id[:8]})"
-
-
-@dataclass(frozen=True)
 class RunResult:
     """The verdict of one repetition of one build, as written to verdict.json and read back.
 
@@ -186,13 +174,12 @@ class RunResult:
     # against, what the others hold) and its words; None: the engine never sat idle with work
     stall_where: str | None = None
     stall_state: str | None = None
-    # `ray` target: the node the engine ran on, and why earlier attempts of this run were
-    # INFRA (a node lost mid-run; the run was retried elsewhere and this record is the retry's)
-    node: NodeInfo | None = None
+    # a target that runs whole runs elsewhere (ray): why earlier attempts of this run were INFRA (a
+    # node lost mid-run; the run was retried elsewhere and this record is the retry's)
     retried_after: tuple[str, ...] = ()
-    # `ray` target, ray.nodes_per_engine > 1: every node of the run's placement group, bundle
-    # order (bundle 0 first: the node the engine's task ran on, the same as ``node``)
-    placement_nodes: tuple[NodeInfo, ...] = ()
+    # the target's own part of the record, by target name (kvrepro/deploy/<target>/records.py types
+    # and writes its section, e.g. ray's node): a new target adds no field here
+    by_target: dict[str, Json] = field(default_factory=dict)
     # the engine's `vllm serve` refused its arguments (Classification.refused_arguments): the
     # suite's NOT TESTABLE (the release lacks an entry's engine option); None otherwise
     refused_arguments: str | None = None

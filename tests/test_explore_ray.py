@@ -147,6 +147,6 @@ def test_a_campaign_on_ray_interrupted_and_resumed_makes_the_runs_and_verdicts_o
     nodes = set()
     for r in on_ray.runs:
         verdict = json.loads(next((folder / "runs" / str(r.run_id)).glob("*/*/verdict.json")).read_text())
-        nodes.add(verdict["node"]["address"])
+        nodes.add(verdict["by_target"]["ray"]["node"]["address"])
     # one logical CPU per node: the two runs in flight at once ran on the two nodes
     assert len(nodes) == 2 and all(a.startswith("127.0.0.") for a in nodes), nodes

@@ -198,9 +198,9 @@ def test_matrix_on_ray_gives_the_sim_verdicts_spread_over_loopback_nodes(tmp_pat
                 assert (run_dir / name).is_file(), (b, name)
             verdict = json.loads((run_dir / "verdict.json").read_text())
             manifest = json.loads((run_dir / "manifest.json").read_text())
-            assert verdict["node"] == manifest["node"] and manifest["target"] == "ray"
-            assert ipaddress.ip_address(verdict["node"]["address"]).is_loopback
-            nodes.add(verdict["node"]["node_id"])
+            assert verdict["by_target"]["ray"]["node"] == manifest["by_target"]["ray"]["node"] and manifest["target"] == "ray"
+            assert ipaddress.ip_address(verdict["by_target"]["ray"]["node"]["address"]).is_loopback
+            nodes.add(verdict["by_target"]["ray"]["node"]["node_id"])
     assert len(nodes) > 1, "both runs ran on one node"  # one CPU per node: two runs cannot share one
     report = (Path(runs["ray"]["path"]) / "report.md").read_text()
     assert "| node |" in report and "127.0.0.1" in report
@@ -362,14 +362,15 @@ def test_a_two_node_docker_engine_holds_a_placement_group_and_its_image_is_made_
         assert len(tags) == 1 and next(iter(tags)).startswith("kvrepro/vllm:0.26.0-"), artifacts
         assert sorted(a["reused"] for a in artifacts) == [False, True], artifacts  # made once, then reused
         assert "queued for a placement group of 2 nodes" in proc.stderr  # one run waited for the other's nodes
-        for r in results:
-            held = r["placement_nodes"]
-            assert len(held) == 2 and held[0] == r["node"] and held[0]["node_id"] != held[1]["node_id"], r
+        for r in results:  # the ray target's own section of the run's records (by_target.ray)
+            held = r["by_target"]["ray"]["placement_nodes"]
+            assert len(held) == 2 and held[0] == r["by_target"]["ray"]["node"] and held[0]["node_id"] != held[1]["node_id"], r
             manifest = json.loads((Path(r["run_dir"]) / "manifest.json").read_text())
-            assert manifest["placement_nodes"] == held and manifest["node"] == r["node"]
+            assert manifest["by_target"]["ray"] == r["by_target"]["ray"]
         report = (next((tmp_path / "r").glob("*/report.md"))).read_text()
-        assert all(f"{r['node']['address']} ({r['node']['node_id'][:8]}) + {r['placement_nodes'][1]['address']}"
-                   in report for r in results), report
+        ray = [r["by_target"]["ray"] for r in results]
+        assert all(f"{p['node']['address']} ({p['node']['node_id'][:8]}) + {p['placement_nodes'][1]['address']}"
+                   in report for p in ray), report
         first, second = sorted(_engine_window(Path(r["run_dir"])) for r in results)
         assert first[1] <= second[0], (first, second)  # the second engine started after the first one's last request
         groups = [g for g in _placement_groups(cluster.address) if g["name"].startswith("kvrepro-")]
@@ -485,7 +486,7 @@ def test_killing_a_nodes_raylet_mid_matrix_loses_no_run(tmp_path, cluster):
     assert len(results) == 2 and all(r["verdict"] == "UNREACHED" for r in results), results
     retried = [r for r in results if r["retried_after"]]
     assert len(retried) == 1, results
-    assert f"node {victim} " in retried[0]["retried_after"][0] and retried[0]["node"]["address"] != victim, retried
+    assert f"node {victim} " in retried[0]["retried_after"][0] and retried[0]["by_target"]["ray"]["node"]["address"] != victim, retried
     for r in results:
         assert (Path(r["run_dir"]) / "engine.log").is_file() and (Path(r["run_dir"]) / "verdict.json").is_file()
     time.sleep(3)

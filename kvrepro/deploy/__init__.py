@@ -104,6 +104,31 @@ def _module_of(target: str) -> object | None:
     return importlib.import_module(f"{__name__}.{target}") if target in known_targets() else None
 
 
+def where_ran(record: Any) -> str | None:
+    """Words for where a run ran, from its record's target sections (``by_target``; a target
+    module's optional ``where_ran(section)``, e.g. ray's node); None: no target recorded any."""
+    words = [hook(section) for name, section in record.by_target.items()
+             if (hook := getattr(_module_of(name), "where_ran", None)) is not None]
+    return "; ".join(words) or None
+
+
+def lift_target_keys(data: Any, fields: set[str]) -> Any:
+    """A verdict.json or manifest.json from before records had target sections: the top-level keys
+    a target declares it wrote there (its module's ``TOP_LEVEL_BEFORE``; ray's ``node``) moved
+    under ``by_target`` as that target's section. ``fields``: the record's own fields; a file
+    without other keys is returned as it is, without importing any target."""
+    if not isinstance(data, dict) or not set(data) - fields:
+        return data
+    lifted = dict(data)
+    for name in known_targets():
+        keys = [k for k in getattr(_module_of(name), "TOP_LEVEL_BEFORE", ()) if k in lifted and k not in fields]
+        if keys:
+            moved = {k: lifted.pop(k) for k in keys}
+            if any(v not in (None, [], {}) for v in moved.values()):  # an empty ray key on a run that was not Ray's
+                lifted["by_target"] = {**lifted.get("by_target", {}), name: moved}
+    return lifted
+
+
 def fetches_hub_models(target: str) -> bool:
     """Whether ``target``'s engine fetches a Hugging Face model id itself (inside its container), so
     ``engine.model`` need not be a local folder: the target module's ``FETCHES_HUB_MODELS``."""
@@ -144,4 +169,4 @@ def check_environment(target: str, matrix: "Matrix") -> None:
 
 __all__ = ["EngineHandle", "Target", "check_environment", "check_settings", "get_target", "known_targets",
            "engine_api_key", "fetches_hub_models", "node_engine", "node_engines", "register", "target_commands",
-           "target_sections"]
+           "target_sections", "lift_target_keys", "where_ran"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..builds.records import BuildRecord, PatchInfo
-from ..records import Json, NodeInfo
+from ..records import Json
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,6 @@ class RunManifest:
     runs: dict[str, Json] = field(default_factory=dict)
     kvrepro_version: str = ""
     replay_of: str | None = None  # the trace a `kvrepro load replay` sent instead of the matrix's load
-    node: NodeInfo | None = None  # `ray` target: the node the run was sent to
-    placement_nodes: tuple[NodeInfo, ...] = ()  # `ray` target: its placement group's nodes, bundle order
     fs_tiers: tuple[FsTierFolder, ...] = ()  # each fs offload tier's folder of this run (engine.extra_args)
+    # the target's own part, by target name (as RunResult.by_target: ray's node and placement group)
+    by_target: dict[str, Json] = field(default_factory=dict)

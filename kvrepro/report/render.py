@@ -213,10 +213,9 @@ def _run_json(r: RunResult) -> dict[str, Any]:
         # why the load ended: budget, settled (with the stopping rule's words), engine_dead, stall, ...
         "stopped_because": r.load.stopped_because if r.load is not None else None,
         "settled_by": r.load.settled_by if r.load is not None else None,
-        # `ray` target: where it ran, and the attempts lost with their node before it
-        "node": {"node_id": r.node.node_id, "address": r.node.address} if r.node is not None else None,
+        # the target's own part (ray: the node and placement group), and the attempts lost before it
+        "by_target": dict(r.by_target),
         "retried_after": list(r.retried_after),
-        "placement_nodes": [{"node_id": n.node_id, "address": n.address} for n in r.placement_nodes],
     }
 
 

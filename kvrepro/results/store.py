@@ -19,6 +19,7 @@ permissions (0644 under the common umask 022), like the logs next to them.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -32,6 +33,7 @@ from typing import Any
 from .. import __version__, lifetime, untrusted
 from ..errors import BadInputError, KvreproError
 from ..builds.records import BuildRecord
+from ..deploy import lift_target_keys
 from ..deploy.records import RunManifest
 from ..records import RESULTS_SCHEMA, RecordError, RunResult, Outcome, Verdict, from_jsonable, to_jsonable
 from .records import RunBuildEntry, RunInfo
@@ -245,6 +247,8 @@ def _read_record(cls: Any, path: Path) -> Any:
                                  "while writing?): fix or remove it") from None
     if cls in (RunInfo, RunResult):  # the two files that carry the schema number
         _check_schema(path, data)
+    if cls in (RunManifest, RunResult):  # a target's keys at the top level: written before target sections
+        data = lift_target_keys(data, {f.name for f in dataclasses.fields(cls)})
     try:
         return from_jsonable(cls, data)
     except RecordError as exc:

@@ -15,6 +15,7 @@ the ``ray`` extra still starts and checks ``ray:`` settings. See docs/ray.md.
 from __future__ import annotations
 
 from ...errors import SetupError
+from .records import TOP_LEVEL_BEFORE, where_ran
 from .settings import check_environment, check_settings
 
 # matrix.yaml's top-level section this target owns (kvrepro.deploy.target_sections): typed in settings.py
@@ -37,4 +38,4 @@ def load() -> None:
     from . import target  # noqa: F401  (registers "ray")
 
 
-__all__ = ["SECTIONS", "INSTALL_HINT", "check_environment", "check_settings", "load"]
+__all__ = ["SECTIONS", "INSTALL_HINT", "TOP_LEVEL_BEFORE", "check_environment", "check_settings", "load", "where_ran"]

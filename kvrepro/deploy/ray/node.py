@@ -26,7 +26,8 @@ from typing import Any, Callable
 
 from ... import scratch
 from ...builds.records import BuildArtifact
-from ...records import NodeInfo, RunResult
+from ...records import RunResult
+from .records import NodeInfo
 from ..base import NodeBuild, RunFunction, ShippedFile, SilentProgress
 from .bundle import BundleRef, node_cache, unpack, unpacked
 

@@ -31,12 +31,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from ...errors import BadInputError, InfraError
 from ...builds.records import BuildArtifact
 from ..records import RunManifest
-from ...records import NodeInfo, Outcome, RunResult, Verdict, from_jsonable, to_jsonable
+from ...records import Outcome, RunResult, Verdict, from_jsonable, to_jsonable
 from ...spec.records import BuildPlan
 from ...secrets import redact
 from .. import get_target, node_engine, register
 from ..base import EngineHandle, RunFunction, ShippedFile, Target
 from .bundle import BundleRef, pack
+from .records import NodeInfo, RayPlacement
 from .node import NodeRun, Placement, RunFiles, cancel_with_grace, run_task, sweep_task
 from .settings import RaySpec, cluster_address, ray_settings
 
@@ -471,20 +472,19 @@ class RayTarget(Target):
     def _store(self, files: RunFiles, run_dir: Path, lost: list[str], placement: Placement | None) -> RunResult:
         """The run's files into its folder (manifest.json with the node), the result with the driver's folder."""
         run_dir.mkdir(parents=True, exist_ok=True)
+        placed = RayPlacement(node=files.node, placement_nodes=placement.nodes if placement else ())
         for rel, data in files.files:
             dest = (run_dir / rel).resolve()
             if not dest.is_relative_to(run_dir.resolve()) or rel == "verdict.json":
                 continue  # verdict.json is the runner's, written last
             if rel == "manifest.json":
-                manifest = replace(from_jsonable(RunManifest, json.loads(data)), node=files.node,
-                                   placement_nodes=placement.nodes if placement else ())
+                manifest = placed.onto(from_jsonable(RunManifest, json.loads(data)))
                 data = (json.dumps(to_jsonable(manifest), indent=2) + "\n").encode()
             dest.parent.mkdir(parents=True, exist_ok=True)
             tmp = dest.with_name(dest.name + ".tmp")
             tmp.write_bytes(data)
             os.replace(tmp, dest)
-        return replace(files.result, run_dir=str(run_dir), node=files.node, retried_after=tuple(lost),
-                       placement_nodes=placement.nodes if placement else ())
+        return placed.onto(replace(files.result, run_dir=str(run_dir), retried_after=tuple(lost)))
 
     def _result(self, artifact: BuildArtifact, rep: int, run_dir: Path, verdict: Verdict, title: str,
                 started: float, lost: list[str]) -> RunResult:

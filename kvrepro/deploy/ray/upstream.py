@@ -37,9 +37,9 @@ from ...builds.runtime import Runtime
 from ...builds.sdist import source_tests
 from ...errors import InfraError
 from ...builds.records import UpstreamTestOutcome
-from ...records import NodeInfo
 from .bundle import COMPLETE, BundleRef, node_cache, pack, unpack, unpacked
 from .node import cancel_with_grace, this_node
+from .records import NodeInfo
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 
+from ...deploy import where_ran
 from ...results.store import MatrixRun
 from ..pages import Block, Cell, Heading, Table
 from ..failures import first_failure
@@ -14,11 +15,9 @@ DETAILS = True
 
 
 def _node_text(r) -> str:
-    """`ray` target: the node the run ran on, and the nodes lost before (the run was sent again)."""
-    text = r.node.label if r.node is not None else "-"
-    others = [n.label for n in r.placement_nodes if r.node is None or n.node_id != r.node.node_id]
-    if others:  # a multi-node engine's placement group: the nodes it held besides the engine's own
-        text += f" + {', '.join(others)}"
+    """Where the run ran (its target's words: ray's node and placement group), and the nodes lost
+    before (the run was sent again)."""
+    text = where_ran(r) or "-"
     if r.retried_after:
         text += f" (after {len(r.retried_after)} lost: {'; '.join(r.retried_after)})"
     return text
@@ -35,7 +34,7 @@ def stopped_text(r) -> str:
 
 def _runs_blocks(run: MatrixRun) -> list[Block]:
     rows = []
-    on_nodes = any(r.node is not None or r.retried_after for b in run.builds for r in b.runs)
+    on_nodes = any(r.by_target or r.retried_after for b in run.builds for r in b.runs)
     for b in run.builds:
         for r in b.runs:
             first = first_failure(r)
