@@ -3,9 +3,12 @@ files) are read, and written back as they were."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from kvrepro.builds.records import BuildManifest, BuildRecord, FileChange, HostImage, ImageRef, ManifestPatch, ProbeRef
+from kvrepro.builds.records import BuildManifest, BuildRecord, ManifestPatch, ProbeRef
+from kvrepro.deploy.docker.records import FileChange, HostImage, ImageManifest, ImageRef
 from kvrepro.records import RecordError, from_jsonable, to_jsonable
 
 OVERLAY = {"source": "git commit", "repo": "/r", "commit": "a" * 40, "from_wheel": ["vllm/_version.py"],
@@ -33,15 +36,24 @@ def test_an_overlays_manifest_reads_typed_and_writes_back_the_same():
 def test_an_images_manifest_and_unknown_keys():
     m = BuildManifest.from_json(IMAGE)
     assert m.probe == ProbeRef(IMAGE["probe"]["path"], "56" * 32) and m.probe_hash == "56" * 32
-    assert m.image == ImageRef("kvrepro/vllm:0.26.0-k", "sha256:3", {"io.kvrepro": "1"})
-    assert m.hosts == {"local": HostImage("sha256:3", True, 0.1)} and m.files == {"vllm/a.py": FileChange("x", None)}
-    assert m.extra == {"a_key_from_a_newer_kvrepro": {"kept": True}}
+    # the docker target's keys are its own record's (the shared manifest keeps them flat, untyped)
+    image = ImageManifest.of(m)
+    assert image.image == ImageRef("kvrepro/vllm:0.26.0-k", "sha256:3", {"io.kvrepro": "1"})
+    assert image.hosts == {"local": HostImage("sha256:3", True, 0.1)} and image.files == {"vllm/a.py": FileChange("x", None)}
+    assert image.tag == "kvrepro/vllm:0.26.0-k" and image.format == 2
+    assert m.extra["a_key_from_a_newer_kvrepro"] == {"kept": True}
     assert to_jsonable(m) == IMAGE
+    # written back through the target's record: the same flat object
+    assert to_jsonable(image.onto(BuildManifest.from_json({k: v for k, v in IMAGE.items() if k not in
+                                                           {f.name for f in dataclasses.fields(ImageManifest)}}))) == IMAGE
+    assert ImageManifest.of(BuildManifest.from_json(OVERLAY)) == ImageManifest()  # an overlay has none
+    with pytest.raises(RecordError, match=r"manifest\.hosts"):
+        ImageManifest.of(BuildManifest.from_json({**IMAGE, "hosts": {"local": "x"}}))
 
 
 def test_build_json_as_written_before_reads_with_its_manifest():
     record = from_jsonable(BuildRecord, {"ok": True, "ref": "kvrepro/vllm:0.26.0-k", "reused": True, "manifest": IMAGE})
-    assert (record.image, record.probe_sha256, record.wheel) == ("kvrepro/vllm:0.26.0-k", "56" * 32, None)
+    assert (ImageManifest.of(record.manifest).image.tag, record.probe_sha256, record.wheel) == ("kvrepro/vllm:0.26.0-k", "56" * 32, None)
     assert from_jsonable(BuildRecord, {"ok": False, "error": "x", "manifest": {}}).manifest == BuildManifest()
     assert from_jsonable(BuildRecord, to_jsonable(record)) == record
     with pytest.raises(RecordError, match=r"manifest\.probe_sha256"):

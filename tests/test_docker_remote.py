@@ -26,6 +26,7 @@ import pytest
 from kvrepro.deploy.docker import DockerTarget
 from conftest import ROOT
 from kvrepro.deploy.docker import labels as L
+from kvrepro.deploy.docker.records import ImageManifest
 from kvrepro.matrix.runner import SilentProgress, run_one
 from test_docker_target import cpu_base, docker_host, docker_matrix  # noqa: F401 (fixtures)
 
@@ -119,7 +120,7 @@ def test_remote_host_over_tcp(tmp_path, docker_host, cpu_base, relay):
     try:
         artifact = target.prepare(plan)
         assert artifact.ok, artifact.error
-        assert artifact.manifest.hosts["peer"].image_id == docker_host.client.images.get(artifact.ref).id
+        assert ImageManifest.of(artifact.manifest).hosts["peer"].image_id == docker_host.client.images.get(artifact.ref).id
         watcher.start()
         result = run_one(loaded, target, artifact, tmp_path / "run", 0, SilentProgress(), threading.Event())
     finally:
@@ -164,7 +165,7 @@ def test_two_node_engine_orchestration(tmp_path, docker_host, cpu_base, relay):
     try:
         artifact = target.prepare(plan)
         assert artifact.ok, artifact.error
-        assert set(artifact.manifest.hosts) == {"n0", "n1"}  # assembled on every node's host
+        assert set(ImageManifest.of(artifact.manifest).hosts) == {"n0", "n1"}  # assembled on every node's host
         watcher.start()
         result = run_one(loaded, target, artifact, tmp_path / "run", 0, SilentProgress(), threading.Event())
     finally:

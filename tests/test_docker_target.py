@@ -25,6 +25,7 @@ import yaml
 from conftest import ROOT, require
 from kvrepro.deploy.docker import DockerTarget
 from kvrepro.deploy.docker import labels as L
+from kvrepro.deploy.docker.records import ImageManifest
 from kvrepro.deploy.docker.basecpu import default_tag
 from kvrepro.deploy.docker.errors import DockerInfraError
 from kvrepro.deploy.docker.hosts import connect, local_host_spec
@@ -142,7 +143,7 @@ def test_identical_inputs_reuse_the_image(tmp_path, docker_host, cpu_base):
         second_target.close()
     assert first.ok and second.ok
     assert second.reused and second.ref == first.ref
-    assert second.manifest.image.id == first.manifest.image.id
+    assert ImageManifest.of(second.manifest).image.id == ImageManifest.of(first.manifest).image.id
     assert seconds <= 15.0
 
 

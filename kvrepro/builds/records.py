@@ -45,35 +45,11 @@ class ManifestPatch:
 
 
 @dataclass(frozen=True)
-class FileChange:
-    """A file a docker build's patches touched: its sha256 before and after (None: added/removed)."""
-
-    before: str | None
-    after: str | None
-
-
-@dataclass(frozen=True)
 class ProbeRef:
-    """Where an image holds the probe, and its sha256."""
+    """Where a packaged artifact (a docker image) holds the probe, and its sha256."""
 
     path: str
     sha256: str
-
-
-@dataclass(frozen=True)
-class ImageRef:
-    tag: str
-    id: str
-    labels: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class HostImage:
-    """One docker host's copy of a build's image."""
-
-    image_id: str
-    reused: bool
-    seconds: float
 
 
 @dataclass(frozen=True)
@@ -83,10 +59,11 @@ class BuildManifest:
 
     Which fields are set depends on the kind of build: a release overlay (kvrepro.builds.overlay),
     a git commit's overlay (kvrepro.builds.gitcommit: ``source``, ``repo``, ``commit``,
-    ``from_wheel``), a docker image (kvrepro.deploy.docker.assemble and its target: ``format`` to
-    ``probe``, then ``image`` and ``hosts``), or a failed build (``error_kind``). Keys this kvrepro
-    does not know are kept in ``extra`` (and written back), so manifests already on disk are read
-    whatever wrote them.
+    ``from_wheel``), a packaged artifact (``probe``: where it holds the probe), or a failed build
+    (``error_kind``). The JSON object is flat: keys this record does not type are kept in ``extra``
+    (and written back), so manifests already on disk are read whatever wrote them. A target's own
+    keys are among them and typed by the target (a docker image's: its tag, base image, files and
+    hosts, kvrepro.deploy.docker.records.ImageManifest), so a new target adds no field here.
     """
 
     base: str | None = None
@@ -104,21 +81,7 @@ class BuildManifest:
     repo: str | None = None
     commit: str | None = None
     from_wheel: tuple[str, ...] | None = None
-    # docker images
-    format: int | None = None
-    key: str | None = None
-    tag: str | None = None
-    base_image: str | None = None
-    base_image_id: str | None = None
-    base_digest: str | None = None
-    base_digest_source: str | None = None
-    vllm_version_in_base: str | None = None
-    python_in_base: str | None = None
-    site_dir: str | None = None
-    files: dict[str, FileChange] | None = None
-    probe: ProbeRef | None = None
-    image: ImageRef | None = None
-    hosts: dict[str, HostImage] | None = None
+    probe: ProbeRef | None = None  # a packaged artifact (an image): where it holds the probe
     # a failed build
     error_kind: str | None = None
     extra: dict[str, Json] = field(default_factory=dict)
@@ -148,7 +111,7 @@ class BuildManifest:
 
     @property
     def probe_hash(self) -> str | None:
-        """The probe's sha256: an overlay's ``probe_sha256`` or an image's ``probe.sha256``."""
+        """The probe's sha256: an overlay's ``probe_sha256`` or a packaged artifact's ``probe.sha256``."""
         return self.probe_sha256 or (self.probe.sha256 if self.probe is not None else None)
 
 
@@ -216,9 +179,6 @@ class BuildRecord:
     def probe_sha256(self) -> str | None:
         return self.manifest.probe_hash
 
-    @property
-    def image(self) -> str | None:
-        return self.manifest.image.tag if self.manifest.image is not None else None
 
 
 @dataclass(frozen=True)

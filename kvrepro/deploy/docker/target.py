@@ -21,7 +21,7 @@ import requests
 from docker.types import DeviceRequest, Mount
 
 from ...errors import InfraError, KvreproError, SpecError
-from ...builds.records import BuildArtifact, BuildManifest, HostImage, ImageRef
+from ...builds.records import BuildArtifact, BuildManifest
 from ...spec.records import BuildPlan
 from ...secrets import redact
 from ...spec.matrix import LoadedMatrix
@@ -32,6 +32,7 @@ from . import labels as L
 from .assemble import assemble, safe_tag_part
 from .clean import reap_orphans
 from .reaper import Reaper
+from .records import HostImage, ImageManifest, ImageRef
 from .containers import ContainerEngine
 from .errors import (ContainerError, DaemonDownError, DockerInfraError, ImageMissingError, PortInUseError,
                      SshError, UnknownHostError)
@@ -245,11 +246,13 @@ class DockerTarget(Target):
             return BuildArtifact(plan=plan, ref=None, manifest=BuildManifest(error_kind="image_build"),
                                  error=f"build {plan.name}: hosts hold different {self.settings.image_for(plan.base)} images ({tags}); "
                                        "pull the same base on every host")
+        where = f"image {first.tag}'s manifest label"
+        label = BuildManifest.from_json(first.manifest, where)
         manifest = dataclasses.replace(
-            BuildManifest.from_json(first.manifest, f"image {first.tag}'s manifest label"),
+            ImageManifest.of(label, where),
             image=ImageRef(tag=first.tag, id=first.image_id, labels=dict(first.labels)),
             hosts={h.name: HostImage(image_id=a.image_id, reused=a.reused, seconds=round(a.seconds, 3))
-                   for h, a in zip(hosts, built)})
+                   for h, a in zip(hosts, built)}).onto(label)
         return BuildArtifact(plan=plan, ref=first.tag, manifest=manifest, reused=all(a.reused for a in built),
                              source_root=str(first.source_root) if first.source_root else None)
 

@@ -26,7 +26,7 @@ def _what_ran_blocks(run: MatrixRun) -> list[Block]:
         patches = b.manifest.patches if b.manifest else ()
         rows.append((
             build_key(run, b), b.base,
-            record.wheel or record.image or "-" if record else "-",
+            record.wheel or record.ref or "-" if record else "-",
             _short(record.wheel_sha256) if record else "-",
             ", ".join(f"{p.name}{' (applied in reverse)' if p.reverse else ''} `{p.sha256[:12]}`" for p in patches) or "-",
             _short(record.probe_sha256) if record else "-",
