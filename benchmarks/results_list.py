@@ -35,8 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvrepro import lifetime
 from kvrepro.results import store as results, index as runindex  # noqa: E402
-from kvrepro.builds.records import BuildRecord
-from kvrepro.deploy.records import RunManifest
+from kvrepro.deploy.records import BuildRecord, RunManifest
 from kvrepro.records import RESULTS_SCHEMA, LoadSummary, Outcome, RunResult, Verdict
 
 GOAL_S = 1.0

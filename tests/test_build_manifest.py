@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from kvrepro.builds.records import BuildManifest, BuildRecord, ManifestPatch, ProbeRef
+from kvrepro.builds.records import BuildManifest, ManifestPatch, ProbeRef
+from kvrepro.deploy.records import BuildRecord
 from kvrepro.deploy.docker.records import FileChange, HostImage, ImageManifest, ImageRef
 from kvrepro.records import RecordError, from_jsonable, to_jsonable
 

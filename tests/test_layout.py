@@ -270,3 +270,92 @@ def test_the_runner_reads_its_engine_log_through_the_one_parser():
     for second in ("read_text(", "classify_log", "classify_lines", "read_exposure", "read_engine_counters",
                    "LogFollower"):
         assert second not in text, second
+
+
+# issue 49: records by stage. The shared base (kvrepro/records.py) holds only what every stage from
+# the targets to the report passes on; each other record lives in the records module of a stage that
+# uses it; a target's own fields live in its deploy/<target>/records.py, never on a shared record.
+_SHARED_RECORDS = {"Verdict", "Outcome", "Signature", "LoadSummary", "RunResult", "RecordError"}
+_SECTION_CARRIERS = {"RunResult", "RunManifest", "BuildManifest"}  # records that carry targets' own keys
+
+
+def _records(path) -> dict[str, list]:
+    """The frozen dataclasses of one module: name -> its annotated fields (ast.AnnAssign)."""
+    import ast
+
+    found = {}
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.ClassDef) and any(
+                isinstance(d, ast.Call) and getattr(d.func, "id", "") == "dataclass"
+                and any(k.arg == "frozen" for k in d.keywords) for d in node.decorator_list):
+            found[node.name] = [s for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
+    return found
+
+
+def _misplaced_records(package) -> list[str]:
+    """Records outside their owner: a class in the shared base that not every stage shares, a record
+    of ``<stage>/records.py`` no other module of that stage uses, and on a shared record a field of
+    a target (typed by a target's record, or named as a field of a target's own section)."""
+    import ast
+
+    kv = package / "kvrepro"
+    found = []
+    base = ast.parse((kv / "records.py").read_text())
+    for node in base.body:
+        if isinstance(node, ast.ClassDef) and node.name not in _SHARED_RECORDS:
+            found.append(f"kvrepro/records.py: {node.name} is not shared by every stage")
+    targets = set()  # the targets' record names
+    section_keys = set()  # the fields of each target's own section (a record no other of its records holds)
+    for path in sorted(kv.glob("deploy/*/records.py")):
+        records = _records(path)
+        targets |= set(records)
+        held = {n.id for fields in records.values() for f in fields for n in ast.walk(f.annotation)
+                if isinstance(n, ast.Name)}
+        section_keys |= {f.target.id for name, fields in records.items() if name not in held for f in fields}
+    for path in [kv / "records.py", *sorted(kv.glob("*/records.py"))]:
+        rel = path.relative_to(package).as_posix()
+        stage = path.parent
+        records = _records(path)
+        if path.parent != kv:
+            others = " ".join(p.read_text() for p in stage.rglob("*.py") if p != path)
+            held = {n.id for fields in records.values() for f in fields for n in ast.walk(f.annotation)
+                    if isinstance(n, ast.Name)}
+            for name in records:
+                if name not in held and not any(f"{sep}{name}{end}" in others for sep in (" ", "(")
+                                                for end in (",", "\n", ")")):
+                    found.append(f"{rel}: {name} is used by no other module of {stage.name}/")
+        for name, fields in records.items():
+            for f in fields:
+                typed = {n.id for n in ast.walk(f.annotation) if isinstance(n, ast.Name)} | {
+                    n.value for n in ast.walk(f.annotation) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+                if typed & targets:
+                    found.append(f"{rel}: {name}.{f.target.id} holds a target's record")
+                elif name in _SECTION_CARRIERS and f.target.id in section_keys:
+                    found.append(f"{rel}: {name}.{f.target.id} is a target's own field")
+    return found
+
+
+def test_records_live_with_their_stage_and_targets_own_their_fields(tmp_path):
+    """The check finds a record planted in the shared base, one planted in a stage that does not
+    use it, and target fields planted on shared records (a copy; it can fail)."""
+    import shutil
+
+    assert _misplaced_records(ROOT) == []
+    copy = tmp_path / "repo"
+    shutil.copytree(ROOT / "kvrepro", copy / "kvrepro", ignore=shutil.ignore_patterns("__pycache__", "data"))
+    base = copy / "kvrepro" / "records.py"
+    text = base.read_text()
+    text += "\n\n@dataclass(frozen=True)\nclass BisectCursor:\n    step: int = 0\n"
+    text = text.replace("    retried_after: tuple[str, ...] = ()\n",
+                        "    retried_after: tuple[str, ...] = ()\n    node: NodeInfo | None = None\n", 1)
+    base.write_text(text)
+    builds = copy / "kvrepro" / "builds" / "records.py"
+    builds.write_text(builds.read_text().replace("    error_kind: str | None = None\n",
+                                                 "    error_kind: str | None = None\n    base_image: str | None = None\n", 1)
+                      + "\n\n@dataclass(frozen=True)\nclass SuiteCursor:\n    entry: str = ''\n")
+    assert _misplaced_records(copy) == [
+        "kvrepro/records.py: BisectCursor is not shared by every stage",
+        "kvrepro/records.py: RunResult.node holds a target's record",
+        "kvrepro/builds/records.py: SuiteCursor is used by no other module of builds/",
+        "kvrepro/builds/records.py: BuildManifest.base_image is a target's own field",
+    ]

@@ -577,7 +577,8 @@ def test_reverse_is_in_the_overlay_key_and_the_manifest_records():
     from dataclasses import replace
 
     from kvrepro.builds.overlay import overlay_key
-    from kvrepro.builds.records import BuildManifest, ManifestPatch, PatchInfo
+    from kvrepro.builds.records import BuildManifest, ManifestPatch
+    from kvrepro.deploy.records import PatchInfo
     from kvrepro.records import to_jsonable
     from kvrepro.spec.records import BuildPlan
 

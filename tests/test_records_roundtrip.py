@@ -12,10 +12,9 @@ import shutil
 
 from conftest import ROOT
 
-from kvrepro.builds.records import BuildRecord
+from kvrepro.deploy.records import BuildRecord, RunManifest
 from kvrepro.deploy import lift_target_keys, where_ran
 from kvrepro.deploy.ray.records import NodeInfo, RayPlacement
-from kvrepro.deploy.records import RunManifest
 from kvrepro.records import RunResult, Verdict, from_jsonable, to_jsonable
 from kvrepro.results.records import RunInfo
 from kvrepro.results.store import load_run

@@ -17,7 +17,8 @@ from kvrepro.report import junit, pages, render as report
 from kvrepro.report import document
 from kvrepro.results import store as results
 from kvrepro.report.compare import compare
-from kvrepro.builds.records import BuildManifest, BuildRecord
+from kvrepro.builds.records import BuildManifest
+from kvrepro.deploy.records import BuildRecord
 from kvrepro.records import LoadSummary, Outcome, RunResult, Signature, Verdict
 from kvrepro.results.records import HostInfo
 from kvrepro.results.store import ResultsSchemaError

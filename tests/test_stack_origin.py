@@ -82,7 +82,7 @@ def _record(root, build: str, base: str, patches: list[str], runs: list[RunResul
     """A one-build matrix run written as the runner writes one (the suite's runs/<id>/)."""
     from conftest import planned_run
 
-    from kvrepro.builds.records import BuildRecord
+    from kvrepro.deploy.records import BuildRecord
     from kvrepro.results.records import HostInfo
     from kvrepro.results import store as results
 

@@ -1,5 +1,5 @@
 """The records of the builds stage: a build's artifact and its manifest (what a target wrote about
-it), a build as a results folder records it, and what vLLM's own tests did on each build
+it), and what vLLM's own tests did on each build
 (``kvrepro builds test``, kvrepro/builds/upstream_tests.py).
 
 Frozen dataclasses, written to JSON and read back with :func:`kvrepro.records.to_jsonable` /
@@ -139,56 +139,7 @@ class BuildArtifact:
         return self.error is None and self.ref is not None
 
 
-@dataclass(frozen=True)
-class PatchInfo:
-    """A patch of a build's stack as the results record it (name, where it came from, sha256)."""
-
-    name: str
-    upstream: str = ""
-    sha256: str = ""
-    reverse: bool = False  # applied in reverse: the build reverts this upstream change
-
-    def __json__(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"name": self.name, "upstream": self.upstream, "sha256": self.sha256}
-        return {**data, "reverse": True} if self.reverse else data
-
-
-@dataclass(frozen=True)
-class BuildRecord:
-    """results/<run>/<build>/build.json: the build's artifact, or why it failed.
-
-    ``manifest`` is what the target wrote about the artifact (an overlay's or an image's, a
-    :class:`BuildManifest`); the properties below read what every report needs of it.
-    """
-
-    ok: bool
-    ref: str | None = None
-    error: str | None = None
-    reused: bool = False
-    manifest: BuildManifest = field(default_factory=lambda: BuildManifest())
-
-    @property
-    def wheel(self) -> str | None:
-        return self.manifest.wheel
-
-    @property
-    def wheel_sha256(self) -> str | None:
-        return self.manifest.wheel_sha256
-
-    @property
-    def probe_sha256(self) -> str | None:
-        return self.manifest.probe_hash
-
-
-
-@dataclass(frozen=True)
-class UpstreamTestRef:
-    """One upstream regression test a patch header names (``# Upstream-Test:``): the release whose
-    ``tests/`` carries it and its node id there."""
-
-    patch: str
-    release: str
-    nodeid: str
+# -- vLLM's own tests on each build (kvrepro builds test; kvrepro/builds/upstream_tests.py) ---------
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,57 @@
-"""What one repetition was going to run (``manifest.json``), as the runner writes it and a target
-that runs whole runs elsewhere completes it. Here, not in results/, because a target (ray) reads and
-rewrites it: deploy is the earliest stage that needs it.
+"""What one repetition was going to run (``manifest.json``: the build as results record it, its
+patches, the engine's arguments, the load), as the runner writes it and a target that runs whole
+runs elsewhere completes it. Here, not in results/, because a target (ray) reads and rewrites it:
+deploy is the earliest stage that needs it (build.json's BuildRecord, which a manifest holds, with it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from ..builds.records import BuildRecord, PatchInfo
+from ..builds.records import BuildManifest
 from ..records import Json
+
+
+@dataclass(frozen=True)
+class PatchInfo:
+    """A patch of a build's stack as the results record it (name, where it came from, sha256)."""
+
+    name: str
+    upstream: str = ""
+    sha256: str = ""
+    reverse: bool = False  # applied in reverse: the build reverts this upstream change
+
+    def __json__(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"name": self.name, "upstream": self.upstream, "sha256": self.sha256}
+        return {**data, "reverse": True} if self.reverse else data
+
+
+@dataclass(frozen=True)
+class BuildRecord:
+    """results/<run>/<build>/build.json: the build's artifact, or why it failed.
+
+    ``manifest`` is what the target wrote about the artifact (an overlay's or an image's, a
+    :class:`BuildManifest`); the properties below read what every report needs of it.
+    """
+
+    ok: bool
+    ref: str | None = None
+    error: str | None = None
+    reused: bool = False
+    manifest: BuildManifest = field(default_factory=lambda: BuildManifest())
+
+    @property
+    def wheel(self) -> str | None:
+        return self.manifest.wheel
+
+    @property
+    def wheel_sha256(self) -> str | None:
+        return self.manifest.wheel_sha256
+
+    @property
+    def probe_sha256(self) -> str | None:
+        return self.manifest.probe_hash
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,9 @@ from ..loadgen.runner import replay_load
 from ..loadgen.trace import TraceHeader
 from ..spec.geometry import built_mismatch as geometry_mismatch
 from ..loadgen.capacity import engine_capacity
-from ..builds.records import BuildArtifact, BuildRecord, PatchInfo
+from ..builds.records import BuildArtifact
+from ..deploy.records import BuildRecord, PatchInfo, RunManifest
 from ..classify.records import StopRule
-from ..deploy.records import RunManifest
 from ..records import LoadSummary, Outcome, RunResult, Verdict
 from ..results.records import HostInfo, RunBuildEntry, RunInfo
 from ..spec.records import BuildPlan

@@ -32,9 +32,8 @@ from typing import Any
 
 from .. import __version__, lifetime, untrusted
 from ..errors import BadInputError, KvreproError
-from ..builds.records import BuildRecord
+from ..deploy.records import BuildRecord, RunManifest
 from ..deploy import lift_target_keys
-from ..deploy.records import RunManifest
 from ..records import RESULTS_SCHEMA, RecordError, RunResult, Outcome, Verdict, from_jsonable, to_jsonable
 from .records import RunBuildEntry, RunInfo
 from ..secrets import redact
