@@ -198,12 +198,45 @@ class RunResult:
         return self.load.seconds if self.load is not None else self.seconds
 
 
+# How a record's file format may differ from its fields, said on the field (dataclasses.field(metadata=...))
+# and read by the one pair below, so that no record writes its JSON by hand:
+# OMIT_UNSET: the key is left out while the field holds its default (files written before it read the same);
+# REST: a dict field holding the object's keys no other field names, written flat beside them (a format
+# open to keys of other writers: a target's own keys of a build manifest, a newer kvrepro's).
+# A record whose every field is OMIT_UNSET says so once: ``__json_omit_unset__ = True``.
+OMIT_UNSET: Mapping[str, str] = types.MappingProxyType({"json": "omit_unset"})
+REST: Mapping[str, str] = types.MappingProxyType({"json": "rest"})
+
+
+def _omitted(record: Any, f: dataclasses.Field) -> bool:
+    if f.metadata.get("json") != "omit_unset" and not getattr(record, "__json_omit_unset__", False):
+        return False
+    value = getattr(record, f.name)
+    if f.default is not dataclasses.MISSING:
+        return value == f.default
+    return f.default_factory is not dataclasses.MISSING and value == f.default_factory()
+
+
+def fields_to_jsonable(record: Any) -> dict[str, Any]:
+    """A record's JSON object, field by field (OMIT_UNSET and REST fields as they say): what
+    :func:`to_jsonable` writes for a dataclass, for a record's own ``__json__`` to go through."""
+    data: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
+    for f in dataclasses.fields(record):
+        if f.metadata.get("json") == "rest":
+            rest = getattr(record, f.name)
+        elif not _omitted(record, f):
+            data[f.name] = to_jsonable(getattr(record, f.name))
+    data.update(to_jsonable(rest))
+    return data
+
+
 def to_jsonable(value: Any) -> Any:
     """Turn records (and nested containers of them) into JSON-ready values."""
     if hasattr(value, "__json__") and not isinstance(value, type):  # a record with its own JSON form
         return value.__json__()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return fields_to_jsonable(value)
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, Path):
@@ -265,23 +298,7 @@ def from_jsonable(cls: Any, value: Any, where: str = "", *, readers: Mapping[Any
     if isinstance(cls, type) and hasattr(cls, "__json__") and hasattr(cls, "from_json"):
         return cls.from_json(value, where or cls.__name__)
     if dataclasses.is_dataclass(cls):
-        if not isinstance(value, dict):
-            raise RecordError(where or cls.__name__, f"expected an object, found {type(value).__name__}")
-        hints = type_hints(cls)
-        names = {f.name for f in dataclasses.fields(cls) if f.init}
-        unknown = sorted(set(value) - names)
-        if unknown and not ignore_unknown:
-            raise RecordError(f"{where}.{unknown[0]}" if where else unknown[0], f"not a field of {cls.__name__}")
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            if not f.init:
-                continue
-            if f.name in value:
-                kwargs[f.name] = from_jsonable(hints[f.name], value[f.name], f"{where}.{f.name}" if where else f.name,
-                                               **more)
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise RecordError(f"{where}.{f.name}" if where else f.name, "missing")
-        return cls(**kwargs)
+        return fields_from_jsonable(cls, value, where, **more)
     if isinstance(cls, type) and issubclass(cls, enum.Enum):
         try:
             return cls(value)
@@ -320,3 +337,30 @@ def from_jsonable(cls: Any, value: Any, where: str = "", *, readers: Mapping[Any
             return value
         raise RecordError(where or "value", f"expected {cls.__name__}, found {value!r}")
     raise RecordError(where or "value", f"cannot read a {cls!r}")
+
+
+def fields_from_jsonable(cls: Any, value: Any, where: str = "", *,
+                         readers: Mapping[Any, Callable[[Any, str], Any]] | None = None,
+                         ignore_unknown: bool = False) -> Any:
+    """A record read back field by field from its JSON object (what :func:`from_jsonable` does for
+    a dataclass, for a record's own ``from_json`` to go through): a key no field names raises
+    RecordError, unless the record has a REST field, which then holds it as it was."""
+    more = {"readers": readers, "ignore_unknown": ignore_unknown}
+    if not isinstance(value, dict):
+        raise RecordError(where or cls.__name__, f"expected an object, found {type(value).__name__}")
+    hints = type_hints(cls)
+    rest = next((f.name for f in dataclasses.fields(cls) if f.metadata.get("json") == "rest"), None)
+    names = {f.name for f in dataclasses.fields(cls) if f.init and f.name != rest}
+    unknown = sorted(set(value) - names)
+    if unknown and not ignore_unknown and rest is None:
+        raise RecordError(f"{where}.{unknown[0]}" if where else unknown[0], f"not a field of {cls.__name__}")
+    kwargs: dict[str, Any] = {rest: {k: value[k] for k in value if k not in names}} if rest is not None else {}
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name == rest:
+            continue
+        if f.name in value:
+            kwargs[f.name] = from_jsonable(hints[f.name], value[f.name], f"{where}.{f.name}" if where else f.name,
+                                           **more)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise RecordError(f"{where}.{f.name}" if where else f.name, "missing")
+    return cls(**kwargs)

@@ -8,11 +8,9 @@ Frozen dataclasses, written to JSON and read back with :func:`kvrepro.records.to
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
-from ..records import Json, RecordError, from_jsonable, to_jsonable, type_hints
+from ..records import OMIT_UNSET, REST, Json, fields_from_jsonable, fields_to_jsonable
 from ..spec.records import BuildPlan
 
 
@@ -36,12 +34,9 @@ class ManifestPatch:
     name: str
     sha256: str
     upstream: str | None = None
-    reverse: bool = False  # the build applied it in reverse (reverted the upstream change)
-
-    def __json__(self) -> dict[str, Any]:
-        # `reverse` only when set: manifests of forward builds read and write back as before
-        data: dict[str, Any] = {"name": self.name, "sha256": self.sha256, "upstream": self.upstream}
-        return {**data, "reverse": True} if self.reverse else data
+    # the build applied it in reverse (reverted the upstream change); written only when set, so
+    # manifests of forward builds read and write back as before
+    reverse: bool = field(default=False, metadata=OMIT_UNSET)
 
 
 @dataclass(frozen=True)
@@ -84,30 +79,17 @@ class BuildManifest:
     probe: ProbeRef | None = None  # a packaged artifact (an image): where it holds the probe
     # a failed build
     error_kind: str | None = None
-    extra: dict[str, Json] = field(default_factory=dict)
+    extra: dict[str, Json] = field(default_factory=dict, metadata=REST)  # written flat, after the fields
+
+    __json_omit_unset__ = True  # only the fields that are set are written
 
     @classmethod
     def from_json(cls, value: Json, where: str = "manifest") -> "BuildManifest":
         """Lenient on purpose: unknown keys go to ``extra``; a known key of the wrong type raises
-        :class:`RecordError` naming it."""
-        if value is None:
-            return cls()
-        if not isinstance(value, dict):
-            raise RecordError(where, f"expected an object, found {type(value).__name__}")
-        hints = type_hints(cls)
-        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        kwargs = {k: from_jsonable(hints[k], v, f"{where}.{k}") for k, v in value.items() if k in known}
-        extra = {k: v for k, v in value.items() if k not in known}
-        return cls(**kwargs, extra=extra)
+        :class:`RecordError` naming it; null (a manifest never written) is an empty one."""
+        return cls() if value is None else fields_from_jsonable(cls, value, where)
 
-    def to_json(self) -> dict[str, Json]:
-        """The flat JSON object it was read from: only the fields that are set, then ``extra``."""
-        data = {f.name: to_jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)
-                if f.name != "extra" and getattr(self, f.name) is not None}
-        data.update(self.extra)
-        return data
-
-    __json__ = to_json
+    __json__ = fields_to_jsonable
 
     @property
     def probe_hash(self) -> str | None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInputError
+from ..records import to_jsonable
 from ..spec.matrix import TargetSignature
 
 
@@ -73,7 +74,7 @@ def classify_command(log: Path, source: Path | None, target: TargetSignature) ->
     return LogVerdict(outcome=result.outcome.value, title=result.title,
                       corrupt_title=corruption_title(defects, exposure.kv_first_violation) if defects else result.title,
                       defects=dict(defects), notices=tuple(notices),
-                      as_json={**result.to_json(), "kv_violations": exposure.kv_violations, "kv_defects": defects,
+                      as_json={**to_jsonable(result), "kv_violations": exposure.kv_violations, "kv_defects": defects,
                                "kv_violations_by_class": dict(exposure.kv_violations_by)})
 
 

@@ -7,11 +7,9 @@ Frozen dataclasses, written to JSON with :func:`kvrepro.records.to_jsonable`.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
-from ..records import Outcome, Signature, Verdict
+from ..records import OMIT_UNSET, Outcome, Signature, Verdict
 
 
 @dataclass(frozen=True)
@@ -21,15 +19,7 @@ class Classification:
     signature: Signature | None = None
     # `vllm serve` refused its arguments (argparse): its message; the run tested nothing (INFRA),
     # and the suite reads an option the release lacks from here (NOT TESTABLE)
-    refused_arguments: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        data = {
-            "outcome": self.outcome.value,
-            "title": self.title,
-            "signature": dataclasses.asdict(self.signature) if self.signature else None,
-        }
-        return {**data, "refused_arguments": self.refused_arguments} if self.refused_arguments else data
+    refused_arguments: str | None = field(default=None, metadata=OMIT_UNSET)
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,9 @@ deploy is the earliest stage that needs it (build.json's BuildRecord, which a ma
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..builds.records import BuildManifest
-from ..records import Json
+from ..records import OMIT_UNSET, Json
 
 
 @dataclass(frozen=True)
@@ -20,11 +19,7 @@ class PatchInfo:
     name: str
     upstream: str = ""
     sha256: str = ""
-    reverse: bool = False  # applied in reverse: the build reverts this upstream change
-
-    def __json__(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"name": self.name, "upstream": self.upstream, "sha256": self.sha256}
-        return {**data, "reverse": True} if self.reverse else data
+    reverse: bool = field(default=False, metadata=OMIT_UNSET)  # applied in reverse: the build reverts this upstream change
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ from typing import Any
 import requests
 
 from ..errors import InfraError
-from ..records import REQUEST_ID_PREFIX, LoadSummary
+from ..records import REQUEST_ID_PREFIX, LoadSummary, to_jsonable
 from ..spec.records import RequestEvents
 from ..spec.matrix import LoadSpec, RunsSpec
 from . import http
@@ -512,7 +512,7 @@ class _Run:
         completion_tokens: int | None = None
         answered = failed = False
         if events is not None:
-            record["events"] = events.to_json()
+            record["events"] = to_jsonable(events)
         try:
             assert self.client is not None
             if events is not None and events.abort is not None:

@@ -152,7 +152,7 @@ class TraceWriter:
         if prompt.rank is not None:
             head["rank"] = prompt.rank
         if prompt.events is not None and prompt.events.any():
-            head["events"] = prompt.events.to_json()
+            head["events"] = to_jsonable(prompt.events)
         if tokens_json is None:
             tokens_json = json.dumps(list(prompt.tokens), separators=(",", ":"))
         line = json.dumps(head, separators=(",", ":"))[:-1] + ',"tokens":' + tokens_json + "}\n"
@@ -234,7 +234,7 @@ def _events(value: Any) -> RequestEvents | None:
     """A request line's ``events`` (absent: none); TypeError/ValueError name what is wrong."""
     if value is None:
         return None
-    events = RequestEvents.from_json(value)
+    events = from_jsonable(RequestEvents, value, "events")
     if events.abort not in (None, "queued", "first_token", "tokens"):
         raise ValueError(f"abort {events.abort!r} is not queued, first_token or tokens")
     if events.reset_prefix_cache not in (None, "local", "external"):

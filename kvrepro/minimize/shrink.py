@@ -61,7 +61,7 @@ from ..results import store as results
 from ..errors import InfraError, KvreproError, SpecError
 from ..loadgen.trace import Trace, TraceRequest, read_trace, write_trace
 from ..classify import is_target_crash
-from ..records import Signature
+from ..records import Signature, to_jsonable
 from ..spec.records import BuildPlan
 from ..spec.matrix import LoadedMatrix, TargetSignature
 
@@ -159,7 +159,7 @@ class OfflineEngine:
 
     def run(self, job: list[TraceRequest]) -> OfflineResult:
         line = json.dumps([{"tokens": list(r.tokens), "max_tokens": r.max_tokens,
-                            **({"events": r.events.to_json()} if r.events is not None and r.events.any() else {})}
+                            **({"events": to_jsonable(r.events)} if r.events is not None and r.events.any() else {})}
                            for r in job])
         with self._lock:
             self._busy = True

@@ -7,6 +7,7 @@ the field and what is allowed, because a person fixes them by hand in an editor.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -563,7 +564,7 @@ class LoadSpec(_Strict):
                 merged = merged.merged(event.events())
         # a queued abort on request 1 with every: 1 from 0 has nothing to ride along with
         if index == 0 and merged.abort == "queued":
-            merged = RequestEvents(**{**merged.to_json(), "abort": None, "abort_after_s": None})
+            merged = dataclasses.replace(merged, abort=None, abort_after_s=None)
         return merged
 
     def has_priorities(self) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -107,15 +106,4 @@ class RequestEvents:
         return dataclasses.replace(self, **{f.name: getattr(other, f.name) for f in dataclasses.fields(other)
                                             if getattr(other, f.name) is not None})
 
-    def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
-
-    @classmethod
-    def from_json(cls, value: Any) -> "RequestEvents":
-        if not isinstance(value, dict):
-            raise TypeError(f"events must be an object, not {type(value).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise TypeError(f"unknown event field(s) {', '.join(unknown)}")
-        return cls(**value)
+    __json_omit_unset__ = True  # only the events that are set are written (load.jsonl, trace.jsonl)
