@@ -89,67 +89,39 @@ class LoadSummary:
 RESULTS_SCHEMA = 2
 
 
-@dataclass(frozen=True)
-class RunResult:
-    """The verdict of one repetition of one build, as written to verdict.json and read back.
+@dataclass(frozen=True, kw_only=True)
+class PathEvidence:
+    """What the probe and the shadow KV saw run, defined once: classify's Exposure is it read from an
+    engine log, and a run's RunResult records it (kvrepro.classify.judge.run_result copies it field
+    by field from the one into the other). Keyword-only, so each record's own fields come first.
 
-    Everything a report, a comparison or CI needs is a typed field here (no free-form dicts to
-    dig through); fields added later carry defaults so that older verdict.json files of the same
-    schema still read.
+    ``external_hit_calls``: calls of update_state_after_alloc with an offload hit at all.
     """
 
-    build: str
-    rep: int
-    verdict: Verdict
-    outcome: Outcome
-    title: str
-    trigger_count: int
-    external_hit_calls: int
-    requests: int
-    seconds: float  # wall time of the repetition, engine start included
-    signature: Signature | None = None
-    infra_error: str | None = None
-    run_dir: str | None = None
-    # the vLLM release this run's build sits on; None in files written before the base axis:
-    # readers then take the run's top-level base (see results.MatrixRun)
-    base: str | None = None
-    # the bug's own state (issue 7): calls in which it occurred, by kind of KV group, and the
-    # shadow-KV check's result ("ok", "corrupt" or "off" when the engine did not check)
-    state_count: int = 0
+    external_hit_calls: int = 0
+    probe_source_sha256: str | None = None
+    probe_seen: bool = False
+    # per kind of KV group, the trigger calls in which the bug's own state was there (a non-null,
+    # unhashed block below the local boundary in that kind of group)
     state_groups: dict[str, int] = field(default_factory=dict)
-    kv_check: str = "off"
-    # the shadow KV's numbers: contexts checked, violations (once per request, group and block),
-    # violations by class (kind of group, "+offload" when the request had an offload hit, what the
-    # read found, where), the first one
+    # the sim engine's shadow KV: contexts checked, violations (silent KV corruption), the first
     kv_checks: int = 0
     kv_violations: int = 0
+    # violation class (kvrepro.engine.shadow: group kind[+offload]/read/region) -> violations
     kv_violations_by: dict[str, int] = field(default_factory=dict)
     kv_first_violation: str | None = None
     kv_first_violation_class: str | None = None
-    kv_groups: tuple[str, ...] = ()  # kinds of the engine's KV groups (the shadow KV's installed line)
-    # violations per known corruption defect (kvrepro.classify.corruption; "unknown" for a class
-    # no signature knows), attributed when the run was classified
-    kv_defects: dict[str, int] = field(default_factory=dict)
-    # paths that ran (Exposure): requests resumed from a hit per group kind[+offload], blocks stored per kind
+    kv_groups: tuple[str, ...] = ()  # kinds of the engine's KV groups, from the shadow KV's installed line
+    # paths the shadow KV saw run: requests resumed from a prefix hit per group kind ("+offload" when
+    # blocks were loaded for them), and blocks stored to the offload tier per group kind
     kv_hit_reads: dict[str, int] = field(default_factory=dict)
     kv_stored: dict[str, int] = field(default_factory=dict)
-    # violation class -> the first request (1-based) a described violation of it was about (Exposure);
-    # kvrepro.classify.corruption.first_request names the defect's
+    # violation class -> the first request (1-based, as load.jsonl's index + 1) a described violation
+    # of it was about; only requests the load named (X-Request-Id kvrepro-<index>)
     kv_first_request_by_class: dict[str, int] = field(default_factory=dict)
-    # what the probe had to log as the wrapped method's hash (the build manifest's); None: unknown
-    probe_expected_sha256: str | None = None
-    load: LoadSummary | None = None
-    engine_exit: int | None = None
-    probe_seen: bool = False
-    probe_source_sha256: str | None = None
-    # the engine's own totals (None: unknown, which is not 0) and its /metrics at the end of the run
-    offload_load_jobs: int | None = None
-    offload_store_jobs: int | None = None
-    engine_steps: int | None = None
-    engine_start_s: float | None = None  # from launch until the engine answered /health
-    external_prefix_cache_hits: int = 0
-    prefix_cache_hits: int = 0
-    # the waiting-queue stall's path (Exposure): deferred offload lookups, loads admitted behind one
+    # the waiting-queue stall's path (vllm#57841; the probe's module docstring): offload lookups that
+    # returned None (the request parked without blocks), and offload loads admitted after another
+    # request's lookup was deferred in the same scheduling pass (a load queued behind a block-less request)
     deferred_lookups: int = 0
     loads_behind_deferred: int = 0
     finished_unscheduled: int = 0  # probe: tracked requests finished with no token computed (aborted queued)
@@ -161,11 +133,13 @@ class RunResult:
     truncate_calls: int = 0
     partial_hits: int = 0
     lookups_in_flight: int = 0  # probe: lookups while the request's own transfers were in flight (#46014)
-    # injected offload-tier faults (Exposure): failed load and store jobs, requests failed on purpose
+    # injected offload-tier faults (engine.sim.offload_faults; the engine's `kvrepro-fault:` lines): failed
+    # load and store jobs, and the requests a failed load ended with an error on purpose (policy `fail`)
     injected_load_faults: int = 0
     injected_store_faults: int = 0
     injected_failed_requests: int = 0
-    # the engine's invariants at quiescent points (Exposure; kvrepro/classify/invariants.py)
+    # the probe's invariants at quiescent points (kvrepro/classify/invariants.py): checks made, the
+    # quiescent points each invariant failed at (by name), the first failure in words
     invariant_checks: int = 0
     invariants_broken: dict[str, int] = field(default_factory=dict)
     first_broken: str | None = None
@@ -174,6 +148,50 @@ class RunResult:
     # against, what the others hold) and its words; None: the engine never sat idle with work
     stall_where: str | None = None
     stall_state: str | None = None
+
+
+@dataclass(frozen=True)
+class RunResult(PathEvidence):
+    """The verdict of one repetition of one build, as written to verdict.json and read back.
+
+    Everything a report, a comparison or CI needs is a typed field here (no free-form dicts to
+    dig through); fields added later carry defaults so that older verdict.json files of the same
+    schema still read. What the probe and the shadow KV saw is :class:`PathEvidence`'s fields
+    (keyword-only: ``external_hit_calls``, ``kv_checks``, the probe's counters, ...).
+    """
+
+    build: str
+    rep: int
+    verdict: Verdict
+    outcome: Outcome
+    title: str
+    trigger_count: int
+    requests: int
+    seconds: float  # wall time of the repetition, engine start included
+    signature: Signature | None = None
+    infra_error: str | None = None
+    run_dir: str | None = None
+    # the vLLM release this run's build sits on; None in files written before the base axis:
+    # readers then take the run's top-level base (see results.MatrixRun)
+    base: str | None = None
+    # the bug's own state (issue 7): calls in which it occurred, by kind of KV group, and the
+    # shadow-KV check's result ("ok", "corrupt" or "off" when the engine did not check)
+    state_count: int = 0
+    kv_check: str = "off"
+    # violations per known corruption defect (kvrepro.classify.corruption; "unknown" for a class
+    # no signature knows), attributed when the run was classified
+    kv_defects: dict[str, int] = field(default_factory=dict)
+    # what the probe had to log as the wrapped method's hash (the build manifest's); None: unknown
+    probe_expected_sha256: str | None = None
+    load: LoadSummary | None = None
+    engine_exit: int | None = None
+    # the engine's own totals (None: unknown, which is not 0) and its /metrics at the end of the run
+    offload_load_jobs: int | None = None
+    offload_store_jobs: int | None = None
+    engine_steps: int | None = None
+    engine_start_s: float | None = None  # from launch until the engine answered /health
+    external_prefix_cache_hits: int = 0
+    prefix_cache_hits: int = 0
     # a target that runs whole runs elsewhere (ray): why earlier attempts of this run were INFRA (a
     # node lost mid-run; the run was retried elsewhere and this record is the retry's)
     retried_after: tuple[str, ...] = ()
@@ -217,12 +235,19 @@ def _omitted(record: Any, f: dataclasses.Field) -> bool:
     return f.default_factory is not dataclasses.MISSING and value == f.default_factory()
 
 
+@functools.cache
+def _written_order(cls: type) -> tuple[dataclasses.Field, ...]:
+    """A record's fields as written: its own first, then those of the records it extends."""
+    inherited = {f.name for base in cls.__mro__[1:] if dataclasses.is_dataclass(base) for f in dataclasses.fields(base)}
+    return tuple(sorted(dataclasses.fields(cls), key=lambda f: f.name in inherited))
+
+
 def fields_to_jsonable(record: Any) -> dict[str, Any]:
     """A record's JSON object, field by field (OMIT_UNSET and REST fields as they say): what
     :func:`to_jsonable` writes for a dataclass, for a record's own ``__json__`` to go through."""
     data: dict[str, Any] = {}
     rest: dict[str, Any] = {}
-    for f in dataclasses.fields(record):
+    for f in _written_order(type(record)):
         if f.metadata.get("json") == "rest":
             rest = getattr(record, f.name)
         elif not _omitted(record, f):

@@ -275,7 +275,7 @@ def test_the_runner_reads_its_engine_log_through_the_one_parser():
 # issue 49: records by stage. The shared base (kvrepro/records.py) holds only what every stage from
 # the targets to the report passes on; each other record lives in the records module of a stage that
 # uses it; a target's own fields live in its deploy/<target>/records.py, never on a shared record.
-_SHARED_RECORDS = {"Verdict", "Outcome", "Signature", "LoadSummary", "RunResult", "RecordError"}
+_SHARED_RECORDS = {"Verdict", "Outcome", "Signature", "LoadSummary", "PathEvidence", "RunResult", "RecordError"}
 _SECTION_CARRIERS = {"RunResult", "RunManifest", "BuildManifest"}  # records that carry targets' own keys
 
 

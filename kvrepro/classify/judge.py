@@ -13,10 +13,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..records import LoadSummary, Outcome, RunResult, Verdict
+from ..records import LoadSummary, Outcome, PathEvidence, RunResult, Verdict
 from ..spec.matrix import TargetSignature
 from .corruption import defects_of
-from .records import Exposure, Judgement
+from .records import Judgement
 from .metrics import parse_prometheus, total
 from .report import ParsedLog, parse_log
 from .verdict import corruption_title, decide, died_without_traceback_title
@@ -76,12 +76,11 @@ def run_result(judgement: Judgement, **run: Any) -> RunResult:
     """A repetition's record from its judgement and ``run``, the repetition's own fields (build,
     rep, requests, seconds, run_dir, base, load, ...).
 
-    Every Exposure field that RunResult also has is copied by name: a new probe counter is a
-    field of both records and a line of the probe's reader, and nothing else changes."""
+    What the probe and the shadow KV saw is one record, PathEvidence, that both Exposure and
+    RunResult are: its fields are copied over, so a new probe counter is one field and a line of
+    the probe's reader, and nothing else changes."""
     exposure, counters = judgement.exposure, judgement.counters
-    own = {f.name for f in dataclasses.fields(RunResult)}
-    fields: dict[str, Any] = {f.name: _copied(getattr(exposure, f.name)) for f in dataclasses.fields(Exposure)
-                              if f.name in own}
+    fields: dict[str, Any] = {f.name: _copied(getattr(exposure, f.name)) for f in dataclasses.fields(PathEvidence)}
     fields.update(
         verdict=judgement.verdict, outcome=judgement.classification.outcome, title=judgement.title,
         refused_arguments=judgement.classification.refused_arguments,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..records import OMIT_UNSET, Outcome, Signature, Verdict
+from ..records import OMIT_UNSET, Outcome, PathEvidence, Signature, Verdict
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class Classification:
 
 
 @dataclass(frozen=True)
-class Exposure:
+class Exposure(PathEvidence):
     """Evidence that the code path under test actually ran (read from the probe's output).
 
     ``trigger_calls``: calls of update_state_after_alloc with both a local prefix hit and an
@@ -32,58 +32,10 @@ class Exposure:
     """
 
     trigger_calls: int = 0
-    external_hit_calls: int = 0
-    probe_source_sha256: str | None = None
-    probe_seen: bool = False
     # trigger calls in which the bug's own state was there (a non-null, unhashed block below the
-    # local boundary in some group), and per kind of group how many calls it was in that kind
+    # local boundary in some group); the rest of what the probe and the shadow KV saw is PathEvidence's
     state_calls: int = 0
-    state_groups: dict[str, int] = field(default_factory=dict)
-    # the sim engine's shadow KV: contexts checked, violations (silent KV corruption), the first
-    kv_checks: int = 0
-    kv_violations: int = 0
-    # violation class (kvrepro.engine.shadow: group kind[+offload]/read/region) -> violations
-    kv_violations_by: dict[str, int] = field(default_factory=dict)
-    kv_first_violation: str | None = None
-    kv_first_violation_class: str | None = None
-    kv_groups: tuple[str, ...] = ()  # kinds of the engine's KV groups, from the shadow KV's installed line
-    shadow_seen: bool = False
-    # paths the shadow KV saw run: requests resumed from a prefix hit per group kind ("+offload" when
-    # blocks were loaded for them), and blocks stored to the offload tier per group kind
-    kv_hit_reads: dict[str, int] = field(default_factory=dict)
-    kv_stored: dict[str, int] = field(default_factory=dict)
-    # violation class -> the first request (1-based, as load.jsonl's index + 1) a described violation
-    # of it was about; only requests the load named (X-Request-Id kvrepro-<index>)
-    kv_first_request_by_class: dict[str, int] = field(default_factory=dict)
-    # the waiting-queue stall's path (vllm#57841; the probe's module docstring): offload lookups that
-    # returned None (the request parked without blocks), and offload loads admitted after another
-    # request's lookup was deferred in the same scheduling pass (a load queued behind a block-less request)
-    deferred_lookups: int = 0
-    loads_behind_deferred: int = 0
-    finished_unscheduled: int = 0  # probe: tracked requests finished with no token computed (aborted queued)
-    # probe: divergent local hybrid hits handed to the connector, and those it then loaded past
-    divergent_hits: int = 0
-    divergent_loads: int = 0
-    # probe: partial-tail copy-on-writes, and local hits truncated to the block for a longer offload hit
-    cow_calls: int = 0
-    truncate_calls: int = 0
-    partial_hits: int = 0
-    lookups_in_flight: int = 0  # probe: lookups while the request's own transfers were in flight (#46014)
-    # injected offload-tier faults (engine.sim.offload_faults; the engine's `kvrepro-fault:` lines): failed
-    # load and store jobs, and the requests a failed load ended with an error on purpose (policy `fail`)
-    injected_load_faults: int = 0
-    injected_store_faults: int = 0
-    injected_failed_requests: int = 0
-    # the probe's invariants at quiescent points (kvrepro/classify/invariants.py): checks made, the
-    # quiescent points each invariant failed at (by name), the first failure in words
-    invariant_checks: int = 0
-    invariants_broken: dict[str, int] = field(default_factory=dict)
-    first_broken: str | None = None
-    # where the engine waited when nothing was scheduled for a while (the probe's last stall-state
-    # line): a key naming no request (the blocked request's status and queues, what it was refused
-    # against, what the others hold) and its words; None: the engine never sat idle with work
-    stall_where: str | None = None
-    stall_state: str | None = None
+    shadow_seen: bool = False  # the shadow KV's installed line was in the log
 
     @property
     def kv_check(self) -> str:
@@ -94,10 +46,11 @@ class Exposure:
 
 
 # The probe's plain counters (kvrepro/probe/kvrepro_probe.py prints them as ``name=<N>`` on its
-# counts line): name -> what it counts. Each is a field of Exposure and of RunResult of the same
-# name; the probe's reader (classify/exposure.py) adds them up over processes and the suite offers
-# them as "path ran" counters, both from this table. A new probe counter is a line here, its two
-# fields, and the probe's own code: nothing else changes.
+# counts line): name -> what it counts. Each is a field of kvrepro.records.PathEvidence, which
+# Exposure (read from a log) and RunResult (a run's record) both are; the probe's reader
+# (classify/exposure.py) adds them up over processes and the suite offers them as "path ran"
+# counters, both from this table. A new probe counter is a line here, its field, and the probe's
+# own code: nothing else changes.
 PROBE_COUNTERS: dict[str, str] = {
     "deferred_lookups": "offload lookups that returned None: the request parked without blocks (probe)",
     "loads_behind_deferred": "offload loads admitted in a scheduling pass after another request's lookup was "
