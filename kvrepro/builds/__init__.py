@@ -7,15 +7,28 @@ patching code on files copied out of a base image.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from .records import BuildArtifact
 from ..spec.records import BuildPlan
-from .gitcommit import build_commit_overlay
-from .overlay import build_release_overlay, pristine_tree
-from .patching import apply_patch_stack, touched_files
-from .runtime import Runtime, ensure_runtime, is_ready
-from .wheel import fetch_wheel, vllm_requirements
+from .records import BuildArtifact
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+# The package's face, imported on first use (PEP 562): a module that needs only the stage's records
+# (kvrepro.builds.records: results, the report, every command reading a results folder) does not
+# pay for the overlay, wheel and runtime code (what `kvrepro --help` would then import).
+_LAZY = {"build_commit_overlay": "gitcommit", "build_release_overlay": "overlay", "pristine_tree": "overlay",
+         "apply_patch_stack": "patching", "touched_files": "patching", "Runtime": "runtime",
+         "ensure_runtime": "runtime", "is_ready": "runtime", "fetch_wheel": "wheel", "vllm_requirements": "wheel"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build_overlay(plan: BuildPlan, on_line: Callable[[str], None] | None = None) -> BuildArtifact:
@@ -23,12 +36,20 @@ def build_overlay(plan: BuildPlan, on_line: Callable[[str], None] | None = None)
     plan names one (``plan.source``). A patch that does not apply fails this build only (the
     artifact's ``error`` names the patch, file and hunk)."""
     if plan.source is not None:
+        from .gitcommit import build_commit_overlay
+
         return build_commit_overlay(plan, on_line)
+    from .overlay import build_release_overlay
+
     return build_release_overlay(plan, on_line)
 
 
 def prepare_runtime(base: str, on_line: Callable[[str], None] | None = None) -> Runtime:
     """The runtime (python + layers) for vLLM ``base`` (downloads and installs on first use)."""
+    from .overlay import pristine_tree
+    from .runtime import ensure_runtime
+    from .wheel import vllm_requirements
+
     wheel, _, _ = pristine_tree(base, on_line)
     return ensure_runtime(vllm_requirements(wheel), on_line)
 
