@@ -38,7 +38,8 @@ def known_targets() -> list[str]:
     """Every target this installation has (one module or package per target in this folder)."""
     import pkgutil
 
-    return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in ("base",))
+    # base.py (the contract) and records.py (the run manifest) are the stage's own, not targets
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in ("base", "records"))
 
 
 def get_target(name: str) -> type[Target]:
