@@ -130,3 +130,11 @@ def test_no_region_file_keeps_contents_by_chunk_id(tmp_path):
     assert (3, 0) in shadow.cpu
     shadow.load(2, _cpu([3]), _gpu([21], [0, 0, 1]))
     assert shadow.gpu[21].slots == ["kv"] * 16
+
+
+def test_a_chunk_outside_the_region_reads_as_unwritten_and_ends_nothing(region_file):
+    shadow = _shadow(region_file)
+    shadow.gpu[20] = Content(2, slots=["kv"] * 16, source="KV")
+    shadow.store(1, _gpu([20], [0, 0, 1]), _cpu([8]))  # the region has rows 0-7
+    shadow.load(2, _cpu([8]), _gpu([21], [0, 0, 1]))
+    assert shadow.gpu[21].slots is None and "no store wrote" in shadow.gpu[21].source

@@ -220,19 +220,23 @@ class CpuRegion:
                 os.close(fd)
         return self._map is not None
 
-    def _offset(self, chunk: int) -> int:
+    def _offset(self, chunk: int) -> int | None:
+        """The row's first byte; None for a chunk id outside the region (vLLM's allocator hands out
+        none, and the shadow must not be what ends an engine: such a store is lost and its load
+        reads as unwritten KV)."""
         offset = int(chunk) * self.row_bytes
-        assert self._map is not None and 0 <= offset <= len(self._map) - self.STAMP_BYTES, (
-            f"CPU chunk {chunk} is outside the region {self.path}")
+        if self._map is None or not 0 <= offset <= len(self._map) - self.STAMP_BYTES:
+            return None
         return offset
 
     def read(self, chunk: int) -> int:
         offset = self._offset(chunk)
-        return int.from_bytes(self._map[offset:offset + self.STAMP_BYTES], "little")
+        return 0 if offset is None else int.from_bytes(self._map[offset:offset + self.STAMP_BYTES], "little")
 
     def write(self, chunk: int, stamp: int) -> None:
         offset = self._offset(chunk)
-        self._map[offset:offset + self.STAMP_BYTES] = int(stamp).to_bytes(self.STAMP_BYTES, "little")
+        if offset is not None:
+            self._map[offset:offset + self.STAMP_BYTES] = int(stamp).to_bytes(self.STAMP_BYTES, "little")
 
     def close(self) -> None:
         if self._map is not None:
