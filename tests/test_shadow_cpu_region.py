@@ -25,30 +25,13 @@ from types import SimpleNamespace
 import pytest
 
 from kvrepro.engine.shadow import Content, CpuRegion, ShadowKV
+from test_shadow_offload_pairs import _config, _cpu  # the run's groups: mamba, mamba, full attention
 
 ROW = 4096
 
 
-class MambaSpec:  # describe_groups() reads the class name, as it does for vLLM's specs
-    block_size = 16
-    mamba_cache_mode = "align"
-
-
-class FullAttentionSpec:
-    block_size = 16
-
-
-def _config():
-    groups = [SimpleNamespace(kv_cache_spec=spec) for spec in (MambaSpec(), MambaSpec(), FullAttentionSpec())]
-    return SimpleNamespace(kv_cache_groups=groups)
-
-
 def _gpu(block_ids, group_sizes):
     return SimpleNamespace(block_ids=block_ids, group_sizes=group_sizes, block_indices=[0] * len(group_sizes))
-
-
-def _cpu(block_ids):
-    return SimpleNamespace(block_ids=block_ids)
 
 
 @pytest.fixture
