@@ -4,7 +4,7 @@ Why: on vLLM 0.34.0, `tiering-mtp-store-assert` (TieringOffloadingSpec: CPU tier
 CORRUPT with ~790 violations, the first a Mamba block loaded from CPU chunk 93 "holding group 2's
 data". 0.34.0's fs tier marks a key present once it stored it (``mark_present``,
 tiering/fs/manager.py 0.34.0:285-288; 0.33.0 has no such update), and chunks cascaded to files
-came back: 225-237 promotions per run, none on 0.33.0. A promotion reads the file into whichever
+came back: 222-237 promotions per run, none on 0.33.0. A promotion reads the file into whichever
 CPU row the primary tier allocates (fs/manager.py 0.34.0:238-268, ``cid * row stride``), and the
 shadow, which keyed CPU contents by chunk id and learnt them from GPU stores only, judged that
 row by what this engine last stored there. With :class:`CpuRegion` a store writes a stamp into
