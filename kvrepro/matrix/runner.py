@@ -163,6 +163,71 @@ def _start_failure(error: str, log_path: Path, artifact: BuildArtifact, target) 
 _PROBE_SETTLE_S = 2.5
 
 
+def _write_manifest(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_dir: Path, rep: int,
+                    replay: Any, fs_tiers: list) -> None:
+    """manifest.json: what this repetition is about to run, written before anything starts."""
+    matrix, plan = loaded.matrix, artifact.plan
+    engine_args = _engine_args(target)
+    results.write_json(run_dir / "manifest.json", RunManifest(
+        build=plan.name, rep=rep, base=plan.base, target=target.name,
+        patches=tuple(PatchInfo(p.name, p.upstream, p.sha256, p.reverse) for p in plan.patches),
+        artifact=_build_record(artifact),
+        engine_args=tuple(engine_args) if engine_args is not None else None,
+        sim_seed=matrix.engine.sim.seed + rep, load_seed=matrix.load.seed + rep,
+        load=matrix.load.model_dump(), runs=matrix.runs.model_dump(), kvrepro_version=__version__,
+        replay_of=str(replay.path) if replay is not None else None, fs_tiers=tuple(fs_tiers),
+    ))
+
+
+def _not_started(loaded: LoadedMatrix, artifact: BuildArtifact, run_dir: Path, rep: int, exc: InfraError,
+                 seconds: float, stop: threading.Event) -> RunResult:
+    """The record of an engine that did not start: INFRA with its root cause, or INTERRUPTED when a
+    stop came while it was starting."""
+    result = _infra_result(artifact.plan, rep, run_dir, str(exc), seconds)
+    title, refused = _start_failure(str(exc), run_dir / "engine.log", artifact, loaded.matrix.target_signature)
+    result = replace(result, title=title, refused_arguments=refused)
+    if "last lines of" in str(exc):
+        # the target quoted the engine's log (a traceback of vLLM's, perhaps): the record keeps
+        # the root cause and where the whole log is, not raw log lines
+        result = replace(result, infra_error=redact(f"{title}\n(the whole engine log: {run_dir / 'engine.log'})"))
+    if stop.is_set():  # Ctrl-C while it was starting: says nothing about the infrastructure
+        return replace(result, verdict=Verdict.INTERRUPTED, outcome=Outcome.NONE,
+                       title="interrupted while the engine was starting")
+    return result
+
+
+def _send_load(loaded: LoadedMatrix, target: Target, plan: BuildPlan, handle: EngineHandle, log: LogTail,
+               run_dir: Path, rep: int, progress: Progress, stop: threading.Event, replay: Any,
+               stop_rule: StopRule | None) -> LoadSummary:
+    """The matrix's load (sized for the engine's logged capacity, ended early once ``stop_rule``
+    settles the verdict), or ``replay``'s recorded requests, to the started engine."""
+    matrix = loaded.matrix
+    api_key = engine_api_key(loaded, target.name)
+    on_progress = lambda done, failed: progress.requests_done(plan.name, rep, done, failed)  # noqa: E731
+    logged = log.read().capacity
+    if replay is not None:
+        load = replay_load(handle.base_url, replay, matrix.runs, run_dir / "load.jsonl", alive=handle.alive,
+                           on_progress=on_progress, stop=stop, trace_path=run_dir / "trace.jsonl", api_key=api_key)
+        if load.stopped_because == "budget" and not stop.is_set():
+            # a replay can be over in a fraction of a second: give the probe's reporter
+            # (every REPORT_INTERVAL_S = 2 s) time to write the counts before the engine stops
+            stop.wait(_PROBE_SETTLE_S)
+        return load
+    engine_args = _engine_args(target)
+    header = TraceHeader().updated(build=plan.name, rep=rep, sim_seed=matrix.engine.sim.seed + rep,
+                                   engine_args=tuple(engine_args) if engine_args is not None else None)
+    capacity = engine_capacity(matrix.load, logged, matrix.engine.block_size, matrix.engine.max_model_len,
+                               chunk_tokens=matrix.engine.offload_chunk_tokens,
+                               data_parallel_size=matrix.engine.data_parallel_size)
+    is_settled = None
+    if stop_rule is not None:
+        is_settled = lambda: settled(log.read().exposure(), stop_rule)  # noqa: E731
+    return run_load(handle.base_url, matrix.load, matrix.runs, run_dir / "load.jsonl",
+                    seed=matrix.load.seed + rep, alive=handle.alive, on_progress=on_progress,
+                    stop=stop, capacity=capacity, trace_path=run_dir / "trace.jsonl", trace_header=header,
+                    api_key=api_key, settled=is_settled)
+
+
 def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_dir: Path, rep: int,
             progress: Progress, stop: threading.Event, replay: Any = None,
             stop_rule: StopRule | None = None, on_load_done: Callable[[], None] | None = None) -> RunResult:
@@ -174,17 +239,8 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     its stop, the verdict) needs little CPU, so the caller may start the next engine meanwhile."""
     matrix = loaded.matrix
     plan = artifact.plan
-    engine_args = _engine_args(target)
     fs_tiers = _fs_tier_folders(target, run_dir)
-    results.write_json(run_dir / "manifest.json", RunManifest(
-        build=plan.name, rep=rep, base=plan.base, target=target.name,
-        patches=tuple(PatchInfo(p.name, p.upstream, p.sha256, p.reverse) for p in plan.patches),
-        artifact=_build_record(artifact),
-        engine_args=tuple(engine_args) if engine_args is not None else None,
-        sim_seed=matrix.engine.sim.seed + rep, load_seed=matrix.load.seed + rep,
-        load=matrix.load.model_dump(), runs=matrix.runs.model_dump(), kvrepro_version=__version__,
-        replay_of=str(replay.path) if replay is not None else None, fs_tiers=tuple(fs_tiers),
-    ))
+    _write_manifest(loaded, target, artifact, run_dir, rep, replay, fs_tiers)
     started = time.monotonic()
     if not artifact.ok:
         return _infra_result(plan, rep, run_dir, artifact.error or "build failed")
@@ -195,17 +251,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
         engine_start_s = round(time.monotonic() - started, 3)
     except InfraError as exc:
         _remove_fs_tiers(fs_tiers, run_dir)
-        result = _infra_result(plan, rep, run_dir, str(exc), time.monotonic() - started)
-        title, refused = _start_failure(str(exc), run_dir / "engine.log", artifact, matrix.target_signature)
-        result = replace(result, title=title, refused_arguments=refused)
-        if "last lines of" in str(exc):
-            # the target quoted the engine's log (a traceback of vLLM's, perhaps): the record keeps
-            # the root cause and where the whole log is, not raw log lines
-            result = replace(result, infra_error=redact(f"{title}\n(the whole engine log: {run_dir / 'engine.log'})"))
-        if stop.is_set():  # Ctrl-C while it was starting: says nothing about the infrastructure
-            return replace(result, verdict=Verdict.INTERRUPTED, outcome=Outcome.NONE,
-                           title="interrupted while the engine was starting")
-        return result
+        return _not_started(loaded, artifact, run_dir, rep, exc, time.monotonic() - started, stop)
     if stop.is_set():  # stopped while it started: it gets no request (kvrepro#8)
         handle.stop()
         _remove_fs_tiers(fs_tiers, run_dir)
@@ -216,36 +262,12 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     load: LoadSummary | None = None
     metrics_text: str | None = None
     engine_exit: int | None = None
-    api_key = engine_api_key(loaded, target.name)
     # the engine log, read once: a piece at start (the capacity the load is sized for), pieces
     # while the load runs (the stop rule), the rest once the engine stopped (the verdict)
     source_root = Path(artifact.source_root) if artifact.source_root else None
     log = LogTail(handle.log_path, LogParser(source_root, matrix.target_signature))
     try:
-        logged = log.read().capacity
-        engine_args = _engine_args(target)
-        header = TraceHeader().updated(build=plan.name, rep=rep, sim_seed=matrix.engine.sim.seed + rep,
-                                       engine_args=tuple(engine_args) if engine_args is not None else None)
-        if replay is not None:
-            load = replay_load(handle.base_url, replay, matrix.runs, run_dir / "load.jsonl", alive=handle.alive,
-                               on_progress=lambda done, failed: progress.requests_done(plan.name, rep, done, failed),
-                               stop=stop, trace_path=run_dir / "trace.jsonl", api_key=api_key)
-            if load.stopped_because == "budget" and not stop.is_set():
-                # a replay can be over in a fraction of a second: give the probe's reporter
-                # (every REPORT_INTERVAL_S = 2 s) time to write the counts before the engine stops
-                stop.wait(_PROBE_SETTLE_S)
-        else:
-            capacity = engine_capacity(matrix.load, logged, matrix.engine.block_size, matrix.engine.max_model_len,
-                                       chunk_tokens=matrix.engine.offload_chunk_tokens,
-                                       data_parallel_size=matrix.engine.data_parallel_size)
-            is_settled = None
-            if stop_rule is not None:
-                is_settled = lambda: settled(log.read().exposure(), stop_rule)  # noqa: E731
-            load = run_load(handle.base_url, matrix.load, matrix.runs, run_dir / "load.jsonl",
-                            seed=matrix.load.seed + rep, alive=handle.alive,
-                            on_progress=lambda done, failed: progress.requests_done(plan.name, rep, done, failed),
-                            stop=stop, capacity=capacity, trace_path=run_dir / "trace.jsonl", trace_header=header,
-                            api_key=api_key, settled=is_settled)
+        load = _send_load(loaded, target, plan, handle, log, run_dir, rep, progress, stop, replay, stop_rule)
         engine_exit = handle.exit_code()
         metrics_text = _fetch_metrics(handle)
         if on_load_done is not None:
