@@ -30,14 +30,14 @@ from ..classify.settle import settled
 from ..deploy import engine_api_key as target_api_key
 from ..deploy import get_target
 from ..deploy.base import EngineHandle, SilentProgress, Target
-from ..errors import InfraError, KvreproError
+from ..errors import InfraError, KvreproError, describe_os_error
 from ..loadgen import run_load
 from ..loadgen.runner import replay_load
 from ..loadgen.trace import TraceHeader
 from ..spec.geometry import built_mismatch as geometry_mismatch
 from ..loadgen.capacity import engine_capacity
 from ..records import (BuildArtifact, BuildPlan, BuildRecord, HostInfo, LoadSummary, Outcome, PatchInfo, RunBuildEntry, RunInfo, RunManifest, RunResult, StopRule, Verdict)
-from ..secrets import redact
+from ..secrets import option_values, redact
 from ..spec.matrix import LoadedMatrix
 from .slots import RunSlots
 
@@ -123,8 +123,6 @@ def _remove_fs_tiers(folders: list, run_dir: Path) -> None:
 
 def engine_api_key(loaded: LoadedMatrix, target_name: str) -> str | None:
     """The key an engine started with --api-key (any spelling) or VLLM_API_KEY wants on /v1/*."""
-    from ..secrets import option_values
-
     keys = option_values(list(loaded.matrix.engine.extra_args), "--api-key")
     if keys:
         return keys[0]
@@ -300,8 +298,6 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
 
 
 def _error_line(exc: BaseException) -> str:
-    from ..errors import describe_os_error
-
     return redact(describe_os_error(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}")[:500]
 
 

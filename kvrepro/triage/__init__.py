@@ -33,7 +33,7 @@ from ..classify.patterns import Pattern, match_pattern
 from ..classify.tracebacks import Traceback
 from ..errors import BadInputError
 from ..records import Classification, Outcome, Signature
-from ..spec.matrix import TargetSignature
+from ..spec.matrix import DEFAULT_MATRIX, TargetSignature
 from ..suite.catalogue import Catalogue, Entry
 from ..untrusted import quote
 from ..versions import SUPPORTED_RELEASES, nearest_supported, version_tuple
@@ -163,8 +163,6 @@ def _target() -> TargetSignature:
     """The crash kvrepro was built for, as the default matrix names it (its statement included): a
     crash is ``target`` only when it is that statement, not another assertion of the function."""
     import yaml
-
-    from ..spec.matrix import DEFAULT_MATRIX
 
     try:
         data = yaml.safe_load(DEFAULT_MATRIX.read_text()) or {}
