@@ -64,6 +64,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 ENV_VAR = "KVREPRO_ENGINE_ZYGOTE"
 # Imported before the first engine is forked: the heavy roots every vLLM import pulls in.
@@ -180,6 +181,57 @@ def _serve_modules() -> list[str]:
             and not name.startswith(_ENGINE_ONLY)]
 
 
+def _take_over(request: dict, fds: list[int], replay: bytes) -> list[str]:
+    """In the child: the client's stdin/stdout/stderr, environment, working directory and overlay
+    on sys.path, in a session of its own; the overlay's paths."""
+    os.setsid()
+    for target, fd in zip((0, 1, 2), fds[:3], strict=False):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    _write_all(1, replay)
+    env = request["env"]
+    os.environ.clear()
+    os.environ.update(env)
+    # the zygote's own TMPDIR may be another command's (a shared zygote): ask again
+    tempfile.tempdir = None
+    os.chdir(request["cwd"])
+    overlay_paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[0:0] = [p for p in overlay_paths if p not in sys.path]
+    importlib.invalidate_caches()
+    return overlay_paths
+
+
+def _watch_client(conn: socket.socket) -> None:
+    """The client holds the other end of ``conn``; if it goes away, so does this engine."""
+    try:
+        while conn.recv(1024):
+            pass
+    except OSError:
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)
+    from kvrepro import lifetime  # kvrepro#8: nobody waits on us any more: bound the stop
+
+    lifetime.kill_group_later(os.getpid(), grace=3.0)
+
+
+def _module_reporter(listen_path: str, overlay_paths: list[str], learn: bool) -> Callable[[], None]:
+    """What the engine calls once settled: tell the zygote what it imported (only when asked to learn)."""
+
+    def report_modules() -> None:
+        if not learn:
+            return
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(listen_path)
+                _send(s, {"learn": _foreign_modules(overlay_paths), "serve": _serve_modules()})
+        except OSError:
+            pass
+
+    return report_modules
+
+
 def _run_engine(conn: socket.socket, listen_path: str, request: dict, fds: list[int], learn: bool,
                 replay: bytes = b"") -> None:
     """In the child: become the engine process the client asked for, then exit.
@@ -188,49 +240,10 @@ def _run_engine(conn: socket.socket, listen_path: str, request: dict, fds: list[
     written first so that this engine's own log reads as if it had imported vLLM itself."""
     code = 1
     try:
-        os.setsid()
-        for target, fd in zip((0, 1, 2), fds[:3], strict=False):
-            os.dup2(fd, target)
-        for fd in fds:
-            if fd > 2:
-                os.close(fd)
-        _write_all(1, replay)
-        env = request["env"]
-        os.environ.clear()
-        os.environ.update(env)
-        # the zygote's own TMPDIR may be another command's (a shared zygote): ask again
-        tempfile.tempdir = None
-        os.chdir(request["cwd"])
-        overlay_paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        sys.path[0:0] = [p for p in overlay_paths if p not in sys.path]
-        importlib.invalidate_caches()
+        overlay_paths = _take_over(request, fds, replay)
         argv = list(request["argv"])
         sys.argv = ["kvrepro.engine", *argv]
-
-        def watch_client() -> None:
-            # The client holds the other end; if it goes away, so does this engine.
-            try:
-                while conn.recv(1024):
-                    pass
-            except OSError:
-                pass
-            os.kill(os.getpid(), signal.SIGTERM)
-            from kvrepro import lifetime  # kvrepro#8: nobody waits on us any more: bound the stop
-
-            lifetime.kill_group_later(os.getpid(), grace=3.0)
-
-        threading.Thread(target=watch_client, name="zygote-client-watch", daemon=True).start()
-
-        def report_modules() -> None:
-            if not learn:
-                return
-            try:
-                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                    s.connect(listen_path)
-                    _send(s, {"learn": _foreign_modules(overlay_paths), "serve": _serve_modules()})
-            except OSError:
-                pass
-
+        threading.Thread(target=_watch_client, args=(conn,), name="zygote-client-watch", daemon=True).start()
         module = request.get("module")
         if module:  # `python -m MODULE ARGV` (the minimizer's kvrepro.engine.offline), run as its own __main__
             import runpy
@@ -242,7 +255,7 @@ def _run_engine(conn: socket.socket, listen_path: str, request: dict, fds: list[
         else:
             from kvrepro.engine.vllm_cli import run
 
-            code = run(argv, on_settled=report_modules)
+            code = run(argv, on_settled=_module_reporter(listen_path, overlay_paths, learn))
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
