@@ -553,19 +553,22 @@ class _ReleaseRun:
         return self.selected + self.patch_run
 
 
+@dataclasses.dataclass
 class _BuildsCheck:
     """One ``builds test``: the release's run, then each build's, then the rows that compare them."""
 
-    def __init__(self, base: str, base_tests: SourceTests, tree: TestTree, runtime: Runtime, workers: int,
-                 on_line: Callable[[str], None] | None, runner: PytestRunner):
-        self.base = base
-        self.base_tests = base_tests
-        self.tree = tree
-        self.runtime = runtime
-        self.workers = workers
-        self.on_line = on_line
-        self.runner = runner
-        self.release_root, self.release_key = _pristine_root(base, on_line)
+    base: str
+    base_tests: SourceTests
+    tree: TestTree
+    runtime: Runtime
+    workers: int
+    on_line: Callable[[str], None] | None
+    runner: PytestRunner
+    release_root: Path = dataclasses.field(init=False)
+    release_key: str = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.release_root, self.release_key = _pristine_root(self.base, self.on_line)
 
     def roots(self, only: Sequence[str]) -> tuple[str, ...]:
         """``only``: test files or node ids of the release (CI runs a handful); the default is all of ROOTS."""

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -406,19 +406,18 @@ def _record_end(folder: results.RunFolder, exc: BaseException) -> None:
         _mark_ended(folder, "interrupted" if interrupted else "failed", None if interrupted else _error_line(exc))
 
 
+@dataclass
 class _MatrixRun:
     """One matrix run under way: its builds, then their repetitions on the target's slots
     (:class:`~kvrepro.matrix.slots.RunSlots`), each written down the moment it exists."""
 
-    def __init__(self, loaded: LoadedMatrix, options: MatrixOptions, folder: results.RunFolder, target: Target,
-                 progress: Progress, stop: threading.Event):
-        self.loaded = loaded
-        self.options = options
-        self.folder = folder
-        self.target = target
-        self.progress = progress
-        self.stop = stop
-        self.recorded: dict[str, list[RunResult]] = {}  # each build's runs so far (longest_first, adaptive rounds)
+    loaded: LoadedMatrix
+    options: MatrixOptions
+    folder: results.RunFolder
+    target: Target
+    progress: Progress
+    stop: threading.Event
+    recorded: dict[str, list[RunResult]] = field(default_factory=dict)  # each build's runs so far
 
     def run(self, plans: list[BuildPlan]) -> None:
         artifacts = self._prepare(plans)
