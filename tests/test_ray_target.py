@@ -368,9 +368,9 @@ def test_a_two_node_docker_engine_holds_a_placement_group_and_its_image_is_made_
             manifest = json.loads((Path(r["run_dir"]) / "manifest.json").read_text())
             assert manifest["by_target"]["ray"] == r["by_target"]["ray"]
         report = (next((tmp_path / "r").glob("*/report.md"))).read_text()
-        ray = [r["by_target"]["ray"] for r in results]
+        sections = [r["by_target"]["ray"] for r in results]
         assert all(f"{p['node']['address']} ({p['node']['node_id'][:8]}) + {p['placement_nodes'][1]['address']}"
-                   in report for p in ray), report
+                   in report for p in sections), report
         first, second = sorted(_engine_window(Path(r["run_dir"])) for r in results)
         assert first[1] <= second[0], (first, second)  # the second engine started after the first one's last request
         groups = [g for g in _placement_groups(cluster.address) if g["name"].startswith("kvrepro-")]

@@ -28,6 +28,7 @@ from ..errors import SpecError
 from ..records import Json, RecordError, type_hints, from_jsonable, to_jsonable
 from ..spec.records import RequestEvents
 from .profiles import Profile, Prompt
+from ..spec.matrix import LoadSpec
 
 FORMAT_VERSION = 1
 
@@ -116,8 +117,6 @@ class Trace:
 
     def load_spec(self):
         """The LoadSpec the trace was sent with (for max_tokens, vocab, format, streaming)."""
-        from ..spec.matrix import LoadSpec
-
         return LoadSpec.model_validate(self.header.load or {})
 
     def with_requests(self, requests: list[TraceRequest]) -> "Trace":
