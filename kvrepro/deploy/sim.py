@@ -196,6 +196,7 @@ class ProcessEngine(EngineHandle):
                     os.killpg(self.proc.pid, signal.SIGKILL)
                     self.proc.wait()
         self._log.close()
+        scratch.release_regions()  # the /dev/shm regions of engines that have ended, this one's included
 
 
 # Set (to a folder) by whoever runs many short kvrepro commands in a row and stops what they leave

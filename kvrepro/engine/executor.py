@@ -71,7 +71,7 @@ from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
 from kvrepro import versions
 
-from . import arcs, faults, transfer_checks
+from . import arcs, faults, shm_region, transfer_checks
 from . import shadow as shadow_kv
 from .config import SimKnobs
 
@@ -524,6 +524,9 @@ class SimExecutor(Executor):
         # A GPU worker calls this after loading the model (UniProcExecutor._init_executor);
         # it aligns the attention block size with the Mamba page size for hybrid models.
         current_platform.update_block_size_for_backend(self.vllm_config)
+        # the offload tier's /dev/shm region, claimed before vLLM makes it so that kvrepro removes it
+        # once this engine is gone, however it ends (kvrepro/engine/shm_region.py)
+        shm_region.claim(getattr(self.vllm_config.kv_transfer_config, "engine_id", None))
         self._specs = self._build_kv_cache_specs()
         logger.info(
             "Sim executor: no GPU; fake model (draft acceptance rate %.2f, seed %d, step delay "
@@ -676,6 +679,8 @@ class SimExecutor(Executor):
             # secondary tiers copy to and from their storage (shadow.CpuRegion says why the sim writes
             # there); TieringOffloadingSpec names it by engine id (0.26.0-0.34.0 tiering/spec.py)
             engine_id, row_bytes = getattr(spec, "_engine_id", None), getattr(spec, "kv_bytes_per_chunk", None)
+            if engine_id and engine_id != getattr(self.vllm_config.kv_transfer_config, "engine_id", None):
+                shm_region.claim(engine_id)
             if self.shadow is not None and engine_id and row_bytes:
                 self.shadow.region = shadow_kv.CpuRegion(f"/dev/shm/vllm_offload_{engine_id}.mmap", row_bytes)
             if self.shadow is not None:
