@@ -156,7 +156,8 @@ def test_a_new_target_owns_its_section_of_the_matrix(monkeypatch, tmp_path):
 def _target_branches(package, targets=None) -> list[str]:
     """Every place that branches on a target's name outside that target's own module or package
     (``kvrepro/deploy/<name>.py`` or ``kvrepro/deploy/<name>/``): a comparison (``==``, ``!=``,
-    ``in``, ``not in``) or a ``match`` case with the name as a string on either side, read with ast.
+    ``in``, ``not in``) or a ``match`` case with the name as a string on either side, or a tuple,
+    list or set made of target names only (a list of targets to test against), read with ast.
     The names are the registry's (kvrepro.deploy.known_targets of ``package``'s own deploy/ folder,
     or ``targets``), so a new target is covered the day its folder appears. Such a branch is the
     target's knowledge living elsewhere; a stage asks kvrepro.deploy instead (get_target,
@@ -191,6 +192,9 @@ def _target_branches(package, targets=None) -> list[str]:
                 names = set().union(*(named(n) for n in (node.left, *node.comparators)))
             elif isinstance(node, ast.MatchValue):
                 names = named(node.value)
+            elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and node.elts and all(
+                    isinstance(e, ast.Constant) and e.value in targets for e in node.elts):
+                names = named(node)  # a list of targets kept elsewhere (explore's SHARED_TARGETS was one)
             else:
                 continue
             if names - {home}:
@@ -226,11 +230,15 @@ def test_no_target_branch_outside_its_own_folder(tmp_path):
     (copy / "kvrepro" / "deploy" / "k8s").mkdir()  # a new target's folder: its name is ruled at once
     (copy / "kvrepro" / "deploy" / "k8s" / "__init__.py").write_text("def _planted(name):\n    return name == 'k8s'\n")
     explore = copy / "kvrepro" / "explore" / "campaign.py"
-    explore.write_text(explore.read_text() + "\n\ndef _planted(name):\n    return name in {'k8s'}\n")
+    explore.write_text(explore.read_text() + "\n\nSHARED = ('sim', 'ray')\nNOT_TARGETS = ('docker', 'podman')\n\n\n"
+                       "def _planted(name):\n    return name in {'k8s'}\n")
     explore_lines = len(explore.read_text().splitlines())
     assert _target_branches(copy) == [f"kvrepro/deploy/ray/node.py:{lines + 4}",
+                                      f"kvrepro/explore/campaign.py:{explore_lines - 5}",  # SHARED, not NOT_TARGETS
+                                      f"kvrepro/explore/campaign.py:{explore_lines}",  # the compare and its set
                                       f"kvrepro/explore/campaign.py:{explore_lines}",
                                       f"kvrepro/matrix/runner.py:{runner_lines - 2}",
+                                      f"kvrepro/matrix/runner.py:{runner_lines}",  # the compare and its tuple
                                       f"kvrepro/matrix/runner.py:{runner_lines}",
                                       f"kvrepro/suite/run.py:{suite_lines}",  # 'sim' and "ray", one each
                                       f"kvrepro/suite/run.py:{suite_lines}"]
