@@ -50,6 +50,8 @@ class ParsedLog:
     capacity: LoggedCapacity
     geometries: tuple[BuiltGeometry, ...] = ()  # every geometry line, in order
     last_line: str | None = None  # the last line's words that are not kvrepro's own bookkeeping
+    # the injected load failures (`kvrepro-fault:` lines), in order: (request index in the load, policy)
+    failed_loads: tuple[tuple[int | None, str | None], ...] = ()
     lines: int = 0
     exposure_reader: ExposureReader | None = field(default=None, repr=False, compare=False)
 
@@ -98,6 +100,7 @@ class LogParser:
         return ParsedLog(classification=classification, traceback=tb, exposure=self.exposure_reader.exposure(),
                          counters=self.counters_reader.counters(), capacity=self.capacity,
                          geometries=tuple(self.capacity.geometries), last_line=last, lines=self.number,
+                         failed_loads=tuple(self.exposure_reader.failed_loads),
                          exposure_reader=self.exposure_reader)
 
 
