@@ -270,3 +270,100 @@ def test_the_runner_reads_its_engine_log_through_the_one_parser():
     for second in ("read_text(", "classify_log", "classify_lines", "read_exposure", "read_engine_counters",
                    "LogFollower"):
         assert second not in text, second
+
+
+# --------------------------------------------------------------------------- generated code as data
+
+# a line of Python that defines or imports (what a template of a module holds)
+_CODE_LINE = r"^\s*(?:(?:async\s+)?def\s+\w+\s*\(|class\s+\w+\s*[(:]|import\s+[\w.]+|from\s+[\w.]+\s+import\s)"
+# a line of a YAML mapping or list of mappings (``key: value``, ``- key: value``)
+_YAML_LINE = r"^\s*(?:-\s+)?[A-Za-z_][\w.-]*:(?:\s|$)"
+# a program held as a string: (file, the module-level name it is bound to) -> why it is no template
+_FIXED_PROGRAMS = {
+    ("kvrepro/versions.py", "SERVE_FLAGS_SCRIPT"): "run as is with `python -c` in the runtime env; nothing filled in",
+}
+# text that looks like YAML and is not: (file, the f-string's first words) -> why
+_NOT_YAML = {
+    ("kvrepro/builds/plugin_dist.py", "Metadata-Version:"): "a dist-info METADATA file (email header fields)",
+    ("kvrepro/suite/report.py", "expected: "): "a JUnit failure's text, read by a person",
+}
+
+
+def _code_by_string(package) -> list[str]:
+    """Where ``package`` (a folder holding kvrepro/) builds Python or YAML as text: an f-string
+    whose literal parts (each ``{}`` read as a name) hold a line of Python that defines or imports,
+    or two lines of a YAML mapping; or a string holding such Python that is ``.format``-ted,
+    ``%``-formatted or ``.replace``-d (directly, or through a module-level name bound to it).
+    Also any string (not a docstring) holding two lines of such Python, but a fixed program
+    named in _FIXED_PROGRAMS: the fragments of a template edited by find-and-replace are that.
+    Docstrings and messages are words, not code: only those shapes count."""
+    import ast
+    import re
+
+    code, yaml_line = re.compile(_CODE_LINE, re.M), re.compile(_YAML_LINE, re.M)
+    found = []
+    for path in sorted((package / "kvrepro").rglob("*.py")):
+        if "data" in path.relative_to(package).parts:
+            continue
+        name = path.relative_to(package).as_posix()
+        tree = ast.parse(path.read_text(), str(path))
+        strings = {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+                   for t in node.targets if isinstance(t, ast.Name)
+                   and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
+
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)}
+        bound = {id(node.value): t.id for node in tree.body if isinstance(node, ast.Assign)
+                 for t in node.targets if isinstance(t, ast.Name)}
+
+        def text_of(node):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                return node.value
+            if isinstance(node, ast.Name):
+                return strings.get(node.id)
+            return None
+
+        for node in ast.walk(tree):
+            where = f"{name}:{getattr(node, 'lineno', 0)}"
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+                    and len(code.findall(node.value)) >= 2 and (name, bound.get(id(node))) not in _FIXED_PROGRAMS):
+                found.append(f"{where}: Python held in a string")
+            if isinstance(node, ast.JoinedStr):
+                text = "".join(v.value if isinstance(v, ast.Constant) else "x" for v in node.values)
+                if code.search(text):
+                    found.append(f"{where}: Python built by an f-string")
+                elif "\n" in text and len(yaml_line.findall(text)) >= 2 and not any(
+                        name == file and text.startswith(words) for file, words in _NOT_YAML):
+                    found.append(f"{where}: YAML built by an f-string")
+            template = None
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("format", "replace", "format_map")):
+                template = text_of(node.func.value)
+            elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
+                template = text_of(node.left)
+            if template is not None and (code.search(template) or len(yaml_line.findall(template)) >= 2):
+                how = node.func.attr if isinstance(node, ast.Call) else "%"
+                found.append(f"{where}: a template of code filled by {how}")
+    return found
+
+
+def test_no_string_template_generates_python_or_yaml(tmp_path):
+    """Generated tests and matrices are built as data (ast, the YAML library); the check finds a
+    template planted in a copy (it can fail)."""
+    assert _code_by_string(ROOT) == []
+    plant = tmp_path / "repo" / "kvrepro" / "minimize"
+    plant.mkdir(parents=True)
+    (plant / "planted.py").write_text(
+        '"""import os is words in a docstring."""\n\n'
+        "_TEMPLATE = '''import json\n\n\ndef test_{name}():\n    assert {value!r}\n'''\n\n\n"
+        "def render(name, value):\n    return _TEMPLATE.format(name=name, value=value)\n\n\n"
+        "def matrix(base, rate):\n    return f\"base: {base}\\nengine:\\n  rate: {rate}\\n\"\n\n\n"
+        "def imports(module, name):\n    return f\"from {module} import {name}\"\n\n\n"
+        "_EDITS = [('import json\\nimport random\\n', 'import json\\n')]\n")
+    assert _code_by_string(tmp_path / "repo") == [
+        "kvrepro/minimize/planted.py:12: a template of code filled by format",
+        "kvrepro/minimize/planted.py:16: YAML built by an f-string",
+        "kvrepro/minimize/planted.py:20: Python built by an f-string",
+        "kvrepro/minimize/planted.py:23: Python held in a string",
+    ]

@@ -88,12 +88,13 @@ def _used_names(node: ast.AST) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _import_line(node: ast.stmt, name: str, original: str) -> str:
-    alias = "" if name == original.split(".")[0] or name == original else f" as {name}"
+def _import_node(node: ast.stmt, name: str, original: str) -> ast.stmt:
+    """The import of ``name`` as the later file has it (``node``), for that one name."""
+    alias = None if name == original.split(".")[0] or name == original else name
     if isinstance(node, ast.Import):
-        return f"import {original}{alias}"
+        return ast.Import([ast.alias(original, alias)])
     assert isinstance(node, ast.ImportFrom)
-    return f"from {'.' * node.level}{node.module or ''} import {original}{alias}"
+    return ast.ImportFrom(node.module, [ast.alias(original, alias)], node.level)
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ def generate(later_root: Path, later_release: str, base_root: Path, base_release
             base_modules[mod_rel] = _read(base_root, mod_rel)
         return base_modules[mod_rel]
 
-    imports: list[str] = []
+    imports: list[ast.stmt] = []  # built as nodes; written with ast.unparse
     bodies: list[str] = []
     helpers: list[CopiedHelper] = []
     problems: list[str] = []
@@ -151,8 +152,8 @@ def generate(later_root: Path, later_release: str, base_root: Path, base_release
             base_mod = base(mod.rel)
             if mod.rel != rel and base_mod is not None and name in base_mod.defs \
                     and base_mod.source(base_mod.defs[name]) == text:
-                line = f"from {mod.rel[:-3].replace('/', '.').removesuffix('.__init__')} import {name}"
-                if line not in imports:
+                line = ast.ImportFrom(mod.rel[:-3].replace("/", ".").removesuffix(".__init__"), [ast.alias(name)], 0)
+                if ast.dump(line) not in map(ast.dump, imports):
                     imports.append(line)
                 emitted.setdefault(name, mod.rel)
                 return
@@ -174,8 +175,8 @@ def generate(later_root: Path, later_release: str, base_root: Path, base_release
         if name in mod.imports:
             node, tests_module, original = mod.imports[name]
             if tests_module is None:
-                line = _import_line(node, name, original)
-                if line not in imports:
+                line = _import_node(node, name, original)
+                if ast.dump(line) not in map(ast.dump, imports):
                     imports.append(line)
                 return
             target = _module_file(later_root, f"{tests_module}.{original}") or _module_file(later_root, tests_module)
@@ -201,10 +202,13 @@ def generate(later_root: Path, later_release: str, base_root: Path, base_release
         resolve(source, top)
         tests.append(nodeid.split("::", 1)[1])
     target_rel = f"{rel.rsplit('/', 1)[0]}/{module_name}.py"
-    header = (f'"""Written by kvrepro: tests from vllm {later_release} {rel}, run on vllm {base_release}.\n\n'
-              "Helpers copied from the later release:\n"
-              + "".join(f"  {h.name} ({h.file}: {h.why})\n" for h in helpers) + '"""\n')
-    text = header + "\n".join(imports) + "\n\n\n" + "\n\n".join(bodies) + "\n"
+    doc = (f"Written by kvrepro: tests from vllm {later_release} {rel}, run on vllm {base_release}.\n\n"
+           "Helpers copied from the later release:\n" + "".join(f"  {h.name} ({h.file}: {h.why})\n" for h in helpers))
+    # the docstring and the imports are built as nodes; the tests and helpers are the later release's
+    # own statements, copied verbatim (their source segments, comments kept); the whole must parse
+    head = ast.unparse(ast.Module([ast.Expr(ast.Constant(doc)), *imports], []))
+    text = head + "\n\n\n" + "\n\n".join(bodies) + "\n"
+    ast.parse(text)
     return GeneratedModule(rel=target_rel, release=later_release, text=text, tests=tuple(f"{target_rel}::{t}" for t in tests),
                            upstream_ids=tuple(nodeids), helpers=tuple(helpers), problems=tuple(problems))
 
