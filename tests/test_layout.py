@@ -367,3 +367,64 @@ def test_no_string_template_generates_python_or_yaml(tmp_path):
         "kvrepro/minimize/planted.py:20: Python built by an f-string",
         "kvrepro/minimize/planted.py:23: Python held in a string",
     ]
+
+
+# --------------------------------------------------------------------------- the engine log is parsed once
+
+# a function outside classify/ that reads an engine log without the one parser: (file, function) -> why
+_OWN_LOG_READERS = {
+    ("kvrepro/explore/coverage.py", "run_arcs"):
+        "the `kvrepro-arcs:` branch-coverage lines (engine/arcs.py), read by explore alone; not in ParsedLog yet",
+    ("kvrepro/release/check.py", "_suite"): "porting.diagnose of an INFRA row's log (the porting step a release "
+                                            "needs), a question no verdict asks; not in ParsedLog yet",
+    ("kvrepro/release/check.py", "work"): "the same, in _suite's worker",
+    ("kvrepro/release/port.py", "run_port"): "porting.diagnose of the first run's log, as release/check.py",
+}
+_LOG_READS = {"read_text", "read_bytes", "open", "open_log", "open_log_bytes", "readlines", "readline"}
+_THE_PARSER = {"parse_log", "LogParser", "LogTail"}
+
+
+def _second_log_reads(package) -> list[str]:
+    """Where ``package`` (a folder holding kvrepro/), outside classify/, reads an engine log itself: a
+    function that names it (``"engine.log"``, ``ENGINE_LOG``) and reads a file (``read_text``, ``open``,
+    ``open_log``, ...) without handing it to the one parser (``parse_log``, ``LogParser``, ``LogTail``),
+    but for the readers _OWN_LOG_READERS names with why. Writing the log (deploy/'s sinks) opens
+    nothing to read: those functions do not name a reading call."""
+    import ast
+
+    found = []
+    for path in sorted((package / "kvrepro").rglob("*.py")):
+        rel = path.relative_to(package)
+        if "data" in rel.parts or rel.parts[:2] == ("kvrepro", "classify"):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            names_log = any((isinstance(n, ast.Constant) and isinstance(n.value, str) and "engine.log" in n.value)
+                            or (isinstance(n, ast.Name) and n.id == "ENGINE_LOG") for n in ast.walk(fn))
+            called = {c.func.attr if isinstance(c.func, ast.Attribute) else getattr(c.func, "id", None)
+                      for c in ast.walk(fn) if isinstance(c, ast.Call)}
+            if (names_log and called & _LOG_READS and not called & _THE_PARSER
+                    and (rel.as_posix(), fn.name) not in _OWN_LOG_READERS):
+                found.append(f"{rel.as_posix()}:{fn.lineno}: {fn.name} reads the engine log itself")
+    return found
+
+
+def test_the_engine_log_is_read_through_the_one_parser(tmp_path):
+    """minimize/ and triage/ (and every stage but the readers named with why) take what an engine log
+    says from classify's parser; the check finds a second reader planted in a copy (it can fail)."""
+    assert _second_log_reads(ROOT) == []
+    plant = tmp_path / "repo" / "kvrepro" / "minimize"
+    plant.mkdir(parents=True)
+    (plant / "planted.py").write_text(
+        "import re\n\n\n"
+        "def failed_loads(run_dir):\n"
+        "    text = (run_dir / 'engine.log').read_text()\n"
+        "    return re.findall(r'kvrepro-fault: load job (\\S+)', text)\n\n\n"
+        "def parsed(run_dir):\n"
+        "    from ..classify import open_log, parse_log\n"
+        "    with open_log(run_dir / 'engine.log') as stream:\n"
+        "        return parse_log(stream)\n")
+    assert _second_log_reads(tmp_path / "repo") == ["kvrepro/minimize/planted.py:4: failed_loads reads the engine "
+                                                    "log itself"]
