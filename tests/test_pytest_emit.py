@@ -263,7 +263,8 @@ def test_the_corruption_test_inlines_the_shadow_kv_verbatim(default_matrix):
 
 def test_the_corruption_test_hooks_the_shadow_where_the_executor_does(default_matrix):
     text = _corrupt_text(default_matrix)
-    for hook in ("self.shadow.store(job_id, src_spec, dst_spec)", "self.shadow.load(job_id, src_spec, dst_spec)",
+    for hook in ("self.shadow.store(job_id, device_blocks(src_spec), dst_spec)",
+                 "self.shadow.load(job_id, src_spec, device_blocks(dst_spec))",
                  "self.shadow.update_requests(so)",
                  "self.shadow.forward(req_id, computed[req_id], so.num_scheduled_tokens[req_id], spec)",
                  "self.shadow.sampled(req_id, out, seq_end)",

@@ -127,6 +127,58 @@ def make_kv_cache_config() -> KVCacheConfig:
     )
 
 
+if _SHADOW_KV:  # the shadow KV reads a transfer's GPU blocks
+    @dataclasses.dataclass(frozen=True)
+    class DeviceBlocks:
+        """A transfer's GPU blocks as GPULoadStoreSpec has them, read back from 0.34.0+'s device pointers."""
+
+        block_ids: tuple[int, ...]
+        group_sizes: tuple[int, ...]
+        block_indices: tuple[int, ...]
+
+
+    def device_blocks(spec):
+        """``spec`` itself, or for vLLM's DevicePointers (0.34.0+) the block ids they point at: the KV
+        caches below put block ``b`` at address ``b``; pointers are laid out group after group, data
+        reference after data reference, so the first reference of each group lists its blocks."""
+        ptrs = getattr(spec, "ptrs", None)
+        if ptrs is None:
+            return spec
+        ids: list[int] = []
+        offset = 0
+        for size, refs in zip(spec.group_block_counts, spec.group_data_ref_counts, strict=True):
+            ids.extend(int(p) for p in ptrs[offset:offset + size])
+            offset += size * refs
+        return DeviceBlocks(tuple(ids), tuple(spec.group_block_counts), tuple(spec.block_indices))
+
+
+class BlockIndexMemory:
+    """Stands for a KV-cache tensor of shape (num_blocks, page) in vLLM's CanonicalKVCaches: block
+    ``b`` starts at address ``b`` (base 0, row stride 1), all resolve_device_pointers asks of it
+    (offloading/worker.py 0.34.0:242-272). No memory behind it: nothing moves bytes here."""
+
+    def data_ptr(self) -> int:
+        return 0
+
+    def stride(self, dim: int = 0) -> int:
+        return 1
+
+
+def block_index_caches(kv_cache_config):
+    """0.34.0+: the connector worker turns each transfer's GPU blocks into device pointers before
+    submitting it, from the KV caches a GPU worker registers (register_kv_caches): here vLLM's
+    CanonicalKVCaches over BlockIndexMemory, one data reference per offloaded group."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import get_offloading_group_ids
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+
+    tensors, refs = [], []
+    for i, group_id in enumerate(get_offloading_group_ids(kv_cache_config)):
+        page = kv_cache_config.kv_cache_groups[group_id].kv_cache_spec.page_size_bytes
+        tensors.append(CanonicalKVCacheTensor(tensor=BlockIndexMemory(), page_size_bytes=page))
+        refs.append([CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=page)])
+    return CanonicalKVCaches(tensors=tensors, group_data_refs=refs)
+
+
 class InstantOffloadingWorker(OffloadingWorker):
     """Moves no bytes: a load or store submitted in one step is reported done in the next. The
     shadow KV, when there is one, copies what the blocks hold at submission, as the real transfer
@@ -142,13 +194,14 @@ class InstantOffloadingWorker(OffloadingWorker):
 
     def submit_store(self, job_id, src_spec, dst_spec) -> bool:
         if _SHADOW_KV:
-            self.shadow.store(job_id, src_spec, dst_spec)
+            self.shadow.store(job_id, device_blocks(src_spec), dst_spec)
         self.submitted.append(job_id)
         return True
 
-    def submit_load(self, job_id, src_spec, dst_spec) -> bool:
+    def submit_load(self, job_id, src_spec, dst_spec, expedited: bool = False) -> bool:
+        """expedited (0.34.0+): a sync load the connector waits for within the step; all are instant here."""
         if _SHADOW_KV:
-            self.shadow.load(job_id, src_spec, dst_spec)
+            self.shadow.load(job_id, src_spec, device_blocks(dst_spec))
         self.submitted.append(job_id)
         return True
 
@@ -289,6 +342,8 @@ def run_sequence(model_dir: str) -> (tuple[list[tuple[str, int, int]], ShadowKV]
     connector_worker = worker_connector.connector_worker
     transfers = InstantOffloadingWorker()
     connector_worker.worker = transfers
+    if hasattr(type(connector_worker), "_init_worker"):  # 0.34.0+: transfers are submitted as device pointers
+        connector_worker._kv_caches = block_index_caches(kv_cache_config)
     spec_config = vllm_config.speculative_config
     model = FakeModel(vllm_config.model_config.get_vocab_size(),
                       spec_config.num_speculative_tokens if spec_config is not None else 0)
