@@ -44,8 +44,7 @@ from ..suite.catalogue import Catalogue, Entry
 from ..untrusted import quote
 from ..versions import SUPPORTED_RELEASES, nearest_supported, version_tuple
 from .deployed import ConfigReader
-from .failure import (StallReader, all_tracebacks, infer_assert, loose_evidence, match_partial, phase,
-                      pick_traceback)
+from .failure import StallReader, infer_assert, loose_evidence, match_partial, phase, pick_traceback
 from .matching import match_entries, minimal_clean_set, tie_of
 from .pasted import normalise, read_whole, repair
 from .reader import Prefixed, ReadStats, select_stream
@@ -150,7 +149,7 @@ def triage_file(path: Path, catalogue: Catalogue, release: str | None = None) ->
     warnings.extend(f"configuration: {p}" for p in config.problems)
 
     file_line = (lambda n: numbers[n - 1] if 0 < n <= len(numbers) else n)
-    failure = _failure(cls, tb, texts, stalls.stall(), file_line, target, saw_infra)
+    failure = _failure(cls, tb, parsed.tracebacks, texts, stalls.stall(), file_line, target, saw_infra)
     if failure.kind == "none" and not reader.vllm_lines_seen and not any("vllm" in t.lower() for t in texts):
         warnings.append("nothing in this text is vLLM's (no version, no engine lines, no vLLM frames); "
                         "give the server's log or the report's pasted lines")
@@ -190,12 +189,13 @@ def _is_target(pattern: Pattern | None, target: TargetSignature) -> bool:
                                      pattern.expressions[0]), target, pattern)
 
 
-def _failure(cls: Classification, tb: Traceback | None, texts: list[str], stall: Stall | None,
+def _failure(cls: Classification, tb: Traceback | None, tracebacks: tuple[Traceback, ...], texts: list[str],
+             stall: Stall | None,
              file_line: Callable[[int], int], target: TargetSignature, saw_infra: bool) -> Failure:
     infra_cause = cls.outcome is Outcome.INFRA and saw_infra
     evidence = "the traceback the engine announced" if tb is not None and tb.marker else "a traceback"
     if (tb is None or cls.outcome is Outcome.NONE) and texts:
-        picked = pick_traceback(all_tracebacks(texts))
+        picked = pick_traceback(list(tracebacks))  # every traceback the one parse saw
         if picked is not None:
             tb, evidence = picked, "a traceback (the engine's own markers are not in the text)"
     if tb is not None:
