@@ -212,6 +212,32 @@ _TARGET_RULE_OWNERS = {("kvrepro/classify/classifier.py", "is_target_crash"), ("
 _GEOMETRY_OWNERS = {"kvrepro/spec/geometry.py", "kvrepro/engine/executor.py"}
 
 
+def _planted(tmp_path, text: str):
+    """A folder holding a kvrepro/ whose one module, minimize/planted.py, is ``text`` (for a check
+    to find what is planted there)."""
+    plant = tmp_path / "repo" / "kvrepro" / "minimize"
+    plant.mkdir(parents=True)
+    (plant / "planted.py").write_text(text)
+    return tmp_path / "repo"
+
+
+def _modules(package):
+    """(path relative to ``package``, syntax tree, ids of its docstring nodes) of each module of
+    ``package``'s kvrepro/, its data/ left out."""
+    import ast
+
+    for path in sorted((package / "kvrepro").rglob("*.py")):
+        rel = path.relative_to(package)
+        if "data" in rel.parts:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)
+                      and isinstance(node.body[0].value, ast.Constant)}
+        yield rel, tree, docstrings
+
+
 def _second_log_rules(package) -> list[str]:
     """Where ``package`` (a folder holding kvrepro/) decides "is this the target crash" outside its
     one function (an ``==``/``!=`` with an ``.exception`` on both sides), or parses the geometry
@@ -248,15 +274,14 @@ def _second_log_rules(package) -> list[str]:
 def test_one_target_crash_rule_and_one_geometry_parser(tmp_path):
     """The checks find a second rule and a second parser planted in a copy (they can fail)."""
     assert _second_log_rules(ROOT) == []
-    plant = tmp_path / "repo" / "kvrepro" / "minimize"
-    plant.mkdir(parents=True)
-    (plant / "planted.py").write_text(
+    repo = _planted(
+        tmp_path,
         '"""kvrepro-sim: geometry in a docstring is words, not a parse."""\nimport re\n\n\n'
         "def minimizable(s, target):\n    return s.exception == target.exception.rsplit('.', 1)[-1]\n\n\n"
         "_GEOMETRY = re.compile(r'kvrepro-sim: geometry .*?block_size=(\\d+)')\n\n\n"
         "def match(sig, pattern):  # the name of patterns.py's owner, in another file\n"
         "    return sig.exception != pattern.exception\n")
-    assert _second_log_rules(tmp_path / "repo") == [
+    assert _second_log_rules(repo) == [
         "kvrepro/minimize/planted.py:6: target-crash rule in minimizable",
         "kvrepro/minimize/planted.py:9: geometry line parsed",
         "kvrepro/minimize/planted.py:13: target-crash rule in match",
@@ -302,18 +327,12 @@ def _code_by_string(package) -> list[str]:
 
     code, yaml_line = re.compile(_CODE_LINE, re.M), re.compile(_YAML_LINE, re.M)
     found = []
-    for path in sorted((package / "kvrepro").rglob("*.py")):
-        if "data" in path.relative_to(package).parts:
-            continue
-        name = path.relative_to(package).as_posix()
-        tree = ast.parse(path.read_text(), str(path))
+    for rel, tree, docstrings in _modules(package):
+        name = rel.as_posix()
         strings = {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
                    for t in node.targets if isinstance(t, ast.Name)
                    and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
 
-        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                      and node.body and isinstance(node.body[0], ast.Expr)}
         bound = {id(node.value): t.id for node in tree.body if isinstance(node, ast.Assign)
                  for t in node.targets if isinstance(t, ast.Name)}
 
@@ -352,16 +371,15 @@ def test_no_string_template_generates_python_or_yaml(tmp_path):
     """Generated tests and matrices are built as data (ast, the YAML library); the check finds a
     template planted in a copy (it can fail)."""
     assert _code_by_string(ROOT) == []
-    plant = tmp_path / "repo" / "kvrepro" / "minimize"
-    plant.mkdir(parents=True)
-    (plant / "planted.py").write_text(
+    repo = _planted(
+        tmp_path,
         '"""import os is words in a docstring."""\n\n'
         "_TEMPLATE = '''import json\n\n\ndef test_{name}():\n    assert {value!r}\n'''\n\n\n"
         "def render(name, value):\n    return _TEMPLATE.format(name=name, value=value)\n\n\n"
         "def matrix(base, rate):\n    return f\"base: {base}\\nengine:\\n  rate: {rate}\\n\"\n\n\n"
         "def imports(module, name):\n    return f\"from {module} import {name}\"\n\n\n"
         "_EDITS = [('import json\\nimport random\\n', 'import json\\n')]\n")
-    assert _code_by_string(tmp_path / "repo") == [
+    assert _code_by_string(repo) == [
         "kvrepro/minimize/planted.py:12: a template of code filled by format",
         "kvrepro/minimize/planted.py:16: YAML built by an f-string",
         "kvrepro/minimize/planted.py:20: Python built by an f-string",
@@ -393,11 +411,9 @@ def _second_log_reads(package) -> list[str]:
     import ast
 
     found = []
-    for path in sorted((package / "kvrepro").rglob("*.py")):
-        rel = path.relative_to(package)
-        if "data" in rel.parts or rel.parts[:2] == ("kvrepro", "classify"):
+    for rel, tree, _ in _modules(package):
+        if rel.parts[:2] == ("kvrepro", "classify"):
             continue
-        tree = ast.parse(path.read_text(), str(path))
         for fn in ast.walk(tree):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
@@ -415,9 +431,8 @@ def test_the_engine_log_is_read_through_the_one_parser(tmp_path):
     """minimize/ and triage/ (and every stage but the readers named with why) take what an engine log
     says from classify's parser; the check finds a second reader planted in a copy (it can fail)."""
     assert _second_log_reads(ROOT) == []
-    plant = tmp_path / "repo" / "kvrepro" / "minimize"
-    plant.mkdir(parents=True)
-    (plant / "planted.py").write_text(
+    repo = _planted(
+        tmp_path,
         "import re\n\n\n"
         "def failed_loads(run_dir):\n"
         "    text = (run_dir / 'engine.log').read_text()\n"
@@ -426,5 +441,5 @@ def test_the_engine_log_is_read_through_the_one_parser(tmp_path):
         "    from ..classify import open_log, parse_log\n"
         "    with open_log(run_dir / 'engine.log') as stream:\n"
         "        return parse_log(stream)\n")
-    assert _second_log_reads(tmp_path / "repo") == ["kvrepro/minimize/planted.py:4: failed_loads reads the engine "
+    assert _second_log_reads(repo) == ["kvrepro/minimize/planted.py:4: failed_loads reads the engine "
                                                     "log itself"]

@@ -222,10 +222,12 @@ def _target(node: ast.stmt) -> str | None:
 
 
 def build_module(doc: str, settings: dict[str, Any], constants: dict[str, ast.expr], prompts: list[ast.stmt],
-                 spec_imports: list[str], shadow: tuple[list[ast.stmt], list[ast.stmt]] | None) -> ast.Module:
+                 spec_imports: list[str], carried: list[tuple[list[ast.stmt], list[ast.stmt]]],
+                 future: bool) -> ast.Module:
     """The test's syntax tree: the skeleton's (kvrepro/data/emitted-tests/) with ``doc`` as its
     docstring, ``settings`` bound and folded, ``constants`` as the values of its module-level
-    constants, the prompts after ``P``, and (``shadow``: its imports and its code) the shadow KV."""
+    constants, the prompts after ``P``, and the kvrepro modules it carries (:func:`inlined`: their
+    imports join the test's, their code follows the imports); ``future``: postponed annotations."""
     tree = ast.parse(SKELETON.read_text(encoding="utf-8"))
     body = tree.body[1:] if ast.get_docstring(tree, clean=False) is not None else tree.body
     imports = [n for n in body if isinstance(n, (ast.Import, ast.ImportFrom))]
@@ -251,10 +253,10 @@ def build_module(doc: str, settings: dict[str, Any], constants: dict[str, ast.ex
     rest = [fill.visit(n) for n in rest]
     rest = [x for n in rest for x in (n if isinstance(n, list) else [n])]
     head: list[ast.stmt] = [ast.Expr(ast.Constant(doc))]
-    if shadow is not None:
+    if future:
         head.append(ast.ImportFrom("__future__", [ast.alias("annotations")], 0))
-    head += _imports(imports, spec_imports, shadow[0] if shadow else [])
-    module = ast.Module([*head, *(shadow[1] if shadow else []), *rest], [])
+    head += _imports(imports, spec_imports, [n for more, _ in carried for n in more])
+    module = ast.Module([*head, *(n for _, code in carried for n in code), *rest], [])
     return ast.fix_missing_locations(module)
 
 
@@ -280,25 +282,25 @@ def checked_source(module: ast.Module, name: str, constants: dict[str, ast.expr]
     return text
 
 
-def shadow_code() -> tuple[list[ast.stmt], list[ast.stmt]]:
-    """kvrepro/engine/shadow.py as inlined into a corruption test: its imports (stdlib, for the
-    test's import block) and the rest of its tree, after a constant naming the file and its sha256
-    (the code kvrepro's GPU-free engine checks every forward with, so the test checks as it does)."""
-    from ..engine import shadow
-
-    text = Path(shadow.__file__).read_text(encoding="utf-8")
-    tree = ast.parse(text)
+def inlined(module) -> tuple[list[ast.stmt], list[ast.stmt], str]:
+    """A kvrepro module the test carries (it imports nothing of kvrepro), so the test runs the code
+    kvrepro's GPU-free engine runs: its imports (stdlib, for the test's import block), the rest of
+    its tree, and the file with its sha256 (for the test's docstring). Its docstring is left out
+    (the test's own says what the code is for)."""
+    path = Path(module.__file__)
+    text = path.read_text(encoding="utf-8")
     imports, code = [], []
-    for node in tree.body:
+    for node in ast.parse(text).body:
         if not code and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            continue  # its docstring (the test's own says what the shadow KV checks)
+            continue
         if not code and isinstance(node, (ast.Import, ast.ImportFrom)):
             if not (isinstance(node, ast.ImportFrom) and node.module == "__future__"):
                 imports.append(node)
             continue
         code.append(node)
-    origin = f"kvrepro/engine/shadow.py sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}, inlined at emit time"
-    return imports, [ast.Assign([ast.Name("SHADOW_KV_SOURCE", ast.Store())], ast.Constant(origin)), *code]
+    origin = (f"kvrepro/{path.relative_to(paths.PACKAGE_ROOT).as_posix()} "
+              f"(sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]})")
+    return imports, code, origin
 
 
 def _prompt_statements(prompts: list[list[int]]) -> list[ast.stmt]:
@@ -443,9 +445,14 @@ def render(trace: Trace, loaded: LoadedMatrix, engine: EngineInfo, name: str,
         "KV_CACHE_TENSORS": literal([(t.size, list(t.shared_by), t.placement) for t in engine.kv_cache_tensors]),
         "REQUESTS": ast.List(requests, ast.Load()),
     }
-    doc = _docstring(trace, loaded, engine, name, runs, violation, first_violation)
-    shadow = shadow_code() if violation else None
-    module = build_module(doc, settings, constants, _prompt_statements(prompts), list(engine.spec_imports), shadow)
+    from ..engine import device_pointers, shadow as shadow_kv
+
+    carried = [inlined(device_pointers)] + ([inlined(shadow_kv)] if violation else [])
+    doc = (_docstring(trace, loaded, engine, name, runs, violation, first_violation)
+           + "\nInlined from kvrepro at emit time, unchanged (the code its GPU-free engine runs): "
+           + ", ".join(origin for _, _, origin in carried) + ".\n")
+    module = build_module(doc, settings, constants, _prompt_statements(prompts), list(engine.spec_imports),
+                          [(more, code) for more, code, _ in carried], future=bool(violation))
     return checked_source(module, name, constants, settings, shadow=bool(violation))
 
 

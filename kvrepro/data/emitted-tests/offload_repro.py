@@ -5,8 +5,10 @@ docstring and the module-level constants in the tree with a finding's values, bi
 ``_NAME`` below (an emit-time setting, never in the written test) where it is used and folds
 what it decides (``if _SHADOW_KV:`` keeps its body or its ``else``; ``a if _FLAG else b`` keeps
 one side; ``**{...}`` of a literal dict becomes keywords), adds the release's KV-cache spec
-imports and, for a corruption, kvrepro's shadow KV (kvrepro/engine/shadow.py, inlined as its
-syntax tree), and writes the tree with ``ast.unparse``; what is written is parsed and compiled
+imports, kvrepro/engine/device_pointers.py (``device_blocks``, ``block_index_caches``: the KV
+caches 0.34.0+'s connector worker turns blocks into pointers with) and, for a corruption,
+kvrepro's shadow KV (kvrepro/engine/shadow.py: ``ShadowKV``), each inlined as its syntax tree,
+and writes the tree with ``ast.unparse``; what is written is parsed and compiled
 again before it is kept. Comments here are not carried into the written test: what a reader
 of the written test needs is in docstrings.
 """
@@ -125,58 +127,6 @@ def make_kv_cache_config() -> KVCacheConfig:
         kv_cache_tensors=[make_tensor(*tensor) for tensor in KV_CACHE_TENSORS],
         kv_cache_groups=[KVCacheGroupSpec(list(layers), spec) for layers, spec in KV_CACHE_GROUPS],
     )
-
-
-if _SHADOW_KV:  # the shadow KV reads a transfer's GPU blocks
-    @dataclasses.dataclass(frozen=True)
-    class DeviceBlocks:
-        """A transfer's GPU blocks as GPULoadStoreSpec has them, read back from 0.34.0+'s device pointers."""
-
-        block_ids: tuple[int, ...]
-        group_sizes: tuple[int, ...]
-        block_indices: tuple[int, ...]
-
-
-    def device_blocks(spec):
-        """``spec`` itself, or for vLLM's DevicePointers (0.34.0+) the block ids they point at: the KV
-        caches below put block ``b`` at address ``b``; pointers are laid out group after group, data
-        reference after data reference, so the first reference of each group lists its blocks."""
-        ptrs = getattr(spec, "ptrs", None)
-        if ptrs is None:
-            return spec
-        ids: list[int] = []
-        offset = 0
-        for size, refs in zip(spec.group_block_counts, spec.group_data_ref_counts, strict=True):
-            ids.extend(int(p) for p in ptrs[offset:offset + size])
-            offset += size * refs
-        return DeviceBlocks(tuple(ids), tuple(spec.group_block_counts), tuple(spec.block_indices))
-
-
-class BlockIndexMemory:
-    """Stands for a KV-cache tensor of shape (num_blocks, page) in vLLM's CanonicalKVCaches: block
-    ``b`` starts at address ``b`` (base 0, row stride 1), all resolve_device_pointers asks of it
-    (offloading/worker.py 0.34.0:242-272). No memory behind it: nothing moves bytes here."""
-
-    def data_ptr(self) -> int:
-        return 0
-
-    def stride(self, dim: int = 0) -> int:
-        return 1
-
-
-def block_index_caches(kv_cache_config):
-    """0.34.0+: the connector worker turns each transfer's GPU blocks into device pointers before
-    submitting it, from the KV caches a GPU worker registers (register_kv_caches): here vLLM's
-    CanonicalKVCaches over BlockIndexMemory, one data reference per offloaded group."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import get_offloading_group_ids
-    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
-
-    tensors, refs = [], []
-    for i, group_id in enumerate(get_offloading_group_ids(kv_cache_config)):
-        page = kv_cache_config.kv_cache_groups[group_id].kv_cache_spec.page_size_bytes
-        tensors.append(CanonicalKVCacheTensor(tensor=BlockIndexMemory(), page_size_bytes=page))
-        refs.append([CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=page)])
-    return CanonicalKVCaches(tensors=tensors, group_data_refs=refs)
 
 
 class InstantOffloadingWorker(OffloadingWorker):
