@@ -34,8 +34,8 @@ class Edge:
     imported: str
 
 
-def module_name(path: Path) -> str:
-    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    rel = path.relative_to(package.parent).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
@@ -72,7 +72,7 @@ def resolve(importer: str, is_package: bool, node: ast.ImportFrom | ast.Import, 
     return targets
 
 
-def edges(modules: dict[str, Path]) -> list[Edge]:
+def edges(modules: dict[str, Path], package: Path = PACKAGE) -> list[Edge]:
     known = set(modules)
     found: set[Edge] = set()
     for name, path in modules.items():
