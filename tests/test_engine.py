@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -308,6 +309,10 @@ def test_consecutive_runs_never_share_an_fs_offload_tier(default_matrix, overlay
         assert not tier.exists()  # removed once the engine stopped
         args = [a for a in manifest["engine_args"] if "secondary_tiers" in a]
         assert json.loads(args[0])["kv_connector_extra_config"]["secondary_tiers"][0]["root_dir"] == str(configured)
+        # the shadow KV kept the CPU tier's contents in the scheduler's real region, whose rows the fs
+        # tier copies (kvrepro/engine/shadow.py CpuRegion), not by chunk id
+        assert re.search(r"kvrepro-shadow: cpu-region path=/dev/shm/vllm_offload_\S+ stamped=[1-9]",
+                         (run_dir / "engine.log").read_text())
 
     first, second = seen
     assert first, "the first run wrote no chunk file: the fs tier did not run"

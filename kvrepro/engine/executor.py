@@ -617,6 +617,12 @@ class SimExecutor(Executor):
                 if self.shadow is not None:
                     self.shadow.blocks_per_chunk = self._chunk_blocks
             transfers.blocks_per_chunk = self._chunk_blocks
+            # multi-tier offloading: the CPU tier is the scheduler's shared region, whose rows vLLM's
+            # secondary tiers copy to and from their storage (shadow.CpuRegion says why the sim writes
+            # there); TieringOffloadingSpec names it by engine id (0.26.0-0.34.0 tiering/spec.py)
+            engine_id, row_bytes = getattr(spec, "_engine_id", None), getattr(spec, "kv_bytes_per_chunk", None)
+            if self.shadow is not None and engine_id and row_bytes:
+                self.shadow.region = shadow_kv.CpuRegion(f"/dev/shm/vllm_offload_{engine_id}.mmap", row_bytes)
             if self.shadow is not None:
                 # the connector worker notes each load job's request before submitting it
                 self.shadow.load_owner = lambda job_id: (getattr(worker_side, "_load_jobs", None) or {}).get(job_id)
@@ -764,6 +770,8 @@ class SimExecutor(Executor):
             probe.report(force=True)
         if self.shadow is not None:
             self.shadow.report(force=True)
+            if self.shadow.region is not None:
+                self.shadow.region.close()
         if self.connector is not None:
             from vllm.distributed.kv_transfer import kv_transfer_state
 

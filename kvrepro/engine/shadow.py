@@ -67,6 +67,15 @@ Mamba ``align`` helpers (``v1/worker/mamba_utils.preprocess_mamba`` and the alig
   ``block_indices[g] % blocks_per_chunk`` (as vLLM's CPU offloading worker computes its copies);
   stores and loads copy contents at submission (the engine waits for a load before computing on
   it, and vLLM flushes stores before their blocks are reused);
+* multi-tier offloading (``TieringOffloadingSpec``): the CPU tier is real memory there, the
+  scheduler's shared region ``/dev/shm/vllm_offload_<engine id>.mmap``, and vLLM's own secondary
+  tiers move its rows (an fs tier writes row ``c`` to a file when it cascades chunk ``c`` and reads
+  a file into whichever row it promotes the chunk to, ``tiering/fs/manager.py`` 0.34.0:222-268).
+  With a :class:`CpuRegion` attached, a store writes into the chunk's row an 8-byte stamp naming
+  what the chunk now holds, and a load reads the stamp back from the row it loads: a chunk that
+  went to the fs tier and came back in another row is then judged by what the tier really copied,
+  not by what this engine last stored in that row (before 2026-12-05 it was, and 0.34.0's
+  promotions read as ~790 false violations: docs/suite.md);
 * copy-on-write (vLLM 0.26.0+, a prefix-match unit below the block): the scheduler lists
   ``kv_cache_block_copies`` (source, destination GPU block) and the runner copies each whole
   block before the forward (``gpu_model_runner._update_states`` -> ``copy_kv_cache_blocks_inplace``:
@@ -88,6 +97,7 @@ Runs in the engine process; stdlib only, no vLLM import.
 from __future__ import annotations
 
 import atexit
+import mmap
 import os
 import sys
 import threading
@@ -177,6 +187,66 @@ class _Request:
             self.hashes.append(h)
 
 
+class CpuRegion:
+    """The CPU tier's real memory, one row of ``row_bytes`` per chunk, as the GPU->CPU copies would
+    write it: the sim writes and reads an 8-byte stamp at the start of a row (module docstring).
+
+    ``path``: the file vLLM's scheduler maps the region from (``SharedOffloadRegion.mmap_path``,
+    ``/dev/shm/vllm_offload_<engine id>.mmap`` in 0.26.0-0.34.0, one file: the scheduler's region
+    has one segment); opened at the first transfer, when the scheduler has made it. No file then
+    (a CPU-only spec, whose region only GPU workers map): :meth:`open` answers False and the shadow
+    keeps CPU contents by chunk id, as before."""
+
+    STAMP_BYTES = 8
+
+    def __init__(self, path: str, row_bytes: int):
+        self.path = path
+        self.row_bytes = int(row_bytes)
+        self._map: mmap.mmap | None = None
+        self._tried = False
+
+    def open(self) -> bool:
+        if not self._tried:
+            self._tried = True
+            try:
+                fd = os.open(self.path, os.O_RDWR)
+            except OSError:
+                return False
+            try:
+                size = os.fstat(fd).st_size
+                if self.row_bytes >= self.STAMP_BYTES and size >= self.row_bytes:
+                    self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+        return self._map is not None
+
+    def _offset(self, chunk: int) -> int | None:
+        """The row's first byte; None for a chunk id outside the region (vLLM's allocator hands out
+        none, and the shadow must not be what ends an engine: such a store is lost and its load
+        reads as unwritten KV)."""
+        offset = int(chunk) * self.row_bytes
+        if self._map is None or not 0 <= offset <= len(self._map) - self.STAMP_BYTES:
+            return None
+        return offset
+
+    def read(self, chunk: int) -> int:
+        offset = self._offset(chunk)
+        return 0 if offset is None else int.from_bytes(self._map[offset:offset + self.STAMP_BYTES], "little")
+
+    def write(self, chunk: int, stamp: int) -> None:
+        offset = self._offset(chunk)
+        if offset is not None:
+            self._map[offset:offset + self.STAMP_BYTES] = int(stamp).to_bytes(self.STAMP_BYTES, "little")
+
+    def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except (BufferError, ValueError):
+                pass
+            self._map = None
+
+
 class ShadowKV:
     """Shadow contents of the GPU and offloaded blocks; see the module docstring."""
 
@@ -190,6 +260,14 @@ class ShadowKV:
         self.blocks_per_chunk = max(1, int(blocks_per_chunk))
         self.gpu: dict[int, Content] = {}
         self.cpu: dict[tuple[int, int], Content] = {}
+        # the CPU tier's real memory (multi-tier offloading, CpuRegion): a row's stamp names what the
+        # chunk holds, per sub-block; without one, ``cpu`` above keys contents by chunk id
+        self.region: CpuRegion | None = None
+        self._rows: dict[int, dict[int, Content | None]] = {}
+        self._stamp_chunk: dict[int, int] = {}  # the chunk each stamp was written to
+        self._stamp_base = (int.from_bytes(os.urandom(4), "little") | 1) << 32  # this engine's stamps only
+        self._stamps = 0
+        self.moved_loads = 0  # GPU blocks loaded from a row a secondary tier filled (a promotion)
         self.requests: dict[str, _Request] = {}
         self.step = 0
         self.checks = 0
@@ -244,6 +322,11 @@ class ShadowKV:
         # without its "(EngineCore pid=N)" prefix is still that process's, not a second one)
         self._write(f"counts checks={snapshot[0]} violations={snapshot[1]} by={snapshot[2]} hits={snapshot[3]} "
                     f"stored={snapshot[4]} pid={os.getpid()}")
+        if force and self.region is not None and self._stamps:
+            # what the CPU tier's real memory carried (module docstring): stores stamped into its rows,
+            # and loads of blocks that reached their row through a secondary tier
+            self._write(f"cpu-region path={self.region.path} stamped={self._stamps} "
+                        f"loaded_after_promotion={self.moved_loads} pid={os.getpid()}")
 
     def _violation(self, key: tuple, text: str, read: str, in_hit: bool, block: int | None = None) -> None:
         """Count (once per request, group and block index) and describe one wrong read.
@@ -562,6 +645,38 @@ class ShadowKV:
                     f"block_indices={list(getattr(gpu_spec, 'block_indices', []))} "
                     f"cpu={[int(b) for b in cpu_spec.block_ids]} pairs={pairs}")
 
+    def _in_region(self) -> bool:
+        return self.region is not None and self.region.open()
+
+    def _cpu_put(self, cpu_key: tuple[int, int], content: "Content | None") -> None:
+        """Sub-block ``cpu_key[1]`` of chunk ``cpu_key[0]`` now holds ``content``."""
+        if not self._in_region():
+            self.cpu[cpu_key] = content
+            return
+        chunk, sub = cpu_key
+        # the row's other sub-blocks keep what the row holds now (a promotion may have filled it)
+        row = dict(self._rows.get(self.region.read(chunk), {}))
+        row[sub] = content
+        self._stamps += 1
+        stamp = self._stamp_base | self._stamps
+        self._rows[stamp] = row
+        self._stamp_chunk[stamp] = chunk
+        self.region.write(chunk, stamp)
+
+    def _cpu_get(self, cpu_key: tuple[int, int]) -> "Content | None":
+        if not self._in_region():
+            return self.cpu.get(cpu_key)
+        # a stamp of no store of this engine (a row never written, or a file another engine wrote)
+        # holds nothing this engine knows
+        stamp = self.region.read(cpu_key[0])
+        content = self._rows.get(stamp, {}).get(cpu_key[1])
+        home = self._stamp_chunk.get(stamp)
+        if content is not None and home != cpu_key[0]:
+            self.moved_loads += 1
+            content = content.copy(f"{content.source}, in CPU chunk {home}, moved by a secondary tier "
+                                   f"to CPU chunk {cpu_key[0]}")
+        return content
+
     def store(self, job_id, gpu_spec, cpu_spec) -> None:
         self._trace_transfer("store", job_id, gpu_spec, cpu_spec)
         with self._lock:
@@ -570,8 +685,8 @@ class ShadowKV:
                 kind = self.groups[group].kind if group < len(self.groups) else "?"
                 if kind != "mamba" or (content is not None and content.states is not None):
                     self.stored[kind] = self.stored.get(kind, 0) + 1
-                self.cpu[cpu_key] = (content.copy(f"{content.source}, stored to offload (job {job_id})")
-                                     if content is not None else None)
+                self._cpu_put(cpu_key, content.copy(f"{content.source}, stored to offload (job {job_id})")
+                              if content is not None else None)
 
     def load(self, job_id, cpu_spec, gpu_spec) -> None:
         owner = None
@@ -584,7 +699,7 @@ class ShadowKV:
             if owner is not None:
                 self.loaded_for.add(owner)
             for group, gpu_block, cpu_key in self._pairs(gpu_spec, cpu_spec):
-                content = self.cpu.get(cpu_key)
+                content = self._cpu_get(cpu_key)
                 self._holes.pop((group, gpu_block), None)
                 origin = (f"offload load (job {job_id}, CPU block {cpu_key[0]}.{cpu_key[1]}"
                           + (f", for request {owner})" if owner is not None else ")"))
