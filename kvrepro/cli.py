@@ -19,7 +19,7 @@ from typing import Any, Optional
 import typer
 
 from .deploy import known_targets, target_commands
-from .report.terminal import err, show
+from .report.terminal import err, run_program, show
 from .results import store as results
 
 
@@ -553,8 +553,6 @@ def release_check(
 
 
 def main() -> None:
-    from .report.terminal import run_program
-
     run_program(app)  # one line and an exit code per error, signals as kvrepro/stopping.py says
 
 

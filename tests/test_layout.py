@@ -153,39 +153,64 @@ def test_a_new_target_owns_its_section_of_the_matrix(monkeypatch, tmp_path):
         parse_matrix(text.format("kv").replace("k8s:", "k8z:"), path)
 
 
-def _docker_branches(package) -> list[str]:
-    """Every place outside ``kvrepro/deploy/docker/`` that branches on the name "docker": a
-    comparison (``==``, ``!=``, ``in``, ``not in``) or a ``match`` case with the string "docker"
-    on either side, read with ast. Such a branch is the docker target's knowledge living elsewhere;
-    another target reaches it through kvrepro.deploy's registry (get_target, node_engine, ...)."""
+def _target_branches(package, targets=None) -> list[str]:
+    """Every place that branches on a target's name outside that target's own module or package
+    (``kvrepro/deploy/<name>.py`` or ``kvrepro/deploy/<name>/``): a comparison (``==``, ``!=``,
+    ``in``, ``not in``) or a ``match`` case with the name as a string on either side, or a tuple,
+    list or set made of target names only (a list of targets to test against), read with ast.
+    The names are the registry's (kvrepro.deploy.known_targets of ``package``'s own deploy/ folder,
+    or ``targets``), so a new target is covered the day its folder appears. Such a branch is the
+    target's knowledge living elsewhere; a stage asks kvrepro.deploy instead (get_target,
+    shares_one_instance, builds_commits, node_engine, ...)."""
     import ast
+    import pkgutil
 
-    def names_docker(node) -> bool:
+    if targets is None:
+        targets = sorted(m.name for m in pkgutil.iter_modules([str(package / "kvrepro" / "deploy")]) if m.name != "base")
+
+    def named(node) -> set[str]:
         if isinstance(node, ast.Constant):
-            return node.value == "docker"
+            return {node.value} & set(targets)
         if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-            return any(names_docker(e) for e in node.elts)
-        return False
+            return set().union(*(named(e) for e in node.elts)) if node.elts else set()
+        return set()
+
+    def owner(rel) -> str | None:
+        parts = rel.parts
+        if parts[:2] != ("kvrepro", "deploy") or len(parts) < 3:
+            return None
+        return parts[2].removesuffix(".py") if len(parts) == 3 else parts[2]
 
     found = []
     for path in sorted((package / "kvrepro").rglob("*.py")):
         rel = path.relative_to(package)
-        if "data" in rel.parts or rel.parts[:3] == ("kvrepro", "deploy", "docker"):
+        if "data" in rel.parts:
             continue
+        home = owner(rel)
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Compare) and any(names_docker(n) for n in (node.left, *node.comparators)):
-                found.append(f"{rel}:{node.lineno}")
-            elif isinstance(node, ast.MatchValue) and names_docker(node.value):
+            if isinstance(node, ast.Compare):
+                names = set().union(*(named(n) for n in (node.left, *node.comparators)))
+            elif isinstance(node, ast.MatchValue):
+                names = named(node.value)
+            elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and node.elts and all(
+                    isinstance(e, ast.Constant) and e.value in targets for e in node.elts):
+                names = named(node)  # a list of targets kept elsewhere (explore's SHARED_TARGETS was one)
+            else:
+                continue
+            if names - {home}:
                 found.append(f"{rel}:{node.lineno}")
     return sorted(found, key=lambda where: (where.partition(":")[0], int(where.partition(":")[2])))
 
 
-def test_no_docker_branch_outside_the_docker_target(tmp_path):
-    """issue 29: the docker target's knowledge is in deploy/docker/ only (the ray target runs it on
-    its nodes through kvrepro.deploy.node_engine). The check finds branches planted in a copy."""
+def test_no_target_branch_outside_its_own_folder(tmp_path):
+    """issue 29 for docker, issue 49 for every target: a target's knowledge is in its own module or
+    package only (the ray target runs another's engine on its nodes through
+    kvrepro.deploy.node_engine; explore, the suite, bisect, `builds test` and `matrix plan` ask
+    kvrepro.deploy what a target can do). The check finds branches planted in a copy, on a target
+    the registry gained by a new folder too."""
     import shutil
 
-    assert _docker_branches(ROOT) == []
+    assert _target_branches(ROOT) == []
     copy = tmp_path / "repo"
     shutil.copytree(ROOT / "kvrepro", copy / "kvrepro", ignore=shutil.ignore_patterns("__pycache__", "data"))
     node = copy / "kvrepro" / "deploy" / "ray" / "node.py"
@@ -195,11 +220,28 @@ def test_no_docker_branch_outside_the_docker_target(tmp_path):
     runner.write_text(runner.read_text() + "\n\ndef _planted(target):\n    match target:\n        case \"docker\":\n"
                       "            return 1\n    return target not in ('sim', 'docker')\n")
     runner_lines = len(runner.read_text().splitlines())
+    suite = copy / "kvrepro" / "suite" / "run.py"
+    suite.write_text(suite.read_text() + "\n\ndef _planted(name):\n    return name != 'sim' or name == \"ray\"\n")
+    suite_lines = len(suite.read_text().splitlines())
     inside = copy / "kvrepro" / "deploy" / "docker" / "target.py"  # the docker target may name itself
     inside.write_text(inside.read_text() + "\n\ndef _planted(name):\n    return name == 'docker'\n")
-    assert _docker_branches(copy) == [f"kvrepro/deploy/ray/node.py:{lines + 4}",
+    sim = copy / "kvrepro" / "deploy" / "sim.py"  # so may the sim target, in its module
+    sim.write_text(sim.read_text() + "\n\ndef _planted(name):\n    return name == 'sim'\n")
+    (copy / "kvrepro" / "deploy" / "k8s").mkdir()  # a new target's folder: its name is ruled at once
+    (copy / "kvrepro" / "deploy" / "k8s" / "__init__.py").write_text("def _planted(name):\n    return name == 'k8s'\n")
+    explore = copy / "kvrepro" / "explore" / "campaign.py"
+    explore.write_text(explore.read_text() + "\n\nSHARED = ('sim', 'ray')\nNOT_TARGETS = ('docker', 'podman')\n\n\n"
+                       "def _planted(name):\n    return name in {'k8s'}\n")
+    explore_lines = len(explore.read_text().splitlines())
+    assert _target_branches(copy) == [f"kvrepro/deploy/ray/node.py:{lines + 4}",
+                                      f"kvrepro/explore/campaign.py:{explore_lines - 5}",  # SHARED, not NOT_TARGETS
+                                      f"kvrepro/explore/campaign.py:{explore_lines}",  # the compare and its set
+                                      f"kvrepro/explore/campaign.py:{explore_lines}",
                                       f"kvrepro/matrix/runner.py:{runner_lines - 2}",
-                                      f"kvrepro/matrix/runner.py:{runner_lines}"]
+                                      f"kvrepro/matrix/runner.py:{runner_lines}",  # the compare and its tuple
+                                      f"kvrepro/matrix/runner.py:{runner_lines}",
+                                      f"kvrepro/suite/run.py:{suite_lines}",  # 'sim' and "ray", one each
+                                      f"kvrepro/suite/run.py:{suite_lines}"]
 
 
 # issue 49: what a log means is decided in one place. The target-crash rule is

@@ -17,6 +17,9 @@ from ..report import terminal
 from ..report.terminal import err, out
 from .session import Interrupted, ensure_idle, is_bisection, load_state, result_from_state
 from .state import BisectRequest
+from ..stopping import name, stop_on_signals
+from . import check_request, probe_point, resume, start
+from ..versions import SUPPORTED_RELEASES
 
 GIT_BISECT_EXIT = {"good": 0, "bad": 1, "skip": 125}
 GIT_BISECT_ABORT = 128  # bad input or a broken setup: `git bisect run` stops instead of marking a skip
@@ -49,8 +52,6 @@ def show_recorded(results_root: Path, bisection_id: str, as_json: bool) -> bool:
 def run_bisection(how: Callable[..., BisectResult], as_json: bool) -> int:
     """Run a bisection under the Ctrl-C rule of `matrix run`, print its result; the exit code
     (0 answered, 1 no answer, 130 interrupted)."""
-    from ..stopping import name, stop_on_signals
-
     stop = threading.Event()
 
     def on_first(signum: int) -> None:
@@ -70,8 +71,6 @@ def run_bisection(how: Callable[..., BisectResult], as_json: bool) -> int:
 
 def bisect(kind: str, request: BisectRequest, resume_id: str | None, results_root: Path, as_json: bool) -> int:
     """A new bisection of ``kind`` (releases, commits, patches), or ``resume_id`` continued."""
-    from . import check_request, resume, start
-
     # bad input is reported before any progress is drawn
     if resume_id:
         load_state(results_root, resume_id)
@@ -83,11 +82,7 @@ def bisect(kind: str, request: BisectRequest, resume_id: str | None, results_roo
 
 def verdict(request: BisectRequest, results_root: Path, *, git_bisect: bool, find_fix: bool, as_json: bool) -> int:
     """One point run until its verdict is decisive; with ``git_bisect`` the exit code says it."""
-    from . import probe_point
-
     if request.release is not None and request.repo is None:
-        from ..versions import SUPPORTED_RELEASES
-
         if request.release not in SUPPORTED_RELEASES:  # before any progress is drawn; bad input, not a skip
             problem = (f"--release {request.release}: not a vLLM release kvrepro supports; supported: "
                        f"{', '.join(SUPPORTED_RELEASES)}")

@@ -110,6 +110,93 @@ class GeneratedModule:
     problems: tuple[str, ...]  # names that could not be carried over (listed, never guessed)
 
 
+class _Copier:
+    """What one generated module holds, gathered name by name: a later release's test and each
+    helper it uses, imported from the base where the base has the same code, copied otherwise."""
+
+    def __init__(self, later_root: Path, later_release: str, base_root: Path, base_release: str,
+                 rel: str, source: _Module, wanted: set[str]):
+        self.later_root, self.later_release = later_root, later_release
+        self.base_root, self.base_release = base_root, base_release
+        self.rel = rel  # the upstream test file
+        self.wanted = wanted  # the tests asked for (top-level names of rel)
+        self.modules: dict[str, _Module | None] = {rel: source}
+        self.base_modules: dict[str, _Module | None] = {}
+        self.imports: list[ast.stmt] = []  # built as nodes; written with ast.unparse
+        self.bodies: list[str] = []
+        self.helpers: list[CopiedHelper] = []
+        self.problems: list[str] = []
+        self.emitted: dict[str, str] = {}  # name -> module it was taken from
+        self.visiting: set[tuple[str, str]] = set()
+
+    def _later(self, mod_rel: str) -> _Module | None:
+        if mod_rel not in self.modules:
+            self.modules[mod_rel] = _read(self.later_root, mod_rel)
+        return self.modules[mod_rel]
+
+    def _base(self, mod_rel: str) -> _Module | None:
+        if mod_rel not in self.base_modules:
+            self.base_modules[mod_rel] = _read(self.base_root, mod_rel)
+        return self.base_modules[mod_rel]
+
+    def _import(self, node: ast.stmt) -> None:
+        if ast.dump(node) not in map(ast.dump, self.imports):
+            self.imports.append(node)
+
+    def resolve(self, mod: _Module, name: str) -> None:
+        """Carry ``name`` of ``mod`` over, with what it uses."""
+        key = (mod.rel, name)
+        if key in self.visiting or name in _BUILTINS and name not in mod.defs and name not in mod.imports:
+            return
+        self.visiting.add(key)
+        if name in mod.defs:
+            self._definition(mod, name)
+        elif name in mod.imports:
+            self._imported(mod, name)
+
+    def _definition(self, mod: _Module, name: str) -> None:
+        """A name ``mod`` defines: imported from the base when the base has the same code, else copied."""
+        node = mod.defs[name]
+        text = mod.source(node)
+        base_mod = self._base(mod.rel)
+        if mod.rel != self.rel and base_mod is not None and name in base_mod.defs \
+                and base_mod.source(base_mod.defs[name]) == text:
+            self._import(ast.ImportFrom(mod.rel[:-3].replace("/", ".").removesuffix(".__init__"), [ast.alias(name)], 0))
+            self.emitted.setdefault(name, mod.rel)
+            return
+        if self.emitted.get(name, mod.rel) != mod.rel:
+            self.problems.append(f"{name}: defined in both {self.emitted[name]} and {mod.rel} of vllm {self.later_release}")
+            return
+        for used in _used_names(node):
+            if used != name:
+                self.resolve(mod, used)
+        if name not in self.emitted:
+            self.emitted[name] = mod.rel
+            self.bodies.append(text)
+            in_base = base_mod is not None and name in base_mod.defs
+            if not (mod.rel == self.rel and name in self.wanted):
+                self.helpers.append(CopiedHelper(
+                    name=name, release=self.later_release, file=mod.rel,
+                    why=f"differs from vllm {self.base_release}'s" if in_base
+                    else f"not in vllm {self.base_release}'s tests/"))
+
+    def _imported(self, mod: _Module, name: str) -> None:
+        """A name ``mod`` imports: the import kept, or (from vLLM's tests/) what it names carried over."""
+        node, tests_module, original = mod.imports[name]
+        if tests_module is None:
+            self._import(_import_node(node, name, original))
+            return
+        target = _module_file(self.later_root, f"{tests_module}.{original}") or _module_file(self.later_root, tests_module)
+        target_mod = self._later(target) if target else None
+        if target_mod is None:
+            self.problems.append(f"{name}: vllm {self.later_release} has no module {tests_module}")
+            return
+        if original != name:
+            self.problems.append(f"{name}: imported as an alias of {original} from {tests_module}; not carried over")
+            return
+        self.resolve(target_mod, original)
+
+
 def generate(later_root: Path, later_release: str, base_root: Path, base_release: str,
              nodeids: list[str], module_name: str) -> GeneratedModule:
     """Write (as text) a module holding ``nodeids`` (``<file>::<test>``, all of one file) of the later
@@ -121,96 +208,27 @@ def generate(later_root: Path, later_release: str, base_root: Path, base_release
     source = _read(later_root, rel)
     if source is None:
         raise FileNotFoundError(f"vllm {later_release} has no {rel} in its tests/")
-    modules: dict[str, _Module | None] = {rel: source}
-    base_modules: dict[str, _Module | None] = {}
-
-    def later(mod_rel: str) -> _Module | None:
-        if mod_rel not in modules:
-            modules[mod_rel] = _read(later_root, mod_rel)
-        return modules[mod_rel]
-
-    def base(mod_rel: str) -> _Module | None:
-        if mod_rel not in base_modules:
-            base_modules[mod_rel] = _read(base_root, mod_rel)
-        return base_modules[mod_rel]
-
-    imports: list[ast.stmt] = []  # built as nodes; written with ast.unparse
-    bodies: list[str] = []
-    helpers: list[CopiedHelper] = []
-    problems: list[str] = []
-    emitted: dict[str, str] = {}  # name -> module it was taken from
-    visiting: set[tuple[str, str]] = set()
-
-    def resolve(mod: _Module, name: str) -> None:
-        key = (mod.rel, name)
-        if key in visiting or name in _BUILTINS and name not in mod.defs and name not in mod.imports:
-            return
-        visiting.add(key)
-        if name in mod.defs:
-            node = mod.defs[name]
-            text = mod.source(node)
-            base_mod = base(mod.rel)
-            if mod.rel != rel and base_mod is not None and name in base_mod.defs \
-                    and base_mod.source(base_mod.defs[name]) == text:
-                line = ast.ImportFrom(mod.rel[:-3].replace("/", ".").removesuffix(".__init__"), [ast.alias(name)], 0)
-                if ast.dump(line) not in map(ast.dump, imports):
-                    imports.append(line)
-                emitted.setdefault(name, mod.rel)
-                return
-            if emitted.get(name, mod.rel) != mod.rel:
-                problems.append(f"{name}: defined in both {emitted[name]} and {mod.rel} of vllm {later_release}")
-                return
-            for used in _used_names(node):
-                if used != name:
-                    resolve(mod, used)
-            if name not in emitted:
-                emitted[name] = mod.rel
-                bodies.append(text)
-                in_base = base_mod is not None and name in base_mod.defs
-                if not (mod.rel == rel and name in wanted):
-                    helpers.append(CopiedHelper(
-                        name=name, release=later_release, file=mod.rel,
-                        why=f"differs from vllm {base_release}'s" if in_base else f"not in vllm {base_release}'s tests/"))
-            return
-        if name in mod.imports:
-            node, tests_module, original = mod.imports[name]
-            if tests_module is None:
-                line = _import_node(node, name, original)
-                if ast.dump(line) not in map(ast.dump, imports):
-                    imports.append(line)
-                return
-            target = _module_file(later_root, f"{tests_module}.{original}") or _module_file(later_root, tests_module)
-            target_mod = later(target) if target else None
-            if target_mod is None:
-                problems.append(f"{name}: vllm {later_release} has no module {tests_module}")
-                return
-            if original != name:
-                problems.append(f"{name}: imported as an alias of {original} from {tests_module}; not carried over")
-                return
-            resolve(target_mod, original)
-
-    wanted: set[str] = set()
+    wanted = {nodeid.split("::")[1].split("[")[0] for nodeid in nodeids}
+    copier = _Copier(later_root, later_release, base_root, base_release, rel, source, wanted)
     tests: list[str] = []
     for nodeid in nodeids:
         top = nodeid.split("::")[1].split("[")[0]
-        wanted.add(top)
-    for nodeid in nodeids:
-        top = nodeid.split("::")[1].split("[")[0]
         if top not in source.defs:
-            problems.append(f"{nodeid}: not in vllm {later_release}'s {rel}")
+            copier.problems.append(f"{nodeid}: not in vllm {later_release}'s {rel}")
             continue
-        resolve(source, top)
+        copier.resolve(source, top)
         tests.append(nodeid.split("::", 1)[1])
+    helpers = copier.helpers
     target_rel = f"{rel.rsplit('/', 1)[0]}/{module_name}.py"
     doc = (f"Written by kvrepro: tests from vllm {later_release} {rel}, run on vllm {base_release}.\n\n"
            "Helpers copied from the later release:\n" + "".join(f"  {h.name} ({h.file}: {h.why})\n" for h in helpers))
     # the docstring and the imports are built as nodes; the tests and helpers are the later release's
     # own statements, copied verbatim (their source segments, comments kept); the whole must parse
-    head = ast.unparse(ast.Module([ast.Expr(ast.Constant(doc)), *imports], []))
-    text = head + "\n\n\n" + "\n\n".join(bodies) + "\n"
+    head = ast.unparse(ast.Module([ast.Expr(ast.Constant(doc)), *copier.imports], []))
+    text = head + "\n\n\n" + "\n\n".join(copier.bodies) + "\n"
     ast.parse(text)
     return GeneratedModule(rel=target_rel, release=later_release, text=text, tests=tuple(f"{target_rel}::{t}" for t in tests),
-                           upstream_ids=tuple(nodeids), helpers=tuple(helpers), problems=tuple(problems))
+                           upstream_ids=tuple(nodeids), helpers=tuple(helpers), problems=tuple(copier.problems))
 
 
 def test_source(root: Path, nodeid: str) -> str | None:

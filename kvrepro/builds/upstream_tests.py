@@ -40,7 +40,7 @@ from pathlib import Path
 from .. import paths, versions
 from ..errors import BadInputError, SetupError
 from ..records import (
-    BuildPlan, ChangedCode, ExcludedTest, PatchRef, PatchTestModule, UpstreamBuildTests, UpstreamTestChange,
+    BuildArtifact, BuildPlan, ChangedCode, ExcludedTest, PatchRef, PatchTestModule, UpstreamBuildTests, UpstreamTestChange,
     UpstreamTestOutcome, UpstreamTestRun, from_jsonable, to_jsonable,
 )
 from . import overlay, patching, upstream_copy, upstream_impact
@@ -537,6 +537,141 @@ def _counts(outcomes: dict[str, UpstreamTestOutcome]) -> tuple[int, int]:
     return passed, len(outcomes) - passed
 
 
+@dataclasses.dataclass
+class _ReleaseRun:
+    """The unpatched release's own run: what every build is compared with."""
+
+    jobs: list[TreeRun]  # the baseline (measured), then the patch tests it does not collect, if any
+    results: list[tuple[dict[str, UpstreamTestOutcome], float, bool]]
+    outcomes: dict[str, UpstreamTestOutcome]
+    excluded: tuple[ExcludedTest, ...]  # what does not pass on the release, with why
+    selected: tuple[str, ...]  # the release tests that pass: what the builds run
+    patch_run: tuple[str, ...]  # the patches' tests as the release collected them, failing or not
+
+    @property
+    def to_run(self) -> tuple[str, ...]:
+        return self.selected + self.patch_run
+
+
+@dataclasses.dataclass
+class _BuildsCheck:
+    """One ``builds test``: the release's run, then each build's, then the rows that compare them."""
+
+    base: str
+    base_tests: SourceTests
+    tree: TestTree
+    runtime: Runtime
+    workers: int
+    on_line: Callable[[str], None] | None
+    runner: PytestRunner
+    release_root: Path = dataclasses.field(init=False)
+    release_key: str = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.release_root, self.release_key = _pristine_root(self.base, self.on_line)
+
+    def roots(self, only: Sequence[str]) -> tuple[str, ...]:
+        """``only``: test files or node ids of the release (CI runs a handful); the default is all of ROOTS."""
+        for entry in only:
+            if not (self.tree.root / entry.split("::")[0]).exists():
+                raise BadInputError(f"--only {entry}: vLLM {self.base}'s sdist has no {entry.split('::')[0]}; give a "
+                                    f"test file or node id under {' or '.join(ROOTS)}, e.g. {ROOTS[0]}/test_kv_cache_utils.py")
+        return tuple(only) if only else tuple(ROOTS)
+
+    def release_jobs(self, only: Sequence[str], roots: tuple[str, ...]) -> list[TreeRun]:
+        """One baseline process pair: the patches' tests live beside the files they came from, so a run
+        of the whole ROOTS collects them; a restricted run (--only) selects them too. Only a patch test
+        outside what the baseline collects needs a job of its own (each process pays vLLM's import)."""
+        patch_nodeids = tuple(self.tree.patch_ids)
+        patch_files = sorted({n.split("::")[0] for n in patch_nodeids})
+        if only:
+            selection: tuple[str, ...] | None = tuple(only) + patch_nodeids
+            baseline_paths = tuple(sorted({o.split("::")[0] for o in only} | set(patch_files)))
+            outside: tuple[str, ...] = ()
+        else:
+            selection, baseline_paths = None, roots
+            outside = tuple(n for n in patch_nodeids if not any(n.startswith(r.rstrip("/") + "/") for r in roots))
+        baseline = TreeRun(f"vLLM {self.base}", self.release_root, self.release_key, selection, baseline_paths,
+                           measure=True)
+        if not outside:
+            return [baseline]
+        return [baseline, TreeRun(f"vLLM {self.base} (patch tests)", self.release_root, self.release_key, outside,
+                                  tuple(sorted({n.split("::")[0] for n in outside})))]
+
+    def run_release(self, jobs: list[TreeRun]) -> _ReleaseRun:
+        ran = run_trees(self.runtime, self.tree, jobs, self.workers, self.on_line)
+        outcomes = dict(ran[0][0])
+        if len(jobs) > 1:
+            outcomes.update(ran[1][0])
+        tree = self.tree
+        excluded = tuple(ExcludedTest(n, f"{o.outcome}: {o.message}".rstrip(": ")) for n, o in sorted(outcomes.items())
+                         if o.outcome != PASSED and not _is_patch_test(tree, n))
+        selected = tuple(sorted(n for n, o in outcomes.items() if o.outcome == PASSED and not _is_patch_test(tree, n)))
+        patch_run = tuple(sorted(n for n in outcomes if _is_patch_test(tree, n)))
+        return _ReleaseRun(jobs, ran, outcomes, excluded, selected, patch_run)
+
+    def run_sets(self, plans: Sequence[BuildPlan], artifacts: dict[str, BuildArtifact], release: _ReleaseRun,
+                 impact: bool) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[ChangedCode, ...]]]:
+        """What each build that was made runs, and the code its stack changed. The impact rule
+        (kvrepro/builds/upstream_impact.py): the tests that reach code the stack changed, plus the
+        patches' tests; the rest keep the release's outcome, marked so."""
+        index = upstream_impact.CoverageIndex(coverage_files(job_key(self.runtime, self.tree, release.jobs[0])),
+                                              self.release_root) if impact else None
+        spawned = [n for n, o in release.outcomes.items() if o.spawned]
+        run_sets: dict[str, tuple[str, ...]] = {}
+        changed: dict[str, tuple[ChangedCode, ...]] = {}
+        for plan in plans:
+            artifact = artifacts[plan.name]
+            if not artifact.ok:
+                continue
+            if index is None:
+                run_sets[plan.name] = release.to_run
+                continue
+            if not plan.patches:  # the release itself (`release check`): its outcomes are the baseline's
+                run_sets[plan.name] = ()
+                continue
+            files = [rel for patch in plan.patches for rel in patching.touched_files(patch.path)]
+            changed[plan.name] = tuple(upstream_impact.changed_code(self.release_root, Path(artifact.ref or "."), files))
+            why = upstream_impact.affected_tests(changed[plan.name], index, self.release_root, self.tree.root,
+                                                 release.selected, spawned)
+            run_sets[plan.name] = tuple(sorted(why)) + release.patch_run
+            if self.on_line:
+                self.on_line(f"build {plan.name}: {len(why)} of {len(release.selected)} release tests reach a change "
+                             f"({len(changed[plan.name])} changed unit(s)), + {len(release.patch_run)} patch tests")
+        return run_sets, changed
+
+    def run_builds(self, plans: Sequence[BuildPlan], artifacts: dict[str, BuildArtifact],
+                   run_sets: dict[str, tuple[str, ...]]) -> tuple[dict[str, TreeRun], dict[str, tuple]]:
+        """Each build's job (none when it runs nothing) and its (outcomes, seconds, cached), by build name."""
+        jobs = {plan.name: TreeRun(f"build {plan.name}", Path(artifacts[plan.name].ref or "."),
+                                   artifacts[plan.name].manifest.overlay_key or "", run_sets[plan.name],
+                                   tuple(sorted({n.split("::")[0] for n in run_sets[plan.name]})))
+                for plan in plans if plan.name in run_sets and run_sets[plan.name]}
+        ran = run_trees(self.runtime, self.tree, list(jobs.values()), self.workers, self.on_line, self.runner)
+        results = dict(zip(jobs, ran))
+        for name in run_sets:
+            results.setdefault(name, ({}, 0.0, True))
+        return jobs, results
+
+    @staticmethod
+    def filled(ran: dict[str, UpstreamTestOutcome], run_set: tuple[str, ...],
+               release: _ReleaseRun) -> dict[str, UpstreamTestOutcome]:
+        """A build's outcome of every test: what it ran, and the release's (marked not run) for the rest."""
+        return {n: ran.get(n, UpstreamTestOutcome(n, "missing", "not collected on this build"))
+                if n in run_set else
+                dataclasses.replace(release.outcomes[n], seconds=0.0, not_run=upstream_impact.NOT_AFFECTED)
+                for n in release.to_run}
+
+    def release_row(self, release: _ReleaseRun) -> UpstreamBuildTests:
+        outcomes = release.outcomes
+        passed, failed = _counts({n: outcomes[n] for n in release.to_run if n in outcomes})
+        return UpstreamBuildTests(
+            build=f"vLLM {self.base}", patches=(), key=job_key(self.runtime, self.tree, release.jobs[0]), passed=passed,
+            failed=failed, excluded=len(release.excluded),
+            outcomes=tuple(_labelled(self.tree, outcomes[n]) for n in release.to_run if n in outcomes),
+            seconds=round(release.results[0][1], 1), cached=release.results[0][2], ran=len(outcomes))
+
+
 def check_builds(plans: Sequence[BuildPlan], all_patches: Sequence[PatchRef], runtime: Runtime,
                  workers: int = 2, only: Sequence[str] = (), later_releases: Sequence[str] = (),
                  on_line: Callable[[str], None] | None = None, command: str = "", impact: bool = True,
@@ -555,86 +690,15 @@ def check_builds(plans: Sequence[BuildPlan], all_patches: Sequence[PatchRef], ru
     base_tests = source_tests(base)
     tree = prepare_tests(base_tests, all_patches, on_line)
     runtime = test_runtime(runtime, base_tests, on_line)
-    patch_nodeids = tuple(nodeid for m in tree.patch_ids for nodeid in [m])
-    release_root, release_key = _pristine_root(base, on_line)
-    # ``only``: test files or node ids of the release (CI runs a handful); the default is all of ROOTS
-    for entry in only:
-        if not (tree.root / entry.split("::")[0]).exists():
-            raise BadInputError(f"--only {entry}: vLLM {base}'s sdist has no {entry.split('::')[0]}; give a test "
-                                f"file or node id under {' or '.join(ROOTS)}, e.g. {ROOTS[0]}/test_kv_cache_utils.py")
-    roots = tuple(only) if only else tuple(ROOTS)
-    # one baseline process pair: the patches' tests live beside the files they came from, so a run of
-    # the whole ROOTS collects them; a restricted run (--only) selects them too. Only a patch test
-    # outside what the baseline collects needs a job of its own (each process pays vLLM's import).
-    patch_files = sorted({n.split("::")[0] for n in patch_nodeids})
-    if only:
-        selection: tuple[str, ...] | None = tuple(only) + patch_nodeids
-        baseline_paths = tuple(sorted({o.split("::")[0] for o in only} | set(patch_files)))
-        outside: tuple[str, ...] = ()
-    else:
-        selection, baseline_paths = None, roots
-        outside = tuple(n for n in patch_nodeids if not any(n.startswith(r.rstrip("/") + "/") for r in roots))
-    baseline_job = TreeRun(f"vLLM {base}", release_root, release_key, selection, baseline_paths, measure=True)
-    patch_job = TreeRun(f"vLLM {base} (patch tests)", release_root, release_key, outside,
-                        tuple(sorted({n.split("::")[0] for n in outside})))
-    jobs = [baseline_job] + ([patch_job] if outside else [])
-    baseline = run_trees(runtime, tree, jobs, workers, on_line)
-    release_outcomes = dict(baseline[0][0])
-    if outside:
-        release_outcomes.update(baseline[1][0])
-    excluded = tuple(ExcludedTest(n, f"{o.outcome}: {o.message}".rstrip(": ")) for n, o in sorted(release_outcomes.items())
-                     if o.outcome != PASSED and not _is_patch_test(tree, n))
-    selected = tuple(sorted(n for n, o in release_outcomes.items() if o.outcome == PASSED and not _is_patch_test(tree, n)))
-    # the patches' tests as the release collected them (one id per parametrization), failing or not
-    patch_run = tuple(sorted(n for n in release_outcomes if _is_patch_test(tree, n)))
-    to_run = selected + patch_run
+    check = _BuildsCheck(base, base_tests, tree, runtime, workers, on_line, runner)
+    roots = check.roots(only)
+    release = check.run_release(check.release_jobs(only, roots))
 
-    artifacts = {}
-    for plan in plans:
-        artifact = overlay.build_release_overlay(plan, on_line)
-        artifacts[plan.name] = artifact
-    # the impact rule (kvrepro/builds/upstream_impact.py): each build runs the tests that reach code
-    # its stack changed, plus the patches' tests; the rest keep the release's outcome, marked so
-    index = upstream_impact.CoverageIndex(coverage_files(job_key(runtime, tree, baseline_job)), release_root) \
-        if impact else None
-    spawned = [n for n, o in release_outcomes.items() if o.spawned]
-    run_sets: dict[str, tuple[str, ...]] = {}
-    changed: dict[str, tuple[ChangedCode, ...]] = {}
-    for plan in plans:
-        artifact = artifacts[plan.name]
-        if not artifact.ok:
-            continue
-        if index is None:
-            run_sets[plan.name] = to_run
-            continue
-        if not plan.patches:  # the release itself (`release check`): its outcomes are the baseline's
-            run_sets[plan.name] = ()
-            continue
-        files = [rel for patch in plan.patches for rel in patching.touched_files(patch.path)]
-        changed[plan.name] = tuple(upstream_impact.changed_code(release_root, Path(artifact.ref or "."), files))
-        why = upstream_impact.affected_tests(changed[plan.name], index, release_root, tree.root, selected, spawned)
-        run_sets[plan.name] = tuple(sorted(why)) + patch_run
-        if on_line:
-            on_line(f"build {plan.name}: {len(why)} of {len(selected)} release tests reach a change "
-                    f"({len(changed[plan.name])} changed unit(s)), + {len(patch_run)} patch tests")
-    build_jobs = [TreeRun(f"build {plan.name}", Path(artifacts[plan.name].ref or "."), artifacts[plan.name].manifest.overlay_key
-                          or "", run_sets[plan.name], tuple(sorted({n.split("::")[0] for n in run_sets[plan.name]})))
-                  for plan in plans if plan.name in run_sets and run_sets[plan.name]]
-    build_results = dict(zip([j.label for j in build_jobs], run_trees(runtime, tree, build_jobs, workers, on_line, runner)))
-    for plan in plans:
-        if plan.name in run_sets and f"build {plan.name}" not in build_results:
-            build_results[f"build {plan.name}"] = ({}, 0.0, True)
-
-    filled: dict[str, dict[str, UpstreamTestOutcome]] = {}
-    for plan in plans:
-        if f"build {plan.name}" not in build_results:
-            continue
-        ran = build_results[f"build {plan.name}"][0]
-        filled[plan.name] = {n: ran.get(n, UpstreamTestOutcome(n, "missing", "not collected on this build"))
-                             if n in run_sets[plan.name] else
-                             dataclasses.replace(release_outcomes[n], seconds=0.0, not_run=upstream_impact.NOT_AFFECTED)
-                             for n in to_run}
-    by_stack: dict[tuple[str, ...], dict[str, UpstreamTestOutcome]] = {(): release_outcomes}
+    artifacts = {plan.name: overlay.build_release_overlay(plan, on_line) for plan in plans}
+    run_sets, changed = check.run_sets(plans, artifacts, release, impact)
+    build_jobs, build_results = check.run_builds(plans, artifacts, run_sets)
+    filled = {name: check.filled(build_results[name][0], run_sets[name], release) for name in build_results}
+    by_stack: dict[tuple[str, ...], dict[str, UpstreamTestOutcome]] = {(): release.outcomes}
     for plan in plans:
         if plan.name in filled:
             by_stack[tuple(p.name for p in plan.patches)] = filled[plan.name]
@@ -645,36 +709,29 @@ def check_builds(plans: Sequence[BuildPlan], all_patches: Sequence[PatchRef], ru
         stack = tuple(p.name for p in plan.patches)
         artifact = artifacts[plan.name]
         if not artifact.ok:
-            rows.append(UpstreamBuildTests(plan.name, stack, "", 0, 0, len(excluded), (), error=artifact.error))
+            rows.append(UpstreamBuildTests(plan.name, stack, "", 0, 0, len(release.excluded), (), error=artifact.error))
             continue
-        _, seconds, cached = build_results[f"build {plan.name}"]
+        _, seconds, cached = build_results[plan.name]
         outcomes = filled[plan.name]
-        build_job = next((j for j in build_jobs if j.label == f"build {plan.name}"), None)
-        differing = [n for n in to_run if outcomes[n].outcome != release_outcomes.get(n, _MISSING).outcome]
-        changes = _attribute(plan, differing, outcomes, release_outcomes, by_stack, runtime, tree, workers,
+        build_job = build_jobs.get(plan.name)
+        differing = [n for n in release.to_run if outcomes[n].outcome != release.outcomes.get(n, _MISSING).outcome]
+        changes = _attribute(plan, differing, outcomes, release.outcomes, by_stack, runtime, tree, workers,
                              later_trees, base_tests, on_line, runner)
         passed, failed = _counts(outcomes)
         rows.append(UpstreamBuildTests(
             build=plan.name, patches=stack, key=job_key(runtime, tree, build_job) if build_job else "",
-            passed=passed, failed=failed, excluded=len(excluded),
-            outcomes=tuple(_labelled(tree, outcomes[n]) for n in to_run),
+            passed=passed, failed=failed, excluded=len(release.excluded),
+            outcomes=tuple(_labelled(tree, outcomes[n]) for n in release.to_run),
             changes=tuple(changes), seconds=round(seconds, 1), cached=cached,
             ran=len(run_sets[plan.name]), changed_code=changed.get(plan.name, ())))
-    release_passed, release_failed = _counts({n: release_outcomes[n] for n in to_run if n in release_outcomes})
-    release_row = UpstreamBuildTests(
-        build=f"vLLM {base}", patches=(), key=job_key(runtime, tree, baseline_job), passed=release_passed,
-        failed=release_failed, excluded=len(excluded),
-        outcomes=tuple(_labelled(tree, release_outcomes[n]) for n in to_run if n in release_outcomes),
-        seconds=round(baseline[0][1], 1), cached=baseline[0][2], ran=len(release_outcomes))
     return UpstreamTestRun(
-        base=base, sdist_sha256=base_tests.sdist_sha256, roots=roots, selected=len(selected), excluded=excluded,
-        patch_tests=tree.modules, release=release_row, builds=tuple(rows),
+        base=base, sdist_sha256=base_tests.sdist_sha256, roots=roots, selected=len(release.selected),
+        excluded=release.excluded, patch_tests=tree.modules, release=check.release_row(release), builds=tuple(rows),
         seconds=round(time.monotonic() - started, 1), command=command, offline_models=offline_models(),
         impact_rule=impact, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
 _MISSING = UpstreamTestOutcome("", "missing")
-
 
 
 class _LaterTests:

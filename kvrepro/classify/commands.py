@@ -10,6 +10,10 @@ from typing import Any
 
 from ..errors import BadInputError
 from ..spec.matrix import TargetSignature
+from ..untrusted import open_regular
+from .report import parse_log
+from .infra import known_infra_causes
+from .patterns import known_patterns
 
 
 def check_log_arguments(log: Path, source: Path | None) -> None:
@@ -19,8 +23,6 @@ def check_log_arguments(log: Path, source: Path | None) -> None:
                             "(results/<run>/<build>/<rep>/engine.log)")
     if not log.exists():
         raise BadInputError(f"{log}: no such file; give an engine log (engine.log, `docker logs` output)")
-    from ..untrusted import open_regular
-
     try:  # a FIFO, /dev/zero: one line, never a hang (kvrepro/untrusted.py)
         os.close(open_regular(log, follow=True))
     except OSError as exc:
@@ -58,7 +60,6 @@ def classify_command(log: Path, source: Path | None, target: TargetSignature) ->
     """``log`` judged against ``target`` (its arguments checked first: :func:`check_log_arguments`)."""
     from .corruption import defects_of
     from .logfile import open_log
-    from .report import parse_log
     from .verdict import corruption_title
 
     notices: list[str] = []
@@ -81,9 +82,6 @@ def signature_rows() -> list[dict[str, Any]]:
     """Every known crash, corruption and infrastructure signature as a row: kind, name, title
     (a crash title with placeholders shown by its exception, function and expression)."""
     from .corruption import known_corruptions
-    from .infra import known_infra_causes
-    from .patterns import known_patterns
-
     crashes = [{"kind": "crash", "name": p.name, "title": p.title if "{" not in p.title else
                 f"{p.exception} in {p.function}" + (f": {p.expressions[0]}" if p.expressions else ""),
                 "site": f"{p.file}:{p.function}", "upstream": list(p.upstream), "test_log": p.test_log}

@@ -27,7 +27,7 @@ import sys
 import threading
 import types
 
-from .arcs import TAG, traced_name
+from .arcs import TAG, TRACED, traced_name
 
 PROBES = "__kvrepro_branches__"
 # a scan of the probes costs well under a millisecond; often, so that an engine that dies of a
@@ -155,8 +155,6 @@ class BranchRecorder:
         keep its plain code."""
         import importlib
         import pkgutil
-
-        from .arcs import TRACED
 
         for path in TRACED:
             name = "vllm." + path.rstrip("/").removesuffix(".py").replace("/", ".")

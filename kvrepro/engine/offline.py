@@ -62,106 +62,137 @@ def _signature(exc: BaseException) -> dict:
     }
 
 
-def run_job(build_core, job: list[dict]) -> dict:
+def _count_hits(core, counts: dict) -> None:
+    """Count the bug's precondition the way the probe does (local hit AND offload hit), around the
+    offloading connector's update_state_after_alloc (KVREPRO_OFFLINE_DEBUG: each hit and match on stderr)."""
+    sched_conn = core.scheduler.connector
+    if sched_conn is None:
+        return
+    inner = getattr(sched_conn, "connector_scheduler", None)
+    target = inner if inner is not None and hasattr(inner, "update_state_after_alloc") else None
+    if target is None:
+        return
+    original = target.update_state_after_alloc
+
+    def counted(request, blocks, num_external_tokens, _orig=original, _t=target):
+        if num_external_tokens > 0:
+            counts["external_hit_calls"] += 1
+            status = getattr(_t, "_req_status", {}).get(request.request_id)
+            local = getattr(status, "num_locally_computed_tokens", 0) if status is not None else 0
+            if local > 0:
+                counts["trigger_calls"] += 1
+            if os.environ.get("KVREPRO_OFFLINE_DEBUG"):
+                groups = [sum(1 for b in g if not b.is_null and b.block_hash is not None) for g in blocks.blocks]
+                print(f"hit req={request.request_id} local={local} external={num_external_tokens} "
+                      f"prompt={request.num_prompt_tokens} hashed_blocks={groups}", file=sys.stderr)
+        return _orig(request, blocks, num_external_tokens)
+
+    target.update_state_after_alloc = counted
+    if os.environ.get("KVREPRO_OFFLINE_DEBUG"):
+        orig_match = target.get_num_new_matched_tokens
+
+        def matched(request, num_computed_tokens, _orig=orig_match):
+            out = _orig(request, num_computed_tokens)
+            print(f"match req={request.request_id} prompt={request.num_prompt_tokens} "
+                  f"local={num_computed_tokens} external={out[0]}", file=sys.stderr)
+            return out
+
+        target.get_num_new_matched_tokens = matched
+
+
+def _request(i: int, item: dict):
+    """Job entry ``i`` as the EngineCoreRequest kvrepro's client would have made of it."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine import EngineCoreRequest
 
+    events = item.get("events") or {}
+    extra = {"priority": int(events["priority"])} if events.get("priority") is not None else {}
+    return EngineCoreRequest(
+        request_id=f"req-{i}", prompt_token_ids=list(item["tokens"]), mm_features=None,
+        # what kvrepro's client asks for (temperature 0, exactly max_tokens tokens)
+        sampling_params=SamplingParams(max_tokens=int(item["max_tokens"]), temperature=0.0, ignore_eos=True),
+        pooling_params=None, arrival_time=float(i), lora_request=None, cache_salt=None,
+        data_parallel_rank=None, **extra)
+
+
+def _queued_abort(item: dict) -> bool:
+    return (item.get("events") or {}).get("abort") == "queued"
+
+
+def _add(core, i: int, item: dict) -> None:
+    core.add_request(*core.preprocess_add_request(_request(i, item)))
+
+
+class _Replay:
+    """One job sent to one EngineCore, request by request, as kvrepro's HTTP load would have sent it."""
+
+    def __init__(self, core, job: list[dict]):
+        self.core = core
+        self.job = job
+        self.rider_done = -1  # the queued abort that rode along with the request before it
+        self.sent_with = -1  # the last request of a burst sent together with an earlier one
+
+    def send(self, i: int) -> None:
+        """Request ``i`` with what the trace recorded the client did to it (kvrepro.records.RequestEvents),
+        done here to the EngineCore directly, as the HTTP load does it; then steps until the engine is idle."""
+        core, job = self.core, self.job
+        events = job[i].get("events") or {}
+        rider = job[i + 1] if i + 1 < len(job) and _queued_abort(job[i + 1]) else None
+        if events.get("reset_prefix_cache"):
+            core.reset_prefix_cache(False, events["reset_prefix_cache"] == "external")
+        _add(core, i, job[i])
+        for j in range(i + 1, min(len(job), i + int(events.get("burst") or 1))):
+            _add(core, j, job[j])  # a burst: all at once
+            self.sent_with = j
+        abort = events.get("abort")
+        # a queued abort with no request before it to ride along with is scheduled at once on
+        # an idle engine, as over HTTP: the client's abort comes after its first step
+        abort_after = (int(events.get("abort_after_tokens") or 1) if abort in ("first_token", "tokens")
+                       else 0 if abort == "queued" else None)
+        self._step_until_idle(i, rider, abort_after)
+
+    def _step_until_idle(self, i: int, rider: dict | None, abort_after: int | None) -> None:
+        """EngineCore's own loop: its step function (the batch queue under asynchronous scheduling)
+        while the scheduler has requests or a batch is still in flight."""
+        core = self.core
+        steps = 0
+        while core.scheduler.has_requests() or getattr(core, "batch_queue", None):
+            _, executed = core.step_fn()
+            core.post_step(executed)
+            steps += 1
+            if rider is not None:
+                # the next request, a queued abort, arrives while this one runs and is
+                # dropped before the scheduler gets to it (over HTTP: max_num_seqs 1)
+                _add(core, i + 1, rider)
+                core.abort_requests([f"req-{i + 1}"])
+                rider, self.rider_done = None, i + 1
+            if abort_after is not None:
+                live = core.scheduler.requests.get(f"req-{i}")
+                if live is not None and live.num_output_tokens >= abort_after:
+                    core.abort_requests([f"req-{i}"])
+                    abort_after = None
+            if steps > 100_000:
+                raise RuntimeError("request did not finish within 100000 steps (stall)")
+
+
+def run_job(build_core, job: list[dict]) -> dict:
     core = build_core()
     counts = {"trigger_calls": 0, "external_hit_calls": 0}
-    sched_conn = core.scheduler.connector
-    original = None
-    if sched_conn is not None:
-        # count the bug's precondition the way the probe does (local hit AND offload hit)
-        inner = getattr(sched_conn, "connector_scheduler", None)
-        target = inner if inner is not None and hasattr(inner, "update_state_after_alloc") else None
-        if target is not None:
-            original = target.update_state_after_alloc
-
-            def counted(request, blocks, num_external_tokens, _orig=original, _t=target):
-                if num_external_tokens > 0:
-                    counts["external_hit_calls"] += 1
-                    status = getattr(_t, "_req_status", {}).get(request.request_id)
-                    local = getattr(status, "num_locally_computed_tokens", 0) if status is not None else 0
-                    if local > 0:
-                        counts["trigger_calls"] += 1
-                    if os.environ.get("KVREPRO_OFFLINE_DEBUG"):
-                        groups = [sum(1 for b in g if not b.is_null and b.block_hash is not None) for g in blocks.blocks]
-                        print(f"hit req={request.request_id} local={local} external={num_external_tokens} "
-                              f"prompt={request.num_prompt_tokens} hashed_blocks={groups}", file=sys.stderr)
-                return _orig(request, blocks, num_external_tokens)
-
-            target.update_state_after_alloc = counted
-            if os.environ.get("KVREPRO_OFFLINE_DEBUG"):
-                orig_match = target.get_num_new_matched_tokens
-
-                def matched(request, num_computed_tokens, _orig=orig_match):
-                    out = _orig(request, num_computed_tokens)
-                    print(f"match req={request.request_id} prompt={request.num_prompt_tokens} "
-                          f"local={num_computed_tokens} external={out[0]}", file=sys.stderr)
-                    return out
-
-                target.get_num_new_matched_tokens = matched
+    _count_hits(core, counts)
     started = time.monotonic()
     result = {"crashed": False, "crash_at": None, "requests_done": 0}
+    replay = _Replay(core, job)
     try:
-        def make(i: int, item: dict):
-            events = item.get("events") or {}
-            extra = {"priority": int(events["priority"])} if events.get("priority") is not None else {}
-            return EngineCoreRequest(
-                request_id=f"req-{i}", prompt_token_ids=list(item["tokens"]), mm_features=None,
-                # what kvrepro's client asks for (temperature 0, exactly max_tokens tokens)
-                sampling_params=SamplingParams(max_tokens=int(item["max_tokens"]), temperature=0.0, ignore_eos=True),
-                pooling_params=None, arrival_time=float(i), lora_request=None, cache_salt=None,
-                data_parallel_rank=None, **extra)
-
-        def queued_abort(item: dict) -> bool:
-            return (item.get("events") or {}).get("abort") == "queued"
-
-        rider_done = -1
-        sent_with = -1  # the last request of a burst sent together with an earlier one
-        for i, item in enumerate(job):
-            if i == rider_done or i <= sent_with:
+        for i in range(len(job)):
+            if i == replay.rider_done or i <= replay.sent_with:
                 result["requests_done"] = i + 1
                 continue
-            # load.events as the trace recorded them (kvrepro.records.RequestEvents): what the client
-            # did to the request, done here to the EngineCore directly, as the HTTP load does it
-            events = item.get("events") or {}
-            rider = job[i + 1] if i + 1 < len(job) and queued_abort(job[i + 1]) else None
             try:
-                if events.get("reset_prefix_cache"):
-                    core.reset_prefix_cache(False, events["reset_prefix_cache"] == "external")
-                core.add_request(*core.preprocess_add_request(make(i, item)))
-                for j in range(i + 1, min(len(job), i + int(events.get("burst") or 1))):
-                    core.add_request(*core.preprocess_add_request(make(j, job[j])))  # a burst: all at once
-                    sent_with = j
-                abort = events.get("abort")
-                # a queued abort with no request before it to ride along with is scheduled at once on
-                # an idle engine, as over HTTP: the client's abort comes after its first step
-                abort_after = (int(events.get("abort_after_tokens") or 1) if abort in ("first_token", "tokens")
-                               else 0 if abort == "queued" else None)
-                steps = 0
-                # EngineCore's own loop: its step function (the batch queue under asynchronous
-                # scheduling) while the scheduler has requests or a batch is still in flight
-                while core.scheduler.has_requests() or getattr(core, "batch_queue", None):
-                    _, executed = core.step_fn()
-                    core.post_step(executed)
-                    steps += 1
-                    if rider is not None:
-                        # the next request, a queued abort, arrives while this one runs and is
-                        # dropped before the scheduler gets to it (over HTTP: max_num_seqs 1)
-                        core.add_request(*core.preprocess_add_request(make(i + 1, rider)))
-                        core.abort_requests([f"req-{i + 1}"])
-                        rider, rider_done = None, i + 1
-                    if abort_after is not None:
-                        live = core.scheduler.requests.get(f"req-{i}")
-                        if live is not None and live.num_output_tokens >= abort_after:
-                            core.abort_requests([f"req-{i}"])
-                            abort_after = None
-                    if steps > 100_000:
-                        raise RuntimeError("request did not finish within 100000 steps (stall)")
+                replay.send(i)
             except Exception as exc:  # noqa: BLE001 -- the crash is the result
                 # a rider dropped in this request's run is part of what crashed: a cut keeps it
-                result.update(crashed=True, crash_at=rider_done if rider_done == i + 1 else i, **_signature(exc))
+                result.update(crashed=True, crash_at=replay.rider_done if replay.rider_done == i + 1 else i,
+                              **_signature(exc))
                 break
             result["requests_done"] = i + 1
     finally:

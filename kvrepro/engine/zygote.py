@@ -64,6 +64,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 ENV_VAR = "KVREPRO_ENGINE_ZYGOTE"
 # Imported before the first engine is forked: the heavy roots every vLLM import pulls in.
@@ -180,6 +181,57 @@ def _serve_modules() -> list[str]:
             and not name.startswith(_ENGINE_ONLY)]
 
 
+def _take_over(request: dict, fds: list[int], replay: bytes) -> list[str]:
+    """In the child: the client's stdin/stdout/stderr, environment, working directory and overlay
+    on sys.path, in a session of its own; the overlay's paths."""
+    os.setsid()
+    for target, fd in zip((0, 1, 2), fds[:3], strict=False):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    _write_all(1, replay)
+    env = request["env"]
+    os.environ.clear()
+    os.environ.update(env)
+    # the zygote's own TMPDIR may be another command's (a shared zygote): ask again
+    tempfile.tempdir = None
+    os.chdir(request["cwd"])
+    overlay_paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[0:0] = [p for p in overlay_paths if p not in sys.path]
+    importlib.invalidate_caches()
+    return overlay_paths
+
+
+def _watch_client(conn: socket.socket) -> None:
+    """The client holds the other end of ``conn``; if it goes away, so does this engine."""
+    try:
+        while conn.recv(1024):
+            pass
+    except OSError:
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)
+    from kvrepro import lifetime  # kvrepro#8: nobody waits on us any more: bound the stop
+
+    lifetime.kill_group_later(os.getpid(), grace=3.0)
+
+
+def _module_reporter(listen_path: str, overlay_paths: list[str], learn: bool) -> Callable[[], None]:
+    """What the engine calls once settled: tell the zygote what it imported (only when asked to learn)."""
+
+    def report_modules() -> None:
+        if not learn:
+            return
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(listen_path)
+                _send(s, {"learn": _foreign_modules(overlay_paths), "serve": _serve_modules()})
+        except OSError:
+            pass
+
+    return report_modules
+
+
 def _run_engine(conn: socket.socket, listen_path: str, request: dict, fds: list[int], learn: bool,
                 replay: bytes = b"") -> None:
     """In the child: become the engine process the client asked for, then exit.
@@ -188,49 +240,10 @@ def _run_engine(conn: socket.socket, listen_path: str, request: dict, fds: list[
     written first so that this engine's own log reads as if it had imported vLLM itself."""
     code = 1
     try:
-        os.setsid()
-        for target, fd in zip((0, 1, 2), fds[:3], strict=False):
-            os.dup2(fd, target)
-        for fd in fds:
-            if fd > 2:
-                os.close(fd)
-        _write_all(1, replay)
-        env = request["env"]
-        os.environ.clear()
-        os.environ.update(env)
-        # the zygote's own TMPDIR may be another command's (a shared zygote): ask again
-        tempfile.tempdir = None
-        os.chdir(request["cwd"])
-        overlay_paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        sys.path[0:0] = [p for p in overlay_paths if p not in sys.path]
-        importlib.invalidate_caches()
+        overlay_paths = _take_over(request, fds, replay)
         argv = list(request["argv"])
         sys.argv = ["kvrepro.engine", *argv]
-
-        def watch_client() -> None:
-            # The client holds the other end; if it goes away, so does this engine.
-            try:
-                while conn.recv(1024):
-                    pass
-            except OSError:
-                pass
-            os.kill(os.getpid(), signal.SIGTERM)
-            from kvrepro import lifetime  # kvrepro#8: nobody waits on us any more: bound the stop
-
-            lifetime.kill_group_later(os.getpid(), grace=3.0)
-
-        threading.Thread(target=watch_client, name="zygote-client-watch", daemon=True).start()
-
-        def report_modules() -> None:
-            if not learn:
-                return
-            try:
-                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                    s.connect(listen_path)
-                    _send(s, {"learn": _foreign_modules(overlay_paths), "serve": _serve_modules()})
-            except OSError:
-                pass
-
+        threading.Thread(target=_watch_client, args=(conn,), name="zygote-client-watch", daemon=True).start()
         module = request.get("module")
         if module:  # `python -m MODULE ARGV` (the minimizer's kvrepro.engine.offline), run as its own __main__
             import runpy
@@ -242,7 +255,7 @@ def _run_engine(conn: socket.socket, listen_path: str, request: dict, fds: list[
         else:
             from kvrepro.engine.vllm_cli import run
 
-            code = run(argv, on_settled=report_modules)
+            code = run(argv, on_settled=_module_reporter(listen_path, overlay_paths, learn))
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
@@ -553,6 +566,219 @@ class _BuildZygote:
         self.retired = False
 
 
+class _RuntimeZygote:
+    """The runtime zygote's server: accepts engine requests on its socket and forks each engine,
+    itself or through its build's zygote, until SIGTERM/SIGINT; then stops what it started."""
+
+    def __init__(self, socket_path: str, learned_path: str | None):
+        self.socket_path = socket_path
+        self.learned_path = learned_path
+        self.pid = os.getpid()
+        self.listener: socket.socket | None = None
+        self.engines = _Engines()
+        self.builds: dict[str, _BuildZygote] = {}  # by PYTHONPATH (the overlay first), least recently used first
+        self.by_pid: dict[int, _BuildZygote] = {}  # every build zygote still running, retired ones too
+        self.broken: dict[str, str] = {}  # PYTHONPATHs whose vLLM did not import: their engines import it themselves
+        self.stopping = False
+        self.learned = False  # the first engine still reports: a build may import more than the last lesson
+        # vLLM modules the first engine imported: what build zygotes preload, kept beside the runtime's lesson
+        # so that the next zygote's first build zygotes import them too
+        self.serve_lesson = read_learned(_serve_lesson(learned_path))
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def serve(self) -> int:
+        if os.path.exists(self.socket_path):
+            os.unlink(self.socket_path)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.socket_path)
+        self.listener.listen(64)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        try:
+            while not self.stopping:
+                self._reap_build_zygotes()
+                try:
+                    ready, _, _ = select.select([self.listener, *(b.control for b in self.by_pid.values())],
+                                                [], [], 0.1)
+                except InterruptedError:
+                    continue
+                for build in [b for b in self.by_pid.values() if b.control in ready]:
+                    self._read_control(build)
+                if self.listener in ready:
+                    self._accept()
+        finally:
+            self._shut_down()
+        return 0
+
+    def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
+        self.stopping = True
+
+    def _reap_build_zygotes(self) -> None:
+        """Tell the clients of engines that ended their exit codes; forget build zygotes that ended."""
+        for pid in self.engines.reap(self.by_pid):
+            build = self.by_pid.pop(pid)
+            self._forget(build, None)
+            build.control.close()
+
+    def _shut_down(self) -> None:
+        for build in self.by_pid.values():  # stopping: engines still waiting for their build zygote are not started
+            for conn, _request, fds, _learn in build.pending:
+                conn.close()
+                for fd in fds:
+                    os.close(fd)
+        self.engines.stop(grace=6.0, extra=list(self.by_pid))
+        if self.listener is not None:
+            self.listener.close()
+        if os.path.exists(self.socket_path):
+            os.unlink(self.socket_path)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        conn, _ = self.listener.accept()
+        try:
+            request, fds = _recv_line(conn, with_fds=True)
+        except (OSError, ValueError):
+            conn.close()
+            return
+        if request is None:
+            conn.close()
+        elif "learn" in request:
+            conn.close()
+            self._learn(request)
+        else:
+            self._route(conn, request, fds)
+
+    def _learn(self, report: dict) -> None:
+        """An engine's report of what it imported: the runtime's modules (preloaded now, from the
+        first report only) and vLLM's serve path (what build zygotes import from now on)."""
+        if report.get("serve") and not self.learned:
+            reported = [n for n in report["serve"] if not n.startswith(_ENGINE_ONLY)]
+            self.serve_lesson = list(dict.fromkeys([*self.serve_lesson, *reported]))
+            _write_lines(_serve_lesson(self.learned_path), self.serve_lesson,
+                         "vLLM modules a kvrepro build zygote imports (learned from its engines)")
+        if self.learned:
+            return
+        self.learned = True
+        count = preload(report["learn"])
+        freeze_heap()
+        write_learned(self.learned_path, report["learn"])
+        print(f"kvrepro zygote: learned {count} more modules to preload", file=sys.stderr, flush=True)
+
+    def _route(self, conn: socket.socket, request: dict, fds: list[int]) -> None:
+        """Fork the engine here, or hand it to its build's zygote (started now if there is none)."""
+        module = request.get("module")
+        # what `vllm serve` imports: the runtime's modules once, vLLM's serve path once
+        learn = not module and not self.learned
+        env = request.get("env") or {}
+        key = env.get("PYTHONPATH", "")
+        if module or not key or env.get(BUILD_ZYGOTES_ENV) == "0" or key in self.broken:
+            self._direct(conn, request, fds, learn)
+            return
+        build = self.builds.pop(key, None)
+        if build is None:
+            build = self._start_build(key, request, [conn, *fds])
+        self.builds[key] = build  # most recently used last
+        if build.reads is None:
+            build.pending.append((conn, request, fds, learn))
+        else:
+            self._hand_over(build, conn, request, fds, learn)
+
+    def _sockets(self) -> list:
+        """What a forked child must close: the listener, clients' connections, build zygotes' control
+        sockets, and the connections and stdio fds of engines waiting for their build zygote."""
+        waiting = [item for b in self.by_pid.values() for conn, _r, fds, _l in b.pending for item in (conn, *fds)]
+        return [self.listener, *self.engines.conns.values(), *(b.control for b in self.by_pid.values()), *waiting]
+
+    def _direct(self, conn, request, fds, learn, also=()) -> None:
+        """Fork the engine from this zygote: it imports vLLM itself."""
+        self.engines.fork(conn, self.socket_path, request, fds, learn, closing=[*self._sockets(), *also])
+
+    # -- build zygotes --------------------------------------------------------------------------
+
+    def _read_control(self, build: _BuildZygote) -> None:
+        """A build zygote's word: it is ready (its waiting engines go to it), failed, or gone."""
+        try:
+            message, _ = _recv_control(build.control)
+        except OSError:
+            message = None
+        if message is None or "failed" in message:
+            why = (message or {}).get("failed")
+            if why:
+                print(f"kvrepro zygote: build zygote {build.pid} could not import vLLM ({why}); "
+                      "engines of that build import it themselves", file=sys.stderr, flush=True)
+            self._forget(build, why)
+            return
+        if "ready" in message:
+            build.reads = message["ready"]
+            self._drain(build, lambda *item, b=build: self._hand_over(b, *item))
+
+    def _drain(self, build: _BuildZygote, route) -> None:
+        """Route the engines waiting for ``build``; each fork closes the waiting ones after it too."""
+        waiting, build.pending = build.pending, []
+        for i, (conn, request, fds, learn) in enumerate(waiting):
+            rest = [item for c, _r, f, _l in waiting[i + 1:] for item in (c, *f)]
+            route(conn, request, fds, learn, rest)
+
+    def _hand_over(self, build: _BuildZygote, conn, request, fds, learn, also=()) -> None:
+        differ = _differing(build.reads or {}, request["env"])
+        if differ:  # imported with another value of a variable vLLM reads at import: not this engine's
+            print(f"kvrepro zygote: this engine's {', '.join(differ[:3])} differ from build zygote "
+                  f"{build.pid}'s; it imports vLLM itself", file=sys.stderr, flush=True)
+            self._direct(conn, request, fds, learn, also)
+            return
+        try:
+            _send_control(build.control, {"request": request, "learn": learn}, [conn.fileno(), *fds])
+        except OSError:
+            self._direct(conn, request, fds, learn, also)
+            return
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+
+    def _forget(self, build: _BuildZygote, why: str | None) -> None:
+        """A build zygote that failed or went away: its waiting engines start the ordinary way."""
+        key = next((k for k, b in self.builds.items() if b is build), None)
+        if key is not None:
+            del self.builds[key]
+            if why:
+                self.broken[key] = why
+        self._drain(build, self._direct)
+
+    def _retire_oldest(self) -> None:
+        """At BUILD_ZYGOTES_MAX: the least recently used build zygote goes when its engines have."""
+        oldest = self.builds.pop(next(iter(self.builds)))
+        oldest.retired = True
+        try:
+            _send_control(oldest.control, {"retire": True})
+        except OSError:
+            pass
+
+    def _start_build(self, key: str, request: dict, own: list) -> _BuildZygote:
+        """Fork the build zygote of ``key`` (``own``: the connection and fds of the request that asks)."""
+        if len(self.builds) >= BUILD_ZYGOTES_MAX:
+            self._retire_oldest()
+        parent_side, child_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        modules = list(dict.fromkeys([*SERVE_PRELOAD, *self.serve_lesson]))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            from kvrepro import lifetime  # kvrepro#8: a build zygote dies with its runtime zygote
+
+            lifetime.die_with_parent(signal.SIGTERM, expected_parent=self.pid)
+            _close([*self._sockets(), *own])
+            parent_side.close()
+            _build_zygote(child_side, self.socket_path, request["env"], modules)
+        child_side.close()
+        build = _BuildZygote(pid, parent_side)
+        self.builds[key] = self.by_pid[pid] = build
+        print(f"kvrepro zygote: started build zygote {pid} for {key.split(os.pathsep)[0]} "
+              f"({len(modules)} modules to import)", file=sys.stderr, flush=True)
+        return build
+
+
 def serve(socket_path: str, learned_path: str | None = None) -> int:
     """Preload, listen on ``socket_path``, fork engines until SIGTERM/SIGINT."""
     started = time.monotonic()
@@ -563,176 +789,7 @@ def serve(socket_path: str, learned_path: str | None = None) -> int:
     freeze_heap()
     print(f"kvrepro zygote: preloaded {count} modules in {time.monotonic() - started:.1f} s; "
           f"listening on {socket_path}", file=sys.stderr, flush=True)
-    if os.path.exists(socket_path):
-        os.unlink(socket_path)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(socket_path)
-    listener.listen(64)
-    engines = _Engines()
-    builds: dict[str, _BuildZygote] = {}  # by PYTHONPATH (the overlay first), least recently used first
-    by_pid: dict[int, _BuildZygote] = {}  # every build zygote still running, retired ones too
-    broken: dict[str, str] = {}  # PYTHONPATHs whose vLLM did not import: their engines import it themselves
-    stopping = {"flag": False}
-    learned = {"done": False}  # the first engine still reports: a build may import more than the last lesson
-    # vLLM modules the first engine imported: what build zygotes preload, kept beside the runtime's lesson
-    # so that the next zygote's first build zygotes import them too
-    lesson = {"serve": read_learned(_serve_lesson(learned_path))}
-
-    def on_signal(signum, frame):
-        stopping["flag"] = True
-
-    def sockets() -> list:
-        """What a forked child must close: the listener, clients' connections, build zygotes' control
-        sockets, and the connections and stdio fds of engines waiting for their build zygote."""
-        waiting = [item for b in by_pid.values() for conn, _r, fds, _l in b.pending for item in (conn, *fds)]
-        return [listener, *engines.conns.values(), *(b.control for b in by_pid.values()), *waiting]
-
-    def direct(conn, request, fds, learn, also=()) -> None:
-        engines.fork(conn, socket_path, request, fds, learn, closing=[*sockets(), *also])
-
-    def drain(build: _BuildZygote, route) -> None:
-        """Route the engines waiting for ``build``; each fork closes the waiting ones after it too."""
-        waiting, build.pending = build.pending, []
-        for i, (conn, request, fds, learn) in enumerate(waiting):
-            rest = [item for c, _r, f, _l in waiting[i + 1:] for item in (c, *f)]
-            route(conn, request, fds, learn, rest)
-
-    def hand_over(build: _BuildZygote, conn, request, fds, learn, also=()) -> None:
-        differ = _differing(build.reads or {}, request["env"])
-        if differ:  # imported with another value of a variable vLLM reads at import: not this engine's
-            print(f"kvrepro zygote: this engine's {', '.join(differ[:3])} differ from build zygote "
-                  f"{build.pid}'s; it imports vLLM itself", file=sys.stderr, flush=True)
-            direct(conn, request, fds, learn, also)
-            return
-        try:
-            _send_control(build.control, {"request": request, "learn": learn}, [conn.fileno(), *fds])
-        except OSError:
-            direct(conn, request, fds, learn, also)
-            return
-        conn.close()
-        for fd in fds:
-            os.close(fd)
-
-    def forget(build: _BuildZygote, why: str | None) -> None:
-        """A build zygote that failed or went away: its waiting engines start the ordinary way."""
-        key = next((k for k, b in builds.items() if b is build), None)
-        if key is not None:
-            del builds[key]
-            if why:
-                broken[key] = why
-        drain(build, direct)
-
-    def start_build(key: str, request: dict, own: list) -> _BuildZygote:
-        """Fork the build zygote of ``key`` (``own``: the connection and fds of the request that asks)."""
-        if len(builds) >= BUILD_ZYGOTES_MAX:  # retire the least recently used; it goes when its engines have
-            oldest_key = next(iter(builds))
-            oldest = builds.pop(oldest_key)
-            oldest.retired = True
-            try:
-                _send_control(oldest.control, {"retire": True})
-            except OSError:
-                pass
-        parent_side, child_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        modules = list(dict.fromkeys([*SERVE_PRELOAD, *lesson["serve"]]))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            from kvrepro import lifetime  # kvrepro#8: a build zygote dies with its runtime zygote
-
-            lifetime.die_with_parent(signal.SIGTERM, expected_parent=zygote_pid)
-            _close([*sockets(), *own])
-            parent_side.close()
-            _build_zygote(child_side, socket_path, request["env"], modules)
-        child_side.close()
-        build = _BuildZygote(pid, parent_side)
-        builds[key] = by_pid[pid] = build
-        print(f"kvrepro zygote: started build zygote {pid} for {key.split(os.pathsep)[0]} "
-              f"({len(modules)} modules to import)", file=sys.stderr, flush=True)
-        return build
-
-    zygote_pid = os.getpid()
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    try:
-        while not stopping["flag"]:
-            for pid in engines.reap(by_pid):
-                build = by_pid.pop(pid)
-                forget(build, None)
-                build.control.close()
-            controls = [b.control for b in by_pid.values()]
-            try:
-                ready, _, _ = select.select([listener, *controls], [], [], 0.1)
-            except InterruptedError:
-                continue
-            for build in [b for b in by_pid.values() if b.control in ready]:
-                try:
-                    message, _ = _recv_control(build.control)
-                except OSError:
-                    message = None
-                if message is None or "failed" in message:
-                    why = (message or {}).get("failed")
-                    if why:
-                        print(f"kvrepro zygote: build zygote {build.pid} could not import vLLM ({why}); "
-                              "engines of that build import it themselves", file=sys.stderr, flush=True)
-                    forget(build, why)
-                    continue
-                if "ready" in message:
-                    build.reads = message["ready"]
-                    drain(build, lambda *item, b=build: hand_over(b, *item))
-            if listener not in ready:
-                continue
-            conn, _ = listener.accept()
-            try:
-                request, fds = _recv_line(conn, with_fds=True)
-            except (OSError, ValueError):
-                conn.close()
-                continue
-            if request is None:
-                conn.close()
-                continue
-            if "learn" in request:
-                conn.close()
-                if request.get("serve") and not learned["done"]:
-                    reported = [n for n in request["serve"] if not n.startswith(_ENGINE_ONLY)]
-                    lesson["serve"] = list(dict.fromkeys([*lesson["serve"], *reported]))
-                    _write_lines(_serve_lesson(learned_path), lesson["serve"],
-                                 "vLLM modules a kvrepro build zygote imports (learned from its engines)")
-                if learned["done"]:
-                    continue
-                learned["done"] = True
-                count = preload(request["learn"])
-                freeze_heap()
-                write_learned(learned_path, request["learn"])
-                print(f"kvrepro zygote: learned {count} more modules to preload", file=sys.stderr, flush=True)
-                continue
-            module = request.get("module")
-            # what `vllm serve` imports: the runtime's modules once, vLLM's serve path once
-            learn = not module and not learned["done"]
-            env = request.get("env") or {}
-            key = env.get("PYTHONPATH", "")
-            if module or not key or env.get(BUILD_ZYGOTES_ENV) == "0" or key in broken:
-                direct(conn, request, fds, learn)
-                continue
-            build = builds.pop(key, None)
-            if build is None:
-                build = start_build(key, request, [conn, *fds])
-            builds[key] = build  # most recently used last
-            if build.reads is None:
-                build.pending.append((conn, request, fds, learn))
-            else:
-                hand_over(build, conn, request, fds, learn)
-    finally:
-        for build in by_pid.values():  # stopping: engines still waiting for their build zygote are not started
-            for conn, _request, fds, _learn in build.pending:
-                conn.close()
-                for fd in fds:
-                    os.close(fd)
-        engines.stop(grace=6.0, extra=list(by_pid))
-        listener.close()
-        if os.path.exists(socket_path):
-            os.unlink(socket_path)
-    return 0
+    return _RuntimeZygote(socket_path, learned_path).serve()
 
 
 # -- the thin client (python -m kvrepro.engine with KVREPRO_ENGINE_ZYGOTE set) ---------------

@@ -16,6 +16,9 @@ from ..report import terminal
 from ..report.terminal import err, out
 from ..results.store import checked_root
 from ..untrusted import quote
+from ..stopping import name, stop_on_signals
+from . import CampaignRequest, load_campaign, new_campaign, parse_budget, run_campaign, summary
+from .campaign import open_target
 
 
 def resumed_catalogue(campaign_id: str, pinned: str, given: Path | None) -> tuple[Path | None, str | None]:
@@ -71,10 +74,7 @@ def explore(*, base: str | None, patch: list[str] | None, budget: str | None, se
             as_json: bool, target: str | None = None, jobs: int | None = None,
             replay_share: float | None = None) -> int:
     """`explore` with its options, by name; the exit code."""
-    from ..stopping import name, stop_on_signals
     from ..suite.run import load as load_catalogue
-    from . import CampaignRequest, load_campaign, new_campaign, parse_budget, run_campaign, summary
-    from .campaign import open_target
     from .render import lines, run_line
 
     results_root = checked_root(results_root)

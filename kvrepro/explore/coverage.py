@@ -25,6 +25,7 @@ from pathlib import Path
 from ..engine.arcs import parse_line
 from ..records import RunResult
 from ..suite.catalogue import COUNTERS, counter_value
+from .vocabulary import KNOBS
 
 ARC = "arc:"
 TARGET_POINTS = 4.0  # per new arc in the patched lines
@@ -135,8 +136,6 @@ def steering(weights: Mapping[str, float], tried: Iterable[str]) -> dict[str, fl
     campaign has not tried yet raised to the best credited weight (optimism toward the untried: a
     value nobody ran cannot have earned points, and a campaign of a few runs must try it before it
     reruns what was merely first to earn)."""
-    from .vocabulary import KNOBS
-
     out = dict(weights)
     top = max(out.values(), default=1.0)
     done = set(tried)

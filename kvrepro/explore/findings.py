@@ -25,6 +25,7 @@ from ..errors import KvreproError
 from ..results import store as results
 from .judge import CORRUPTION, CRASH
 from .state import FindingRecord
+from ..matrix import load_matrix
 
 BUILD = "explore"
 PYTEST_FILE = "test_finding.py"
@@ -55,7 +56,6 @@ def minimize_finding(campaign: Path, finding: FindingRecord, run_id: str,
                      on_line: Callable[[str], None] = lambda _: None) -> MinimizedFinding:
     """Minimize ``finding`` (its folder under ``campaign``) from matrix run ``run_id`` of the campaign;
     record the outcome in its ``finding.json``. Never raises for a failure that cannot be minimized."""
-    from ..matrix import load_matrix
     from ..minimize.shrink import minimize
 
     folder = results.inside(campaign, campaign / str(finding.folder))

@@ -27,6 +27,7 @@ from typing import Any
 from ..errors import SpecError
 from ..records import Json, RecordError, RequestEvents, type_hints, from_jsonable, to_jsonable
 from .profiles import Profile, Prompt
+from ..spec.matrix import LoadSpec
 
 FORMAT_VERSION = 1
 
@@ -115,8 +116,6 @@ class Trace:
 
     def load_spec(self):
         """The LoadSpec the trace was sent with (for max_tokens, vocab, format, streaming)."""
-        from ..spec.matrix import LoadSpec
-
         return LoadSpec.model_validate(self.header.load or {})
 
     def with_requests(self, requests: list[TraceRequest]) -> "Trace":

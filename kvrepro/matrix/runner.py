@@ -14,8 +14,8 @@ import platform
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from dataclasses import dataclass, replace
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,15 +30,16 @@ from ..classify.settle import settled
 from ..deploy import engine_api_key as target_api_key
 from ..deploy import get_target
 from ..deploy.base import EngineHandle, SilentProgress, Target
-from ..errors import InfraError, KvreproError
+from ..errors import InfraError, KvreproError, describe_os_error
 from ..loadgen import run_load
 from ..loadgen.runner import replay_load
 from ..loadgen.trace import TraceHeader
 from ..spec.geometry import built_mismatch as geometry_mismatch
 from ..loadgen.capacity import engine_capacity
 from ..records import (BuildArtifact, BuildPlan, BuildRecord, HostInfo, LoadSummary, Outcome, PatchInfo, RunBuildEntry, RunInfo, RunManifest, RunResult, StopRule, Verdict)
-from ..secrets import redact
+from ..secrets import option_values, redact
 from ..spec.matrix import LoadedMatrix
+from .slots import RunSlots
 
 
 # how long a finished run's engine keeps running so its last counts reach the log
@@ -122,8 +123,6 @@ def _remove_fs_tiers(folders: list, run_dir: Path) -> None:
 
 def engine_api_key(loaded: LoadedMatrix, target_name: str) -> str | None:
     """The key an engine started with --api-key (any spelling) or VLLM_API_KEY wants on /v1/*."""
-    from ..secrets import option_values
-
     keys = option_values(list(loaded.matrix.engine.extra_args), "--api-key")
     if keys:
         return keys[0]
@@ -162,6 +161,71 @@ def _start_failure(error: str, log_path: Path, artifact: BuildArtifact, target) 
 _PROBE_SETTLE_S = 2.5
 
 
+def _write_manifest(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_dir: Path, rep: int,
+                    replay: Any, fs_tiers: list) -> None:
+    """manifest.json: what this repetition is about to run, written before anything starts."""
+    matrix, plan = loaded.matrix, artifact.plan
+    engine_args = _engine_args(target)
+    results.write_json(run_dir / "manifest.json", RunManifest(
+        build=plan.name, rep=rep, base=plan.base, target=target.name,
+        patches=tuple(PatchInfo(p.name, p.upstream, p.sha256, p.reverse) for p in plan.patches),
+        artifact=_build_record(artifact),
+        engine_args=tuple(engine_args) if engine_args is not None else None,
+        sim_seed=matrix.engine.sim.seed + rep, load_seed=matrix.load.seed + rep,
+        load=matrix.load.model_dump(), runs=matrix.runs.model_dump(), kvrepro_version=__version__,
+        replay_of=str(replay.path) if replay is not None else None, fs_tiers=tuple(fs_tiers),
+    ))
+
+
+def _not_started(loaded: LoadedMatrix, artifact: BuildArtifact, run_dir: Path, rep: int, exc: InfraError,
+                 seconds: float, stop: threading.Event) -> RunResult:
+    """The record of an engine that did not start: INFRA with its root cause, or INTERRUPTED when a
+    stop came while it was starting."""
+    result = _infra_result(artifact.plan, rep, run_dir, str(exc), seconds)
+    title, refused = _start_failure(str(exc), run_dir / "engine.log", artifact, loaded.matrix.target_signature)
+    result = replace(result, title=title, refused_arguments=refused)
+    if "last lines of" in str(exc):
+        # the target quoted the engine's log (a traceback of vLLM's, perhaps): the record keeps
+        # the root cause and where the whole log is, not raw log lines
+        result = replace(result, infra_error=redact(f"{title}\n(the whole engine log: {run_dir / 'engine.log'})"))
+    if stop.is_set():  # Ctrl-C while it was starting: says nothing about the infrastructure
+        return replace(result, verdict=Verdict.INTERRUPTED, outcome=Outcome.NONE,
+                       title="interrupted while the engine was starting")
+    return result
+
+
+def _send_load(loaded: LoadedMatrix, target: Target, plan: BuildPlan, handle: EngineHandle, log: LogTail,
+               run_dir: Path, rep: int, progress: Progress, stop: threading.Event, replay: Any,
+               stop_rule: StopRule | None) -> LoadSummary:
+    """The matrix's load (sized for the engine's logged capacity, ended early once ``stop_rule``
+    settles the verdict), or ``replay``'s recorded requests, to the started engine."""
+    matrix = loaded.matrix
+    api_key = engine_api_key(loaded, target.name)
+    on_progress = lambda done, failed: progress.requests_done(plan.name, rep, done, failed)  # noqa: E731
+    logged = log.read().capacity
+    if replay is not None:
+        load = replay_load(handle.base_url, replay, matrix.runs, run_dir / "load.jsonl", alive=handle.alive,
+                           on_progress=on_progress, stop=stop, trace_path=run_dir / "trace.jsonl", api_key=api_key)
+        if load.stopped_because == "budget" and not stop.is_set():
+            # a replay can be over in a fraction of a second: give the probe's reporter
+            # (every REPORT_INTERVAL_S = 2 s) time to write the counts before the engine stops
+            stop.wait(_PROBE_SETTLE_S)
+        return load
+    engine_args = _engine_args(target)
+    header = TraceHeader().updated(build=plan.name, rep=rep, sim_seed=matrix.engine.sim.seed + rep,
+                                   engine_args=tuple(engine_args) if engine_args is not None else None)
+    capacity = engine_capacity(matrix.load, logged, matrix.engine.block_size, matrix.engine.max_model_len,
+                               chunk_tokens=matrix.engine.offload_chunk_tokens,
+                               data_parallel_size=matrix.engine.data_parallel_size)
+    is_settled = None
+    if stop_rule is not None:
+        is_settled = lambda: settled(log.read().exposure(), stop_rule)  # noqa: E731
+    return run_load(handle.base_url, matrix.load, matrix.runs, run_dir / "load.jsonl",
+                    seed=matrix.load.seed + rep, alive=handle.alive, on_progress=on_progress,
+                    stop=stop, capacity=capacity, trace_path=run_dir / "trace.jsonl", trace_header=header,
+                    api_key=api_key, settled=is_settled)
+
+
 def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_dir: Path, rep: int,
             progress: Progress, stop: threading.Event, replay: Any = None,
             stop_rule: StopRule | None = None, on_load_done: Callable[[], None] | None = None) -> RunResult:
@@ -173,17 +237,8 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     its stop, the verdict) needs little CPU, so the caller may start the next engine meanwhile."""
     matrix = loaded.matrix
     plan = artifact.plan
-    engine_args = _engine_args(target)
     fs_tiers = _fs_tier_folders(target, run_dir)
-    results.write_json(run_dir / "manifest.json", RunManifest(
-        build=plan.name, rep=rep, base=plan.base, target=target.name,
-        patches=tuple(PatchInfo(p.name, p.upstream, p.sha256, p.reverse) for p in plan.patches),
-        artifact=_build_record(artifact),
-        engine_args=tuple(engine_args) if engine_args is not None else None,
-        sim_seed=matrix.engine.sim.seed + rep, load_seed=matrix.load.seed + rep,
-        load=matrix.load.model_dump(), runs=matrix.runs.model_dump(), kvrepro_version=__version__,
-        replay_of=str(replay.path) if replay is not None else None, fs_tiers=tuple(fs_tiers),
-    ))
+    _write_manifest(loaded, target, artifact, run_dir, rep, replay, fs_tiers)
     started = time.monotonic()
     if not artifact.ok:
         return _infra_result(plan, rep, run_dir, artifact.error or "build failed")
@@ -194,17 +249,7 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
         engine_start_s = round(time.monotonic() - started, 3)
     except InfraError as exc:
         _remove_fs_tiers(fs_tiers, run_dir)
-        result = _infra_result(plan, rep, run_dir, str(exc), time.monotonic() - started)
-        title, refused = _start_failure(str(exc), run_dir / "engine.log", artifact, matrix.target_signature)
-        result = replace(result, title=title, refused_arguments=refused)
-        if "last lines of" in str(exc):
-            # the target quoted the engine's log (a traceback of vLLM's, perhaps): the record keeps
-            # the root cause and where the whole log is, not raw log lines
-            result = replace(result, infra_error=redact(f"{title}\n(the whole engine log: {run_dir / 'engine.log'})"))
-        if stop.is_set():  # Ctrl-C while it was starting: says nothing about the infrastructure
-            return replace(result, verdict=Verdict.INTERRUPTED, outcome=Outcome.NONE,
-                           title="interrupted while the engine was starting")
-        return result
+        return _not_started(loaded, artifact, run_dir, rep, exc, time.monotonic() - started, stop)
     if stop.is_set():  # stopped while it started: it gets no request (kvrepro#8)
         handle.stop()
         _remove_fs_tiers(fs_tiers, run_dir)
@@ -215,36 +260,12 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
     load: LoadSummary | None = None
     metrics_text: str | None = None
     engine_exit: int | None = None
-    api_key = engine_api_key(loaded, target.name)
     # the engine log, read once: a piece at start (the capacity the load is sized for), pieces
     # while the load runs (the stop rule), the rest once the engine stopped (the verdict)
     source_root = Path(artifact.source_root) if artifact.source_root else None
     log = LogTail(handle.log_path, LogParser(source_root, matrix.target_signature))
     try:
-        logged = log.read().capacity
-        engine_args = _engine_args(target)
-        header = TraceHeader().updated(build=plan.name, rep=rep, sim_seed=matrix.engine.sim.seed + rep,
-                                       engine_args=tuple(engine_args) if engine_args is not None else None)
-        if replay is not None:
-            load = replay_load(handle.base_url, replay, matrix.runs, run_dir / "load.jsonl", alive=handle.alive,
-                               on_progress=lambda done, failed: progress.requests_done(plan.name, rep, done, failed),
-                               stop=stop, trace_path=run_dir / "trace.jsonl", api_key=api_key)
-            if load.stopped_because == "budget" and not stop.is_set():
-                # a replay can be over in a fraction of a second: give the probe's reporter
-                # (every REPORT_INTERVAL_S = 2 s) time to write the counts before the engine stops
-                stop.wait(_PROBE_SETTLE_S)
-        else:
-            capacity = engine_capacity(matrix.load, logged, matrix.engine.block_size, matrix.engine.max_model_len,
-                                       chunk_tokens=matrix.engine.offload_chunk_tokens,
-                                       data_parallel_size=matrix.engine.data_parallel_size)
-            is_settled = None
-            if stop_rule is not None:
-                is_settled = lambda: settled(log.read().exposure(), stop_rule)  # noqa: E731
-            load = run_load(handle.base_url, matrix.load, matrix.runs, run_dir / "load.jsonl",
-                            seed=matrix.load.seed + rep, alive=handle.alive,
-                            on_progress=lambda done, failed: progress.requests_done(plan.name, rep, done, failed),
-                            stop=stop, capacity=capacity, trace_path=run_dir / "trace.jsonl", trace_header=header,
-                            api_key=api_key, settled=is_settled)
+        load = _send_load(loaded, target, plan, handle, log, run_dir, rep, progress, stop, replay, stop_rule)
         engine_exit = handle.exit_code()
         metrics_text = _fetch_metrics(handle)
         if on_load_done is not None:
@@ -277,8 +298,6 @@ def run_one(loaded: LoadedMatrix, target: Target, artifact: BuildArtifact, run_d
 
 
 def _error_line(exc: BaseException) -> str:
-    from ..errors import describe_os_error
-
     return redact(describe_os_error(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}")[:500]
 
 
@@ -307,20 +326,6 @@ def _mark_ended(folder: results.RunFolder, status: str, error: str | None) -> No
         pass  # nothing more can be written: the owner record makes `results show` say "aborted"
 
 
-def _wait_for_slots(futures: list) -> None:
-    """Let running slots tear their engines down before the target closes, even through another
-    Ctrl-C: closing first would let a slot that is still starting an engine leave it behind."""
-    for future in futures:
-        while True:
-            try:
-                future.exception()
-                break
-            except KeyboardInterrupt:
-                continue
-            except BaseException:  # cancelled
-                break
-
-
 def _decided(artifact: BuildArtifact, runs: list[RunResult], expect: str | None) -> bool:
     """Adaptive repetitions: has this build seen enough (report/expectations.py: enough_runs)?"""
     if not artifact.ok:
@@ -343,46 +348,19 @@ def longest_first(artifacts: list[BuildArtifact], recorded: dict[str, list[RunRe
             yield artifact, rep
 
 
-def _once(release: Callable[[], None]) -> Callable[[], None]:
-    """``release``, callable any number of times but run once (a run frees its slot when its load
-    ends, or at its end when it never got that far)."""
-    lock = threading.Lock()
-    state = {"done": False}
-
-    def call() -> None:
-        with lock:
-            if state["done"]:
-                return
-            state["done"] = True
-        release()
-
-    return call
-
-
 def host_info() -> HostInfo:
     """Where kvrepro runs, for the report's "what ran" (no user names, no environment)."""
     return HostInfo(hostname=platform.node(), platform=platform.platform(terse=True),
                     python=platform.python_version(), cpus=os.cpu_count() or 0)
 
 
-def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress | None = None,
-               stop: threading.Event | None = None, target: Target | None = None) -> results.MatrixRun:
-    """Run every build x repetition; return the run as `results.load_run` reads it back.
-
-    ``target``: an open target to run on and leave open (a bisection probes many small matrices
-    on the same base; reusing the target keeps its engine zygote warm). None: one is made for
-    this matrix and closed at the end.
-    """
-    progress = progress or SilentProgress()
-    stop = stop or threading.Event()
+def _create_folder(loaded: LoadedMatrix, options: MatrixOptions, plans: list[BuildPlan],
+                   target_name: str) -> results.RunFolder:
+    """The run's folder, with run.json saying what is about to run ("running")."""
     matrix = loaded.matrix
-    target_name = options.target or matrix.target
-    target_cls = get_target(target_name)
-    plans = loaded.plans(options.builds, options.bases)
-    reps = matrix.runs.count(options.repetitions)
     bases = list(dict.fromkeys(p.base for p in plans))
     build_names = {p.build_name for p in plans}
-    folder = results.create_run(options.results_root, loaded.text, RunInfo(
+    return results.create_run(options.results_root, loaded.text, RunInfo(
         run_id="", status="running",  # create_run gives both
         matrix=str(loaded.path),
         matrix_sha256=loaded.sha256,
@@ -398,12 +376,12 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
         kvrepro_version=__version__,
         host=host_info(),
     ))
-    owns_target = target is None
-    if target is None:
-        target = target_cls(loaded)
-    target.on_line = progress.detail
-    jobs = max(1, options.jobs or target.max_parallel())
 
+
+@contextmanager
+def _interrupting(target: Target, stop: threading.Event) -> Iterator[None]:
+    """While the matrix runs: once ``stop`` is set, ``target.interrupt()`` (an engine that is still
+    starting gives up at once rather than at its health timeout)."""
     finished = threading.Event()
 
     def interrupt_on_stop() -> None:
@@ -414,122 +392,124 @@ def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress 
 
     threading.Thread(target=interrupt_on_stop, daemon=True, name="kvrepro-interrupt").start()
     try:
+        yield
+    finally:
+        finished.set()
+
+
+def _record_end(folder: results.RunFolder, exc: BaseException) -> None:
+    """run.json's status after ``exc`` ended the run. Ctrl-C is an interruption; anything else (a full
+    disk, a read-only results folder) is a failure, said as such: "interrupted" would send the reader
+    looking for who pressed Ctrl-C."""
+    interrupted = isinstance(exc, KeyboardInterrupt)
+    with stopping.deferred():  # a further Ctrl-C waits until the status is written (suite.run does the same)
+        _mark_ended(folder, "interrupted" if interrupted else "failed", None if interrupted else _error_line(exc))
+
+
+@dataclass
+class _MatrixRun:
+    """One matrix run under way: its builds, then their repetitions on the target's slots
+    (:class:`~kvrepro.matrix.slots.RunSlots`), each written down the moment it exists."""
+
+    loaded: LoadedMatrix
+    options: MatrixOptions
+    folder: results.RunFolder
+    target: Target
+    progress: Progress
+    stop: threading.Event
+    recorded: dict[str, list[RunResult]] = field(default_factory=dict)  # each build's runs so far
+
+    def run(self, plans: list[BuildPlan]) -> None:
+        artifacts = self._prepare(plans)
+        self.recorded = {a.plan.name: [] for a in artifacts}
+        if not self.stop.is_set() and not self.target.runs_remotely:
+            self.target.warm_up(artifacts)  # the zygote ready before the first run, not inside its start
+        jobs = max(1, self.options.jobs or self.target.max_parallel())
+        slots = RunSlots(jobs, self.stop, frees_early=self.target.starts_during_stop)
+        for work in self._rounds(artifacts):
+            slots.run(work, self._run_cell)
+
+    def _prepare(self, plans: list[BuildPlan]) -> list[BuildArtifact]:
+        """Each build made (or found) by the target, build.json written; a failed build is recorded,
+        its runs will be INFRA."""
         artifacts = []
         for plan in plans:
-            if stop.is_set():
+            if self.stop.is_set():
                 break
-            progress.stage(f"build {plan.name}: {' + '.join(p.name for p in plan.patches) or 'base'}")
+            self.progress.stage(f"build {plan.name}: {' + '.join(p.name for p in plan.patches) or 'base'}")
             try:
-                artifact = target.prepare(plan)
+                artifact = self.target.prepare(plan)
             except KvreproError as exc:
                 artifact = BuildArtifact(plan=plan, ref=None, manifest={}, error=str(exc))
-            results.write_json(folder.build_dir(plan.name) / "build.json", _build_record(artifact))
+            results.write_json(self.folder.build_dir(plan.name) / "build.json", _build_record(artifact))
             artifacts.append(artifact)
+        return artifacts
 
-        recorded: dict[str, list[RunResult]] = {a.plan.name: [] for a in artifacts}
-        if not stop.is_set() and not target.runs_remotely:
-            target.warm_up(artifacts)  # the zygote ready before the first run, not inside its start
-
-        def one(artifact: BuildArtifact, rep: int, slot_free: Callable[[], None] | None = None) -> None:
-            try:
-                one_run(artifact, rep, slot_free)
-            finally:
-                if slot_free is not None:
-                    slot_free()  # the run ended before its load did (or never started)
-
-        def one_run(artifact: BuildArtifact, rep: int, slot_free: Callable[[], None] | None) -> None:
-            if stop.is_set():
-                return
-            run_dir = folder.rep_dir(artifact.plan.name, rep)
-            rule = stop_rule_for(options, matrix.expect.get(artifact.plan.build_name))
-            if target.runs_remotely:  # a cluster runs the whole run on a node and sends its files back
-                result = target.run_remotely(functools.partial(run_one, stop_rule=rule), loaded, artifact, run_dir,
-                                             rep, progress, stop, options.replay)
-            else:
-                result = run_one(loaded, target, artifact, run_dir, rep, progress, stop, options.replay, rule,
-                                 on_load_done=slot_free if target.starts_during_stop else None)
-            results.write_json(run_dir / "verdict.json", result)
-            recorded[artifact.plan.name].append(result)
-            progress.run_finished(result)
-
-        def run_all(work: Iterable[tuple[BuildArtifact, int]]) -> None:
-            """Runs ``work`` (an iterator: nothing is made per repetition before its turn) with at
-            most ``jobs`` repetitions starting an engine or sending load at once.
-
-            On a target that allows it (``starts_during_stop``), a run frees its slot when its
-            load ends (run_one's ``on_load_done``): its tail (the engine's last counts, its stop,
-            the verdict) is mostly waiting, so the next engine starts meanwhile, even with one
-            slot (a suite runs each entry on one). At most ``2 * jobs`` runs are in flight, tails
-            included. Elsewhere a run holds its slot to its end."""
-            if jobs == 1 and not target.starts_during_stop:
-                for artifact, rep in work:
-                    if stop.is_set():
-                        return
-                    one(artifact, rep)
-                return
-            pool = ThreadPoolExecutor(max_workers=2 * jobs, thread_name_prefix="kvrepro-run")
-            running: set = set()
-            slots = threading.Semaphore(jobs)
-
-            def reap(block: bool) -> None:
-                nonlocal running
-                done, running = wait(running, timeout=None if block else 0, return_when=FIRST_COMPLETED)
-                for future in done:
-                    future.result()  # a bug in a run (not a verdict) ends the matrix, as before
-
-            pending = iter(work)
-            try:
-                while not stop.is_set():
-                    while not slots.acquire(timeout=0.05):
-                        reap(block=False)  # a finished run's error is raised here, as before
-                        if stop.is_set():
-                            break
-                    if stop.is_set():
-                        break
-                    # the next run is taken only now that a slot is free: an order made from the
-                    # runs recorded so far (longest_first) sees every run that ended before it
-                    item = next(pending, None)
-                    if item is None:
-                        break
-                    while len(running) >= 2 * jobs:
-                        reap(block=True)
-                    running.add(pool.submit(one, *item, _once(slots.release)))
-                for future in list(running):
-                    future.result()
-            except BaseException:
-                stop.set()  # the other slots record what they have and stop
-                _wait_for_slots(list(running))
-                raise
-            finally:
-                pool.shutdown(wait=True, cancel_futures=True)
-
+    def _rounds(self, artifacts: list[BuildArtifact]) -> Iterator[Iterable[tuple[BuildArtifact, int]]]:
+        """The work, round by round (the next round is made once the last one ended)."""
+        options, matrix = self.options, self.loaded.matrix
         if options.replay is not None:  # the trace's repetition number: the same engine seed
-            run_all((a, options.replay.header.rep or 0) for a in artifacts)
+            yield ((a, options.replay.header.rep or 0) for a in artifacts)
         elif options.adaptive_max:
             # one more repetition of every undecided build per round, until each is decisive
             for rep in range(options.adaptive_max):
                 pending = [a for a in artifacts
-                           if not _decided(a, recorded[a.plan.name], matrix.expect.get(a.plan.build_name))]
-                if not pending or stop.is_set():
-                    break
-                progress.stage(f"round {rep + 1}: {', '.join(a.plan.name for a in pending)} not decisive yet")
-                run_all((a, rep) for a in pending)
+                           if not _decided(a, self.recorded[a.plan.name], matrix.expect.get(a.plan.build_name))]
+                if not pending or self.stop.is_set():
+                    return
+                self.progress.stage(f"round {rep + 1}: {', '.join(a.plan.name for a in pending)} not decisive yet")
+                yield ((a, rep) for a in pending)
         else:
             # Repetition-major order: with N parallel slots the first results cover every build.
             first = options.first_rep
-            run_all(longest_first(artifacts, recorded, range(first, first + reps)))
-        folder.update(status="interrupted" if stop.is_set() else "complete", finished=time.time())
-    except BaseException as exc:
-        stop.set()
-        # Ctrl-C is an interruption; anything else (a full disk, a read-only results folder) is a
-        # failure, said as such: "interrupted" would send the reader looking for who pressed Ctrl-C
-        interrupted = isinstance(exc, KeyboardInterrupt)
-        with stopping.deferred():  # a further Ctrl-C waits until the status is written (suite.run does the same)
-            _mark_ended(folder, "interrupted" if interrupted else "failed",
-                        None if interrupted else _error_line(exc))
-        raise
+            yield longest_first(artifacts, self.recorded, range(first, first + matrix.runs.count(options.repetitions)))
+
+    def _run_cell(self, artifact: BuildArtifact, rep: int, slot_free: Callable[[], None] | None) -> None:
+        """One repetition of one build, here or (a cluster) on a node; verdict.json written last."""
+        if self.stop.is_set():
+            return
+        loaded, options, target, progress = self.loaded, self.options, self.target, self.progress
+        run_dir = self.folder.rep_dir(artifact.plan.name, rep)
+        rule = stop_rule_for(options, loaded.matrix.expect.get(artifact.plan.build_name))
+        if target.runs_remotely:  # a cluster runs the whole run on a node and sends its files back
+            result = target.run_remotely(functools.partial(run_one, stop_rule=rule), loaded, artifact, run_dir,
+                                         rep, progress, self.stop, options.replay)
+        else:
+            result = run_one(loaded, target, artifact, run_dir, rep, progress, self.stop, options.replay, rule,
+                             on_load_done=slot_free)
+        results.write_json(run_dir / "verdict.json", result)
+        self.recorded[artifact.plan.name].append(result)
+        progress.run_finished(result)
+
+
+def run_matrix(loaded: LoadedMatrix, options: MatrixOptions, progress: Progress | None = None,
+               stop: threading.Event | None = None, target: Target | None = None) -> results.MatrixRun:
+    """Run every build x repetition; return the run as `results.load_run` reads it back.
+
+    ``target``: an open target to run on and leave open (a bisection probes many small matrices
+    on the same base; reusing the target keeps its engine zygote warm). None: one is made for
+    this matrix and closed at the end.
+    """
+    progress = progress or SilentProgress()
+    stop = stop or threading.Event()
+    target_name = options.target or loaded.matrix.target
+    target_cls = get_target(target_name)
+    plans = loaded.plans(options.builds, options.bases)
+    folder = _create_folder(loaded, options, plans, target_name)
+    owns_target = target is None
+    if target is None:
+        target = target_cls(loaded)
+    target.on_line = progress.detail
+    try:
+        with _interrupting(target, stop):
+            try:
+                _MatrixRun(loaded, options, folder, target, progress, stop).run(plans)
+                folder.update(status="interrupted" if stop.is_set() else "complete", finished=time.time())
+            except BaseException as exc:
+                stop.set()
+                _record_end(folder, exc)
+                raise
     finally:
-        finished.set()
         if owns_target:
             target.close()
     return results.load_run(options.results_root, folder.run_id)

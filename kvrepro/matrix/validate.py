@@ -23,9 +23,12 @@ from pathlib import Path
 
 from .. import paths, versions
 from ..errors import SpecError
-from ..secrets import is_number
-from ..spec.matrix import LoadedMatrix
+from ..secrets import (is_number, redact, register_secret_options, registered_secret_options, remember,
+                       scrubbed_environ, secret_arg_values)
+from ..spec.matrix import LoadedMatrix, expected_defects
 from ..spec.yamltext import line_for, line_index
+from ..loadgen import known_profiles
+from ..deploy import check_environment
 
 
 def _where(loaded: LoadedMatrix, dotted: str, lines: dict) -> str:
@@ -53,8 +56,6 @@ def serve_flags(base: str, on_line: Callable[[str], None] | None = None) -> set[
     except (OSError, ValueError, TypeError, AttributeError):
         pass
     from ..builds import prepare_runtime
-    from ..secrets import scrubbed_environ
-
     runtime = prepare_runtime(base)  # ready (checked above): nothing is installed here
     if on_line:
         on_line(f"reading vLLM {base}'s `vllm serve` flags (once per release)")
@@ -86,8 +87,6 @@ def serve_flags(base: str, on_line: Callable[[str], None] | None = None) -> set[
 def _register_secret_options(options: dict, flags: list[str]) -> None:
     """The release's secret options (``--hf-token``, ``--api-key``, ...: destinations naming a
     secret) join the ones kvrepro masks in every spelling (kvrepro/secrets.py)."""
-    from ..secrets import register_secret_options
-
     if not isinstance(options, dict) or not isinstance(flags, list):
         raise TypeError("not a mapping and a list")
     register_secret_options(options, flags)
@@ -96,8 +95,6 @@ def _register_secret_options(options: dict, flags: list[str]) -> None:
 def secret_options(base: str) -> dict | None:
     """The options of vLLM ``base``'s `vllm serve` whose destination names a secret (option ->
     nargs), read from its own parser; None when the runtime env is not set up."""
-    from ..secrets import registered_secret_options
-
     if serve_flags(base) is None:
         return None
     return registered_secret_options()
@@ -122,8 +119,6 @@ def check(loaded: LoadedMatrix, target: str | None = None, engine_flags: bool = 
     """Raise SpecError listing every problem (file:line: field: what to do); return notes about
     what could not be checked (e.g. engine flags before `kvrepro setup`)."""
     from ..deploy import known_targets
-    from ..loadgen import known_profiles
-
     m = loaded.matrix
     lines = line_index(loaded.text)
     problems: list[str] = []
@@ -134,8 +129,6 @@ def check(loaded: LoadedMatrix, target: str | None = None, engine_flags: bool = 
         where = "--target" if target else f"{_where(loaded, 'target', lines)}: target"
         problems.append(f"{where}: unknown target {target_name!r}; known targets: {', '.join(targets)}")
     else:
-        from ..deploy import check_environment
-
         try:  # what the target takes from the environment ($RAY_ADDRESS), as bad input before a run folder
             check_environment(target_name, m)
         except SpecError as exc:
@@ -145,8 +138,6 @@ def check(loaded: LoadedMatrix, target: str | None = None, engine_flags: bool = 
         problems.append(f"{_where(loaded, 'load.profile', lines)}: load.profile: unknown profile {m.load.profile!r}; "
                         f"known profiles: {', '.join(profiles)} (one file each under kvrepro/loadgen/profiles/)")
     from ..classify.corruption import UNKNOWN, known_corruptions
-    from ..spec.matrix import expected_defects
-
     defects = {c.name for c in known_corruptions()} | {UNKNOWN}
     for build, expect in m.expect.items():
         for alternative in expect.split("|"):
@@ -168,8 +159,6 @@ def check(loaded: LoadedMatrix, target: str | None = None, engine_flags: bool = 
     if m.engine.extra_args:
         # reading the parser also registers its secret options (every spelling gets masked)
         known = {base: serve_flags(base, on_line) for base in m.bases}[m.bases[0]]
-        from ..secrets import remember, secret_arg_values
-
         remember(secret_arg_values(list(m.engine.extra_args)))
     if engine_flags and m.engine.extra_args:
         if known is None:
@@ -178,8 +167,6 @@ def check(loaded: LoadedMatrix, target: str | None = None, engine_flags: bool = 
         else:
             bad = unknown_flags(list(m.engine.extra_args), known)
             if bad:
-                from ..secrets import redact
-
                 problems.append(
                     f"{_where(loaded, 'engine.extra_args', lines)}: engine.extra_args: `vllm serve` of vLLM {m.base} "
                     f"does not know {', '.join(redact(b) for b in bad)}; see `vllm serve --help` of that release")

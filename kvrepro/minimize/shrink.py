@@ -62,7 +62,7 @@ from ..errors import InfraError, KvreproError, SpecError
 from ..loadgen.trace import Trace, TraceRequest, read_trace, write_trace
 from ..classify import is_target_crash
 from ..records import BuildPlan, Signature
-from ..spec.matrix import LoadedMatrix, TargetSignature
+from ..spec.matrix import LoadedMatrix, TargetSignature, expected_defects
 
 
 @dataclass(frozen=True)
@@ -538,8 +538,6 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
         # the defect the build's `expect:` names (B: the boundary fix's hole, not the Mamba null-state
         # read every 0.26.0 build shares), else the one the run showed most; a run whose violations
         # no signature knows: its first one's kind
-        from ..spec.matrix import expected_defects
-
         expect = loaded.matrix.expect.get(resolve_plan(loaded, build).build_name, "")
         wanted = [d for alt in expect.split("|") for d in expected_defects(alt) if run.kv_defects.get(d)]
         named = [name for name in run.kv_defects if _is_defect(name)]

@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from .. import paths, versions
-from ..errors import BadInputError
+from ..errors import BadInputError, KvreproError
 from . import porting
 
 DEFAULT_REQUESTS = 100
@@ -141,7 +141,6 @@ def run_port(release: str, requests: int = DEFAULT_REQUESTS, results_root: Path 
              progress: Any = None, stop: threading.Event | None = None, on_line=None) -> PortResult:
     """The checklist on ``release`` (see the module docstring)."""
     from ..builds import pristine_tree
-    from ..errors import KvreproError
     from ..matrix import parse_matrix
     from ..matrix.runner import MatrixOptions, run_matrix
     from ..results import store as results

@@ -9,9 +9,9 @@ from pathlib import Path
 from rich.markup import escape
 
 from ..errors import BadInputError, InfraError, describe_os_error
-from ..results.store import MatrixRun
+from ..results.store import MatrixRun, checked_root, load_run
 from ..secrets import redact
-from .terminal import err
+from .terminal import emit_json, err, out
 
 
 def junit_problem(path: Path, exc: OSError) -> str:
@@ -91,8 +91,6 @@ def write_recorded(run: MatrixRun, junit: Path | None) -> dict[str, str | None]:
 def show_run(run: MatrixRun, as_json: bool) -> None:
     """`results show RUN`: the verdict table and every repetition's folder (or all of it as JSON)."""
     from .render import build_key, matrix_table
-    from .terminal import emit_json, out
-
     if as_json:
         emit_json({"info": run.info, "path": str(run.path),
                    "builds": [{"name": b.name, "base": b.base, "patches": b.patches, "expect": b.expect,
@@ -107,10 +105,7 @@ def show_run(run: MatrixRun, as_json: bool) -> None:
 def show_runs(results_root: Path, as_json: bool) -> None:
     """`results list`: the table of recorded runs (or JSON); what it leaves out, said on stderr."""
     from ..results.index import omitted_notes, rows as indexed_rows
-    from ..results.store import checked_root
     from .tables import runs_table
-    from .terminal import emit_json, out
-
     rows = indexed_rows(checked_root(results_root))  # results/.index.json: only changed runs are read
     if as_json:
         emit_json(rows)
@@ -122,11 +117,8 @@ def show_runs(results_root: Path, as_json: bool) -> None:
 
 def show_comparison(results_root: Path, before: str, after: str, as_json: bool) -> None:
     """`results compare`: which verdicts changed between two recorded runs."""
-    from ..results.store import load_run
     from .compare import compare, comparison_json
     from .tables import compare_table
-    from .terminal import emit_json, out
-
     c = compare(load_run(results_root, before), load_run(results_root, after))
     if as_json:
         emit_json(comparison_json(c))
@@ -138,9 +130,6 @@ def show_comparison(results_root: Path, before: str, after: str, as_json: bool) 
 
 def report_recorded(results_root: Path, run_id: str, junit: Path | None, as_json: bool) -> None:
     """`kvrepro report`: write a recorded run's report (and JUnit) and say where."""
-    from ..results.store import load_run
-    from .terminal import emit_json, out
-
     check_junit(junit)
     written = write_recorded(load_run(results_root, run_id), junit)
     if as_json:

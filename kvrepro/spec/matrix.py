@@ -22,7 +22,9 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
 from .. import paths
 from ..errors import SpecError
 from ..records import BuildPlan, PatchRef, RequestEvents, cell_name
-from ..versions import DEFAULT_BASE, unsupported
+from ..versions import (API_SERVER_COUNT_FLAG, DEFAULT_BASE, FAILED_RECVING_FROM, OFFLOAD_CHUNK_EXTRA_KEY,
+                        OUT_OF_TREE_CONNECTORS, PREFIX_MATCH_UNIT_FLAG, block_size_problem, divergent_hits_flag_problem,
+                        offload_fault_problem, prefix_match_unit_problem, reports_failed_loads, unsupported)
 from .yamltext import DuplicateKey, StrictLoader, TooBig, line_for, line_index
 
 EXPECTABLE = ("CRASH(target)", "CRASH(other)", "CORRUPT", "SURVIVED", "UNREACHED", "VACUOUS", "STALL", "INFRA")
@@ -315,8 +317,6 @@ class EngineSpec(_Strict):
         g = self.geometry
         if g is None:
             return self
-        from ..versions import block_size_problem
-
         problem = block_size_problem(self.block_size, self.mamba_cache_mode, self.max_num_batched_tokens)
         if problem:
             field, msg = problem
@@ -416,15 +416,11 @@ class EngineSpec(_Strict):
             ]
         transfer: dict[str, Any] = {}
         if self.connector != "offloading":
-            from ..versions import OUT_OF_TREE_CONNECTORS
-
             # what --kv-offloading-size N would set, with the subclass named instead
             name, module = OUT_OF_TREE_CONNECTORS[self.connector]
             transfer = {"kv_connector": name, "kv_connector_module_path": module, "kv_role": "kv_both",
                         "kv_connector_extra_config": {"cpu_bytes_to_use": int(self.kv_offloading_size_gib * (1 << 30))}}
         if self.geometry is not None:
-            from ..versions import OFFLOAD_CHUNK_EXTRA_KEY
-
             # merged by vLLM with what --kv-offloading-size sets (the connector, cpu_bytes_to_use)
             transfer.setdefault("kv_connector_extra_config", {})[OFFLOAD_CHUNK_EXTRA_KEY] = self.offload_chunk_tokens
         if self.kv_load_failure_policy is not None:
@@ -433,14 +429,10 @@ class EngineSpec(_Strict):
             args += ["--kv-transfer-config", json.dumps(transfer)]
         if self.geometry is not None:
             if self.geometry.data_parallel_size > 1:
-                from ..versions import API_SERVER_COUNT_FLAG
-
                 args += ["--data-parallel-size", str(self.geometry.data_parallel_size)]
                 if not any(a.split("=")[0] == API_SERVER_COUNT_FLAG for a in self.extra_args):
                     args += [API_SERVER_COUNT_FLAG, "1"]  # one API server for every rank (versions.py says why)
             if self.geometry.hash_block_size is not None:
-                from ..versions import PREFIX_MATCH_UNIT_FLAG
-
                 args += [PREFIX_MATCH_UNIT_FLAG, str(self.geometry.hash_block_size)]
         if self.async_scheduling != "auto":
             args += ["--async-scheduling" if self.async_scheduling == "on" else "--no-async-scheduling"]
@@ -715,8 +707,6 @@ class Matrix(_Strict):
     def _capable_connector(self) -> "Matrix":
         if self.engine.connector != "capable":
             return self
-        from ..versions import divergent_hits_flag_problem
-
         for base in self.bases:
             for build, stack in self.builds.items():
                 if (problem := divergent_hits_flag_problem(base, [*self.common, *stack])) is not None:
@@ -728,8 +718,6 @@ class Matrix(_Strict):
     def _failure_reporting_connector(self) -> "Matrix":
         if self.engine.connector not in ("mooncake-store-like", "nixl-like"):
             return self
-        from ..versions import FAILED_RECVING_FROM, reports_failed_loads
-
         for base in self.bases:
             if not reports_failed_loads(base):
                 raise FieldError("engine.connector", f"{self.engine.connector} models a connector's per-request "
@@ -772,8 +760,6 @@ class Matrix(_Strict):
     def _offload_faults_releases(self) -> "Matrix":
         """A fault kind that the release's connector (engine.connector) cannot produce is refused here
         (kvrepro/versions.py says which and why); one it can produce does what that connector does."""
-        from ..versions import offload_fault_problem
-
         faults = self.engine.sim.offload_faults
         if faults is None:
             return self
@@ -917,8 +903,6 @@ class LoadedMatrix:
         # a matrix of one's own: a base without the flag is bad input here. A suite's derived matrix runs
         # it, and the row says NOT TESTABLE from vLLM's own refusal, as for other flags a release lacks.
         if self.own_text and geometry is not None and geometry.hash_block_size is not None:
-            from ..versions import prefix_match_unit_problem
-
             for release in releases:
                 if (problem := prefix_match_unit_problem(release)) is not None:
                     raise SpecError(f"{self._at('engine', 'geometry', 'hash_block_size')}: "

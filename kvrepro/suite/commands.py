@@ -17,7 +17,8 @@ from ..report.terminal import err, out
 from ..results.store import checked_root
 from ..secrets import redact
 from . import report as suite_report
-from .run import load as load_catalogue
+from .run import check_entries, load as load_catalogue, load_suite, parse_builds, run_suite
+from ..stopping import name, stop_on_signals
 
 
 def list_entries(catalogue: Path | None, as_json: bool) -> None:
@@ -56,11 +57,7 @@ def run(*, base: list[str], patch: list[str] | None, entry: list[str] | None, re
         catalogue: Path | None, target: str | None, ci: bool, full_load: bool, junit: Path | None,
         results_root: Path, as_json: bool) -> int:
     """`suite run` with its options, by name; the exit code."""
-    from ..stopping import name, stop_on_signals
-
     bases, patches, entries = base, list(patch or []), entry
-    from .run import check_entries, parse_builds, run_suite
-
     check_junit(junit)
     results_root = checked_root(results_root)
     cat = load_catalogue(catalogue)
@@ -89,7 +86,5 @@ def run(*, base: list[str], patch: list[str] | None, entry: list[str] | None, re
 
 def report_again(suite_dir: Path, catalogue: Path | None, ci: bool, junit: Path | None, results_root: Path,
                  as_json: bool) -> int:
-    from .run import load_suite
-
     check_junit(junit)
     return outputs(load_suite(suite_dir, load_catalogue(catalogue), results_root), as_json, ci, junit, reporting=True)

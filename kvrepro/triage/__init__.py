@@ -39,7 +39,7 @@ from ..classify.patterns import Pattern, match_pattern
 from ..classify.tracebacks import Traceback
 from ..errors import BadInputError
 from ..records import Classification, Outcome, Signature
-from ..spec.matrix import TargetSignature
+from ..spec.matrix import DEFAULT_MATRIX, TargetSignature
 from ..suite.catalogue import Catalogue, Entry
 from ..untrusted import quote
 from ..versions import SUPPORTED_RELEASES, nearest_supported, version_tuple
@@ -57,6 +57,41 @@ __all__ = ["DeployedConfig", "Failure", "Match", "Stall", "Tie", "Triage", "tria
 # a report from a tracker is kilobytes; a production log this small (the seed's lines and 8,200
 # access lines, 0.98 MB) took 0.8 s whole against 0.2 s through grep, at load average 15 (2026-12-04)
 WHOLE_TEXT_MAX = 1 << 20
+
+
+def _release_of(config: DeployedConfig, release: str | None,
+                warnings: list[str]) -> tuple[DeployedConfig, str | None, str | None]:
+    """The vLLM release the triage reads claims for (``release``, given, over the log's), as X.Y.Z, and
+    the supported release it reproduces on; what does not fit is said in ``warnings``."""
+    version = release or config.release
+    base = exact = None
+    if version is not None and version_tuple(version) is None:
+        warnings.append(f"{version[:40]!r} is not a vLLM version; release claims not checked")
+        version = None
+    if version is not None:
+        vt = version_tuple(version)
+        assert vt is not None
+        exact = f"{vt[0]}.{vt[1]}.{vt[2]}"
+        base = nearest_supported(version)
+        if base is None:
+            warnings.append(f"vLLM {version} is not near the releases kvrepro runs ({SUPPORTED_RELEASES[0]}-"
+                            f"{SUPPORTED_RELEASES[-1]}): triaged against the catalogue's claims, no reproduction")
+        elif base != exact:
+            warnings.append(f"vLLM {version} is not a release kvrepro runs; reproduced on the nearest, {base}")
+        if "dev" in version or "+" in version:
+            warnings.append(f"vLLM {version} is a development build: it may hold fixes of {exact} or lack "
+                            "some of the release before; release claims read as for " + exact)
+    else:
+        warnings.append("no vLLM version in the text (no banner, engine line, collect_env/pip output, image tag "
+                        "or version line): release claims not checked; say it with --release X.Y.Z")
+    if release and config.release and version_tuple(release) != version_tuple(config.release):
+        warnings.append(f"--release {release} given; the log says {config.release} ({config.source('release')})")
+    if config.version_note:
+        warnings.append(config.version_note)
+    sources = dict(config.sources)
+    if release:
+        sources["release"] = "--release"
+    return replace(config, release=version, sources=sources), exact, base
 
 
 def triage_file(path: Path, catalogue: Catalogue, release: str | None = None) -> Triage:
@@ -115,37 +150,8 @@ def triage_file(path: Path, catalogue: Catalogue, release: str | None = None) ->
         stalls.end(stats.last_line)
     if stats.bytes_read == 0:
         raise BadInputError(f"{quote(path, 200)}: is empty; give the vLLM server's log or the text of the report")
-    config = reader.config()
     warnings: list[str] = list(stats.notices)  # lines cut to the bound, a UTF-16 log (triage/reader.py)
-    version = release or config.release
-    base = exact = None
-    if version is not None and version_tuple(version) is None:
-        warnings.append(f"{version[:40]!r} is not a vLLM version; release claims not checked")
-        version = None
-    if version is not None:
-        vt = version_tuple(version)
-        assert vt is not None
-        exact = f"{vt[0]}.{vt[1]}.{vt[2]}"
-        base = nearest_supported(version)
-        if base is None:
-            warnings.append(f"vLLM {version} is not near the releases kvrepro runs ({SUPPORTED_RELEASES[0]}-"
-                            f"{SUPPORTED_RELEASES[-1]}): triaged against the catalogue's claims, no reproduction")
-        elif base != exact:
-            warnings.append(f"vLLM {version} is not a release kvrepro runs; reproduced on the nearest, {base}")
-        if "dev" in version or "+" in version:
-            warnings.append(f"vLLM {version} is a development build: it may hold fixes of {exact} or lack "
-                            "some of the release before; release claims read as for " + exact)
-    else:
-        warnings.append("no vLLM version in the text (no banner, engine line, collect_env/pip output, image tag "
-                        "or version line): release claims not checked; say it with --release X.Y.Z")
-    if release and config.release and version_tuple(release) != version_tuple(config.release):
-        warnings.append(f"--release {release} given; the log says {config.release} ({config.source('release')})")
-    if config.version_note:
-        warnings.append(config.version_note)
-    sources = dict(config.sources)
-    if release:
-        sources["release"] = "--release"
-    config = replace(config, release=version, sources=sources)
+    config, exact, base = _release_of(reader.config(), release, warnings)
     warnings.extend(f"configuration: {p}" for p in config.problems)
 
     file_line = (lambda n: numbers[n - 1] if 0 < n <= len(numbers) else n)
@@ -169,8 +175,6 @@ def _target() -> TargetSignature:
     """The crash kvrepro was built for, as the default matrix names it (its statement included): a
     crash is ``target`` only when it is that statement, not another assertion of the function."""
     import yaml
-
-    from ..spec.matrix import DEFAULT_MATRIX
 
     try:
         data = yaml.safe_load(DEFAULT_MATRIX.read_text()) or {}

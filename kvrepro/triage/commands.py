@@ -15,12 +15,14 @@ from ..report import terminal
 from ..report.terminal import err, out
 from ..results import store as results
 from ..secrets import redact
+from ..classify import known_patterns
+from ..errors import BadInputError
+from ..versions import SUPPORTED_RELEASES, version_tuple
+from . import triage_file
 
 
 def target_of(found: Any) -> dict[str, str] | None:
     """The emitted matrix's target_signature: the matched crash's, as its signature pattern names it."""
-    from ..classify import known_patterns
-
     if found.failure.kind != "crash" or not found.failure.pattern:
         return None
     pattern = next(p for p in known_patterns() if p.name == found.failure.pattern)
@@ -32,9 +34,6 @@ def check_release(release: str | None) -> None:
     """--release, before the log is read: what is not a vLLM version is bad input naming --release
     (not the log), exit 2. A version far from the releases kvrepro runs is taken (issue 45: the
     text is triaged against the catalogue's claims, with no reproduction, and said)."""
-    from ..errors import BadInputError
-    from ..versions import SUPPORTED_RELEASES, version_tuple
-
     if release is None:
         return
     if len(release) > 40 or version_tuple(release) is None:
@@ -49,8 +48,6 @@ def triage(log: Path, *, emit: Path | None, run: bool, release: str | None, jobs
     from ..stopping import name, stop_on_signals
     from ..suite.run import load as load_catalogue
     from . import render as triage_render
-    from . import triage_file
-
     check_release(release)
     cat = load_catalogue(catalogue)
     found = triage_file(log, cat, release)

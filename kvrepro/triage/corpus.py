@@ -28,6 +28,7 @@ import yaml
 
 from ..errors import BadInputError
 from ..suite.catalogue import Catalogue
+from . import triage_file
 
 RIGHT_FIRST = "right first"
 TIE = "tie holding the right entry"
@@ -118,7 +119,7 @@ def resolve(expect: Any, catalogue: Catalogue) -> tuple[str | None, bool, str]:
 def judge(folder: Path, catalogue: Catalogue, triage: Any = None) -> Summary:
     """Triage every report of the corpus in ``folder`` against ``catalogue``."""
     if triage is None:
-        from . import triage_file as triage
+        triage = triage_file
     summary = Summary()
     for report in load_manifest(folder):
         expected, pending, problem = resolve(report.expect, catalogue)

@@ -136,7 +136,9 @@ class ConfigReader:
     def vllm_lines_seen(self) -> bool:
         return bool(self.version or self.args is not None or self.engines or self.found or self.nightly)
 
-    def config(self) -> DeployedConfig:
+    def _merged_args(self) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+        """Every argument the text gives (the non-default args line first, then each other source in
+        order, then the engine's config line), where each came from, and the sources' disagreements."""
         args: dict[str, Any] = {}
         origin: dict[str, str] = {}
         problems: list[str] = []
@@ -156,15 +158,27 @@ class ConfigReader:
             for key, value in values.items():
                 if key not in args:
                     args[key], origin[key] = value, f"line {number}: the engine's config line"
-        # a complete argument list also says what it leaves at vLLM's default
-        default_from = None
-        if self.args is not None and self.args_problem is None:
-            default_from = f"line {self.args_line}: the non-default args line"
-        else:
-            complete = [f for f in self.found if f.what.startswith(_COMPLETE_SOURCES) and not f.problems]
-            if complete:
-                default_from = f"line {complete[0].line}: {complete[0].what}"
+        return args, origin, problems
 
+    def _default_from(self) -> str | None:
+        """The complete argument list, if any: it also says what it leaves at vLLM's default."""
+        if self.args is not None and self.args_problem is None:
+            return f"line {self.args_line}: the non-default args line"
+        complete = [f for f in self.found if f.what.startswith(_COMPLETE_SOURCES) and not f.problems]
+        return f"line {complete[0].line}: {complete[0].what}" if complete else None
+
+    def _version_note(self, release: str | None) -> str | None:
+        if self.other_versions:
+            found = "; ".join(f"{v} at {where}" for v, where in self.other_versions.items())
+            return f"other versions in the text: {found}"
+        if release is None and self.nightly is not None:
+            return (f"line {self.nightly[0]}: the image vllm/vllm-openai:{self.nightly[1]} is a build whose "
+                    "release the tag does not say")
+        return None
+
+    def config(self) -> DeployedConfig:
+        args, origin, problems = self._merged_args()
+        default_from = self._default_from()
         src: dict[str, str] = {}
         mamba_default = False
 
@@ -177,19 +191,8 @@ class ConfigReader:
                 src[name] = f"{default_from} leaves it at vLLM's default"
 
         spec = _as_dict(args.get("speculative_config"))
-        transfer = _as_dict(args.get("kv_transfer_config"))
-        settings: dict[str, object] = {}
-        connector = None
-        if args.get("kv_offloading_size") is not None:
-            connector = "OffloadingConnector"
-            settings = {k: args[k] for k in ("kv_offloading_size", "kv_offloading_backend") if k in args}
-        if transfer:
-            connector = str(transfer.get("kv_connector") or connector or "") or None
-            settings.update({k: v for k, v in transfer.items() if k in ("kv_connector", "kv_role",
-                                                                        "kv_connector_extra_config")})
+        connector, settings, chunk = _connector_of(args)
         note("kv_connector", "kv_offloading_size", "kv_transfer_config")
-        extra = _as_dict(transfer.get("kv_connector_extra_config")) if transfer else {}
-        chunk = extra.get("block_size")
         prefix = args.get("enable_prefix_caching")
         note("prefix_caching", "enable_prefix_caching")
         mode = self.mamba_mode_logged[1] if self.mamba_mode_logged else _str(args.get("mamba_cache_mode"))
@@ -230,13 +233,7 @@ class ConfigReader:
         if self.version is not None:
             _, release, number, what = self.version
             src["release"] = f"line {number}: {what}"
-        version_note = None
-        if self.other_versions:
-            version_note = "; ".join(f"{v} at {where}" for v, where in self.other_versions.items())
-            version_note = f"other versions in the text: {version_note}"
-        elif release is None and self.nightly is not None:
-            version_note = (f"line {self.nightly[0]}: the image vllm/vllm-openai:{self.nightly[1]} is a build whose "
-                            "release the tag does not say")
+        version_note = self._version_note(release)
         if self.architecture:
             src["architecture"] = f"line {self.architecture[0]}: vLLM's resolved-architecture line"
         return DeployedConfig(
@@ -268,6 +265,23 @@ class ConfigReader:
                                                                "model")},
                    "offload_chunk_tokens": _line_of(origin.get("kv_transfer_config"))},
         )
+
+
+def _connector_of(args: dict[str, Any]) -> tuple[str | None, dict[str, object], object]:
+    """The KV connector the arguments configure, its settings, and its offload chunk (block_size in
+    kv_connector_extra_config)."""
+    transfer = _as_dict(args.get("kv_transfer_config"))
+    settings: dict[str, object] = {}
+    connector = None
+    if args.get("kv_offloading_size") is not None:
+        connector = "OffloadingConnector"
+        settings = {k: args[k] for k in ("kv_offloading_size", "kv_offloading_backend") if k in args}
+    if transfer:
+        connector = str(transfer.get("kv_connector") or connector or "") or None
+        settings.update({k: v for k, v in transfer.items() if k in ("kv_connector", "kv_role",
+                                                                    "kv_connector_extra_config")})
+    extra = _as_dict(transfer.get("kv_connector_extra_config")) if transfer else {}
+    return connector, settings, extra.get("block_size")
 
 
 _LINE_OF = re.compile(r"line (\d+):")

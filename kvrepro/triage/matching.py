@@ -24,6 +24,7 @@ import re
 from ..suite.catalogue import TRIAGE_FACETS, Entry, expected_state, parse_build_key
 from ..versions import version_tuple
 from .records import DeployedConfig, Failure, Match, Tie
+from ..classify.patterns import known_patterns
 
 _PULL = re.compile(r"/pull/(\d+)")
 
@@ -163,8 +164,6 @@ def _match(entry: Entry, base: str | None, *, fits: bool, score: float, why: lis
 def _near_unknown(entries: list[Entry], failure: Failure, base: str | None) -> list[tuple[tuple, Match]]:
     """Entries near a crash no signature names: the same function, the same file, or a signature
     the text fits as well as another."""
-    from ..classify.patterns import known_patterns
-
     patterns = {p.name: p for p in known_patterns()}
     sig = failure.signature
     function = sig.function.rsplit(".", 1)[-1] if sig is not None and sig.function else ""

@@ -40,6 +40,8 @@ from ...builds.plugin_dist import dist_info_files
 from ...errors import SetupError
 from . import labels as L
 from .hosts import DockerHost, connect, local_host_spec, remove_quietly
+from ...builds.wheel import fetch_wheel, vllm_requirements, wheel_sha256
+from ...builds.runtime import TORCH_PIN
 
 FORMAT = 2
 CPU_REPO = "kvrepro/vllm-openai-cpu"
@@ -66,8 +68,6 @@ def _h(material: Any) -> str:
 
 
 def _file_sha256(path: Path) -> str:
-    from ...builds.wheel import wheel_sha256
-
     return wheel_sha256(path)  # memoised next to the file: hashing 300 MB once is enough
 
 
@@ -91,8 +91,6 @@ def _change_labels(labels: dict[str, str]) -> list[str]:
 
 
 def torch_version() -> str:
-    from ...builds.runtime import TORCH_PIN
-
     return TORCH_PIN.split("==", 1)[1] if "==" in TORCH_PIN else TORCH_PIN
 
 
@@ -389,8 +387,6 @@ def _engine_image(host: DockerHost, vllm_image, version: str, on_line: OnLine, r
 def build_base_cpu(version: str = "0.26.0", tag: str | None = None, host: DockerHost | None = None,
                    rebuild: bool = False, on_line: OnLine = _quiet) -> dict[str, Any]:
     """Build (or reuse) the CPU base for vLLM ``version``; return what was done, step by step."""
-    from ...builds.wheel import fetch_wheel, vllm_requirements
-
     started = time.monotonic()
     own = host is None
     host = host or connect(local_host_spec())

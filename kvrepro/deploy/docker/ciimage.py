@@ -26,6 +26,7 @@ from ...errors import BadInputError, SetupError
 from . import labels as L
 from .basecpu import DATA, _deps_image, _h, _os_image, _scratch, find_torch_wheel, torch_version
 from .hosts import DockerHost, connect, local_host_spec
+from ...builds.wheel import fetch_wheel, vllm_requirements
 
 CI_REPO = "kvrepro/ci"
 DEB_PACKAGES = ("patch",)  # GNU patch applies the build matrix's patch stacks (builds/patching.py)
@@ -86,8 +87,6 @@ def _context(work: Path, kvrepro_wheel: Path, vllm_wheel: Path, deps_image_id: s
 def build_ci_image(version: str, kvrepro_wheel: Path | None = None, tag: str | None = None,
                    host: DockerHost | None = None, on_line: OnLine = lambda line: None) -> dict[str, Any]:
     """Build the CI image for vLLM ``version`` on the local daemon; return its tag and id."""
-    from ...builds.wheel import fetch_wheel, vllm_requirements
-
     import time
 
     started = time.monotonic()

@@ -28,7 +28,7 @@ from ...errors import SpecError
 from ...spec.matrix import Matrix
 from .settings import HostSpec, docker_settings
 from .errors import DaemonDownError, SshError, UnknownHostError
-from .labels import MANAGED_FILTER
+from .labels import MANAGED_FILTER, managed
 from .ssh import SshConnection
 
 DEFAULT_SOCKET = "unix:///var/run/docker.sock"
@@ -405,8 +405,6 @@ def count_gpus(host: DockerHost, image: str) -> int | None:
     """GPUs a container on ``host`` gets with a device request for all of them (`nvidia-smi -L`
     in a throwaway container of ``image``); None when that cannot be run."""
     from docker.types import DeviceRequest
-
-    from .labels import managed
 
     container = None
     try:

@@ -22,7 +22,7 @@ from docker.types import DeviceRequest, Mount
 
 from ...errors import InfraError, KvreproError, SpecError
 from ...records import BuildArtifact, BuildManifest, BuildPlan, HostImage, ImageRef
-from ...secrets import redact
+from ...secrets import redact, remember
 from ...spec.matrix import LoadedMatrix
 from .settings import DockerSettings, HostSpec, docker_settings
 from .. import register
@@ -275,8 +275,6 @@ class DockerTarget(Target):
             if value:
                 env[name] = value
                 secrets.append(value)
-        from ...secrets import remember
-
         remember(secrets)  # masked in every file kvrepro writes, whatever the variable's name or length
         if gpu_free:
             env.update(self.loaded.matrix.engine.sim.engine_env(rep))

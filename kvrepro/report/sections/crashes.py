@@ -9,14 +9,13 @@ from ...results.store import MatrixRun
 from ..pages import Block, Code, Details, Heading, Para
 from ..render import build_key
 from . import SectionContext
+from ...classify import crash_excerpt
 
 ORDER = 60
 DETAILS = True
 
 
 def _crash_blocks(run: MatrixRun) -> list[Block]:
-    from ...classify import crash_excerpt
-
     blocks: list[Block] = []
     for b in run.builds:
         seen: set[str] = set()
