@@ -254,6 +254,32 @@ _TARGET_RULE_OWNERS = {("kvrepro/classify/classifier.py", "is_target_crash"), ("
 _GEOMETRY_OWNERS = {"kvrepro/spec/geometry.py", "kvrepro/engine/executor.py"}
 
 
+def _planted(tmp_path, text: str):
+    """A folder holding a kvrepro/ whose one module, minimize/planted.py, is ``text`` (for a check
+    to find what is planted there)."""
+    plant = tmp_path / "repo" / "kvrepro" / "minimize"
+    plant.mkdir(parents=True)
+    (plant / "planted.py").write_text(text)
+    return tmp_path / "repo"
+
+
+def _modules(package):
+    """(path relative to ``package``, syntax tree, ids of its docstring nodes) of each module of
+    ``package``'s kvrepro/, its data/ left out."""
+    import ast
+
+    for path in sorted((package / "kvrepro").rglob("*.py")):
+        rel = path.relative_to(package)
+        if "data" in rel.parts:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)
+                      and isinstance(node.body[0].value, ast.Constant)}
+        yield rel, tree, docstrings
+
+
 def _second_log_rules(package) -> list[str]:
     """Where ``package`` (a folder holding kvrepro/) decides "is this the target crash" outside its
     one function (an ``==``/``!=`` with an ``.exception`` on both sides), or parses the geometry
@@ -290,15 +316,14 @@ def _second_log_rules(package) -> list[str]:
 def test_one_target_crash_rule_and_one_geometry_parser(tmp_path):
     """The checks find a second rule and a second parser planted in a copy (they can fail)."""
     assert _second_log_rules(ROOT) == []
-    plant = tmp_path / "repo" / "kvrepro" / "minimize"
-    plant.mkdir(parents=True)
-    (plant / "planted.py").write_text(
+    repo = _planted(
+        tmp_path,
         '"""kvrepro-sim: geometry in a docstring is words, not a parse."""\nimport re\n\n\n'
         "def minimizable(s, target):\n    return s.exception == target.exception.rsplit('.', 1)[-1]\n\n\n"
         "_GEOMETRY = re.compile(r'kvrepro-sim: geometry .*?block_size=(\\d+)')\n\n\n"
         "def match(sig, pattern):  # the name of patterns.py's owner, in another file\n"
         "    return sig.exception != pattern.exception\n")
-    assert _second_log_rules(tmp_path / "repo") == [
+    assert _second_log_rules(repo) == [
         "kvrepro/minimize/planted.py:6: target-crash rule in minimizable",
         "kvrepro/minimize/planted.py:9: geometry line parsed",
         "kvrepro/minimize/planted.py:13: target-crash rule in match",
@@ -312,3 +337,151 @@ def test_the_runner_reads_its_engine_log_through_the_one_parser():
     for second in ("read_text(", "classify_log", "classify_lines", "read_exposure", "read_engine_counters",
                    "LogFollower"):
         assert second not in text, second
+
+
+# --------------------------------------------------------------------------- generated code as data
+
+# a line of Python that defines or imports (what a template of a module holds)
+_CODE_LINE = r"^\s*(?:(?:async\s+)?def\s+\w+\s*\(|class\s+\w+\s*[(:]|import\s+[\w.]+|from\s+[\w.]+\s+import\s)"
+# a line of a YAML mapping or list of mappings (``key: value``, ``- key: value``)
+_YAML_LINE = r"^\s*(?:-\s+)?[A-Za-z_][\w.-]*:(?:\s|$)"
+# a program held as a string: (file, the module-level name it is bound to) -> why it is no template
+_FIXED_PROGRAMS = {
+    ("kvrepro/versions.py", "SERVE_FLAGS_SCRIPT"): "run as is with `python -c` in the runtime env; nothing filled in",
+}
+# text that looks like YAML and is not: (file, the f-string's first words) -> why
+_NOT_YAML = {
+    ("kvrepro/builds/plugin_dist.py", "Metadata-Version:"): "a dist-info METADATA file (email header fields)",
+    ("kvrepro/suite/report.py", "expected: "): "a JUnit failure's text, read by a person",
+}
+
+
+def _code_by_string(package) -> list[str]:
+    """Where ``package`` (a folder holding kvrepro/) builds Python or YAML as text: an f-string
+    whose literal parts (each ``{}`` read as a name) hold a line of Python that defines or imports,
+    or two lines of a YAML mapping; or a string holding such Python that is ``.format``-ted,
+    ``%``-formatted or ``.replace``-d (directly, or through a module-level name bound to it).
+    Also any string (not a docstring) holding two lines of such Python, but a fixed program
+    named in _FIXED_PROGRAMS: the fragments of a template edited by find-and-replace are that.
+    Docstrings and messages are words, not code: only those shapes count."""
+    import ast
+    import re
+
+    code, yaml_line = re.compile(_CODE_LINE, re.M), re.compile(_YAML_LINE, re.M)
+    found = []
+    for rel, tree, docstrings in _modules(package):
+        name = rel.as_posix()
+        strings = {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+                   for t in node.targets if isinstance(t, ast.Name)
+                   and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
+
+        bound = {id(node.value): t.id for node in tree.body if isinstance(node, ast.Assign)
+                 for t in node.targets if isinstance(t, ast.Name)}
+
+        def text_of(node):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                return node.value
+            if isinstance(node, ast.Name):
+                return strings.get(node.id)
+            return None
+
+        for node in ast.walk(tree):
+            where = f"{name}:{getattr(node, 'lineno', 0)}"
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+                    and len(code.findall(node.value)) >= 2 and (name, bound.get(id(node))) not in _FIXED_PROGRAMS):
+                found.append(f"{where}: Python held in a string")
+            if isinstance(node, ast.JoinedStr):
+                text = "".join(v.value if isinstance(v, ast.Constant) else "x" for v in node.values)
+                if code.search(text):
+                    found.append(f"{where}: Python built by an f-string")
+                elif "\n" in text and len(yaml_line.findall(text)) >= 2 and not any(
+                        name == file and text.startswith(words) for file, words in _NOT_YAML):
+                    found.append(f"{where}: YAML built by an f-string")
+            template = None
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("format", "replace", "format_map")):
+                template = text_of(node.func.value)
+            elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
+                template = text_of(node.left)
+            if template is not None and (code.search(template) or len(yaml_line.findall(template)) >= 2):
+                how = node.func.attr if isinstance(node, ast.Call) else "%"
+                found.append(f"{where}: a template of code filled by {how}")
+    return found
+
+
+def test_no_string_template_generates_python_or_yaml(tmp_path):
+    """Generated tests and matrices are built as data (ast, the YAML library); the check finds a
+    template planted in a copy (it can fail)."""
+    assert _code_by_string(ROOT) == []
+    repo = _planted(
+        tmp_path,
+        '"""import os is words in a docstring."""\n\n'
+        "_TEMPLATE = '''import json\n\n\ndef test_{name}():\n    assert {value!r}\n'''\n\n\n"
+        "def render(name, value):\n    return _TEMPLATE.format(name=name, value=value)\n\n\n"
+        "def matrix(base, rate):\n    return f\"base: {base}\\nengine:\\n  rate: {rate}\\n\"\n\n\n"
+        "def imports(module, name):\n    return f\"from {module} import {name}\"\n\n\n"
+        "_EDITS = [('import json\\nimport random\\n', 'import json\\n')]\n")
+    assert _code_by_string(repo) == [
+        "kvrepro/minimize/planted.py:12: a template of code filled by format",
+        "kvrepro/minimize/planted.py:16: YAML built by an f-string",
+        "kvrepro/minimize/planted.py:20: Python built by an f-string",
+        "kvrepro/minimize/planted.py:23: Python held in a string",
+    ]
+
+
+# --------------------------------------------------------------------------- the engine log is parsed once
+
+# a function outside classify/ that reads an engine log without the one parser: (file, function) -> why
+_OWN_LOG_READERS = {
+    ("kvrepro/explore/coverage.py", "run_arcs"):
+        "the `kvrepro-arcs:` branch-coverage lines (engine/arcs.py), read by explore alone; not in ParsedLog yet",
+    ("kvrepro/release/check.py", "_suite"): "porting.diagnose of an INFRA row's log (the porting step a release "
+                                            "needs), a question no verdict asks; not in ParsedLog yet",
+    ("kvrepro/release/check.py", "work"): "the same, in _suite's worker",
+    ("kvrepro/release/port.py", "run_port"): "porting.diagnose of the first run's log, as release/check.py",
+}
+_LOG_READS = {"read_text", "read_bytes", "open", "open_log", "open_log_bytes", "readlines", "readline"}
+_THE_PARSER = {"parse_log", "LogParser", "LogTail"}
+
+
+def _second_log_reads(package) -> list[str]:
+    """Where ``package`` (a folder holding kvrepro/), outside classify/, reads an engine log itself: a
+    function that names it (``"engine.log"``, ``ENGINE_LOG``) and reads a file (``read_text``, ``open``,
+    ``open_log``, ...) without handing it to the one parser (``parse_log``, ``LogParser``, ``LogTail``),
+    but for the readers _OWN_LOG_READERS names with why. Writing the log (deploy/'s sinks) opens
+    nothing to read: those functions do not name a reading call."""
+    import ast
+
+    found = []
+    for rel, tree, _ in _modules(package):
+        if rel.parts[:2] == ("kvrepro", "classify"):
+            continue
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            names_log = any((isinstance(n, ast.Constant) and isinstance(n.value, str) and "engine.log" in n.value)
+                            or (isinstance(n, ast.Name) and n.id == "ENGINE_LOG") for n in ast.walk(fn))
+            called = {c.func.attr if isinstance(c.func, ast.Attribute) else getattr(c.func, "id", None)
+                      for c in ast.walk(fn) if isinstance(c, ast.Call)}
+            if (names_log and called & _LOG_READS and not called & _THE_PARSER
+                    and (rel.as_posix(), fn.name) not in _OWN_LOG_READERS):
+                found.append(f"{rel.as_posix()}:{fn.lineno}: {fn.name} reads the engine log itself")
+    return found
+
+
+def test_the_engine_log_is_read_through_the_one_parser(tmp_path):
+    """minimize/ and triage/ (and every stage but the readers named with why) take what an engine log
+    says from classify's parser; the check finds a second reader planted in a copy (it can fail)."""
+    assert _second_log_reads(ROOT) == []
+    repo = _planted(
+        tmp_path,
+        "import re\n\n\n"
+        "def failed_loads(run_dir):\n"
+        "    text = (run_dir / 'engine.log').read_text()\n"
+        "    return re.findall(r'kvrepro-fault: load job (\\S+)', text)\n\n\n"
+        "def parsed(run_dir):\n"
+        "    from ..classify import open_log, parse_log\n"
+        "    with open_log(run_dir / 'engine.log') as stream:\n"
+        "        return parse_log(stream)\n")
+    assert _second_log_reads(repo) == ["kvrepro/minimize/planted.py:4: failed_loads reads the engine "
+                                                    "log itself"]
