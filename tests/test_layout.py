@@ -348,6 +348,7 @@ _YAML_LINE = r"^\s*(?:-\s+)?[A-Za-z_][\w.-]*:(?:\s|$)"
 # a program held as a string: (file, the module-level name it is bound to) -> why it is no template
 _FIXED_PROGRAMS = {
     ("kvrepro/versions.py", "SERVE_FLAGS_SCRIPT"): "run as is with `python -c` in the runtime env; nothing filled in",
+    ("kvrepro/scratch.py", "_JANITOR"): "run as is with `python -I -S -c`; its folder and claims come as argv, nothing filled in",
 }
 # text that looks like YAML and is not: (file, the f-string's first words) -> why
 _NOT_YAML = {
