@@ -21,6 +21,10 @@ Removal, whatever ends kvrepro:
 * whatever is left anyway (the machine lost power, a kvrepro older than this one): ``kvrepro
   clean`` removes the folders of owners that are gone (:func:`clean`), never a live run's.
 
+The engines' ``/dev/shm/vllm_offload_<engine id>.mmap`` regions (vLLM's CPU offload tier, RAM that
+outlives a crashed engine) are claimed in ``shm-regions/`` and removed on the same paths, and after
+each engine stop (kvrepro/engine/shm_region.py).
+
 ``owner.json`` in the folder names its owner (pid, host, start time: kvrepro/lifetime.py).
 """
 
@@ -32,6 +36,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -55,6 +60,8 @@ _folder: Path | None = None
 _janitor: subprocess.Popen | None = None
 _pipe_w: int | None = None
 
+SHM_CLAIMS = "shm-regions"  # the engines' claims of their /dev/shm regions (kvrepro/engine/shm_region.py)
+
 # The janitor: waits for EOF on stdin (its owner died, or let go), then removes the folder,
 # again while engines that were still stopping may drop files in it, until it stays gone.
 _JANITOR = r"""
@@ -69,8 +76,24 @@ except OSError:
     pass
 if not os.path.exists(folder):  # kvrepro removed it itself (every exit but SIGKILL)
     sys.exit(0)
+def regions():  # the engines' claimed /dev/shm regions (kvrepro/engine/shm_region.py), names checked
+    import re, stat
+    claims = os.path.join(folder, sys.argv[2])
+    try:
+        names = os.listdir(claims)
+    except OSError:
+        return
+    for name in names:
+        if re.fullmatch(sys.argv[3], name):
+            path = os.path.join("/dev/shm", name)
+            try:
+                if stat.S_ISREG(os.lstat(path).st_mode):
+                    os.unlink(path)
+            except OSError:
+                pass
 deadline = time.monotonic() + 30
 while time.monotonic() < deadline:
+    regions()
     shutil.rmtree(folder, ignore_errors=True)
     if not os.path.exists(folder):
         time.sleep(1.0)
@@ -99,7 +122,8 @@ def folder() -> Path:
         (path / OWNER_FILE).write_text(json.dumps(lifetime.owner()) + "\n")
         read_end, write_end = os.pipe()  # both non-inheritable: only the janitor gets the read end
         try:
-            _janitor = subprocess.Popen([sys.executable, "-I", "-S", "-c", _JANITOR, str(path)], stdin=read_end,
+            _janitor = subprocess.Popen([sys.executable, "-I", "-S", "-c", _JANITOR, str(path),
+                                         SHM_CLAIMS, SHM_REGION.pattern.strip("^$")], stdin=read_end,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                         start_new_session=True, close_fds=True)
             _pipe_w = write_end
@@ -119,9 +143,24 @@ def engine_tmp() -> Path:
 
 
 def engine_env() -> dict[str, str]:
-    """Environment for an engine process: every temporary file of vLLM's under our folder."""
+    """Environment for an engine process: every temporary file of vLLM's under our folder, and
+    where it claims its /dev/shm offload region (kvrepro/engine/shm_region.py)."""
     tmp = str(engine_tmp())
-    return {"TMPDIR": tmp, "VLLM_RPC_BASE_PATH": tmp}
+    return {"TMPDIR": tmp, "VLLM_RPC_BASE_PATH": tmp, SHM_ENV: str(shm_claims())}
+
+
+def shm_claims() -> Path:
+    """The folder where this process's engines claim their /dev/shm regions."""
+    path = folder() / SHM_CLAIMS
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def release_regions() -> list[str]:
+    """Unlink the /dev/shm regions of this process's engines that have ended (kvrepro/engine/shm_region.py);
+    called where every engine stop passes."""
+    path = _folder
+    return release_claimed(path / SHM_CLAIMS) if path is not None else []
 
 
 def current() -> Path | None:
@@ -134,6 +173,7 @@ def remove() -> None:
     with _lock:
         path, _folder = _folder, None
         if path is not None:
+            release_claimed(path / SHM_CLAIMS, everything=True)  # its engines are stopped
             shutil.rmtree(path, ignore_errors=True)
         if _pipe_w is not None:
             try:
@@ -150,6 +190,74 @@ def remove() -> None:
 
 
 atexit.register(remove)
+
+
+# -- the engines' /dev/shm regions (kvrepro/engine/shm_region.py says why and who claims) ---------
+
+SHM = Path("/dev/shm")
+SHM_ENV = "KVREPRO_SHM_CLAIMS"  # where an engine claims its region (set by engine_env)
+SHM_REGION = re.compile(r"^vllm_offload_[A-Za-z0-9_-]{1,200}\.mmap$")  # the only names ever unlinked
+
+
+def _claim_owner(claim_path: Path) -> dict | None:
+    try:
+        fd = os.open(claim_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = json.loads(os.read(fd, OWNER_LIMIT).decode("utf-8", "replace"))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    return data if isinstance(data, dict) else None
+
+
+def unlink_region(name: str, shm: Path = SHM) -> bool:
+    """Unlink ``shm/name`` if ``name`` is a region name and that is a regular file (not a link)."""
+    if not SHM_REGION.match(name):
+        return False
+    path = shm / name
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return False
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
+
+
+def release_claimed(folder: str | os.PathLike | None, everything: bool = False, only_pid: int | None = None,
+                    shm: Path = SHM) -> list[str]:
+    """Unlink the regions claimed in ``folder`` whose owner is gone (``everything``: every claimed
+    one; ``only_pid``: those claimed by that live process, whose engine is over) and drop their
+    claims. Returns the region names unlinked."""
+    if folder is None:
+        return []
+    removed = []
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:
+        return []
+    for entry in entries:
+        if not SHM_REGION.match(entry.name):
+            continue
+        owner = _claim_owner(Path(entry.path))
+        if not everything:
+            if only_pid is not None:
+                if owner is None or str(owner.get("pid")) != str(only_pid):
+                    continue
+            elif lifetime.owner_alive(owner) is not False:
+                continue  # alive, or not ours to judge (another host's, no record)
+        if unlink_region(entry.name, shm):
+            removed.append(entry.name)
+        try:
+            os.unlink(entry.path)
+        except OSError:
+            pass
+    return removed
 
 
 # -- kvrepro clean ------------------------------------------------------------------------------
@@ -277,6 +385,7 @@ def clean(dry_run: bool = False, temp: Path | None = None) -> TempClean:
             try:
                 path = Path(item.path)
                 if path.is_dir():
+                    release_claimed(path / SHM_CLAIMS, everything=True)  # its owner is gone
                     shutil.rmtree(path)
                 else:
                     path.unlink()
@@ -289,4 +398,5 @@ def clean(dry_run: bool = False, temp: Path | None = None) -> TempClean:
     return TempClean(temp=str(temp), removed=tuple(done), kept=tuple(kept), errors=tuple(errors))
 
 
-__all__ = ["TempClean", "TempItem", "clean", "current", "engine_env", "engine_tmp", "folder", "leftovers", "remove", "system_temp"]
+__all__ = ["SHM_ENV", "SHM_REGION", "TempClean", "TempItem", "clean", "current", "engine_env", "engine_tmp", "folder", "leftovers", "release_claimed", "release_regions", "remove", "shm_claims",
+           "system_temp"]

@@ -200,6 +200,60 @@ def test_target_crash_goes_through_vllms_own_death_path(default_matrix, overlays
     assert counters.steps and counters.steps > 0 and counters.offload_store_jobs is not None
 
 
+def _assert_regions_gone(log: str) -> None:
+    """vLLM's CPU offload region (/dev/shm/vllm_offload_<engine id>.mmap, 256 MiB of RAM here) that
+    the engine made is gone once its run is over, however it ended (kvrepro/engine/shm_region.py)."""
+    made = re.findall(r"(?:Created|Opened existing) mmap file (/dev/shm/vllm_offload_[A-Za-z0-9_-]+\.mmap)", log)
+    assert made, "the engine made no offload region: nothing to check"
+    assert [path for path in made if os.path.exists(path)] == []
+
+
+def _mapping(path: str) -> list[int]:
+    """The processes that have ``path`` mapped (/proc/PID/maps)."""
+    pids = []
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            if path in maps.read_text(errors="replace"):
+                pids.append(int(maps.parent.name))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def test_an_engine_killed_without_cleanup_leaves_no_offload_region_in_dev_shm(default_matrix, overlays, tmp_path):
+    """vLLM's multi-tier offloading (TieringOffloadingSpec) maps its CPU tier at
+    /dev/shm/vllm_offload_<engine id>.mmap and unlinks it only when the engine shuts down (an
+    exception in EngineCore still gets there; a SIGKILL -- the OOM killer, a stop past its grace,
+    kvrepro's stop-at-once -- does not). The EngineCore that maps it is SIGKILLed mid-run (found by
+    its /proc maps, a real signal); once the runner's stop has run, the region is gone (was: left,
+    4 MiB here, 256 MiB with the default offload size, each time). Faked: the model and the
+    GPU<->CPU copies (kvrepro/engine)."""
+    transfer = {"kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+                                              "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "fs")}]}}
+    target = _target(default_matrix, kv_offloading_size_gib=0.004, extra_args=["--kv-transfer-config", json.dumps(transfer)])
+    try:
+        artifact, handle = _start(target, "E", tmp_path / "run")
+        try:
+            resp = requests.post(handle.base_url + "/v1/completions", timeout=60,
+                                 json={"model": "qwen3-next-tiny", "prompt": list(range(40)), "max_tokens": 4})
+            assert resp.status_code == 200
+            made = re.findall(r"Created mmap file (/dev/shm/vllm_offload_[A-Za-z0-9_-]+\.mmap)",
+                              handle.log_path.read_text(errors="replace"))
+            assert len(made) == 1 and os.path.isfile(made[0])
+            engine_core = _mapping(made[0])
+            assert len(engine_core) == 1, engine_core
+            os.kill(engine_core[0], signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while alive(engine_core[0]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert os.path.isfile(made[0])  # vLLM had no chance to unlink it
+        finally:
+            handle.stop()
+    finally:
+        target.close()
+    _assert_regions_gone(handle.log_path.read_text(errors="replace"))
+
+
 def test_a_clean_stop_of_a_healthy_server_is_not_a_crash(default_matrix, overlays, tmp_path):
     """Also the synchronous mode on request (engine.async_scheduling: off -> --no-async-scheduling)."""
     from kvrepro.classify import classify_log
@@ -313,6 +367,7 @@ def test_consecutive_runs_never_share_an_fs_offload_tier(default_matrix, overlay
         # tier copies (kvrepro/engine/shadow.py CpuRegion), not by chunk id
         assert re.search(r"kvrepro-shadow: cpu-region path=/dev/shm/vllm_offload_\S+ stamped=[1-9]",
                          (run_dir / "engine.log").read_text())
+        _assert_regions_gone((run_dir / "engine.log").read_text())  # the runner stopped it with SIGTERM
 
     first, second = seen
     assert first, "the first run wrote no chunk file: the fs tier did not run"

@@ -11,6 +11,7 @@ first); when they cannot, the fixtures error, so nothing here passes by skipping
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from conftest import require
 
 from kvrepro.loadgen.trace import Trace, TraceHeader, TraceRequest, read_trace
 from kvrepro.minimize.pytest_emit import EngineInfo
-from kvrepro.minimize.pytest_emit import _prompts_source, render
+from kvrepro.minimize.pytest_emit import _prompt_statements, render
 from kvrepro.minimize.shrink import PytestCheck
 
 pytestmark = pytest.mark.shares_zygotes  # one engine zygote per runtime for the session (conftest.shares_zygotes)
@@ -72,7 +73,7 @@ def test_the_emitted_test_imports_only_vllm_torch_and_the_standard_library(defau
     assert top - set(sys.stdlib_module_names) == {"vllm", "torch"}
     assert "kvrepro" not in text.split('"""', 2)[2]  # the code; the docstring may name the tool
     assert "def test_offload_hit_behind_partial_local_hit(tmp_path)" in text
-    assert 'if __name__ == "__main__":' in text
+    assert any(isinstance(n, ast.If) and ast.unparse(n.test) == "__name__ == '__main__'" for n in tree.body)
 
 
 def test_the_header_says_how_to_run_it_with_each_build(default_matrix):
@@ -97,7 +98,7 @@ def test_the_settings_and_groups_vllm_reported_are_written_as_literals(default_m
 def test_prompts_are_written_as_slices_of_earlier_prompts_and_read_back_exactly():
     shared = list(range(100, 164))
     prompts = [shared + [1, 2, 3], [7], shared[:48], shared + [1, 2, 3, 9], list(range(500, 540))]
-    source = "P = []\n" + "\n".join(_prompts_source(prompts))
+    source = "P = []\n" + ast.unparse(ast.fix_missing_locations(ast.Module(_prompt_statements(prompts), [])))
     namespace: dict = {}
     exec(source, namespace)
     assert namespace["P"] == prompts
@@ -147,10 +148,13 @@ def test_the_emitted_test_fails_on_a_with_the_target_assertion_and_passes_on_d(e
 def test_the_engine_reported_the_geometry_the_test_rebuilds(emitted):
     path, _, _ = emitted
     text = path.read_text()
+    tree = ast.parse(text)
+    groups = next(n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "KV_CACHE_GROUPS")
+    written = [(ast.literal_eval(g.elts[0]), g.elts[1].func.id) for g in groups.elts]
     # two Mamba groups (3 Gated-DeltaNet layers) and one full-attention group with the MTP layer
-    assert "(['model.layers.0.linear_attn', 'model.layers.2.linear_attn'],\n     MambaSpec(" in text
-    assert "(['model.layers.1.linear_attn'],\n     MambaSpec(" in text
-    assert "(['model.layers.3.self_attn.attn', 'mtp.layers.4.self_attn.attn'],\n     FullAttentionSpec(" in text
+    assert (["model.layers.0.linear_attn", "model.layers.2.linear_attn"], "MambaSpec") in written
+    assert (["model.layers.1.linear_attn"], "MambaSpec") in written
+    assert (["model.layers.3.self_attn.attn", "mtp.layers.4.self_attn.attn"], "FullAttentionSpec") in written
     assert "NUM_GPU_BLOCKS = 96" in text
 
 
@@ -237,17 +241,20 @@ def test_the_corruption_test_imports_only_vllm_torch_and_the_standard_library(de
 
 def test_the_corruption_test_inlines_the_shadow_kv_verbatim(default_matrix):
     """One source of truth: the code of kvrepro/engine/shadow.py (all of it after its imports) is
-    in the emitted file unchanged, so the test checks exactly as the engine does."""
-    import inspect
-
+    in the emitted file as the same syntax tree, statement for statement and in order, so the test
+    checks exactly as the engine does."""
     from kvrepro.engine import shadow
 
     text = _corrupt_text(default_matrix)
-    for obj in (shadow.ShadowKV, shadow.Content, shadow.describe_groups, shadow._Request, shadow._extend):
-        assert inspect.getsource(obj) in text
-    source = Path(shadow.__file__).read_text()
-    body = source[source.index("TAG = "):].strip()
-    assert body in text
+    source = ast.parse(Path(shadow.__file__).read_text())
+    ours = [ast.dump(n) for n in source.body if not isinstance(n, (ast.Import, ast.ImportFrom, ast.Expr))]
+    tree = ast.parse(text)
+    dumped = [ast.dump(n) for n in tree.body]
+    start = dumped.index(ours[0])
+    assert dumped[start:start + len(ours)] == ours
+    for name in ("ShadowKV", "Content", "describe_groups", "_Request", "_extend"):
+        assert sum(isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name == name for n in tree.body) == 1, name
+    assert f"sha256 {hashlib.sha256(Path(shadow.__file__).read_bytes()).hexdigest()[:16]}" in text
     doc = ast.get_docstring(ast.parse(text))
     assert "reads wrong KV (full_attention+offload)" in doc and "shadow KV" in doc
     assert "VLLM_PLUGINS= PYTHONPATH=/overlays/e /rt/bin/python test_repro.py" in doc
@@ -256,7 +263,8 @@ def test_the_corruption_test_inlines_the_shadow_kv_verbatim(default_matrix):
 
 def test_the_corruption_test_hooks_the_shadow_where_the_executor_does(default_matrix):
     text = _corrupt_text(default_matrix)
-    for hook in ("self.shadow.store(job_id, src_spec, dst_spec)", "self.shadow.load(job_id, src_spec, dst_spec)",
+    for hook in ("self.shadow.store(job_id, device_blocks(src_spec), dst_spec)",
+                 "self.shadow.load(job_id, src_spec, device_blocks(dst_spec))",
                  "self.shadow.update_requests(so)",
                  "self.shadow.forward(req_id, computed[req_id], so.num_scheduled_tokens[req_id], spec)",
                  "self.shadow.sampled(req_id, out, seq_end)",
@@ -377,7 +385,7 @@ def test_a_minimized_queued_abort_keeps_its_abort_in_the_emitted_test(queued_abo
     assert [r.events.abort if r.events else None for r in trace.requests] == [None, "queued"]
     text = render(trace, queued_abort_matrix, EngineInfo.from_json({**ENGINE_JSON, "speculative": None}),
                   "test_repro.py", {})
-    assert 'REQUESTS = [(16, P[0]), (1, P[1], "abort-queued")]' in text
+    assert "REQUESTS = [(16, P[0]), (1, P[1], 'abort-queued')]" in text
     doc = ast.get_docstring(ast.parse(text))
     assert "still queued (never scheduled" in doc and "offload hit sits behind" not in doc
     assert "offload-hit-behind" not in doc and "no offload hit behind a local prefix hit" not in text

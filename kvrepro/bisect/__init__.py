@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .. import versions
 from ..builds import gitcommit
+from ..deploy import builds_commits, with_capability
 from ..errors import SpecError
 from ..report.records import BisectDetail, BisectResult
 from ..matrix import load_matrix
@@ -97,9 +98,11 @@ def _complete_request(kind: str, request: BisectRequest, matrices: PointMatrices
 
 def _commits_need_sim(request: BisectRequest, matrices: PointMatrices) -> None:
     target = request.target or matrices.loaded.matrix.target
-    if target != "sim":
-        raise SpecError(f"--target {target}: commits can only be probed on the sim target so far (the docker "
-                        "target assembles images from release wheels only); use --target sim")
+    if not builds_commits(target):
+        able = with_capability(builds_commits)
+        raise SpecError(f"--target {target}: commits can only be probed on a target that builds a commit's "
+                        f"source ({', '.join(able)}; the docker target assembles images from release wheels "
+                        f"only); use --target {able[0]}")
 
 
 def _drive(session: Session) -> BisectResult:

@@ -88,12 +88,13 @@ def _used_names(node: ast.AST) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _import_line(node: ast.stmt, name: str, original: str) -> str:
-    alias = "" if name == original.split(".")[0] or name == original else f" as {name}"
+def _import_node(node: ast.stmt, name: str, original: str) -> ast.stmt:
+    """The import of ``name`` as the later file has it (``node``), for that one name."""
+    alias = None if name == original.split(".")[0] or name == original else name
     if isinstance(node, ast.Import):
-        return f"import {original}{alias}"
+        return ast.Import([ast.alias(original, alias)])
     assert isinstance(node, ast.ImportFrom)
-    return f"from {'.' * node.level}{node.module or ''} import {original}{alias}"
+    return ast.ImportFrom(node.module, [ast.alias(original, alias)], node.level)
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ class _Copier:
         self.wanted = wanted  # the tests asked for (top-level names of rel)
         self.modules: dict[str, _Module | None] = {rel: source}
         self.base_modules: dict[str, _Module | None] = {}
-        self.imports: list[str] = []
+        self.imports: list[ast.stmt] = []  # built as nodes; written with ast.unparse
         self.bodies: list[str] = []
         self.helpers: list[CopiedHelper] = []
         self.problems: list[str] = []
@@ -138,9 +139,9 @@ class _Copier:
             self.base_modules[mod_rel] = _read(self.base_root, mod_rel)
         return self.base_modules[mod_rel]
 
-    def _import(self, line: str) -> None:
-        if line not in self.imports:
-            self.imports.append(line)
+    def _import(self, node: ast.stmt) -> None:
+        if ast.dump(node) not in map(ast.dump, self.imports):
+            self.imports.append(node)
 
     def resolve(self, mod: _Module, name: str) -> None:
         """Carry ``name`` of ``mod`` over, with what it uses."""
@@ -160,7 +161,7 @@ class _Copier:
         base_mod = self._base(mod.rel)
         if mod.rel != self.rel and base_mod is not None and name in base_mod.defs \
                 and base_mod.source(base_mod.defs[name]) == text:
-            self._import(f"from {mod.rel[:-3].replace('/', '.').removesuffix('.__init__')} import {name}")
+            self._import(ast.ImportFrom(mod.rel[:-3].replace("/", ".").removesuffix(".__init__"), [ast.alias(name)], 0))
             self.emitted.setdefault(name, mod.rel)
             return
         if self.emitted.get(name, mod.rel) != mod.rel:
@@ -183,7 +184,7 @@ class _Copier:
         """A name ``mod`` imports: the import kept, or (from vLLM's tests/) what it names carried over."""
         node, tests_module, original = mod.imports[name]
         if tests_module is None:
-            self._import(_import_line(node, name, original))
+            self._import(_import_node(node, name, original))
             return
         target = _module_file(self.later_root, f"{tests_module}.{original}") or _module_file(self.later_root, tests_module)
         target_mod = self._later(target) if target else None
@@ -219,10 +220,13 @@ def generate(later_root: Path, later_release: str, base_root: Path, base_release
         tests.append(nodeid.split("::", 1)[1])
     helpers = copier.helpers
     target_rel = f"{rel.rsplit('/', 1)[0]}/{module_name}.py"
-    header = (f'"""Written by kvrepro: tests from vllm {later_release} {rel}, run on vllm {base_release}.\n\n'
-              "Helpers copied from the later release:\n"
-              + "".join(f"  {h.name} ({h.file}: {h.why})\n" for h in helpers) + '"""\n')
-    text = header + "\n".join(copier.imports) + "\n\n\n" + "\n\n".join(copier.bodies) + "\n"
+    doc = (f"Written by kvrepro: tests from vllm {later_release} {rel}, run on vllm {base_release}.\n\n"
+           "Helpers copied from the later release:\n" + "".join(f"  {h.name} ({h.file}: {h.why})\n" for h in helpers))
+    # the docstring and the imports are built as nodes; the tests and helpers are the later release's
+    # own statements, copied verbatim (their source segments, comments kept); the whole must parse
+    head = ast.unparse(ast.Module([ast.Expr(ast.Constant(doc)), *copier.imports], []))
+    text = head + "\n\n\n" + "\n\n".join(copier.bodies) + "\n"
+    ast.parse(text)
     return GeneratedModule(rel=target_rel, release=later_release, text=text, tests=tuple(f"{target_rel}::{t}" for t in tests),
                            upstream_ids=tuple(nodeids), helpers=tuple(helpers), problems=tuple(copier.problems))
 

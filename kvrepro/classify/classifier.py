@@ -75,6 +75,7 @@ _KEYWORDS = (TRACEBACK_START[:15], FATAL_MARKER[:21], FAILED_START_MARKER[:18], 
              "ERROR ", "CRITICAL ", *SHUTDOWN_MARKERS, '" 200', "throughput:", "died", "EngineDead",
              "EngineCore encountered")
 _TITLE_MAX = 240
+TRACEBACKS_KEPT = 256  # tracebacks a parsed log lists (ParsedLog.tracebacks); the last is always kept
 _SECRET = re.compile(
     r"(?i)(hf_[A-Za-z0-9]{6,}|ghp_[A-Za-z0-9]{6,}|sk-[A-Za-z0-9_-]{6,}"
     r"|-----BEGIN [A-Z ]+-----.*"
@@ -147,8 +148,16 @@ class Scan:
 
     def __init__(self) -> None:
         self.evidence = _Evidence()
-        self._scanner = TracebackScanner(self.evidence.add)
+        self.tracebacks: list[Traceback] = []  # every one, in order (the first TRACEBACKS_KEPT, and the last)
+        self._scanner = TracebackScanner(self._found)
         self._keywords = _KEYWORDS + infra_keywords()
+
+    def _found(self, tb: Traceback) -> None:
+        self.evidence.add(tb)
+        if len(self.tracebacks) > TRACEBACKS_KEPT:
+            self.tracebacks[-1] = tb  # bounded: a paste that ends inside one is about its last
+        else:
+            self.tracebacks.append(tb)
 
     def feed(self, number: int, raw: str) -> None:
         scanner, evidence = self._scanner, self.evidence

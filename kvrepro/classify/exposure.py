@@ -68,6 +68,7 @@ _SHADOW_INSTALLED = re.compile(r"kvrepro-shadow: installed groups=(?P<groups>\S*
 # the request a described violation is about, when the load named it (kvrepro.loadgen.request_id)
 _VIOLATION_REQUEST = re.compile(r"\brequest (?:chat)?cmpl-" + re.escape(REQUEST_ID_PREFIX) + r"(?P<index>\d+)-")
 _FAULT_TAG = "kvrepro-fault:"
+FAILED_LOADS_KEPT = 100_000  # injected load failures kept in order (a run injects at most a few hundred)
 _FAULT_LINE = re.compile(r"kvrepro-fault: (?P<kind>load|store) job (?P<job>\S+) failed on purpose "
                          r"\((?:(?:load|store) #\d+, )?(?:request (?P<request>[^,]+), )?(?:policy (?P<policy>\w+), )?")
 _FAULT_COUNTS = re.compile(r"kvrepro-fault: counts load_jobs=\d+ load_faults=(?P<load>\d+) store_jobs=\d+ "
@@ -134,6 +135,8 @@ class ExposureReader:
         self.kv_groups: tuple[str, ...] = ()
         self.fault_lines: dict[str, set] = {"load": set(), "store": set()}  # (stream, job) per kind: each fault once
         self.failed_on_purpose: set[tuple[str, str]] = set()  # (stream, request) a failed load ended under policy fail
+        # each injected load failure in order: (the request's index in the load, kv_load_failure_policy)
+        self.failed_loads: list[tuple[int | None, str | None]] = []
         self.fault_counts: dict[tuple[str, str], tuple[int, int, int]] = {}  # (stream, pid) -> last counts line
         self.invariants: dict[tuple[str, str], tuple[int, dict[str, int]]] = {}  # (stream, pid) -> last line
         self.first_broken: str | None = None
@@ -157,6 +160,9 @@ class ExposureReader:
             self.fault_lines[m["kind"]].add((line.stream, m["job"]))
             if m["kind"] == "load" and m["policy"] == "fail" and m["request"]:
                 self.failed_on_purpose.add((line.stream, m["request"]))
+            if m["kind"] == "load" and len(self.failed_loads) < FAILED_LOADS_KEPT:
+                named = _VIOLATION_REQUEST.search(f"request {m['request']}") if m["request"] else None
+                self.failed_loads.append((int(named["index"]) if named else None, m["policy"]))
         elif (m := _FAULT_COUNTS.search(line.body)) is not None:
             self.fault_counts[_process(line.stream, m["pid"])] = (
                 int(m["load"]), int(m["store"]), int(m["failed"]) if m["policy"] == "fail" else 0)
@@ -220,18 +226,6 @@ class ExposureReader:
                             {first_broken.split(":", 1)[0]: 1} if first_broken else {}),
                         first_broken=first_broken, stall_where=stall[0] if stall else None,
                         stall_state=stall[1][:600] if stall else None)
-
-
-def failed_loads(log_text: str) -> list[tuple[int | None, str | None]]:
-    """The injected load failures of an engine log, in order: (the request's index in the load,
-    vLLM's kv_load_failure_policy), read with the same pattern the exposure counts them by."""
-    found = []
-    for m in _FAULT_LINE.finditer(log_text):
-        if m["kind"] != "load":
-            continue
-        named = _VIOLATION_REQUEST.search(f"request {m['request']}") if m["request"] else None
-        found.append((int(named["index"]) if named else None, m["policy"]))
-    return found
 
 
 def _added_up(counts) -> dict[str, int]:

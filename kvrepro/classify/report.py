@@ -50,6 +50,11 @@ class ParsedLog:
     capacity: LoggedCapacity
     geometries: tuple[BuiltGeometry, ...] = ()  # every geometry line, in order
     last_line: str | None = None  # the last line's words that are not kvrepro's own bookkeeping
+    # the injected load failures (`kvrepro-fault:` lines), in order: (request index in the load, policy)
+    failed_loads: tuple[tuple[int | None, str | None], ...] = ()
+    # every traceback in the log, in order (bounded: classifier.TRACEBACKS_KEPT and the last), for a
+    # reader that picks one itself where the engine's markers are missing (triage of a pasted report)
+    tracebacks: tuple[Traceback, ...] = field(default=(), repr=False)
     lines: int = 0
     exposure_reader: ExposureReader | None = field(default=None, repr=False, compare=False)
 
@@ -89,6 +94,7 @@ class LogParser:
 
     def parsed(self) -> ParsedLog:
         classification, tb = classify_evidence(self.scan.close(), self.source_root, self.target)
+        tracebacks = tuple(sorted(self.scan.tracebacks, key=lambda t: t.first_line))
         last = None
         for number, raw in reversed(self._recent):
             body = split_line(number, raw.rstrip("\n")).body.strip()
@@ -98,6 +104,7 @@ class LogParser:
         return ParsedLog(classification=classification, traceback=tb, exposure=self.exposure_reader.exposure(),
                          counters=self.counters_reader.counters(), capacity=self.capacity,
                          geometries=tuple(self.capacity.geometries), last_line=last, lines=self.number,
+                         failed_loads=tuple(self.exposure_reader.failed_loads), tracebacks=tracebacks,
                          exposure_reader=self.exposure_reader)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import os
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import SpecError
@@ -158,6 +159,54 @@ def node_engine(name: str) -> Any:
     return importlib.import_module(module_name)
 
 
+# --- what a target says about itself ------------------------------------------------------------
+# Each is a name at the top of the target's module (its package's light __init__), read here, so
+# that no stage outside deploy/ branches on a target's name (tests/test_layout.py checks that).
+
+def shares_one_instance(target: str) -> bool:
+    """Whether one instance of ``target`` may serve many runs of different matrices at once, each
+    through a shallow copy holding its own matrix (``copy.copy`` and ``.loaded`` replaced): the
+    target module's ``SHARED``. explore and the suite then open it once (sim: its engine zygote
+    stays warm; ray: its connection, build bundles and progress actor are made once); any other
+    target is opened per run by the matrix runner."""
+    return bool(getattr(_module_of(target), "SHARED", False))
+
+
+def builds_commits(target: str) -> bool:
+    """Whether ``target`` builds a vLLM commit's source (``bisect --kind commits``), not only a
+    release with patches: the target module's ``BUILDS_COMMITS``."""
+    return bool(getattr(_module_of(target), "BUILDS_COMMITS", False))
+
+
+def engine_always_gpu_free(target: str) -> bool:
+    """Whether ``target`` always serves the GPU-free engine, so its `vllm serve` line always holds the
+    GPU-free engine's arguments (``--num-gpu-blocks-override``): the target module's ``GPU_FREE``.
+    Another target decides per run (docker: from its hosts' GPUs, ``docker.gpu_free``)."""
+    return bool(getattr(_module_of(target), "GPU_FREE", False))
+
+
+def with_capability(capability: Callable[[str], bool]) -> list[str]:
+    """The targets for which ``capability`` (one of the questions above) holds, for a message."""
+    return [name for name in known_targets() if capability(name)]
+
+
+def runs_upstream_tests(target: str) -> bool:
+    """Whether ``target`` runs vLLM's own tests (``kvrepro builds test --target``): its module
+    defines ``upstream_tests``."""
+    return getattr(_module_of(target), "upstream_tests", None) is not None
+
+
+def upstream_tests(target: str, loaded: Any, base: str, on_line: Callable[[str], None]) -> Any:
+    """The pytest runner ``target`` runs vLLM's own tests of release ``base`` with (the protocol of
+    kvrepro.builds.upstream_tests), or None to run them here: the target module's
+    ``upstream_tests(loaded, base, on_line)`` (ray: a job on the cluster; sim: here)."""
+    hook = getattr(_module_of(target), "upstream_tests", None)
+    if hook is None:
+        raise SpecError(f"target {target!r} does not run vLLM's own tests; these do: "
+                        f"{', '.join(with_capability(runs_upstream_tests))}")
+    return hook(loaded, base, on_line)
+
+
 def check_environment(target: str, matrix: "Matrix") -> None:
     """What ``target`` takes from the environment (ray: $RAY_ADDRESS), checked before anything is
     recorded: the target module's optional ``check_environment`` raises SpecError (exit 2)."""
@@ -168,6 +217,8 @@ def check_environment(target: str, matrix: "Matrix") -> None:
         check(matrix)
 
 
-__all__ = ["EngineHandle", "Target", "check_environment", "check_settings", "get_target", "known_targets",
-           "engine_api_key", "fetches_hub_models", "node_engine", "node_engines", "register", "target_commands",
-           "target_sections", "lift_target_keys", "where_ran"]
+__all__ = ["EngineHandle", "Target", "builds_commits", "check_environment", "check_settings",
+           "engine_always_gpu_free", "engine_api_key", "fetches_hub_models", "get_target", "known_targets",
+           "node_engine", "node_engines", "register", "runs_upstream_tests", "shares_one_instance",
+           "target_commands", "target_sections", "upstream_tests", "with_capability",
+           "lift_target_keys", "where_ran"]

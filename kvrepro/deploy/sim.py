@@ -33,6 +33,20 @@ from ..secrets import redact, scrubbed_environ
 from . import register
 from .base import EngineHandle, NodeBuild, Target
 
+# what this target says about itself (kvrepro.deploy asks; no other stage names it):
+# one instance serves many runs of different matrices, each through a shallow copy holding its
+# matrix (its engine zygotes stay warm: kvrepro.deploy.shares_one_instance)
+SHARED = True
+# a build may be any vLLM commit's source (`bisect --kind commits`: kvrepro.deploy.builds_commits)
+BUILDS_COMMITS = True
+# its engine is always the GPU-free one (kvrepro.deploy.engine_always_gpu_free)
+GPU_FREE = True
+
+
+def upstream_tests(loaded, base: str, on_line) -> None:
+    """vLLM's own tests run here, in this machine's runtime env (kvrepro.deploy.upstream_tests)."""
+    return None
+
 
 def vllm_cache_root(plan: BuildPlan) -> Path:
     """vLLM's cache folder for engines of this base release (a commit build uses its base's: vLLM
@@ -197,6 +211,7 @@ class ProcessEngine(EngineHandle):
                     os.killpg(self.proc.pid, signal.SIGKILL)
                     self.proc.wait()
         self._log.close()
+        scratch.release_regions()  # the /dev/shm regions of engines that have ended, this one's included
 
 
 # Set (to a folder) by whoever runs many short kvrepro commands in a row and stops what they leave

@@ -21,6 +21,7 @@ blocks showed no such stall in 30 seeds while the target crash stays certain.
 Start-up is dominated by importing torch & co.; ``zygote`` lets many engines share that cost.
 
 This package imports only the standard library, vLLM and vLLM's own dependencies (plus the
-stdlib-only ``kvrepro.versions``): it runs in the runtime env, which has no kvrepro
+stdlib-only ``kvrepro.versions``, and ``kvrepro.scratch`` with what it imports, for the /dev/shm
+region claims of ``shm_region``): it runs in the runtime env, which has no kvrepro
 dependencies. Nothing is imported here so that ``import kvrepro.engine`` stays free.
 """

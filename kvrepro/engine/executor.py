@@ -45,8 +45,8 @@ Faked, because this machine has no GPU:
 * **Device memory for the offloading worker** (0.34.0+): vLLM's connector worker turns each
   transfer's GPU blocks into device pointers before it submits the job
   (``resolve_device_pointers``, ``offloading/worker.py`` 0.34.0:242-272). The sim gives it KV caches
-  whose pointer for block ``b`` is ``b`` (:class:`_BlockIndexMemory`), so the transfer worker
-  reads the block ids back from the pointers (:func:`_device_blocks`).
+  whose pointer for block ``b`` is ``b`` (:class:`kvrepro.engine.device_pointers.BlockIndexMemory`), so the transfer worker
+  reads the block ids back from the pointers (:func:`kvrepro.engine.device_pointers.device_blocks`).
 * **Memory**: ``determine_available_memory`` reports enough for ``max_num_seqs`` requests of
   ``max_model_len``; ``--num-gpu-blocks-override`` then sets the pool, as on a GPU.
 """
@@ -71,7 +71,8 @@ from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
 from kvrepro import versions
 
-from . import arcs, faults, transfer_checks
+from . import arcs, faults, shm_region, transfer_checks
+from .device_pointers import block_index_caches, device_blocks
 from . import shadow as shadow_kv
 from .config import SimKnobs
 
@@ -152,7 +153,7 @@ class SimTransferWorker(OffloadingWorker):
     def submit_store(self, job_id, src_spec, dst_spec) -> bool:
         # what vLLM's CPU worker checks before it copies, failing in its form (transfer_checks.py)
         transfer_checks.check("store", src_spec, dst_spec, self.blocks_per_chunk)
-        src_spec = _device_blocks(src_spec)
+        src_spec = device_blocks(src_spec)
         fail, steps = self._plan("store", job_id, src_spec)
         if self.shadow is not None and not fail:  # shadow KV (kvrepro/engine/shadow.py)
             self.shadow.store(job_id, src_spec, dst_spec)
@@ -164,7 +165,7 @@ class SimTransferWorker(OffloadingWorker):
         # expedited (0.34.0+): a sync load the connector waits for within the step (wait() below);
         # here every load is equally fast
         transfer_checks.check("load", src_spec, dst_spec, self.blocks_per_chunk)
-        dst_spec = _device_blocks(dst_spec)
+        dst_spec = device_blocks(dst_spec)
         fail, steps = self._plan("load", job_id, dst_spec)
         if self.shadow is not None:  # shadow KV (kvrepro/engine/shadow.py)
             (self.shadow.load_failed if fail else self.shadow.load)(job_id, src_spec, dst_spec)
@@ -193,62 +194,6 @@ class SimTransferWorker(OffloadingWorker):
     def in_flight(self) -> int:
         with self._lock:
             return len(self._submitted) + len(self._done)
-
-
-@dataclass(frozen=True)
-class _DeviceBlocks:
-    """A transfer's GPU blocks as the shadow KV and the fault plan read them (GPULoadStoreSpec's fields)."""
-
-    block_ids: tuple[int, ...]
-    group_sizes: tuple[int, ...]
-    block_indices: tuple[int, ...]
-
-
-def _device_blocks(spec):
-    """``spec`` itself, or for vLLM's DevicePointers (0.34.0+) the block ids they point at: the sim's
-    KV caches put block ``b`` at address ``b`` (:class:`_BlockIndexMemory`); pointers are laid out
-    group after group, data reference after data reference, so the first reference of each group
-    lists its blocks."""
-    ptrs = getattr(spec, "ptrs", None)
-    if ptrs is None:
-        return spec
-    ids: list[int] = []
-    offset = 0
-    for size, refs in zip(spec.group_block_counts, spec.group_data_ref_counts, strict=True):
-        ids.extend(int(p) for p in ptrs[offset:offset + size])
-        offset += size * refs
-    return _DeviceBlocks(tuple(ids), tuple(spec.group_block_counts), tuple(spec.block_indices))
-
-
-class _BlockIndexMemory:
-    """Stands for a KV-cache tensor of shape (num_blocks, page) in vLLM's CanonicalKVCaches: block
-    ``b`` starts at address ``b`` (base 0, row stride 1), the only two things
-    ``resolve_device_pointers`` asks of it. No memory behind it: the sim moves no bytes."""
-
-    def data_ptr(self) -> int:
-        return 0
-
-    def stride(self, dim: int = 0) -> int:
-        return 1
-
-
-def _block_index_caches(kv_cache_config):
-    """vLLM's CanonicalKVCaches over :class:`_BlockIndexMemory`, one data reference per offloaded
-    group (the groups the connector worker's register_kv_caches would select)."""
-    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
-
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import get_offloading_group_ids
-
-        group_ids = get_offloading_group_ids(kv_cache_config)
-    except ImportError:
-        group_ids = tuple(range(len(kv_cache_config.kv_cache_groups)))
-    tensors, refs = [], []
-    for i, group_id in enumerate(group_ids):
-        page = kv_cache_config.kv_cache_groups[group_id].kv_cache_spec.page_size_bytes
-        tensors.append(CanonicalKVCacheTensor(tensor=_BlockIndexMemory(), page_size_bytes=page))
-        refs.append([CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=page)])
-    return CanonicalKVCaches(tensors=tensors, group_data_refs=refs)
 
 
 def _v2_connector_steps(vllm_config, connector):
@@ -524,6 +469,9 @@ class SimExecutor(Executor):
         # A GPU worker calls this after loading the model (UniProcExecutor._init_executor);
         # it aligns the attention block size with the Mamba page size for hybrid models.
         current_platform.update_block_size_for_backend(self.vllm_config)
+        # the offload tier's /dev/shm region, claimed before vLLM makes it so that kvrepro removes it
+        # once this engine is gone, however it ends (kvrepro/engine/shm_region.py)
+        shm_region.claim(getattr(self.vllm_config.kv_transfer_config, "engine_id", None))
         self._specs = self._build_kv_cache_specs()
         logger.info(
             "Sim executor: no GPU; fake model (draft acceptance rate %.2f, seed %d, step delay "
@@ -676,6 +624,8 @@ class SimExecutor(Executor):
             # secondary tiers copy to and from their storage (shadow.CpuRegion says why the sim writes
             # there); TieringOffloadingSpec names it by engine id (0.26.0-0.34.0 tiering/spec.py)
             engine_id, row_bytes = getattr(spec, "_engine_id", None), getattr(spec, "kv_bytes_per_chunk", None)
+            if engine_id and engine_id != getattr(self.vllm_config.kv_transfer_config, "engine_id", None):
+                shm_region.claim(engine_id)
             if self.shadow is not None and engine_id and row_bytes:
                 self.shadow.region = shadow_kv.CpuRegion(f"/dev/shm/vllm_offload_{engine_id}.mmap", row_bytes)
             if self.shadow is not None:
@@ -683,7 +633,7 @@ class SimExecutor(Executor):
                 self.shadow.load_owner = lambda job_id: (getattr(worker_side, "_load_jobs", None) or {}).get(job_id)
             worker_side.worker = transfers
             if hasattr(type(worker_side), "_init_worker"):  # 0.34.0+: transfers are submitted as device pointers
-                worker_side._kv_caches = _block_index_caches(kv_cache_config)
+                worker_side._kv_caches = block_index_caches(kv_cache_config)
         else:
             raise RuntimeError(
                 f"KV connector {type(connector).__name__}: the sim engine simulates the "

@@ -32,6 +32,9 @@ import sys
 import time
 import traceback
 
+from kvrepro import scratch
+from kvrepro.engine import shm_region
+
 
 
 def _shutdown(core) -> None:
@@ -41,6 +44,8 @@ def _shutdown(core) -> None:
             part()
         except Exception:  # noqa: BLE001
             pass
+    # this EngineCore is over (it may have crashed, leaving vLLM's /dev/shm region): kvrepro/engine/shm_region.py
+    scratch.release_claimed(os.environ.get(shm_region.ENV), only_pid=os.getpid())
 
 def _statement(frame) -> str | None:
     """The failing statement, all of its lines (an assert often spans several)."""

@@ -64,8 +64,9 @@ def _statement(path: Path, function: str, text: str):
             continue
         for stmt in ast.walk(node):
             if isinstance(stmt, ast.Assert) and ast.unparse(stmt.test) == text:
-                module = ast.parse(f"def {function}():\n    pass\n")  # a def as this Python spells one
+                module = ast.parse("def wrapper():\n    pass\n")  # a def as this Python spells one
                 wrapper = module.body[0]
+                wrapper.name = function  # the name as data, never spliced into source text
                 wrapper.body = [stmt]  # keeps its own line numbers: the traceback shows vLLM's line
                 wrapper.lineno, wrapper.end_lineno = node.lineno, stmt.end_lineno
                 return compile(module, str(path), "exec")

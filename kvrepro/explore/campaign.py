@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from .. import stopping
-from ..deploy import check_environment, get_target, known_targets
+from ..deploy import check_environment, get_target, known_targets, shares_one_instance
 from ..deploy.base import Target
 from ..engine.arcs import ENV as ARCS_ENV
 from ..engine.arcs import INSTRUMENT as ARCS_INSTRUMENT
@@ -396,12 +396,6 @@ def record_run(state: CampaignState, folder: Path, catalogue: Catalogue, spec: R
                      points=worth)
 
 
-# targets whose one instance serves every run of the campaign (each run a shallow copy holding its
-# matrix): sim's engine zygote stays warm; ray's connection, build bundle and progress actor are made
-# once. Any other target is opened per run by the matrix runner.
-SHARED_TARGETS = ("sim", "ray")
-
-
 @dataclass
 class _Outcome:
     """What one run gave, before it is judged and folded into the state (in the campaign's thread)."""
@@ -582,7 +576,9 @@ def run_campaign(state: CampaignState, folder: Path, catalogue: Catalogue, progr
     try:
         if target is None:
             target = get_target(name)(loaded0)
-        shared = target if name in SHARED_TARGETS else None
+        # a target one instance of which serves every run of the campaign (each run a shallow copy
+        # holding its matrix, kvrepro.deploy.shares_one_instance); any other is opened per run
+        shared = target if shares_one_instance(name) else None
         if shared is not None and slots > 1:
             # the build once, before several runs would each make (ray: pack and ship) it at the same time
             try:

@@ -42,6 +42,7 @@ def validate(matrix: Path, as_json: bool) -> None:
 
 
 def plan(matrix: Path, target: str | None, as_json: bool) -> None:
+    from ..deploy import engine_always_gpu_free
     from ..report.tables import plan_table
 
     loaded = load_matrix(matrix)
@@ -55,7 +56,7 @@ def plan(matrix: Path, target: str | None, as_json: bool) -> None:
         "target": target_name,
         "repetitions": m.runs.count(),
         "budget": {"requests": m.runs.requests, "duration_s": m.runs.duration_s},
-        "engine_args": m.engine.serve_args(m.engine.model, include_sim=target_name == "sim"),
+        "engine_args": m.engine.serve_args(m.engine.model, include_sim=engine_always_gpu_free(target_name)),
         "load": m.load.model_dump(),
         "builds": [
             {"name": p.name, "patches": [{"name": x.name, "upstream": x.upstream, "sha256": x.sha256} for x in p.patches],

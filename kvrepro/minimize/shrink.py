@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import lifetime
+from .. import lifetime, scratch
 from ..results import store as results
 from ..errors import InfraError, KvreproError, SpecError
 from ..loadgen.trace import Trace, TraceRequest, read_trace, write_trace
@@ -196,6 +196,7 @@ class OfflineEngine:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        scratch.release_regions()  # a SIGKILLed oracle's /dev/shm region (kvrepro/engine/shm_region.py)
         self.target.close()
 
 

@@ -116,11 +116,14 @@ def stall_case(run_dir: Path, release: str, scheduler_source: str, block_size: i
     """The stuck request of a STALL repetition (its folder): the recomputed failed load with the
     longest prompt (the one whose blocks can exceed half the pool), from the engine log's
     ``kvrepro-fault:`` lines and the trace."""
-    from ..classify.exposure import failed_loads
+    from ..classify import open_log, parse_log
     from ..loadgen.trace import read_trace
 
-    log = (run_dir / "engine.log").read_text(errors="replace") if (run_dir / "engine.log").is_file() else ""
-    recomputed = [index for index, policy in failed_loads(log) if policy == "recompute" and index is not None]
+    failed: tuple[tuple[int | None, str | None], ...] = ()
+    if (run_dir / "engine.log").is_file():  # the one parser's report (kvrepro/classify/report.py)
+        with open_log(run_dir / "engine.log") as stream:
+            failed = parse_log(stream).failed_loads
+    recomputed = [index for index, policy in failed if policy == "recompute" and index is not None]
     if not recomputed:
         raise SpecError(f"{run_dir}: STALL, but its engine log has no injected load failure under "
                         "kv_load_failure_policy: recompute; only recompute-failed-load-stall's stall is emitted")

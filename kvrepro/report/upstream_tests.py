@@ -169,6 +169,7 @@ def run_builds_test(loaded, builds: list[str] | None, only: list[str], later: li
     matrix's ``target:`` when it is ray, else here)."""
     from rich.markup import escape
 
+    from .. import deploy
     from ..builds import prepare_runtime, upstream_tests
     from ..errors import BadInputError
     from ..results.store import checked_root
@@ -181,20 +182,17 @@ def run_builds_test(loaded, builds: list[str] | None, only: list[str], later: li
     upstream_tests.check_later_releases(plans[0].base, later)
     command = "kvrepro builds test" + "".join(f" --build {b}" for b in builds or []) + "".join(
         f" --only {o}" for o in only) + (" --all" if run_all else "")
-    target = target or ("ray" if loaded.matrix.target == "ray" else "local")
-    if target not in ("local", "sim", "ray"):
-        raise BadInputError(f"--target {target}: builds test runs here (local, sim) or on a Ray cluster (ray)")
-    if target == "ray":
-        command += " --target ray"
+    # default: the matrix's target when it runs vLLM's tests (ray: on its cluster), else here
+    target = target or (loaded.matrix.target if deploy.runs_upstream_tests(loaded.matrix.target) else "local")
+    if target != "local" and not deploy.runs_upstream_tests(target):
+        raise BadInputError(f"--target {target}: builds test runs here (local) or on a target that runs vLLM's "
+                            f"tests ({', '.join(deploy.with_capability(deploy.runs_upstream_tests))})")
     show = lambda line: err.print(escape(line[:200]), highlight=False)  # noqa: E731
     runner = upstream_tests.LOCAL
-    if target == "ray":
-        from ..deploy.ray import load
-
-        load()
-        from ..deploy.ray.upstream import RayPytest
-
-        runner = RayPytest(loaded, plans[0].base, on_line=show)
+    if target != "local":
+        runner = deploy.upstream_tests(target, loaded, plans[0].base, show) or upstream_tests.LOCAL
+    if runner is not upstream_tests.LOCAL:
+        command += f" --target {target}"
     try:
         with err.status("vLLM's own tests") as status:
             runtime = prepare_runtime(plans[0].base, on_line=lambda line: status.update(escape(line[:120])))

@@ -24,7 +24,7 @@ import yaml
 
 from .. import __version__, lifetime, stopping
 from ..errors import BadInputError, KvreproError, SpecError
-from ..deploy import check_environment, get_target
+from ..deploy import check_environment, get_target, shares_one_instance
 from ..deploy.base import Target
 from ..matrix import parse_matrix
 from ..matrix.runner import MatrixOptions, Progress, SilentProgress, run_matrix
@@ -250,11 +250,12 @@ def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuil
     shared: dict[str, Target] = {}
 
     def target_for(loaded: LoadedMatrix) -> Target | None:
-        """sim: one target for every entry, so that its engine zygote (one per release: torch & co.
-        imported once) serves them all; each entry gets a shallow copy that differs only in the
-        matrix it serves (engine arguments, timeouts). Other targets: one per entry (None)."""
+        """One target for every entry when it can serve them all (kvrepro.deploy.shares_one_instance:
+        sim's engine zygote, one per release, torch & co. imported once; ray's connection); each
+        entry gets a shallow copy that differs only in the matrix it serves (engine arguments,
+        timeouts). Other targets: one per entry (None)."""
         name = target or loaded.matrix.target
-        if name != "sim":
+        if not shares_one_instance(name):
             return None
         with lock:
             if name not in shared:

@@ -6,7 +6,13 @@ GB log takes seconds and constant memory); a small text (a report from a tracker
 mended first (:mod:`.pasted`: fences, quote markers, prefixes, tracebacks starting mid-way). Three
 readers go side by side: the deployed configuration (:mod:`.deployed`, with :mod:`.sources` for
 what a report gives instead of vLLM's start-up lines), the stall detector (:mod:`.failure`) and
-kvrepro.classify's own traceback scan (the crash signature; no signature table here). Where the
+kvrepro.classify's one log parser (:func:`kvrepro.classify.parse_log`: the classification and the
+traceback it rests on, as a run's engine log gets them; no signature table here). The first two
+are triage's own because what they read is a production server's (its configuration lines, the
+API server's periodic stats), which kvrepro's engine logs never need read; they take the lines of
+the same pass, never the file again. A pasted report is mended into log lines (:mod:`.pasted`)
+before the same parser reads them; pasted.py's own patterns undo the paste (quote markers,
+fences, prefixes), they decide nothing about what the log means. Where the
 text lacks the engine's markers, :mod:`.failure` picks the traceback, tells a serving engine from
 one starting by its frames, and matches partial evidence to a signature piece by piece. Then
 :mod:`.matching` ranks the catalogue's entries against the failure and configuration, :mod:`.emit`
@@ -24,8 +30,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from ..classify import is_target_crash
-from ..classify.classifier import classify_traceback, classify_with_traceback, excerpt
+from ..classify import is_target_crash, parse_log
+from ..classify.classifier import classify_traceback, excerpt
 from ..classify.infra import infra_keywords, match_infra
 from ..classify.lines import split_line
 from ..classify.logfile import open_log_bytes
@@ -39,8 +45,7 @@ from ..suite.catalogue import Catalogue, Entry
 from ..untrusted import quote
 from ..versions import SUPPORTED_RELEASES, nearest_supported, version_tuple
 from .deployed import ConfigReader
-from .failure import (StallReader, all_tracebacks, infer_assert, loose_evidence, match_partial, phase,
-                      pick_traceback)
+from .failure import StallReader, infer_assert, loose_evidence, match_partial, phase, pick_traceback
 from .matching import match_entries, minimal_clean_set, tie_of
 from .pasted import normalise, read_whole, repair
 from .reader import Prefixed, ReadStats, select_stream
@@ -119,7 +124,7 @@ def triage_file(path: Path, catalogue: Catalogue, release: str | None = None) ->
                 if not saw_infra and any(k in text for k in keywords) and match_infra(parts.body) is not None:
                     saw_infra = True
             reader.feed_text(repaired)
-            cls, tb = classify_with_traceback(texts, target=target)
+            parsed = parse_log(texts, target=target)
         else:
             def tapped() -> Iterator[str]:
                 nonlocal saw_infra
@@ -140,7 +145,8 @@ def triage_file(path: Path, catalogue: Catalogue, release: str | None = None) ->
                         saw_infra = True
                     yield line
 
-            cls, tb = classify_with_traceback(tapped(), target=target)
+            parsed = parse_log(tapped(), target=target)  # the one parser, fed as the stream is read
+        cls, tb = parsed.classification, parsed.traceback
     if not whole:
         stalls.end(stats.last_line)
     if stats.bytes_read == 0:
@@ -150,7 +156,7 @@ def triage_file(path: Path, catalogue: Catalogue, release: str | None = None) ->
     warnings.extend(f"configuration: {p}" for p in config.problems)
 
     file_line = (lambda n: numbers[n - 1] if 0 < n <= len(numbers) else n)
-    failure = _failure(cls, tb, texts, stalls.stall(), file_line, target, saw_infra)
+    failure = _failure(cls, tb, parsed.tracebacks, texts, stalls.stall(), file_line, target, saw_infra)
     if failure.kind == "none" and not reader.vllm_lines_seen and not any("vllm" in t.lower() for t in texts):
         warnings.append("nothing in this text is vLLM's (no version, no engine lines, no vLLM frames); "
                         "give the server's log or the report's pasted lines")
@@ -188,12 +194,13 @@ def _is_target(pattern: Pattern | None, target: TargetSignature) -> bool:
                                      pattern.expressions[0]), target, pattern)
 
 
-def _failure(cls: Classification, tb: Traceback | None, texts: list[str], stall: Stall | None,
+def _failure(cls: Classification, tb: Traceback | None, tracebacks: tuple[Traceback, ...], texts: list[str],
+             stall: Stall | None,
              file_line: Callable[[int], int], target: TargetSignature, saw_infra: bool) -> Failure:
     infra_cause = cls.outcome is Outcome.INFRA and saw_infra
     evidence = "the traceback the engine announced" if tb is not None and tb.marker else "a traceback"
     if (tb is None or cls.outcome is Outcome.NONE) and texts:
-        picked = pick_traceback(all_tracebacks(texts))
+        picked = pick_traceback(list(tracebacks))  # every traceback the one parse saw
         if picked is not None:
             tb, evidence = picked, "a traceback (the engine's own markers are not in the text)"
     if tb is not None:

@@ -129,15 +129,6 @@ def phase(tb: Traceback) -> str:
     return "unknown"
 
 
-def all_tracebacks(lines: list[str]) -> list[Traceback]:
-    found: list[Traceback] = []
-    scanner = TracebackScanner(found.append)
-    for number, raw in enumerate(lines, start=1):
-        scanner.feed(split_line(number, raw))
-    scanner.close()
-    return sorted(found, key=lambda tb: tb.first_line)
-
-
 def pick_traceback(tracebacks: list[Traceback]) -> Traceback | None:
     """The traceback a pasted text is about when the engine's own markers are not in it: the first
     complete one that is neither a report of the engine's death elsewhere nor shutdown noise,

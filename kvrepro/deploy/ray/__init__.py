@@ -20,6 +20,9 @@ from .settings import check_environment, check_settings
 
 # matrix.yaml's top-level section this target owns (kvrepro.deploy.target_sections): typed in settings.py
 SECTIONS = ("ray",)
+# one instance serves many runs of different matrices, each through a shallow copy holding its matrix:
+# the connection, build bundles and progress actor are made once (kvrepro.deploy.shares_one_instance)
+SHARED = True
 INSTALL_HINT = "target ray needs Ray: pip install 'kvrepro[ray]' (or pip install 'ray>=2.9')"
 
 
@@ -38,4 +41,13 @@ def load() -> None:
     from . import target  # noqa: F401  (registers "ray")
 
 
-__all__ = ["SECTIONS", "INSTALL_HINT", "TOP_LEVEL_BEFORE", "check_environment", "check_settings", "load", "where_ran"]
+def upstream_tests(loaded, base: str, on_line):
+    """vLLM's own tests as a pytest job on the cluster of ``ray:`` (kvrepro.deploy.upstream_tests)."""
+    load()
+    from .upstream import RayPytest
+
+    return RayPytest(loaded, base, on_line=on_line)
+
+
+__all__ = ["SECTIONS", "SHARED", "INSTALL_HINT", "TOP_LEVEL_BEFORE", "check_environment", "check_settings", "load",
+           "upstream_tests", "where_ran"]

@@ -53,7 +53,8 @@ class RaySpec(BaseModel):
         """Any target with node-engine hooks (kvrepro.deploy.node_engines): this target names none."""
         from .. import node_engines
 
-        engines = sorted(node_engines(), key=lambda name: (name != "sim", name))  # the default first
+        default = cls.model_fields["engine"].default
+        engines = sorted(node_engines(), key=lambda name: (name != default, name))  # the default first
         if v not in engines:
             named = [repr(name) for name in engines]
             raise ValueError(f"Input should be {' or '.join([', '.join(named[:-1]), named[-1]] if len(named) > 1 else named)}")
