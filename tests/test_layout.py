@@ -166,7 +166,7 @@ def _target_branches(package, targets=None) -> list[str]:
     import pkgutil
 
     if targets is None:
-        targets = sorted(m.name for m in pkgutil.iter_modules([str(package / "kvrepro" / "deploy")]) if m.name != "base")
+        targets = sorted(m.name for m in pkgutil.iter_modules([str(package / "kvrepro" / "deploy")]) if m.name not in ("base", "records"))
 
     def named(node) -> set[str]:
         if isinstance(node, ast.Constant):
