@@ -523,13 +523,7 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
              on_line: Callable[[str], None] = lambda _: None) -> MinimizeResult:
     for name in [build] + ([fixed] if fixed and not _is_patch_only(loaded, fixed) else []):
         resolve_plan(loaded, name)
-    if (violation is not None and violation.removesuffix("+offload") not in VIOLATION_GROUP_KINDS
-            and not _is_defect(violation)):
-        from ..classify.corruption import known_corruptions
-
-        raise SpecError(f"--violation {violation!r}: a kind of KV group, optionally +offload "
-                        f"(e.g. full_attention+offload, mamba), or a defect name "
-                        f"({', '.join(c.name for c in known_corruptions())})")
+    _check_violation_option(violation)
     stalled = _stalled_repetition(root, run_id, build, rep) if violation is None else None
     if stalled is not None:
         return _report_stall(loaded, build, fixed, stalled, emit_pytest, on_line)
@@ -537,47 +531,16 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
     run, trace_path = find_crash(root, run_id, build, rep, violation, sig)
     trace = read_trace(trace_path)
     if violation is None and run.label == "CORRUPT":
-        # the defect the build's `expect:` names (B: the boundary fix's hole, not the Mamba null-state
-        # read every 0.26.0 build shares), else the one the run showed most; a run whose violations
-        # no signature knows: its first one's kind
-        expect = loaded.matrix.expect.get(resolve_plan(loaded, build).build_name, "")
-        wanted = [d for alt in expect.split("|") for d in expected_defects(alt) if run.kv_defects.get(d)]
-        named = [name for name in run.kv_defects if _is_defect(name)]
-        violation = (wanted[0] if wanted else max(named, key=lambda name: run.kv_defects[name]) if named
-                     else violation_kind(run.kv_first_violation))
-        if violation is None:
-            raise KvreproError(f"{run.run_dir}: CORRUPT, but its first violation does not say which KV group "
-                               f"({run.kv_first_violation!r}); name one with --violation KIND")
+        violation = _violation_of(loaded, build, run)
     failure = Failure(sig, violation)
     rep_number = trace.header.rep if trace.header.rep is not None else run.rep
     on_line(f"starting the offline engine for build {build}")
     engine = OfflineEngine(loaded, build, rep_number)
     fixed_engine = None
+    original = list(trace.requests)
     try:
-        runs = {"count": 0}
-
-        def crashes(candidate: list[TraceRequest]) -> list[TraceRequest] | None:
-            runs["count"] += 1
-            at = failure.at(engine.run(candidate))
-            if at is None:
-                return None
-            return candidate[:at + 1]
-
-        original = list(trace.requests)
-        start = crashes(original)
-        if start is None:
-            what = (f"make build {build} read wrong KV ({violation} violation)" if violation
-                    else f"crash build {build} with the target signature")
-            raise KvreproError(
-                f"{trace_path}: sent one request at a time, the trace does not {what} "
-                f"(the run was concurrent: load.concurrency > 1 interleaves "
-                f"requests differently); record the run with load.concurrency: 1 to minimize it")
-        on_line(f"{'crashes' if not violation else f'{violation} violation'} at request {len(start) - 1}; "
-                f"ddmin over {len(start)} requests")
-        items = ddmin(start, crashes, on_line)
-        on_line(f"shortening {len(items)} prompts")
-        items = _shorten_prompts(items, crashes, loaded.matrix.engine.block_size)
-        items = _shorten_outputs(items, crashes)
+        shrunk = _Shrink(engine, failure)
+        items = shrunk.shortest(original, trace_path, build, violation, loaded.matrix.engine.block_size, on_line)
         # deterministic: the same verdict at the same request, twice more
         again = [engine.run(items) for _ in range(2)]
         deterministic = all(failure.at(r) == len(items) - 1 for r in again)
@@ -602,7 +565,7 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
         requests_before=len(original), requests=len(items),
         tokens_before=sum(len(r.tokens) for r in original), tokens=sum(len(r.tokens) for r in items),
         crash_at=None if violation else len(items) - 1, deterministic=deterministic, fixed_result=fixed_result,
-        candidates_run=runs["count"], failure=failure.label, violation=violation,
+        candidates_run=shrunk.runs, failure=failure.label, violation=violation,
     )
     if violation:
         # the offline engine's answer (its own JSON protocol, kvrepro.engine.offline)
@@ -623,6 +586,63 @@ def minimize(loaded: LoadedMatrix, root: Path, run_id: str, build: str, *, fixed
     summary.ok = ok and confirmed_ok and all("error" not in c for c in summary.confirmed)
     results.write_json(trace_path.with_name("minimized.json"), summary.to_json())
     return summary
+
+
+def _check_violation_option(violation: str | None) -> None:
+    """``--violation``: a kind of KV group (optionally +offload) or a catalogued defect's name."""
+    if (violation is not None and violation.removesuffix("+offload") not in VIOLATION_GROUP_KINDS
+            and not _is_defect(violation)):
+        from ..classify.corruption import known_corruptions
+
+        raise SpecError(f"--violation {violation!r}: a kind of KV group, optionally +offload "
+                        f"(e.g. full_attention+offload, mamba), or a defect name "
+                        f"({', '.join(c.name for c in known_corruptions())})")
+
+
+def _violation_of(loaded: LoadedMatrix, build: str, run: Any) -> str:
+    """Which wrong read a CORRUPT run is minimized for: the defect the build's `expect:` names (B:
+    the boundary fix's hole, not the Mamba null-state read every 0.26.0 build shares), else the
+    one the run showed most; a run whose violations no signature knows: its first one's kind."""
+    expect = loaded.matrix.expect.get(resolve_plan(loaded, build).build_name, "")
+    wanted = [d for alt in expect.split("|") for d in expected_defects(alt) if run.kv_defects.get(d)]
+    named = [name for name in run.kv_defects if _is_defect(name)]
+    violation = (wanted[0] if wanted else max(named, key=lambda name: run.kv_defects[name]) if named
+                 else violation_kind(run.kv_first_violation))
+    if violation is None:
+        raise KvreproError(f"{run.run_dir}: CORRUPT, but its first violation does not say which KV group "
+                           f"({run.kv_first_violation!r}); name one with --violation KIND")
+    return violation
+
+
+class _Shrink:
+    """The shrinking itself: ddmin over the requests, then shorter prompts and outputs, each
+    candidate replayed on the offline engine and kept when it still fails the same way (cut at
+    the failing request). ``runs`` counts the candidates replayed."""
+
+    def __init__(self, engine: OfflineEngine, failure: Failure) -> None:
+        self.engine, self.failure, self.runs = engine, failure, 0
+
+    def fails(self, candidate: list[TraceRequest]) -> list[TraceRequest] | None:
+        self.runs += 1
+        at = self.failure.at(self.engine.run(candidate))
+        return None if at is None else candidate[:at + 1]
+
+    def shortest(self, original: list[TraceRequest], trace_path: Path, build: str, violation: str | None,
+                 block_size: int, on_line: Callable[[str], None]) -> list[TraceRequest]:
+        start = self.fails(original)
+        if start is None:
+            what = (f"make build {build} read wrong KV ({violation} violation)" if violation
+                    else f"crash build {build} with the target signature")
+            raise KvreproError(
+                f"{trace_path}: sent one request at a time, the trace does not {what} "
+                f"(the run was concurrent: load.concurrency > 1 interleaves "
+                f"requests differently); record the run with load.concurrency: 1 to minimize it")
+        on_line(f"{'crashes' if not violation else f'{violation} violation'} at request {len(start) - 1}; "
+                f"ddmin over {len(start)} requests")
+        items = ddmin(start, self.fails, on_line)
+        on_line(f"shortening {len(items)} prompts")
+        items = _shorten_prompts(items, self.fails, block_size)
+        return _shorten_outputs(items, self.fails)
 
 
 def _is_patch_only(loaded: LoadedMatrix, name: str) -> bool:

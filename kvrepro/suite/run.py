@@ -215,108 +215,125 @@ def run_suite(catalogue: Catalogue, entries: list[Entry], builds: list[SuiteBuil
     case there (e.g. ``ray``: each case's runs are Ray tasks) instead of the matrix's target.
     Each run ends once its entry's question is settled (:func:`stop_rule_of`); ``full_load``: at its
     budget, as a stall entry's always do."""
-    progress = progress or SilentProgress()
-    stop = stop or threading.Event()
     matrices = check_entries(entries, builds, target)  # bad input before anything runs
-    suite_id = new_suite_id()
-    folder = root / suite_id
+    folder = root / new_suite_id()
     (folder / RUNS_FOLDER).mkdir(parents=True, exist_ok=False)
-    started = time.time()
-    state = {"record": SuiteRecord(
-        suite_id=suite_id, status="running", started=started, catalogue=str(catalogue.folder), command=command,
+    run = _SuiteRun(folder, matrices, reps, target, full_load, progress or SilentProgress(), stop or threading.Event(),
+                    stack=bool(builds and builds[0].patches))
+    run.save(record=SuiteRecord(
+        suite_id=folder.name, status="running", started=time.time(), catalogue=str(catalogue.folder), command=command,
         kvrepro_version=__version__, builds=tuple(SuiteBuildRecord(b.release, b.patches) for b in builds),
         entries={e.name: SuiteEntryRecord(testable=e.testable, reps=max(reps, e.absent_after) if reps else None)
                  for e in entries},
-        owner=lifetime.owner())}
-    lock = threading.Lock()
+        owner=lifetime.owner()))
+    run.run_all([e for e in entries if e.name in matrices], jobs)  # an entry every build refuses: NOT TESTABLE rows only
+    return load_suite(folder, catalogue)
 
-    def save(**fields: Any) -> None:
-        with lock:
-            state["record"] = replace(state["record"], **fields)
-            results.write_json(folder / SUITE_FILE, state["record"])
 
-    def save_entry(name: str, **fields: Any) -> None:
-        with lock:
-            record = state["record"]
-            state["record"] = replace(record, entries={**record.entries, name: replace(record.entries[name], **fields)})
-            results.write_json(folder / SUITE_FILE, state["record"])
+class _SuiteRun:
+    """One suite run's parts: its record (suite.json, rewritten under a lock after each entry), the
+    targets its entries share, one entry's runs (and the same load without the stack when the
+    stack's runs failed), and the end (the status written before the teardown)."""
 
-    save()
-    slots = max(1, jobs or min(4, os.cpu_count() or 1))
-    testable = [e for e in entries if e.name in matrices]  # an entry every build refuses: NOT TESTABLE rows only
-    stack = bool(builds and builds[0].patches)
-    # fewer entries than slots: the spare slots run an entry's repetitions and bases side by side
-    per_entry = max(1, slots // max(1, min(slots, len(testable))))
-    shared: dict[str, Target] = {}
+    def __init__(self, folder: Path, matrices: dict[str, LoadedMatrix], reps: int | None, target: str | None,
+                 full_load: bool, progress: Progress, stop: threading.Event, stack: bool) -> None:
+        self.folder, self.matrices, self.reps, self.target = folder, matrices, reps, target
+        self.full_load, self.progress, self.stop, self.stack = full_load, progress, stop, stack
+        self.lock = threading.Lock()
+        self.record: SuiteRecord | None = None
+        self.shared: dict[str, Target] = {}
+        self.per_entry = 1
 
-    def target_for(loaded: LoadedMatrix) -> Target | None:
+    def save(self, record: SuiteRecord | None = None, **fields: Any) -> None:
+        with self.lock:
+            self.record = replace(record or self.record, **fields)
+            results.write_json(self.folder / SUITE_FILE, self.record)
+
+    def save_entry(self, name: str, **fields: Any) -> None:
+        with self.lock:
+            record = self.record
+            self.record = replace(record, entries={**record.entries, name: replace(record.entries[name], **fields)})
+            results.write_json(self.folder / SUITE_FILE, self.record)
+
+    def target_for(self, loaded: LoadedMatrix) -> Target | None:
         """One target for every entry when it can serve them all (kvrepro.deploy.shares_one_instance:
         sim's engine zygote, one per release, torch & co. imported once; ray's connection); each
         entry gets a shallow copy that differs only in the matrix it serves (engine arguments,
         timeouts). Other targets: one per entry (None)."""
-        name = target or loaded.matrix.target
+        name = self.target or loaded.matrix.target
         if not shares_one_instance(name):
             return None
-        with lock:
-            if name not in shared:
-                shared[name] = get_target(name)(loaded)
-            sibling = copy.copy(shared[name])
+        with self.lock:
+            if name not in self.shared:
+                self.shared[name] = get_target(name)(loaded)
+            sibling = copy.copy(self.shared[name])
         sibling.loaded = loaded
         return sibling
 
-    def one(entry: Entry) -> None:
-        if stop.is_set():
-            return
-        loaded = matrices[entry.name]
-        progress.stage(f"entry {entry.name} ({entry.kind}) on {', '.join(loaded.matrix.bases)}")
-        try:
-            # never fewer repetitions than the entry needs before it may call a build clean
-            entry_reps = max(reps, entry.absent_after) if reps else None
-            run = run_matrix(loaded, MatrixOptions(target=target, repetitions=entry_reps,
-                                                   results_root=folder / RUNS_FOLDER,
-                                                   jobs=per_entry, full_load=full_load or entry.kind == "stall",
-                                                   stop_rule=stop_rule_of(entry)),
-                             progress, stop, target=target_for(loaded))
-        except KvreproError as exc:
-            save_entry(entry.name, error=str(exc).strip().splitlines()[0][:300])
-            return
-        save_entry(entry.name, run=run.run_id)
-        if stack and not stop.is_set() and any(all_failures(r) for r in run.runs()):
-            # the stack's runs failed: the same entry, load and seeds on the releases without it, its
-            # whole load, so that what the base does not show reads as introduced by the stack
-            progress.stage(f"entry {entry.name} on {', '.join(loaded.matrix.bases)} without the stack")
-            bare = [SuiteBuild(b) for b in loaded.matrix.bases]
-            try:
-                base_run = run_matrix(entry_matrix(entry, bare), MatrixOptions(
-                    target=target, repetitions=entry_reps, results_root=folder / RUNS_FOLDER, jobs=per_entry,
-                    full_load=True, stop_rule=stop_rule_of(entry)), progress, stop, target=target_for(loaded))
-            except KvreproError as exc:
-                save_entry(entry.name, base_run=None, error=f"without the stack: {str(exc).strip().splitlines()[0]}"[:300])
-                return
-            save_entry(entry.name, base_run=base_run.run_id)
+    def options(self, entry: Entry, full_load: bool) -> MatrixOptions:
+        # never fewer repetitions than the entry needs before it may call a build clean
+        entry_reps = max(self.reps, entry.absent_after) if self.reps else None
+        return MatrixOptions(target=self.target, repetitions=entry_reps, results_root=self.folder / RUNS_FOLDER,
+                             jobs=self.per_entry, full_load=full_load, stop_rule=stop_rule_of(entry))
 
-    status = "complete"
-    try:
-        with ThreadPoolExecutor(max_workers=min(slots, max(1, len(testable))), thread_name_prefix="kvrepro-suite") as pool:
-            for future in [pool.submit(one, e) for e in testable]:
-                future.result()
-        if stop.is_set():
+    def one(self, entry: Entry) -> None:
+        if self.stop.is_set():
+            return
+        loaded = self.matrices[entry.name]
+        self.progress.stage(f"entry {entry.name} ({entry.kind}) on {', '.join(loaded.matrix.bases)}")
+        try:
+            run = run_matrix(loaded, self.options(entry, self.full_load or entry.kind == "stall"),
+                             self.progress, self.stop, target=self.target_for(loaded))
+        except KvreproError as exc:
+            self.save_entry(entry.name, error=str(exc).strip().splitlines()[0][:300])
+            return
+        self.save_entry(entry.name, run=run.run_id)
+        if self.stack and not self.stop.is_set() and any(all_failures(r) for r in run.runs()):
+            self.without_stack(entry, loaded)
+
+    def without_stack(self, entry: Entry, loaded: LoadedMatrix) -> None:
+        """The stack's runs failed: the same entry, load and seeds on the releases without it, its
+        whole load, so that what the base does not show reads as introduced by the stack."""
+        self.progress.stage(f"entry {entry.name} on {', '.join(loaded.matrix.bases)} without the stack")
+        bare = [SuiteBuild(b) for b in loaded.matrix.bases]
+        try:
+            base_run = run_matrix(entry_matrix(entry, bare), self.options(entry, True), self.progress, self.stop,
+                                  target=self.target_for(loaded))
+        except KvreproError as exc:
+            self.save_entry(entry.name, base_run=None,
+                            error=f"without the stack: {str(exc).strip().splitlines()[0]}"[:300])
+            return
+        self.save_entry(entry.name, base_run=base_run.run_id)
+
+    def run_all(self, testable: list[Entry], jobs: int | None) -> None:
+        slots = max(1, jobs or min(4, os.cpu_count() or 1))
+        # fewer entries than slots: the spare slots run an entry's repetitions and bases side by side
+        self.per_entry = max(1, slots // max(1, min(slots, len(testable))))
+        status = "complete"
+        try:
+            with ThreadPoolExecutor(max_workers=min(slots, max(1, len(testable))),
+                                    thread_name_prefix="kvrepro-suite") as pool:
+                for future in [pool.submit(self.one, e) for e in testable]:
+                    future.result()
+            if self.stop.is_set():
+                status = "interrupted"
+        except BaseException:
+            self.stop.set()
             status = "interrupted"
-    except BaseException:
-        stop.set()
-        status = "interrupted"
-        raise
-    finally:
-        # the status first, then the teardown (closing the zygote takes seconds): a second signal
-        # during the teardown must not leave suite.json "running" forever. Signals wait while it
-        # is written (stopping.deferred), so the file is never cut short either.
+            raise
+        finally:
+            self.end(status)
+
+    def end(self, status: str) -> None:
+        """The status first, then the teardown (closing the zygote takes seconds): a second signal
+        during the teardown must not leave suite.json "running" forever. Signals wait while it is
+        written (stopping.deferred), so the file is never cut short either."""
         try:
             with stopping.deferred():
-                save(status=status, finished=time.time())
+                self.save(status=status, finished=time.time())
         finally:
-            for target in shared.values():
+            for target in self.shared.values():
                 target.close()
-    return load_suite(folder, catalogue)
 
 
 def _suite_folder(path: Path, root: Path) -> Path:
