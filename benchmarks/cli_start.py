@@ -38,7 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = (
     ("suite list", ["suite", "list"]),
     ("matrix run --base 9.9.9 (bad input)", ["matrix", "run", "--base", "9.9.9", "--ci"]),
-    ("results list", ["results", "list"]),
+    # both sides list the same folder (this checkout's results/): each checkout's own folder made the
+    # row compare an empty worktree's listing with a full one (2026-12-05: ratio 0.76 from that alone)
+    ("results list", ["results", "list", "--results", "{here_results}"]),
     ("--help", ["--help"]),
     ("matrix run --build A --reps 1", ["matrix", "run", "--build", "A", "--reps", "1", "--json",
                                          "--results", "{results}"]),
@@ -50,7 +52,8 @@ def cpu_seconds(checkout: Path, args: list[str], scratch: Path) -> float:
     runs go to ``scratch``/results and its engines fork from the zygotes in ``scratch``/zygotes."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     env = dict(os.environ, PYTHONPATH=str(checkout), KVREPRO_SHARED_ZYGOTES=str(scratch / "zygotes"))
-    args = [a.replace("{results}", str(scratch / "results")) for a in args]
+    args = [a.replace("{results}", str(scratch / "results")).replace("{here_results}", str(ROOT / "results"))
+            for a in args]
     subprocess.run([sys.executable, "-m", "kvrepro.cli", *args], cwd=checkout, env=env,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
