@@ -190,3 +190,38 @@ def test_runtime_scripts_fork_from_the_workers_zygote_and_run_as_a_fresh_interpr
         assert got[key] == plain[key], (key, got, plain)
     assert got["first"] == {"vllm": False, "probe": False}
     assert got["argv"] == ["a b", "c"] and got["marker"] == "m1" and got["vllm"] == str(pristine_vllm / "vllm")
+
+
+def test_a_zygote_whose_socket_folder_is_removed_stops_with_its_engines(tmp_path, overlays):
+    """A zygote no one can reach any more stops by itself: its owner died (SIGKILL: the janitor
+    removes the owner's scratch folder; a killed test session's temporary folder goes), so no
+    SIGTERM will come. Without the check, the zygote and its build zygotes (torch and vLLM
+    preloaded, ~0.5 GB each) stayed up: 9 of them 75-87 min after their test sessions were killed
+    (measured 2026-12-05). Real parts: a real `kvrepro matrix run` leaves a real shared zygote."""
+    import shutil
+    import time
+
+    zygotes = tmp_path / "zygotes"
+    zygotes.mkdir()
+    matrix_run_a(tmp_path / "r1", zygotes)
+    pid = int(next(zygotes.glob("*.pid")).read_text())
+    group = os.getpgid(pid)
+    try:
+        assert alive(pid), "the shared zygote ended with the command that started it"
+        shutil.rmtree(zygotes)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and alive(pid):
+            time.sleep(0.2)
+        assert not alive(pid), "the zygote outlived its socket's folder"
+        deadline = time.monotonic() + 30  # and what it started: its build zygotes, its engines
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(group, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"process group {group} still has members after its zygote stopped")
+    finally:
+        if alive(pid):
+            os.killpg(group, 9)
