@@ -94,8 +94,7 @@ def measure(root: Path) -> dict:
     package = root / "kvrepro"
     modules = {import_graph.module_name(p, package): p for p in sorted(package.rglob("*.py")) if "data" not in p.parts}
     graph = import_graph.edges(modules, package)
-    later = [e for e in graph if import_graph.rank(e.importer) > 0 and import_graph.rank(e.imported) > import_graph.rank(e.importer)
-             and not (import_graph.stage_of(e.importer) in import_graph.TOP and import_graph.stage_of(e.imported) in import_graph.TOP)]
+    later = import_graph.later_stage(graph)
     cycles = import_graph.circles(sorted(modules), graph)
     # an arrow into another package's submodule, past its face (its __init__)
     past_face = [e for e in graph if e.imported.count(".") >= 2 and import_graph.stage_of(e.imported) != import_graph.stage_of(e.importer)

@@ -102,6 +102,14 @@ def rank(module: str) -> int:
     return -1  # not placed: reported as loose
 
 
+def later_stage(graph: list[Edge]) -> list[Edge]:
+    """The imports of a later stage (orchestrators on top may import each other), and the shared
+    base modules' imports of any stage."""
+    later = [e for e in graph if rank(e.importer) > 0 and rank(e.imported) > rank(e.importer)
+             and not (stage_of(e.importer) in TOP and stage_of(e.imported) in TOP)]
+    return later + [e for e in graph if rank(e.importer) == 0 and rank(e.imported) > 0 and e.importer != "kvrepro"]
+
+
 def circles(names: list[str], graph: list[Edge]) -> list[list[str]]:
     """Strongly connected components with more than one module (Tarjan)."""
     adjacency: dict[str, list[str]] = {n: [] for n in names}
@@ -150,9 +158,7 @@ def main() -> int:
     modules = all_modules()
     graph = edges(modules)
     # package __init__ files that only re-export count as part of their package, not as a circle member
-    later = [e for e in graph if rank(e.importer) > 0 and rank(e.imported) > rank(e.importer)
-             and not (stage_of(e.importer) in TOP and stage_of(e.imported) in TOP)]
-    later += [e for e in graph if rank(e.importer) == 0 and rank(e.imported) > 0 and e.importer != "kvrepro"]
+    later = later_stage(graph)
     loose = sorted(m for m in modules if m.count(".") == 1 and modules[m].name != "__init__.py")
     folders = sorted({m.split(".")[1] for m in modules if m.count(".") >= 2})
     cycles = circles(sorted(modules), graph)
