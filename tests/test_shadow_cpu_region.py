@@ -121,3 +121,17 @@ def test_a_chunk_outside_the_region_reads_as_unwritten_and_ends_nothing(region_f
     shadow.store(1, _gpu([20], [0, 0, 1]), _cpu([8]))  # the region has rows 0-7
     shadow.load(2, _cpu([8]), _gpu([21], [0, 0, 1]))
     assert shadow.gpu[21].slots is None and "no store wrote" in shadow.gpu[21].source
+
+
+def test_the_region_line_is_written_as_stores_happen_not_only_at_exit(region_file):
+    """An engine stopped by a signal may never write its exit report (a CI run's log lacked the
+    line once): the first stamp says the region is wired, later counts lines carry the count."""
+    shadow = _shadow(region_file)
+    shadow.gpu[20] = Content(2, slots=["kv"] * 16, source="KV of request 11")
+    shadow.store(44, _gpu([20], [0, 0, 1]), _cpu([3]))
+    written = shadow._stream.getvalue()
+    assert f"cpu-region path={region_file} stamped=1 loaded_after_promotion=0" in written
+    shadow.store(45, _gpu([20], [0, 0, 1]), _cpu([4]))
+    shadow._last_report_time = 0.0  # the report interval has passed
+    shadow.report()
+    assert f"cpu-region path={region_file} stamped=2 " in shadow._stream.getvalue()

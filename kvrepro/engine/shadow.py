@@ -275,7 +275,7 @@ class ShadowKV:
         self._max_described = max_described()
         self._stream = stream
         self._lock = threading.Lock()
-        self._last_reported: dict[str, object] | None = None
+        self._last_reported: tuple | None = None  # (counts, region) last written
         self._last_report_time = 0.0
         self._seen: set[tuple] = set()  # (request, group, block index) already counted
         # violations by class (module docstring): kind of group, "+offload" when the request had
@@ -317,15 +317,22 @@ class ShadowKV:
         # the counts line's fields by name, in its order (kvrepro/classify/exposure.py reads them by name)
         snapshot = {"checks": self.checks, "violations": self.violations, "by": listed(self.by_kind),
                     "hits": listed(self.hit_reads), "stored": listed(self.stored)}
-        if not force and (snapshot == self._last_reported or time.monotonic() - self._last_report_time < REPORT_INTERVAL_S):
+        region = (self._stamps, self.moved_loads)
+        if not force and ((snapshot, region) == self._last_reported
+                          or time.monotonic() - self._last_report_time < REPORT_INTERVAL_S):
             return
-        self._last_reported, self._last_report_time = snapshot, time.monotonic()
+        self._last_reported, self._last_report_time = (snapshot, region), time.monotonic()
         # pid: the reader keys each process's last line by it (a line vLLM's stream decoration left
         # without its "(EngineCore pid=N)" prefix is still that process's, not a second one)
         self._write("counts " + " ".join(f"{name}={value}" for name, value in snapshot.items()) + f" pid={os.getpid()}")
-        if force and self.region is not None and self._stamps:
-            # what the CPU tier's real memory carried (module docstring): stores stamped into its rows,
-            # and loads of blocks that reached their row through a secondary tier
+        self._report_region()
+
+    def _report_region(self) -> None:
+        """What the CPU tier's real memory carried (module docstring): stores stamped into its rows,
+        and loads of blocks that reached their row through a secondary tier. Written with every
+        counts line and at the first stamp, not only at exit: an engine stopped by a signal may never
+        get to its exit report (a run's log once lacked it: 2026-12-05 CI)."""
+        if self.region is not None and self._stamps:
             self._write(f"cpu-region path={self.region.path} stamped={self._stamps} "
                         f"loaded_after_promotion={self.moved_loads} pid={os.getpid()}")
 
@@ -663,6 +670,8 @@ class ShadowKV:
         self._rows[stamp] = row
         self._stamp_chunk[stamp] = chunk
         self.region.write(chunk, stamp)
+        if self._stamps == 1:  # the region is wired: say so now (_report_region)
+            self._report_region()
 
     def _cpu_get(self, cpu_key: tuple[int, int]) -> "Content | None":
         if not self._in_region():
