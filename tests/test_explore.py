@@ -79,6 +79,26 @@ def test_another_profile_drops_the_base_profiles_own_settings():
     assert data["load"]["profile"] == "partial-prefix"  # the base is not changed
 
 
+def test_a_mutation_that_changes_the_profile_keeps_no_setting_of_the_old_one():
+    """Every mutation of a corpus entry's run (its profile's own settings among its changes) is a valid
+    matrix: a knob of the old profile picked after the profile changed is not set (it was: INVALID
+    runs, `load.schedule` on shared_prefix)."""
+    from kvrepro.explore.generator import _mutate
+    import random
+
+    data = base_data(DEFAULT_MATRIX)
+    request = CampaignRequest(base="0.30.0", budget_runs=1)
+    parent = RunSpec(index=3, changes=(("load.schedule", "random"), ("engine.sim.num_gpu_blocks", 80)),
+                     seed_entry="cross-group-eviction-assert")
+    changed = 0
+    for seed in range(400):
+        spec = _mutate(random.Random(seed), 4, parent, "partial-prefix", {"load.profile=shared_prefix": 50.0}, "all")
+        profile = dict(spec.changes).get("load.profile", "partial-prefix")
+        changed += profile != "partial-prefix"
+        run_matrix_for(spec, data, request, DEFAULT_MATRIX)  # raises on a setting the profile does not have
+    assert changed > 20  # the case was exercised
+
+
 def test_weights_steer_the_choice():
     weights = {"engine.sim.load_steps=4": 40.0}
     guided = Counter(dict(generate(1, i, "partial-prefix", weights).changes).get("engine.sim.load_steps")

@@ -199,6 +199,12 @@ def _mutate(rng: random.Random, index: int, parent: RunSpec, base_profile: str,
     profile = str(changes.get(PROFILE_PATH, base_profile))
     general = general_knobs() if vocabulary == ALL else [k for k in general_knobs() if k.path in LOAD_KNOBS]
     for k in _pick_knobs(rng, general + profile_knobs(profile), rng.randint(1, 2), weights):
+        if k.profile is not None and k.profile != profile:
+            # picked among the parent's profile's settings, and the profile changed before it: it
+            # means nothing to the new one (the run would be INVALID: 4 of 330 runs of
+            # explore-20261205-034215-3680 were, cross-group-eviction-assert's partial-prefix mutated
+            # to shared_prefix with load.schedule kept)
+            continue
         # another value than the parent's (or than the base's, None, for a knob the parent left
         # alone): a mutation that changes nothing would only rerun the parent with other seeds
         current = changes.get(k.path)
