@@ -208,3 +208,51 @@ def test_stream_that_ends_while_the_container_runs_is_resumed(tmp_path, docker_h
         assert node.pump.reopens >= 1 and "ended early; reopened it" in (tmp_path / "docker.log").read_text()
     finally:
         engine.stop()
+
+
+def test_teardown_releases_the_shm_regions_an_ipc_host_engine_claimed(tmp_path, docker_host, cpu_base):
+    """A container sharing the host's IPC namespace (docker.ipc_host, the default) maps its offload
+    region in the host's /dev/shm, where it outlives the container (kvrepro/deploy/docker/shm.py:
+    measured, one per run that was still serving). The container here stands in for the engine: a
+    shell script makes the region and claims it as the engine's executor does (the env var names the
+    claims folder), plus claims that must not remove anything: a name that is a link on the host, a
+    name that is not a region's, and a claim that is itself a link (another engine's region on the
+    host carries its name). Real daemon, real /dev/shm."""
+    import os
+    import uuid
+
+    from kvrepro.deploy.docker import shm
+
+    tag = uuid.uuid4().hex[:12]
+    region, linked = f"vllm_offload_{tag}.mmap", f"vllm_offload_{tag}-link.mmap"
+    others = f"vllm_offload_{tag}-other.mmap"  # a region of an engine that is not this container's
+    with open(f"/dev/shm/{others}", "wb") as fh:
+        fh.write(b"x")
+    keep = tmp_path / "host-file"
+    keep.write_text("not the engine's")
+    os.symlink(keep, f"/dev/shm/{linked}")
+    script = (f'mkdir -p "$KVREPRO_SHM_CLAIMS" && head -c 4096 /dev/zero > /dev/shm/{region} && '
+              f'for n in {region} {linked} passwd; do echo "{{}}" > "$KVREPRO_SHM_CLAIMS/$n"; done; '
+              f'ln -s /etc/hostname "$KVREPRO_SHM_CLAIMS/{others}"; echo ready; sleep 600')
+    container = docker_host.client.containers.create(
+        cpu_base, entrypoint=["sh", "-c", script], environment=shm.engine_env(True), init=True, ipc_mode="host",
+        labels=L.managed("engine"), detach=True)
+    engine = ContainerEngine(tmp_path, "http://127.0.0.1:9", stop_timeout_s=2, log_stall_s=20,
+                             secrets=[], multi_node=False)
+    node = engine.attach(LAUNCH, docker_host, container)
+    try:
+        start(engine, node)
+        assert wait_for(lambda: "ready" in log_lines(engine))
+        assert os.path.isfile(f"/dev/shm/{region}")  # the host's /dev/shm: it would outlive the container
+        assert shm.claimed_regions(container) == sorted([region, linked])  # "passwd" is no region's name
+    finally:
+        engine.stop()
+        try:
+            assert not os.path.exists(f"/dev/shm/{region}")
+            assert os.path.islink(f"/dev/shm/{linked}") and keep.read_text() == "not the engine's"
+            assert os.path.isfile(f"/dev/shm/{others}")
+        finally:
+            for name in (region, linked, others):
+                if os.path.lexists(f"/dev/shm/{name}"):
+                    os.unlink(f"/dev/shm/{name}")
+    assert f"released /dev/shm region(s) {region} of {container.name} on local" in (tmp_path / "docker.log").read_text()

@@ -33,9 +33,10 @@ A claim is untrusted data (the temp folder may be anyone's): only a name matchin
 directly in ``/dev/shm``, that is a regular file (never a link, never a folder) is unlinked.
 
 The docker target: with ``ipc_host: true`` (its default, as vLLM's docs run it) the container shares
-the host's /dev/shm, so a region it leaves stays on the host; its engines have no claims folder
-(another filesystem). See docs or the report; with ``ipc_host: false`` the container's own
-/dev/shm (``--shm-size``) goes with the container.
+the host's /dev/shm, so a region it leaves stays on the host. Its engine claims into a folder inside
+the container, and whoever removes the container reads the claims and unlinks the regions on its
+host (kvrepro/deploy/docker/shm.py). With ``ipc_host: false`` the container's own /dev/shm
+(``--shm-size``) goes with the container.
 """
 
 from __future__ import annotations

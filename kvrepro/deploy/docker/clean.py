@@ -17,9 +17,9 @@ import requests
 
 from ... import lifetime
 from ...spec.matrix import Matrix
-from . import labels as L
+from . import labels as L, shm
 from .errors import DockerInfraError
-from .hosts import all_hosts, connect, remove_quietly
+from .hosts import all_hosts, connect
 
 IMAGE_KINDS = ("assembled",)
 BASE_KINDS = ("base-cpu", "base-vllm", "base-deps", "base-os")
@@ -46,9 +46,22 @@ def reap_orphans(host) -> list[str]:
         return removed
     for container in found:
         if owner_gone(container.labels):
-            remove_quietly(container)
+            remove_releasing(host, container)
             removed.append(container.name)
     return removed
+
+
+def remove_releasing(host, container) -> list[str]:
+    """Remove an engine container and then the /dev/shm regions its engines claimed on ``host``
+    (kvrepro/deploy/docker/shm.py); the names released. Never raises."""
+    regions, image = shm.claimed_regions(container), shm.image_of(container)
+    try:
+        container.remove(force=True)
+    except docker.errors.NotFound:
+        pass
+    except (docker.errors.DockerException, requests.RequestException, OSError):
+        return []  # still there, its engine may still map them: the next clean
+    return shm.release(host, regions, image)[0]
 
 
 def clean(matrix: Matrix | None = None, images: bool = False, base_images: bool = False,
@@ -73,10 +86,9 @@ def clean(matrix: Matrix | None = None, images: bool = False, base_images: bool 
                     report["kept"].append(entry)  # a live run's: not ours to remove
                     continue
                 if not dry_run:
-                    try:
-                        container.remove(force=True)
-                    except docker.errors.NotFound:
-                        pass
+                    released = remove_releasing(host, container)
+                    if released:
+                        entry["shm_regions"] = released
                 report["containers"].append(entry)
             kinds = (IMAGE_KINDS if images or base_images else ()) + (BASE_KINDS if base_images else ())
             if kinds:

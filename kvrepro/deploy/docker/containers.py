@@ -25,6 +25,7 @@ from ...secrets import redact
 from .errors import EngineNeverHealthyError, EngineStartCancelled
 from .hosts import DockerHost
 from .launch import NodeLaunch
+from . import shm
 
 _TS = re.compile(rb"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?Z ")
 _API_ERRORS = (docker.errors.DockerException, requests.RequestException, OSError)
@@ -420,6 +421,7 @@ class ContainerEngine:
                 node.pump.drain()
             else:
                 node.pump.catch_up()
+        regions, image = shm.claimed_regions(node.container), shm.image_of(node.container)
         try:
             node.container.remove(force=True)
             self.note(f"removed {name} (exit code {code})")
@@ -427,3 +429,9 @@ class ContainerEngine:
             pass
         except _API_ERRORS as exc:
             self.note(f"could not remove {name}: {exc}; `kvrepro clean` removes it later")
+            return  # its engine may still map them: `kvrepro clean` releases them with it
+        released, why = shm.release(node.host, regions, image)
+        if released:
+            self.note(f"released /dev/shm region(s) {', '.join(released)} of {name} on {node.host.name}")
+        if why:
+            self.note(f"left /dev/shm region(s) {', '.join(regions)} of {name} on {node.host.name}: {why}")

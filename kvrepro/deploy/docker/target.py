@@ -28,7 +28,7 @@ from ...spec.matrix import LoadedMatrix
 from .settings import DockerSettings, HostSpec, docker_settings
 from .. import register
 from ..base import EngineHandle, Target
-from . import labels as L
+from . import labels as L, shm
 from .assemble import assemble, safe_tag_part
 from .clean import reap_orphans
 from .reaper import Reaper
@@ -282,6 +282,7 @@ class DockerTarget(Target):
         remember(secrets)  # masked in every file kvrepro writes, whatever the variable's name or length
         if gpu_free:
             env.update(self.loaded.matrix.engine.sim.engine_env(rep))
+            env.update(shm.engine_env(spec.ipc_host))  # its /dev/shm region goes with it (shm.py)
         env.update(self.engine_env)
         return env, secrets
 
