@@ -37,7 +37,7 @@ def test_partial_prefix_is_the_default():
     assert LoadSpec().profile == "partial-prefix"
 
 
-@pytest.mark.parametrize("profile", ["partial-prefix", "multi-turn", "shared_prefix"])
+@pytest.mark.parametrize("profile", ["partial-prefix", "multi-turn", "shared_prefix", "sibling-burst"])
 def test_prompts_are_a_function_of_seed_and_index(profile):
     a = prompts(profile, 60, seed=3)
     b = get_profile(profile)(LoadSpec(profile=profile), 3, CAPACITY)
@@ -160,6 +160,21 @@ def test_multi_turn_conversations_grow_turn_by_turn():
             grown += 1
     assert grown > 100
     assert max(len(p.tokens) for p in ps) <= 900
+
+
+def test_sibling_burst_sends_identical_siblings_together_after_their_parent():
+    """Per family: a busy request, the parent, then the siblings as one burst (the runner sends a
+    prompt carrying ``burst: n`` and the next n-1 at once); families share no tokens."""
+    ps = prompts("sibling-burst", 10, siblings=3, parent_tokens=170, sibling_tokens=240)
+    busy, parent, first, *rest = ps[:5]
+    assert [p.fields["role"] for p in ps[:6]] == ["busy", "parent", "sibling", "sibling", "sibling", "busy"]
+    assert busy.max_tokens == 64 and len(busy.tokens) == 32
+    assert len(parent.tokens) == 170 and first.tokens[:170] == parent.tokens and len(first.tokens) == 240
+    assert first.events.burst == 3 and all(p.tokens == first.tokens and not p.events.burst for p in rest)
+    assert busy.events is None and parent.events is None  # load.events still apply to them
+    assert ps[6].fields == {"family": 1, "role": "parent"} and ps[6].tokens[:16] != parent.tokens[:16]
+    with pytest.raises(ValueError, match="sibling_tokens must exceed parent_tokens"):
+        prompts("sibling-burst", 1, parent_tokens=240, sibling_tokens=240)
 
 
 @pytest.mark.parametrize("load_yaml,line,message", [

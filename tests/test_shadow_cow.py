@@ -98,6 +98,46 @@ def test_the_copies_of_a_step_read_every_source_before_writing():
     assert "copied from GPU block 2" in kv.gpu[1].source
 
 
+@pytest.mark.parametrize("order", ["filling copy first", "filling copy last"])
+def test_a_copy_whose_source_another_copy_of_the_step_fills_copies_the_old_block(order):
+    """vLLM 0.34.0 explore finding (2026-12-04, step 112 of its run): two requests of one step hit the
+    same 6-token prefix (a partial hit in block index 1). r1 gets its private block 5 (copy 2 -> 5) and
+    caches it as a full block at once; r2's lookup finds block 5 and gets a private block 6 of it
+    (copy 5 -> 6). One batched index copy reads every source first, so block 6 receives what block 5
+    held before the step (on a GPU the zeroed new block; here another request's KV), and r2 reads
+    it. The shadow names that read ``chained-copy``: before 2026-12-05 it read as a plain ``stale``
+    hit, which kvrepro's matcher took for #46453 (fixed in 0.27.0)."""
+    kv, out = _shadow(FullAttentionSpec)
+    _step(kv, new=[("p", PROMPT, ([1, 2, 3],), 0), ("old", [7] * 8, ([4, 5],), 0)])
+    kv.forward("p", 0, 10, [])
+    kv.forward("old", 0, 8, [])  # block 5: positions 4-7 of another prompt
+    copies = [(2, 5), (5, 6)] if order == "filling copy first" else [(5, 6), (2, 5)]
+    tail = PROMPT[:6] + [55, 56]
+    _step(kv, new=[("r1", tail, ([1, 5],), 6), ("r2", tail, ([1, 6],), 6)], copies=copies)
+    kv.forward("r1", 6, 2, [])
+    kv.forward("r2", 6, 2, [])
+    assert kv.by_kind == {"full_attention/chained-copy/hit": 1}, out.getvalue()
+    assert kv.records[0]["request"] == "r2"
+    assert "read GPU block 5 before the same step's copy 2->5 filled it" in kv.records[0]["text"]
+    # the stale positions stay the chain's when r2's own tokens fill the rest of block 6 and a
+    # later request hits it
+    _step(kv, new=[("r3", tail, ([1, 6],), 7)])
+    kv.forward("r3", 7, 1, [])
+    assert kv.by_kind == {"full_attention/chained-copy/hit": 2}, out.getvalue()
+
+
+def test_copies_that_do_not_chain_are_not_marked():
+    """Two partial hits on the same source block in one step (2 -> 5, 2 -> 6) are two good copies."""
+    kv, out = _shadow(FullAttentionSpec)
+    _step(kv, new=[("p", PROMPT, ([1, 2, 3],), 0)])
+    kv.forward("p", 0, 10, [])
+    tail = PROMPT[:6] + [55, 56]
+    _step(kv, new=[("r1", tail, ([1, 5],), 6), ("r2", tail, ([1, 6],), 6)], copies=[(2, 5), (2, 6)])
+    kv.forward("r1", 6, 2, [])
+    kv.forward("r2", 6, 2, [])
+    assert kv.violations == 0 and not kv.gpu[6].chained, out.getvalue()
+
+
 # --------------------------------------------------------------------------- with vLLM
 
 

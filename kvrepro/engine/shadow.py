@@ -21,8 +21,10 @@ A violation's *class* is ``<group kind>[+offload]/<read>/<region>``: the kind of
 whether the request had an offload hit, what the read found (``no-block``, ``missing``: never
 written, ``stale``: other tokens' KV, ``misplaced``: this request's KV from other positions,
 ``foreign``: another group's data, ``null-block``: a Mamba state read from the null block,
-``wrong-state``: a Mamba state after another prefix) and where (``hit``: the request got the
-block with its prefix hit, ``computed``: it computed there itself, ``inherited``: a local hit on
+``wrong-state``: a Mamba state after another prefix, ``chained-copy``: any of these, brought by a
+copy-on-write copy that read its source block before another copy of the same step filled it) and
+where (``hit``: the request got the block with its prefix hit, ``computed``: it computed there
+itself, ``inherited``: a local hit on
 a block that an earlier request had already been caught reading wrong below its own hit, i.e. a
 hole that the prefix cache then served again; there ``+offload`` says whether the request that
 left the hole had an offload hit, since that tells which defect made it). kvrepro's corruption signatures
@@ -83,7 +85,15 @@ Mamba ``align`` helpers (``v1/worker/mamba_utils.preprocess_mamba`` and the alig
   of the cached block, and a Mamba state cached at a unit boundary inside a block moves its cache
   entry to a fresh block that only this copy fills (``allocate_new_blocks``, 0.30.0
   single_type_kv_cache_manager.py:1890-1927); without the copy both read as another group's or
-  another prefix's data.
+  another prefix's data. The copies of one step are one batched index copy
+  (``blocks[dst] = blocks[src]``, 0.34.0 v1/worker/utils.py:985): every source is read before any
+  destination is written, so a copy whose source is the destination of another copy of the same
+  step copies what the source held *before* that step (vLLM zeroes new blocks first,
+  v1/worker/gpu/model_runner.py 0.34.0:1363-1375, so on a GPU it copies zeros; here: whatever the
+  block last held). Such a copy is marked, and a wrong read of it is classed ``chained-copy``.
+  vLLM 0.34.0 queues such chains when two requests of one step take a partial hit on one block:
+  the second hits the first one's copy-on-write block, which the first cached as a full block in
+  the same step (docs/defect-family.md, ``cow-chained-copy``).
 
 Knobs (environment of the engine): ``KVREPRO_SIM_SHADOW_KV=0`` turns it off,
 ``KVREPRO_SIM_SHADOW_DESCRIBE=N`` describes the first N violations (default 5; the rest are
@@ -167,10 +177,13 @@ class Content:
     first_position: int = 0  # position of slot 0 in the writer's sequence
     state_lengths: tuple = ()  # prefix lengths of ``states`` (for the description)
     source: str = ""
+    # a copy-on-write copy read this block's contents from a source that another copy of the same
+    # step filled only afterwards (module docstring): in words, for the violation; "" otherwise
+    chained: str = ""
 
     def copy(self, source: str) -> "Content":
         return Content(self.group, list(self.slots) if self.slots is not None else None, self.states,
-                       self.writer, self.first_position, self.state_lengths, source)
+                       self.writer, self.first_position, self.state_lengths, source, self.chained)
 
 
 @dataclass
@@ -282,9 +295,10 @@ class ShadowKV:
         # loaded blocks (an offload hit), what the read found, where
         self.by_kind: dict[str, int] = {}
         # GPU blocks (group, block id) some request was caught reading wrong below its prefix hit,
-        # and whether that request had an offload hit: a later local hit on one of them inherits
-        # the hole (class region "inherited", "+offload" as the hole's maker had it)
-        self._holes: dict[tuple[int, int], bool] = {}
+        # whether that request had an offload hit and what its read found: a later local hit on one
+        # of them inherits the hole (class region "inherited"; "+offload", and a chained copy's read
+        # class, as the hole's maker had them)
+        self._holes: dict[tuple[int, int], tuple[bool, str]] = {}
         # which request a load job is for (the connector worker knows; None: unknown), and the
         # requests that had blocks loaded for them (an offload hit)
         self.load_owner = lambda job_id: None
@@ -351,12 +365,15 @@ class ShadowKV:
         loaded = req_id in self.loaded_for
         region, offload = "computed", loaded
         if in_hit and block and (group_index, block) in self._holes:
-            # a hole served again: the class says how the hole was made (its maker's offload hit)
-            region, offload = "inherited", self._holes[(group_index, block)]
+            # a hole served again: the class says how the hole was made (its maker's offload hit;
+            # a chained copy's hole stays one, since that names the defect)
+            region, (offload, made_by) = "inherited", self._holes[(group_index, block)]
+            if made_by == "chained-copy":
+                read = made_by
         elif in_hit:
             region = "hit"
             if block:
-                self._holes[(group_index, block)] = loaded
+                self._holes[(group_index, block)] = (loaded, read)
         cls = f"{self.groups[group_index].kind}{'+offload' if offload else ''}/{read}/{region}"
         self.by_kind[cls] = self.by_kind.get(cls, 0) + 1
         text += f" (request {'had' if loaded else 'had no'} offload hit)"
@@ -433,6 +450,9 @@ class ShadowKV:
         with self._lock:
             self.copied += len(pairs)
             sources = [self.gpu.get(src) for src, _ in pairs]
+            # the batched copy reads every source before it writes any destination: a source that
+            # another pair of this step fills is copied as it was before the step (module docstring)
+            filled_by = {dst: src for src, dst in pairs}
             # a known hole (positions of the source left unfilled) travels with the bytes
             holes = [{g.index: self._holes[(g.index, src)] for g in self.groups if (g.index, src) in self._holes}
                      for src, _ in pairs]
@@ -441,11 +461,18 @@ class ShadowKV:
                     self._holes.pop((group.index, dst), None)
                 for group_index, value in hole.items():
                     self._holes[(group_index, dst)] = value
+                chained = ""
+                if filled_by.get(src, src) != src:
+                    chained = (f"copy-on-write {src}->{dst} at step {self.step} read GPU block {src} before "
+                               f"the same step's copy {filled_by[src]}->{src} filled it")
                 if content is None:
                     self.gpu.pop(dst, None)
+                    if chained:  # nothing to copy, but a read of it is the chain's
+                        self.gpu[dst] = Content(-1, source="never written", chained=chained)
                 else:
                     self.gpu[dst] = content.copy(f"{content.source}, copied from GPU block {src} "
                                                  f"at step {self.step} (copy-on-write)")
+                    self.gpu[dst].chained = chained
         if os.environ.get("KVREPRO_SIM_SHADOW_DEBUG"):
             self._write(f"copies step={self.step} pairs={','.join(f'{s}->{d}' for s, d in pairs)}")
 
@@ -522,7 +549,9 @@ class ShadowKV:
                         old = content.slots if content is not None and content.slots is not None else None
                         content = Content(group.index, slots=list(old) if old is not None else [None] * bs,
                                           writer=req_id, first_position=j * bs,
-                                          source=f"computed by request {req_id} at step {self.step}")
+                                          source=f"computed by request {req_id} at step {self.step}",
+                                          # the slots it keeps came from a chained copy, if that filled it
+                                          chained=content.chained if content is not None else "")
                         self.gpu[ids[j]] = content
                         self._holes.pop((group.index, ids[j]), None)
                     content.slots[p - j * bs] = hashes[p - computed]
@@ -576,7 +605,15 @@ class ShadowKV:
     def _held(self, content: Content | None, group: Group, lo: int, hi: int, want: list, block_start: int,
               req: _Request) -> tuple[str, str]:
         """What the block holds instead: its read class (missing: never written, foreign: another
-        group's data, misplaced: KV of other positions, stale: other tokens' KV) and the words."""
+        group's data, misplaced: KV of other positions, stale: other tokens' KV; chained-copy: any of
+        these, copied by a copy-on-write that ran before its source was filled) and the words."""
+        read, words = self._held_as_such(content, group, lo, hi, want, block_start, req)
+        if content is not None and content.chained:
+            return "chained-copy", f"{words} ({content.chained})"
+        return read, words
+
+    def _held_as_such(self, content: Content | None, group: Group, lo: int, hi: int, want: list,
+                      block_start: int, req: _Request) -> tuple[str, str]:
         if content is None or (content.slots is None and content.states is None):
             return "missing", "stale KV: the block was never written (neither computed nor loaded)"
         if content.group != group.index or content.slots is None:
@@ -618,6 +655,8 @@ class ShadowKV:
             else:
                 lengths = "/".join(str(n) for n in content.state_lengths)
                 read, held = "wrong-state", f"holds the state after {lengths} tokens of request {content.writer}"
+            if content is not None and content.chained:
+                read, held = "chained-copy", f"{held} ({content.chained})"
             self._violation((req_id, group.index, prev), f"{where} (GPU block {ids[prev]}): the state after exactly {computed} tokens of this "
                             f"request expected; {held}; {self._origin(req_id, req, content, computed - 1)}",
                             read, computed <= req.hit, ids[prev])
