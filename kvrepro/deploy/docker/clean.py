@@ -46,22 +46,9 @@ def reap_orphans(host) -> list[str]:
         return removed
     for container in found:
         if owner_gone(container.labels):
-            remove_releasing(host, container)
+            shm.remove_and_release(host, container)
             removed.append(container.name)
     return removed
-
-
-def remove_releasing(host, container) -> list[str]:
-    """Remove an engine container and then the /dev/shm regions its engines claimed on ``host``
-    (kvrepro/deploy/docker/shm.py); the names released. Never raises."""
-    regions, image = shm.claimed_regions(container), shm.image_of(container)
-    try:
-        container.remove(force=True)
-    except docker.errors.NotFound:
-        pass
-    except (docker.errors.DockerException, requests.RequestException, OSError):
-        return []  # still there, its engine may still map them: the next clean
-    return shm.release(host, regions, image)[0]
 
 
 def clean(matrix: Matrix | None = None, images: bool = False, base_images: bool = False,
@@ -86,7 +73,7 @@ def clean(matrix: Matrix | None = None, images: bool = False, base_images: bool 
                     report["kept"].append(entry)  # a live run's: not ours to remove
                     continue
                 if not dry_run:
-                    released = remove_releasing(host, container)
+                    released = shm.remove_and_release(host, container).released
                     if released:
                         entry["shm_regions"] = released
                 report["containers"].append(entry)

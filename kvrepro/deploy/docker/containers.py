@@ -421,17 +421,13 @@ class ContainerEngine:
                 node.pump.drain()
             else:
                 node.pump.catch_up()
-        regions, image = shm.claimed_regions(node.container), shm.image_of(node.container)
-        try:
-            node.container.remove(force=True)
+        done = shm.remove_and_release(node.host, node.container)
+        if done.error:  # its regions stay claimed: `kvrepro clean` releases them with it
+            self.note(f"could not remove {name}: {done.error}; `kvrepro clean` removes it later")
+            return
+        if not done.already_gone:
             self.note(f"removed {name} (exit code {code})")
-        except docker.errors.NotFound:
-            pass
-        except _API_ERRORS as exc:
-            self.note(f"could not remove {name}: {exc}; `kvrepro clean` removes it later")
-            return  # its engine may still map them: `kvrepro clean` releases them with it
-        released, why = shm.release(node.host, regions, image)
-        if released:
-            self.note(f"released /dev/shm region(s) {', '.join(released)} of {name} on {node.host.name}")
-        if why:
-            self.note(f"left /dev/shm region(s) {', '.join(regions)} of {name} on {node.host.name}: {why}")
+        if done.released:
+            self.note(f"released /dev/shm region(s) {', '.join(done.released)} of {name} on {node.host.name}")
+        if done.why:
+            self.note(f"left /dev/shm region(s) {', '.join(done.claimed)} of {name} on {node.host.name}: {done.why}")

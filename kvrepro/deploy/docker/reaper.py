@@ -60,7 +60,7 @@ def _source_root() -> str:
 def _reap(session: str, hosts: list[dict]) -> None:
     from .settings import HostSpec
     from . import labels as L
-    from .clean import remove_releasing
+    from . import shm
     from .hosts import connect
 
     for raw in hosts:
@@ -71,7 +71,7 @@ def _reap(session: str, hosts: list[dict]) -> None:
         try:
             for container in host.client.containers.list(
                     all=True, filters={"label": f"{L.LABEL_SESSION}={session}"}, ignore_removed=True):
-                remove_releasing(host, container)  # and the /dev/shm regions its engines claimed
+                shm.remove_and_release(host, container)  # and the /dev/shm regions its engines claimed
         except Exception:  # noqa: BLE001
             pass
         finally:

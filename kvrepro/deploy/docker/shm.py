@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import io
 import tarfile
+from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
 import docker.errors
@@ -88,6 +89,35 @@ def release(host, names: list[str], image: str | None) -> tuple[list[str], str |
     return names, None
 
 
+@dataclass
+class Removal:
+    """What :func:`remove_and_release` did: ``error`` when the container could not be removed (then
+    nothing was released: its engine may still map them), the region names ``released``, ``why`` some
+    claimed ones were left."""
+
+    claimed: list[str] = field(default_factory=list)
+    error: str | None = None
+    already_gone: bool = False  # the daemon had no such container any more
+    released: list[str] = field(default_factory=list)
+    why: str | None = None
+
+
+def remove_and_release(host, container) -> Removal:
+    """Remove an engine container, then the /dev/shm regions its engines claimed on ``host`` (the one
+    way every remover of engine containers goes: teardown, clean, the reapers). Never raises."""
+    done = Removal(claimed=claimed_regions(container))
+    image = image_of(container)
+    try:
+        container.remove(force=True)
+    except docker.errors.NotFound:
+        done.already_gone = True
+    except _ERRORS as exc:
+        done.error = str(exc)
+        return done
+    done.released, done.why = release(host, done.claimed, image)
+    return done
+
+
 def image_of(container) -> str | None:
     try:
         return container.attrs.get("Image") or None
@@ -95,4 +125,5 @@ def image_of(container) -> str | None:
         return None
 
 
-__all__ = ["CLAIMS", "MAX_TAR_BYTES", "claimed_regions", "engine_env", "image_of", "release"]
+__all__ = ["CLAIMS", "MAX_TAR_BYTES", "Removal", "claimed_regions", "engine_env", "image_of", "release",
+           "remove_and_release"]
